@@ -1,0 +1,14 @@
+"""GPU kernels (Pallas) behind plain functions, each with a jnp reference that runs everywhere."""
+
+from tidejax.pallas.bank import bank_dims, bank_format
+from tidejax.pallas.demand import count_demand, count_demand_reference
+from tidejax.pallas.moe import moe_grouped, moe_grouped_reference
+
+__all__ = [
+    "bank_dims",
+    "bank_format",
+    "count_demand",
+    "count_demand_reference",
+    "moe_grouped",
+    "moe_grouped_reference",
+]

@@ -1,0 +1,83 @@
+"""Grouped MoE over the expert bank: y[t] = sum_j w[t,j] * down_s(silu(g) * u), s = slot_ids[t,j].
+
+`moe_grouped` dispatches between the Pallas GPU kernel and `moe_grouped_reference` (jnp, exact in
+float32, runs everywhere).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tidejax.pallas.bank import bank_dims, dequantized
+from tidejax.pallas.dispatch import choose_impl
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def swiglu(gate_up, swiglu_limit: float):
+    """[..., 2I] -> [..., I]: silu(g) * u, with g <= L and |u| <= L when swiglu_limit L > 0."""
+    g, u = jnp.split(gate_up, 2, axis=-1)
+    if swiglu_limit > 0:
+        g = jnp.minimum(g, swiglu_limit)
+        u = jnp.clip(u, -swiglu_limit, swiglu_limit)
+    return jax.nn.silu(g) * u
+
+
+def _check_args(x, bank, slot_ids, weights):
+    n, d, _ = bank_dims(bank)
+    t = x.shape[0]
+    if x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"moe_grouped: x has shape {x.shape}, expected [T, {d}]")
+    if slot_ids.ndim != 2 or slot_ids.shape[0] != t or weights.shape != slot_ids.shape:
+        raise ValueError(
+            f"moe_grouped: slot_ids {slot_ids.shape} and weights {weights.shape} must both be [{t}, k]"
+        )
+    return n
+
+
+def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0):
+    """x [T, D], slot_ids [T, k] int32 (-1 = skip), weights [T, k] -> y [T, D] of x.dtype.
+
+    Float32 throughout (HIGHEST precision dots). Small T*k gathers the picked slots' weights;
+    otherwise it scans over the slots, so memory stays at one slot's weights (dequantized) plus
+    [T, 2I] activations.
+    """
+    n = _check_args(x, bank, slot_ids, weights)
+    xf = x.astype(jnp.float32)
+    picked = slot_ids >= 0
+    w = jnp.where(picked, weights.astype(jnp.float32), 0.0)  # [T, k]
+    if slot_ids.size <= n:
+        rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
+        rows = dequantized(rows)
+        h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
+        out = jnp.einsum("tki,tkdi->tkd", swiglu(h, swiglu_limit), rows["down"], precision=HIGHEST)
+        y = jnp.einsum("tk,tkd->td", w, out, precision=HIGHEST)
+        return y.astype(x.dtype)
+
+    def one_slot(acc, slot_and_row):
+        slot, row = slot_and_row
+        row = dequantized(row)
+        hits = slot_ids == slot  # [T, k]
+        coef = jnp.sum(jnp.where(hits, w, 0.0), axis=1)  # [T]
+        h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
+        out = jnp.dot(swiglu(h, swiglu_limit), row["down"].T, precision=HIGHEST)  # [T, D]
+        return acc + jnp.where(jnp.any(hits, axis=1)[:, None], coef[:, None] * out, 0.0), None
+
+    acc = jnp.zeros(xf.shape, jnp.float32)
+    acc, _ = jax.lax.scan(one_slot, acc, (jnp.arange(n, dtype=slot_ids.dtype), bank))
+    return acc.astype(x.dtype)
+
+
+def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str = "auto"):
+    """Routed experts of one MoE layer over the bank (see `moe_grouped_reference` for shapes).
+
+    impl: "auto" (Pallas on a GPU, the reference elsewhere) | "pallas" | "reference".
+    """
+    impl = choose_impl("moe_grouped", impl)
+    with jax.named_scope(f"moe_grouped_{impl}"):
+        if impl == "reference":
+            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit)
+        from tidejax.pallas.moe_kernel import moe_grouped_pallas
+
+        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit)
