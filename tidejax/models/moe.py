@@ -1,0 +1,87 @@
+"""DeepSeekMoE: the router and the MoE layer.
+
+The router decides what each token *wants*; the routed experts are served by the residency layer
+(`tidejax.residency.serve.serve_routed`), which owns the bank, the rowmap, the demand counters and
+the miss policy. This module never sees expert weights, so swapping the bank or the kernel never
+touches the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tidejax.models.layers import HIGHEST, SwiGLU, dense_init
+from tidejax.residency.serve import ServeOptions, serve_routed
+from tidejax.residency.state import ExpertState
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    n_experts: int
+    top_k: int
+    scoring: str = "sigmoid"  # "sigmoid" | "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"  # "top2_sum" (noaux_tc) | "max" (group_limited_greedy)
+    use_bias: bool = True  # e_score_correction_bias, for selection only
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+
+def route(x, weight, bias, spec: RouterSpec):
+    """x [T, d] -> wanted picks: ids [T, k] int32, weights [T, k] float32, choice [T, e] float32.
+
+    Scores come from float32 logits; the correction bias shifts only the choice, never the
+    weights; group-limited selection keeps the topk_group best groups of experts.
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), weight.astype(jnp.float32),
+                        precision=HIGHEST)  # [T, e]
+    scores = jax.nn.sigmoid(logits) if spec.scoring == "sigmoid" else jax.nn.softmax(logits, -1)
+    choice = scores + bias if bias is not None else scores
+    if spec.n_group > 1 and spec.topk_group < spec.n_group:
+        grouped = choice.reshape(choice.shape[0], spec.n_group, -1)  # [T, groups, e/groups]
+        if spec.group_score == "top2_sum":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, keep = jax.lax.top_k(group_scores, spec.topk_group)  # [T, topk_group]
+        group_mask = jnp.zeros(group_scores.shape, bool).at[
+            jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
+        expert_mask = jnp.repeat(group_mask, spec.n_experts // spec.n_group, axis=1)
+        choice = jnp.where(expert_mask, choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, spec.top_k)  # [T, k]
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * spec.routed_scaling_factor
+    return ids.astype(jnp.int32), weights, choice
+
+
+class MoE(nn.Module):
+    """Router + routed experts (through residency) + shared experts."""
+
+    router: RouterSpec
+    moe_index: int  # this layer's row in the rowmap / counters
+    shared_intermediate: int  # 0 = no shared experts
+    serve: ServeOptions
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, token_mask, experts: ExpertState):
+        """x [b, t, d], token_mask [b, t] -> (y [b, t, d], experts)."""
+        b, t, d = x.shape
+        gate_w = self.param("gate_weight", dense_init(), (self.router.n_experts, d), jnp.float32)
+        bias = (self.param("gate_bias", nn.initializers.zeros, (self.router.n_experts,), jnp.float32)
+                if self.router.use_bias else None)
+        flat = x.reshape(b * t, d)
+        ids, weights, choice = route(flat, gate_w, bias, self.router)
+        y, experts = serve_routed(self.moe_index, flat, ids, weights, choice,
+                                  token_mask.reshape(b * t), experts, self.serve)
+        y = y.reshape(b, t, d).astype(x.dtype)
+        if self.shared_intermediate:
+            y = y + SwiGLU(self.shared_intermediate, self.dtype, name="shared")(x)
+        return y, experts
