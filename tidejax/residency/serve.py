@@ -1,0 +1,105 @@
+"""Routed experts of one MoE layer through the residency bank: count demand, map wanted experts to
+slots, serve the misses by the chosen policy, run the grouped kernel.
+
+Miss policies (DESIGN.md "Miss policies"):
+- "exact": the missing experts' rows are fetched from the host pool into the bank's transient
+  slots inside the step; the output equals all-resident.
+- "substitute": a missing pick goes to the token's best-scoring resident expert it has not picked
+  yet (with the wanted pick's routing weight); no host read.
+- "ring": inside the step as "substitute"; after the step the residency manager copies the
+  heaviest misses into ring slots, routable from the next step.
+Demand counters always record the *wanted* picks, resident or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tidejax.pallas import count_demand, moe_grouped
+from tidejax.residency.state import ExpertState, fetch_row, write_row
+
+MISS_POLICIES = ("exact", "substitute", "ring")
+KERNELS = ("auto", "pallas", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """Static (hashable) choices for serve_routed; part of the jitted step's cache key."""
+
+    miss_policy: str = "exact"
+    kernel: str = "auto"
+    swiglu_limit: float = 0.0
+    count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
+    all_resident: bool = False  # every expert has a slot: skip the miss machinery
+
+    def __post_init__(self):
+        if self.miss_policy not in MISS_POLICIES:
+            raise ValueError(f"miss_policy={self.miss_policy!r}, expected one of {MISS_POLICIES}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}, expected one of {KERNELS}")
+
+
+def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, state: ExpertState,
+                 options: ServeOptions):
+    """x [T, D]; ids / weights [T, k] the router's wanted picks; choice_scores [T, E] (higher =
+    preferred); token_mask [T] bool (False = padding, computes nothing) -> (y [T, D], state)."""
+    if options.count:
+        counts, weight_sums = count_demand(state.counts, state.weight_sums, moe_index, ids, weights,
+                                           token_mask, impl=options.kernel)
+        state = state.replace(counts=counts, weight_sums=weight_sums)
+    layer_map = state.rowmap[moe_index]  # [E]
+    slots = layer_map[ids]  # [T, k]
+    live = token_mask[:, None]  # [T, 1]
+    if not options.all_resident:
+        miss = live & (slots < 0)  # [T, k]
+        if options.count or options.miss_policy == "ring":
+            state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
+        if options.miss_policy == "exact":
+            slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
+        else:
+            slots = _substitute(ids, miss, slots, choice_scores, layer_map)
+    slots = jnp.where(live, slots, -1)
+    y = moe_grouped(x, state.bank, slots, weights, swiglu_limit=options.swiglu_limit,
+                    impl=options.kernel)
+    return y, state
+
+
+def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):
+    """Copies each distinct missing expert's pool row into a transient slot; returns the slots."""
+    t, k = ids.shape
+    n_experts = state.n_experts
+    most = min(t * k, n_experts)  # distinct misses possible in this layer
+    if state.transient < most:
+        raise ValueError(f"miss policy 'exact' with {t} tokens x top-{k} needs {most} transient "
+                         f"slots in the bank; the state has {state.transient}")
+    if state.pool is None:
+        raise ValueError("miss policy 'exact' needs the host pool (this state has none)")
+    need = jnp.zeros(n_experts, bool).at[ids].max(miss)  # [E]
+    rank = jnp.cumsum(need) - 1  # [E]: transient index of each missing expert
+    order = jnp.nonzero(need, size=most, fill_value=0)[0]  # [most]: the missing experts, in order
+    base = state.transient_base
+
+    def fetch(i, bank):
+        return write_row(bank, base + i, fetch_row(state.pool, moe_index * n_experts + order[i]))
+
+    bank = jax.lax.fori_loop(0, need.sum(), fetch, state.bank)
+    slots = jnp.where(miss, base + rank[ids], slots).astype(jnp.int32)
+    return slots, state.replace(bank=bank)
+
+
+def _substitute(ids, miss, slots, choice_scores, layer_map):
+    """The i-th missing pick of a token takes the token's i-th best resident expert among those it
+    did not pick; -1 (skip) when the layer has no such expert."""
+    t, k = ids.shape
+    picked = jnp.zeros(choice_scores.shape, bool).at[jnp.arange(t)[:, None], ids].set(~miss)
+    allowed = (layer_map >= 0)[None, :] & ~picked  # [T, E]
+    finite = jnp.where(jnp.isfinite(choice_scores), choice_scores, -1e30)
+    score = jnp.where(allowed, finite.astype(jnp.float32), -jnp.inf)
+    best_score, best = jax.lax.top_k(score, k)  # [T, k]
+    nth = jnp.maximum(jnp.cumsum(miss, axis=1) - 1, 0)  # [T, k]
+    sub = jnp.take_along_axis(best, nth, axis=1)
+    ok = jnp.take_along_axis(best_score, nth, axis=1) > -jnp.inf
+    return jnp.where(miss, jnp.where(ok, layer_map[sub], -1), slots).astype(jnp.int32)

@@ -1,0 +1,128 @@
+"""The residency state passed into every jitted step: the device bank, its rowmap, the demand
+counters, and the host pool of every routed expert.
+
+Bank rows (slots) come in three regions, all one array so the grouped kernel sees one bank:
+
+    [0, resident)                      resident slots: the planner's map (per layer or an arena)
+    [resident, resident + ring)        ring slots: recent heavy misses (miss policy "ring")
+    [resident + ring, ... + transient) transient slots: missing rows fetched inside a step ("exact")
+
+The rowmap points at resident or ring slots only; transient slots are scratch, rewritten by every
+MoE layer that misses. Pool rows are `moe_layer * E + expert`. Formats: tidejax.pallas.bank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class ExpertState:
+    bank: dict  # leaves [S_total, ...] on the device
+    rowmap: jax.Array  # [L_moe, E] int32: slot (resident or ring) or -1
+    slot_rows: jax.Array  # [S_total] int32: pool row held by each slot, or -1 (rowmap's inverse)
+    counts: jax.Array  # [L_moe, E] float32: wanted picks since the last drain
+    weight_sums: jax.Array  # [L_moe, E] float32: routing weight of those picks
+    misses: jax.Array  # [L_moe, E] float32: wanted picks served by a miss, since the last drain
+    pool: dict | None  # leaves [L_moe * E, ...], pinned host memory where the backend has it
+    resident: int = struct.field(pytree_node=False, default=0)
+    ring: int = struct.field(pytree_node=False, default=0)
+    transient: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def n_layers(self) -> int:
+        return self.rowmap.shape[0]
+
+    @property
+    def n_experts(self) -> int:
+        return self.rowmap.shape[1]
+
+    @property
+    def n_slots(self) -> int:
+        return self.resident + self.ring + self.transient
+
+    @property
+    def transient_base(self) -> int:
+        return self.resident + self.ring
+
+
+def _zeros_counters(n_layers: int, n_experts: int):
+    z = jnp.zeros((n_layers, n_experts), jnp.float32)
+    return z, z.copy(), z.copy()
+
+
+def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
+    """Every expert resident: bank = the pool's rows (on the device), rowmap = identity per layer.
+
+    `pool` is a bank-format dict with leaves [n_layers * E, ...]. The state keeps no separate host
+    pool (pool=None): nothing can miss, and one buffer must not be donated twice.
+    """
+    n_rows = jax.tree.leaves(pool)[0].shape[0]
+    if n_rows % n_layers:
+        raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
+    n_experts = n_rows // n_layers
+    bank = jax.tree.map(jnp.asarray, pool)
+    rowmap = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_layers, n_experts)
+    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
+    return ExpertState(bank=bank, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
+                       counts=counts, weight_sums=weight_sums, misses=misses, pool=None,
+                       resident=n_rows)
+
+
+def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
+                transient: int = 0) -> ExpertState:
+    """A state whose resident slots hold the pool rows `slot_rows` [resident] (-1 = empty slot).
+
+    `pool` must already be placed (see tidejax.residency.pool.host_pool); the bank is filled from it
+    on the device, ring and transient slots start empty (zeros).
+    """
+    n_rows = jax.tree.leaves(pool)[0].shape[0]
+    if n_rows % n_layers:
+        raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
+    n_experts = n_rows // n_layers
+    slot_rows = np.asarray(slot_rows, np.int32)
+    resident = len(slot_rows)
+    held = slot_rows[slot_rows >= 0]
+    if len(np.unique(held)) != len(held) or (len(held) and held.max() >= n_rows):
+        raise ValueError("slot_rows must name distinct pool rows in [0, L_moe * E)")
+    total = resident + ring + transient
+    all_rows = np.full(total, -1, np.int32)
+    all_rows[:resident] = slot_rows
+    rowmap = np.full(n_rows, -1, np.int32)
+    rowmap[held] = np.nonzero(slot_rows >= 0)[0]
+    bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
+    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
+    return ExpertState(bank=bank, rowmap=jnp.asarray(rowmap.reshape(n_layers, n_experts)),
+                       slot_rows=jnp.asarray(all_rows), counts=counts, weight_sums=weight_sums,
+                       misses=misses, pool=pool, resident=resident, ring=ring, transient=transient)
+
+
+def fetch_row(pool: dict, row) -> dict:
+    """One pool row (a traced int) as device arrays: a data-dependent read of host memory."""
+    return jax.tree.map(
+        lambda leaf: jax.device_put(jax.lax.dynamic_index_in_dim(leaf, row, keepdims=False),
+                                    jax.memory.Space.Device), pool)
+
+
+def write_row(bank: dict, slot, row: dict) -> dict:
+    """bank[slot] = row, in place when the bank is donated."""
+    return jax.tree.map(lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), slot, 0),
+                        bank, row)
+
+
+@jax.jit
+def _fill_bank(pool, rows, filled):
+    """A fresh device bank [len(rows), ...] filled row by row from the pool; empty slots are zeros.
+
+    Row by row, so host memory is only ever read one row at a time (as in a swap).
+    """
+    bank = jax.tree.map(lambda leaf: jnp.zeros((rows.shape[0],) + leaf.shape[1:], leaf.dtype), pool)
+
+    def body(slot, bank):
+        return jax.lax.cond(filled[slot], lambda b: write_row(b, slot, fetch_row(pool, rows[slot])),
+                            lambda b: b, bank)
+
+    return jax.lax.fori_loop(0, rows.shape[0], body, bank)
