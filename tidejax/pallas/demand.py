@@ -10,7 +10,8 @@ from tidejax.pallas.dispatch import choose_impl
 
 def count_demand_reference(counts, weight_sums, layer, ids, weights, token_mask):
     """counts/weight_sums [L_moe, E] f32; ids/weights [T, k]; token_mask [T] bool (False = pad)."""
-    valid = token_mask[:, None] & (ids >= 0)  # [T, k]
+    counts, weight_sums, ids = jnp.asarray(counts), jnp.asarray(weight_sums), jnp.asarray(ids)
+    valid = jnp.asarray(token_mask)[:, None] & (ids >= 0)  # [T, k]
     idx = jnp.where(valid, ids, 0)
     counts = counts.at[layer, idx].add(valid.astype(counts.dtype))
     weight_sums = weight_sums.at[layer, idx].add(jnp.where(valid, weights, 0).astype(weight_sums.dtype))

@@ -1,0 +1,192 @@
+"""Pallas (Triton lowering) kernel for `moe_grouped`: picks grouped by bank slot into row tiles.
+
+Plan (jnp, cheap): the T*k picks are sorted by slot and laid out in tiles of `bt` rows, every
+tile holding picks of one slot (a slot's last tile is padded). Then two kernels, each a grid over
+(tile, output columns); a program streams its slot's weight rows once, dequantizing MXFP4 in
+registers, and serves all rows of its tile with bf16 dots accumulated in float32:
+  1. h[row] = swiglu(x[token(row)] @ gate_up[slot].T)      [rows, I] bf16
+  2. o[row] = h[row] @ down[slot].T                        [rows, D] f32
+Finally y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
+Tiles past the used ones have slot -1 and return at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tidejax.checkpoint import mxfp4
+from tidejax.pallas.bank import bank_dims, bank_format
+
+# Tile shapes by rows per tile (bt): (block of output columns, block of K, num_warps, num_stages).
+# Small bt = decode (weight streaming), large bt = prefill (matrix units).
+_TILES = {
+    16: dict(bn=32, bk=256, num_warps=4, num_stages=4),
+    32: dict(bn=64, bk=128, num_warps=4, num_stages=4),
+    64: dict(bn=128, bk=64, num_warps=8, num_stages=3),
+}
+
+
+def _rows_per_tile(n_picks: int, n_slots: int) -> int:
+    """Average picks a used slot gets decides the tile height (a power of two, >= 16)."""
+    avg = n_picks / max(1, min(n_slots, n_picks))
+    return 16 if avg <= 16 else 32 if avg <= 32 else 64
+
+
+def _block(dim: int, want: int, what: str) -> int:
+    """Largest power of two <= want that divides dim (Triton blocks are powers of two, >= 16)."""
+    b = want
+    while b >= 16 and dim % b:
+        b //= 2
+    if b < 16:
+        raise ValueError(f"moe_grouped(impl='pallas'): {what} {dim} is not a multiple of 16")
+    return b
+
+
+def plan_tiles(slot_ids, n_slots: int, bt: int):
+    """Group picks by slot into tiles of bt rows.
+
+    Returns tile_slot [n_tiles] (slot or -1 = unused tile), row_token [n_tiles*bt] (token of each
+    row; padding rows point at token 0) and pick_row [T*k] (row of each pick; skipped picks
+    point past the end).
+    """
+    t, k = slot_ids.shape
+    n_picks = t * k
+    n_tiles = (n_picks + min(n_slots, n_picks) * (bt - 1)) // bt  # upper bound, static
+    key = jnp.where(slot_ids.reshape(-1) >= 0, slot_ids.reshape(-1), n_slots)  # [P]
+    order = jnp.argsort(key, stable=True)  # picks sorted by slot, skipped ones last
+    counts = jnp.bincount(key, length=n_slots + 1)[:n_slots]  # picks per slot
+    tiles = (counts + bt - 1) // bt
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    pick_start = jnp.cumsum(counts) - counts
+    sorted_key = key[order]
+    s = jnp.minimum(sorted_key, n_slots - 1)
+    rank = jnp.arange(n_picks) - pick_start[s]
+    row = jnp.where(sorted_key < n_slots, tile_start[s] * bt + rank, n_tiles * bt)
+    pick_row = jnp.zeros(n_picks, jnp.int32).at[order].set(row.astype(jnp.int32))
+    row_token = jnp.zeros(n_tiles * bt, jnp.int32).at[row].set(order // k, mode="drop")
+    tile_slot = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right").astype(jnp.int32)
+    tile_slot = jnp.where(tile_slot < n_slots, tile_slot, -1)
+    return tile_slot, row_token, pick_row
+
+
+def _e2m1_to_f32(codes):
+    """int32 e2m1 codes (0..15) -> float32 values, by building the float's bits."""
+    mag = codes & 7
+    normal = jax.lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
+    value = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
+    return jnp.where(codes >= 8, -value, value)
+
+
+def _load_rows(w_refs, slot, r0, bn, k0, bk):
+    """Weight rows [bn, bk] as bf16 for rows r0.. and inputs k0.. of one slot."""
+    if len(w_refs) == 1:  # dense
+        return w_refs[0][slot, pl.ds(r0, bn), pl.ds(k0, bk)].astype(jnp.bfloat16)
+    blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
+    packed = blocks_ref[slot, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
+    lo = _e2m1_to_f32(packed & 15)
+    hi = _e2m1_to_f32(packed >> 4)
+    values = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)  # low nibble first
+    nb = bk // mxfp4.BLOCK
+    exps = scales_ref[slot, pl.ds(r0, bn), pl.ds(k0 // mxfp4.BLOCK, nb)].astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(exps << 23, jnp.float32)  # 2**(e - 127); e = 0 -> 0
+    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, mxfp4.BLOCK)).reshape(bn, bk)
+    return (values * scale).astype(jnp.bfloat16)
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k].T in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(tile_slot_ref, row_token_ref, x_ref, *refs, bt, bn, bk, d, i, limit):
+    *w_refs, h_ref = refs
+    tile, col = pl.program_id(0), pl.program_id(1)
+    slot = tile_slot_ref[tile]
+
+    @pl.when(slot >= 0)
+    def _():
+        tokens = row_token_ref[pl.ds(tile * bt, bt)]
+
+        def step(kk, acc):
+            g, u = acc
+            k0 = pl.multiple_of(kk * bk, bk)
+            xt = x_ref[tokens, pl.ds(k0, bk)].astype(jnp.bfloat16)
+            g = g + _dot_t(xt, _load_rows(w_refs, slot, col * bn, bn, k0, bk))
+            u = u + _dot_t(xt, _load_rows(w_refs, slot, i + col * bn, bn, k0, bk))
+            return g, u
+
+        zeros = jnp.zeros((bt, bn), jnp.float32)
+        g, u = jax.lax.fori_loop(0, d // bk, step, (zeros, zeros))
+        if limit > 0:
+            g = jnp.minimum(g, limit)
+            u = jnp.clip(u, -limit, limit)
+        h = g * jax.nn.sigmoid(g) * u
+        h_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i):
+    *w_refs, o_ref = refs
+    tile, col = pl.program_id(0), pl.program_id(1)
+    slot = tile_slot_ref[tile]
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * bk, bk)
+            a = h_ref[pl.ds(tile * bt, bt), pl.ds(k0, bk)]
+            return acc + _dot_t(a, _load_rows(w_refs, slot, col * bn, bn, k0, bk))
+
+        acc = jax.lax.fori_loop(0, i // bk, step, jnp.zeros((bt, bn), jnp.float32))
+        o_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = acc
+
+
+def _weight_refs(bank, name):
+    """Kernel operands of one projection: (dense,) or (blocks as [N, R, K/2], scales)."""
+    if bank_format(bank) == "dense":
+        return (bank[name],)
+    blocks = bank[name + "_blocks"]
+    n, r, g, _ = blocks.shape
+    return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret"))
+def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False):
+    """Same contract as `moe_grouped_reference`; bf16 dots with float32 accumulation."""
+    n, d, i = bank_dims(bank)
+    t, k = slot_ids.shape
+    bt = _rows_per_tile(t * k, n)
+    cfg = _TILES[bt]
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
+    rows = row_token.shape[0]
+    n_tiles = tile_slot.shape[0]
+    params = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    bn1, bk1 = _block(i, cfg["bn"], "moe intermediate"), _block(d, cfg["bk"], "hidden")
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=swiglu_limit),
+        out_shape=jax.ShapeDtypeStruct((rows, i), jnp.bfloat16),
+        grid=(n_tiles, i // bn1),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_gate_up",
+    )(tile_slot, row_token, x, *_weight_refs(bank, "gate_up"))
+
+    bn2, bk2 = _block(d, cfg["bn"], "hidden"), _block(i, cfg["bk"], "moe intermediate")
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i),
+        out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
+        grid=(n_tiles, d // bn2),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_down",
+    )(tile_slot, h, *_weight_refs(bank, "down"))
+
+    picked = jnp.take(out, pick_row, axis=0, mode="clip").reshape(t, k, d)
+    picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
+    return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
