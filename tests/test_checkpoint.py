@@ -1,0 +1,310 @@
+"""Checkpoint reading: round trips through the reference safetensors writer, both routed-expert
+layouts, DeepSeek FP8 against a float64 computation, and every bad-checkpoint error."""
+
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from safetensors.torch import save_file
+
+from checkpoint_fixtures import save_checkpoint, to_fp8, to_per_expert, to_torch
+from tidejax.checkpoint import (CheckpointError, CheckpointReader, Rule, dequantize_fp8_block,
+                                load_params, load_routed_experts, quantize_fp8_block)
+
+E, D, I = 4, 8, 6  # experts, hidden, intermediate
+MOE = ["model.layers.1.mlp", "model.layers.2.mlp"]
+
+
+def various_tensors(rng) -> dict[str, np.ndarray]:
+    return {
+        "a.f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "a.bf16": rng.standard_normal((4, 2)).astype(ml_dtypes.bfloat16),
+        "a.f16": rng.standard_normal((7,)).astype(np.float16),
+        "a.f64": rng.standard_normal((2, 2, 2)),
+        "b.i64": rng.integers(-9, 9, (5,)),
+        "b.i8": rng.integers(-9, 9, (3, 3)).astype(np.int8),
+        "b.u8": rng.integers(0, 255, (6, 2)).astype(np.uint8),
+        "b.bool": rng.random(4) > 0.5,
+        "b.e8m0": (2.0 ** rng.integers(-5, 5, (3, 2))).astype(ml_dtypes.float8_e8m0fnu),
+        "c.scalar": np.array(1.5, np.float32),
+        "c.empty": np.zeros((0, 3), np.float32),
+    }
+
+
+def model_tensors(rng, dtype=ml_dtypes.bfloat16) -> dict[str, np.ndarray]:
+    """A tiny DeepSeek-like state dict with transformers-5 fused experts."""
+    t = {"model.embed_tokens.weight": rng.standard_normal((10, D)),
+         "model.layers.0.mlp.up_proj.weight": rng.standard_normal((I, D)),
+         "model.layers.0.input_layernorm.weight": rng.standard_normal((D,))}
+    for p in MOE:
+        t[f"{p}.gate.weight"] = rng.standard_normal((E, D))
+        t[f"{p}.experts.gate_up_proj"] = rng.standard_normal((E, 2 * I, D))
+        t[f"{p}.experts.down_proj"] = rng.standard_normal((E, D, I))
+    return {n: v.astype(dtype) for n, v in t.items()}
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("n_shards", [1, 3])
+def test_round_trip_single_and_sharded(tmp_path, n_shards):
+    tensors = various_tensors(np.random.default_rng(0))
+    reader = CheckpointReader(save_checkpoint(tmp_path, tensors, n_shards), progress=False)
+    assert reader.names() == sorted(tensors)
+    assert len({reader.file_of(n) for n in tensors}) == n_shards
+    for name, t in tensors.items():
+        assert reader.shape(name) == t.shape and reader.dtype(name) == t.dtype
+        assert same_bits(reader.read(name), t), name
+    reader.check_all_consumed()
+
+
+def test_read_rows(tmp_path):
+    t = np.random.default_rng(1).standard_normal((5, 3, 2)).astype(np.float32)
+    reader = CheckpointReader(save_checkpoint(tmp_path, {"x": t}), progress=False)
+    rows = list(reader.read_rows("x"))
+    assert len(rows) == 5 and all(np.array_equal(r, t[i]) for i, r in enumerate(rows))
+    reader.check_all_consumed()
+
+
+def load_all(model_dir, dtype=np.float32):
+    """Load model_tensors' layout through the public API: (params, expert pool)."""
+    reader = CheckpointReader(model_dir, progress=False)
+    table = {("embed",): Rule("model.embed_tokens.weight", (10, D)),
+             ("layers", 0, "mlp", "up"): ("model.layers.0.mlp.up_proj.weight", (I, D),
+                                          np.transpose),
+             ("layers", 0, "norm"): ("model.layers.0.input_layernorm.weight", (D,))}
+    for m, p in enumerate(MOE):
+        table[("layers", m + 1, "router")] = Rule(f"{p}.gate.weight", (E, D))
+    params = load_params(reader, table, dtype=dtype)
+    pool = {"gate_up": np.full((len(MOE) * E, 2 * I, D), np.nan, dtype),
+            "down": np.full((len(MOE) * E, D, I), np.nan, dtype)}
+
+    def put_row(row, r):
+        pool["gate_up"][row], pool["down"][row] = r["gate_up"], r["down"]
+
+    load_routed_experts(reader, MOE, E, D, I, put_row, dtype=dtype)
+    reader.check_all_consumed()
+    return params, pool
+
+
+def test_load_params_and_expert_layouts_agree(tmp_path):
+    tensors = model_tensors(np.random.default_rng(2))
+    params, pool = load_all(save_checkpoint(tmp_path / "fused", tensors))
+    assert params["layers"][0]["mlp"]["up"].shape == (D, I)
+    np.testing.assert_array_equal(params["layers"][0]["mlp"]["up"],
+                                  tensors["model.layers.0.mlp.up_proj.weight"].astype(np.float32).T)
+    assert params["embed"].dtype == np.float32
+    for m, p in enumerate(MOE):
+        np.testing.assert_array_equal(pool["gate_up"][m * E:(m + 1) * E],
+                                      tensors[f"{p}.experts.gate_up_proj"].astype(np.float32))
+        np.testing.assert_array_equal(pool["down"][m * E:(m + 1) * E],
+                                      tensors[f"{p}.experts.down_proj"].astype(np.float32))
+    per_expert = to_per_expert(tensors)
+    assert "model.layers.2.mlp.experts.3.up_proj.weight" in per_expert
+    params2, pool2 = load_all(save_checkpoint(tmp_path / "per_expert", per_expert, n_shards=4))
+    for k in pool:
+        np.testing.assert_array_equal(pool2[k], pool[k])
+    np.testing.assert_array_equal(params2["embed"], params["embed"])
+
+
+def test_fp8_dequantize_matches_float64():
+    rng = np.random.default_rng(3)
+    out_f, in_f = 200, 300  # partial edge blocks in both dimensions
+    q = (rng.standard_normal((out_f, in_f)) * 50).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-4, 1e-1, (2, 3)).astype(np.float32)
+    ref = np.empty((out_f, in_f))
+    for r in range(out_f):
+        for c in range(in_f):
+            ref[r, c] = float(q[r, c]) * float(scale[r // 128, c // 128])
+    got = dequantize_fp8_block(q, scale)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=2 ** -23, atol=0)
+
+
+def test_fp8_quantize_block_scales():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((130, 260)).astype(np.float32) * rng.uniform(0.01, 10, (130, 1))
+    w[:, 256:] = 0.0  # an all-zero edge block
+    q, scale = quantize_fp8_block(w)
+    assert q.dtype == ml_dtypes.float8_e4m3fn and scale.shape == (2, 3)
+    for bi in range(2):
+        for bj in range(3):
+            block = w[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].astype(np.float64)
+            amax = np.abs(block).max()
+            expect = amax / 448 if amax > 0 else 1.0
+            assert scale[bi, bj] == pytest.approx(expect, rel=2 ** -23)
+            qb = q[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].astype(np.float64)
+            assert np.abs(qb).max() == (448.0 if amax > 0 else 0.0)
+            err = np.abs(qb * scale[bi, bj] - block)
+            # e4m3: 3 mantissa bits (half-ulp 2^-4 relative); subnormal step 2^-9
+            assert np.all(err <= 2 ** -4 * np.abs(block) + 2 ** -10 * scale[bi, bj] * 1.0001)
+
+
+def test_fp8_checkpoint_loads_dequantized(tmp_path):
+    tensors = to_per_expert(model_tensors(np.random.default_rng(5), np.float32))
+    fp8 = to_fp8(tensors)
+    name = "model.layers.2.mlp.experts.2.down_proj.weight"  # row E + 2
+    assert fp8[name].dtype == ml_dtypes.float8_e4m3fn and name + "_scale_inv" in fp8
+    assert fp8["model.embed_tokens.weight"].dtype == np.float32
+    reader = CheckpointReader(save_checkpoint(tmp_path, fp8, n_shards=2), progress=False)
+    assert reader.is_fp8_pair(name)
+    np.testing.assert_array_equal(reader.read(name),
+                                  dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"]))
+    params, pool = load_all(tmp_path)  # every scale tensor consumed with its weight
+    np.testing.assert_array_equal(pool["down"][E + 2],
+                                  dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"]))
+    np.testing.assert_allclose(pool["down"][E + 2], tensors[name], rtol=0.07, atol=1e-3)
+
+
+def test_progress_bar(tmp_path, capsys):
+    tensors = model_tensors(np.random.default_rng(6))
+    reader = CheckpointReader(save_checkpoint(tmp_path, tensors), label="loading test")
+    load_routed_experts(reader, MOE, E, D, I, lambda row, r: None)
+    reader.check_all_consumed(ignore=[r"model\.(embed_tokens|layers\.\d+\.(mlp\.gate|mlp\.up_proj"
+                                      r"|input_layernorm))\.weight"])
+    err = capsys.readouterr().err
+    total = sum(t.nbytes for t in tensors.values()) * 1e-9
+    assert err.endswith(f"{len(tensors)}/{len(tensors)} tensors, {total:.2f}/{total:.2f} GB, 0 s\n")
+    assert err.startswith("\rloading test [####################]")
+
+
+# -- bad checkpoints: each error names the file and the tensor ------------------------------
+
+def write_raw(path, header: dict, data: bytes = b"", header_len=None):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", header_len or len(text)) + text + data)
+    return path
+
+
+def fused(tmp_path, **kw):
+    return save_checkpoint(tmp_path, model_tensors(np.random.default_rng(7)), **kw)
+
+
+def truncated(tmp_path):
+    d = save_checkpoint(tmp_path, {"a": np.ones(4, np.float32), "b": np.ones(8, np.float32)})
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-4])
+    CheckpointReader(d)
+
+
+def truncated_header(tmp_path):
+    write_raw(tmp_path / "model.safetensors", {"a": {}}, header_len=10 ** 6)
+    CheckpointReader(tmp_path)
+
+
+def unknown_dtype(tmp_path):
+    write_raw(tmp_path / "model.safetensors",
+              {"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0")
+    CheckpointReader(tmp_path)
+
+
+def duplicate_in_header(tmp_path):
+    entry = '{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    text = f'{{"a": {entry}, "a": {entry}}}'.encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"\0")
+    CheckpointReader(tmp_path)
+
+
+def duplicate_across_shards(tmp_path):
+    t = model_tensors(np.random.default_rng(7))
+    d = save_checkpoint(tmp_path, t, n_shards=2)
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    second = [n for n, shard in weight_map.items() if shard.startswith("model-00002")]
+    save_file({n: to_torch(t[n]) for n in second + ["model.embed_tokens.weight"]},
+              d / "model-00002-of-00002.safetensors")
+    CheckpointReader(d)
+
+
+def missing_shard(tmp_path):
+    d = fused(tmp_path, n_shards=2)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    CheckpointReader(d)
+
+
+def missing_tensor(tmp_path):
+    load_params(CheckpointReader(fused(tmp_path)), {("x",): ("model.norm.weight", (D,))})
+
+
+def shape_mismatch(tmp_path):
+    load_params(CheckpointReader(fused(tmp_path)),
+                {("embed",): ("model.embed_tokens.weight", (11, D))})
+
+
+def mapped_twice(tmp_path):
+    load_params(CheckpointReader(fused(tmp_path)),
+                {("a",): ("model.embed_tokens.weight", (10, D)),
+                 ("b",): ("model.embed_tokens.weight", (10, D))})
+
+
+def unmapped(tmp_path):
+    t = {**model_tensors(np.random.default_rng(7)), "model.layers.9.extra": np.ones(2, np.float32)}
+    load_all(save_checkpoint(tmp_path, t, n_shards=2))
+
+
+def expert_shape(tmp_path):
+    t = model_tensors(np.random.default_rng(7))
+    t["model.layers.2.mlp.experts.down_proj"] = t["model.layers.2.mlp.experts.down_proj"][:, :, :5]
+    load_all(save_checkpoint(tmp_path, t))
+
+
+def expert_missing(tmp_path):
+    t = to_per_expert(model_tensors(np.random.default_rng(7)))
+    del t["model.layers.1.mlp.experts.3.up_proj.weight"]
+    load_all(save_checkpoint(tmp_path, t))
+
+
+def both_layouts(tmp_path):
+    t = model_tensors(np.random.default_rng(7))
+    t.update({k: v for k, v in to_per_expert(t).items() if "layers.2.mlp.experts.0" in k})
+    load_all(save_checkpoint(tmp_path, t))
+
+
+def fp8_without_scale(tmp_path):
+    fp8 = to_fp8(to_per_expert(model_tensors(np.random.default_rng(7), np.float32)))
+    del fp8["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"]
+    CheckpointReader(save_checkpoint(tmp_path, fp8))
+
+
+def fp8_bad_scale(tmp_path):
+    fp8 = to_fp8(to_per_expert(model_tensors(np.random.default_rng(7), np.float32)))
+    fp8["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"] = np.ones((2, 1), np.float32)
+    CheckpointReader(save_checkpoint(tmp_path, fp8))
+
+
+BAD = {  # case -> (what the message must name: the file, the tensor or field)
+    truncated: ("model.safetensors", "'b'", "truncated"),
+    truncated_header: ("model.safetensors", "truncated", "header length 1000000"),
+    unknown_dtype: ("model.safetensors", "'a'", "unknown dtype 'F4'"),
+    duplicate_in_header: ("model.safetensors", "duplicate tensor name 'a'"),
+    duplicate_across_shards: ("model-00002-of-00002.safetensors", "duplicate tensor",
+                              "puts in model-00001-of-00002.safetensors",
+                              "'model.embed_tokens.weight'"),
+    missing_shard: ("model.safetensors.index.json", "model-00002-of-00002.safetensors",
+                    "not found"),
+    missing_tensor: ("model.safetensors", "missing tensor 'model.norm.weight'", "('x',)"),
+    shape_mismatch: ("model.safetensors", "'model.embed_tokens.weight'", "[10, 8]", "[11, 8]"),
+    mapped_twice: ("model.safetensors", "'model.embed_tokens.weight'", "mapped twice"),
+    unmapped: ("model.safetensors.index.json", "'model.layers.9.extra' in",
+               "-of-00002.safetensors", "unexpected tensor"),
+    expert_shape: ("model.safetensors", "'model.layers.2.mlp.experts.down_proj'", "[4, 8, 5]"),
+    expert_missing: ("model.safetensors", "missing tensor",
+                     "'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    both_layouts: ("model.safetensors", "'model.layers.2.mlp'", "both"),
+    fp8_without_scale: ("model.safetensors", "'model.layers.1.mlp.experts.0.gate_proj.weight'",
+                        "no 'model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv'"),
+    fp8_bad_scale: ("model.safetensors",
+                    "'model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv'", "(1, 1)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=[c.__name__ for c in BAD])
+def test_bad_checkpoint_is_named(tmp_path, case):
+    with pytest.raises(CheckpointError) as info:
+        case(tmp_path)
+    message = str(info.value)
+    for part in BAD[case]:
+        assert part in message, message

@@ -1,0 +1,120 @@
+"""Declarative loading: a model family gives a name table, this module reads, maps and checks.
+
+Both loaders check every rule against the headers first (missing tensor, shape, duplicate
+mapping), then read one tensor at a time; what they read counts as consumed in the reader,
+so `reader.check_all_consumed(ignore)` at the end finds anything no rule mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tidejax.checkpoint.reader import CheckpointReader
+from tidejax.checkpoint.safetensors_io import CheckpointError
+
+ParamPath = tuple  # a params path: keys of nested dicts, e.g. ("layers", 3, "attn", "q_a_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Target <- checkpoint tensor `source`, whose stored shape must be `shape` (HF layout,
+    after FP8 dequantization), then `transform` (e.g. np.transpose) and the dtype cast."""
+    source: str
+    shape: tuple[int, ...]
+    transform: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+def _as_rule(rule: Rule | tuple) -> Rule:
+    return rule if isinstance(rule, Rule) else Rule(rule[0], tuple(rule[1]), *rule[2:])
+
+
+def check_shape(reader: CheckpointReader, name: str, shape: Sequence[int], target: str) -> None:
+    if name not in reader:
+        raise reader.missing(name, target)
+    if reader.shape(name) != tuple(shape):
+        raise CheckpointError(f"{reader.file_of(name)}: tensor '{name}' has shape "
+                              f"{list(reader.shape(name))}, {target} expects {list(shape)}")
+
+
+def _cast(a: np.ndarray, dtype) -> np.ndarray:
+    return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def load_params(reader: CheckpointReader,
+                table: Mapping[ParamPath, Rule | tuple] | Iterable[tuple[ParamPath, Rule | tuple]],
+                *, dtype=None, put: Callable[[ParamPath, np.ndarray], Any] | None = None) -> dict:
+    """Load every rule of `table` (target path -> Rule or (source, shape[, transform])) into
+    a nested dict {path[0]: {path[1]: ... put(path, array)}}. `dtype`: numpy/jnp dtype to
+    cast to (None: as stored; FP8 pairs come as float32). `put` turns the host array into
+    the stored leaf (e.g. a jax.device_put with a sharding); default: the numpy array."""
+    items = list(table.items() if isinstance(table, Mapping) else table)
+    rules, seen = [], set()
+    for path, rule in items:  # headers only: fail before reading anything
+        path, rule = tuple(path), _as_rule(rule)
+        if path in seen:
+            raise CheckpointError(f"{reader.source}: params path {path} has two rules")
+        seen.add(path)
+        check_shape(reader, rule.source, rule.shape, f"params {path}")
+        reader.claim(rule.source, by=f"params {path}")
+        rules.append((path, rule))
+    out: dict = {}
+    for path, rule in rules:
+        a = reader.read(rule.source)
+        if rule.transform is not None:
+            a = rule.transform(a)
+        a = _cast(a, dtype)
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = put(path, a) if put is not None else a
+    return out
+
+
+def load_routed_experts(reader: CheckpointReader, layer_prefixes: Sequence[str],
+                        n_experts: int, hidden: int, inter: int,
+                        put_row: Callable[[int, dict[str, np.ndarray]], None],
+                        *, dtype=None) -> None:
+    """Emit each routed expert as put_row(m * n_experts + e, {"gate_up": [2I, D] (gate rows,
+    then up rows), "down": [D, I]}) for the m-th prefix of `layer_prefixes` (e.g.
+    "model.layers.3.mlp"). Each layer may use either layout:
+      per-expert: {prefix}.experts.{e}.{gate_proj,up_proj}.weight [I, D], .down_proj.weight
+                  [D, I] (FP8 pairs allowed);
+      fused (transformers 5): {prefix}.experts.gate_up_proj [E, 2I, D],
+                  {prefix}.experts.down_proj [E, D, I]."""
+    E, D, I = n_experts, hidden, inter
+    plans = []
+    for m, prefix in enumerate(layer_prefixes):  # headers only: fail before reading anything
+        fused = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
+        if any(n in reader for n in fused):
+            if f"{prefix}.experts.0.gate_proj.weight" in reader:
+                where = reader.file_of(fused[0] if fused[0] in reader else fused[1])
+                raise CheckpointError(f"{where}: layer '{prefix}' holds experts in both the "
+                                      f"fused and the per-expert layout")
+            for name, shape in zip(fused, ((E, 2 * I, D), (E, D, I))):
+                check_shape(reader, name, shape, f"routed experts of '{prefix}'")
+                reader.claim(name)
+            plans.append((m, prefix, True))
+            continue
+        for e in range(E):
+            for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+                name = f"{prefix}.experts.{e}.{proj}.weight"
+                check_shape(reader, name, shape, f"expert {e} of '{prefix}'")
+                reader.claim(name)
+        plans.append((m, prefix, False))
+    for m, prefix, fused in plans:
+        if fused:
+            rows = zip(reader.read_rows(f"{prefix}.experts.gate_up_proj"),
+                       reader.read_rows(f"{prefix}.experts.down_proj"))
+            for e, (gate_up, down) in enumerate(rows):
+                put_row(m * E + e, {"gate_up": _cast(gate_up, dtype), "down": _cast(down, dtype)})
+            continue
+        for e in range(E):
+            p = f"{prefix}.experts.{e}"
+            gate_up = np.concatenate([_cast(reader.read(f"{p}.gate_proj.weight"), dtype),
+                                      _cast(reader.read(f"{p}.up_proj.weight"), dtype)])
+            put_row(m * E + e, {"gate_up": gate_up,
+                                "down": _cast(reader.read(f"{p}.down_proj.weight"), dtype)})

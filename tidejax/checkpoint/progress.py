@@ -1,0 +1,45 @@
+"""A one-line progress bar on stderr (no dependency): items and bytes done over total."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """`advance(items, nbytes)` as work completes; `close()` prints the final line."""
+
+    def __init__(self, label: str, total_items: int, total_bytes: int,
+                 stream: TextIO | None = None, enabled: bool = True, every_s: float = 0.25):
+        self.label, self.total_items, self.total_bytes = label, total_items, total_bytes
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled, self.every_s = enabled, every_s
+        self.items = self.nbytes = 0
+        self.start = self._shown = time.monotonic()
+        self.closed = False
+
+    def advance(self, items: int = 0, nbytes: int = 0) -> None:
+        self.items += items
+        self.nbytes += nbytes
+        now = time.monotonic()
+        if now - self._shown >= self.every_s:
+            self._shown = now
+            self._show("\r")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._show("\r", end="\n")
+
+    def _show(self, prefix: str, end: str = "") -> None:
+        if not self.enabled:
+            return
+        gb = 1e-9
+        frac = self.nbytes / self.total_bytes if self.total_bytes else 1.0
+        bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
+        line = (f"{self.label} [{bar}] {self.items}/{self.total_items} tensors, "
+                f"{self.nbytes * gb:.2f}/{self.total_bytes * gb:.2f} GB, "
+                f"{time.monotonic() - self.start:.0f} s")
+        self.stream.write(prefix + line + end)
+        self.stream.flush()
