@@ -1,0 +1,63 @@
+"""One error type for the HTTP layer and one function that writes it in each API's shape.
+
+OpenAI:    {"error": {"message", "type", "param", "code"}}
+Anthropic: {"type": "error", "error": {"type", "message"}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+
+log = logging.getLogger("tidejax.server")
+
+_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error",
+                 503: "server_error", 500: "server_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
+class APIError(Exception):
+    """A request the server answers with `status` and `message` (which names the field)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Any exception raised while answering a request, as the error the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return APIError(413, f"request body too large: {exc.text}", code="request_too_large")
+    if isinstance(exc, web.HTTPException):
+        return APIError(exc.status, exc.reason or str(exc))
+    log.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def error_body(err: APIError, dialect: str) -> dict:
+    if dialect == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500
+                                    else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": err.message}}
+    kind = _OPENAI_TYPES.get(err.status, "invalid_request_error" if err.status < 500
+                             else "server_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param,
+                      "code": err.code}}
+
+
+def error_response(exc: BaseException, dialect: str) -> web.Response:
+    err = as_api_error(exc)
+    return web.json_response(error_body(err, dialect), status=err.status,
+                             dumps=lambda v: json.dumps(v, ensure_ascii=False))
+
+
+def dialect_of(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"

@@ -1,0 +1,194 @@
+"""Model output -> reasoning, content and tool calls.
+
+Each model family writes tool calls in its own format; one `ToolFormat` per format parses them,
+and `tool_format_for` picks it from the checkpoint's chat template (the template is what taught
+the model the format) or, failing that, from the model_type. `OutputParser` splits a stream of
+text into `<think>` reasoning, visible content and the tool-call section, holding back only the
+few characters that might be the start of a marker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+    id: str = dataclasses.field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+def _json_object(text: str) -> str | None:
+    """`text` as compact JSON if it is a JSON object, else None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolFormat:
+    """One way of writing tool calls. `start` opens the tool-call section in the output;
+    `template_marker` identifies the format in a chat template; `arguments_as_dict` says whether
+    the template reads an assistant tool call's arguments as a mapping (else as a JSON string)."""
+
+    name: str
+    start: str
+    template_marker: str
+    call_pattern: re.Pattern  # group 1: one call's body
+    parse_call: Callable[[str], ToolCall | None]
+    arguments_as_dict: bool
+
+    def parse(self, section: str) -> list[ToolCall] | None:
+        """The calls in a tool-call section, or None when any call in it is malformed."""
+        calls = []
+        for match in self.call_pattern.finditer(section):
+            call = self.parse_call(match.group(1))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
+def _call_deepseek_v3(body: str) -> ToolCall | None:
+    # V3/R1: "function<｜tool▁sep｜>NAME\n```json\nARGS\n```"; V3.1: "NAME<｜tool▁sep｜>ARGS"
+    head, sep, rest = body.partition("<｜tool▁sep｜>")
+    if not sep:
+        return None
+    fenced = re.fullmatch(r"\s*([^\n]+)\n```(?:json)?\n(.*?)\n```\s*", rest, re.S)
+    name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
+    args = _json_object(args)
+    return ToolCall(name.strip(), args) if args is not None and name.strip() else None
+
+
+def _call_glm(body: str) -> ToolCall | None:
+    # "NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>..." (V raw for strings, JSON otherwise)
+    name = body.split("<arg_key>", 1)[0].strip()
+    if not name:
+        return None
+    arguments = {}
+    for key, value in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+                                 body, re.S):
+        try:
+            arguments[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            arguments[key.strip()] = value
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _call_hermes(body: str) -> ToolCall | None:
+    # {"name": NAME, "arguments": {...}}
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if _json_object(args) else None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+DEEPSEEK_V3 = ToolFormat(
+    name="deepseek_v3", start="<｜tool▁calls▁begin｜>", template_marker="tool▁calls▁begin",
+    call_pattern=re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.S),
+    parse_call=_call_deepseek_v3, arguments_as_dict=False)
+GLM = ToolFormat(
+    name="glm", start="<tool_call>", template_marker="<arg_key>",
+    call_pattern=re.compile(r"<tool_call>(.*?)</tool_call>", re.S), parse_call=_call_glm,
+    arguments_as_dict=True)
+HERMES = ToolFormat(
+    name="hermes", start="<tool_call>", template_marker="<tool_call>",
+    call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S), parse_call=_call_hermes,
+    arguments_as_dict=True)
+
+# most specific template marker first: GLM's templates also contain "<tool_call>"
+TOOL_FORMATS = (DEEPSEEK_V3, GLM, HERMES)
+TOOL_FORMAT_BY_MODEL_TYPE = {
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v32": DEEPSEEK_V3,
+    "glm4_moe": GLM,
+    "glm_moe_dsa": GLM,
+    "qwen2_moe": HERMES,
+    "qwen3_moe": HERMES,
+}
+
+
+def tool_format_for(model_type: str, template_source: str) -> ToolFormat | None:
+    """The format the chat template teaches, else the family's usual one, else None."""
+    for fmt in TOOL_FORMATS:
+        if fmt.template_marker in template_source:
+            return fmt
+    return TOOL_FORMAT_BY_MODEL_TYPE.get(model_type)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def starts_in_reasoning(prompt: str) -> bool:
+    """Templates that switch thinking on end the prompt with an open `<think>`."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+class OutputParser:
+    """Splits generated text into ("reasoning" | "content", text) pieces as it arrives; the
+    tool-call section (from the format's start marker on) is held and parsed at the end."""
+
+    def __init__(self, tool_format: ToolFormat | None, in_reasoning: bool = False):
+        self.tool_format = tool_format
+        self.mode = "reasoning" if in_reasoning else "content"
+        self.pending = ""
+        self.tool_text = ""
+
+    def _markers(self) -> dict[str, str]:
+        if self.mode == "reasoning":
+            return {THINK_CLOSE: "content"}
+        markers = {THINK_OPEN: "reasoning"}
+        if self.tool_format is not None:
+            markers[self.tool_format.start] = "tools"
+        return markers
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        out = []
+        self.pending += text
+        while self.pending:
+            if self.mode == "tools":
+                self.tool_text += self.pending
+                self.pending = ""
+                break
+            markers = self._markers()
+            found = [(i, m) for m in markers if (i := self.pending.find(m)) >= 0]
+            if found:
+                i, marker = min(found)
+                out.append((self.mode, self.pending[:i]))
+                self.mode = markers[marker]
+                self.pending = self.pending[i + len(marker):]
+                if self.mode == "tools":
+                    self.tool_text = marker
+                continue
+            hold = max((k for m in markers for k in range(1, len(m))
+                        if self.pending.endswith(m[:k])), default=0)
+            out.append((self.mode, self.pending[:len(self.pending) - hold]))
+            self.pending = self.pending[len(self.pending) - hold:]
+            break
+        return [(kind, t) for kind, t in out if t]
+
+    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        """The held text and the parsed tool calls; a section that does not parse is content."""
+        out = [(self.mode, self.pending)] if self.pending and self.mode != "tools" else []
+        calls = []
+        if self.tool_text:
+            calls = self.tool_format.parse(self.tool_text) or []
+            if not calls:
+                out.append(("content", self.tool_text))
+        self.pending = self.tool_text = ""
+        return [(kind, t) for kind, t in out if t], calls
