@@ -4,7 +4,7 @@
 
 Downloads the Debian packages below with `apt-get download` into CACHE/debs, unpacks them with
 `dpkg -x` into CACHE/root, and writes per domain:
-    CACHE/<domain>.txt               training text (documents separated by a blank line)
+    CACHE/<domain>.jsonl             training documents, one JSON object {"text": ...} a line
     tests/data/heldout/<domain>.txt  held-out documents (a deterministic, hash-chosen subset)
     CACHE/manifest.json              sources, licences and sizes per domain
 The held-out documents never appear in the training text.
@@ -163,7 +163,7 @@ def collect(root, max_chars):
     out = {}
     out["en"] = (fortunes(games / "fortunes") + debian_docs(root, "en"), None)
     out["de"] = (fortunes(games / "fortunes/de") + debian_docs(root, "de"), None)
-    out["fr"] = (debian_docs(root, "fr") + man_pages(root / "usr/share/man/fr", max_chars // 2), None)
+    out["fr"] = (debian_docs(root, "fr") + man_pages(root / "usr/share/man/fr", max_chars // 4), None)
     out["man"] = (man_pages(root / "usr/share/man", max_chars), None)
     py_docs, stdlib = python_stdlib(max_chars)
     out["python"] = (py_docs, f"Python {sys.version.split()[0]} standard library at {stdlib} (PSF-2.0)")
@@ -188,7 +188,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", type=Path, default=REPO / ".corpus")
     ap.add_argument("--heldout-kb", type=int, default=60, help="held-out characters per domain (thousands)")
-    ap.add_argument("--max-mb", type=float, default=4.0, help="cap on a domain's raw text (millions of chars)")
+    ap.add_argument("--max-mb", type=float, default=8.0, help="cap on a domain's raw text (millions of chars)")
     args = ap.parse_args()
     if shutil.which("apt-get") is None or shutil.which("dpkg") is None or shutil.which("groff") is None:
         sys.exit("tools/corpus.py needs apt-get, dpkg and groff (a Debian machine)")
@@ -201,15 +201,21 @@ def main():
         docs, note = collected[domain]
         docs = [d for d in docs if d.strip()]
         train, test = split_heldout(docs, args.heldout_kb * 1000)
-        train_text = "\n\n".join(train)[:max_chars]
-        (args.cache / f"{domain}.txt").write_text(train_text + "\n", encoding="utf-8")
+        kept, n = [], 0
+        for doc in train:
+            if n >= max_chars:
+                break
+            kept.append(doc)
+            n += len(doc)
+        with open(args.cache / f"{domain}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in kept)
         (HELDOUT_DIR / f"{domain}.txt").write_text("\n\n".join(test) + "\n", encoding="utf-8")
         sources = [{"package": p, "licence": lic} for p, lic in PACKAGES.get(domain, [])]
         if note:
             sources.append({"source": note})
-        manifest[domain] = {"sources": sources, "documents": len(docs), "train_chars": len(train_text),
-                            "heldout_chars": sum(len(d) for d in test) + 2 * max(len(test) - 1, 0)}
-        log(f"{domain:7s} docs {len(docs):6d}  train {len(train_text) / 1e6:5.2f} M chars  "
+        manifest[domain] = {"sources": sources, "documents": len(docs), "train_chars": n,
+                            "heldout_chars": sum(len(d) for d in test)}
+        log(f"{domain:7s} docs {len(docs):6d}  train {n / 1e6:5.2f} M chars  "
             f"held-out {len(test)} docs")
     (args.cache / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     print(json.dumps(manifest, indent=1, ensure_ascii=False))
