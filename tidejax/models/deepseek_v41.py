@@ -1,0 +1,374 @@
+"""DeepSeek-V4.1 (and the Flash checkpoints): mHC residual streams, latent single-KV attention
+with a sliding window, CSA2 compressed branches shared across layers with indexers, Engram
+n-gram memory, and a sqrtsoftplus-routed MoE.
+
+`DeepseekV41.__call__(tokens, positions, token_mask, cache, engram_rows, experts)` is the one
+forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a prefill
+into an empty cache, which is also how the reference computes its logits). A row's chunk must be
+contiguous (positions start..start+t-1) with its real tokens first (token_mask a prefix).
+
+Semantics follow the reference's cached path (ARCHITECTURE.md in the V4.1 goldens): the window
+KV is FP8 fake-quantized; a KV source pools its tokens into compressed entries (FP4) and indexer
+keys (FP4) that the following compressed layers share; index sources select, per query, which
+compressed entries the layers up to the next index source may attend.
+
+Einsum letters (see layers.py): b batch, t queries, s keys, g compressed entries, h heads,
+k head width, d model width, n streams (hc), i index heads.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tidejax.models import deepseek_v41_ops as ops
+from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.layers import HIGHEST, Linear, RMSNorm, rope_frequencies
+from tidejax.pallas import moe_grouped
+
+F32 = jnp.float32
+
+
+@flax.struct.dataclass
+class V41Cache:
+    """Generation state of a batch of sequences.
+
+    window: per layer [b, W-1, k]: the last W-1 window keys (= values), slot = position mod W-1.
+    entries: per KV source [b, G, k]: compressed entries (rotated, FP4), entry g covers positions
+      g*r .. g*r+r-1. index_keys: per KV source [b, G, i_k] indexer keys (None without an indexer).
+    buf_kv, buf_gate: per KV source with r > 1, [b, r, k]: projections of a group still filling.
+    The number of emitted entries is implicit: a row that has seen p positions has p // r.
+    """
+
+    window: tuple
+    entries: tuple
+    index_keys: tuple
+    buf_kv: tuple
+    buf_gate: tuple
+
+    @staticmethod
+    def create(cfg: V41Config, batch: int, max_len: int, dtype=F32) -> "V41Cache":
+        def zeros(*shape):
+            return jnp.zeros((batch, *shape), dtype)
+
+        src = cfg.kv_sources
+        return V41Cache(
+            window=tuple(zeros(cfg.sliding_window - 1, cfg.head_dim) for _ in range(cfg.num_layers)),
+            entries=tuple(zeros(cfg.group_capacity(s, max_len), cfg.head_dim) for s in src),
+            index_keys=tuple(zeros(cfg.group_capacity(s, max_len), cfg.index_head_dim)
+                             if cfg.owns_index_keys(s) else None for s in src),
+            buf_kv=tuple(zeros(cfg.compress_ratios[s], cfg.head_dim)
+                         if cfg.compress_ratios[s] > 1 else None for s in src),
+            buf_gate=tuple(zeros(cfg.compress_ratios[s], cfg.head_dim)
+                           if cfg.compress_ratios[s] > 1 else None for s in src))
+
+    @staticmethod
+    def bytes_per_token(cfg: V41Config, dtype=F32) -> float:
+        """Cache bytes that grow with the context (the window rings and buffers are fixed)."""
+        per = sum((cfg.head_dim + (cfg.index_head_dim if cfg.owns_index_keys(s) else 0))
+                  / cfg.compress_ratios[s] for s in cfg.kv_sources)
+        return per * jnp.dtype(dtype).itemsize
+
+    @staticmethod
+    def fixed_bytes(cfg: V41Config, dtype=F32) -> int:
+        """Per-sequence bytes independent of the context: window rings and group buffers."""
+        n = cfg.num_layers * (cfg.sliding_window - 1) * cfg.head_dim
+        n += sum(2 * cfg.compress_ratios[s] * cfg.head_dim for s in cfg.kv_sources
+                 if cfg.compress_ratios[s] > 1)
+        return n * jnp.dtype(dtype).itemsize
+
+
+def _dot(x, w):
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)
+
+
+def _scatter_rows(store, rows, at, keep):
+    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
+    at = jnp.where(keep, at, store.shape[1])
+    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
+
+
+class Compressor(nn.Module):
+    """A KV source's compressor: entries for the groups completing in this chunk (pre-RoPE)."""
+
+    cfg: V41Config
+    ratio: int
+
+    @nn.compact
+    def __call__(self, x, positions, n_valid, buf_kv, buf_gate):
+        cfg = self.cfg
+        norm = RMSNorm(cfg.rms_norm_eps, name="norm")
+        kv = Linear(cfg.head_dim, name="wkv")(x)
+        if self.ratio == 1:  # every token is its own group
+            return norm(kv), positions, jnp.arange(x.shape[1])[None] < n_valid[:, None], None, None
+        gate = Linear(cfg.head_dim, name="wgate")(x)
+        start = positions[:, 0]
+        latent, group, complete = jax.vmap(ops.pool_groups, (0, 0, 0, 0, 0, 0, None))(
+            kv, gate, buf_kv, buf_gate, start, n_valid, self.ratio)
+        update = jax.vmap(ops.ring_update)
+        buf_kv, buf_gate = update(buf_kv, kv, start, n_valid), update(buf_gate, gate, start, n_valid)
+        return norm(latent.astype(x.dtype)), group, complete, buf_kv, buf_gate
+
+
+class Indexer(nn.Module):
+    """Scores queries against a KV group's indexer keys; publishes keys at the KV source."""
+
+    cfg: V41Config
+    layer: int
+
+    def setup(self):
+        cfg = self.cfg
+        self.wq_b = Linear(cfg.index_heads * cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.index_heads)
+        if cfg.owns_index_keys(self.layer):
+            self.wk = Linear(cfg.index_head_dim)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps)
+
+    def keys(self, latent, cos, sin):
+        """Indexer keys of new compressed latents [b, n, k] -> [b, n, i_k] (rotated, FP4)."""
+        k = ops.rope_tail(self.k_norm(self.wk(latent)), cos, sin)
+        return ops.fake_quant_fp4(k, 32, e4m3_scale=False)
+
+    def __call__(self, x, q_res, keys, positions, cos, sin, candidates):
+        """-> (selection [b, t, G] bool, candidate mask [b, t, G] or the one given)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        ratio = cfg.compress_ratios[self.layer]
+        q = self.wq_b(q_res).reshape(b, t, cfg.index_heads, cfg.index_head_dim)
+        q = ops.fake_quant_fp4(ops.rope_tail(q, cos, sin), 32, e4m3_scale=False)
+        scores = jnp.einsum("btik,bgk->btig", q.astype(F32), keys.astype(F32), precision=HIGHEST)
+        scores = jax.nn.relu(scores) * cfg.index_head_dim ** -0.5
+        w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5
+        scores = jnp.einsum("btig,bti->btg", scores, w, precision=HIGHEST)
+        visible_count = (positions + 1) // ratio  # [b, t]
+        g = keys.shape[1]
+        scores = jnp.where(jnp.arange(g)[None, None] < visible_count[..., None], scores, -jnp.inf)
+        if self.layer == cfg.candidate_source:
+            candidates = jax.vmap(ops.candidate_blocks, (0, 0, None, None))(
+                scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        elif 0 <= cfg.candidate_source < self.layer and candidates is not None:
+            scores = jnp.where(candidates, scores, -jnp.inf)
+        selection = jax.vmap(ops.top_k_mask, (0, None))(scores, cfg.index_topk)
+        return selection, candidates
+
+
+class Attention(nn.Module):
+    cfg: V41Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, n_valid, window, shared, src_cache):
+        """x [b, t, d] (normed) -> y [b, t, d], window ring, shared (the group state published by
+        KV / index sources for the layers that follow), src_cache (this layer's KV-source cache
+        entries, updated, if it is a source)."""
+        cfg, layer = self.cfg, self.layer
+        b, t, _ = x.shape
+        h, k = cfg.num_heads, cfg.head_dim
+        ratio = cfg.compress_ratios[layer]
+        rope = cfg.compress_rope if ratio else cfg.main_rope
+        inv_freq, _ = rope_frequencies(rope)
+        cos, sin = ops.rope_angles(positions, inv_freq)
+
+        q_res = RMSNorm(cfg.rms_norm_eps, name="q_norm")(Linear(cfg.q_lora_rank, name="wq_a")(x))
+        q = Linear(h * k, name="wq_b")(q_res).reshape(b, t, h, k)
+        q = ops.rope_tail(q, cos, sin)
+        kv = RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="wkv")(x))
+        kv = ops.fake_quant_fp8(ops.rope_tail(kv, cos, sin), 32)
+
+        start = positions[:, 0]
+        ring_pos = jax.vmap(ops.ring_positions, (0, None))(start, window.shape[1])  # [b, W-1]
+        keys = jnp.concatenate([window, kv.astype(window.dtype)], 1)  # [b, W-1+t, k]
+        key_pos = jnp.concatenate([ring_pos, positions], 1)
+        qp, kp = positions[:, :, None], key_pos[:, None, :]
+        mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)  # [b, t, s]
+        window = jax.vmap(ops.ring_update)(window, kv.astype(window.dtype), start, n_valid)
+
+        if ratio:
+            shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache)
+            keys = jnp.concatenate([keys, shared["entries"].astype(keys.dtype)], 1)
+            mask = jnp.concatenate([mask, shared["selection"]], 2)
+
+        logits = jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32), precision=HIGHEST)
+        logits = jnp.where(mask[:, None], logits * k ** -0.5, -jnp.inf)
+        sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
+        sink = jnp.broadcast_to(sink[None, :, None, None], (b, h, t, 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+        out = jnp.einsum("bhts,bsk->bthk", probs, keys.astype(F32), precision=HIGHEST)
+        out = ops.rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
+
+        groups = cfg.o_groups
+        wo_a = self.param("wo_a", nn.initializers.normal(0.02),
+                          (groups * cfg.o_lora_rank, h * k // groups), F32)
+        grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, groups, -1),
+                             wo_a.reshape(groups, cfg.o_lora_rank, -1).astype(x.dtype),
+                             precision=HIGHEST)
+        y = Linear(cfg.hidden_size, name="wo_b")(grouped.reshape(b, t, -1))
+        return y, window, shared, src_cache
+
+    def _compressed(self, x, q_res, positions, n_valid, shared, src_cache):
+        cfg, layer = self.cfg, self.layer
+        ratio = cfg.compress_ratios[layer]
+        inv_freq, _ = rope_frequencies(cfg.compress_rope)
+        indexer = Indexer(cfg, layer, name="indexer") if layer in cfg.index_sources else None
+        if layer in cfg.kv_sources:
+            entries, index_keys, buf_kv, buf_gate = src_cache
+            latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
+                x, positions, n_valid, buf_kv, buf_gate)
+            cos_g, sin_g = ops.rope_angles(group * ratio, inv_freq)
+            if index_keys is not None:
+                index_keys = _scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
+            rotated = ops.fake_quant_fp4(ops.rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
+            entries = _scatter_rows(entries, rotated, group, complete)
+            src_cache = (entries, index_keys, buf_kv, buf_gate)
+            shared = {"entries": entries, "index_keys": index_keys,
+                      "candidates": shared.get("candidates")}
+        if indexer is not None:
+            cos, sin = ops.rope_angles(positions, inv_freq)
+            selection, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
+                                            shared.get("candidates"))
+            shared = {**shared, "selection": selection, "candidates": candidates}
+        return shared, src_cache
+
+
+def route(x, weight, bias, cfg: V41Config):
+    """sqrtsoftplus router: x [T, d] -> ids [T, k] int32, weights [T, k] float32, choice scores
+    [T, e] float32 (the biased scores the top-k picks from; the bias never enters the weights)."""
+    logits = jnp.einsum("td,ed->te", x.astype(F32), weight.astype(F32), precision=HIGHEST)
+    scores = jnp.sqrt(jax.nn.softplus(logits / cfg.gate_temp))
+    choice = scores + bias
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor, choice
+
+
+class SharedExpert(nn.Module):
+    """The always-on SwiGLU expert, with the same clamps as the routed ones."""
+
+    cfg: V41Config
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, limit = self.cfg, self.cfg.swiglu_limit
+        gate = Linear(cfg.moe_intermediate_size, name="w1")(x).astype(F32)
+        up = Linear(cfg.moe_intermediate_size, name="w3")(x).astype(F32)
+        if limit > 0:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return Linear(cfg.hidden_size, name="w2")((jax.nn.silu(gate) * up).astype(x.dtype))
+
+
+class MoE(nn.Module):
+    cfg: V41Config
+
+    @nn.compact
+    def __call__(self, x, bank, kernel: str):
+        """x [b, t, d], bank {"gate_up": [E, 2I, d], "down": [E, d, I]} (or MXFP4) -> [b, t, d]."""
+        cfg = self.cfg
+        b, t, d = x.shape
+        weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
+        bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
+        flat = x.reshape(b * t, d)
+        ids, weights, _ = route(flat, weight, bias, cfg)
+        y = moe_grouped(flat, bank, ids, weights, swiglu_limit=cfg.swiglu_limit, impl=kernel)
+        y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)
+        return y.astype(x.dtype)
+
+
+class Engram(nn.Module):
+    """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e] come from the host."""
+
+    cfg: V41Config
+
+    @nn.compact
+    def __call__(self, streams, rows):
+        cfg = self.cfg
+        b, t, n, d = streams.shape
+        kv = Linear(d * (n + 1), name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
+        key = kv[..., :n * d].astype(F32).reshape(b, t, n, d)
+        value = kv[..., n * d:].astype(F32)
+        q_w = self.param("q_weight", nn.initializers.ones, (n, d), F32)
+        k_w = self.param("k_weight", nn.initializers.ones, (n, d), F32)
+        hs = streams.astype(F32)
+        eps = cfg.rms_norm_eps
+        rstd = (jax.lax.rsqrt(jnp.mean(hs * hs, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps))
+        dot = jnp.sum(hs * (q_w * k_w) * key, -1) * rstd * d ** -0.5
+        gate = jax.nn.sigmoid(jnp.sign(dot) * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
+        return (hs + gate[..., None] * value[..., None, :]).astype(streams.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: V41Config
+    layer: int
+    kernel: str
+
+    @nn.compact
+    def __call__(self, streams, pre, positions, n_valid, window, shared, src_cache, rows, bank):
+        cfg = self.cfg
+        mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+        n, d = cfg.hc_mult, cfg.hidden_size
+
+        def hc_params(site):
+            return (self.param(f"hc_{site}_fn", nn.initializers.normal(0.02), ((2 + n) * n, n * d), F32),
+                    self.param(f"hc_{site}_base", nn.initializers.zeros, ((2 + n) * n,), F32),
+                    self.param(f"hc_{site}_scale", nn.initializers.ones, (3,), F32))
+
+        if rows is not None:
+            streams = Engram(cfg, name="engram")(streams, rows)
+        pre_a, post_a, comb_a = ops.hc_mixes(streams, *hc_params("attn"), **mix)
+        x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(ops.hc_collapse(streams, pre))
+        y, window, shared, src_cache = Attention(cfg, self.layer, name="attn")(
+            x, positions, n_valid, window, shared, src_cache)
+        streams = ops.hc_expand(y, streams, post_a, comb_a)
+
+        pre_f, post_f, comb_f = ops.hc_mixes(streams, *hc_params("ffn"), **mix)
+        x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(ops.hc_collapse(streams, pre_a))
+        y = MoE(cfg, name="ffn")(x, bank, self.kernel)
+        streams = ops.hc_expand(y, streams, post_f, comb_f)
+        return streams, pre_f, window, shared, src_cache
+
+
+class DeepseekV41(nn.Module):
+    cfg: V41Config
+    kernel: str = "auto"  # routed-expert kernel: "auto" | "pallas" | "reference"
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, tokens, positions, token_mask, cache: V41Cache, engram_rows, experts):
+        """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
+        engram_rows [b, t, n_engram_layers, cols, e] float32 (None without Engram layers);
+        experts: per layer the routed-expert bank -> (logits [b, t, vocab] float32, cache).
+
+        Sows "streams" (each layer's output streams) and "selection" (each index source's
+        selection) into the "intermediates" collection for parity checks."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
+        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        x = jnp.take(embed, tokens, axis=0)
+        streams = jnp.broadcast_to(x[:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
+        pre = jnp.zeros((b, t, cfg.hc_mult), F32).at[..., 0].set(1.0)
+        windows = list(cache.window)
+        sources = [list(z) for z in zip(cache.entries, cache.index_keys, cache.buf_kv, cache.buf_gate)]
+        shared: dict = {}
+        for i in range(cfg.num_layers):
+            src = cfg.kv_sources.index(i) if i in cfg.kv_sources else None
+            rows = (engram_rows[:, :, cfg.engram_layers.index(i)]
+                    if i in cfg.engram_layers else None)
+            streams, pre, windows[i], shared, src_cache = DecoderLayer(
+                cfg, i, self.kernel, name=f"layers_{i}")(
+                streams, pre, positions, n_valid, windows[i], shared,
+                None if src is None else tuple(sources[src]), rows, experts[i])
+            if src is not None:
+                sources[src] = list(src_cache)
+            self.sow("intermediates", "streams", streams)
+            if i in cfg.index_sources:
+                self.sow("intermediates", f"selection_{i}", shared["selection"])
+        x = RMSNorm(cfg.rms_norm_eps, name="norm")(ops.hc_collapse(streams, pre))
+        head = embed if cfg.tie_word_embeddings else self.param(
+            "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
+        entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
+        return logits, V41Cache(tuple(windows), entries, index_keys, buf_kv, buf_gate)
