@@ -12,6 +12,8 @@ positions first, then every query attends to the cache entries at positions <= i
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -21,8 +23,9 @@ from tidejax.config import ModelConfig
 from tidejax.models.layers import (HIGHEST, Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                    rope_frequencies)
 from tidejax.models.moe import MoE, RouterSpec
+from tidejax.models.registry import Family, register
 from tidejax.residency.serve import ServeOptions
-from tidejax.residency.state import ExpertState
+from tidejax.residency.state import ExpertState, all_resident_state
 
 
 @flax.struct.dataclass
@@ -192,3 +195,43 @@ def ignored_tensors(cfg: ModelConfig) -> tuple[str, ...]:
     last decoder layer, and the rotary caches some exports include."""
     mtp = tuple(rf"^model\.layers\.{cfg.num_layers + j}\." for j in range(cfg.num_mtp_layers))
     return mtp + (r"rotary_emb\.inv_freq$",)
+
+
+def expert_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+
+def build(cfg: ModelConfig, serve: ServeOptions, dtype) -> DeepseekV3:
+    return DeepseekV3(cfg, serve, dtype)
+
+
+def param_shapes(cfg: ModelConfig, serve: ServeOptions, dtype) -> dict:
+    """The params pytree as ShapeDtypeStructs (nothing is allocated)."""
+    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+
+    def init():
+        pool = {"gate_up": jnp.zeros((n_moe * n_experts, 2 * inter, hidden), dtype),
+                "down": jnp.zeros((n_moe * n_experts, hidden, inter), dtype)}
+        experts = all_resident_state(pool, max(n_moe, 1))
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        cache = MLACache.create(cfg, 1, 1, dtype)
+        serve_all = dataclasses.replace(serve, all_resident=True)  # the bank does not shape params
+        return build(cfg, serve_all, dtype).init(jax.random.key(0), tokens, tokens, tokens > -1,
+                                             cache, experts)["params"]
+    return jax.eval_shape(init)
+
+
+register(Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
+    config_from_hf=ModelConfig.from_hf,
+    build=build,
+    param_shapes=param_shapes,
+    checkpoint_table=checkpoint_table,
+    expert_prefixes=expert_prefixes,
+    ignored_tensors=ignored_tensors,
+    expert_dims=expert_dims,
+    create_cache=MLACache.create,
+    cache_bytes_per_token=MLACache.bytes_per_token,
+    tool_format="deepseek_v3",
+))

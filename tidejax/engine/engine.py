@@ -1,0 +1,267 @@
+"""The engine: a loaded model, its caches and expert state, and the jitted steps over them.
+
+Shapes are static: prefill runs in chunks padded to a few bucket sizes, decode always runs all
+lanes, so each (phase, bucket) compiles once. The generation cache and the expert state are
+donated into every step and come back updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.checkpoint import CheckpointReader, Rule, load_params, load_routed_experts
+from tidejax.config import ConfigError, EngineConfig, read_json
+from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
+from tidejax.engine.tokenizer import Tokenizer
+from tidejax.models.registry import family_for
+from tidejax.residency.state import all_resident_state
+from tidejax.residency.serve import ServeOptions
+
+log = logging.getLogger("tidejax")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_FP32_LEAVES = ("gate_weight", "gate_bias")  # the router stays in float32, as the references keep it
+
+
+def _buckets(limit: int) -> list[int]:
+    sizes, size = [], 16
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+def _tree_get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+class Engine:
+    """Load with `tidejax.load(...)`. Thread-safety: one thread drives the steps (the scheduler's
+    when serving); `generate` and `logits` run on the caller's thread when no server runs."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model.path)
+        if not config.model.path or not (model_dir / "config.json").exists():
+            raise ConfigError(f"{config.source}: 'model.path' = {config.model.path!r} is not a "
+                              "checkpoint directory (no config.json)")
+        raw = read_json(model_dir / "config.json")
+        source = str(model_dir / "config.json")
+        self.family = family_for(raw, source)
+        self.cfg = self.family.config_from_hf(raw, source)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_dir = model_dir
+        self.served_name = config.model.served_name or model_dir.name
+        self.dtype = _DTYPES[config.model.dtype]
+        self.lanes = config.engine.lanes
+        self.max_context = min(config.engine.max_context, self._max_positions())
+        self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
+        self.eos_ids = tuple(sorted(set(self.cfg.eos_token_ids) | (
+            {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set())))
+        self.serve = ServeOptions(
+            miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
+            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
+
+        reader = CheckpointReader(model_dir)
+        self.params = self._load_params(reader)
+        pool = self._load_pool(reader)
+        reader.check_all_consumed(ignore=self.family.ignored_tensors(self.cfg))
+        n_moe = self.family.expert_dims(self.cfg)[0]
+        self.residency = _AllResident(all_resident_state(pool, n_moe))
+        self.serve = dataclasses.replace(self.serve, all_resident=True)
+        self.model = self.family.build(self.cfg, self.serve, self.dtype)
+        self.cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
+        self._prefill_buckets = _buckets(self.prefill_chunk)
+        self._steps = _Steps(self.model)
+        from tidejax.engine.scheduler import Scheduler  # circular at import time only
+        self.scheduler = Scheduler(self)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _max_positions(self) -> int:
+        return getattr(self.cfg, "max_position_embeddings", 1 << 30)
+
+    def _load_params(self, reader: CheckpointReader) -> dict:
+        family, cfg = self.family, self.cfg
+        shapes = family.param_shapes(cfg, self.serve, self.dtype)
+        table = {path: Rule(name, tuple(_tree_get(shapes, path).shape))
+                 for name, path in family.checkpoint_table(cfg).items()}
+
+        def put(path, array):
+            dtype = jnp.float32 if path[-1] in _FP32_LEAVES else self.dtype
+            return jnp.asarray(array, dtype)
+
+        params = load_params(reader, table, put=put)
+        missing = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]} - {
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if missing:
+            raise ConfigError(f"{self.model_dir}: the checkpoint table fills no value for "
+                              f"{sorted(missing)[0]}")
+        return params
+
+    def _load_pool(self, reader: CheckpointReader) -> dict:
+        n_moe, n_experts, hidden, inter = self.family.expert_dims(self.cfg)
+        dtype = np.dtype(self.dtype)
+        pool = {"gate_up": np.empty((n_moe * n_experts, 2 * inter, hidden), dtype),
+                "down": np.empty((n_moe * n_experts, hidden, inter), dtype)}
+
+        def put_row(row, arrays):
+            pool["gate_up"][row] = arrays["gate_up"]
+            pool["down"][row] = arrays["down"]
+
+        load_routed_experts(reader, self.family.expert_prefixes(self.cfg), n_experts, hidden,
+                            inter, put_row)
+        if self.config.model.experts == "mxfp4":
+            from tidejax.checkpoint.mxfp4 import quantize_pool
+            pool = quantize_pool(pool)
+        return pool
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def prefill(self, lane: int, token_ids: list[int], sampling: SamplingParams) -> int:
+        """Writes `token_ids` (positions 0..n-1) into `lane`'s cache, returns the sampled next token."""
+        n = len(token_ids)
+        if not 0 < n < self.max_context:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_context}")
+        lane_sampling = LaneSampling.of([sampling])
+        token = None
+        for start in range(0, n, self.prefill_chunk):
+            chunk = token_ids[start:start + self.prefill_chunk]
+            size = next(b for b in self._prefill_buckets if b >= len(chunk))
+            tokens = np.zeros((1, size), np.int32)
+            tokens[0, :len(chunk)] = chunk
+            positions = np.arange(start, start + size, dtype=np.int32)[None]
+            mask = (np.arange(size) < len(chunk))[None]
+            token, self.cache, experts = self._steps.prefill(
+                self.params, tokens, positions, mask, np.int32(lane), self.cache,
+                self.residency.state, np.int32(len(chunk) - 1), lane_sampling)
+            self.residency.state = experts
+        self.residency.after_step(n)
+        return int(token)
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
+               sampling: LaneSampling) -> np.ndarray:
+        """One step for all lanes: tokens/positions/active [lanes] -> next tokens [lanes]."""
+        next_tokens, self.cache, experts = self._steps.decode(
+            self.params, tokens.astype(np.int32), positions.astype(np.int32), active,
+            self.cache, self.residency.state, sampling)
+        self.residency.state = experts
+        self.residency.after_step(int(active.sum()))
+        return np.asarray(next_tokens)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        n = len(ids)
+        size = next((b for b in _buckets(max(n, 16)) if b >= n))
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :n] = ids
+        cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
+        logits, experts = self._steps.score(
+            self.params, tokens, np.arange(size, dtype=np.int32)[None], (np.arange(size) < n)[None],
+            cache, self.residency.state)
+        self.residency.state = experts
+        return np.asarray(logits[0, :n], np.float32)
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop: list[str] | tuple[str, ...] = (), on_text=None):
+        """Generates for a prompt (str), a chat (list of message dicts), or a list of either;
+        returns a str or a list of str to match. `on_text(i, text)` streams pieces as they come."""
+        from tidejax.engine.generate import generate
+        return generate(self, prompts, max_new_tokens=max_new_tokens,
+                        sampling=SamplingParams(temperature, top_p, top_k, seed), stop=tuple(stop),
+                        on_text=on_text)
+
+    def cache_bytes_per_token(self) -> int:
+        return self.family.cache_bytes_per_token(self.cfg, self.dtype)
+
+
+class _AllResident:
+    def __init__(self, state):
+        self.state = state
+
+    def after_step(self, n_tokens):
+        pass
+
+    def window_cold_share(self):
+        return 0.0
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The jitted functions over one model; cache and expert state are donated."""
+
+    model: object
+
+    def _forward(self, params, tokens, positions, mask, cache, experts):
+        return self.model.apply({"params": params}, tokens, positions, mask, cache, experts)
+
+    @functools.cached_property
+    def prefill(self):
+        def step(params, tokens, positions, mask, lane, cache, experts, last, sampling):
+            lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lane, 1, 0), cache)
+            logits, lane_cache, experts = self._forward(params, tokens, positions, mask,
+                                                        lane_cache, experts)
+            cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, lane, 0),
+                                 cache, lane_cache)
+            token = sample(logits[:, last], sampling, positions[:, last] + 1)
+            return token[0], cache, experts
+        return jax.jit(step, donate_argnames=("cache", "experts"))
+
+    @functools.cached_property
+    def decode(self):
+        def step(params, tokens, positions, active, cache, experts, sampling):
+            logits, cache, experts = self._forward(params, tokens[:, None], positions[:, None],
+                                                   active[:, None], cache, experts)
+            return sample(logits[:, 0], sampling, positions + 1), cache, experts
+        return jax.jit(step, donate_argnames=("cache", "experts"))
+
+    @functools.cached_property
+    def score(self):
+        def step(params, tokens, positions, mask, cache, experts):
+            logits, _, experts = self._forward(params, tokens, positions, mask, cache, experts)
+            return logits, experts
+        return jax.jit(step, donate_argnames=("experts",))
+
+
+def load(model_or_profile: str | Path, **overrides) -> Engine:
+    """Loads a checkpoint directory, a profile file (.toml) or a profile name (configs/NAME.toml).
+
+    `overrides` are profile tables as dicts: load(dir, residency={"budget_experts": 24}).
+    """
+    target = Path(model_or_profile)
+    if target.is_dir():
+        config = EngineConfig.from_dict({"model": {"path": str(target)}}, source=str(target))
+    else:
+        config = EngineConfig.from_toml(resolve_profile(str(model_or_profile)))
+    config = config.with_overrides(overrides)
+    start = time.perf_counter()
+    engine = Engine(config)
+    log.info("loaded %s in %.1f s", engine.served_name, time.perf_counter() - start)
+    return engine
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A path to a .toml, or a name looked up in ./configs and in the repository's configs/."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    repo_configs = Path(__file__).resolve().parents[2] / "configs"
+    for folder in (Path("configs"), repo_configs):
+        if (folder / f"{name_or_path}.toml").exists():
+            return folder / f"{name_or_path}.toml"
+    raise ConfigError(f"profile {name_or_path!r} not found (looked for configs/{name_or_path}.toml "
+                      f"and {repo_configs}/{name_or_path}.toml)")

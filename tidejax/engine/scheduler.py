@@ -1,0 +1,234 @@
+"""Lanes and continuous batching: one thread owns the device.
+
+Each iteration frees the lanes of finished or cancelled requests, admits queued requests into
+free lanes (prefill, first token), then runs one decode step for every active lane. A request
+joins and leaves between steps; the others never wait for it beyond its prefill. Events go to
+each request's `on_event` callback from the scheduler thread (the server turns them into
+asyncio queue items with loop.call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+
+from tidejax.engine.sampling import LaneSampling, SamplingParams
+
+log = logging.getLogger("tidejax")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+class RequestHandle:
+    _ids = itertools.count(1)
+
+    def __init__(self, request: GenerationRequest, on_event):
+        self.id = next(self._ids)
+        self.request = request
+        self.on_event = on_event
+        self.cancelled = False
+        self.generated = 0
+        self.submitted = time.perf_counter()
+        self.prefill_s = 0.0
+        self.first_token_at = 0.0
+
+    def cancel(self) -> None:
+        """Frees the lane before the next step (safe from any thread)."""
+        self.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        lanes = engine.lanes
+        self.lane_of: list[RequestHandle | None] = [None] * lanes
+        self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane, fed next step
+        self.positions = np.zeros(lanes, np.int32)  # that token's position
+        self.queue: collections.deque[RequestHandle] = collections.deque()
+        self.wake = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.running = False
+        self.totals = collections.Counter()  # requests, prompt and generated tokens, steps
+        self._sampling = None
+
+    # -- API -------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_event) -> RequestHandle:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.engine.max_context:
+            raise ValueError(f"the prompt has {n} tokens; this model's context is "
+                             f"{self.engine.max_context} tokens")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        request.sampling  # validates
+        handle = RequestHandle(request, on_event)
+        with self.wake:
+            self.queue.append(handle)
+            self.wake.notify()
+        return handle
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @property
+    def active(self) -> int:
+        return sum(h is not None for h in self.lane_of)
+
+    def start(self) -> None:
+        """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="tidejax-scheduler", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.running = False
+        with self.wake:
+            self.wake.notify()
+        if self.thread:
+            self.thread.join()
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while self.running:
+            with self.wake:
+                while self.running and not self.queue and not self.active:
+                    self.wake.wait()
+            if self.running:
+                try:
+                    self.step()
+                except Exception as e:  # a failed step must not kill the server
+                    log.exception("step failed")
+                    self._fail_all(f"engine error: {e}")
+
+    def step(self) -> bool:
+        """One iteration; returns whether any work remains."""
+        self._release_cancelled()
+        self._admit()
+        if self.active:
+            self._decode()
+        return bool(self.active or self.queue)
+
+    def _release_cancelled(self) -> None:
+        for lane, handle in enumerate(self.lane_of):
+            if handle is not None and handle.cancelled:
+                self._finish(lane, "cancelled")
+        with self.wake:
+            for handle in [h for h in self.queue if h.cancelled]:
+                self.queue.remove(handle)
+                handle.on_event(DoneEvent("cancelled", self._stats(handle)))
+
+    def _admit(self) -> None:
+        while None in self.lane_of:
+            with self.wake:
+                if not self.queue:
+                    return
+                handle = self.queue.popleft()
+            lane = self.lane_of.index(None)
+            start = time.perf_counter()
+            try:
+                token = self.engine.prefill(lane, handle.request.prompt_ids, handle.request.sampling)
+            except ValueError as e:
+                handle.on_event(ErrorEvent(str(e)))
+                continue
+            handle.prefill_s = time.perf_counter() - start
+            handle.first_token_at = time.perf_counter()
+            self.lane_of[lane] = handle
+            self._sampling = None
+            self.positions[lane] = len(handle.request.prompt_ids)
+            self.totals["requests"] += 1
+            self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
+            self._emit(lane, token)
+
+    def _decode(self) -> None:
+        active = np.array([h is not None for h in self.lane_of])
+        if self._sampling is None:
+            self._sampling = LaneSampling.of(
+                [h.request.sampling if h else SamplingParams() for h in self.lane_of])
+        next_tokens = self.engine.decode(self.tokens, np.where(active, self.positions, 0),
+                                         active, self._sampling)
+        self.totals["steps"] += 1
+        for lane in np.flatnonzero(active):
+            self.positions[lane] += 1
+            self._emit(int(lane), int(next_tokens[lane]))
+
+    def _emit(self, lane: int, token: int) -> None:
+        """Delivers `token` for the request in `lane` (or ends it); keeps it as the next input."""
+        handle = self.lane_of[lane]
+        request = handle.request
+        if token in self.engine.eos_ids or token in request.stop_token_ids:
+            self._finish(lane, "stop")
+            return
+        handle.generated += 1
+        self.totals["generated_tokens"] += 1
+        handle.on_event(TokenEvent(token))
+        self.tokens[lane] = token
+        if handle.generated >= request.max_new_tokens or self.positions[lane] + 1 >= self.engine.max_context:
+            self._finish(lane, "length")
+
+    def _finish(self, lane: int, reason: str) -> None:
+        handle = self.lane_of[lane]
+        self.lane_of[lane] = None
+        self._sampling = None
+        handle.on_event(DoneEvent(reason, self._stats(handle)))
+
+    def _stats(self, handle: RequestHandle) -> dict:
+        prompt = len(handle.request.prompt_ids)
+        decode_s = time.perf_counter() - handle.first_token_at if handle.first_token_at else 0.0
+        decoded = max(handle.generated - 1, 0)  # the first token came from the prefill
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": handle.generated,
+            "prefill_tps": prompt / handle.prefill_s if handle.prefill_s else 0.0,
+            "decode_tps": decoded / decode_s if decode_s and decoded else 0.0,
+            "cold_share": self.engine.residency.window_cold_share(),
+        }
+
+    def _fail_all(self, message: str) -> None:
+        for lane, handle in enumerate(self.lane_of):
+            if handle is not None:
+                self.lane_of[lane] = None
+                handle.on_event(ErrorEvent(message))
+        self._sampling = None
