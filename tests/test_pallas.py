@@ -1,0 +1,139 @@
+"""Kernels (Pallas interpret mode on CPU) and their jnp references against float64 numpy."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tidejax.checkpoint import mxfp4
+from tidejax.pallas import count_demand, moe_grouped, moe_grouped_reference
+from tidejax.pallas.demand_kernel import count_demand_pallas
+from tidejax.pallas.moe_kernel import moe_grouped_pallas
+
+
+@pytest.fixture
+def rng():
+    seed = time.time_ns() % 2**32
+    print(f"random seed {seed}")  # shown by pytest when a test fails
+    return np.random.default_rng(seed)
+
+
+def make_bank(rng, fmt, n, d, i):
+    """(bank, dense float64 gate_up [n, 2i, d], dense float64 down [n, d, i])."""
+    gate_up = (rng.standard_normal((n, 2 * i, d)) / np.sqrt(d)).astype(np.float32)
+    down = (rng.standard_normal((n, d, i)) / np.sqrt(i)).astype(np.float32)
+    if fmt == "mxfp4":
+        gb, gs = mxfp4.quantize(gate_up)
+        db, ds = mxfp4.quantize(down)
+        bank = {"gate_up_blocks": gb, "gate_up_scales": gs, "down_blocks": db, "down_scales": ds}
+        return bank, mxfp4.dequantize(gb, gs, np.float64), mxfp4.dequantize(db, ds, np.float64)
+    dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
+    bank = {"gate_up": jnp.asarray(gate_up, dtype), "down": jnp.asarray(down, dtype)}
+    as64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    return bank, as64(bank["gate_up"]), as64(bank["down"])
+
+
+def numpy_moe(x, gate_up, down, slot_ids, weights, limit):
+    """Float64, one pick at a time: y[t] = sum_j w[t,j] * down_s(silu(g) * u)."""
+    x = np.asarray(x, np.float64)
+    i = down.shape[-1]
+    y = np.zeros_like(x)
+    for t, j in zip(*np.nonzero(slot_ids >= 0)):
+        s = slot_ids[t, j]
+        h = gate_up[s] @ x[t]
+        g, u = h[:i], h[i:]
+        if limit > 0:
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        y[t] += weights[t, j] * (down[s] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+def random_picks(rng, t, k, n):
+    """Distinct slots per token, about a tenth of the picks skipped (-1)."""
+    slot_ids = np.stack([rng.permutation(n)[:k] for _ in range(t)]).astype(np.int32)
+    slot_ids[rng.random((t, k)) < 0.1] = -1
+    return slot_ids, rng.random((t, k)).astype(np.float32)
+
+
+def rel_err(got, want):
+    return np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+
+
+# (format, slots, tokens, k): decode-like (16-row tiles) and prefill-like (64-row tiles)
+CASES = [("bf16", 8, 3, 2), ("mxfp4", 8, 5, 3), ("bf16", 4, 150, 2), ("mxfp4", 4, 150, 2)]
+
+
+@pytest.mark.parametrize("fmt,n,t,k", CASES)
+@pytest.mark.parametrize("limit", [0.0, 0.6])
+def test_moe_kernel_interpret_matches_float64(rng, fmt, n, t, k, limit):
+    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
+    x = rng.standard_normal((t, 64)).astype(np.float32)
+    slot_ids, weights = random_picks(rng, t, k, n)
+    want = numpy_moe(x, gate_up, down, slot_ids, weights, limit)
+    got = moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=limit, interpret=True)
+    assert got.dtype == jnp.float32 and got.shape == x.shape
+    assert rel_err(got, want) < 2e-2  # bf16 inputs to the dots, float32 accumulation
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "mxfp4"])
+@pytest.mark.parametrize("t", [3, 40])  # gathers the picked slots / scans over the slots
+def test_reference_matches_float64(rng, fmt, t):
+    n, k = 12, 3
+    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
+    x = rng.standard_normal((t, 64)).astype(np.float32)
+    slot_ids, weights = random_picks(rng, t, k, n)
+    want = numpy_moe(x, gate_up, down, slot_ids, weights, 0.5)
+    got = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(
+        x, bank, slot_ids, weights, swiglu_limit=0.5)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_auto_on_cpu_is_the_reference_and_keeps_dtype(rng):
+    bank, _, _ = make_bank(rng, "bf16", 6, 32, 32)
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.bfloat16)
+    slot_ids, weights = random_picks(rng, 4, 2, 6)
+    y = moe_grouped(x, bank, slot_ids, weights)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(moe_grouped_reference(x, bank, slot_ids, weights), np.float32))
+
+
+def test_bad_bank_and_shapes_are_named():
+    x = np.zeros((2, 32), np.float32)
+    ids, w = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    with pytest.raises(ValueError, match="expected .*'down', 'gate_up'"):
+        moe_grouped(x, {"gate_up": np.zeros((1, 64, 32))}, ids, w)
+    bank = {"gate_up": np.zeros((1, 64, 32), np.float32), "down": np.zeros((1, 32, 32), np.float32)}
+    with pytest.raises(ValueError, match="x has shape"):
+        moe_grouped(np.zeros((2, 16), np.float32), bank, ids, w)
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        moe_grouped(x, bank, ids, w, impl="cuda")
+
+
+def numpy_counts(counts, sums, layer, ids, weights, mask):
+    counts, sums = counts.astype(np.float64), sums.astype(np.float64)
+    for t, j in np.ndindex(ids.shape):
+        if mask[t] and ids[t, j] >= 0:
+            counts[layer, ids[t, j]] += 1
+            sums[layer, ids[t, j]] += weights[t, j]
+    return counts, sums
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_count_demand_matches_loop(rng, impl):
+    n_layers, n_experts, t, k = 3, 16, 37, 6
+    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(t)]).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    mask = rng.random(t) > 0.25
+    counts = rng.integers(0, 50, (n_layers, n_experts)).astype(np.float32)
+    sums = rng.random((n_layers, n_experts)).astype(np.float32)
+    layer = int(rng.integers(n_layers))
+    if impl == "reference":
+        got = count_demand(counts, sums, layer, ids, weights, mask)
+    else:
+        got = count_demand_pallas(counts, sums, jnp.int32(layer), ids, weights, mask, interpret=True)
+    want = numpy_counts(counts, sums, layer, ids, weights, mask)
+    np.testing.assert_array_equal(np.asarray(got[0]), want[0])
+    np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-6)
