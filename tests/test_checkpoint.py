@@ -10,7 +10,7 @@ import pytest
 
 from safetensors.torch import save_file
 
-from checkpoint_fixtures import save_checkpoint, to_fp8, to_per_expert, to_torch
+from checkpoint_fixtures import save_checkpoint, to_fp8, to_numpy, to_per_expert, to_torch
 from tidejax.checkpoint import (CheckpointError, CheckpointReader, Rule, dequantize_fp8_block,
                                 load_params, load_routed_experts, quantize_fp8_block)
 
@@ -109,6 +109,41 @@ def test_load_params_and_expert_layouts_agree(tmp_path):
     for k in pool:
         np.testing.assert_array_equal(pool2[k], pool[k])
     np.testing.assert_array_equal(params2["embed"], params["embed"])
+
+
+def test_transformers_writes_per_expert_like_its_fused_params(tmp_path):
+    """save_pretrained converts transformers-5's fused experts to the published per-expert
+    layout; both must load to the same rows (gate rows first in gate_up)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=32, hidden_size=D, intermediate_size=12,
+                           moe_intermediate_size=I, num_hidden_layers=2, first_k_dense_replace=1,
+                           n_routed_experts=E, num_experts_per_tok=2, n_group=1, topk_group=1,
+                           num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+                           kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+                           n_shared_experts=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "saved")
+    state = {k: to_numpy(v) for k, v in model.state_dict().items()}
+    save_checkpoint(tmp_path / "fused", state, n_shards=2)
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in CheckpointReader(
+        tmp_path / "saved", progress=False)
+    pools = []
+    for d in ("saved", "fused"):
+        reader = CheckpointReader(tmp_path / d, progress=False)
+        pool = {"gate_up": np.zeros((E, 2 * I, D), np.float32),
+                "down": np.zeros((E, D, I), np.float32)}
+
+        def put_row(row, r, pool=pool):
+            pool["gate_up"][row], pool["down"][row] = r["gate_up"], r["down"]
+
+        load_routed_experts(reader, ["model.layers.1.mlp"], E, D, I, put_row)
+        reader.check_all_consumed(ignore=[r"^(?!.*\.experts\.)"])  # all but the experts
+        pools.append(pool)
+    for k in ("gate_up", "down"):
+        np.testing.assert_array_equal(pools[0][k], pools[1][k])
+        np.testing.assert_array_equal(pools[1][k], state[f"model.layers.1.mlp.experts.{k}_proj"])
 
 
 def test_fp8_dequantize_matches_float64():

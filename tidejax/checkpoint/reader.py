@@ -80,7 +80,7 @@ class CheckpointReader:
         ignored ones count as done on the progress line, which ends here."""
         patterns = [re.compile(p) for p in ignore]
         unread = [n for n in self.names() if n not in self._consumed]
-        left = [n for n in unread if not any(p.fullmatch(n) for p in patterns)]
+        left = [n for n in unread if not any(p.search(n) for p in patterns)]
         skipped = set(unread) - set(left)
         self.progress.advance(len(skipped), sum(self._info(n).nbytes for n in skipped))
         self.progress.close()
