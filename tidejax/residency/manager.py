@@ -1,0 +1,281 @@
+"""The residency manager: the engine calls it between steps. It owns the host mirror of the map,
+the demand history, the planner's queue, the ring, persistence and telemetry.
+
+Engine contract (one scheduler thread):
+    residency = Residency(pool_rows, n_layers, top_k, config.residency, kernel=..., max_tokens=...)
+    state = residency.boot()                       # the ExpertState for the first step
+    options = residency.options                    # the MoE layers' static ServeOptions
+    ... each jitted step: (outputs, state) = step(params, state, ...)   [state donated]
+    state = residency.after_step(state, tokens=n)  # n = real (unpadded) tokens in that step
+    state = residency.reseed(state)                # optional, after a calibration prefill
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from tidejax.config import ResidencySection
+from tidejax.residency import seedmap
+from tidejax.residency.history import History
+from tidejax.residency.planner import Swap, fit_rows, place, plan
+from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import ExpertState, all_resident_state, build_state
+from tidejax.residency.swap import drained, swap_row
+
+log = logging.getLogger("tidejax.residency")
+
+
+class Residency:
+    def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
+                 *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
+                 window: int = 64, device=None):
+        """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert);
+        max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
+        slots: min(E, max_tokens * top_k))."""
+        self.section = section
+        self.n_layers, self.top_k = n_layers, top_k
+        total = n_rows(pool_rows)
+        if total % n_layers:
+            raise ValueError(f"expert pool has {total} rows, not a multiple of {n_layers} layers")
+        self.n_experts = total // n_layers
+        self.row_bytes = row_bytes(pool_rows)
+        slots = budget_slots(section.budget_experts, section.budget_gib, self.row_bytes, total)
+        self.all_resident = slots >= total
+        self.geometry = section.geometry
+        if not self.all_resident:
+            per = layer_slots(slots, n_layers, section.geometry)
+            slots = per * n_layers if per else slots
+        self.n_resident = slots
+        policy = section.miss_policy
+        if policy == "ring" and section.ring_slots <= 0 and not self.all_resident:
+            raise ValueError("[residency] miss_policy = 'ring' needs ring_slots > 0")
+        self.n_ring = section.ring_slots if policy == "ring" and not self.all_resident else 0
+        self.n_transient = (min(self.n_experts, max_tokens * top_k)
+                            if policy == "exact" and not self.all_resident else 0)
+        self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
+                                    count=section.count, all_resident=self.all_resident)
+        self.state_dir = Path(section.state_dir) if section.state_dir else None
+        self.history = None
+        if self.state_dir:
+            self.history = History.resume(self.history_path, n_layers, self.n_experts,
+                                          section.half_life)
+        self.needs_calibration = False
+        self.history = self.history or History(n_layers, self.n_experts, section.half_life)
+        self.frozen = not section.adapt
+        self._pool_rows, self._device = pool_rows, device
+        self._queue: list[Swap] = []
+        self._ring_next = 0
+        self._window = collections.deque(maxlen=window)  # (missed, wanted) per step
+        self._seen_misses = np.zeros((n_layers, self.n_experts))
+        self._since_drain = 0
+        self.counters = collections.Counter()
+
+    # -- boot ------------------------------------------------------------------------------
+
+    @property
+    def history_path(self) -> Path:
+        return self.state_dir / "history.npz"
+
+    def boot(self) -> ExpertState:
+        """The first state: all resident, or the seed map, else the saved history's busiest
+        experts, else the first slots of each group (then `needs_calibration` is True)."""
+        if self.all_resident:
+            self.slot_rows = np.arange(self.n_layers * self.n_experts, dtype=np.int32)
+            self.version = 0
+            return all_resident_state(self._pool_rows, self.n_layers)
+        if self.section.seed_map:
+            wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts)
+            source = self.section.seed_map
+        elif self.history.steps:
+            wanted = fit_rows(self.history.counts, self.n_resident, self.geometry)
+            source = "the saved demand history"
+        else:
+            wanted, source = np.zeros(0, np.int32), "the first slots (no map, no history)"
+            self.needs_calibration = True
+        resident = place(wanted, self.n_resident, self.n_layers, self.n_experts, self.geometry)
+        log.info("residency: %d of %d experts resident (%s), %d ring + %d transient slots; boot "
+                 "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
+                 self.n_ring, self.n_transient, source)
+        pool = host_pool(self._pool_rows, self._device)
+        state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
+                            transient=self.n_transient)
+        self.slot_rows = np.asarray(state.slot_rows).copy()
+        self.version = 0
+        self._slot_changed = np.zeros(len(self.slot_rows), np.int64)  # map version of last change
+        self.boot_rows = self.slot_rows.copy()
+        return state
+
+    # -- between steps ---------------------------------------------------------------------
+
+    def after_step(self, state: ExpertState, tokens: int) -> ExpertState:
+        """Per step: miss tallies and cold share; the ring's copies; up to max_swaps_per_step
+        queued swaps. Every drain_every steps: drain the counters into the history, persist it,
+        plan. `tokens` = real tokens the step sent through each MoE layer."""
+        self.counters["steps"] += 1
+        self._since_drain += 1
+        if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
+            state = self._tally_misses(state, tokens)
+        if not self.frozen and not self.all_resident:
+            state = self._apply(state, self._queue[:self.section.max_swaps_per_step])
+            del self._queue[:self.section.max_swaps_per_step]
+        if self.options.count and self._since_drain >= self.section.drain_every:
+            state = self.drain(state)
+        return state
+
+    def _tally_misses(self, state: ExpertState, tokens: int) -> ExpertState:
+        misses = np.asarray(state.misses, np.float64)
+        new = misses - self._seen_misses  # [L_moe, E] this step's misses
+        self._seen_misses = misses
+        wanted = tokens * self.top_k * self.n_layers
+        self._window.append((new.sum(), wanted))
+        self.counters["misses"] += int(new.sum())
+        self.counters["wanted"] += wanted
+        if self.options.miss_policy == "ring" and not self.frozen:
+            state = self._fill_ring(state, new)
+        return state
+
+    def _fill_ring(self, state: ExpertState, new: np.ndarray) -> ExpertState:
+        """Copies this step's heaviest misses into ring slots, oldest ring entry first."""
+        flat = new.reshape(-1)
+        heavy = np.argsort(-flat, kind="stable")[:min(self.n_ring, self.section.max_swaps_per_step)]
+        swaps = []
+        for row in heavy[flat[heavy] > 0]:
+            slot = self.n_resident + self._ring_next
+            self._ring_next = (self._ring_next + 1) % self.n_ring
+            swaps.append(Swap(slot=int(slot), row=int(row), version=self.version))
+        return self._apply(state, swaps, kind="ring_copies")
+
+    def drain(self, state: ExpertState) -> ExpertState:
+        """Reads the device counters into the history (decayed), zeroes them, persists, plans."""
+        t0 = time.perf_counter()
+        counts, weights = np.asarray(state.counts), np.asarray(state.weight_sums)
+        self.history.add(counts, weights, self._since_drain)
+        self._since_drain = 0
+        self._seen_misses = np.zeros_like(self._seen_misses)
+        state = drained(state)
+        self.counters["drains"] += 1
+        if self.state_dir:
+            self.history.save(self.history_path)
+        if not self.frozen and not self.all_resident:
+            self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
+                self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
+                self.section.hysteresis, self.section.max_swaps_per_layer)]
+            self.counters["planned"] += len(self._queue)
+        self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
+        self._log_telemetry()
+        return state
+
+    # -- swaps -----------------------------------------------------------------------------
+
+    def apply_swaps(self, state: ExpertState, swaps: list[Swap]) -> ExpertState:
+        """Applies swaps now (stale ones rejected and counted); the planner's path, public for
+        tools and tests."""
+        return self._apply(state, swaps)
+
+    def _apply(self, state: ExpertState, swaps: list[Swap], kind: str = "swaps_applied"):
+        if not swaps:
+            return state
+        t0 = time.perf_counter()
+        applied = 0
+        for swap in swaps:
+            # stale: the slot moved since the plan, or the row became resident meanwhile
+            if (self._slot_changed[swap.slot] > swap.version
+                    or swap.row in self.slot_rows[:self.n_resident]):
+                self.counters["swaps_rejected"] += 1
+                continue
+            state = swap_row(state, np.int32(swap.slot), np.int32(swap.row))
+            self.version += 1
+            for other in np.nonzero(self.slot_rows == swap.row)[0]:  # e.g. the row's ring slot
+                self.slot_rows[other] = -1
+                self._slot_changed[other] = self.version
+            self.slot_rows[swap.slot] = swap.row
+            self._slot_changed[swap.slot] = self.version
+            applied += 1
+        if applied:
+            jax.block_until_ready(state.slot_rows)
+            self.counters[kind] += applied
+            self.counters["bytes_moved"] += applied * self.row_bytes
+            self.counters["swap_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
+        return state
+
+    def reseed(self, state: ExpertState) -> ExpertState:
+        """Drains the counters (e.g. of a calibration prefill) and moves the whole resident set to
+        the history's busiest experts, ignoring the caps (boot time, not the decode path)."""
+        if self.all_resident:
+            return state
+        frozen, self.frozen = self.frozen, True  # drain without planning
+        state = self.drain(state)
+        self.frozen = frozen
+        target = place(fit_rows(self.history.counts, self.n_resident, self.geometry),
+                       self.n_resident, self.n_layers, self.n_experts, self.geometry)
+        self.needs_calibration = False
+        return self.move_to(state, target)
+
+    def move_to(self, state: ExpertState, target: np.ndarray) -> ExpertState:
+        """Swaps until the resident slots hold the rows of `target` (same set; slots may differ)."""
+        current = self.slot_rows[:self.n_resident]
+        free = [s for s in range(self.n_resident) if current[s] not in set(target.tolist())]
+        incoming = [r for r in target.tolist() if r not in set(current.tolist())]
+        return self._apply(state, [Swap(s, r, self.version) for s, r in zip(free, incoming)])
+
+    # -- control and telemetry -------------------------------------------------------------
+
+    def freeze(self) -> None:
+        """Stops adaptation (planner, queued swaps, ring copies); counting goes on."""
+        self.frozen = True
+        self._queue.clear()
+
+    def unfreeze(self) -> None:
+        self.frozen = False
+
+    def save(self) -> None:
+        """Persists the demand history (atomically) and writes a telemetry line."""
+        if not self.state_dir:
+            raise ValueError("[residency] state_dir is not set: nothing to save to")
+        self.history.save(self.history_path)
+        self._log_telemetry()
+
+    def stats(self) -> dict:
+        c = self.counters
+        missed = sum(m for m, _ in self._window)
+        wanted = sum(w for _, w in self._window)
+        last = self._window[-1] if self._window else (0, 0)
+        return {
+            "steps": c["steps"],
+            "cold_share_step": last[0] / last[1] if last[1] else 0.0,
+            "cold_share_window": missed / wanted if wanted else 0.0,
+            "cold_share_total": c["misses"] / c["wanted"] if c["wanted"] else 0.0,
+            "window_steps": len(self._window),
+            "misses": c["misses"],
+            "wanted": c["wanted"],
+            "swaps_applied": c["swaps_applied"],
+            "swaps_rejected": c["swaps_rejected"],
+            "ring_copies": c["ring_copies"],
+            "swaps_queued": len(self._queue),
+            "bytes_moved": c["bytes_moved"],
+            "swap_seconds": c["swap_seconds_x1e6"] / 1e6,
+            "drains": c["drains"],
+            "drain_seconds": c["drain_seconds_x1e6"] / 1e6,
+            "resident": self.n_resident,
+            "experts": self.n_layers * self.n_experts,
+            "geometry": self.geometry,
+            "miss_policy": self.options.miss_policy,
+            "frozen": self.frozen,
+            "map_version": self.version,
+        }
+
+    def _log_telemetry(self) -> None:
+        if not self.state_dir:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "telemetry.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), **self.stats()}) + "\n")

@@ -1,0 +1,70 @@
+"""The host pool of routed experts and the slot budget of the device bank."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+log = logging.getLogger("tidejax.residency")
+
+
+def host_memory_kind(device=None) -> str | None:
+    """'pinned_host' where the device has it (GPU, recent CPU backends), else None (default)."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def host_pool(rows: dict, device=None) -> dict:
+    """Places a bank-format dict of arrays [L_moe * E, ...] in host memory the device can read
+    inside a jit (pinned_host where available; the device's default memory otherwise)."""
+    device = device or jax.devices()[0]
+    kind = host_memory_kind(device)
+    if kind is None:
+        log.warning("device %s has no pinned_host memory: the expert pool stays in its default "
+                    "memory", device)
+    return jax.device_put(rows, SingleDeviceSharding(device, memory_kind=kind))
+
+
+def row_bytes(rows: dict) -> int:
+    """Bytes of one expert row (all its matrices and scales)."""
+    return sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(rows))
+
+
+def n_rows(rows: dict) -> int:
+    return jax.tree.leaves(rows)[0].shape[0]
+
+
+def budget_slots(budget_experts: int, budget_gib: float, bytes_per_row: int, total_rows: int,
+                 source: str = "[residency]") -> int:
+    """Resident slots for a budget: `budget_experts`, else `budget_gib` of rows, else every row
+    (0 and 0 = all resident). Never more than there are rows."""
+    if budget_experts < 0 or budget_gib < 0:
+        raise ValueError(f"{source}: budget_experts and budget_gib must not be negative")
+    if budget_experts and budget_gib:
+        raise ValueError(f"{source}: give budget_experts or budget_gib, not both")
+    if budget_experts:
+        slots = budget_experts
+    elif budget_gib:
+        slots = int(budget_gib * 2**30 // bytes_per_row)
+        if slots == 0:
+            raise ValueError(f"{source}: budget_gib = {budget_gib} holds no expert row "
+                             f"({bytes_per_row} bytes each)")
+    else:
+        slots = total_rows
+    return min(slots, total_rows)
+
+
+def layer_slots(slots: int, n_layers: int, geometry: str, source: str = "[residency]") -> int:
+    """Slots per layer for the per_layer geometry (0 for the arena)."""
+    if geometry == "arena":
+        return 0
+    if geometry != "per_layer":
+        raise ValueError(f"{source}: geometry = {geometry!r}, expected per_layer or arena")
+    if slots < n_layers:
+        raise ValueError(f"{source}: a budget of {slots} experts gives no slot to some of the "
+                         f"{n_layers} MoE layers (geometry per_layer)")
+    return slots // n_layers

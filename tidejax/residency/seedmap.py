@@ -1,0 +1,57 @@
+"""Seed maps: the resident set fitted to a budget from a demand history, loaded at boot.
+
+File (JSON): {"format": "tidejax-seed-map/1", "geometry", "n_layers", "n_experts", "budget",
+"rows": [pool rows, busiest first within each layer / the arena]}; pool row = layer * E + expert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tidejax.residency.history import History
+from tidejax.residency.planner import fit_rows
+
+FORMAT = "tidejax-seed-map/1"
+
+
+def fit(history: History, budget: int, geometry: str = "per_layer") -> dict:
+    n_layers, n_experts = history.shape
+    if not 0 < budget <= n_layers * n_experts:
+        raise ValueError(f"budget {budget} must be in [1, {n_layers * n_experts}]")
+    if geometry == "per_layer" and budget < n_layers:
+        raise ValueError(f"budget {budget} gives no slot to some of the {n_layers} layers")
+    return {"format": FORMAT, "geometry": geometry, "n_layers": n_layers, "n_experts": n_experts,
+            "budget": budget, "rows": fit_rows(history.counts, budget, geometry).tolist()}
+
+
+def write(seed: dict, path: str | os.PathLike) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(seed))
+    os.replace(tmp, path)
+
+
+def read(path: str | os.PathLike, n_layers: int, n_experts: int) -> np.ndarray:
+    """The map's rows, checked against this model's shape; errors name the file and field."""
+    path = Path(path)
+    try:
+        seed = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: seed map not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: seed map is not valid JSON ({e})") from None
+    if not isinstance(seed, dict) or seed.get("format") != FORMAT:
+        raise ValueError(f"{path}: field 'format' should be {FORMAT!r}")
+    for field, want in (("n_layers", n_layers), ("n_experts", n_experts)):
+        if seed.get(field) != want:
+            raise ValueError(f"{path}: field '{field}' = {seed.get(field)!r}, this model has {want}")
+    rows = seed.get("rows")
+    if (not isinstance(rows, list) or not all(isinstance(r, int) for r in rows)
+            or any(not 0 <= r < n_layers * n_experts for r in rows)):
+        raise ValueError(f"{path}: field 'rows' should be a list of pool rows in "
+                         f"[0, {n_layers * n_experts})")
+    return np.asarray(rows, np.int32)
