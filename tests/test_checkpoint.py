@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from checkpoint_fixtures import save_checkpoint, to_fp8, to_numpy, to_per_expert, to_torch
 from tidejax.checkpoint import (CheckpointError, CheckpointReader, Rule, dequantize_fp8_block,
-                                load_params, load_routed_experts, quantize_fp8_block)
+                                load_checkpoint, load_params, load_routed_experts,
+                                quantize_fp8_block)
 
 E, D, I = 4, 8, 6  # experts, hidden, intermediate
 MOE = ["model.layers.1.mlp", "model.layers.2.mlp"]
@@ -70,18 +71,25 @@ def test_read_rows(tmp_path):
     reader.check_all_consumed()
 
 
+def table() -> dict:
+    t = {("embed",): Rule("model.embed_tokens.weight", (10, D)),
+         ("layers", 0, "mlp", "up"): ("model.layers.0.mlp.up_proj.weight", (I, D), np.transpose),
+         ("layers", 0, "norm"): ("model.layers.0.input_layernorm.weight", (D,))}
+    for m, p in enumerate(MOE):
+        t[("layers", m + 1, "router")] = Rule(f"{p}.gate.weight", (E, D))
+    return t
+
+
+def empty_pool(dtype=np.float32) -> dict:
+    return {"gate_up": np.full((len(MOE) * E, 2 * I, D), np.nan, dtype),
+            "down": np.full((len(MOE) * E, D, I), np.nan, dtype)}
+
+
 def load_all(model_dir, dtype=np.float32):
     """Load model_tensors' layout through the public API: (params, expert pool)."""
     reader = CheckpointReader(model_dir, progress=False)
-    table = {("embed",): Rule("model.embed_tokens.weight", (10, D)),
-             ("layers", 0, "mlp", "up"): ("model.layers.0.mlp.up_proj.weight", (I, D),
-                                          np.transpose),
-             ("layers", 0, "norm"): ("model.layers.0.input_layernorm.weight", (D,))}
-    for m, p in enumerate(MOE):
-        table[("layers", m + 1, "router")] = Rule(f"{p}.gate.weight", (E, D))
-    params = load_params(reader, table, dtype=dtype)
-    pool = {"gate_up": np.full((len(MOE) * E, 2 * I, D), np.nan, dtype),
-            "down": np.full((len(MOE) * E, D, I), np.nan, dtype)}
+    params = load_params(reader, table(), dtype=dtype)
+    pool = empty_pool(dtype)
 
     def put_row(row, r):
         pool["gate_up"][row], pool["down"][row] = r["gate_up"], r["down"]
@@ -89,6 +97,32 @@ def load_all(model_dir, dtype=np.float32):
     load_routed_experts(reader, MOE, E, D, I, put_row, dtype=dtype)
     reader.check_all_consumed()
     return params, pool
+
+
+def test_load_checkpoint_checks_everything_before_reading(tmp_path):
+    tensors = to_per_expert(model_tensors(np.random.default_rng(8)))
+    params, pool = load_all(save_checkpoint(tmp_path / "ok", tensors))
+    reader = CheckpointReader(tmp_path / "ok", progress=False)
+    pool2 = empty_pool()
+
+    def put_row(row, r):
+        pool2["gate_up"][row], pool2["down"][row] = r["gate_up"], r["down"]
+
+    params2 = load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row,
+                              dtype=np.float32, put=lambda path, a: a * 2)
+    np.testing.assert_array_equal(params2["layers"][0]["norm"], 2 * params["layers"][0]["norm"])
+    for k in pool:
+        np.testing.assert_array_equal(pool2[k], pool[k])
+    assert reader.progress.closed and reader.progress.nbytes == sum(
+        t.nbytes for t in tensors.values())
+
+    tensors["model.layers.7.extra"] = np.ones(3, np.float32)
+    reader = CheckpointReader(save_checkpoint(tmp_path / "extra", tensors), progress=False)
+    with pytest.raises(CheckpointError, match="'model.layers.7.extra' in .*model.safetensors"):
+        load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row)
+    assert reader.progress.nbytes == 0  # failed on the headers alone
+    reader = CheckpointReader(tmp_path / "extra", progress=False)
+    load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row, ignore=[r"\.extra$"])
 
 
 def test_load_params_and_expert_layouts_agree(tmp_path):

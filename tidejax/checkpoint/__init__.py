@@ -21,6 +21,10 @@ Usage from a model family (a declarative table; this package reads, maps and che
     # fails naming any tensor left unconsumed that no ignore regex matches (re.search)
     reader.check_all_consumed(ignore=[r"^model\\.layers\\.61\\.", r"rotary_emb\\.inv_freq$"])
 
+    # or all three in one call, every check (unmapped tensors too) done before any data is read:
+    params = load_checkpoint(reader, table, ignore=[...], experts=(prefixes, E, D, I),
+                             put_row=put_row, put=...)
+
 Rule shapes are the stored (HF, [out, in]) shapes. `X.weight` with a sibling `X.weight_scale_inv`
 (DeepSeek FP8, 128x128 blocks) reads as float32 and consumes both. Every error is a
 `CheckpointError` (a ValueError) naming the file and the tensor: truncated file, unknown dtype,
@@ -30,9 +34,9 @@ missing tensor, shape mismatch, duplicate or unmapped tensor, missing shard.
 """
 
 from tidejax.checkpoint.fp8 import dequantize_fp8_block, quantize_fp8_block
-from tidejax.checkpoint.names import Rule, load_params, load_routed_experts
+from tidejax.checkpoint.names import Rule, load_checkpoint, load_params, load_routed_experts
 from tidejax.checkpoint.reader import CheckpointReader
 from tidejax.checkpoint.safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError", "CheckpointReader", "Rule", "load_params", "load_routed_experts",
-           "dequantize_fp8_block", "quantize_fp8_block"]
+__all__ = ["CheckpointError", "CheckpointReader", "Rule", "load_checkpoint", "load_params",
+           "load_routed_experts", "dequantize_fp8_block", "quantize_fp8_block"]

@@ -51,27 +51,7 @@ def load_params(reader: CheckpointReader,
     a nested dict {path[0]: {path[1]: ... put(path, array)}}. `dtype`: numpy/jnp dtype to
     cast to (None: as stored; FP8 pairs come as float32). `put` turns the host array into
     the stored leaf (e.g. a jax.device_put with a sharding); default: the numpy array."""
-    items = list(table.items() if isinstance(table, Mapping) else table)
-    rules, seen = [], set()
-    for path, rule in items:  # headers only: fail before reading anything
-        path, rule = tuple(path), _as_rule(rule)
-        if path in seen:
-            raise CheckpointError(f"{reader.source}: params path {path} has two rules")
-        seen.add(path)
-        check_shape(reader, rule.source, rule.shape, f"params {path}")
-        reader.claim(rule.source, by=f"params {path}")
-        rules.append((path, rule))
-    out: dict = {}
-    for path, rule in rules:
-        a = reader.read(rule.source)
-        if rule.transform is not None:
-            a = rule.transform(a)
-        a = _cast(a, dtype)
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = put(path, a) if put is not None else a
-    return out
+    return _read_params(reader, _plan_params(reader, table), dtype, put)
 
 
 def load_routed_experts(reader: CheckpointReader, layer_prefixes: Sequence[str],
@@ -85,9 +65,61 @@ def load_routed_experts(reader: CheckpointReader, layer_prefixes: Sequence[str],
                   [D, I] (FP8 pairs allowed);
       fused (transformers 5): {prefix}.experts.gate_up_proj [E, 2I, D],
                   {prefix}.experts.down_proj [E, D, I]."""
+    plan = _plan_experts(reader, layer_prefixes, n_experts, hidden, inter)
+    _read_experts(reader, plan, n_experts, put_row, dtype)
+
+
+def load_checkpoint(reader: CheckpointReader, table, *, ignore: Iterable[str] = (),
+                    experts: tuple[Sequence[str], int, int, int] | None = None,
+                    put_row: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+                    dtype=None, put: Callable[[ParamPath, np.ndarray], Any] | None = None) -> dict:
+    """load_params + load_routed_experts + reader.check_all_consumed in one call, with every
+    check (missing, shape, duplicate, unmapped) done on the headers before any data is read.
+    `experts`: (layer_prefixes, n_experts, hidden, inter), rows emitted through `put_row`."""
+    params_plan = _plan_params(reader, table)
+    experts_plan = _plan_experts(reader, *experts) if experts is not None else []
+    reader.check_all_consumed(ignore)
+    params = _read_params(reader, params_plan, dtype, put)
+    if experts is not None:
+        _read_experts(reader, experts_plan, experts[1], put_row, dtype)
+    return params
+
+
+def _plan_params(reader: CheckpointReader, table) -> list[tuple[ParamPath, Rule]]:
+    """Check and claim every rule's source from the headers."""
+    items = list(table.items() if isinstance(table, Mapping) else table)
+    rules, seen = [], set()
+    for path, rule in items:
+        path, rule = tuple(path), _as_rule(rule)
+        if path in seen:
+            raise CheckpointError(f"{reader.source}: params path {path} has two rules")
+        seen.add(path)
+        check_shape(reader, rule.source, rule.shape, f"params {path}")
+        reader.claim(rule.source, by=f"params {path}")
+        rules.append((path, rule))
+    return rules
+
+
+def _read_params(reader: CheckpointReader, rules, dtype, put) -> dict:
+    out: dict = {}
+    for path, rule in rules:
+        a = reader.read(rule.source)
+        if rule.transform is not None:
+            a = rule.transform(a)
+        a = _cast(a, dtype)
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = put(path, a) if put is not None else a
+    return out
+
+
+def _plan_experts(reader: CheckpointReader, layer_prefixes: Sequence[str], n_experts: int,
+                  hidden: int, inter: int) -> list[tuple[int, str, bool]]:
+    """Check and claim every layer's expert tensors from the headers: [(m, prefix, fused)]."""
     E, D, I = n_experts, hidden, inter
-    plans = []
-    for m, prefix in enumerate(layer_prefixes):  # headers only: fail before reading anything
+    plan = []
+    for m, prefix in enumerate(layer_prefixes):
         fused = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
         if any(n in reader for n in fused):
             if f"{prefix}.experts.0.gate_proj.weight" in reader:
@@ -97,15 +129,19 @@ def load_routed_experts(reader: CheckpointReader, layer_prefixes: Sequence[str],
             for name, shape in zip(fused, ((E, 2 * I, D), (E, D, I))):
                 check_shape(reader, name, shape, f"routed experts of '{prefix}'")
                 reader.claim(name)
-            plans.append((m, prefix, True))
+            plan.append((m, prefix, True))
             continue
         for e in range(E):
             for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
                 name = f"{prefix}.experts.{e}.{proj}.weight"
                 check_shape(reader, name, shape, f"expert {e} of '{prefix}'")
                 reader.claim(name)
-        plans.append((m, prefix, False))
-    for m, prefix, fused in plans:
+        plan.append((m, prefix, False))
+    return plan
+
+
+def _read_experts(reader: CheckpointReader, plan, E: int, put_row, dtype) -> None:
+    for m, prefix, fused in plan:
         if fused:
             rows = zip(reader.read_rows(f"{prefix}.experts.gate_up_proj"),
                        reader.read_rows(f"{prefix}.experts.down_proj"))

@@ -8,7 +8,8 @@ from typing import TextIO
 
 
 class Progress:
-    """`advance(items, nbytes)` as work completes; `close()` prints the final line."""
+    """`advance(items, nbytes)` as work completes; the final line is printed when all items
+    are done or at `close()`."""
 
     def __init__(self, label: str, total_items: int, total_bytes: int,
                  stream: TextIO | None = None, enabled: bool = True, every_s: float = 0.25):
@@ -22,6 +23,9 @@ class Progress:
     def advance(self, items: int = 0, nbytes: int = 0) -> None:
         self.items += items
         self.nbytes += nbytes
+        if self.items >= self.total_items:
+            self.close()
+            return
         now = time.monotonic()
         if now - self._shown >= self.every_s:
             self._shown = now

@@ -76,19 +76,20 @@ class CheckpointReader:
             self._consumed.add(name + SCALE_SUFFIX)
 
     def check_all_consumed(self, ignore: Iterable[str] = ()) -> None:
-        """Fail naming every tensor that no rule consumed and no `ignore` regex fully matches;
-        ignored ones count as done on the progress line, which ends here."""
+        """Fail naming every tensor that no rule consumed (claimed) and no `ignore` regex
+        matches (re.search: anchor with ^ and $ as needed). May run before the reads, once
+        everything is claimed; ignored tensors count as done on the progress line."""
         patterns = [re.compile(p) for p in ignore]
-        unread = [n for n in self.names() if n not in self._consumed]
-        left = [n for n in unread if not any(p.search(n) for p in patterns)]
-        skipped = set(unread) - set(left)
-        self.progress.advance(len(skipped), sum(self._info(n).nbytes for n in skipped))
-        self.progress.close()
+        unclaimed = [n for n in self.names() if n not in self._consumed]
+        left = [n for n in unclaimed if not any(p.search(n) for p in patterns)]
         if left:
+            self.progress.close()
             shown = "; ".join(f"'{n}' in {self.file_of(n)}" for n in left[:10])
             more = f" (and {len(left) - 10} more)" if len(left) > 10 else ""
             raise CheckpointError(f"{self.source}: {len(left)} unexpected tensor(s) that no "
                                   f"rule maps: {shown}{more}")
+        self._consumed.update(unclaimed)  # ignored: done
+        self.progress.advance(len(unclaimed), sum(self._info(n).nbytes for n in unclaimed))
 
     # -- reading --------------------------------------------------------------------------
     def read(self, name: str) -> np.ndarray:
