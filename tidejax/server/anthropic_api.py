@@ -1,0 +1,122 @@
+"""Anthropic Messages route: POST /v1/messages, non-streaming or as Anthropic streams it
+(message_start, content_block_start, ping, content_block_delta..., content_block_stop,
+message_delta, message_stop). Reasoning comes back as `thinking` blocks and tool calls as
+`tool_use` blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from aiohttp import web
+
+from tidejax.server.generation import Generation
+from tidejax.server.sse import SSE
+from tidejax.server.toolcalls import OutputParser, ToolCall
+
+_BLOCKS = {  # parser piece kind -> (empty block, delta type, delta field)
+    "reasoning": ({"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta",
+                  "thinking"),
+    "content": ({"type": "text", "text": ""}, "text_delta", "text"),
+}
+
+
+def _tool_use(call: ToolCall, input_value: dict | None = None) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": json.loads(call.arguments) if input_value is None else input_value}
+
+
+def _stop_reason(gen: Generation, calls: list[ToolCall]) -> str:
+    if calls:
+        return "tool_use"
+    if gen.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if gen.stop_string is not None else "end_turn"
+
+
+def _usage(gen: Generation) -> dict:
+    return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}
+
+
+async def message(request: web.Request, gen: Generation, parser: OutputParser,
+                  stream: bool) -> web.StreamResponse:
+    head = {"id": gen.id, "type": "message", "role": "assistant", "model": gen.model.name}
+    if not stream:
+        blocks: list[dict] = []
+
+        def add(kind: str, text: str) -> None:
+            empty, _, field = _BLOCKS[kind]
+            if not blocks or blocks[-1]["type"] != empty["type"]:
+                blocks.append(dict(empty))
+            blocks[-1][field] += text
+
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text in texts:
+                for kind, piece in parser.feed(text):
+                    add(kind, piece)
+        rest, calls = parser.finish()
+        for kind, piece in rest:
+            add(kind, piece)
+        blocks += [_tool_use(c) for c in calls]
+        return web.json_response({
+            **head, "content": blocks or [{"type": "text", "text": ""}],
+            "stop_reason": _stop_reason(gen, calls), "stop_sequence": gen.stop_string,
+            "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+
+    sse = SSE(request)
+    await sse.start()
+    await sse.send({"type": "message_start", "message": {
+        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}, "message_start")
+    index, open_kind = -1, None
+
+    async def start_block(block: dict) -> None:
+        nonlocal index
+        index += 1
+        await sse.send({"type": "content_block_start", "index": index, "content_block": block},
+                       "content_block_start")
+        if index == 0:
+            await sse.send({"type": "ping"}, "ping")
+
+    async def stop_block() -> None:
+        await sse.send({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+    async def piece(kind: str, text: str) -> None:
+        nonlocal open_kind
+        empty, delta_type, field = _BLOCKS[kind]
+        if kind != open_kind:
+            if open_kind is not None:
+                await stop_block()
+            await start_block(empty)
+            open_kind = kind
+        await sse.send({"type": "content_block_delta", "index": index,
+                        "delta": {"type": delta_type, field: text}}, "content_block_delta")
+
+    try:
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text in texts:
+                for kind, t in parser.feed(text):
+                    await piece(kind, t)
+    except Exception as e:
+        return await sse.fail(e, "anthropic")
+    rest, calls = parser.finish()
+    for kind, t in rest:
+        await piece(kind, t)
+    if open_kind is not None:
+        await stop_block()
+    elif not calls:  # an empty answer is still one (empty) text block
+        await start_block(dict(_BLOCKS["content"][0]))
+        await stop_block()
+    for call in calls:
+        await start_block(_tool_use(call, input_value={}))
+        await sse.send({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+                       "content_block_delta")
+        await stop_block()
+    await sse.send({"type": "message_delta",
+                    "delta": {"stop_reason": _stop_reason(gen, calls),
+                              "stop_sequence": gen.stop_string},
+                    "usage": {"output_tokens": gen.completion_tokens},
+                    "x_engine_stats": gen.engine_stats}, "message_delta")
+    await sse.send({"type": "message_stop"}, "message_stop")
+    return sse.response

@@ -1,0 +1,168 @@
+"""The aiohttp application: short route functions over one `Server` (state, auth, metrics), one
+middleware that checks the key and maps every exception to the route's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from tidejax.config import EngineConfig
+from tidejax.server import anthropic_api, openai_api
+from tidejax.server.client import EngineClient
+from tidejax.server.errors import APIError, dialect_of, error_response
+from tidejax.server.generation import Generation, ServedModel, new_id
+from tidejax.server.metrics import Metrics
+from tidejax.server.schemas import (ChatInput, parse_chat, parse_completion, parse_json,
+                                    parse_messages)
+from tidejax.server.toolcalls import OutputParser
+
+
+def api_keys(config: EngineConfig) -> tuple[str, ...]:
+    """server.api_keys plus the comma-separated keys in the variable named by api_keys_env."""
+    keys = list(config.server.api_keys)
+    if config.server.api_keys_env:
+        keys += [k.strip() for k in os.environ.get(config.server.api_keys_env, "").split(",")]
+    return tuple(k for k in keys if k)
+
+
+class Server:
+    """What the routes share. `status` goes "loading" -> "ready" once the engine is attached."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.keys = [k.encode() for k in api_keys(config)]
+        self.metrics = Metrics()
+        self.status = "loading"
+        self.name = config.model.served_name or Path(config.model.path).name
+        self.started = time.time()
+        self.engine = self.client = self.model = None
+
+    def attach(self, engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.client = engine, EngineClient(engine, loop)
+        self.model = ServedModel.of(engine)
+        self.name = self.model.name
+        self.status = "ready"
+
+    def check_key(self, request: web.Request) -> None:
+        if not self.keys:
+            return
+        auth = request.headers.get("Authorization", "")
+        given = [auth[7:].strip()] if auth[:7].lower() == "bearer " else []
+        given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+        if not given:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or "
+                                "'x-api-key: KEY'", code="invalid_api_key")
+        ok = False
+        for key in self.keys:  # every key compared, in constant time each
+            for g in given:
+                ok |= hmac.compare_digest(g.encode(), key)
+        if not ok:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    def ready_model(self, name: str) -> ServedModel:
+        if self.status != "ready":
+            raise APIError(503, "the model is still loading; GET /health says when it is ready")
+        if name != self.model.name:
+            raise APIError(404, f"model {name!r} is not served here (this server serves "
+                                f"{self.model.name!r})", param="model", code="model_not_found")
+        return self.model
+
+    def generation(self, prefix: str, prompt_ids: list[int], sampling, max_new: int) -> Generation:
+        return Generation(self.client, self.metrics, self.model, new_id(prefix), prompt_ids,
+                          sampling, max_new)
+
+    def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
+        model = self.ready_model(chat.model)
+        prompt_ids, in_reasoning = model.chat_prompt(chat)
+        param = "max_tokens" if prefix == "msg_" else "max_completion_tokens"
+        max_new = model.budget(len(prompt_ids), chat.sampling.max_tokens, param)
+        parser = OutputParser(model.tool_format if chat.tools else None, in_reasoning)
+        return self.generation(prefix, prompt_ids, chat.sampling, max_new), parser
+
+
+SERVER = web.AppKey("server", Server)
+
+
+@web.middleware
+async def api_middleware(request: web.Request, handler):
+    server = request.app[SERVER]
+    try:
+        if request.path != "/health":
+            server.check_key(request)
+        response = await handler(request)
+    except ConnectionError:  # the client is gone: nobody to answer
+        raise
+    except Exception as e:
+        response = error_response(e, dialect_of(request.path))
+    route = request.match_info.route.resource
+    server.metrics.record_response(route.canonical if route else "unmatched", response.status)
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    chat = parse_chat(parse_json(await request.read()))
+    gen, parser = request.app[SERVER].chat_generation(chat, "chatcmpl-")
+    return await openai_api.chat_completion(request, gen, parser, chat.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    server = request.app[SERVER]
+    body = parse_completion(parse_json(await request.read()))
+    model = server.ready_model(body.model)
+    prompt_ids = model.completion_prompt(body.prompt)
+    max_new = model.budget(len(prompt_ids), body.sampling.max_tokens)
+    gen = server.generation("cmpl-", prompt_ids, body.sampling, max_new)
+    return await openai_api.completion(request, gen, body.stream)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    chat = parse_messages(parse_json(await request.read()))
+    gen, parser = request.app[SERVER].chat_generation(chat, "msg_")
+    return await anthropic_api.message(request, gen, parser, chat.stream)
+
+
+async def models(request: web.Request) -> web.Response:
+    server = request.app[SERVER]
+    return web.json_response({"object": "list", "data": [{
+        "id": server.name, "object": "model", "created": int(server.started),
+        "owned_by": "tidejax", "status": server.status}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    server = request.app[SERVER]
+    body = {"status": server.status, "model": server.name}
+    if server.client is not None:
+        body.update(lanes=server.engine.lanes, active=server.client.active,
+                    queued=server.client.queued)
+    return web.json_response(body, status=200 if server.status == "ready" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    server = request.app[SERVER]
+    active = queued = 0
+    residency = {}
+    if server.client is not None:
+        active, queued = server.client.active, server.client.queued
+        stats = getattr(server.engine.residency, "stats", None)
+        residency = stats() if callable(stats) else {}
+    return web.Response(text=server.metrics.render(active, queued, residency),
+                        content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def build_app(server: Server) -> web.Application:
+    app = web.Application(middlewares=[api_middleware],
+                          client_max_size=server.config.server.max_body_bytes)
+    app[SERVER] = server
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,182 @@
+"""What every generating route shares: the served model (tokenizer, template, tool format,
+context), the prompt and token budget checks, and one request's run from token events to text
+with stop strings applied, its log line and its metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+
+from tidejax.engine.detok import IncrementalDetokenizer, StopMatcher
+from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tidejax.server.client import EngineClient
+from tidejax.server.errors import APIError
+from tidejax.server.metrics import Metrics
+from tidejax.server.schemas import ChatInput, Sampling
+from tidejax.server.templates import ChatTemplate, TemplateRenderError
+from tidejax.server.toolcalls import ToolFormat, starts_in_reasoning, tool_format_for
+
+log = logging.getLogger("tidejax.server")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    name: str
+    tokenizer: object  # tidejax.engine.tokenizer.Tokenizer
+    template: ChatTemplate | None
+    tool_format: ToolFormat | None
+    max_context: int
+    max_tokens_limit: int
+
+    @staticmethod
+    def of(engine) -> "ServedModel":
+        try:
+            template = ChatTemplate.from_checkpoint(engine.model_dir)
+        except TemplateRenderError as e:
+            log.warning("%s; /v1/chat/completions and /v1/messages are unavailable", e)
+            template = None
+        return ServedModel(
+            name=engine.served_name, tokenizer=engine.tokenizer, template=template,
+            tool_format=tool_format_for(engine.cfg.model_type, template.source if template else ""),
+            max_context=engine.max_context,
+            max_tokens_limit=engine.config.server.max_tokens_limit)
+
+    def chat_prompt(self, chat: ChatInput) -> tuple[list[int], bool]:
+        """Token ids of the rendered conversation, and whether the output starts inside a
+        `<think>` block (the template opened it)."""
+        if self.template is None:
+            raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions")
+        messages = chat.messages
+        if self.tool_format is not None and self.tool_format.arguments_as_dict:
+            messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
+        try:
+            text = self.template.render(messages, tools=chat.tools, add_generation_prompt=True,
+                                        **chat.template_kwargs)
+        except TemplateRenderError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False), starts_in_reasoning(text)
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'prompt' has token id {bad}, outside the vocabulary "
+                                f"[0, {vocab})", param="prompt")
+        return prompt
+
+    def budget(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """The number of tokens this request may generate; 400 when the prompt or the asked
+        max_tokens does not fit."""
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        room = self.max_context - prompt_len - 1
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                f"{self.max_context} tokens", code="context_length_exceeded")
+        if max_tokens is None:
+            return min(room, self.max_tokens_limit)
+        if max_tokens > self.max_tokens_limit:
+            raise APIError(400, f"'{param}' = {max_tokens} is above this server's limit of "
+                                f"{self.max_tokens_limit}", param=param)
+        if max_tokens > room:
+            raise APIError(400, f"'{param}' = {max_tokens} does not fit: the prompt has "
+                                f"{prompt_len} tokens and the context is {self.max_context}",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+
+def _arguments_as_dicts(message: dict, i: int) -> dict:
+    """Templates that iterate a tool call's arguments want a mapping, not the JSON text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for j, call in enumerate(message["tool_calls"]):
+        try:
+            args = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            args = None
+        if not isinstance(args, dict):
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise APIError(400, f"'{param}' should be a JSON object", param=param)
+        calls.append({**call, "function": {**call["function"], "arguments": args}})
+    return {**message, "tool_calls": calls}
+
+
+class Generation:
+    """One request on the engine. `async for text in gen.texts()` yields detokenized text with
+    stop strings cut; afterwards `finish_reason`, `prompt_tokens`, `completion_tokens` and
+    `engine_stats` are set. Leaving the loop early (client gone) cancels the request."""
+
+    def __init__(self, client: EngineClient, metrics: Metrics, model: ServedModel,
+                 request_id: str, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int):
+        self.client, self.metrics, self.model = client, metrics, model
+        self.id = request_id
+        self.request = GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            seed=sampling.seed)
+        self.stop = sampling.stop
+        self.finish_reason = "cancelled"
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.stats: dict = {}
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
+
+    @property
+    def engine_stats(self) -> dict:
+        return {k: self.stats.get(k, 0.0) for k in ("prefill_tps", "decode_tps", "cold_share")}
+
+    async def texts(self):
+        detok = IncrementalDetokenizer(self.model.tokenizer)
+        stops = StopMatcher(self.stop)
+        started = time.perf_counter()
+        raw, released = "", 0  # detokenized text, and how much of it went out
+        stream = self.client.submit(self.request)
+        try:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    self.completion_tokens += 1
+                    if stops.stopped:  # draining the tokens made before the cancel took effect
+                        continue
+                    new = detok.push(event.token_id)
+                    raw += new
+                    text = stops.feed(new)
+                    released += len(text)
+                    if stops.stopped:
+                        stream.cancel()
+                        self.stop_string = next(s for s in self.stop if raw.startswith(s, released))
+                    if text:
+                        yield text
+                elif isinstance(event, DoneEvent):
+                    tail = stops.flush()
+                    if tail:
+                        yield tail
+                    self.finish_reason = "stop" if stops.stopped else event.finish_reason
+                    self.stats = event.stats
+                    self.completion_tokens = event.stats.get("completion_tokens",
+                                                             self.completion_tokens)
+                else:
+                    self.finish_reason = "error"
+                    raise APIError(500, f"engine error: {event.message}")
+        finally:
+            if not stream.done:
+                stream.cancel()
+            self._record(time.perf_counter() - started)
+
+    def _record(self, seconds: float) -> None:
+        s = self.engine_stats
+        log.info("%s prompt=%d generated=%d prefill=%.1f tok/s decode=%.1f tok/s cold=%.3f "
+                 "finish=%s %.0f ms", self.id, self.prompt_tokens, self.completion_tokens,
+                 s["prefill_tps"], s["decode_tps"], s["cold_share"], self.finish_reason,
+                 seconds * 1e3)
+        self.metrics.record_generation(self.prompt_tokens, self.completion_tokens,
+                                       self.finish_reason, self.stats)

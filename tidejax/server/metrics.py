@@ -1,0 +1,59 @@
+"""Counters for GET /metrics, written in the Prometheus text format (no client library needed)."""
+
+from __future__ import annotations
+
+import collections
+
+
+class Metrics:
+    def __init__(self):
+        self.responses = collections.Counter()  # (route, status) -> count
+        self.finished = collections.Counter()  # finish reason -> count
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.last = {"prefill_tps": 0.0, "decode_tps": 0.0, "cold_share": 0.0}
+
+    def record_response(self, route: str, status: int) -> None:
+        self.responses[(route, status)] += 1
+
+    def record_generation(self, prompt_tokens: int, generated: int, finish_reason: str,
+                          stats: dict) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated
+        self.finished[finish_reason] += 1
+        for key in self.last:
+            if stats.get(key):
+                self.last[key] = float(stats[key])
+
+    def render(self, lanes_active: int, queued: int, residency: dict) -> str:
+        out = []
+
+        def metric(name, kind, help_text, samples):
+            out.append(f"# HELP tidejax_{name} {help_text}")
+            out.append(f"# TYPE tidejax_{name} {kind}")
+            for labels, value in samples:
+                label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                out.append(f"tidejax_{name}{{{label}}} {value}" if label
+                           else f"tidejax_{name} {value}")
+
+        metric("http_responses_total", "counter", "HTTP responses by route and status",
+               [({"route": r, "status": s}, n) for (r, s), n in sorted(self.responses.items())])
+        metric("generations_total", "counter", "finished generations by finish reason",
+               [({"reason": r}, n) for r, n in sorted(self.finished.items())])
+        metric("prompt_tokens_total", "counter", "prompt tokens prefilled",
+               [({}, self.prompt_tokens)])
+        metric("generated_tokens_total", "counter", "tokens generated",
+               [({}, self.generated_tokens)])
+        metric("prefill_tokens_per_second", "gauge", "prefill speed of the last request",
+               [({}, self.last["prefill_tps"])])
+        metric("decode_tokens_per_second", "gauge", "decode speed of the last request",
+               [({}, self.last["decode_tps"])])
+        metric("cold_share", "gauge", "wanted expert picks served by a miss (last request)",
+               [({}, self.last["cold_share"])])
+        metric("lanes_active", "gauge", "requests decoding now", [({}, lanes_active)])
+        metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, queued)])
+        for key, value in sorted(residency.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric(f"residency_{key}", "gauge", f"residency statistic '{key}'",
+                       [({}, value)])
+        return "\n".join(out) + "\n"

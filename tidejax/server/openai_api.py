@@ -1,0 +1,116 @@
+"""OpenAI routes: /v1/chat/completions, /v1/completions (streaming by server-sent events or
+not). A stream ends with a chunk whose `choices` is empty and which carries `usage` and the
+engine's own `x_engine_stats` (prefill and decode tok/s, cold share), then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from aiohttp import web
+
+from tidejax.server.generation import Generation
+from tidejax.server.sse import SSE
+from tidejax.server.toolcalls import OutputParser, ToolCall
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+def _finish_reason(gen: Generation, calls: list[ToolCall]) -> str:
+    return "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
+
+
+def _tool_calls(calls: list[ToolCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+async def chat_completion(request: web.Request, gen: Generation, parser: OutputParser,
+                          stream: bool) -> web.StreamResponse:
+    created = int(time.time())
+    head = {"id": gen.id, "created": created, "model": gen.model.name}
+    if not stream:
+        pieces = {"reasoning": [], "content": []}
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text in texts:
+                for kind, piece in parser.feed(text):
+                    pieces[kind].append(piece)
+        rest, calls = parser.finish()
+        for kind, piece in rest:
+            pieces[kind].append(piece)
+        message = {"role": "assistant", "content": "".join(pieces["content"]) or None}
+        if pieces["reasoning"]:
+            message["reasoning_content"] = "".join(pieces["reasoning"])
+        if calls:
+            message["tool_calls"] = _tool_calls(calls)
+        elif message["content"] is None and not pieces["reasoning"]:
+            message["content"] = ""
+        return web.json_response({
+            **head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(gen, calls),
+                         "logprobs": None}],
+            "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+
+    sse = SSE(request)
+    await sse.start()
+
+    def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+        return {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                             "logprobs": None}]}
+
+    def delta(kind: str, text: str) -> dict:
+        return chunk({"reasoning_content" if kind == "reasoning" else "content": text})
+
+    await sse.send(chunk({"role": "assistant", "content": ""}))
+    try:
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text in texts:
+                for kind, piece in parser.feed(text):
+                    await sse.send(delta(kind, piece))
+    except Exception as e:
+        return await sse.fail(e, "openai")
+    rest, calls = parser.finish()
+    for kind, piece in rest:
+        await sse.send(delta(kind, piece))
+    if calls:
+        await sse.send(chunk({"tool_calls": [{"index": i, **call}
+                                             for i, call in enumerate(_tool_calls(calls))]}))
+    await sse.send(chunk({}, _finish_reason(gen, calls)))
+    await sse.send({**head, "object": "chat.completion.chunk", "choices": [],
+                    "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+    await sse.send("[DONE]")
+    return sse.response
+
+
+async def completion(request: web.Request, gen: Generation, stream: bool) -> web.StreamResponse:
+    head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
+            "model": gen.model.name}
+
+    def choice(text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def finish() -> str:
+        return "length" if gen.finish_reason == "length" else "stop"
+
+    if not stream:
+        async with contextlib.aclosing(gen.texts()) as texts:
+            text = "".join([t async for t in texts])
+        return web.json_response({**head, "choices": [choice(text, finish())],
+                                  "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+    sse = SSE(request)
+    await sse.start()
+    try:
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text in texts:
+                await sse.send({**head, "choices": [choice(text, None)]})
+    except Exception as e:
+        return await sse.fail(e, "openai")
+    await sse.send({**head, "choices": [choice("", finish())]})
+    await sse.send({**head, "choices": [], "usage": _usage(gen),
+                    "x_engine_stats": gen.engine_stats})
+    await sse.send("[DONE]")
+    return sse.response
