@@ -1,0 +1,305 @@
+"""Server pieces that need no engine: chat templates against transformers' renderer, the
+tool-call parsers and the streaming output split, request validation, auth and error shapes on
+a real HTTP server that is still "loading"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from server_fixtures import CHAT_TEMPLATE, free_port, write_tokenizer
+from tidejax.config import EngineConfig
+from tidejax.server.__main__ import parse_set
+from tidejax.server.app import Server, build_app
+from tidejax.server.templates import ChatTemplate, TemplateRenderError
+from tidejax.server.toolcalls import (DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning,
+                                      tool_format_for)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+# A template in the style of published ones: namespace, loop controls, tojson options,
+# raise_exception, strftime_now and a {% generation %} block.
+RICH_TEMPLATE = """{%- set ns = namespace(system='') -%}
+{%- for m in messages if m.role == 'system' %}{% set ns.system = m.content %}{% endfor -%}
+{{ bos_token }}[date {{ strftime_now('%Y') | length }}]{{ ns.system }}
+{%- if tools %}<tools>{{ tools | tojson(indent=2, sort_keys=True) }}</tools>{% endif %}
+{%- for m in messages %}
+  {%- if m.role == 'system' %}{% continue %}{% endif %}
+  {%- if m.role not in ['user', 'assistant', 'tool'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}
+  {%- if m.role == 'assistant' %}<A>{% generation %}{{ m.content }}{% endgeneration %}
+    {%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}{{ eos_token }}
+  {%- else %}<{{ m.role[0] | upper }}>{{ m.content }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<A>{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}"""
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris? \u00e9\u00e8 \u2603"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("source", [CHAT_TEMPLATE, RICH_TEMPLATE], ids=["hermes", "rich"])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}], ids=["plain", "no_think"])
+def test_template_renders_as_transformers(tokenizer_dir, source, kwargs):
+    from transformers import PreTrainedTokenizerFast
+    reference = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    ours = ChatTemplate.from_checkpoint(tokenizer_dir)
+    ours = ChatTemplate(source, ours.special_tokens)
+    for tools in (None, TOOLS):
+        expected = reference.apply_chat_template(
+            CONVERSATION, tools=tools, chat_template=source, add_generation_prompt=True,
+            tokenize=False, **kwargs)
+        assert ours.render(CONVERSATION, tools=tools, **kwargs) == expected
+
+
+def test_template_from_checkpoint_files(tmp_path, tokenizer_dir):
+    assert ChatTemplate.from_checkpoint(tokenizer_dir).source == CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}],
+        "eos_token": {"content": "</s>", "special": True}}))
+    assert ChatTemplate.from_checkpoint(tmp_path).render([]) == "D</s>"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert ChatTemplate.from_checkpoint(tmp_path).render([]) == "J"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TemplateRenderError, match="no chat template"):
+        ChatTemplate.from_checkpoint(empty)
+
+
+def test_template_errors_are_clear():
+    t = ChatTemplate(RICH_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+    with pytest.raises(TemplateRenderError, match="bad role robot"):
+        t.render([{"role": "robot", "content": "x"}])
+    with pytest.raises(TemplateRenderError, match="does not parse"):
+        ChatTemplate("{% for %}", origin="x.jinja")
+    with pytest.raises(TemplateRenderError):  # the sandbox refuses attribute escapes
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+
+
+def test_tool_format_registry():
+    assert tool_format_for("whatever", CHAT_TEMPLATE) is HERMES
+    assert tool_format_for("deepseek_v3", CHAT_TEMPLATE) is HERMES  # the template decides
+    assert tool_format_for("deepseek_v3", "no tools here") is DEEPSEEK_V3
+    assert tool_format_for("x", "{{'<tool_call>'}}<arg_key>k</arg_key>") is GLM
+    assert tool_format_for("x", "{{'<｜tool▁calls▁begin｜>'}}") is DEEPSEEK_V3
+    assert tool_format_for("llama", "plain") is None
+
+
+DEEPSEEK_V3_TEXT = ("Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                    "get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>"
+                    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DEEPSEEK_V31_TEXT = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                     "{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+GLM_TEXT = ("<think>user wants weather</think>Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+            "</tool_call>")
+HERMES_TEXT = ("Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+               "{\"city\": \"Paris\"}}\n</tool_call>")
+
+
+def run_parser(fmt, text, chunk, in_reasoning=False):
+    parser = OutputParser(fmt, in_reasoning)
+    pieces = []
+    for i in range(0, len(text), chunk):
+        pieces += parser.feed(text[i:i + chunk])
+    rest, calls = parser.finish()
+    pieces += rest
+    joined = {k: "".join(t for kind, t in pieces if kind == k) for k in ("reasoning", "content")}
+    return joined, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("fmt,text,content,reasoning,calls", [
+    (DEEPSEEK_V3, DEEPSEEK_V3_TEXT, "Let me look.", "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (DEEPSEEK_V3, DEEPSEEK_V31_TEXT, "", "", [("get_weather", {"city": "Paris"})]),
+    (GLM, GLM_TEXT, "Sure.", "user wants weather", [("get_weather", {"city": "Paris", "days": 3})]),
+    (HERMES, HERMES_TEXT, "Checking.\n", "", [("get_weather", {"city": "Paris"})]),
+    (HERMES, "a <tool_cal b <think>c</think> d", "a <tool_cal b  d", "c", []),
+], ids=["deepseek_v3", "deepseek_v31", "glm", "hermes", "no_call"])
+def test_tool_calls_parse_at_any_chunking(fmt, text, content, reasoning, calls, chunk):
+    assert run_parser(fmt, text, chunk) == ({"reasoning": reasoning, "content": content}, calls)
+
+
+def test_malformed_tool_call_stays_content():
+    bad = "x<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>"
+    assert run_parser(HERMES, bad, 4) == ({"reasoning": "", "content": bad}, [])
+    assert run_parser(None, HERMES_TEXT, 5)[0]["content"] == HERMES_TEXT  # tools not offered
+
+
+def test_reasoning_opened_by_the_template():
+    assert starts_in_reasoning("<A><think>\n") and not starts_in_reasoning("<A><think></think>")
+    assert run_parser(HERMES, "plan</think>answer", 3, in_reasoning=True) == (
+        {"reasoning": "plan", "content": "answer"}, [])
+
+
+def test_parse_set():
+    assert parse_set(["engine.lanes=8", "server.api_keys=a,b"]) == {
+        "engine": {"lanes": "8"}, "server": {"api_keys": "a,b"}}
+    config = EngineConfig().with_overrides(parse_set(["engine.lanes=8", "server.api_keys=a,b"]))
+    assert config.engine.lanes == 8 and config.server.api_keys == ("a", "b")
+    with pytest.raises(ValueError, match="table.key=value"):
+        parse_set(["lanes=8"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The HTTP layer while the engine is loading: auth, validation and error shapes
+
+
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def loading_server(tokenizer_dir):
+    """The real app on a real socket, with no engine attached (the state during weight loading)."""
+    config = EngineConfig().with_overrides({
+        "model": {"path": str(tokenizer_dir), "served_name": "tiny"},
+        "server": {"api_keys": [KEY], "max_body_bytes": 4096}})
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(Server(config)))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def call(url, path, body=None, headers=None, method=None, raw=None):
+    """(status, parsed JSON or text) of one request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_health_open_and_loading(loading_server):
+    assert call(loading_server, "/health") == (503, {"status": "loading", "model": "tiny"})
+    status, body = call(loading_server, "/v1/models", headers=AUTH)
+    assert status == 200 and body["data"][0]["id"] == "tiny"
+    assert body["data"][0]["status"] == "loading"
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({}, 401), ({"Authorization": "Bearer nope"}, 401), ({"x-api-key": "nope"}, 401),
+    ({"Authorization": KEY}, 401),  # not a Bearer credential
+    (AUTH, 503), ({"x-api-key": KEY}, 503), ({"Authorization": f"bearer {KEY}"}, 503),
+])
+def test_auth(loading_server, headers, status):
+    got, body = call(loading_server, "/v1/chat/completions", CHAT, headers)
+    assert got == status
+    if status == 401:
+        assert body["error"]["code"] == "invalid_api_key" and "API key" in body["error"]["message"]
+        got, body = call(loading_server, "/v1/messages", {**CHAT, "max_tokens": 5}, headers)
+        assert got == 401 and body == {"type": "error", "error": {
+            "type": "authentication_error", "message": body["error"]["message"]}}
+    else:  # past auth and validation: the engine is still loading
+        assert "loading" in body["error"]["message"]
+    assert call(loading_server, "/metrics", headers=headers)[0] == (200 if status == 503 else 401)
+
+
+BAD_CHAT = [
+    ({**CHAT, "temperature": "hot"}, "'temperature' should be a number"),
+    ({**CHAT, "temperature": 3}, "'temperature' = 3.0 is out of range"),
+    ({**CHAT, "top_p": 0}, "'top_p' = 0.0 is out of range"),
+    ({**CHAT, "max_tokens": 0}, "'max_tokens' = 0 should be at least 1"),
+    ({**CHAT, "max_tokens": True}, "'max_tokens' should be an integer"),
+    ({**CHAT, "n": 2}, "'n' = 2"),
+    ({**CHAT, "stream": "yes"}, "'stream' should be a boolean"),
+    ({**CHAT, "stop": [1]}, "'stop' should be a string or an array"),
+    ({"messages": CHAT["messages"]}, "'model' is required"),
+    ({"model": "tiny"}, "'messages' is required"),
+    ({"model": "tiny", "messages": []}, "'messages' should not be empty"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "'messages[0].role'"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "'messages[0].content' is required"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "'messages[0].content[0].type' = 'image_url' is not supported"),
+    ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
+     "'messages[0].tool_call_id' is required"),
+    ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "'tool_choice'"),
+    ({**CHAT, "tools": [{"type": "function", "function": {}}]}, "'tools[0].function.name'"),
+    ([1, 2], "body should be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,message", BAD_CHAT, ids=[m for _, m in BAD_CHAT])
+def test_bad_chat_requests(loading_server, body, message):
+    status, got = call(loading_server, "/v1/chat/completions", body, AUTH)
+    assert status == 400 and message in got["error"]["message"]
+    assert got["error"]["type"] == "invalid_request_error"
+
+
+def test_bad_bodies(loading_server):
+    status, got = call(loading_server, "/v1/chat/completions", raw=b"{nope", headers=AUTH)
+    assert status == 400 and "not valid JSON" in got["error"]["message"]
+    status, got = call(loading_server, "/v1/completions", raw=b"x" * 10_000, headers=AUTH)
+    assert status == 413 and "too large" in got["error"]["message"]
+    status, got = call(loading_server, "/v1/messages", raw=b"x" * 10_000, headers=AUTH)
+    assert status == 413 and got["error"]["type"] == "request_too_large"
+    status, got = call(loading_server, "/v1/nothing", CHAT, AUTH)
+    assert status == 404 and "error" in got
+    assert call(loading_server, "/v1/chat/completions", headers=AUTH, method="GET")[0] == 405
+
+
+BAD_MESSAGES = [
+    ({**CHAT}, "'max_tokens' is required"),
+    ({**CHAT, "max_tokens": 5, "system": 3}, "'system' should be"),
+    ({**CHAT, "max_tokens": 5, "tool_choice": {"type": "any"}}, "'tool_choice.type' = 'any'"),
+    ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+     "'messages[0].role' = 'system'"),
+    ({"model": "tiny", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "'messages[0].content[0].type' = 'tool_use' is not supported in a user message"),
+]
+
+
+@pytest.mark.parametrize("body,message", BAD_MESSAGES, ids=[m for _, m in BAD_MESSAGES])
+def test_bad_anthropic_requests(loading_server, body, message):
+    status, got = call(loading_server, "/v1/messages", body, {"x-api-key": KEY})
+    assert status == 400 and got["type"] == "error"
+    assert got["error"]["type"] == "invalid_request_error" and message in got["error"]["message"]
+
+
+def test_bad_completion_requests(loading_server):
+    for body, message in [({"model": "tiny"}, "'prompt' is required"),
+                          ({"model": "tiny", "prompt": [1.5]}, "'prompt' should be a string"),
+                          ({"model": "tiny", "prompt": "x", "logprobs": 3}, "'logprobs'")]:
+        status, got = call(loading_server, "/v1/completions", body, AUTH)
+        assert status == 400 and message in got["error"]["message"]
+    status, got = call(loading_server, "/v1/completions", {"model": "tiny", "prompt": "x"}, AUTH)
+    assert status == 503
