@@ -7,13 +7,13 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-
 from safetensors.torch import save_file
 
 from checkpoint_fixtures import save_checkpoint, to_fp8, to_numpy, to_per_expert, to_torch
 from tidejax.checkpoint import (CheckpointError, CheckpointReader, Rule, dequantize_fp8_block,
                                 load_checkpoint, load_params, load_routed_experts,
                                 quantize_fp8_block)
+from tidejax.checkpoint.fp8 import e4m3_to_float32
 
 E, D, I = 4, 8, 6  # experts, hidden, intermediate
 MOE = ["model.layers.1.mlp", "model.layers.2.mlp"]
@@ -192,6 +192,14 @@ def test_fp8_dequantize_matches_float64():
     got = dequantize_fp8_block(q, scale)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=2 ** -23, atol=0)
+
+
+def test_e4m3_decode_every_code():
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(16, 16)
+    ref = codes.astype(np.float32)  # ml_dtypes' conversion
+    got = e4m3_to_float32(codes)
+    np.testing.assert_array_equal(got, ref)  # NaN where ref is NaN
+    assert np.array_equal(np.signbit(got), np.signbit(ref))  # -0.0 stays -0.0
 
 
 def test_fp8_quantize_block_scales():

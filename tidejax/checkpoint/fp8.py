@@ -24,12 +24,30 @@ def dequantize_fp8_block(w: np.ndarray, scale_inv: np.ndarray,
     if w.ndim != 2 or scale_inv.shape != scale_shape(w.shape, block):
         raise ValueError(f"weight {w.shape} needs scale_inv {scale_shape(w.shape, block)} "
                          f"for {block} blocks, got {scale_inv.shape}")
-    out = w.astype(np.float32)
+    out = np.empty(w.shape, np.float32)
     bo, bi = block
     scale = scale_inv.astype(np.float32)
-    for r in range(scale.shape[0]):  # one row block at a time: no full-size scale expansion
+    for r in range(scale.shape[0]):  # one row block at a time: small temporaries
         rows = out[r * bo:(r + 1) * bo]
+        rows[...] = e4m3_to_float32(w[r * bo:(r + 1) * bo])
         rows *= np.repeat(scale[r], bi)[:w.shape[1]]
+    return out
+
+
+# every e4m3 code's exact value, from ml_dtypes (NaN at 0x7F and 0xFF)
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def e4m3_to_float32(q: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn -> float32, exact; ~10x faster than ml_dtypes' astype, which converts
+    element by element. Normal codes become float32 bits by moving the exponent and mantissa
+    fields and rebiasing (7 -> 127); subnormal and NaN codes take their value from a table."""
+    x = q.view(np.uint8).astype(np.uint32)
+    em = x & 0x7F  # exponent and mantissa fields, [4 bits | 3 bits]
+    bits = ((em << 20) + np.uint32((127 - 7) << 23)) | ((x & 0x80) << 24)
+    out = bits.view(np.float32)
+    special = np.flatnonzero((em + 1) & 0x7F < 9)  # em in 0..7 (zero, subnormal) or 0x7F (NaN)
+    out.reshape(-1)[special] = _E4M3_VALUES[x.reshape(-1)[special]]
     return out
 
 
