@@ -1,4 +1,5 @@
-"""A one-line progress bar on stderr (no dependency): items and bytes done over total."""
+"""A progress bar on stderr (no dependency): items and bytes done over total. On a terminal
+one line is rewritten in place; in a log (not a tty) a line is written every 10 seconds."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ class Progress:
     are done or at `close()`."""
 
     def __init__(self, label: str, total_items: int, total_bytes: int,
-                 stream: TextIO | None = None, enabled: bool = True, every_s: float = 0.25):
+                 stream: TextIO | None = None, enabled: bool = True):
         self.label, self.total_items, self.total_bytes = label, total_items, total_bytes
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled, self.every_s = enabled, every_s
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every_s = 0.25 if self.tty else 10.0
         self.items = self.nbytes = 0
         self.start = self._shown = time.monotonic()
         self.closed = False
@@ -29,14 +32,14 @@ class Progress:
         now = time.monotonic()
         if now - self._shown >= self.every_s:
             self._shown = now
-            self._show("\r")
+            self._show(final=False)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._show("\r", end="\n")
+            self._show(final=True)
 
-    def _show(self, prefix: str, end: str = "") -> None:
+    def _show(self, final: bool) -> None:
         if not self.enabled:
             return
         gb = 1e-9
@@ -45,5 +48,8 @@ class Progress:
         line = (f"{self.label} [{bar}] {self.items}/{self.total_items} tensors, "
                 f"{self.nbytes * gb:.2f}/{self.total_bytes * gb:.2f} GB, "
                 f"{time.monotonic() - self.start:.0f} s")
-        self.stream.write(prefix + line + end)
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
