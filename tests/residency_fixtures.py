@@ -37,7 +37,8 @@ def toy_step(state, x, token_mask, router, bias, options):
     """x [T, D] through L residual MoE layers; router [L, E, D]; bias [E] added to every router's
     logits (a 'domain' that favours some experts). Returns (x, state)."""
     for layer in range(L):
-        logits = jnp.einsum("td,ed->te", x, router[layer], precision="highest") + bias  # [T, E]
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)  # as an RMSNorm
+        logits = jnp.einsum("td,ed->te", h, router[layer], precision="highest") + bias  # [T, E]
         top, ids = jax.lax.top_k(logits, K)
         weights = jax.nn.softmax(top, axis=-1)
         y, state = serve_routed(layer, x, ids.astype(jnp.int32), weights, logits, token_mask,

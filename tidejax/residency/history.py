@@ -85,6 +85,8 @@ class History:
         """The saved history at `path` if there is a usable one; a corrupt file or one of another
         shape is renamed aside (`*.corrupt-<time>`) with a warning. None when there is none."""
         path = Path(path)
+        for torn in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
+            torn.unlink(missing_ok=True)
         if not path.exists():
             return None
         try:

@@ -1,0 +1,223 @@
+"""The residency manager: planner, history persistence, seed maps, adaptation on a toy workload."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from residency_fixtures import E, L, make_pool, make_router, tokens, toy_step
+from tidejax.config import ResidencySection
+from tidejax.residency import Residency
+from tidejax.residency.__main__ import main as residency_cli
+from tidejax.residency.history import History
+from tidejax.residency.planner import Swap, plan
+from tidejax.residency.pool import budget_slots
+
+
+def test_planner_hysteresis_boundary():
+    demand = np.array([[10.0, 4.0, 5.99, 1.0]])  # one layer; experts 0, 1 resident
+    resident = np.array([0, 1])
+    assert plan(demand, resident, "per_layer") == []  # 5.99 < 1.5 x 4
+    demand[0, 2] = 6.0
+    assert plan(demand, resident, "per_layer") == [Swap(slot=1, row=2)]
+    assert plan(demand, resident, "per_layer", hysteresis=2.0) == []
+    demand[0, 3] = 16.0  # the busiest cold expert replaces the idlest resident; 6 < 1.5 x 10 stays
+    assert plan(demand, resident, "per_layer") == [Swap(slot=1, row=3)]
+    demand[0, 2] = 15.0  # now 15 >= 1.5 x 10 too
+    assert plan(demand, resident, "per_layer") == [Swap(slot=1, row=3), Swap(slot=0, row=2)]
+
+
+def test_planner_caps_per_layer_and_empty_slots():
+    demand = np.zeros((2, 8))
+    demand[0, :4] = 1.0
+    demand[0, 4:] = 100.0  # layer 0: four hot cold experts
+    demand[1, 5] = 3.0
+    resident = np.array([0, 1, 2, 3, 8, 9, 10, -1])  # 4 slots a layer; layer 1 has an empty slot
+    swaps = plan(demand, resident, "per_layer", max_per_layer=2)
+    assert [s.row for s in swaps if s.row < 8] == [4, 5]  # capped at 2 for layer 0
+    assert [(s.slot, s.row) for s in swaps if s.row >= 8] == [(7, 13)]  # the empty slot first
+
+
+def test_planner_arena_moves_slots_between_layers():
+    demand = np.zeros((2, 4))
+    demand[0] = [9, 8, 7, 6]  # busy layer
+    demand[1] = [1, 0.5, 0, 0]  # quiet layer
+    resident = np.array([0, 4, 5, 6])  # layer 0 holds one slot, layer 1 three
+    swaps = plan(demand, resident, "arena", max_per_layer=2)
+    assert len(swaps) == 2  # layer 1 gives up 2 slots (its cap), layer 0 takes 2
+    assert sorted(s.row for s in swaps) == [1, 2]
+    assert sorted(s.slot for s in swaps) == [2, 3]  # the idlest residents (rows 5, 6)
+
+
+def test_budget_slots():
+    assert budget_slots(0, 0.0, 100, 50) == 50
+    assert budget_slots(7, 0.0, 100, 50) == 7
+    assert budget_slots(0, 1.0, 2**28, 50) == 4
+    with pytest.raises(ValueError, match="not both"):
+        budget_slots(3, 1.0, 100, 50)
+    with pytest.raises(ValueError, match="holds no expert"):
+        budget_slots(0, 1e-9, 2**20, 50)
+
+
+def section(tmp_path, **kw):
+    base = dict(budget_experts=L * E // 2, miss_policy="substitute", drain_every=4,
+                half_life=8.0, state_dir=str(tmp_path / "state"))
+    return ResidencySection(**{**base, **kw})
+
+
+def manager(tmp_path, **kw):
+    res = Residency(make_pool(), L, 2, section(tmp_path, **kw), kernel="reference", max_tokens=4)
+    return res, res.boot()
+
+
+ROUTER = jnp.asarray(make_router())
+
+
+def domain(hot):
+    """A router bias that favours experts `hot` in every layer."""
+    return jnp.asarray(np.where(np.isin(np.arange(E), hot), 6.0, 0.0), jnp.float32)
+
+
+def serve_steps(res, state, bias, n, seed=0):
+    shares = []
+    for i in range(n):
+        _, state = toy_step(state, tokens(seed + i), jnp.ones(4, bool), ROUTER, bias, res.options)
+        state = res.after_step(state, tokens=4)
+        shares.append(res.stats()["cold_share_step"])
+    return state, shares
+
+
+def test_stale_swap_rejected(tmp_path):
+    res, state = manager(tmp_path)
+    planned_on = res.version
+    state = res.apply_swaps(state, [Swap(slot=0, row=5, version=planned_on)])  # moves slot 0
+    assert res.stats()["swaps_applied"] == 1
+    before = np.asarray(state.slot_rows).copy()
+    state = res.apply_swaps(state, [Swap(slot=0, row=6, version=planned_on),  # stale: slot moved
+                                    Swap(slot=1, row=7, version=planned_on)])  # still valid
+    assert res.stats()["swaps_rejected"] == 1 and res.stats()["swaps_applied"] == 2
+    after = np.asarray(state.slot_rows)
+    assert after[0] == before[0] == 5 and after[1] == 7
+    np.testing.assert_array_equal(after, res.slot_rows)
+
+
+def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
+    res, state = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
+    assert res.needs_calibration
+    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
+    state, shares = serve_steps(res, state, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
+    s = res.stats()
+    peak, last = max(shares[:8]), np.mean(shares[-8:])
+    assert peak > 0.3 and last < peak / 4, (peak, last)
+    assert s["swaps_applied"] > 0 and s["bytes_moved"] == s["swaps_applied"] * res.row_bytes
+    assert s["swaps_applied"] <= s["drains"] * 2 * L  # the per-layer cap held
+    lines = (tmp_path / "state" / "telemetry.jsonl").read_text().splitlines()
+    assert len(lines) == s["drains"] and json.loads(lines[-1])["steps"] == 80
+
+    # a seed map fitted on that history boots low on domain B, with adaptation off
+    seed_path = tmp_path / "seed.json"
+    assert residency_cli(["fit", "--history", str(tmp_path / "state" / "history.npz"),
+                          "--budget", str(L * E // 2), "--out", str(seed_path)]) == 0
+    cold_boot, cold_state = manager(tmp_path / "cold", adapt=False)
+    seeded, seeded_state = manager(tmp_path / "seeded", adapt=False, seed_map=str(seed_path))
+    _, cold_shares = serve_steps(cold_boot, cold_state, domain([0, 2, 5, 7]), 8, seed=300)
+    _, seed_shares = serve_steps(seeded, seeded_state, domain([0, 2, 5, 7]), 8, seed=300)
+    assert np.mean(seed_shares) < np.mean(cold_shares) / 2, (seed_shares, cold_shares)
+    assert seeded.stats()["swaps_applied"] == 0
+
+
+def test_freeze_keeps_counting_and_boot_resumes_history(tmp_path):
+    res, state = manager(tmp_path)
+    res.freeze()
+    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 8)
+    s = res.stats()
+    assert s["swaps_applied"] == 0 and s["drains"] == 2 and s["frozen"]
+    assert res.history.counts.sum() > 0 and s["misses"] > 0
+    res.unfreeze()
+    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 8)
+    assert res.stats()["swaps_applied"] > 0
+    res.save()
+    # a new boot resumes the saved history and starts from its busiest experts
+    again, state2 = manager(tmp_path)
+    assert not again.needs_calibration and again.history.steps == res.history.steps
+    hot = np.asarray(state2.slot_rows).reshape(L, -1) % E
+    assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
+
+
+def test_reseed_after_calibration(tmp_path):
+    res, state = manager(tmp_path, state_dir="")
+    for i in range(2):  # a 'calibration prefill': count only
+        _, state = toy_step(state, tokens(i, 16)[:4], jnp.ones(4, bool), ROUTER,
+                            domain([4, 5, 6, 7]), res.options)
+    state = res.reseed(state)
+    assert not res.needs_calibration
+    hot = np.asarray(state.slot_rows)[:res.n_resident].reshape(L, -1) % E
+    assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
+
+
+def test_ring_copies_heavy_misses(tmp_path):
+    res, state = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
+    state, shares = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
+    s = res.stats()
+    assert s["ring_copies"] > 0
+    ring = np.asarray(state.slot_rows)[res.n_resident:]
+    assert (ring >= 0).all() and np.isin(ring % E, [4, 5, 6, 7]).all()
+
+
+def test_corrupt_history_is_set_aside(tmp_path, caplog):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "history.npz").write_bytes(b"not a history")
+    res, _ = manager(tmp_path)
+    assert res.history.steps == 0
+    assert not (state_dir / "history.npz").exists()
+    assert list(state_dir.glob("history.npz.corrupt-*"))
+    assert "set aside" in caplog.text
+
+
+WRITER = """
+import sys
+import numpy as np
+from tidejax.residency.history import History
+h = History(61, 384)
+i = 0
+while True:
+    i += 1
+    h.counts[:] = i; h.weights[:] = 2 * i; h.steps = i
+    h.save(sys.argv[1])
+"""
+
+
+def test_history_survives_kill_mid_write(tmp_path):
+    path = tmp_path / "history.npz"
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)])
+        deadline = time.time() + 60
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        h = History.read(path)  # the last good copy, whole
+        assert (h.counts == h.steps).all() and (h.weights == 2 * h.steps).all()
+        seen.append(h.steps)
+    assert max(seen) > 1
+    resumed = History.resume(path, 61, 384, 500.0)  # clears torn temporary files
+    assert resumed is not None and not list(tmp_path.glob(".history.npz.*.tmp"))
+
+
+def test_fit_cli_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "h.npz"
+    bad.write_bytes(b"junk")
+    assert residency_cli(["fit", "--history", str(bad), "--budget", "4", "--out",
+                          str(tmp_path / "m.json")]) == 2
+    assert str(bad) in capsys.readouterr().err
