@@ -1,8 +1,9 @@
 """Declarative loading: a model family gives a name table, this module reads, maps and checks.
 
-Both loaders check every rule against the headers first (missing tensor, shape, duplicate
-mapping), then read one tensor at a time; what they read counts as consumed in the reader,
-so `reader.check_all_consumed(ignore)` at the end finds anything no rule mapped.
+Each loader first checks its rules against the headers (missing tensor, shape, duplicate
+mapping) and claims the tensors in the reader, then reads one tensor at a time;
+`reader.check_all_consumed(ignore)` then finds anything no rule claimed. `load_checkpoint`
+runs every check, unmapped tensors included, before reading any data.
 """
 
 from __future__ import annotations
