@@ -137,3 +137,11 @@ def test_count_demand_matches_loop(rng, impl):
     want = numpy_counts(counts, sums, layer, ids, weights, mask)
     np.testing.assert_array_equal(np.asarray(got[0]), want[0])
     np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-6)
+
+
+def test_kernel_e2m1_decoding_covers_every_code():
+    from tidejax.checkpoint.mxfp4 import E2M1_VALUES
+    from tidejax.pallas.moe_kernel import _e2m1_over_2_to_14
+
+    got = jax.jit(_e2m1_over_2_to_14)(jnp.arange(16, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got) * 2.0**14, E2M1_VALUES)

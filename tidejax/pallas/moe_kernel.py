@@ -22,16 +22,16 @@ from jax.experimental.pallas import triton as plgpu
 from tidejax.checkpoint import mxfp4
 from tidejax.pallas.bank import bank_dims, bank_format
 
-# Tile shapes by rows per tile (bt): (block of output columns, block of K, num_warps, num_stages).
+# Tile by rows per tile bt: (bt, block of output columns, block of K, num_warps, num_stages).
 # Small bt = decode (weight streaming), large bt = prefill (matrix units).
-_TILES = {
-    16: dict(bn=32, bk=256, num_warps=4, num_stages=4),
-    32: dict(bn=64, bk=128, num_warps=4, num_stages=4),
-    64: dict(bn=128, bk=64, num_warps=8, num_stages=3),
+TILES = {
+    16: (16, 32, 256, 4, 4),
+    32: (32, 64, 128, 4, 4),
+    64: (64, 128, 64, 8, 3),
 }
 
 
-def _rows_per_tile(n_picks: int, n_slots: int) -> int:
+def rows_per_tile(n_picks: int, n_slots: int) -> int:
     """Average picks a used slot gets decides the tile height (a power of two, >= 16)."""
     avg = n_picks / max(1, min(n_slots, n_picks))
     return 16 if avg <= 16 else 32 if avg <= 32 else 64
@@ -75,12 +75,15 @@ def plan_tiles(slot_ids, n_slots: int, bt: int):
     return tile_slot, row_token, pick_row
 
 
-def _e2m1_to_f32(codes):
-    """int32 e2m1 codes (0..15) -> float32 values, by building the float's bits."""
-    mag = codes & 7
-    normal = jax.lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
-    value = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(codes >= 8, -value, value)
+def _e2m1_over_2_to_14(nibbles):
+    """int32 e2m1 codes (0..15) -> float32 value * 2**-14, in a few integer ops.
+
+    The code's exponent and mantissa bits, moved to the top of an fp16's exponent and mantissa
+    fields, read as fp16 (subnormal for exponent 0, exactly as e2m1's) the value times 2**-14.
+    """
+    bits = ((nibbles & 7) << 9) | ((nibbles & 8) << 12)
+    half = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return half.astype(jnp.float32)
 
 
 def _load_rows(w_refs, slot, r0, bn, k0, bk):
@@ -89,12 +92,13 @@ def _load_rows(w_refs, slot, r0, bn, k0, bk):
         return w_refs[0][slot, pl.ds(r0, bn), pl.ds(k0, bk)].astype(jnp.bfloat16)
     blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
     packed = blocks_ref[slot, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
-    lo = _e2m1_to_f32(packed & 15)
-    hi = _e2m1_to_f32(packed >> 4)
+    lo = _e2m1_over_2_to_14(packed & 15)
+    hi = _e2m1_over_2_to_14(packed >> 4)
     values = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)  # low nibble first
     nb = bk // mxfp4.BLOCK
     exps = scales_ref[slot, pl.ds(r0, bn), pl.ds(k0 // mxfp4.BLOCK, nb)].astype(jnp.int32)
-    scale = jax.lax.bitcast_convert_type(exps << 23, jnp.float32)  # 2**(e - 127); e = 0 -> 0
+    # 2**(e - 127 + 14) as float32 bits (scales above 240, 2**113, saturate: no weight is that big)
+    scale = jax.lax.bitcast_convert_type(jnp.minimum(exps + 14, 254) << 23, jnp.float32)
     scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, mxfp4.BLOCK)).reshape(bn, bk)
     return (values * scale).astype(jnp.bfloat16)
 
@@ -155,19 +159,22 @@ def _weight_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret"))
-def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False):
-    """Same contract as `moe_grouped_reference`; bf16 dots with float32 accumulation."""
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile"))
+def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
+                       tile=None):
+    """Same contract as `moe_grouped_reference`; bf16 dots with float32 accumulation.
+
+    tile: (bt, bn, bk, num_warps, num_stages) to override the choice from TILES (benchmarks).
+    """
     n, d, i = bank_dims(bank)
     t, k = slot_ids.shape
-    bt = _rows_per_tile(t * k, n)
-    cfg = _TILES[bt]
+    bt, bn, bk, num_warps, num_stages = tile or TILES[rows_per_tile(t * k, n)]
     tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
     rows = row_token.shape[0]
     n_tiles = tile_slot.shape[0]
-    params = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-    bn1, bk1 = _block(i, cfg["bn"], "moe intermediate"), _block(d, cfg["bk"], "hidden")
+    bn1, bk1 = _block(i, bn, "moe intermediate"), _block(d, bk, "hidden")
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=swiglu_limit),
         out_shape=jax.ShapeDtypeStruct((rows, i), jnp.bfloat16),
@@ -177,7 +184,7 @@ def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
         name="moe_gate_up",
     )(tile_slot, row_token, x, *_weight_refs(bank, "gate_up"))
 
-    bn2, bk2 = _block(d, cfg["bn"], "hidden"), _block(i, cfg["bk"], "moe intermediate")
+    bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
     out = pl.pallas_call(
         functools.partial(_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
