@@ -73,11 +73,11 @@ def section(tmp_path, **kw):
 
 
 def manager(tmp_path, **kw):
-    res = Residency(make_pool(), L, 2, section(tmp_path, **kw), kernel="reference", max_tokens=4)
-    return res, res.boot()
+    return Residency(make_pool(), L, 2, section(tmp_path, **kw), kernel="reference", max_tokens=4)
 
 
 ROUTER = jnp.asarray(make_router())
+NO_BIAS = jnp.zeros(E, jnp.float32)
 
 
 def domain(hot):
@@ -85,34 +85,36 @@ def domain(hot):
     return jnp.asarray(np.where(np.isin(np.arange(E), hot), 6.0, 0.0), jnp.float32)
 
 
-def serve_steps(res, state, bias, n, seed=0):
+def serve_steps(res, bias, n, seed=0):
+    """n toy steps through the manager's state; the cold share of each step."""
     shares = []
     for i in range(n):
-        _, state = toy_step(state, tokens(seed + i), jnp.ones(4, bool), ROUTER, bias, res.options)
-        state = res.after_step(state, tokens=4)
+        _, res.state = toy_step(res.state, tokens(seed + i), jnp.ones(4, bool), ROUTER, bias,
+                                res.options)
+        res.after_step(tokens=4)
         shares.append(res.stats()["cold_share_step"])
-    return state, shares
+    return shares
 
 
 def test_stale_swap_rejected(tmp_path):
-    res, state = manager(tmp_path)
+    res = manager(tmp_path)
     planned_on = res.version
-    state = res.apply_swaps(state, [Swap(slot=0, row=5, version=planned_on)])  # moves slot 0
+    res.apply_swaps([Swap(slot=0, row=5, version=planned_on)])  # moves slot 0
     assert res.stats()["swaps_applied"] == 1
-    before = np.asarray(state.slot_rows).copy()
-    state = res.apply_swaps(state, [Swap(slot=0, row=6, version=planned_on),  # stale: slot moved
+    before = np.asarray(res.state.slot_rows).copy()
+    res.apply_swaps([Swap(slot=0, row=6, version=planned_on),  # stale: slot moved
                                     Swap(slot=1, row=7, version=planned_on)])  # still valid
     assert res.stats()["swaps_rejected"] == 1 and res.stats()["swaps_applied"] == 2
-    after = np.asarray(state.slot_rows)
+    after = np.asarray(res.state.slot_rows)
     assert after[0] == before[0] == 5 and after[1] == 7
     np.testing.assert_array_equal(after, res.slot_rows)
 
 
 def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
-    res, state = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
+    res = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
     assert res.needs_calibration
-    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
-    state, shares = serve_steps(res, state, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
+    serve_steps(res, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
+    shares = serve_steps(res, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
     s = res.stats()
     peak, last = max(shares[:8]), np.mean(shares[-8:])
     assert peak > 0.3 and last < peak / 4, (peak, last)
@@ -125,49 +127,50 @@ def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
     seed_path = tmp_path / "seed.json"
     assert residency_cli(["fit", "--history", str(tmp_path / "state" / "history.npz"),
                           "--budget", str(L * E // 2), "--out", str(seed_path)]) == 0
-    cold_boot, cold_state = manager(tmp_path / "cold", adapt=False)
-    seeded, seeded_state = manager(tmp_path / "seeded", adapt=False, seed_map=str(seed_path))
-    _, cold_shares = serve_steps(cold_boot, cold_state, domain([0, 2, 5, 7]), 8, seed=300)
-    _, seed_shares = serve_steps(seeded, seeded_state, domain([0, 2, 5, 7]), 8, seed=300)
+    cold_boot = manager(tmp_path / "cold", adapt=False)
+    seeded = manager(tmp_path / "seeded", adapt=False, seed_map=str(seed_path))
+    cold_shares = serve_steps(cold_boot, domain([0, 2, 5, 7]), 8, seed=300)
+    seed_shares = serve_steps(seeded, domain([0, 2, 5, 7]), 8, seed=300)
     assert np.mean(seed_shares) < np.mean(cold_shares) / 2, (seed_shares, cold_shares)
     assert seeded.stats()["swaps_applied"] == 0
 
 
 def test_freeze_keeps_counting_and_boot_resumes_history(tmp_path):
-    res, state = manager(tmp_path)
+    res = manager(tmp_path)
     res.freeze()
-    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 8)
+    serve_steps(res, domain([4, 5, 6, 7]), 8)
     s = res.stats()
     assert s["swaps_applied"] == 0 and s["drains"] == 2 and s["frozen"]
     assert res.history.counts.sum() > 0 and s["misses"] > 0
     res.unfreeze()
-    state, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 8)
+    serve_steps(res, domain([4, 5, 6, 7]), 8)
     assert res.stats()["swaps_applied"] > 0
     res.save()
     # a new boot resumes the saved history and starts from its busiest experts
-    again, state2 = manager(tmp_path)
+    again = manager(tmp_path)
     assert not again.needs_calibration and again.history.steps == res.history.steps
-    hot = np.asarray(state2.slot_rows).reshape(L, -1) % E
+    hot = np.asarray(again.state.slot_rows).reshape(L, -1) % E
     assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
 
 
 def test_reseed_after_calibration(tmp_path):
-    res, state = manager(tmp_path, state_dir="")
+    res = manager(tmp_path, state_dir="")
+    assert res.needs_calibration
     for i in range(2):  # a 'calibration prefill': count only
-        _, state = toy_step(state, tokens(i, 16)[:4], jnp.ones(4, bool), ROUTER,
-                            domain([4, 5, 6, 7]), res.options)
-    state = res.reseed(state)
+        _, res.state = toy_step(res.state, tokens(i), jnp.ones(4, bool), ROUTER,
+                                domain([4, 5, 6, 7]), res.options)
+    res.reseed()
     assert not res.needs_calibration
-    hot = np.asarray(state.slot_rows)[:res.n_resident].reshape(L, -1) % E
+    hot = np.asarray(res.state.slot_rows)[:res.n_resident].reshape(L, -1) % E
     assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
 
 
 def test_ring_copies_heavy_misses(tmp_path):
-    res, state = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
-    state, shares = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
+    res = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
+    shares = serve_steps(res, domain([4, 5, 6, 7]), 3)
     s = res.stats()
     assert s["ring_copies"] > 0
-    ring = np.asarray(state.slot_rows)[res.n_resident:]
+    ring = np.asarray(res.state.slot_rows)[res.n_resident:]
     assert (ring >= 0).all() and np.isin(ring % E, [4, 5, 6, 7]).all()
 
 
@@ -175,7 +178,7 @@ def test_corrupt_history_is_set_aside(tmp_path, caplog):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     (state_dir / "history.npz").write_bytes(b"not a history")
-    res, _ = manager(tmp_path)
+    res = manager(tmp_path)
     assert res.history.steps == 0
     assert not (state_dir / "history.npz").exists()
     assert list(state_dir.glob("history.npz.corrupt-*"))
@@ -221,3 +224,36 @@ def test_fit_cli_errors_name_the_file(tmp_path, capsys):
     assert residency_cli(["fit", "--history", str(bad), "--budget", "4", "--out",
                           str(tmp_path / "m.json")]) == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_plan_applied_at_most_max_swaps_per_step(tmp_path):
+    res = manager(tmp_path, max_swaps_per_step=4, max_swaps_per_layer=2, drain_every=100)
+    res.history.counts[:, 4:] = 50.0  # every layer wants experts 4..7; experts 0..3 are resident
+    res.drain()
+    assert res.stats()["swaps_queued"] == 2 * L  # the per-layer cap
+    applied = []
+    for i in range(3):
+        serve_steps(res, NO_BIAS, 1, seed=i)
+        applied.append(res.stats()["swaps_applied"])
+    assert applied == [4, 6, 6]
+    np.testing.assert_array_equal(np.asarray(res.state.slot_rows), res.slot_rows)
+
+
+def test_manager_swap_campaign_then_restore(tmp_path):
+    res = manager(tmp_path, miss_policy="exact", adapt=False)
+    x = tokens(7)
+    options = res.options
+    before, res.state = toy_step(res.state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        cold = np.setdiff1d(np.arange(L * E), res.slot_rows[:res.n_resident])
+        layer_slot = rng.integers(res.n_resident)
+        layer = layer_slot // (res.n_resident // L)
+        row = rng.choice(cold[cold // E == layer])
+        res.apply_swaps([Swap(int(layer_slot), int(row), res.version)])
+    assert res.stats()["swaps_applied"] == 200 and res.stats()["swaps_rejected"] == 0
+    np.testing.assert_array_equal(np.asarray(res.state.slot_rows), res.slot_rows)
+    res.move_to(res.boot_rows)
+    assert sorted(res.slot_rows[:res.n_resident]) == sorted(res.boot_rows[:res.n_resident])
+    after, res.state = toy_step(res.state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
+    np.testing.assert_array_equal(np.asarray(after), np.asarray(before))

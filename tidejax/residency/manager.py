@@ -1,13 +1,12 @@
 """The residency manager: the engine calls it between steps. It owns the host mirror of the map,
 the demand history, the planner's queue, the ring, persistence and telemetry.
 
-Engine contract (one scheduler thread):
+Engine contract (one thread drives the steps):
     residency = Residency(pool_rows, n_layers, top_k, config.residency, kernel=..., max_tokens=...)
-    state = residency.boot()                       # the ExpertState for the first step
-    options = residency.options                    # the MoE layers' static ServeOptions
-    ... each jitted step: (outputs, state) = step(params, state, ...)   [state donated]
-    state = residency.after_step(state, tokens=n)  # n = real (unpadded) tokens in that step
-    state = residency.reseed(state)                # optional, after a calibration prefill
+    options = residency.options              # the MoE layers' static ServeOptions
+    each jitted step:  outputs, residency.state = step(params, residency.state, ...)  [donated]
+    then:              residency.after_step(n)  # n = real (unpadded) tokens in that step
+    optional:          residency.reseed()       # after a calibration prefill (needs_calibration)
 """
 
 from __future__ import annotations
@@ -71,13 +70,13 @@ class Residency:
         self.needs_calibration = False
         self.history = self.history or History(n_layers, self.n_experts, section.half_life)
         self.frozen = not section.adapt
-        self._pool_rows, self._device = pool_rows, device
         self._queue: list[Swap] = []
         self._ring_next = 0
         self._window = collections.deque(maxlen=window)  # (missed, wanted) per step
         self._seen_misses = np.zeros((n_layers, self.n_experts))
         self._since_drain = 0
         self.counters = collections.Counter()
+        self.state = self._boot(pool_rows, device)
 
     # -- boot ------------------------------------------------------------------------------
 
@@ -85,13 +84,13 @@ class Residency:
     def history_path(self) -> Path:
         return self.state_dir / "history.npz"
 
-    def boot(self) -> ExpertState:
+    def _boot(self, pool_rows: dict, device) -> ExpertState:
         """The first state: all resident, or the seed map, else the saved history's busiest
         experts, else the first slots of each group (then `needs_calibration` is True)."""
         if self.all_resident:
             self.slot_rows = np.arange(self.n_layers * self.n_experts, dtype=np.int32)
             self.version = 0
-            return all_resident_state(self._pool_rows, self.n_layers)
+            return all_resident_state(pool_rows, self.n_layers)
         if self.section.seed_map:
             wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts)
             source = self.section.seed_map
@@ -105,7 +104,7 @@ class Residency:
         log.info("residency: %d of %d experts resident (%s), %d ring + %d transient slots; boot "
                  "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
                  self.n_ring, self.n_transient, source)
-        pool = host_pool(self._pool_rows, self._device)
+        pool = host_pool(pool_rows, device)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
@@ -116,10 +115,11 @@ class Residency:
 
     # -- between steps ---------------------------------------------------------------------
 
-    def after_step(self, state: ExpertState, tokens: int) -> ExpertState:
+    def after_step(self, tokens: int) -> None:
         """Per step: miss tallies and cold share; the ring's copies; up to max_swaps_per_step
         queued swaps. Every drain_every steps: drain the counters into the history, persist it,
         plan. `tokens` = real tokens the step sent through each MoE layer."""
+        state = self.state
         self.counters["steps"] += 1
         self._since_drain += 1
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
@@ -127,9 +127,9 @@ class Residency:
         if not self.frozen and not self.all_resident:
             state = self._apply(state, self._queue[:self.section.max_swaps_per_step])
             del self._queue[:self.section.max_swaps_per_step]
+        self.state = state
         if self.options.count and self._since_drain >= self.section.drain_every:
-            state = self.drain(state)
-        return state
+            self.drain()
 
     def _tally_misses(self, state: ExpertState, tokens: int) -> ExpertState:
         misses = np.asarray(state.misses, np.float64)
@@ -154,14 +154,15 @@ class Residency:
             swaps.append(Swap(slot=int(slot), row=int(row), version=self.version))
         return self._apply(state, swaps, kind="ring_copies")
 
-    def drain(self, state: ExpertState) -> ExpertState:
+    def drain(self) -> None:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans."""
         t0 = time.perf_counter()
+        state = self.state
         counts, weights = np.asarray(state.counts), np.asarray(state.weight_sums)
         self.history.add(counts, weights, self._since_drain)
         self._since_drain = 0
         self._seen_misses = np.zeros_like(self._seen_misses)
-        state = drained(state)
+        self.state = drained(state)
         self.counters["drains"] += 1
         if self.state_dir:
             self.history.save(self.history_path)
@@ -172,14 +173,13 @@ class Residency:
             self.counters["planned"] += len(self._queue)
         self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
         self._log_telemetry()
-        return state
 
     # -- swaps -----------------------------------------------------------------------------
 
-    def apply_swaps(self, state: ExpertState, swaps: list[Swap]) -> ExpertState:
+    def apply_swaps(self, swaps: list[Swap]) -> None:
         """Applies swaps now (stale ones rejected and counted); the planner's path, public for
         tools and tests."""
-        return self._apply(state, swaps)
+        self.state = self._apply(self.state, swaps)
 
     def _apply(self, state: ExpertState, swaps: list[Swap], kind: str = "swaps_applied"):
         if not swaps:
@@ -207,25 +207,25 @@ class Residency:
             self.counters["swap_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
         return state
 
-    def reseed(self, state: ExpertState) -> ExpertState:
+    def reseed(self) -> None:
         """Drains the counters (e.g. of a calibration prefill) and moves the whole resident set to
         the history's busiest experts, ignoring the caps (boot time, not the decode path)."""
         if self.all_resident:
-            return state
+            return
         frozen, self.frozen = self.frozen, True  # drain without planning
-        state = self.drain(state)
+        self.drain()
         self.frozen = frozen
         target = place(fit_rows(self.history.counts, self.n_resident, self.geometry),
                        self.n_resident, self.n_layers, self.n_experts, self.geometry)
         self.needs_calibration = False
-        return self.move_to(state, target)
+        self.move_to(target)
 
-    def move_to(self, state: ExpertState, target: np.ndarray) -> ExpertState:
+    def move_to(self, target: np.ndarray) -> None:
         """Swaps until the resident slots hold the rows of `target` (same set; slots may differ)."""
         current = self.slot_rows[:self.n_resident]
         free = [s for s in range(self.n_resident) if current[s] not in set(target.tolist())]
         incoming = [r for r in target.tolist() if r not in set(current.tolist())]
-        return self._apply(state, [Swap(s, r, self.version) for s, r in zip(free, incoming)])
+        self.apply_swaps([Swap(s, r, self.version) for s, r in zip(free, incoming)])
 
     # -- control and telemetry -------------------------------------------------------------
 
@@ -244,15 +244,18 @@ class Residency:
         self.history.save(self.history_path)
         self._log_telemetry()
 
+    def window_cold_share(self) -> float:
+        """Cold share over the sliding window of recent steps."""
+        wanted = sum(w for _, w in self._window)
+        return sum(m for m, _ in self._window) / wanted if wanted else 0.0
+
     def stats(self) -> dict:
         c = self.counters
-        missed = sum(m for m, _ in self._window)
-        wanted = sum(w for _, w in self._window)
         last = self._window[-1] if self._window else (0, 0)
         return {
             "steps": c["steps"],
             "cold_share_step": last[0] / last[1] if last[1] else 0.0,
-            "cold_share_window": missed / wanted if wanted else 0.0,
+            "cold_share_window": self.window_cold_share(),
             "cold_share_total": c["misses"] / c["wanted"] if c["wanted"] else 0.0,
             "window_steps": len(self._window),
             "misses": c["misses"],
