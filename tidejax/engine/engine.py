@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.checkpoint import CheckpointReader, Rule, load_params, load_routed_experts
+from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint
 from tidejax.config import ConfigError, EngineConfig, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
@@ -72,10 +72,7 @@ class Engine:
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
-        reader = CheckpointReader(model_dir)
-        self.params = self._load_params(reader)
-        pool = self._load_pool(reader)
-        reader.check_all_consumed(ignore=self.family.ignored_tensors(self.cfg))
+        self.params, pool = self._load_weights(raw)
         n_moe = self.family.expert_dims(self.cfg)[0]
         self.residency = _AllResident(all_resident_state(pool, n_moe))
         self.serve = dataclasses.replace(self.serve, all_resident=True)
@@ -91,40 +88,39 @@ class Engine:
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
 
-    def _load_params(self, reader: CheckpointReader) -> dict:
+    def _load_weights(self, raw_config: dict) -> tuple[dict, dict]:
+        """Params onto the device and routed experts into a host pool, one tensor at a time,
+        after every name and shape is checked against the checkpoint's headers."""
         family, cfg = self.family, self.cfg
+        block = (raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128))
+        reader = CheckpointReader(self.model_dir, fp8_block=tuple(block))
         shapes = family.param_shapes(cfg, self.serve, self.dtype)
         table = {path: Rule(name, tuple(_tree_get(shapes, path).shape))
                  for name, path in family.checkpoint_table(cfg).items()}
-
-        def put(path, array):
-            dtype = jnp.float32 if path[-1] in _FP32_LEAVES else self.dtype
-            return jnp.asarray(array, dtype)
-
-        params = load_params(reader, table, put=put)
-        missing = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]} - {
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-        if missing:
-            raise ConfigError(f"{self.model_dir}: the checkpoint table fills no value for "
-                              f"{sorted(missing)[0]}")
-        return params
-
-    def _load_pool(self, reader: CheckpointReader) -> dict:
-        n_moe, n_experts, hidden, inter = self.family.expert_dims(self.cfg)
+        unfilled = ({jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+                    - {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path))
+                       for path in table})
+        if unfilled:
+            raise ConfigError(f"{self.model_dir}: no checkpoint tensor fills {sorted(unfilled)[0]}")
+        n_moe, n_experts, hidden, inter = family.expert_dims(cfg)
         dtype = np.dtype(self.dtype)
         pool = {"gate_up": np.empty((n_moe * n_experts, 2 * inter, hidden), dtype),
                 "down": np.empty((n_moe * n_experts, hidden, inter), dtype)}
+
+        def put(path, array):
+            return jnp.asarray(array, jnp.float32 if path[-1] in _FP32_LEAVES else self.dtype)
 
         def put_row(row, arrays):
             pool["gate_up"][row] = arrays["gate_up"]
             pool["down"][row] = arrays["down"]
 
-        load_routed_experts(reader, self.family.expert_prefixes(self.cfg), n_experts, hidden,
-                            inter, put_row)
+        params = load_checkpoint(reader, table, ignore=family.ignored_tensors(cfg), put=put,
+                                 experts=(family.expert_prefixes(cfg), n_experts, hidden, inter),
+                                 put_row=put_row)
         if self.config.model.experts == "mxfp4":
             from tidejax.checkpoint.mxfp4 import quantize_pool
             pool = quantize_pool(pool)
-        return pool
+        return params, pool
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class GenerationRequest:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, parity tests)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -198,7 +199,8 @@ class Scheduler:
         """Delivers `token` for the request in `lane` (or ends it); keeps it as the next input."""
         handle = self.lane_of[lane]
         request = handle.request
-        if token in self.engine.eos_ids or token in request.stop_token_ids:
+        if (token in request.stop_token_ids
+                or (token in self.engine.eos_ids and not request.ignore_eos)):
             self._finish(lane, "stop")
             return
         handle.generated += 1

@@ -1,0 +1,166 @@
+"""The DeepSeek-V3 family against transformers' DeepseekV3ForCausalLM on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+import tidejax
+from tidejax.checkpoint import CheckpointError, CheckpointReader, dequantize_fp8_block, quantize_fp8_block
+from tidejax.config import ConfigError
+from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+
+PROMPT = np.random.RandomState(7).randint(3, 256, 32)
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSEEK_V3_CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = write_deepseek_v3(path, seed=len(request.param), **DEEPSEEK_V3_CONFIGS[request.param])
+    return request.param, path, model, tidejax.load(path)
+
+
+def relative_diff(ours, ref) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def test_logits_match_transformers(tiny):
+    name, _, model, engine = tiny
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    diff = relative_diff(engine.logits(PROMPT), ref)
+    print(f"{name}: max relative logit difference {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    _, _, model, engine = tiny
+    with torch.no_grad():
+        ref = model.generate(torch.tensor(PROMPT)[None], max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    tokens = []
+    engine.scheduler.submit(GenerationRequest(list(PROMPT), 20, ignore_eos=True),
+                            lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    assert tokens == ref
+
+
+def test_cached_decode_equals_full_forward(tiny):
+    """Prefill 16 tokens, then feed one token at a time through the cache."""
+    _, _, _, engine = tiny
+    full = engine.logits(PROMPT)
+    cache = engine.family.create_cache(engine.cfg, 1, 64, engine.dtype)
+    state = engine.residency.state
+    apply = jax.jit(engine.model.apply)
+    params = {"params": engine.params}
+    tokens = jnp.asarray(PROMPT[None, :16])
+    logits, cache, state = apply(params, tokens, jnp.arange(16)[None], tokens > -1, cache, state)
+    stepped = [np.asarray(logits[0])]
+    for pos in range(16, len(PROMPT)):
+        token = jnp.asarray(PROMPT[None, pos:pos + 1])
+        logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache, state)
+        stepped.append(np.asarray(logits[0]))
+    engine.residency.state = state
+    assert relative_diff(np.concatenate(stepped), full) < 1e-5
+
+
+def test_sampling_is_seeded_and_batch_independent(tiny):
+    _, _, _, engine = tiny
+    kwargs = dict(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=3)
+    alone = engine.generate("The tide", **kwargs)
+    together = engine.generate(["def add", "The tide", "Le chat"], **kwargs)
+    assert together[1] == alone
+    assert engine.generate("The tide", **kwargs) == alone
+
+
+def _state_dict(model) -> dict:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def test_fused_and_fp8_layouts_load_to_the_same_logits(tiny, tmp_path):
+    """transformers 5's in-memory fused experts, and DeepSeek's FP8 blocks, load like the original."""
+    name, path, model, engine = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for the layouts")
+    state = _state_dict(model)
+    fused = tmp_path / "fused"
+    shutil.copytree(path, fused)
+    (fused / "model.safetensors").unlink()
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(fused / "model.safetensors"))
+    np.testing.assert_array_equal(tidejax.load(fused).logits(PROMPT), engine.logits(PROMPT))
+
+    # FP8: every 2-D projection weight as e4m3 + weight_scale_inv; the reference checkpoint holds
+    # the same dequantized values in float32, so the two must load to identical logits.
+    fp8, dequant = tmp_path / "fp8", tmp_path / "dequant"
+    for d in (fp8, dequant):
+        shutil.copytree(path, d)
+    per_expert = CheckpointReader(path, progress=False)
+    fp8_tensors, dq_tensors = {}, {}
+    for key in per_expert.names():
+        w = per_expert.read(key)
+        if key.endswith("proj.weight") and w.ndim == 2:
+            q, scale_inv = quantize_fp8_block(w)
+            fp8_tensors[key], fp8_tensors[key + "_scale_inv"] = q, scale_inv
+            dq_tensors[key] = dequantize_fp8_block(q, scale_inv)
+        else:
+            fp8_tensors[key] = dq_tensors[key] = w
+    save_file(fp8_tensors, str(fp8 / "model.safetensors"))
+    save_file(dq_tensors, str(dequant / "model.safetensors"))
+    np.testing.assert_array_equal(tidejax.load(fp8).logits(PROMPT),
+                                  tidejax.load(dequant).logits(PROMPT))
+
+
+def test_bad_checkpoints_name_file_and_tensor(tiny, tmp_path):
+    name, path, _, _ = tiny
+    if name != "no_qlora":
+        pytest.skip("one config is enough for the failure cases")
+
+    def copy(label):
+        target = tmp_path / label
+        shutil.copytree(path, target)
+        return target
+
+    missing = copy("missing")
+    tensors = {k: CheckpointReader(path, progress=False).read(k)
+               for k in CheckpointReader(path, progress=False).names()}
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(tensors, str(missing / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.layers\.1\.self_attn\.kv_b_proj\.weight"):
+        tidejax.load(missing)
+
+    wrong = copy("wrong_shape")
+    tensors = {k: CheckpointReader(path, progress=False).read(k)
+               for k in CheckpointReader(path, progress=False).names()}
+    tensors["model.norm.weight"] = np.ones(7, np.float32)
+    save_file(tensors, str(wrong / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.norm\.weight.*\[7\]"):
+        tidejax.load(wrong)
+
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|beyond)"):
+        tidejax.load(truncated)
+
+    unknown = copy("unknown_type")
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "mystery_moe"
+    (unknown / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json.*model_type.*mystery_moe"):
+        tidejax.load(unknown)
+
+    no_field = copy("missing_field")
+    del config["kv_lora_rank"]
+    config["model_type"] = "deepseek_v3"
+    (no_field / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json.*kv_lora_rank"):
+        tidejax.load(no_field)
