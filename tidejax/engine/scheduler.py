@@ -86,6 +86,7 @@ class Scheduler:
         self.running = False
         self.totals = collections.Counter()  # requests, prompt and generated tokens, steps
         self._sampling = None
+        self.last_stats: dict = {}  # the stats of the request that finished last
 
     # -- API -------------------------------------------------------------------------------
 
@@ -214,7 +215,8 @@ class Scheduler:
         handle = self.lane_of[lane]
         self.lane_of[lane] = None
         self._sampling = None
-        handle.on_event(DoneEvent(reason, self._stats(handle)))
+        self.last_stats = self._stats(handle)
+        handle.on_event(DoneEvent(reason, self.last_stats))
 
     def _stats(self, handle: RequestHandle) -> dict:
         prompt = len(handle.request.prompt_ids)
