@@ -307,9 +307,9 @@ def train(args) -> None:
             log(f"step {step:5d}/{total}  lr {lr:.2e}  loss {r.mean():.3f}  "
                 + "  ".join(f"{d} {x:.2f}" for d, x in zip(domains, r))
                 + f"  max/mean load {spread:.2f}  {time.perf_counter() - start:.0f}s")
+    export(params, trainer.cfg, raw_cfg, args.out, args.tokenizer, args.shard_mb)
     held = trainer.evaluate(params, heldout, args.rows_per_domain * len(domains))
     log("held-out loss: " + "  ".join(f"{d} {x:.3f}" for d, x in held.items()))
-    export(params, trainer.cfg, raw_cfg, args.out, args.tokenizer, args.shard_mb)
     (args.out / "training_log.json").write_text(json.dumps(
         {"history": history, "heldout_loss_fp32": held, "args": {k: str(v) for k, v in vars(args).items()}},
         indent=1) + "\n")
