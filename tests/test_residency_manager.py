@@ -224,6 +224,10 @@ def test_fit_cli_errors_name_the_file(tmp_path, capsys):
     assert residency_cli(["fit", "--history", str(bad), "--budget", "4", "--out",
                           str(tmp_path / "m.json")]) == 2
     assert str(bad) in capsys.readouterr().err
+    cli = subprocess.run([sys.executable, "-m", "tidejax.residency", "fit", "--history", str(bad),
+                          "--budget", "4", "--out", str(tmp_path / "m.json")],
+                         capture_output=True, text=True)
+    assert cli.returncode == 2 and str(bad) in cli.stderr
 
 
 def test_plan_applied_at_most_max_swaps_per_step(tmp_path):

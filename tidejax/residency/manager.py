@@ -156,6 +156,10 @@ class Residency:
 
     def drain(self) -> None:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans."""
+        with jax.profiler.TraceAnnotation("drain"):
+            self._drain()
+
+    def _drain(self) -> None:
         t0 = time.perf_counter()
         state = self.state
         counts, weights = np.asarray(state.counts), np.asarray(state.weight_sums)
@@ -167,9 +171,10 @@ class Residency:
         if self.state_dir:
             self.history.save(self.history_path)
         if not self.frozen and not self.all_resident:
-            self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
-                self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
-                self.section.hysteresis, self.section.max_swaps_per_layer)]
+            with jax.profiler.TraceAnnotation("plan"):
+                self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
+                    self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
+                    self.section.hysteresis, self.section.max_swaps_per_layer)]
             self.counters["planned"] += len(self._queue)
         self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
         self._log_telemetry()
@@ -184,6 +189,10 @@ class Residency:
     def _apply(self, state: ExpertState, swaps: list[Swap], kind: str = "swaps_applied"):
         if not swaps:
             return state
+        with jax.profiler.TraceAnnotation("swap"):
+            return self._apply_now(state, swaps, kind)
+
+    def _apply_now(self, state: ExpertState, swaps: list[Swap], kind: str):
         t0 = time.perf_counter()
         applied = 0
         for swap in swaps:

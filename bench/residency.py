@@ -1,0 +1,178 @@
+"""GPU benchmark of expert residency (one call, one table).
+
+1. Host-to-device bandwidth: `jax.device_put` of a pinned_host expert pool (MXFP4 rows of
+   DeepSeek-V4.1-Flash size: hidden 5120, moe_intermediate 2304, 18.8 MB a row) to device memory.
+2. One swap: `Residency.apply_swaps` of one row from the pinned pool into the bank (the jitted,
+   donated `swap_row`, then a wait for it), median over random swaps; its GB/s against (1); the
+   swap's compiled memory analysis (in place: alias = the state, temp ~ one row).
+3. Demand counting A/B: a decode-like step of L_MOE MoE layers (router + serve_routed + the
+   grouped kernel over an MXFP4 bank, 4 tokens, top-6 of 384) with counting on and off, blocks
+   interleaved; all-resident and half-resident (substitute, with the per-step miss read the manager
+   does) banks.
+
+    PYTHONPATH=. python3 bench/residency.py [--quick]
+
+Prints a markdown table and writes it to $OUT/residency.md when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.config import ResidencySection
+from tidejax.residency import Residency, ServeOptions, serve_routed
+from tidejax.residency.planner import Swap
+from tidejax.residency.state import ExpertState
+from tidejax.residency.swap import swap_row
+
+
+def dims(quick: bool):
+    # D, I, experts per layer, MoE layers in the counting step, top-k, pool rows, bank slots
+    return (64, 64, 16, 2, 6, 12, 6) if quick else (5120, 2304, 384, 4, 6, 48, 16)
+
+
+def mxfp4_rows(n, d, i, rng) -> dict:
+    """Random MXFP4 rows (every e2m1 code; scales near 1 so values stay finite)."""
+    b = lambda *s: rng.integers(0, 256, s, dtype=np.uint8)
+    s = lambda *s: rng.integers(118, 128, s, dtype=np.uint8)
+    return {"gate_up_blocks": b(n, 2 * i, d // 32, 16), "gate_up_scales": s(n, 2 * i, d // 32),
+            "down_blocks": b(n, d, i // 32, 16), "down_scales": s(n, d, i // 32)}
+
+
+def device_rows(n, d, i, key, distinct=32) -> dict:
+    """n MXFP4 rows on the device: `distinct` random rows repeated (little scratch memory)."""
+    base = jax.device_put(mxfp4_rows(distinct, d, i, np.random.default_rng(int(key))))
+    return jax.jit(lambda b: jax.tree.map(lambda a: a[jnp.arange(n) % distinct], b))(base)
+
+
+def h2d_gbps(pool: dict) -> float:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(pool))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(jax.device_put(pool, dev))
+        times.append(time.perf_counter() - t0)
+        del out
+    return nbytes / min(times) / 1e9
+
+
+def bench_swaps(pool_np: dict, slots: int, n_swaps: int, rng):
+    section = ResidencySection(budget_experts=slots, geometry="arena", miss_policy="substitute",
+                               adapt=False)
+    res = Residency(pool_np, 1, 6, section)
+    compiled = swap_row.lower(res.state, np.int32(0), np.int32(0)).compile()
+    mem = compiled.memory_analysis()
+    times = []
+    for _ in range(n_swaps + 3):
+        cold = np.setdiff1d(np.arange(len(pool_np["down_scales"])), res.slot_rows)
+        swap = Swap(int(rng.integers(slots)), int(rng.choice(cold)), res.version)
+        t0 = time.perf_counter()
+        res.apply_swaps([swap])
+        jax.block_until_ready(res.state)
+        times.append(time.perf_counter() - t0)
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves(res.state))
+    return statistics.median(times[3:]), mem, state_bytes, res
+
+
+def counting_step(n_layers, top_k):
+    def step(state, x, router, options):
+        for layer in range(n_layers):
+            logits = jnp.einsum("td,ed->te", x, router[layer], preferred_element_type=jnp.float32)
+            top, ids = jax.lax.top_k(logits, top_k)
+            weights = jax.nn.softmax(top, axis=-1)
+            y, state = serve_routed(layer, x, ids.astype(jnp.int32), weights, logits,
+                                    jnp.ones(x.shape[0], bool), state, options)
+            x = (x.astype(jnp.float32) + y.astype(jnp.float32) * 0.01).astype(x.dtype)
+        return x, state
+    return jax.jit(step, static_argnames="options", donate_argnums=0)
+
+
+def bench_counting(state, step, router, xs, options_on, options_off, read_misses, blocks, per):
+    """Median step time (s) with counting on / off: `blocks` interleaved blocks of `per` steps."""
+    arms = {"on": options_on, "off": options_off}
+    times = {"on": [], "off": []}
+    for arm, opts in arms.items():  # compile + warm up
+        _, state = step(state, xs[0], router, opts)
+        jax.block_until_ready(state)
+    for b in range(blocks):
+        for arm in (("on", "off") if b % 2 == 0 else ("off", "on")):
+            t0 = time.perf_counter()
+            for j in range(per):
+                y, state = step(state, xs[j % len(xs)], router, arms[arm])
+                if read_misses and arm == "on":
+                    np.asarray(state.misses)  # the manager's per-step miss tally
+            jax.block_until_ready((y, state))
+            times[arm].append((time.perf_counter() - t0) / per)
+    return statistics.median(times["on"]), statistics.median(times["off"]), state
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    args = parser.parse_args()
+    d, i, e, n_moe, k, pool_rows, slots = dims(args.quick)
+    rng = np.random.default_rng(0)
+    rows = []
+    t_start = time.perf_counter()
+
+    pool_np = mxfp4_rows(pool_rows, d, i, rng)
+    row_mb = sum(a[0].nbytes for a in pool_np.values()) / 1e6
+    swap_s, mem, state_bytes, res = bench_swaps(pool_np, slots, 10 if args.quick else 60, rng)
+    bw = h2d_gbps(res.state.pool)
+    swap_gbps = row_mb / 1e3 / swap_s
+    rows += [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
+              f"({pool_rows} rows, {pool_rows * row_mb / 1e3:.2f} GB)"),
+             (f"one swap ({row_mb:.1f} MB MXFP4 row, pinned host -> bank slot), median",
+              f"{swap_s * 1e6:.0f} us = {swap_gbps:.1f} GB/s = {swap_gbps / bw:.2f} of host->device"),
+             ("swap memory_analysis: alias / temp / state bytes",
+              f"{mem.alias_size_in_bytes / 1e6:.1f} MB / {mem.temp_size_in_bytes / 1e6:.1f} MB / "
+              f"{state_bytes / 1e6:.1f} MB")]
+    print(rows, flush=True)
+    del res
+
+    step = counting_step(n_moe, k)
+    key = jax.random.key(1)
+    router = (jax.random.normal(key, (n_moe, e, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    xs = [jax.random.normal(jax.random.fold_in(key, j), (4, d), jnp.float32).astype(jnp.bfloat16)
+          for j in range(8)]
+    zeros = lambda: jnp.zeros((n_moe, e), jnp.float32)
+    blocks, per = (2, 3) if args.quick else (10, 40)
+    for label, resident in (("all resident", n_moe * e), ("half resident, substitute", n_moe * e // 2)):
+        bank = device_rows(resident, d, i, 99)
+        keep = np.sort(np.random.default_rng(2).permutation(n_moe * e)[:resident])
+        rowmap = np.full(n_moe * e, -1, np.int32)
+        rowmap[keep] = np.arange(resident)
+        state = ExpertState(bank=bank, rowmap=jnp.asarray(rowmap.reshape(n_moe, e)),
+                            slot_rows=jnp.asarray(keep.astype(np.int32)), counts=zeros(),
+                            weight_sums=zeros(), misses=zeros(), pool=None, resident=resident)
+        full = resident == n_moe * e
+        on = ServeOptions(miss_policy="substitute", kernel="auto", count=True, all_resident=full)
+        off = ServeOptions(miss_policy="substitute", kernel="auto", count=False, all_resident=full)
+        t_on, t_off, state = bench_counting(state, step, router, xs, on, off, not full, blocks, per)
+        rows.append((f"decode-like step, {n_moe} MoE layers, 4 tokens, {label}: counting on / off",
+                     f"{t_on * 1e6:.0f} / {t_off * 1e6:.0f} us ({(t_on / t_off - 1) * 100:+.2f}%)"))
+        print(rows[-1], flush=True)
+        del state, bank
+
+    table = [f"## Residency (bench/residency.py{' --quick' if args.quick else ''}), "
+             f"{datetime.date.today()}, jax {jax.__version__}, {jax.devices()[0].device_kind}", "",
+             "| what | figure |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows]
+    table.append(f"\n({time.perf_counter() - t_start:.0f} s)")
+    text = "\n".join(table) + "\n"
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "residency.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
