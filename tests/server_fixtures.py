@@ -7,7 +7,8 @@ four "chain" tokens own four residual dimensions that no attention or MLP output
 the unembedding maps each chain token to its successor through those dimensions alone
 (<|tool_hint|> -> <tool_call> -> CALL_JSON -> </tool_call> -> <|eos|>). The template ends the
 prompt with <|tool_hint|> only when tools are offered and the user spoke last, so every other
-prompt continues as a plain random model (whose greedy text never reaches <|eos|>).
+prompt continues as a plain random model (whose text never reaches a chain token or <|eos|>:
+their logits are 0 off the chain while some of the random ones are positive).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def write_chat_model(path: Path, seed: int = 0) -> Path:
     vocab = max(ids.values()) + 1
     config = deepseek_v3_config(vocab_size=vocab, num_hidden_layers=2, first_k_dense_replace=1,
                                 q_lora_rank=None, n_group=1, topk_group=1,
+                                max_position_embeddings=1024,
                                 bos_token_id=ids["<|bos|>"], eos_token_id=ids["<|eos|>"])
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
@@ -89,6 +91,7 @@ def write_chat_model(path: Path, seed: int = 0) -> Path:
         head.normal_(0, 1.0)  # well separated logits: greedy choices robust to rounding
         embed[:, reserved] = 0
         head[:, reserved] = 0
+        head[ids[CHAIN[0]]] = 0  # only the template writes <|tool_hint|>, never the model
         for dim, (source, target) in zip(reserved, zip(CHAIN, CHAIN[1:])):
             embed[ids[source], dim] = 1.0
             head[ids[target]] = 0

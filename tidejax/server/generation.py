@@ -111,6 +111,14 @@ def _arguments_as_dicts(message: dict, i: int) -> dict:
     return {**message, "tool_calls": calls}
 
 
+def _held_text(detok: IncrementalDetokenizer) -> str:
+    """What the detokenizer still holds when the generation ends: an unfinished character,
+    which decodes to U+FFFD as in a full decode. (For IncrementalDetokenizer.flush(), once the
+    engine has one.)"""
+    text = detok.tokenizer.decode(detok.ids, skip_special_tokens=detok.skip_special)
+    return text[detok.emitted:]
+
+
 class Generation:
     """One request on the engine. `async for text in gen.texts()` yields detokenized text with
     stop strings cut; afterwards `finish_reason`, `prompt_tokens`, `completion_tokens` and
@@ -157,7 +165,7 @@ class Generation:
                     if text:
                         yield text
                 elif isinstance(event, DoneEvent):
-                    tail = stops.flush()
+                    tail = stops.feed(_held_text(detok)) + stops.flush()
                     if tail:
                         yield tail
                     self.finish_reason = "stop" if stops.stopped else event.finish_reason
