@@ -5,7 +5,9 @@
 2. One swap: `Residency.apply_swaps` of one row from the pinned pool into the bank (the jitted,
    donated `swap_row`, then a wait for it), median over random swaps; its GB/s against (1); the
    swap's compiled memory analysis (in place: alias = the state, temp ~ one row).
-3. Demand counting A/B: a decode-like step of L_MOE MoE layers (router + serve_routed + the
+3. Miss policies: a decode-like step of one MoE layer (64 experts, half resident) with "exact"
+   (missing rows fetched from the pinned pool inside the step) against "substitute".
+4. Demand counting A/B: a decode-like step of L_MOE MoE layers (router + serve_routed + the
    grouped kernel over an MXFP4 bank, 4 tokens, top-6 of 384) with counting on and off, blocks
    interleaved; all-resident and half-resident (substitute, with the per-step miss read the manager
    does) banks.
@@ -18,6 +20,7 @@ Prints a markdown table and writes it to $OUT/residency.md when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -35,8 +38,8 @@ from tidejax.residency.swap import swap_row
 
 
 def dims(quick: bool):
-    # D, I, experts per layer, MoE layers in the counting step, top-k, pool rows, bank slots
-    return (64, 64, 16, 2, 6, 12, 6) if quick else (5120, 2304, 384, 4, 6, 48, 16)
+    # D, I, experts per layer, MoE layers in the counting step, top-k, pool rows (one layer)
+    return (64, 64, 16, 2, 6, 16) if quick else (5120, 2304, 384, 4, 6, 64)
 
 
 def mxfp4_rows(n, d, i, rng) -> dict:
@@ -65,22 +68,20 @@ def h2d_gbps(pool: dict) -> float:
     return nbytes / min(times) / 1e9
 
 
-def bench_swaps(pool_np: dict, slots: int, n_swaps: int, rng):
-    section = ResidencySection(budget_experts=slots, geometry="arena", miss_policy="substitute",
-                               adapt=False)
-    res = Residency(pool_np, 1, 6, section)
+def bench_swaps(res: Residency, n_swaps: int, rng):
+    slots = res.n_resident
     compiled = swap_row.lower(res.state, np.int32(0), np.int32(0)).compile()
     mem = compiled.memory_analysis()
     times = []
     for _ in range(n_swaps + 3):
-        cold = np.setdiff1d(np.arange(len(pool_np["down_scales"])), res.slot_rows)
+        cold = np.setdiff1d(np.arange(res.n_experts), res.slot_rows)
         swap = Swap(int(rng.integers(slots)), int(rng.choice(cold)), res.version)
         t0 = time.perf_counter()
         res.apply_swaps([swap])
         jax.block_until_ready(res.state)
         times.append(time.perf_counter() - t0)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(res.state))
-    return statistics.median(times[3:]), mem, state_bytes, res
+    return statistics.median(times[3:]), mem, state_bytes
 
 
 def counting_step(n_layers, top_k):
@@ -94,6 +95,27 @@ def counting_step(n_layers, top_k):
             x = (x.astype(jnp.float32) + y.astype(jnp.float32) * 0.01).astype(x.dtype)
         return x, state
     return jax.jit(step, static_argnames="options", donate_argnums=0)
+
+
+def bench_policies(res: Residency, d: int, top_k: int, steps: int):
+    """Median step time of one MoE layer, 4 tokens: exact vs substitute; rows fetched a step."""
+    step = counting_step(1, top_k)
+    key = jax.random.key(5)
+    router = (jax.random.normal(key, (1, res.n_experts, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    out = {}
+    for policy in ("exact", "substitute"):
+        opts = dataclasses.replace(res.options, miss_policy=policy)
+        times, fetched = [], []
+        for j in range(steps + 2):
+            x = jax.random.normal(jax.random.fold_in(key, j), (4, d), jnp.float32).astype(jnp.bfloat16)
+            before = float(res.state.misses.sum())
+            t0 = time.perf_counter()
+            y, res.state = step(res.state, x, router, opts)
+            jax.block_until_ready((y, res.state))
+            times.append(time.perf_counter() - t0)
+            fetched.append(float(res.state.misses.sum()) - before)
+        out[policy] = (statistics.median(times[2:]), statistics.mean(fetched[2:]))
+    return out
 
 
 def bench_counting(state, step, router, xs, options_on, options_off, read_misses, blocks, per):
@@ -119,14 +141,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     args = parser.parse_args()
-    d, i, e, n_moe, k, pool_rows, slots = dims(args.quick)
+    d, i, e, n_moe, k, pool_rows = dims(args.quick)
     rng = np.random.default_rng(0)
     rows = []
     t_start = time.perf_counter()
 
     pool_np = mxfp4_rows(pool_rows, d, i, rng)
     row_mb = sum(a[0].nbytes for a in pool_np.values()) / 1e6
-    swap_s, mem, state_bytes, res = bench_swaps(pool_np, slots, 10 if args.quick else 60, rng)
+    section = ResidencySection(budget_experts=pool_rows // 2, miss_policy="exact", adapt=False)
+    res = Residency(pool_np, 1, k, section, max_tokens=4)
+    del pool_np
+    swap_s, mem, state_bytes = bench_swaps(res, 10 if args.quick else 60, rng)
     bw = h2d_gbps(res.state.pool)
     swap_gbps = row_mb / 1e3 / swap_s
     rows += [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
@@ -136,7 +161,13 @@ def main():
              ("swap memory_analysis: alias / temp / state bytes",
               f"{mem.alias_size_in_bytes / 1e6:.1f} MB / {mem.temp_size_in_bytes / 1e6:.1f} MB / "
               f"{state_bytes / 1e6:.1f} MB")]
-    print(rows, flush=True)
+    print(rows, "\n", mem, flush=True)
+    policies = bench_policies(res, d, k, 5 if args.quick else 20)
+    for policy, (secs, fetched) in policies.items():
+        rows.append((f"one MoE layer, 4 tokens, {pool_rows // 2} of {pool_rows} experts resident, "
+                     f"miss policy {policy}", f"{secs * 1e6:.0f} us a step ({fetched:.1f} missed "
+                     "picks a step)"))
+    print(rows[-2:], flush=True)
     del res
 
     step = counting_step(n_moe, k)
