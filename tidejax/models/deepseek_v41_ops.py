@@ -111,9 +111,12 @@ def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int)
     logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     comb = jax.nn.softmax(logits, -1) + hc_eps
     comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, -1, keepdims=True) + hc_eps)
-        comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
+
+    def sinkhorn(_, c):
+        c = c / (jnp.sum(c, -1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, -2, keepdims=True) + hc_eps)
+
+    comb = jax.lax.fori_loop(0, iters - 1, sinkhorn, comb)  # a loop: unrolled, it dominates compile time
     return pre, post, comb
 
 

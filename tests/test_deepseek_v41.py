@@ -1,0 +1,183 @@
+"""DeepSeek-V4.1 against the reference's own outputs (tests/data/golden_v41, see its README):
+Engram hash ids, per-layer streams and index selections (they localize a mismatch), logits of a
+full forward, the same logits through prefill + one-token decode steps, and greedy ids."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tidejax.config import ConfigError
+from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41_generate import (Sequence, engram_rows, greedy, new_hashers,
+                                                  step_fn)
+from tidejax.models.deepseek_v41_load import load
+from tidejax.models.engram import EngramHasher
+
+GOLDEN = Path(__file__).parent / "data" / "golden_v41"
+MODELS = ["tiny_a", "tiny_b"]
+KERNEL = "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(name):
+    return load(GOLDEN / name)
+
+
+def golden(name, file):
+    path = GOLDEN / name / file
+    return np.load(path) if file.endswith(".npy") else dict(np.load(path))
+
+
+@functools.lru_cache(maxsize=None)
+def full_forward(name):
+    """(logits [T, V], streams [L, T, hc, d], selections {layer: [T, G]}) of the golden prompt."""
+    import jax
+    import jax.numpy as jnp
+
+    from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
+
+    ck = checkpoint(name)
+    ids = golden(name, "input_ids.npy")
+    t = ids.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
+    model = DeepseekV41(ck.cfg, kernel=KERNEL)
+    (logits, _), inter = jax.jit(lambda params, cache, rows, experts: model.apply(
+        params, jnp.asarray(ids), pos, pos >= 0, cache, rows, experts, mutable=["intermediates"]))(
+        ck.params, V41Cache.create(ck.cfg, 1, t), rows, ck.experts)
+    inter = inter["intermediates"]
+    streams = np.stack([np.asarray(s[0]) for s in inter["streams"]])
+    selections = {k.split("_")[1]: np.asarray(v[0][0]) for k, v in inter.items()
+                  if k.startswith("selection_")}
+    return np.asarray(logits[0]), streams, selections
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_engram_hash_ids(name):
+    ck = checkpoint(name)
+    assert np.array_equal(ck.engram_layout.token_map, golden(name, "engram_token_map.npy"))
+    ids = golden(name, "input_ids.npy")[0]
+    want = golden(name, "engram_hash_ids.npy")
+    assert np.array_equal(EngramHasher(ck.engram_layout)(ids, 0), want)
+    hasher = EngramHasher(ck.engram_layout)  # chunked, as prefill then decode feeds it
+    got = [hasher(ids[:17], 0)] + [hasher(ids[p:p + 1], p) for p in range(17, len(ids))]
+    assert np.array_equal(np.concatenate(got), want)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_layer_streams(name):
+    _, streams, _ = full_forward(name)
+    want = golden(name, "layer_streams.npy")
+    for layer in range(len(want)):
+        diff = np.abs(streams[layer] - want[layer]).max(axis=(1, 2))  # per position
+        assert diff.max() < 1e-4, f"layer {layer}: first bad position {int(np.argmax(diff > 1e-4))}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_index_selection(name):
+    _, _, selections = full_forward(name)
+    want = golden(name, "index_selection.npz")
+    assert sorted(selections) == sorted(k.removeprefix("layer") for k in want)
+    for key, sel in want.items():
+        got = selections[key.removeprefix("layer")]
+        assert got.shape == sel.shape and np.array_equal(got, sel), f"{key}: {np.sum(got != sel)} differ"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits(name):
+    logits, _, _ = full_forward(name)
+    diff = np.abs(logits - golden(name, "logits.npy")).max()
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_then_decode(name):
+    """Prefill 17 (a ratio-2 group left half full), then one token at a time to the end."""
+    ck = checkpoint(name)
+    ids = golden(name, "input_ids.npy")[0]
+    seq = Sequence(ck, len(ids), KERNEL)
+    logits = [seq.feed(ids[:17])] + [seq.feed(ids[p:p + 1]) for p in range(17, len(ids))]
+    diff = np.abs(np.concatenate(logits) - golden(name, "logits.npy")).max()
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy(name):
+    ck = checkpoint(name)
+    prompt = golden(name, "input_ids.npy")[0, :16]
+    want = golden(name, "greedy.npy")
+    assert greedy(ck, prompt, len(want), KERNEL, max_len=64) == want.tolist()  # decode shapes shared
+
+
+def test_batched_lanes():
+    """Two rows at different positions in one step, one of them padded: each row's logits equal
+    the golden full forward's (causal, so a prefix's logits are the golden's first rows)."""
+    from tidejax.models.deepseek_v41 import V41Cache
+
+    ck = checkpoint("tiny_b")
+    ids = golden("tiny_b", "input_ids.npy")[0]
+    want = golden("tiny_b", "logits.npy")
+    cache = V41Cache.create(ck.cfg, 2, 64)
+    hashers = new_hashers(ck, 2)
+    step = step_fn(ck.cfg, KERNEL)
+    tokens = np.tile(ids[:8], (2, 1)).astype(np.int32)
+    mask = np.ones((2, 8), bool)
+    mask[0, 5:] = False  # row 0 prefills 5 tokens (a padded chunk), row 1 prefills 8
+    positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+    rows = engram_rows(ck, hashers, tokens, [0, 0], mask)
+    first, cache = step(ck.params, cache, tokens, positions, mask, rows, ck.experts)
+    np.testing.assert_allclose(np.asarray(first[0, :5]), want[:5], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(first[1]), want[:8], atol=1e-4)
+    at = [5, 8]
+    for _ in range(3):
+        nxt = ids[at][:, None].astype(np.int32)
+        rows = engram_rows(ck, hashers, nxt, at)
+        out, cache = step(ck.params, cache, nxt, np.array(at, np.int32)[:, None],
+                          np.ones((2, 1), bool), rows, ck.experts)
+        np.testing.assert_allclose(np.asarray(out[:, 0]), want[at], atol=1e-4)
+        at = [a + 1 for a in at]
+
+
+def test_cache_memory_per_token():
+    from tidejax.models.deepseek_v41 import V41Cache
+
+    cfg = checkpoint("tiny_a").cfg  # sources: layer 1 (ratio 2), layer 3 (ratio 1), both indexed
+    per = V41Cache.bytes_per_token(cfg)
+    assert per == 4 * ((cfg.head_dim + cfg.index_head_dim) / 2 + cfg.head_dim + cfg.index_head_dim)
+
+
+def _config(**changes):
+    raw = json.loads((GOLDEN / "tiny_a" / "config.json").read_text())
+    raw["text_config"].update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"hidden_size": None}, "hidden_size"),
+    ({"index_source_layer_ids": [0, 1]}, "index_source_layer_ids"),
+    ({"kv_source_layer_ids": [3]}, "no KV source"),
+    ({"candidate_source_layer_id": 2}, "candidate_source_layer_id"),
+    ({"o_groups": 3}, "o_groups"),
+    ({"compress_ratios": "0,2"}, "compress_ratios"),
+    ({"engram_num_embeddings": [1]}, "engram_num_embeddings"),
+])
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=field) as err:
+        V41Config.from_hf(_config(**changes), "x/config.json")
+    assert "x/config.json" in str(err.value)
+
+
+def test_engram_layout_checks_tokenizer_vocab(tmp_path):
+    from tidejax.models.deepseek_v41_load import engram_layout
+
+    raw = _config(engram_compressed_vocab_size=200)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "tokenizer.json").write_text((GOLDEN / "tiny_a" / "tokenizer.json").read_text())
+    cfg = V41Config.from_file(tmp_path)
+    with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
+        engram_layout(cfg, tmp_path)

@@ -1,0 +1,90 @@
+"""Running DeepSeek-V4.1: the jitted step (prefill chunk or decode, cache donated), the host-side
+Engram inputs, a full forward for scoring and a greedy loop through the cache.
+
+The engine calls `step_fn(cfg, kernel)` once and then, per step:
+    rows = engram_rows(ck, hashers, tokens, starts)            # host: hash + gather table rows
+    logits, cache = step(ck.params, cache, tokens, positions, token_mask, rows, ck.experts)
+with `cache = V41Cache.create(cfg, lanes, max_len)` per batch of lanes and one `EngramHasher` per
+lane (reset it when a lane starts a new sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
+from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41_load import V41Checkpoint
+from tidejax.models.engram import EngramHasher, gather_rows
+
+
+@functools.lru_cache(maxsize=None)
+def step_fn(cfg: V41Config, kernel: str = "auto"):
+    """jit(params, cache, tokens [b, t], positions [b, t], token_mask [b, t], engram_rows, experts)
+    -> (logits [b, t, vocab] float32, cache); the cache is donated."""
+    model = DeepseekV41(cfg, kernel=kernel)
+
+    def step(params, cache, tokens, positions, token_mask, rows, experts):
+        return model.apply(params, tokens, positions, token_mask, cache, rows, experts)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def engram_rows(ck: V41Checkpoint, hashers: list[EngramHasher], tokens: np.ndarray,
+                starts, token_mask: np.ndarray | None = None):
+    """Host side of Engram: tokens [b, t] at positions starts[r].. -> float32
+    [b, t, engram layers, cols, e] table rows (None for a model without Engram)."""
+    if not ck.cfg.engram_layers:
+        return None
+    ids = np.stack([h(row, int(s), None if token_mask is None else token_mask[r])
+                    for r, (h, row, s) in enumerate(zip(hashers, np.asarray(tokens), starts))])
+    return gather_rows(ck.engram_tables, ids)
+
+
+def new_hashers(ck: V41Checkpoint, batch: int) -> list[EngramHasher]:
+    return [EngramHasher(ck.engram_layout) for _ in range(batch)] if ck.engram_layout else []
+
+
+def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarray:
+    """One forward over a sequence: [T] ids -> [T, vocab] float32."""
+    ids = np.asarray(token_ids, np.int32)[None]
+    t = ids.shape[1]
+    positions = np.arange(t, dtype=np.int32)[None]
+    rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
+    logits, _ = step_fn(ck.cfg, kernel)(ck.params, V41Cache.create(ck.cfg, 1, t), ids, positions,
+                                        np.ones_like(ids, bool), rows, ck.experts)
+    return np.asarray(logits[0])
+
+
+class Sequence:
+    """One sequence through the cache: prefill chunks and decode steps at increasing positions."""
+
+    def __init__(self, ck: V41Checkpoint, max_len: int, kernel: str = "auto"):
+        self.ck, self.step = ck, step_fn(ck.cfg, kernel)
+        self.cache = V41Cache.create(ck.cfg, 1, max_len)
+        self.hashers = new_hashers(ck, 1)
+        self.length = 0
+
+    def feed(self, token_ids) -> np.ndarray:
+        """Appends ids [t]; returns their logits [t, vocab]."""
+        ids = np.asarray(token_ids, np.int32)[None]
+        positions = self.length + np.arange(ids.shape[1], dtype=np.int32)[None]
+        rows = engram_rows(self.ck, self.hashers, ids, [self.length])
+        logits, self.cache = self.step(self.ck.params, self.cache, ids, positions,
+                                       np.ones_like(ids, bool), rows, self.ck.experts)
+        self.length += ids.shape[1]
+        return np.asarray(logits[0])
+
+
+def greedy(ck: V41Checkpoint, prompt, new_tokens: int, kernel: str = "auto",
+           max_len: int | None = None) -> list[int]:
+    """Prefill the prompt, then decode one token at a time, always taking the top logit."""
+    seq = Sequence(ck, max_len or len(prompt) + new_tokens, kernel)
+    out = [int(np.argmax(seq.feed(prompt)[-1]))]
+    while len(out) < new_tokens:
+        out.append(int(np.argmax(seq.feed([out[-1]])[-1])))
+    return out
