@@ -24,7 +24,7 @@ import numpy as np
 from tidejax.config import ResidencySection
 from tidejax.residency import seedmap
 from tidejax.residency.history import History
-from tidejax.residency.planner import Swap, fit_rows, place, plan
+from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state, build_state
@@ -230,11 +230,16 @@ class Residency:
         self.move_to(target)
 
     def move_to(self, target: np.ndarray) -> None:
-        """Swaps until the resident slots hold the rows of `target` (same set; slots may differ)."""
-        current = self.slot_rows[:self.n_resident]
-        free = [s for s in range(self.n_resident) if current[s] not in set(target.tolist())]
-        incoming = [r for r in target.tolist() if r not in set(current.tolist())]
-        self.apply_swaps([Swap(s, r, self.version) for s, r in zip(free, incoming)])
+        """Swaps until each group of resident slots (a layer's, or the arena) holds the rows that
+        `target` [resident] puts there; rows already in the group keep their slots."""
+        target = np.asarray(target)[:self.n_resident]
+        swaps = []
+        for slots in slot_groups(self.n_resident, self.n_layers, self.geometry):
+            want = set(target[slots][target[slots] >= 0].tolist())
+            have = set(self.slot_rows[slots].tolist())
+            free = [s for s in slots if self.slot_rows[s] not in want]
+            swaps += [Swap(int(s), r, self.version) for s, r in zip(free, sorted(want - have))]
+        self.apply_swaps(swaps)
 
     # -- control and telemetry -------------------------------------------------------------
 
