@@ -80,6 +80,8 @@ class Engine:
         self.cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
         self._prefill_buckets = _buckets(self.prefill_chunk)
         self._steps = _Steps(self.model)
+        self._replay: np.ndarray | None = None  # [N, L_moe, k] recorded picks, see set_routing_replay
+        self._replay_cursor = 0
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
 
@@ -139,8 +141,9 @@ class Engine:
             positions = np.arange(start, start + size, dtype=np.int32)[None]
             mask = (np.arange(size) < len(chunk))[None]
             token, self.cache, experts = self._steps.prefill(
-                self.params, tokens, positions, mask, np.int32(lane), self.cache,
-                self.residency.state, np.int32(len(chunk) - 1), lane_sampling)
+                self.params, self._replay_ids(tokens.shape), tokens, positions, mask,
+                np.int32(lane), self.cache, self.residency.state, np.int32(len(chunk) - 1),
+                lane_sampling)
             self.residency.state = experts
         self.residency.after_step(n)
         return int(token)
@@ -149,7 +152,7 @@ class Engine:
                sampling: LaneSampling) -> np.ndarray:
         """One step for all lanes: tokens/positions/active [lanes] -> next tokens [lanes]."""
         next_tokens, self.cache, experts = self._steps.decode(
-            self.params, tokens.astype(np.int32), positions.astype(np.int32), active,
+            self.params, self._replay_ids((len(tokens), 1)), tokens.astype(np.int32), positions.astype(np.int32), active,
             self.cache, self.residency.state, sampling)
         self.residency.state = experts
         self.residency.after_step(int(active.sum()))
@@ -164,10 +167,32 @@ class Engine:
         tokens[0, :n] = ids
         cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
         logits, experts = self._steps.score(
-            self.params, tokens, np.arange(size, dtype=np.int32)[None], (np.arange(size) < n)[None],
+            self.params, self._replay_ids(tokens.shape), tokens, np.arange(size, dtype=np.int32)[None], (np.arange(size) < n)[None],
             cache, self.residency.state)
         self.residency.state = experts
         return np.asarray(logits[0, :n], np.float32)
+
+    def set_routing_replay(self, picks: np.ndarray | None) -> None:
+        """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
+        token in order and cyclically, instead of by the router's own choice; None turns it off.
+        Benchmarks use it to give random-weight models a trained model's routing."""
+        if picks is not None:
+            n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
+            picks = np.asarray(picks, np.int32)
+            if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
+                raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
+                                 f"got shape {picks.shape}")
+        self._replay, self._replay_cursor = picks, 0
+
+    def _replay_ids(self, shape: tuple[int, int]):
+        """The replay variable collection for a step of `shape` [b, t] tokens, or None."""
+        if self._replay is None:
+            return None
+        b, t = shape
+        rows = (self._replay_cursor + np.arange(b * t)) % len(self._replay)
+        self._replay_cursor = int(rows[-1] + 1)
+        ids = self._replay[rows].reshape(b, t, *self._replay.shape[1:])  # [b, t, L_moe, k]
+        return self.family.replay_variables(self.cfg, ids)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -202,14 +227,15 @@ class _Steps:
 
     model: object
 
-    def _forward(self, params, tokens, positions, mask, cache, experts):
-        return self.model.apply({"params": params}, tokens, positions, mask, cache, experts)
+    def _forward(self, params, replay, tokens, positions, mask, cache, experts):
+        variables = {"params": params} | ({"replay": replay} if replay is not None else {})
+        return self.model.apply(variables, tokens, positions, mask, cache, experts)
 
     @functools.cached_property
     def prefill(self):
-        def step(params, tokens, positions, mask, lane, cache, experts, last, sampling):
+        def step(params, replay, tokens, positions, mask, lane, cache, experts, last, sampling):
             lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lane, 1, 0), cache)
-            logits, lane_cache, experts = self._forward(params, tokens, positions, mask,
+            logits, lane_cache, experts = self._forward(params, replay, tokens, positions, mask,
                                                         lane_cache, experts)
             cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, lane, 0),
                                  cache, lane_cache)
@@ -219,16 +245,16 @@ class _Steps:
 
     @functools.cached_property
     def decode(self):
-        def step(params, tokens, positions, active, cache, experts, sampling):
-            logits, cache, experts = self._forward(params, tokens[:, None], positions[:, None],
-                                                   active[:, None], cache, experts)
+        def step(params, replay, tokens, positions, active, cache, experts, sampling):
+            logits, cache, experts = self._forward(params, replay, tokens[:, None],
+                                                   positions[:, None], active[:, None], cache, experts)
             return sample(logits[:, 0], sampling, positions + 1), cache, experts
         return jax.jit(step, donate_argnames=("cache", "experts"))
 
     @functools.cached_property
     def score(self):
-        def step(params, tokens, positions, mask, cache, experts):
-            logits, _, experts = self._forward(params, tokens, positions, mask, cache, experts)
+        def step(params, replay, tokens, positions, mask, cache, experts):
+            logits, _, experts = self._forward(params, replay, tokens, positions, mask, cache, experts)
             return logits, experts
         return jax.jit(step, donate_argnames=("experts",))
 

@@ -221,6 +221,11 @@ def param_shapes(cfg: ModelConfig, serve: ServeOptions, dtype) -> dict:
     return jax.eval_shape(init)
 
 
+def replay_variables(cfg: ModelConfig, ids) -> dict:
+    """Recorded picks ids [b, t, L_moe, k] as the MoE layers' "replay" variables."""
+    return {f"layers_{layer}": {"moe": {"ids": ids[:, :, m]}} for m, layer in enumerate(cfg.moe_layers)}
+
+
 register(Family(
     name="deepseek_v3",
     model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
@@ -233,5 +238,6 @@ register(Family(
     expert_dims=expert_dims,
     create_cache=MLACache.create,
     cache_bytes_per_token=MLACache.bytes_per_token,
+    replay_variables=replay_variables,
     tool_format="deepseek_v3",
 ))

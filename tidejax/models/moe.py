@@ -32,11 +32,12 @@ class RouterSpec:
     routed_scaling_factor: float = 1.0
 
 
-def route(x, weight, bias, spec: RouterSpec):
+def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
     """x [T, d] -> wanted picks: ids [T, k] int32, weights [T, k] float32, choice [T, e] float32.
 
     Scores come from float32 logits; the correction bias shifts only the choice, never the
     weights; group-limited selection keeps the topk_group best groups of experts.
+    `replayed_ids` [T, k] (benchmarks) replace the selection; weights still come from the scores.
     """
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), weight.astype(jnp.float32),
                         precision=HIGHEST)  # [T, e]
@@ -54,6 +55,8 @@ def route(x, weight, bias, spec: RouterSpec):
         expert_mask = jnp.repeat(group_mask, spec.n_experts // spec.n_group, axis=1)
         choice = jnp.where(expert_mask, choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, spec.top_k)  # [T, k]
+    if replayed_ids is not None:
+        ids = replayed_ids
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -62,7 +65,12 @@ def route(x, weight, bias, spec: RouterSpec):
 
 
 class MoE(nn.Module):
-    """Router + routed experts (through residency) + shared experts."""
+    """Router + routed experts (through residency) + shared experts.
+
+    A "replay" variable collection ({"ids": [b, t, k]} at this module's path) makes the layer
+    route by recorded picks instead of its own choice: benchmarks on random-weight models use it to
+    replay a trained model's routing, so skew and domain shifts are realistic.
+    """
 
     router: RouterSpec
     moe_index: int  # this layer's row in the rowmap / counters
@@ -78,7 +86,9 @@ class MoE(nn.Module):
         bias = (self.param("gate_bias", nn.initializers.zeros, (self.router.n_experts,), jnp.float32)
                 if self.router.use_bias else None)
         flat = x.reshape(b * t, d)
-        ids, weights, choice = route(flat, gate_w, bias, self.router)
+        replayed = (self.get_variable("replay", "ids").reshape(b * t, self.router.top_k)
+                    if self.has_variable("replay", "ids") else None)
+        ids, weights, choice = route(flat, gate_w, bias, self.router, replayed)
         y, experts = serve_routed(self.moe_index, flat, ids, weights, choice,
                                   token_mask.reshape(b * t), experts, self.serve)
         y = y.reshape(b, t, d).astype(x.dtype)

@@ -33,6 +33,7 @@ class Family:
     expert_dims: Callable
     create_cache: Callable
     cache_bytes_per_token: Callable
+    replay_variables: Callable  # (cfg, ids [b, t, L_moe, k]) -> the "replay" collection of the MoE layers
     swiglu_limit: Callable = lambda cfg: 0.0
     tool_format: str = "json"  # the server's tool-call parser for this family's chat format
 
