@@ -25,6 +25,7 @@ import datetime
 import os
 import statistics
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -137,46 +138,46 @@ def bench_counting(state, step, router, xs, options_on, options_off, read_misses
     return statistics.median(times["on"]), statistics.median(times["off"]), state
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
-    args = parser.parse_args()
-    d, i, e, n_moe, k, pool_rows = dims(args.quick)
+def swap_and_policy_rows(quick: bool) -> list:
+    d, i, _, _, k, pool_rows = dims(quick)
     rng = np.random.default_rng(0)
-    rows = []
-    t_start = time.perf_counter()
-
     pool_np = mxfp4_rows(pool_rows, d, i, rng)
     row_mb = sum(a[0].nbytes for a in pool_np.values()) / 1e6
     section = ResidencySection(budget_experts=pool_rows // 2, miss_policy="exact", adapt=False)
     res = Residency(pool_np, 1, k, section, max_tokens=4)
     del pool_np
-    swap_s, mem, state_bytes = bench_swaps(res, 10 if args.quick else 60, rng)
+    swap_s, mem, state_bytes = bench_swaps(res, 10 if quick else 60, rng)
     bw = h2d_gbps(res.state.pool)
     swap_gbps = row_mb / 1e3 / swap_s
-    rows += [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
-              f"({pool_rows} rows, {pool_rows * row_mb / 1e3:.2f} GB)"),
-             (f"one swap ({row_mb:.1f} MB MXFP4 row, pinned host -> bank slot), median",
-              f"{swap_s * 1e6:.0f} us = {swap_gbps:.1f} GB/s = {swap_gbps / bw:.2f} of host->device"),
-             ("swap memory_analysis: alias / temp / state bytes",
-              f"{mem.alias_size_in_bytes / 1e6:.1f} MB / {mem.temp_size_in_bytes / 1e6:.1f} MB / "
-              f"{state_bytes / 1e6:.1f} MB")]
+    rows = [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
+             f"({pool_rows} rows, {pool_rows * row_mb / 1e3:.2f} GB)"),
+            (f"one swap ({row_mb:.1f} MB MXFP4 row, pinned host -> bank slot), median",
+             f"{swap_s * 1e6:.0f} us = {swap_gbps:.1f} GB/s = {swap_gbps / bw:.2f} of host->device"),
+            ("swap memory_analysis: alias / temp / state bytes",
+             f"{mem.alias_size_in_bytes / 1e6:.1f} MB / {mem.temp_size_in_bytes / 1e6:.1f} MB / "
+             f"{state_bytes / 1e6:.1f} MB")]
     print(rows, "\n", mem, flush=True)
-    policies = bench_policies(res, d, k, 5 if args.quick else 20)
-    for policy, (secs, fetched) in policies.items():
-        rows.append((f"one MoE layer, 4 tokens, {pool_rows // 2} of {pool_rows} experts resident, "
-                     f"miss policy {policy}", f"{secs * 1e6:.0f} us a step ({fetched:.1f} missed "
-                     "picks a step)"))
-    print(rows[-2:], flush=True)
-    del res
+    try:
+        for policy, (secs, missed) in bench_policies(res, d, k, 5 if quick else 20).items():
+            rows.append((f"one MoE layer, 4 tokens, {pool_rows // 2} of {pool_rows} experts "
+                         f"resident, miss policy {policy}",
+                         f"{secs * 1e6:.0f} us a step ({missed:.1f} missed picks a step)"))
+    except Exception as e:  # keep the figures measured so far
+        traceback.print_exc()
+        rows.append(("miss policies", f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
+    return rows
 
+
+def counting_rows(quick: bool) -> list:
+    d, i, e, n_moe, k, _ = dims(quick)
     step = counting_step(n_moe, k)
     key = jax.random.key(1)
     router = (jax.random.normal(key, (n_moe, e, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
     xs = [jax.random.normal(jax.random.fold_in(key, j), (4, d), jnp.float32).astype(jnp.bfloat16)
           for j in range(8)]
     zeros = lambda: jnp.zeros((n_moe, e), jnp.float32)
-    blocks, per = (2, 3) if args.quick else (10, 40)
+    blocks, per = (2, 3) if quick else (10, 40)
+    rows = []
     for label, resident in (("all resident", n_moe * e), ("half resident, substitute", n_moe * e // 2)):
         bank = device_rows(resident, d, i, 99)
         keep = np.sort(np.random.default_rng(2).permutation(n_moe * e)[:resident])
@@ -189,11 +190,26 @@ def main():
         on = ServeOptions(miss_policy="substitute", kernel="auto", count=True, all_resident=full)
         off = ServeOptions(miss_policy="substitute", kernel="auto", count=False, all_resident=full)
         t_on, t_off, state = bench_counting(state, step, router, xs, on, off, not full, blocks, per)
-        rows.append((f"decode-like step, {n_moe} MoE layers, 4 tokens, {label}: counting on / off",
+        rows.append((f"decode-like step, {n_moe} MoE layers of {e} experts, 4 tokens, top-{k}, "
+                     f"{label}: counting on / off",
                      f"{t_on * 1e6:.0f} / {t_off * 1e6:.0f} us ({(t_on / t_off - 1) * 100:+.2f}%)"))
         print(rows[-1], flush=True)
         del state, bank
+    return rows
 
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    args = parser.parse_args()
+    t_start = time.perf_counter()
+    rows = []
+    for name, section in (("swap", swap_and_policy_rows), ("counting", counting_rows)):
+        try:
+            rows += section(args.quick)
+        except Exception as e:  # one section's failure keeps the others' figures
+            traceback.print_exc()
+            rows.append((name, f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
     table = [f"## Residency (bench/residency.py{' --quick' if args.quick else ''}), "
              f"{datetime.date.today()}, jax {jax.__version__}, {jax.devices()[0].device_kind}", "",
              "| what | figure |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows]
