@@ -39,8 +39,11 @@ def served(tmp_path_factory):
                             engine={"max_context": CONTEXT, "lanes": LANES, "prefill_chunk": 128},
                             server={"api_keys": [KEY], "max_body_bytes": 65536,
                                     "max_tokens_limit": LIMIT})
-    with live_server(profile) as url:
+    trace_dir = root / "trace"
+    with live_server(profile, "--trace-dir", str(trace_dir)) as url:
         yield {"url": url, "model_dir": model_dir, "profile": profile}
+    # --trace-dir: the profiler trace of the session is written at shutdown
+    assert list(trace_dir.rglob("*.xplane.pb")), server_log(profile)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,7 @@ def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer):
     assert chunks[-1].model_extra["x_engine_stats"]["decode_tps"] > 0
 
 
-def test_stop_strings(oai):
+def test_stop_strings(oai, claude):
     full = oai.completions.create(model="tiny", prompt="The tide", max_tokens=20,
                                   temperature=0).choices[0].text
     stop = full[5:7]
@@ -111,6 +114,14 @@ def test_stop_strings(oai):
                                  stop=[stop])
     assert cut.choices[0].text == full[:full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    messages = [{"role": "user", "content": "The tide"}]
+    full = claude.messages.create(model="tiny", max_tokens=20, messages=messages,
+                                  extra_body=GREEDY).content[0].text
+    stop = full[6:8]
+    cut = claude.messages.create(model="tiny", max_tokens=20, messages=messages,
+                                 stop_sequences=["\u2603", stop], extra_body=GREEDY)
+    assert cut.content[0].text == full[:full.index(stop)]
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
 
 
 def test_chat_stream_and_not(oai, hf_tokenizer):

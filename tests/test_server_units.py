@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -303,3 +307,31 @@ def test_bad_completion_requests(loading_server):
         assert status == 400 and message in got["error"]["message"]
     status, got = call(loading_server, "/v1/completions", {"model": "tiny", "prompt": "x"}, AUTH)
     assert status == 503
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles and the command line
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_profiles_parse_and_every_key_is_commented(path):
+    config = EngineConfig.from_toml(path)
+    assert config.model.path.endswith("models/demo")
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line.split("=", 1)[1], f"{path.name}: no comment on {line!r}"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "engine.lanez=2"], "unknown key 'engine.lanez'"),
+    (["--set", "engine.lanes=many"], "'engine.lanes' should be int"),
+    (["--set", "residency.miss_policy=guess"], "'residency.miss_policy' = 'guess' is not one of"),
+    (["--profile", "no_such_profile"], "profile 'no_such_profile' not found"),
+])
+def test_bad_profile_fails_at_start_naming_the_key(args, message):
+    proc = subprocess.run([sys.executable, "-m", "tidejax.server", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 
+import jax
 from aiohttp import web
 
 from tidejax.config import ConfigError, EngineConfig
@@ -72,10 +73,13 @@ async def serve(config: EngineConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = None
+    engine, trace_dir = None, config.engine.trace_dir
     try:
         engine = await loop.run_in_executor(None, Engine, config)
         await loop.run_in_executor(None, warm_up, engine)
+        if trace_dir:  # the serving session, from ready to shutdown
+            jax.profiler.start_trace(trace_dir)
+            log.info("writing a JAX profiler trace to %s (on shutdown)", trace_dir)
         engine.scheduler.start()
         server.attach(engine, loop)
         log.info("ready: %s, %d lanes, context %d", server.name, engine.lanes, engine.max_context)
@@ -85,6 +89,8 @@ async def serve(config: EngineConfig) -> None:
         await runner.cleanup()
         if engine is not None and engine.scheduler.thread is not None:
             engine.scheduler.stop()
+        if trace_dir and engine is not None:
+            jax.profiler.stop_trace()
 
 
 def main(argv: list[str] | None = None) -> int:
