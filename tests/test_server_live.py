@@ -363,7 +363,8 @@ def test_bad_input_then_success(served, oai, claude):
     with pytest.raises(openai.BadRequestError, match="context is 1024 tokens") as e:
         oai.completions.create(model="tiny", prompt=[5] * (CONTEXT + 10), max_tokens=2)
     assert e.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match="above this server's limit of 1000"):
+    with pytest.raises(openai.BadRequestError,
+                       match="'max_tokens' = 1001 is above this server's limit of 1000"):
         oai.chat.completions.create(**chat, max_tokens=LIMIT + 1)
     with pytest.raises(openai.BadRequestError, match="does not fit"):
         oai.completions.create(model="tiny", prompt=[5] * 200, max_tokens=900)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import (ChatInput, parse_chat, parse_completion, parse_json,
                                     parse_messages)
 from tidejax.server.toolcalls import OutputParser
+
+log = logging.getLogger("tidejax.server")
 
 
 def api_keys(config: EngineConfig) -> tuple[str, ...]:
@@ -79,8 +82,7 @@ class Server:
     def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
-        param = "max_tokens" if prefix == "msg_" else "max_completion_tokens"
-        max_new = model.budget(len(prompt_ids), chat.sampling.max_tokens, param)
+        max_new = model.budget(len(prompt_ids), chat.sampling)
         parser = OutputParser(model.tool_format if chat.tools else None, in_reasoning)
         return self.generation(prefix, prompt_ids, chat.sampling, max_new), parser
 
@@ -99,6 +101,8 @@ async def api_middleware(request: web.Request, handler):
         raise
     except Exception as e:
         response = error_response(e, dialect_of(request.path))
+        log.info("%s %s -> %d %s", request.method, request.path, response.status,
+                 response.text[:300])
     route = request.match_info.route.resource
     server.metrics.record_response(route.canonical if route else "unmatched", response.status)
     return response
@@ -115,7 +119,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse_completion(parse_json(await request.read()))
     model = server.ready_model(body.model)
     prompt_ids = model.completion_prompt(body.prompt)
-    max_new = model.budget(len(prompt_ids), body.sampling.max_tokens)
+    max_new = model.budget(len(prompt_ids), body.sampling)
     gen = server.generation("cmpl-", prompt_ids, body.sampling, max_new)
     return await openai_api.completion(request, gen, body.stream)
 

@@ -73,9 +73,10 @@ class ServedModel:
                                 f"[0, {vocab})", param="prompt")
         return prompt
 
-    def budget(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+    def budget(self, prompt_len: int, sampling: Sampling) -> int:
         """The number of tokens this request may generate; 400 when the prompt or the asked
         max_tokens does not fit."""
+        max_tokens, param = sampling.max_tokens, sampling.max_tokens_param
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         room = self.max_context - prompt_len - 1

@@ -50,8 +50,8 @@ async def chat_completion(request: web.Request, gen: Generation, parser: OutputP
             message["content"] = ""
         return web.json_response({
             **head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(gen, calls),
-                         "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _finish_reason(gen, calls)}],
             "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
 
     sse = SSE(request)

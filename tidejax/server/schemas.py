@@ -16,6 +16,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     max_tokens: int | None  # None: up to the context or the server's limit
+    max_tokens_param: str = "max_tokens"  # the request field that set it, for error messages
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -87,16 +88,18 @@ def parse_json(text: bytes) -> Fields:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _max_tokens(body: Fields, *names: str, required: bool = False) -> int | None:
+def _max_tokens(body: Fields, *names: str, required: bool = False) -> tuple[int | None, str]:
+    """The first of `names` present (chat takes max_completion_tokens or max_tokens) and its
+    name."""
     for name in names:
         value = body.get(name, int)
         if value is not None:
             if value < 1:
                 raise APIError(400, f"'{name}' = {value} should be at least 1", param=name)
-            return value
+            return value, name
     if required:
         raise APIError(400, f"'{names[0]}' is required", param=names[0])
-    return None
+    return None, names[-1]
 
 
 def _stop(body: Fields, name: str) -> tuple[str, ...]:
@@ -108,7 +111,7 @@ def _stop(body: Fields, name: str) -> tuple[str, ...]:
     return stop
 
 
-def _sampling(body: Fields, max_tokens: int | None, stop: tuple[str, ...]) -> Sampling:
+def _sampling(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, ...]) -> Sampling:
     top_k = body.get("top_k", int, 0)
     if top_k < -1:
         raise APIError(400, f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
@@ -116,7 +119,7 @@ def _sampling(body: Fields, max_tokens: int | None, stop: tuple[str, ...]) -> Sa
     n = body.get("n", int, 1)
     if n != 1:
         raise APIError(400, f"'n' = {n}: only one choice per request is supported", param="n")
-    return Sampling(max_tokens=max_tokens,
+    return Sampling(max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
                     temperature=body.number("temperature", 1.0, 0.0, 2.0),
                     top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
                     top_k=max(top_k, 0), seed=body.get("seed", int), stop=stop)
@@ -254,7 +257,8 @@ def _anthropic_messages(system: Any, messages: list) -> list[dict]:
                                                                    ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
                 result = block.raw.get("content", "")
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", str, required=True),
+                call_id = block.get("tool_use_id", str, required=True)
+                out.append({"role": "tool", "tool_call_id": call_id,
                             "content": _text_content(result, block.where + "content")})
             elif kind != "redacted_thinking":
                 raise APIError(400, f"'{block.where}type' = {kind!r} is not supported in a "
