@@ -164,3 +164,16 @@ def test_bad_checkpoints_name_file_and_tensor(tiny, tmp_path):
     (no_field / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"config\.json.*kv_lora_rank"):
         tidejax.load(no_field)
+
+
+def test_half_resident_exact_equals_all_resident(tiny):
+    """Half the experts in the bank, misses copied in from the host pool: the same logits."""
+    name, path, _, engine = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for residency")
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    half = tidejax.load(path, residency={"budget_experts": n_moe * n_experts // 2,
+                                         "miss_policy": "exact"})
+    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
+    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
+    assert half.residency.stats()["misses"] > 0

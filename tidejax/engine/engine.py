@@ -22,13 +22,19 @@ from tidejax.config import ConfigError, EngineConfig, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
 from tidejax.models.registry import family_for
-from tidejax.residency.state import all_resident_state
+from tidejax.residency.manager import Residency
 from tidejax.residency.serve import ServeOptions
 
 log = logging.getLogger("tidejax")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _FP32_LEAVES = ("gate_weight", "gate_bias")  # the router stays in float32, as the references keep it
+
+
+CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Der schnelle braune Fuchs springt. "
+    "Le renard brun saute par-dessus le chien. def main(argv):\n    return 0\n"
+    "for f in *.txt; do echo \"$f\"; done\nNAME\n    ls - list directory contents\n")
 
 
 def _buckets(limit: int) -> list[int]:
@@ -73,9 +79,11 @@ class Engine:
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
         self.params, pool = self._load_weights(raw)
-        n_moe = self.family.expert_dims(self.cfg)[0]
-        self.residency = _AllResident(all_resident_state(pool, n_moe))
-        self.serve = dataclasses.replace(self.serve, all_resident=True)
+        self.residency = Residency(
+            pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
+            config.residency, kernel=config.engine.kernel, swiglu_limit=self.serve.swiglu_limit,
+            max_tokens=max(self.prefill_chunk, self.lanes))
+        self.serve = self.residency.options
         self.model = self.family.build(self.cfg, self.serve, self.dtype)
         self.cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
         self._prefill_buckets = _buckets(self.prefill_chunk)
@@ -84,6 +92,8 @@ class Engine:
         self._replay_cursor = 0
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
+        if self.residency.needs_calibration:
+            self._calibrate()
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -123,6 +133,12 @@ class Engine:
             from tidejax.checkpoint.mxfp4 import quantize_pool
             pool = quantize_pool(pool)
         return params, pool
+
+    def _calibrate(self) -> None:
+        """No seed map and no history: seat the experts a short mixed prompt wants most."""
+        ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.prefill_chunk]
+        self.logits(ids)
+        self.residency.reseed()
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -208,17 +224,6 @@ class Engine:
 
     def cache_bytes_per_token(self) -> int:
         return self.family.cache_bytes_per_token(self.cfg, self.dtype)
-
-
-class _AllResident:
-    def __init__(self, state):
-        self.state = state
-
-    def after_step(self, n_tokens):
-        pass
-
-    def window_cold_share(self):
-        return 0.0
 
 
 @dataclasses.dataclass

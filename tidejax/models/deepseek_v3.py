@@ -239,5 +239,6 @@ register(Family(
     create_cache=MLACache.create,
     cache_bytes_per_token=MLACache.bytes_per_token,
     replay_variables=replay_variables,
+    top_k=lambda cfg: cfg.num_experts_per_tok,
     tool_format="deepseek_v3",
 ))

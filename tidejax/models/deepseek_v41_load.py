@@ -1,10 +1,18 @@
-"""Loading a DeepSeek-V4.1 checkpoint folder: config, dense params (flax tree), routed-expert
-banks (dense {"gate_up", "down"} per layer), Engram tables (host numpy) and the Engram hash
-layout (from the tokenizer).
+"""Loading a DeepSeek-V4.1 checkpoint folder: config, dense params (flax tree, float32), routed
+experts (one bank per layer), Engram tables (host, memory-mapped) and the Engram hash layout
+(from the tokenizer).
 
-Tensor names are the reference's module paths (`model.layers.{i}.attn.wq_a.weight`, ...); the
-published checkpoint's names without the `model.` prefix are accepted too. Loading fails on any
-unmapped tensor, unfilled parameter or shape mismatch, naming it.
+Names: the reference's module paths (`model.layers.{i}.attn.wq_a.weight`, ...) or the published
+ones (no `model.` prefix, `head.weight` for the output head). Formats, told apart by dtype:
+- float (f32 / bf16 / f16) tensors as they are;
+- FP8 dense weights: `X.weight` float8_e4m3fn + `X.scale` (e8m0, or float32 `X.weight_scale_inv`)
+  per 128 x 128 block;
+- FP4 routed experts: `...experts.{e}.w{1,2,3}.weight` uint8/int8 [out, in/2] (two e2m1 codes a
+  byte, low nibble first) + `.scale` e8m0 (or uint8 exponents) [out, in/32]: kept as an MXFP4 bank
+  {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"};
+- Engram tables: `engram.embed.weight` float8_e4m3fn + `engram.embed.scale` per 32 channels,
+  kept as (values, scales) and dequantized row by row when gathered.
+Loading fails on any unmapped tensor, unfilled parameter, missing scale or shape mismatch.
 """
 
 from __future__ import annotations
@@ -15,8 +23,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
+
+from tidejax.checkpoint.fp8 import dequantize_fp8_block
+from tidejax.checkpoint.safetensors_io import SafetensorsFile
 
 from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
 from tidejax.models.deepseek_v41_config import V41Config
@@ -27,11 +39,14 @@ from tidejax.models.engram import EngramLayout, compressed_token_map
 IGNORED = (r"\.ffn\.gate\.bias_vl$", r"(^|\.)mtp\.", r"^vision\.", r"^aligner\.",
            r"^image_(start|end|newline)$")
 _RENAMES = {("embed", "weight"): ("embed",), ("lm_head", "weight"): ("lm_head",),
+            ("head", "weight"): ("lm_head",),
             ("attn", "wo_a", "weight"): ("attn", "wo_a"),
             ("ffn", "gate", "weight"): ("ffn", "gate_weight"),
             ("ffn", "gate", "bias"): ("ffn", "gate_bias")}
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_ENGRAM = re.compile(r"^layers\.(\d+)\.engram\.embed\.(weight|scale)$")
+_ENGRAM = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
+_SCALES = (".scale", "_scale_inv")  # suffixes of a weight's block scales: X.scale, X.weight_scale_inv
+_PACKED = (np.dtype(np.uint8), np.dtype(np.int8))  # FP4 codes, two a byte
 
 
 class V41LoadError(ValueError):
@@ -69,85 +84,180 @@ def empty_bank(cfg: V41Config) -> dict:
 class V41Checkpoint:
     cfg: V41Config
     params: dict  # {"params": flax tree}
-    experts: list  # per layer {"gate_up": [E, 2I, D], "down": [E, D, I]}
-    engram_tables: list  # per Engram layer: [rows, e] float32 (host)
+    experts: list  # per layer: a dense {"gate_up", "down"} or an MXFP4 bank
+    engram_tables: list  # per Engram layer: float32 [rows, e] or (e4m3 values, float32 scales)
     engram_layout: EngramLayout | None
 
 
-def load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of the folder's safetensors files (float32 checkpoints), names without the
-    `model.` prefix."""
-    from safetensors.numpy import load_file
+class Tensors:
+    """The folder's safetensors files as one lazy name -> array map (memory-mapped views),
+    names without the `model.` prefix; records what was used so leftovers can be reported."""
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise V41LoadError(f"{model_dir}: no *.safetensors file")
-    out: dict[str, np.ndarray] = {}
-    for f in files:
-        for name, value in load_file(f).items():
-            key = name[len("model."):] if name.startswith("model.") else name
-            if key in out:
-                raise V41LoadError(f"{f}: tensor {name} appears twice in the checkpoint")
-            out[key] = value
-    return out
+    def __init__(self, model_dir: Path):
+        self.source = model_dir
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise V41LoadError(f"{model_dir}: no *.safetensors file")
+        self.where: dict[str, tuple[SafetensorsFile, str]] = {}
+        for path in files:
+            f = SafetensorsFile(path)
+            for name in f.tensors:
+                key = name.removeprefix("model.")
+                if key in self.where:
+                    raise V41LoadError(f"{path}: tensor {name} appears twice in the checkpoint")
+                self.where[key] = (f, name)
+        self.used: set[str] = set()
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def dtype(self, name) -> np.dtype:
+        f, raw = self.where[name]
+        return f.tensors[raw].dtype
+
+    def shape(self, name) -> tuple:
+        f, raw = self.where[name]
+        return tuple(f.tensors[raw].shape)
+
+    def view(self, name) -> np.ndarray:
+        f, raw = self.where[name]
+        self.used.add(name)
+        return f.view(raw)
+
+    def where_is(self, name) -> str:
+        f, raw = self.where[name]
+        return f"{f.path}: tensor {raw}"
+
+    def scale_of(self, name) -> str | None:
+        """The block-scale tensor that goes with weight `name`, if any."""
+        base = name.removesuffix(".weight")
+        for cand in (base + ".scale", name + "_scale_inv"):
+            if cand in self.where:
+                return cand
+        return None
+
+    def read_float(self, name) -> np.ndarray:
+        """A float32 copy; FP8 weights are dequantized with their 128 x 128 block scales."""
+        value = self.view(name)
+        if value.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+            return np.asarray(value, np.float32)
+        scale = self.scale_of(name)
+        if scale is None:
+            raise V41LoadError(f"{self.where_is(name)} is FP8 but has no block scales "
+                               "(X.scale or X.weight_scale_inv)")
+        try:
+            return dequantize_fp8_block(value, _as_float(self.view(scale)))
+        except ValueError as e:
+            raise V41LoadError(f"{self.where_is(name)}: {e}") from None
+
+
+def _as_float(scales: np.ndarray) -> np.ndarray:
+    """e8m0 (float8_e8m0fnu, or raw uint8 exponents with bias 127) or float scales -> float32."""
+    if scales.dtype == np.uint8:
+        return np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
+    return scales.astype(np.float32)
 
 
 def load(model_dir, tokenizer=None) -> V41Checkpoint:
-    """Reads config.json, *.safetensors and tokenizer.json of a V4.1 folder."""
+    """Reads config.json, *.safetensors and (with Engram layers) tokenizer.json of a folder."""
     model_dir = Path(model_dir)
     cfg = V41Config.from_file(model_dir)
-    tensors = load_tensors(model_dir)
+    tensors = Tensors(model_dir)
     shapes = flatten_dict(param_shapes(cfg))
     params: dict = {}
-    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
-    experts = {}
-    tables: dict[int, np.ndarray] = {}
-    for name, value in tensors.items():
-        if any(re.search(p, name) for p in IGNORED):
+    experts: dict[int, dict] = {}
+    tables: dict[int, object] = {}
+    for name in list(tensors.where):
+        if any(re.search(p, name) for p in IGNORED) or name.endswith(_SCALES):
             continue
         if m := _EXPERT.match(name):
-            experts.setdefault(int(m[1]), {})[(int(m[2]), m[3])] = value
+            experts.setdefault(int(m[1]), {})[(int(m[2]), m[3])] = name
             continue
         if m := _ENGRAM.match(name):
-            if m[2] == "weight":
-                tables[int(m[1])] = np.asarray(value, np.float32)
+            tables[int(m[1])] = _engram_table(tensors, name)
             continue
         path = param_path(name)
         if path not in shapes:
-            raise V41LoadError(f"{model_dir}: tensor {name} has no place in the model")
-        if tuple(value.shape) != shapes[path].shape:
-            raise V41LoadError(f"{model_dir}: tensor {name} has shape {tuple(value.shape)}, "
+            raise V41LoadError(f"{tensors.where_is(name)} has no place in the model")
+        if tensors.shape(name) != shapes[path].shape:
+            raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
                                f"the config needs {shapes[path].shape}")
-        params[path] = jnp.asarray(value, jnp.float32)
+        params[path] = jnp.asarray(tensors.read_float(name))
     missing = [p for p in shapes if p not in params]
     if missing:
         raise V41LoadError(f"{model_dir}: no tensor for parameter {'/'.join(missing[0])} "
                            f"({len(missing)} missing)")
-    banks = [_bank(model_dir, experts.get(layer, {}), layer, e, i, cfg.hidden_size)
-             for layer in range(cfg.num_layers)]
+    banks = [_bank(tensors, experts.get(layer, {}), layer, cfg) for layer in range(cfg.num_layers)]
     for layer in cfg.engram_layers:
         if layer not in tables:
             raise V41LoadError(f"{model_dir}: no tensor layers.{layer}.engram.embed.weight")
-    layout = None
-    if cfg.engram_layers:
-        layout = engram_layout(cfg, model_dir, tokenizer)
+    left = [n for n in tensors.where if n not in tensors.used and not any(
+        re.search(p, n) for p in IGNORED)]
+    if left:
+        raise V41LoadError(f"{tensors.where_is(left[0])} is not used by the model "
+                           f"({len(left)} such tensors)")
+    layout = engram_layout(cfg, model_dir, tokenizer) if cfg.engram_layers else None
     return V41Checkpoint(cfg, {"params": unflatten_dict(params)}, banks,
                          [tables[layer] for layer in cfg.engram_layers], layout)
 
 
-def _bank(model_dir, found: dict, layer: int, e: int, i: int, d: int) -> dict:
-    """Stacks one layer's experts into the dense bank layout (gate rows, then up rows)."""
+def _engram_table(tensors: Tensors, name: str):
+    """float32 rows, or (e4m3 rows as a memory-mapped view, float32 scales [rows, e/32])."""
+    values = tensors.view(name)
+    scale = name.removesuffix(".weight") + ".scale"
+    if values.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+        if scale in tensors:
+            tensors.view(scale)  # float rows: the reference ignores the scales
+        return np.asarray(values, np.float32)
+    if scale not in tensors or tensors.shape(scale) != (values.shape[0], values.shape[1] // 32):
+        raise V41LoadError(f"{tensors.where_is(name)} is FP8 and needs {scale} "
+                           f"[{values.shape[0]}, {values.shape[1] // 32}]")
+    return values, _as_float(tensors.view(scale))
+
+
+def _bank(tensors: Tensors, found: dict, layer: int, cfg: V41Config) -> dict:
+    """One layer's routed experts as a bank: MXFP4 when the checkpoint stores FP4, else dense
+    float32 (gate rows, then up rows)."""
+    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     for expert in range(e):
-        for w, shape in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i))):
-            value = found.get((expert, w))
-            if value is None:
-                raise V41LoadError(f"{model_dir}: no tensor layers.{layer}.ffn.experts.{expert}.{w}.weight")
-            if tuple(value.shape) != shape:
-                raise V41LoadError(f"{model_dir}: tensor layers.{layer}.ffn.experts.{expert}.{w}.weight "
-                                   f"has shape {tuple(value.shape)}, the config needs {shape}")
-    gate_up = np.stack([np.concatenate([found[(x, "w1")], found[(x, "w3")]]) for x in range(e)])
-    down = np.stack([found[(x, "w2")] for x in range(e)])
-    return {"gate_up": jnp.asarray(gate_up, jnp.float32), "down": jnp.asarray(down, jnp.float32)}
+        for w in ("w1", "w3", "w2"):
+            if (expert, w) not in found:
+                raise V41LoadError(f"{tensors.source}: "
+                                   f"no tensor layers.{layer}.ffn.experts.{expert}.{w}.weight")
+    names = {(x, w): found[(x, w)] for x in range(e) for w in ("w1", "w3", "w2")}
+    if tensors.dtype(names[(0, "w1")]) in _PACKED:
+        return _fp4_bank(tensors, names, e, i, d)
+    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
+    read = {}
+    for (x, w), name in names.items():
+        if tensors.shape(name) != shapes[w]:
+            raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
+                               f"the config needs {shapes[w]}")
+        read[(x, w)] = tensors.read_float(name)
+    gate_up = np.stack([np.concatenate([read[(x, "w1")], read[(x, "w3")]]) for x in range(e)])
+    down = np.stack([read[(x, "w2")] for x in range(e)])
+    return {"gate_up": jnp.asarray(gate_up), "down": jnp.asarray(down)}
+
+
+def _fp4_bank(tensors: Tensors, names: dict, e: int, i: int, d: int) -> dict:
+    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
+    blocks, scales = {}, {}
+    for (x, w), name in names.items():
+        out, inn = shapes[w]
+        scale = tensors.scale_of(name)
+        if tensors.dtype(name) not in _PACKED or tensors.shape(name) != (out, inn // 2):
+            raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight should be uint8 "
+                               f"[{out}, {inn // 2}], got {tensors.dtype(name)} {list(tensors.shape(name))}")
+        if scale is None or tensors.shape(scale) != (out, inn // 32):
+            raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight needs e8m0 scales "
+                               f"[{out}, {inn // 32}] in {name.removesuffix('.weight')}.scale")
+        blocks[(x, w)] = np.asarray(tensors.view(name)).view(np.uint8).reshape(out, inn // 32, 16)
+        raw = np.asarray(tensors.view(scale))
+        scales[(x, w)] = raw if raw.dtype == np.uint8 else raw.view(np.uint8)  # e8m0 bits = exponent
+    def stack(table, ws):
+        return jnp.asarray(np.stack([np.concatenate([table[(x, w)] for w in ws]) for x in range(e)]))
+    return {"gate_up_blocks": stack(blocks, ("w1", "w3")), "gate_up_scales": stack(scales, ("w1", "w3")),
+            "down_blocks": stack(blocks, ("w2",)), "down_scales": stack(scales, ("w2",))}
 
 
 def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayout:

@@ -31,6 +31,7 @@ class Family:
     expert_prefixes: Callable
     ignored_tensors: Callable
     expert_dims: Callable
+    top_k: Callable  # (cfg) -> routed experts picked per token
     create_cache: Callable
     cache_bytes_per_token: Callable
     replay_variables: Callable  # (cfg, ids [b, t, L_moe, k]) -> the "replay" collection of the MoE layers
