@@ -145,3 +145,27 @@ def test_kernel_e2m1_decoding_covers_every_code():
 
     got = jax.jit(_e2m1_over_2_to_14)(jnp.arange(16, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(got) * 2.0**14, E2M1_VALUES)
+
+
+def test_kernels_lower_to_triton_for_cuda():
+    """The Pallas -> Triton lowering runs on a CPU machine too: catch lowering errors here."""
+    from jax import export
+
+    shape = jax.ShapeDtypeStruct
+    d, i, n, t, k = 256, 128, 8, 5, 2
+    banks = [
+        {"gate_up": shape((n, 2 * i, d), jnp.bfloat16), "down": shape((n, d, i), jnp.bfloat16)},
+        {"gate_up_blocks": shape((n, 2 * i, d // 32, 16), jnp.uint8),
+         "gate_up_scales": shape((n, 2 * i, d // 32), jnp.uint8),
+         "down_blocks": shape((n, d, i // 32, 16), jnp.uint8), "down_scales": shape((n, d, i // 32), jnp.uint8)},
+    ]
+    triton_ok = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for bank in banks:
+        for tokens in (t, 300):  # decode tiles and prefill tiles
+            exported = export.export(jax.jit(moe_grouped_pallas), platforms=["cuda"], disabled_checks=triton_ok)(
+                shape((tokens, d), jnp.bfloat16), bank, shape((tokens, k), jnp.int32), shape((tokens, k), jnp.float32))
+            assert exported.mlir_module().count("xla.gpu.triton") == 2
+    exported = export.export(jax.jit(count_demand_pallas), platforms=["cuda"], disabled_checks=triton_ok)(
+        shape((3, n), jnp.float32), shape((3, n), jnp.float32), shape((), jnp.int32),
+        shape((t, k), jnp.int32), shape((t, k), jnp.float32), shape((t,), jnp.bool_))
+    assert "xla.gpu.triton" in exported.mlir_module()

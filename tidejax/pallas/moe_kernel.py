@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tidejax.checkpoint import mxfp4
+from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
 
 # Tile by rows per tile bt: (bt, block of output columns, block of K, num_warps, num_stages).
@@ -86,21 +87,27 @@ def _e2m1_over_2_to_14(nibbles):
     return half.astype(jnp.float32)
 
 
-def _load_rows(w_refs, slot, r0, bn, k0, bk):
-    """Weight rows [bn, bk] as bf16 for rows r0.. and inputs k0.. of one slot."""
+def _load_rows(w_refs, slot, rows, k0, bk):
+    """Weight rows `rows` (a pl.ds), inputs k0..k0+bk of one slot, as bf16 phases of K.
+
+    dense -> (w [bn, bk],); mxfp4 -> (w_even [bn, bk/2], w_odd [bn, bk/2]): the low nibbles
+    hold the even inputs and the high nibbles the odd ones, so the dot takes x split the same
+    way and the nibbles are never interleaved in registers.
+    """
     if len(w_refs) == 1:  # dense
-        return w_refs[0][slot, pl.ds(r0, bn), pl.ds(k0, bk)].astype(jnp.bfloat16)
+        return (w_refs[0][slot, rows, pl.ds(k0, bk)].astype(jnp.bfloat16),)
     blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
-    packed = blocks_ref[slot, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
-    lo = _e2m1_over_2_to_14(packed & 15)
-    hi = _e2m1_over_2_to_14(packed >> 4)
-    values = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)  # low nibble first
+    packed = blocks_ref[slot, rows, pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
     nb = bk // mxfp4.BLOCK
-    exps = scales_ref[slot, pl.ds(r0, bn), pl.ds(k0 // mxfp4.BLOCK, nb)].astype(jnp.int32)
+    exps = scales_ref[slot, rows, pl.ds(k0 // mxfp4.BLOCK, nb)].astype(jnp.int32)
     # 2**(e - 127 + 14) as float32 bits (scales above 240, 2**113, saturate: no weight is that big)
     scale = jax.lax.bitcast_convert_type(jnp.minimum(exps + 14, 254) << 23, jnp.float32)
-    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, mxfp4.BLOCK)).reshape(bn, bk)
-    return (values * scale).astype(jnp.bfloat16)
+    bn = scale.shape[0]
+    half = mxfp4.BLOCK // 2  # bytes a block
+    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, half)).reshape(bn, bk // 2)
+    lo = _e2m1_over_2_to_14(packed & 15) * scale
+    hi = _e2m1_over_2_to_14(packed >> 4) * scale
+    return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
 
 
 def _dot_t(a, b):
@@ -108,21 +115,36 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _gate_up_kernel(tile_slot_ref, row_token_ref, x_ref, *refs, bt, bn, bk, d, i, limit):
-    *w_refs, h_ref = refs
+def _phase_rows(col, bn, n_rows, phases):
+    """Program `col` of a projection with n_rows outputs, its phase and the rows it makes.
+
+    With 2 phases (MXFP4) the programs of phase p make the rows p, p+2, ...: their outputs are
+    the even / odd inputs of the next projection, stored apart so that it needs no interleave.
+    """
+    per_phase = n_rows // (phases * bn)
+    phase, q0 = col // per_phase, (col % per_phase) * bn
+    return phase, q0, pl.ds(phases * q0 + phase, bn, stride=phases)
+
+
+def _gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases):
+    x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
 
     @pl.when(slot >= 0)
     def _():
         tokens = row_token_ref[pl.ds(tile * bt, bt)]
+        phase, q0, rows = _phase_rows(col, bn, i, phases)
+        up_rows = pl.ds(i + rows.start, bn, stride=phases)
 
         def step(kk, acc):
             g, u = acc
             k0 = pl.multiple_of(kk * bk, bk)
-            xt = x_ref[tokens, pl.ds(k0, bk)].astype(jnp.bfloat16)
-            g = g + _dot_t(xt, _load_rows(w_refs, slot, col * bn, bn, k0, bk))
-            u = u + _dot_t(xt, _load_rows(w_refs, slot, i + col * bn, bn, k0, bk))
+            xs = [r[tokens, pl.ds(k0 // phases, bk // phases)].astype(jnp.bfloat16) for r in x_refs]
+            for xp, wp in zip(xs, _load_rows(w_refs, slot, rows, k0, bk)):
+                g = g + _dot_t(xp, wp)
+            for xp, wp in zip(xs, _load_rows(w_refs, slot, up_rows, k0, bk)):
+                u = u + _dot_t(xp, wp)
             return g, u
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
@@ -131,10 +153,10 @@ def _gate_up_kernel(tile_slot_ref, row_token_ref, x_ref, *refs, bt, bn, bk, d, i
             g = jnp.minimum(g, limit)
             u = jnp.clip(u, -limit, limit)
         h = g * jax.nn.sigmoid(g) * u
-        h_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = h.astype(h_ref.dtype)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i):
+def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
     *w_refs, o_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -143,8 +165,10 @@ def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i):
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = h_ref[pl.ds(tile * bt, bt), pl.ds(k0, bk)]
-            return acc + _dot_t(a, _load_rows(w_refs, slot, col * bn, bn, k0, bk))
+            w = _load_rows(w_refs, slot, pl.ds(col * bn, bn), k0, bk)
+            for p, wp in enumerate(w):
+                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(k0 // phases, bk // phases)], wp)
+            return acc
 
         acc = jax.lax.fori_loop(0, i // bk, step, jnp.zeros((bt, bn), jnp.float32))
         o_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = acc
@@ -173,20 +197,23 @@ def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     rows = row_token.shape[0]
     n_tiles = tile_slot.shape[0]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    phases = 1 if bank_format(bank) == "dense" else 2
+    xs = [x[:, p::phases] for p in range(phases)]  # [T, D / phases] each
 
-    bn1, bk1 = _block(i, bn, "moe intermediate"), _block(d, bk, "hidden")
+    bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=swiglu_limit),
-        out_shape=jax.ShapeDtypeStruct((rows, i), jnp.bfloat16),
+        functools.partial(_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=swiglu_limit,
+                          phases=phases),
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
         grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(tile_slot, row_token, x, *_weight_refs(bank, "gate_up"))
+    )(tile_slot, row_token, *xs, *_weight_refs(bank, "gate_up"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
     out = pl.pallas_call(
-        functools.partial(_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i),
+        functools.partial(_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(n_tiles, d // bn2),
         compiler_params=params,
