@@ -150,24 +150,27 @@ class Generation:
         started = time.perf_counter()
         raw, released = "", 0  # detokenized text, and how much of it went out
         stream = self.client.submit(self.request)
+
+        def release(new: str) -> str:
+            nonlocal raw, released
+            raw += new
+            text = stops.feed(new)
+            released += len(text)
+            if stops.stopped:
+                stream.cancel()
+                self.stop_string = next(s for s in self.stop if raw.startswith(s, released))
+            return text
+
         try:
             async for event in stream:
                 if isinstance(event, TokenEvent):
                     self.completion_tokens += 1
-                    if stops.stopped:  # draining the tokens made before the cancel took effect
-                        continue
-                    new = detok.push(event.token_id)
-                    raw += new
-                    text = stops.feed(new)
-                    released += len(text)
-                    if stops.stopped:
-                        stream.cancel()
-                        self.stop_string = next(s for s in self.stop if raw.startswith(s, released))
-                    if text:
-                        yield text
+                    if not stops.stopped:  # else: tokens made before the cancel took effect
+                        if text := release(detok.push(event.token_id)):
+                            yield text
                 elif isinstance(event, DoneEvent):
-                    tail = stops.feed(_held_text(detok)) + stops.flush()
-                    if tail:
+                    tail = "" if stops.stopped else release(_held_text(detok))
+                    if tail := tail + stops.flush():
                         yield tail
                     self.finish_reason = "stop" if stops.stopped else event.finish_reason
                     self.stats = event.stats
