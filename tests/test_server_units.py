@@ -19,7 +19,7 @@ from aiohttp import web
 
 from server_fixtures import CHAT_TEMPLATE, free_port, write_tokenizer
 from tidejax.config import EngineConfig
-from tidejax.server.__main__ import parse_set
+from tidejax.server.__main__ import bind_host, parse_set
 from tidejax.server.app import Server, build_app
 from tidejax.server.templates import ChatTemplate, TemplateRenderError
 from tidejax.server.toolcalls import (DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning,
@@ -164,6 +164,15 @@ def test_parse_set():
     assert config.engine.lanes == 8 and config.server.api_keys == ("a", "b")
     with pytest.raises(ValueError, match="table.key=value"):
         parse_set(["lanes=8"])
+
+
+def test_bind_host(monkeypatch):
+    assert bind_host(EngineConfig()) == "127.0.0.1"  # no keys: loopback only
+    assert bind_host(EngineConfig().with_overrides({"server": {"api_keys": ["k"]}})) == "0.0.0.0"
+    monkeypatch.setenv("SERVER_KEYS", "a, b")
+    from_env = EngineConfig().with_overrides({"server": {"api_keys_env": "SERVER_KEYS"}})
+    assert bind_host(from_env) == "0.0.0.0"
+    assert bind_host(EngineConfig().with_overrides({"server": {"host": "10.0.0.2"}})) == "10.0.0.2"
 
 
 # ---------------------------------------------------------------------------------------------
