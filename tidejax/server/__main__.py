@@ -19,6 +19,7 @@ from aiohttp import web
 
 from tidejax.config import ConfigError, EngineConfig
 from tidejax.engine.engine import Engine, resolve_profile
+from tidejax.engine.scheduler import GenerationRequest
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")
@@ -55,10 +56,20 @@ def bind_host(config: EngineConfig) -> str:
 
 
 def warm_up(engine: Engine) -> None:
-    """Compiles the first prefill bucket and the decode step before the first client waits."""
+    """Compiles the prefill shapes and the decode step before the first client waits: prompts
+    of 1, 2, 4, ... tokens up to a full prefill chunk reach every power-of-two bucket."""
     start = time.perf_counter()
-    engine.generate("warm up", max_new_tokens=2)
-    log.info("warm-up compiled in %.1f s", time.perf_counter() - start)
+    lengths, n = [], 1
+    while n < engine.prefill_chunk:
+        lengths.append(n)
+        n *= 2
+    lengths.append(min(engine.prefill_chunk, engine.max_context - 1))
+    for n in lengths:
+        engine.scheduler.submit(GenerationRequest(prompt_ids=[0] * n, max_new_tokens=2),
+                                lambda event: None)
+    engine.scheduler.run_until_idle()
+    log.info("warm-up: %d prompt lengths compiled in %.1f s", len(lengths),
+             time.perf_counter() - start)
 
 
 async def serve(config: EngineConfig) -> None:
