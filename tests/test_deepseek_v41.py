@@ -95,12 +95,13 @@ def test_logits(name):
     assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_prefill_then_decode(name):
-    """Prefill 17 (a ratio-2 group left half full), then one token at a time to the end."""
+@pytest.mark.parametrize("name, cache_dtype", [("tiny_a", "float32"), ("tiny_b", "bfloat16")])
+def test_prefill_then_decode(name, cache_dtype):
+    """Prefill 17 (a ratio-2 group left half full), then one token at a time to the end. The
+    cached keys are quantized values, exact in bfloat16: a bfloat16 cache changes nothing."""
     ck = checkpoint(name)
     ids = golden(name, "input_ids.npy")[0]
-    seq = Sequence(ck, len(ids), KERNEL)
+    seq = Sequence(ck, len(ids), KERNEL, cache_dtype=cache_dtype)
     logits = [seq.feed(ids[:17])] + [seq.feed(ids[p:p + 1]) for p in range(17, len(ids))]
     diff = np.abs(np.concatenate(logits) - golden(name, "logits.npy")).max()
     assert diff <= 1e-4, diff

@@ -40,6 +40,10 @@ class V41Cache:
       g*r .. g*r+r-1. index_keys: per KV source [b, G, i_k] indexer keys (None without an indexer).
     buf_kv, buf_gate: per KV source with r > 1, [b, r, k]: projections of a group still filling.
     The number of emitted entries is implicit: a row that has seen p positions has p // r.
+
+    The window keys, entries and indexer keys are FP8 / FP4 fake-quantized values, exact in
+    bfloat16, so a bfloat16 cache gives the same results at half the memory; the group buffers
+    hold raw projections and stay float32.
     """
 
     window: tuple
@@ -59,9 +63,9 @@ class V41Cache:
             entries=tuple(zeros(cfg.group_capacity(s, max_len), cfg.head_dim) for s in src),
             index_keys=tuple(zeros(cfg.group_capacity(s, max_len), cfg.index_head_dim)
                              if cfg.owns_index_keys(s) else None for s in src),
-            buf_kv=tuple(zeros(cfg.compress_ratios[s], cfg.head_dim)
+            buf_kv=tuple(jnp.zeros((batch, cfg.compress_ratios[s], cfg.head_dim), F32)
                          if cfg.compress_ratios[s] > 1 else None for s in src),
-            buf_gate=tuple(zeros(cfg.compress_ratios[s], cfg.head_dim)
+            buf_gate=tuple(jnp.zeros((batch, cfg.compress_ratios[s], cfg.head_dim), F32)
                            if cfg.compress_ratios[s] > 1 else None for s in src))
 
     @staticmethod
@@ -74,10 +78,9 @@ class V41Cache:
     @staticmethod
     def fixed_bytes(cfg: V41Config, dtype=F32) -> int:
         """Per-sequence bytes independent of the context: window rings and group buffers."""
-        n = cfg.num_layers * (cfg.sliding_window - 1) * cfg.head_dim
-        n += sum(2 * cfg.compress_ratios[s] * cfg.head_dim for s in cfg.kv_sources
-                 if cfg.compress_ratios[s] > 1)
-        return n * jnp.dtype(dtype).itemsize
+        window = cfg.num_layers * (cfg.sliding_window - 1) * cfg.head_dim * jnp.dtype(dtype).itemsize
+        return window + sum(2 * cfg.compress_ratios[s] * cfg.head_dim * 4 for s in cfg.kv_sources
+                            if cfg.compress_ratios[s] > 1)
 
 
 def _dot(x, w):

@@ -63,9 +63,10 @@ def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarra
 class Sequence:
     """One sequence through the cache: prefill chunks and decode steps at increasing positions."""
 
-    def __init__(self, ck: V41Checkpoint, max_len: int, kernel: str = "auto"):
+    def __init__(self, ck: V41Checkpoint, max_len: int, kernel: str = "auto",
+                 cache_dtype=jnp.float32):
         self.ck, self.step = ck, step_fn(ck.cfg, kernel)
-        self.cache = V41Cache.create(ck.cfg, 1, max_len)
+        self.cache = V41Cache.create(ck.cfg, 1, max_len, cache_dtype)
         self.hashers = new_hashers(ck, 1)
         self.length = 0
 
