@@ -186,6 +186,7 @@ class Engine:
             self.params, self._replay_ids(tokens.shape), tokens, np.arange(size, dtype=np.int32)[None], (np.arange(size) < n)[None],
             cache, self.residency.state)
         self.residency.state = experts
+        self.residency.after_step(n)
         return np.asarray(logits[0, :n], np.float32)
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:

@@ -59,14 +59,15 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
         slot, row = slot_and_row
         row = dequantized(row)
         hits = slot_ids == slot  # [T, k]
-        coef = jnp.sum(jnp.where(hits, w, 0.0), axis=1)  # [T]
         h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
         out = jnp.dot(swiglu(h, swiglu_limit), row["down"].T, precision=HIGHEST)  # [T, D]
-        return acc + jnp.where(jnp.any(hits, axis=1)[:, None], coef[:, None] * out, 0.0), None
+        return jnp.where(hits[:, :, None], out[:, None, :], acc), None
 
-    acc = jnp.zeros(xf.shape, jnp.float32)
-    acc, _ = jax.lax.scan(one_slot, acc, (jnp.arange(n, dtype=slot_ids.dtype), bank))
-    return acc.astype(x.dtype)
+    # Each pick's output lands in its own [T, k] cell and the weighted sum runs in pick order, so
+    # the result does not depend on which slot holds an expert (swaps are lossless, bit for bit).
+    per_pick = jnp.zeros((*slot_ids.shape, xf.shape[1]), jnp.float32)  # [T, k, D]
+    per_pick, _ = jax.lax.scan(one_slot, per_pick, (jnp.arange(n, dtype=slot_ids.dtype), bank))
+    return jnp.einsum("tk,tkd->td", w, per_pick, precision=HIGHEST).astype(x.dtype)
 
 
 def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str = "auto"):
