@@ -7,6 +7,7 @@ donated into every step and come back updated in place.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
@@ -94,6 +95,18 @@ class Engine:
         self.scheduler = Scheduler(self)
         if self.residency.needs_calibration:
             self._calibrate()
+        self.trace_dir = config.engine.trace_dir
+        if self.trace_dir:
+            jax.profiler.start_trace(self.trace_dir)
+            atexit.register(self.close)
+            log.info("writing a JAX profiler trace to %s (regions: prefill, decode, drain, plan, "
+                     "swap)", self.trace_dir)
+
+    def close(self) -> None:
+        """Finishes the profiler trace, if one is being written."""
+        if self.trace_dir:
+            jax.profiler.stop_trace()
+            self.trace_dir = ""
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -149,6 +162,13 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_context}")
         lane_sampling = LaneSampling.of([sampling])
         token = None
+        with jax.profiler.TraceAnnotation("prefill"):
+            token = self._prefill_chunks(lane, token_ids, lane_sampling)
+        self.residency.after_step(n)
+        return int(token)
+
+    def _prefill_chunks(self, lane: int, token_ids: list[int], lane_sampling: LaneSampling):
+        n = len(token_ids)
         for start in range(0, n, self.prefill_chunk):
             chunk = token_ids[start:start + self.prefill_chunk]
             size = next(b for b in self._prefill_buckets if b >= len(chunk))
@@ -161,18 +181,19 @@ class Engine:
                 np.int32(lane), self.cache, self.residency.state, np.int32(len(chunk) - 1),
                 lane_sampling)
             self.residency.state = experts
-        self.residency.after_step(n)
-        return int(token)
+        return token
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
                sampling: LaneSampling) -> np.ndarray:
         """One step for all lanes: tokens/positions/active [lanes] -> next tokens [lanes]."""
-        next_tokens, self.cache, experts = self._steps.decode(
-            self.params, self._replay_ids((len(tokens), 1)), tokens.astype(np.int32), positions.astype(np.int32), active,
-            self.cache, self.residency.state, sampling)
+        with jax.profiler.TraceAnnotation("decode"):
+            next_tokens, self.cache, experts = self._steps.decode(
+                self.params, self._replay_ids((len(tokens), 1)), tokens.astype(np.int32),
+                positions.astype(np.int32), active, self.cache, self.residency.state, sampling)
+            next_tokens = np.asarray(next_tokens)
         self.residency.state = experts
         self.residency.after_step(int(active.sum()))
-        return np.asarray(next_tokens)
+        return next_tokens
 
     def logits(self, token_ids) -> np.ndarray:
         """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""
@@ -265,11 +286,14 @@ class _Steps:
         return jax.jit(step, donate_argnames=("experts",))
 
 
-def load(model_or_profile: str | Path, **overrides) -> Engine:
+def load(model_or_profile: str | Path, trace_dir: str | None = None, **overrides) -> Engine:
     """Loads a checkpoint directory, a profile file (.toml) or a profile name (configs/NAME.toml).
 
     `overrides` are profile tables as dicts: load(dir, residency={"budget_experts": 24}).
+    `trace_dir` writes a JAX profiler trace there until `Engine.close()` or exit.
     """
+    if trace_dir:
+        overrides.setdefault("engine", {})["trace_dir"] = str(trace_dir)
     target = Path(model_or_profile)
     if target.is_dir():
         config = EngineConfig.from_dict({"model": {"path": str(target)}}, source=str(target))
