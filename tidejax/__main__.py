@@ -39,6 +39,7 @@ def main(argv=None) -> int:
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
             parser.error("--messages must be a JSON list of {role, content} objects")
     engine = load(args.model)
+    engine.warmup(prefill_buckets=False)
     pieces = []
 
     def on_text(_, text):

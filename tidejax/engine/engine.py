@@ -210,6 +210,20 @@ class Engine:
         self.residency.after_step(n)
         return np.asarray(logits[0, :n], np.float32)
 
+    def warmup(self, prefill_buckets: bool = True) -> None:
+        """Compiles the decode step (and each prefill chunk size) before traffic arrives, by
+        running them with every token masked out: nothing is counted and no lane is used."""
+        start = time.perf_counter()
+        lanes = np.zeros(self.lanes, np.int32)
+        self.decode(lanes, lanes, np.zeros(self.lanes, bool), LaneSampling.of([SamplingParams()] * self.lanes))
+        for size in self._prefill_buckets if prefill_buckets else ():
+            tokens = np.zeros((1, size), np.int32)
+            _, self.cache, self.residency.state = self._steps.prefill(
+                self.params, self._replay_ids(tokens.shape), tokens, tokens, tokens > 0,
+                np.int32(0), self.cache, self.residency.state, np.int32(0),
+                LaneSampling.of([SamplingParams()]))
+        log.info("compiled the steps in %.1f s", time.perf_counter() - start)
+
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
         token in order and cyclically, instead of by the router's own choice; None turns it off.
