@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint
+from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint, mxfp4
 from tidejax.config import ConfigError, EngineConfig, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
@@ -128,23 +128,15 @@ class Engine:
         if unfilled:
             raise ConfigError(f"{self.model_dir}: no checkpoint tensor fills {sorted(unfilled)[0]}")
         n_moe, n_experts, hidden, inter = family.expert_dims(cfg)
-        dtype = np.dtype(self.dtype)
-        pool = {"gate_up": np.empty((n_moe * n_experts, 2 * inter, hidden), dtype),
-                "down": np.empty((n_moe * n_experts, hidden, inter), dtype)}
+        pool, put_row = expert_pool(n_moe * n_experts, hidden, inter, self.config.model.experts,
+                                    np.dtype(self.dtype))
 
         def put(path, array):
             return jnp.asarray(array, jnp.float32 if path[-1] in _FP32_LEAVES else self.dtype)
 
-        def put_row(row, arrays):
-            pool["gate_up"][row] = arrays["gate_up"]
-            pool["down"][row] = arrays["down"]
-
         params = load_checkpoint(reader, table, ignore=family.ignored_tensors(cfg), put=put,
                                  experts=(family.expert_prefixes(cfg), n_experts, hidden, inter),
                                  put_row=put_row)
-        if self.config.model.experts == "mxfp4":
-            from tidejax.checkpoint.mxfp4 import quantize_pool
-            pool = quantize_pool(pool)
         return params, pool
 
     def _calibrate(self) -> None:
@@ -298,6 +290,34 @@ class _Steps:
             logits, _, experts = self._forward(params, replay, tokens, positions, mask, cache, experts)
             return logits, experts
         return jax.jit(step, donate_argnames=("experts",))
+
+
+def expert_pool(rows: int, hidden: int, inter: int, held_as: str, dtype: np.dtype):
+    """The host pool of every routed expert in the bank format `held_as` asks for ("checkpoint":
+    dense in the model's dtype, "bf16", or "mxfp4" quantized row by row as rows arrive), and the
+    put_row(row, {"gate_up", "down"}) that fills it."""
+    if held_as == "mxfp4":
+        if hidden % 32 or inter % 32:
+            raise ConfigError(f"experts = 'mxfp4' needs hidden ({hidden}) and expert intermediate "
+                              f"({inter}) sizes that are multiples of 32")
+        pool = {"gate_up_blocks": np.empty((rows, 2 * inter, hidden // 32, 16), np.uint8),
+                "gate_up_scales": np.empty((rows, 2 * inter, hidden // 32), np.uint8),
+                "down_blocks": np.empty((rows, hidden, inter // 32, 16), np.uint8),
+                "down_scales": np.empty((rows, hidden, inter // 32), np.uint8)}
+
+        def put_row(row, arrays):
+            for name in ("gate_up", "down"):
+                pool[f"{name}_blocks"][row], pool[f"{name}_scales"][row] = mxfp4.quantize(
+                    np.asarray(arrays[name], np.float32))
+        return pool, put_row
+    dtype = np.dtype(jnp.bfloat16) if held_as == "bf16" else dtype
+    pool = {"gate_up": np.empty((rows, 2 * inter, hidden), dtype),
+            "down": np.empty((rows, hidden, inter), dtype)}
+
+    def put_row(row, arrays):
+        pool["gate_up"][row] = arrays["gate_up"]
+        pool["down"][row] = arrays["down"]
+    return pool, put_row
 
 
 def load(model_or_profile: str | Path, trace_dir: str | None = None, **overrides) -> Engine:
