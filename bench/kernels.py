@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.pallas.bank import bank_format
 from tidejax.pallas.demand import count_demand_reference
 from tidejax.pallas.demand_kernel import count_demand_pallas
 from tidejax.pallas.moe import moe_grouped_reference
@@ -33,8 +35,8 @@ TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 # tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere TILES' choice
 SWEEP = {
-    4: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 8, 3), (16, 128, 128, 8, 3)],
-    4096: [(64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)],
+    4: [(16, 32, 256, 4, 4), (16, 32, 256, 4, 1), (16, 64, 128, 4, 1), (16, 32, 512, 4, 1), (16, 16, 256, 2, 1)],
+    4096: [(64, 128, 64, 4, 4), (64, 128, 64, 4, 1), (64, 64, 128, 4, 2)],
 }
 
 
@@ -133,7 +135,7 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         tiles = [None] if quick else SWEEP.get(t, [None])
         results = []
         for tile in tiles:
-            tile = tile or TILES[rows_per_tile(t * K, E)]
+            tile = tile or TILES[bank_format(bank)][rows_per_tile(t * K, E)]
             try:
                 results.append((time_moe(bank, ids_sets, w, x, tile), tile))
                 print(f"{fmt} tokens={t} tile={tile}: {results[-1][0] * 1e6:.1f} us", flush=True)
@@ -169,7 +171,8 @@ def bench_demand(rng, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="no tile sweep")
-    ap.add_argument("--formats", default="mxfp4,bf16")
+    ap.add_argument("--formats", default="mxfp4,bf16", help="comma-separated: mxfp4, bf16")
+    ap.add_argument("--no-demand", action="store_true", help="skip the demand counter rows")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
     copy_gbps(), matmul_tflops()  # warm the clocks up first
@@ -183,12 +186,13 @@ def main():
             print(f"{fmt} failed:\n{traceback.format_exc()}", flush=True)
     demand_rows = []
     try:
-        bench_demand(rng, demand_rows)
+        if not args.no_demand:
+            bench_demand(rng, demand_rows)
     except Exception:
         print(f"count_demand failed:\n{traceback.format_exc()}", flush=True)
     section = "\n".join([
         f"\n## Kernels: grouped MoE + demand counter ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
-        f"`PYTHONPATH=. python3 bench/kernels.py` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
+        f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
         f"Ceilings measured in the same run: device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
         f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "
         f"{K} a token, random routing; GB/s counts each distinct expert's bytes once; "

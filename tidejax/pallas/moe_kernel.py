@@ -23,12 +23,12 @@ from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
 
-# Tile by rows per tile bt: (bt, block of output columns, block of K, num_warps, num_stages).
-# Small bt = decode (weight streaming), large bt = prefill (matrix units).
+# Tile by bank format and rows per tile bt: (bt, block of output columns, block of K, num_warps,
+# num_stages). Small bt = decode (weight streaming), large bt = prefill (matrix units). Chosen
+# by bench/kernels.py sweeps on the H200 (bench/RESULTS.md).
 TILES = {
-    16: (16, 32, 256, 4, 4),
-    32: (32, 64, 128, 4, 4),
-    64: (64, 128, 64, 8, 3),
+    "dense": {16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 256, 64, 8, 3)},
+    "mxfp4": {16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 128, 64, 4, 4)},
 }
 
 
@@ -87,27 +87,60 @@ def _e2m1_over_2_to_14(nibbles):
     return half.astype(jnp.float32)
 
 
-def _load_rows(w_refs, slot, rows, k0, bk):
-    """Weight rows `rows` (a pl.ds), inputs k0..k0+bk of one slot, as bf16 phases of K.
+def _step_start(kk, size):
+    """kk * size, marked a multiple of size for Triton (vector loads); kk may be a Python int."""
+    return kk * size if isinstance(kk, int) else pl.multiple_of(kk * size, size)
+
+
+def _fetch(w_refs, slot, rows, kk, bk):
+    """Raw operands of K step kk for weight rows `rows` (a pl.ds) of one slot.
+
+    dense -> (tile [bn, bk],); mxfp4 -> (bytes [bn, bk/2], scale bytes [bn, bk/32]).
+    """
+    if len(w_refs) == 1:  # dense
+        return (w_refs[0][slot, rows, pl.ds(_step_start(kk, bk), bk)],)
+    blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
+    nbytes, nb = bk // 2, bk // mxfp4.BLOCK
+    packed = blocks_ref[slot, rows, pl.ds(_step_start(kk, nbytes), nbytes)]
+    return packed, scales_ref[slot, rows, pl.ds(_step_start(kk, nb), nb)]
+
+
+def _decode(raw):
+    """Raw operands -> bf16 weights as phases of K.
 
     dense -> (w [bn, bk],); mxfp4 -> (w_even [bn, bk/2], w_odd [bn, bk/2]): the low nibbles
     hold the even inputs and the high nibbles the odd ones, so the dot takes x split the same
     way and the nibbles are never interleaved in registers.
     """
-    if len(w_refs) == 1:  # dense
-        return (w_refs[0][slot, rows, pl.ds(k0, bk)].astype(jnp.bfloat16),)
-    blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
-    packed = blocks_ref[slot, rows, pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
-    nb = bk // mxfp4.BLOCK
-    exps = scales_ref[slot, rows, pl.ds(k0 // mxfp4.BLOCK, nb)].astype(jnp.int32)
+    if len(raw) == 1:
+        return (raw[0].astype(jnp.bfloat16),)
+    packed, exps = raw[0].astype(jnp.int32), raw[1].astype(jnp.int32)
+    bn, nb = exps.shape
     # 2**(e - 127 + 14) as float32 bits (scales above 240, 2**113, saturate: no weight is that big)
     scale = jax.lax.bitcast_convert_type(jnp.minimum(exps + 14, 254) << 23, jnp.float32)
-    bn = scale.shape[0]
     half = mxfp4.BLOCK // 2  # bytes a block
-    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, half)).reshape(bn, bk // 2)
+    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, half)).reshape(bn, nb * half)
     lo = _e2m1_over_2_to_14(packed & 15) * scale
     hi = _e2m1_over_2_to_14(packed >> 4) * scale
     return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
+
+
+def _k_loop(n_k, fetch, consume, acc, prefetch):
+    """acc = consume(kk, fetch(kk), acc) for kk < n_k.
+
+    With prefetch, step kk+1's loads are issued before step kk's math (double buffering in
+    registers): MXFP4 bytes go through integer math before the dot, so Triton's own pipelining,
+    which feeds dots from shared memory, does not hide their latency.
+    """
+    if not prefetch:
+        return jax.lax.fori_loop(0, n_k, lambda kk, a: consume(kk, fetch(kk), a), acc)
+
+    def step(kk, carry):
+        a, raw = carry
+        following = fetch(jnp.minimum(kk + 1, n_k - 1))  # the last step re-reads its own tile
+        return consume(kk, raw, a), following
+
+    return jax.lax.fori_loop(0, n_k, step, (acc, fetch(0)))[0]
 
 
 def _dot_t(a, b):
@@ -136,19 +169,23 @@ def _gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit
         tokens = row_token_ref[pl.ds(tile * bt, bt)]
         phase, q0, rows = _phase_rows(col, bn, i, phases)
         up_rows = pl.ds(i + rows.start, bn, stride=phases)
+        kx = bk // phases  # x columns a phase takes per step
 
-        def step(kk, acc):
+        def fetch(kk):
+            return _fetch(w_refs, slot, rows, kk, bk), _fetch(w_refs, slot, up_rows, kk, bk)
+
+        def consume(kk, raw, acc):
             g, u = acc
-            k0 = pl.multiple_of(kk * bk, bk)
-            xs = [r[tokens, pl.ds(k0 // phases, bk // phases)].astype(jnp.bfloat16) for r in x_refs]
-            for xp, wp in zip(xs, _load_rows(w_refs, slot, rows, k0, bk)):
+            x0 = _step_start(kk, kx)
+            xs = [r[tokens, pl.ds(x0, kx)].astype(jnp.bfloat16) for r in x_refs]
+            for xp, wp in zip(xs, _decode(raw[0])):
                 g = g + _dot_t(xp, wp)
-            for xp, wp in zip(xs, _load_rows(w_refs, slot, up_rows, k0, bk)):
+            for xp, wp in zip(xs, _decode(raw[1])):
                 u = u + _dot_t(xp, wp)
             return g, u
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
-        g, u = jax.lax.fori_loop(0, d // bk, step, (zeros, zeros))
+        g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
         if limit > 0:
             g = jnp.minimum(g, limit)
             u = jnp.clip(u, -limit, limit)
@@ -163,14 +200,16 @@ def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
 
     @pl.when(slot >= 0)
     def _():
-        def step(kk, acc):
-            k0 = pl.multiple_of(kk * bk, bk)
-            w = _load_rows(w_refs, slot, pl.ds(col * bn, bn), k0, bk)
-            for p, wp in enumerate(w):
-                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(k0 // phases, bk // phases)], wp)
+        kh = bk // phases  # activation columns a phase takes per step
+
+        def consume(kk, raw, acc):
+            h0 = _step_start(kk, kh)
+            for p, wp in enumerate(_decode(raw)):
+                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)], wp)
             return acc
 
-        acc = jax.lax.fori_loop(0, i // bk, step, jnp.zeros((bt, bn), jnp.float32))
+        fetch = lambda kk: _fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
+        acc = _k_loop(i // bk, fetch, consume, jnp.zeros((bt, bn), jnp.float32), prefetch=phases > 1)
         o_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = acc
 
 
@@ -192,7 +231,7 @@ def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     """
     n, d, i = bank_dims(bank)
     t, k = slot_ids.shape
-    bt, bn, bk, num_warps, num_stages = tile or TILES[rows_per_tile(t * k, n)]
+    bt, bn, bk, num_warps, num_stages = tile or TILES[bank_format(bank)][rows_per_tile(t * k, n)]
     tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
     rows = row_token.shape[0]
     n_tiles = tile_slot.shape[0]
