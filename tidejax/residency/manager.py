@@ -274,6 +274,7 @@ class Residency:
             "window_steps": len(self._window),
             "misses": c["misses"],
             "wanted": c["wanted"],
+            "swaps_planned": c["planned"],
             "swaps_applied": c["swaps_applied"],
             "swaps_rejected": c["swaps_rejected"],
             "ring_copies": c["ring_copies"],

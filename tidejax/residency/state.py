@@ -33,10 +33,6 @@ class ExpertState:
     transient: int = struct.field(pytree_node=False, default=0)
 
     @property
-    def n_layers(self) -> int:
-        return self.rowmap.shape[0]
-
-    @property
     def n_experts(self) -> int:
         return self.rowmap.shape[1]
 
