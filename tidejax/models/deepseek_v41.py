@@ -135,16 +135,23 @@ class Indexer(nn.Module):
         return ops.fake_quant_fp4(k, 32, e4m3_scale=False)
 
     def __call__(self, x, q_res, keys, positions, cos, sin, candidates):
-        """-> (selection [b, t, G] bool, candidate mask [b, t, G] or the one given)."""
+        """-> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask [b, t, G] or
+        the one given)."""
         cfg = self.cfg
         b, t, _ = x.shape
         ratio = cfg.compress_ratios[self.layer]
         q = self.wq_b(q_res).reshape(b, t, cfg.index_heads, cfg.index_head_dim)
-        q = ops.fake_quant_fp4(ops.rope_tail(q, cos, sin), 32, e4m3_scale=False)
-        scores = jnp.einsum("btik,bgk->btig", q.astype(F32), keys.astype(F32), precision=HIGHEST)
-        scores = jax.nn.relu(scores) * cfg.index_head_dim ** -0.5
-        w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5
-        scores = jnp.einsum("btig,bti->btg", scores, w, precision=HIGHEST)
+        q = ops.fake_quant_fp4(ops.rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
+        w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5  # [b, t, i]
+        keys = keys.astype(F32)
+
+        def add_head(acc, head):  # one index head at a time: [b, t, G], never [b, t, i, G]
+            q_h, w_h = head
+            s = jnp.einsum("btk,bgk->btg", q_h, keys, precision=HIGHEST)
+            return acc + w_h[..., None] * (jax.nn.relu(s) * cfg.index_head_dim ** -0.5), None
+
+        scores, _ = jax.lax.scan(add_head, jnp.zeros((b, t, keys.shape[1]), F32),
+                                 (jnp.moveaxis(q, 2, 0), jnp.moveaxis(w, 2, 0)))
         visible_count = (positions + 1) // ratio  # [b, t]
         g = keys.shape[1]
         scores = jnp.where(jnp.arange(g)[None, None] < visible_count[..., None], scores, -jnp.inf)
@@ -153,8 +160,8 @@ class Indexer(nn.Module):
                 scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
         elif 0 <= cfg.candidate_source < self.layer and candidates is not None:
             scores = jnp.where(candidates, scores, -jnp.inf)
-        selection = jax.vmap(ops.top_k_mask, (0, None))(scores, cfg.index_topk)
-        return selection, candidates
+        ids, valid = jax.vmap(ops.top_k_select, (0, None))(scores, cfg.index_topk)
+        return ids, valid, candidates
 
 
 class Attention(nn.Module):
@@ -164,7 +171,8 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, n_valid, window, shared, src_cache):
         """x [b, t, d] (normed) -> y [b, t, d], window ring, shared (the group state published by
-        KV / index sources for the layers that follow), src_cache (this layer's KV-source cache
+        KV / index sources for the layers that follow: entries, index keys, the
+        selection as top-k ids + valid flags, the candidate mask), src_cache (this layer's KV-source cache
         entries, updated, if it is a source)."""
         cfg, layer = self.cfg, self.layer
         b, t, _ = x.shape
@@ -188,17 +196,23 @@ class Attention(nn.Module):
         mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)  # [b, t, s]
         window = jax.vmap(ops.ring_update)(window, kv.astype(window.dtype), start, n_valid)
 
-        if ratio:
-            shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache)
-            keys = jnp.concatenate([keys, shared["entries"].astype(keys.dtype)], 1)
-            mask = jnp.concatenate([mask, shared["selection"]], 2)
-
-        logits = jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32), precision=HIGHEST)
+        qf, keys = q.astype(F32), keys.astype(F32)
+        logits = jnp.einsum("bthk,bsk->bhts", qf, keys, precision=HIGHEST)
         logits = jnp.where(mask[:, None], logits * k ** -0.5, -jnp.inf)
+        if ratio:  # plus the selected compressed entries of the KV group, gathered per query
+            shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache)
+            ids, valid = shared["selection"]
+            picked = jax.vmap(lambda e, i: e[i])(shared["entries"].astype(F32), ids)  # [b, t, j, k]
+            extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
+            logits = jnp.concatenate(
+                [logits, jnp.where(valid[:, None], extra * k ** -0.5, -jnp.inf)], -1)
         sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
         sink = jnp.broadcast_to(sink[None, :, None, None], (b, h, t, 1))
         probs = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
-        out = jnp.einsum("bhts,bsk->bthk", probs, keys.astype(F32), precision=HIGHEST)
+        n_window = keys.shape[1]
+        out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
+        if ratio:
+            out = out + jnp.einsum("bhtj,btjk->bthk", probs[..., n_window:], picked, precision=HIGHEST)
         out = ops.rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
         groups = cfg.o_groups
@@ -229,9 +243,9 @@ class Attention(nn.Module):
                       "candidates": shared.get("candidates")}
         if indexer is not None:
             cos, sin = ops.rope_angles(positions, inv_freq)
-            selection, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
-                                            shared.get("candidates"))
-            shared = {**shared, "selection": selection, "candidates": candidates}
+            ids, valid, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
+                                             shared.get("candidates"))
+            shared = {**shared, "selection": (ids, valid), "candidates": candidates}
         return shared, src_cache
 
 
@@ -367,8 +381,10 @@ class DeepseekV41(nn.Module):
             if src is not None:
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)
-            if i in cfg.index_sources:
-                self.sow("intermediates", f"selection_{i}", shared["selection"])
+            if i in cfg.index_sources:  # dense [b, t, G] masks, for parity checks only
+                g = shared["entries"].shape[1]
+                self.sow("intermediates", f"selection_{i}",
+                         jax.vmap(ops.selection_mask, (0, 0, None))(*shared["selection"], g))
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(ops.hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)

@@ -186,8 +186,13 @@ def candidate_blocks(scores, newest, block: int, keep: int):
     return jnp.repeat(kept, block, axis=1)[:, :g]
 
 
-def top_k_mask(scores, k: int):
-    """bool [t, g]: the top min(k, g) finite scores of each row."""
-    t, g = scores.shape
-    values, ids = jax.lax.top_k(scores, min(k, g))
-    return jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], ids].set(values > -jnp.inf)
+def top_k_select(scores, k: int):
+    """The top min(k, g) scores of each row: ids [t, k'] int32 and valid [t, k'] (finite score)."""
+    values, ids = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    return ids.astype(jnp.int32), values > -jnp.inf
+
+
+def selection_mask(ids, valid, g: int):
+    """ids, valid [t, k] -> bool [t, g] (which entries a query may attend)."""
+    t = ids.shape[0]
+    return jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], ids].set(valid)
