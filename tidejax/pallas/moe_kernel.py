@@ -28,7 +28,7 @@ from tidejax.pallas.bank import bank_dims, bank_format
 # by bench/kernels.py sweeps on the H200 (bench/RESULTS.md).
 TILES = {
     "dense": {16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 256, 64, 8, 3)},
-    "mxfp4": {16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 128, 64, 4, 4)},
+    "mxfp4": {16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4), 64: (64, 64, 128, 4, 2)},
 }
 
 
