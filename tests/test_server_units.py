@@ -126,10 +126,9 @@ def run_parser(fmt, text, chunk, in_reasoning=False):
     pieces = []
     for i in range(0, len(text), chunk):
         pieces += parser.feed(text[i:i + chunk])
-    rest, calls = parser.finish()
-    pieces += rest
+    pieces += parser.finish()
     joined = {k: "".join(t for kind, t in pieces if kind == k) for k in ("reasoning", "content")}
-    return joined, [(c.name, json.loads(c.arguments)) for c in calls]
+    return joined, [(c.name, json.loads(c.arguments)) for c in parser.tool_calls]
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])

@@ -12,14 +12,11 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 
-import jax
 from aiohttp import web
 
 from tidejax.config import ConfigError, EngineConfig
 from tidejax.engine.engine import Engine, resolve_profile
-from tidejax.engine.scheduler import GenerationRequest
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")
@@ -55,23 +52,6 @@ def bind_host(config: EngineConfig) -> str:
     return config.server.host or ("0.0.0.0" if api_keys(config) else "127.0.0.1")
 
 
-def warm_up(engine: Engine) -> None:
-    """Compiles the prefill shapes and the decode step before the first client waits: prompts
-    of 1, 2, 4, ... tokens up to a full prefill chunk reach every power-of-two bucket."""
-    start = time.perf_counter()
-    lengths, n = [], 1
-    while n < engine.prefill_chunk:
-        lengths.append(n)
-        n *= 2
-    lengths.append(min(engine.prefill_chunk, engine.max_context - 1))
-    for n in lengths:
-        engine.scheduler.submit(GenerationRequest(prompt_ids=[0] * n, max_new_tokens=2),
-                                lambda event: None)
-    engine.scheduler.run_until_idle()
-    log.info("warm-up: %d prompt lengths compiled in %.1f s", len(lengths),
-             time.perf_counter() - start)
-
-
 async def serve(config: EngineConfig) -> None:
     server = Server(config)
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
@@ -84,13 +64,10 @@ async def serve(config: EngineConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine, trace_dir = None, config.engine.trace_dir
+    engine = None
     try:
-        engine = await loop.run_in_executor(None, Engine, config)
-        await loop.run_in_executor(None, warm_up, engine)
-        if trace_dir:  # the serving session, from ready to shutdown
-            jax.profiler.start_trace(trace_dir)
-            log.info("writing a JAX profiler trace to %s (on shutdown)", trace_dir)
+        engine = await loop.run_in_executor(None, Engine, config)  # traces from here on
+        await loop.run_in_executor(None, engine.warmup)
         engine.scheduler.start()
         server.attach(engine, loop)
         log.info("ready: %s, %d lanes, context %d", server.name, engine.lanes, engine.max_context)
@@ -98,10 +75,10 @@ async def serve(config: EngineConfig) -> None:
     finally:
         log.info("shutting down")
         await runner.cleanup()
-        if engine is not None and engine.scheduler.thread is not None:
-            engine.scheduler.stop()
-        if trace_dir and engine is not None:
-            jax.profiler.stop_trace()
+        if engine is not None:
+            if engine.scheduler.thread is not None:
+                engine.scheduler.stop()
+            engine.close()  # writes the profiler trace, when one runs
 
 
 def main(argv: list[str] | None = None) -> int:

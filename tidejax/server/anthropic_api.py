@@ -10,7 +10,7 @@ import json
 
 from aiohttp import web
 
-from tidejax.server.generation import Generation
+from tidejax.server.generation import Generation, output_pieces
 from tidejax.server.sse import SSE
 from tidejax.server.toolcalls import OutputParser, ToolCall
 
@@ -50,13 +50,10 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
                 blocks.append(dict(empty))
             blocks[-1][field] += text
 
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for text in texts:
-                for kind, piece in parser.feed(text):
-                    add(kind, piece)
-        rest, calls = parser.finish()
-        for kind, piece in rest:
-            add(kind, piece)
+        async with contextlib.aclosing(output_pieces(gen, parser)) as output:
+            async for kind, piece in output:
+                add(kind, piece)
+        calls = parser.tool_calls
         blocks += [_tool_use(c) for c in calls]
         return web.json_response({
             **head, "content": blocks or [{"type": "text", "text": ""}],
@@ -93,15 +90,12 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
                         "delta": {"type": delta_type, field: text}}, "content_block_delta")
 
     try:
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for text in texts:
-                for kind, t in parser.feed(text):
-                    await piece(kind, t)
+        async with contextlib.aclosing(output_pieces(gen, parser)) as output:
+            async for kind, text in output:
+                await piece(kind, text)
     except Exception as e:
         return await sse.fail(e, "anthropic")
-    rest, calls = parser.finish()
-    for kind, t in rest:
-        await piece(kind, t)
+    calls = parser.tool_calls
     if open_kind is not None:
         await stop_block()
     elif not calls:  # an empty answer is still one (empty) text block

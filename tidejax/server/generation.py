@@ -4,6 +4,7 @@ with stop strings applied, its log line and its metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,7 +18,8 @@ from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, Sampling
 from tidejax.server.templates import ChatTemplate, TemplateRenderError
-from tidejax.server.toolcalls import ToolFormat, starts_in_reasoning, tool_format_for
+from tidejax.server.toolcalls import (OutputParser, ToolFormat, starts_in_reasoning,
+                                      tool_format_for)
 
 log = logging.getLogger("tidejax.server")
 
@@ -192,3 +194,15 @@ class Generation:
                  seconds * 1e3)
         self.metrics.record_generation(self.prompt_tokens, self.completion_tokens,
                                        self.finish_reason, self.stats)
+
+
+async def output_pieces(gen: Generation, parser: OutputParser):
+    """The generation's text split by `parser` into ("reasoning" | "content", text) pieces as
+    they come; afterwards `parser.tool_calls` holds the tool calls. Use under
+    contextlib.aclosing so that a handler that stops early cancels the request."""
+    async with contextlib.aclosing(gen.texts()) as texts:
+        async for text in texts:
+            for piece in parser.feed(text):
+                yield piece
+    for piece in parser.finish():
+        yield piece

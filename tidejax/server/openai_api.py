@@ -9,7 +9,7 @@ import time
 
 from aiohttp import web
 
-from tidejax.server.generation import Generation
+from tidejax.server.generation import Generation, output_pieces
 from tidejax.server.sse import SSE
 from tidejax.server.toolcalls import OutputParser, ToolCall
 
@@ -34,13 +34,10 @@ async def chat_completion(request: web.Request, gen: Generation, parser: OutputP
     head = {"id": gen.id, "created": created, "model": gen.model.name}
     if not stream:
         pieces = {"reasoning": [], "content": []}
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for text in texts:
-                for kind, piece in parser.feed(text):
-                    pieces[kind].append(piece)
-        rest, calls = parser.finish()
-        for kind, piece in rest:
-            pieces[kind].append(piece)
+        async with contextlib.aclosing(output_pieces(gen, parser)) as output:
+            async for kind, piece in output:
+                pieces[kind].append(piece)
+        calls = parser.tool_calls
         message = {"role": "assistant", "content": "".join(pieces["content"]) or None}
         if pieces["reasoning"]:
             message["reasoning_content"] = "".join(pieces["reasoning"])
@@ -67,15 +64,12 @@ async def chat_completion(request: web.Request, gen: Generation, parser: OutputP
 
     await sse.send(chunk({"role": "assistant", "content": ""}))
     try:
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for text in texts:
-                for kind, piece in parser.feed(text):
-                    await sse.send(delta(kind, piece))
+        async with contextlib.aclosing(output_pieces(gen, parser)) as output:
+            async for kind, piece in output:
+                await sse.send(delta(kind, piece))
     except Exception as e:
         return await sse.fail(e, "openai")
-    rest, calls = parser.finish()
-    for kind, piece in rest:
-        await sse.send(delta(kind, piece))
+    calls = parser.tool_calls
     if calls:
         await sse.send(chunk({"tool_calls": [{"index": i, **call}
                                              for i, call in enumerate(_tool_calls(calls))]}))

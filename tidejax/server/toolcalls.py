@@ -141,13 +141,14 @@ def starts_in_reasoning(prompt: str) -> bool:
 
 class OutputParser:
     """Splits generated text into ("reasoning" | "content", text) pieces as it arrives; the
-    tool-call section (from the format's start marker on) is held and parsed at the end."""
+    tool-call section (from the format's start marker on) is held and parsed by `finish()`."""
 
     def __init__(self, tool_format: ToolFormat | None, in_reasoning: bool = False):
         self.tool_format = tool_format
         self.mode = "reasoning" if in_reasoning else "content"
         self.pending = ""
         self.tool_text = ""
+        self.tool_calls: list[ToolCall] = []  # set by finish()
 
     def _markers(self) -> dict[str, str]:
         if self.mode == "reasoning":
@@ -182,13 +183,13 @@ class OutputParser:
             break
         return [(kind, t) for kind, t in out if t]
 
-    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
-        """The held text and the parsed tool calls; a section that does not parse is content."""
+    def finish(self) -> list[tuple[str, str]]:
+        """The held text; the parsed tool calls go to `tool_calls` (a section that does not
+        parse is content)."""
         out = [(self.mode, self.pending)] if self.pending and self.mode != "tools" else []
-        calls = []
         if self.tool_text:
-            calls = self.tool_format.parse(self.tool_text) or []
-            if not calls:
+            self.tool_calls = self.tool_format.parse(self.tool_text) or []
+            if not self.tool_calls:
                 out.append(("content", self.tool_text))
         self.pending = self.tool_text = ""
-        return [(kind, t) for kind, t in out if t], calls
+        return [(kind, t) for kind, t in out if t]
