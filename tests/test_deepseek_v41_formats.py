@@ -147,3 +147,16 @@ def test_bad_config_names_the_file(tmp_path):
 
     with pytest.raises(ConfigError, match=r"config.json: text_config: field 'compress_ratios'\[3\]"):
         load(tmp_path)
+
+
+def test_experts_to_a_host_pool(published):
+    """With put_row the experts go to the caller row by row (layer * E + expert), as residency's
+    host pool takes them, in the checkpoint's format; nothing is stacked on the device."""
+    rows = {}
+    ck = load(published / "fp8", put_row=lambda r, row: rows.__setitem__(r, row))
+    ref = load(published / "fp8")
+    e = ck.cfg.n_routed_experts
+    assert ck.experts == [] and sorted(rows) == list(range(ck.cfg.num_layers * e))
+    for r, row in rows.items():
+        for key, value in row.items():
+            assert np.array_equal(value, np.asarray(ref.experts[r // e][key][r % e])), (r, key)

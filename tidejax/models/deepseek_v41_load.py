@@ -84,7 +84,7 @@ def empty_bank(cfg: V41Config) -> dict:
 class V41Checkpoint:
     cfg: V41Config
     params: dict  # {"params": flax tree}
-    experts: list  # per layer: a dense {"gate_up", "down"} or an MXFP4 bank
+    experts: list  # per layer: a dense {"gate_up", "down"} or an MXFP4 bank ([] with put_row)
     engram_tables: list  # per Engram layer: float32 [rows, e] or (e4m3 values, float32 scales)
     engram_layout: EngramLayout | None
 
@@ -158,8 +158,12 @@ def _as_float(scales: np.ndarray) -> np.ndarray:
     return scales.astype(np.float32)
 
 
-def load(model_dir, tokenizer=None) -> V41Checkpoint:
-    """Reads config.json, *.safetensors and (with Engram layers) tokenizer.json of a folder."""
+def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Checkpoint:
+    """Reads config.json, *.safetensors and (with Engram layers) tokenizer.json of a folder.
+
+    dtype: of the dense params. put_row(layer * E + expert, row): where the routed experts go
+    (a host pool, for residency); without it they are stacked into one device bank per layer
+    (`V41Checkpoint.experts`), which only suits models that fit."""
     model_dir = Path(model_dir)
     cfg = V41Config.from_file(model_dir)
     tensors = Tensors(model_dir)
@@ -182,12 +186,20 @@ def load(model_dir, tokenizer=None) -> V41Checkpoint:
         if tensors.shape(name) != shapes[path].shape:
             raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
                                f"the config needs {shapes[path].shape}")
-        params[path] = jnp.asarray(tensors.read_float(name))
+        params[path] = jnp.asarray(tensors.read_float(name), dtype)
     missing = [p for p in shapes if p not in params]
     if missing:
         raise V41LoadError(f"{model_dir}: no tensor for parameter {'/'.join(missing[0])} "
                            f"({len(missing)} missing)")
-    banks = [_bank(tensors, experts.get(layer, {}), layer, cfg) for layer in range(cfg.num_layers)]
+    banks = []
+    for layer in range(cfg.num_layers):
+        rows = _expert_rows(tensors, experts.get(layer, {}), layer, cfg)
+        if put_row is not None:
+            for expert, row in rows:
+                put_row(layer * cfg.n_routed_experts + expert, row)
+        else:
+            rows = [row for _, row in rows]
+            banks.append({k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]})
     for layer in cfg.engram_layers:
         if layer not in tables:
             raise V41LoadError(f"{model_dir}: no tensor layers.{layer}.engram.embed.weight")
@@ -215,49 +227,45 @@ def _engram_table(tensors: Tensors, name: str):
     return values, _as_float(tensors.view(scale))
 
 
-def _bank(tensors: Tensors, found: dict, layer: int, cfg: V41Config) -> dict:
-    """One layer's routed experts as a bank: MXFP4 when the checkpoint stores FP4, else dense
-    float32 (gate rows, then up rows)."""
+def _expert_rows(tensors: Tensors, found: dict, layer: int, cfg: V41Config):
+    """One layer's routed experts, one at a time: (expert, row) with row an MXFP4 dict
+    {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"} when the checkpoint stores
+    FP4, else {"gate_up": [2I, D] (gate rows, then up rows), "down": [D, I]} float32."""
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
     for expert in range(e):
-        for w in ("w1", "w3", "w2"):
+        for w in shapes:
             if (expert, w) not in found:
                 raise V41LoadError(f"{tensors.source}: "
                                    f"no tensor layers.{layer}.ffn.experts.{expert}.{w}.weight")
-    names = {(x, w): found[(x, w)] for x in range(e) for w in ("w1", "w3", "w2")}
-    if tensors.dtype(names[(0, "w1")]) in _PACKED:
-        return _fp4_bank(tensors, names, e, i, d)
-    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
-    read = {}
-    for (x, w), name in names.items():
-        if tensors.shape(name) != shapes[w]:
+    for expert in range(e):
+        parts = {w: _expert_weight(tensors, found[(expert, w)], shapes[w]) for w in shapes}
+        if isinstance(parts["w1"], tuple):
+            yield expert, {"gate_up_blocks": np.concatenate([parts["w1"][0], parts["w3"][0]]),
+                           "gate_up_scales": np.concatenate([parts["w1"][1], parts["w3"][1]]),
+                           "down_blocks": parts["w2"][0], "down_scales": parts["w2"][1]}
+        else:
+            yield expert, {"gate_up": np.concatenate([parts["w1"], parts["w3"]]), "down": parts["w2"]}
+
+
+def _expert_weight(tensors: Tensors, name: str, shape: tuple[int, int]):
+    """float32 [out, in], or FP4 as (blocks [out, in/32, 16] uint8, e8m0 scales [out, in/32] uint8)."""
+    out, inn = shape
+    if tensors.dtype(name) not in _PACKED:
+        if tensors.shape(name) != shape:
             raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
-                               f"the config needs {shapes[w]}")
-        read[(x, w)] = tensors.read_float(name)
-    gate_up = np.stack([np.concatenate([read[(x, "w1")], read[(x, "w3")]]) for x in range(e)])
-    down = np.stack([read[(x, "w2")] for x in range(e)])
-    return {"gate_up": jnp.asarray(gate_up), "down": jnp.asarray(down)}
-
-
-def _fp4_bank(tensors: Tensors, names: dict, e: int, i: int, d: int) -> dict:
-    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
-    blocks, scales = {}, {}
-    for (x, w), name in names.items():
-        out, inn = shapes[w]
-        scale = tensors.scale_of(name)
-        if tensors.dtype(name) not in _PACKED or tensors.shape(name) != (out, inn // 2):
-            raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight should be uint8 "
-                               f"[{out}, {inn // 2}], got {tensors.dtype(name)} {list(tensors.shape(name))}")
-        if scale is None or tensors.shape(scale) != (out, inn // 32):
-            raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight needs e8m0 scales "
-                               f"[{out}, {inn // 32}] in {name.removesuffix('.weight')}.scale")
-        blocks[(x, w)] = np.asarray(tensors.view(name)).view(np.uint8).reshape(out, inn // 32, 16)
-        raw = np.asarray(tensors.view(scale))
-        scales[(x, w)] = raw if raw.dtype == np.uint8 else raw.view(np.uint8)  # e8m0 bits = exponent
-    def stack(table, ws):
-        return jnp.asarray(np.stack([np.concatenate([table[(x, w)] for w in ws]) for x in range(e)]))
-    return {"gate_up_blocks": stack(blocks, ("w1", "w3")), "gate_up_scales": stack(scales, ("w1", "w3")),
-            "down_blocks": stack(blocks, ("w2",)), "down_scales": stack(scales, ("w2",))}
+                               f"the config needs {shape}")
+        return tensors.read_float(name)
+    scale = tensors.scale_of(name)
+    if tensors.shape(name) != (out, inn // 2):
+        raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight should be uint8 "
+                           f"[{out}, {inn // 2}], got {list(tensors.shape(name))}")
+    if scale is None or tensors.shape(scale) != (out, inn // 32):
+        raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight needs e8m0 scales "
+                           f"[{out}, {inn // 32}] in {name.removesuffix('.weight')}.scale")
+    blocks = np.array(tensors.view(name)).view(np.uint8).reshape(out, inn // 32, 16)
+    raw = np.array(tensors.view(scale))
+    return blocks, raw if raw.dtype == np.uint8 else raw.view(np.uint8)  # e8m0 bits = biased exponent
 
 
 def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayout:
