@@ -169,3 +169,16 @@ def test_kernels_lower_to_triton_for_cuda():
         shape((3, n), jnp.float32), shape((3, n), jnp.float32), shape((), jnp.int32),
         shape((t, k), jnp.int32), shape((t, k), jnp.float32), shape((t,), jnp.bool_))
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):
+    from tidejax.pallas import dispatch
+    from tidejax.pallas.moe_kernel import pallas_supports
+
+    fits = {"gate_up": np.zeros((2, 64, 64), np.float32), "down": np.zeros((2, 64, 32), np.float32)}
+    odd = {"gate_up": np.zeros((2, 48, 40), np.float32), "down": np.zeros((2, 40, 24), np.float32)}
+    assert pallas_supports(fits) and not pallas_supports(odd)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(fits)) == "pallas"
+    assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(odd)) == "reference"
+    assert dispatch.choose_impl("moe_grouped", "pallas", fits=lambda: False) == "pallas"

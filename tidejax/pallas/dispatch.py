@@ -12,14 +12,18 @@ IMPLS = ("auto", "pallas", "reference")
 _logged: set[tuple[str, str]] = set()
 
 
-def choose_impl(op: str, impl: str) -> str:
-    """"auto" -> "pallas" on a GPU backend, "reference" elsewhere; logs each op's choice once."""
+def choose_impl(op: str, impl: str, fits=None) -> str:
+    """"auto" -> "pallas" on a GPU backend when `fits()` (shapes the kernel takes; default yes),
+    "reference" otherwise; logs each op's choice once."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl={impl!r}, expected one of {IMPLS}")
     backend = jax.default_backend()
+    why = f"backend {backend}"
     if impl == "auto":
         impl = "pallas" if backend == "gpu" else "reference"
+        if impl == "pallas" and fits is not None and not fits():
+            impl, why = "reference", f"backend {backend}, shapes the kernel does not take"
     if (op, impl) not in _logged:
         _logged.add((op, impl))
-        log.info("%s: using the %s implementation (backend %s)", op, impl, backend)
+        log.info("%s: using the %s implementation (%s)", op, impl, why)
     return impl

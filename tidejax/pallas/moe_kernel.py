@@ -38,6 +38,13 @@ def rows_per_tile(n_picks: int, n_slots: int) -> int:
     return 16 if avg <= 16 else 32 if avg <= 32 else 64
 
 
+def pallas_supports(bank) -> bool:
+    """Whether the kernel takes the bank's shapes: hidden and intermediate (per phase) % 16 == 0."""
+    _, d, i = bank_dims(bank)
+    phases = 1 if bank_format(bank) == "dense" else 2
+    return d % 16 == 0 and i % (16 * phases) == 0
+
+
 def _block(dim: int, want: int, what: str) -> int:
     """Largest power of two <= want that divides dim (Triton blocks are powers of two, >= 16)."""
     b = want
