@@ -108,3 +108,11 @@ def test_tiny_training_loss_falls(tmp_path):
     _, info = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (out / "model.safetensors.index.json").exists()  # --shard-mb 0.4 splits 0.9 MB
+
+
+def test_demo_stats_measures():
+    stats = load_tool("demo_stats")
+    assert stats.share_for(np.array([10.0, 0, 0, 0])) == 0.25
+    assert stats.share_for(np.array([1.0, 1, 1, 1])) == 1.0  # 3 of 4 make 75% < 90%
+    assert stats.share_for(np.array([50.0, 40, 5, 5])) == 0.5
+    assert stats.hot_set(np.array([3.0, 9, 1, 7]), 2) == {1, 3}
