@@ -1,0 +1,383 @@
+"""Decode roofline: tok/s measured in-process beside the limit that the bytes it must move set.
+
+    python bench/roofline.py MODEL_DIR [--trace en] [--resident 1.0,0.65]
+        [--policies exact,substitute,ring] [--lanes 1,4] [--tokens 256] [--ttft 8192]
+        [--set table.key=value ...]
+
+Per step the engine must read: the dense weights (every param but the embedding table, once per
+step whatever the batch), the KV cache up to each active lane's position, and each distinct
+routed expert the step's tokens want, once per MoE layer. Resident experts come from the bank
+(device memory), missed ones under `exact` from the host pool. The limit of a step is
+
+    (dense + KV + resident expert bytes) / device copy bandwidth
+        + (missed expert bytes + swapped-in bytes) / host-to-device bandwidth
+
+with both bandwidths measured in the same run: a jitted `a + 1` over 1 GiB (bytes read + written)
+and the residency's own in-step fetch (a data-dependent row of a pinned_host pool written into a
+device bank) of expert-sized rows. Distinct experts per step come from the replayed routing
+trace (bench/traces.py) when there is one; otherwise batch x top-k per layer (an upper bound).
+
+Each configuration (resident share x miss policy) is a fresh `tidejax.load`; at a share below 1 it
+boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed trace, and
+adapts. Prints a markdown table and writes it to $OUT/roofline.md when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import traces  # noqa: E402
+from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
+
+HELDOUT = traces.HELDOUT
+
+
+# -- ceilings measured in the same run -------------------------------------------------------------
+
+def _median_seconds(fn, reps: int = 7) -> float:
+    fn()  # compile and warm
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth: GB/s read + written by a jitted `a + 1` over `nbytes` of f32."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    step = jax.jit(lambda a: a + 1.0)
+    seconds = _median_seconds(lambda: step(x).block_until_ready())
+    return 2 * nbytes / seconds / 1e9
+
+
+def h2d_gbps(bank: dict, rows: int = 16) -> float:
+    """Host-to-device GB/s of the residency's in-step fetch: rows of `bank`'s shape from a host pool
+    (pinned_host where the device has it), each written into a device bank slot inside one jit."""
+    from tidejax.residency.pool import host_pool
+    from tidejax.residency.state import fetch_row, write_row
+
+    rng = np.random.default_rng(0)
+    pool = host_pool({k: rng.integers(0, 256, (rows,) + v.shape[1:], dtype=np.uint8).view(v.dtype)
+                      if v.dtype.itemsize == 1 else
+                      rng.standard_normal((rows,) + v.shape[1:], np.float32).astype(v.dtype)
+                      for k, v in bank.items()})
+    scratch = {k: jnp.zeros((2,) + v.shape[1:], v.dtype) for k, v in bank.items()}
+
+    @jax.jit
+    def fetch_all(pool, scratch):
+        return jax.lax.fori_loop(0, rows, lambda i, b: write_row(b, i % 2, fetch_row(pool, i)),
+                                 scratch)
+
+    seconds = _median_seconds(lambda: jax.block_until_ready(fetch_all(pool, scratch)), reps=5)
+    return rows * row_bytes(bank) / seconds / 1e9
+
+
+# -- bytes a step must move ------------------------------------------------------------------------
+
+def row_bytes(bank: dict) -> int:
+    """Bytes of one expert (all its matrices and scales) in the bank's format."""
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(bank))
+
+
+def dense_bytes(engine) -> int:
+    """Params read every step: all but the embedding table (a few rows of it per step)."""
+    embed = engine.params.get("embed")
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.params)) - (
+        embed.nbytes if embed is not None else 0)
+
+
+def distinct_experts(picks: np.ndarray | None, batch: int, n_experts: int, top_k: int,
+                     n_layers: int) -> float:
+    """Mean distinct experts a step of `batch` tokens wants, summed over MoE layers."""
+    if picks is None:
+        return float(n_layers * min(batch * top_k, n_experts))
+    steps = len(picks) // batch
+    groups = picks[:steps * batch].reshape(steps, batch, n_layers, -1)
+    wanted = np.zeros((steps, n_layers, n_experts), bool)
+    s, _, l, _ = np.indices(groups.shape)
+    wanted[s, l, groups] = True
+    return float(wanted.sum(-1).mean(0).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    tokens_per_s: float
+    device_bytes: float  # per step
+    host_bytes: float  # per step
+
+
+def step_limit(engine, batch: int, context: float, distinct: float, cold: float, policy: str,
+               swapped_bytes_per_step: float, copy: float, h2d: float) -> Limit:
+    """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions."""
+    expert = row_bytes(engine.residency.state.bank)
+    missed = cold * distinct if policy == "exact" else 0.0
+    device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
+              + (distinct - missed) * expert)
+    host = missed * expert + swapped_bytes_per_step
+    seconds = device / (copy * 1e9) + host / (h2d * 1e9)
+    return Limit(batch / seconds, device, host)
+
+
+# -- driving the engine ----------------------------------------------------------------------------
+
+def compile_cache(folder: Path) -> None:
+    """Keeps compiled steps in `folder`: every fresh `tidejax.load` of the same shapes after the
+    first one skips XLA compilation (jits are per engine, so nothing else would share them)."""
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def prompt_ids(engine, domain: str, n: int, offset: int = 0) -> list[int]:
+    """`n` tokens of held-out text of `domain` (repeated if short), from token `offset`."""
+    ids = engine.tokenizer.encode((HELDOUT / f"{domain}.txt").read_text())
+    reps = (offset + n) // len(ids) + 1
+    return (ids * reps)[offset:offset + n]
+
+
+def residency_stats(engine) -> dict:
+    stats = getattr(engine.residency, "stats", None)
+    return stats() if stats else {"cold_share_step": 0.0, "swaps_applied": 0, "bytes_moved": 0,
+                                  "misses": 0, "wanted": 0}
+
+
+@dataclasses.dataclass
+class StepRecord:
+    seconds: float
+    active: int
+    prefill: bool  # the step admitted a request (its prefill ran in it)
+    cold: float  # cold share of the step's wanted picks
+    swaps: int  # swaps applied after it (cumulative)
+    bytes_moved: int  # cumulative
+
+
+def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.6,
+          seed: int = 0, on_step=None) -> list[StepRecord]:
+    """Submits the prompts (ignore_eos, so each decodes exactly max_new_tokens) and runs the
+    scheduler to idle, one record per step. Errors from the engine raise."""
+    errors, admitted = [], []
+    for i, ids in enumerate(prompts):
+        def on_event(event):
+            if isinstance(event, ErrorEvent):
+                errors.append(event.message)
+        admitted.append(engine.scheduler.submit(GenerationRequest(
+            ids, max_new_tokens, temperature, seed=seed + i, ignore_eos=True), on_event))
+    records = []
+    while True:
+        queued = engine.scheduler.queued
+        start = time.perf_counter()
+        more = engine.scheduler.step()
+        seconds = time.perf_counter() - start
+        stats = residency_stats(engine)
+        records.append(StepRecord(seconds, engine.scheduler.active or 0,
+                                  engine.scheduler.queued < queued, stats["cold_share_step"],
+                                  stats["swaps_applied"], stats["bytes_moved"]))
+        if on_step:
+            on_step(records[-1])
+        if errors:
+            raise RuntimeError(f"engine error: {errors[0]}")
+        if not more:
+            return records
+
+
+def time_to_first_token(engine, ids: list[int]) -> float:
+    """Seconds from submit to the first token of a prompt (its prefill), one token generated."""
+    first = []
+    start = time.perf_counter()
+
+    def on_event(event):
+        if isinstance(event, TokenEvent) and not first:
+            first.append(time.perf_counter() - start)
+        elif isinstance(event, ErrorEvent):
+            raise RuntimeError(event.message)
+    engine.scheduler.submit(GenerationRequest(ids, 1, 0.6, ignore_eos=True), on_event)
+    engine.scheduler.run_until_idle()
+    return first[0]
+
+
+def seed_map_from_picks(picks: np.ndarray, n_experts: int, budget: int, path: Path,
+                        geometry: str = "per_layer") -> Path:
+    """A seed map fitted by `python -m tidejax.residency fit` on the demand of `picks`
+    [N, L_moe, k] (written as a demand history first)."""
+    from tidejax.residency.__main__ import main as residency_cli
+    from tidejax.residency.history import History
+
+    n_layers = picks.shape[1]
+    counts = np.stack([np.bincount(picks[:, l].reshape(-1), minlength=n_experts)
+                       for l in range(n_layers)]).astype(np.float64)
+    history = History(n_layers, n_experts)
+    history.add(counts, counts, len(picks))
+    history_path = path.with_suffix(".history.npz")
+    history.save(history_path)
+    if residency_cli(["fit", "--history", str(history_path), "--budget", str(budget),
+                      "--out", str(path), "--geometry", geometry]) != 0:
+        raise RuntimeError(f"seed map fit failed for budget {budget}")
+    return path
+
+
+# -- the matrix ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+    resident: float
+    policy: str
+    lanes: int
+    tok_s: float
+    limit: Limit
+    cold: float
+    swaps: int
+    ttft_s: float | None = None
+
+    def cells(self) -> list[str]:
+        return [f"{self.resident:.0%}", self.policy, str(self.lanes), f"{self.tok_s:.1f}",
+                f"{self.limit.tokens_per_s:.1f}", f"{self.tok_s / self.limit.tokens_per_s:.2f}",
+                f"{self.limit.device_bytes / 1e9:.2f}", f"{self.limit.host_bytes / 1e9:.3f}",
+                f"{self.cold:.3f}", str(self.swaps),
+                f"{self.ttft_s:.2f}" if self.ttft_s is not None else ""]
+
+
+HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | device GB/step | "
+          "host GB/step | cold share | swaps | TTFT s |")
+
+
+def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
+                   copy: float, h2d: float, resident: float) -> Row:
+    prompt_len = 64
+    prompts = [prompt_ids(engine, domain, prompt_len, offset=997 * i) for i in range(lanes)]
+    before = residency_stats(engine)
+    records = drive(engine, prompts, tokens)
+    after = residency_stats(engine)
+    steady = [r for r in records if not r.prefill and r.active == lanes][2:]  # past compile/admit
+    if not steady:
+        raise RuntimeError(f"no full decode steps at {lanes} lanes ({len(records)} steps)")
+    step_s = statistics.median(r.seconds for r in steady)
+    cold = statistics.mean(r.cold for r in steady)
+    moved = (after["bytes_moved"] - before["bytes_moved"]) / len(records)
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    top_k = engine.cfg.num_experts_per_tok
+    distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
+    limit = step_limit(engine, lanes, prompt_len + tokens / 2, distinct, cold, policy, moved,
+                       copy, h2d)
+    return Row(resident, policy, lanes, lanes / step_s, limit, cold,
+               after["swaps_applied"] - before["swaps_applied"])
+
+
+def load_config(model: str, resident: float, policy: str, args, overrides: dict, workdir: Path):
+    """A fresh engine for one configuration, replaying the trace; returns (engine, picks)."""
+    import tidejax
+
+    raw = json.loads((Path(model) / "config.json").read_text())
+    n_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
+    n_moe = raw["num_hidden_layers"] - raw.get("first_k_dense_replace", 0)
+    picks = (traces.scale(traces.load(args.trace), n_moe, n_experts, top_k)
+             if args.trace else None)
+    tables = {k: dict(v) for k, v in overrides.items()}
+    engine_table = tables.setdefault("engine", {})
+    engine_table.setdefault("lanes", max(args.lanes))
+    engine_table.setdefault("max_context", max(args.ttft, 64 + args.tokens) + 64)
+    res = tables.setdefault("residency", {})
+    if resident < 1.0:
+        budget = int(round(resident * n_moe * n_experts))
+        res |= {"budget_experts": budget, "miss_policy": policy}
+        if policy == "ring":
+            res.setdefault("ring_slots", max(8, n_experts // 16))
+        if picks is not None:
+            res["seed_map"] = str(seed_map_from_picks(
+                picks, n_experts, budget, workdir / f"seed-{resident}-{policy}.json"))
+    start = time.perf_counter()
+    engine = tidejax.load(model, **tables)
+    print(f"[{resident:.0%} {policy}] loaded in {time.perf_counter() - start:.1f} s", flush=True)
+    if picks is not None:
+        engine.set_routing_replay(picks)
+    return engine, picks
+
+
+def run_config(engine, picks, resident: float, policy: str, args, copy: float,
+               h2d: float) -> list[Row]:
+    start = time.perf_counter()
+    drive(engine, [prompt_ids(engine, args.domain, 16)], 4)  # compiles prefill + decode
+    print(f"[{resident:.0%} {policy}] warm-up (compile) {time.perf_counter() - start:.1f} s",
+          flush=True)
+    rows = []
+    for lanes in args.lanes:
+        row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, copy, h2d,
+                             resident)
+        print("| " + " | ".join(row.cells()) + " |", flush=True)
+        rows.append(row)
+    if args.ttft:
+        ids = prompt_ids(engine, args.domain, args.ttft)
+        time_to_first_token(engine, ids[:args.ttft // 2])  # compiles the long-prompt buckets
+        rows[0].ttft_s = time_to_first_token(engine, ids)
+        print(f"[{resident:.0%} {policy}] TTFT at {args.ttft} tokens: {rows[0].ttft_s:.2f} s",
+              flush=True)
+    return rows
+
+
+def parse_set(items: list[str]) -> dict:
+    """["engine.lanes=8", ...] -> {"engine": {"lanes": "8"}} (the profile types the strings)."""
+    tables: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        table, dot, name = key.partition(".")
+        if not eq or not dot:
+            raise SystemExit(f"error: --set {item!r}: expected table.key=value")
+        tables.setdefault(table, {})[name] = value
+    return tables
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="checkpoint directory")
+    parser.add_argument("--trace", default="en", help="routing trace to replay ('' = the router's own)")
+    parser.add_argument("--domain", default="en", help="held-out text for the prompts")
+    parser.add_argument("--resident", default="1.0", help="resident shares, comma-separated")
+    parser.add_argument("--policies", default="exact,substitute,ring")
+    parser.add_argument("--lanes", default="1,4")
+    parser.add_argument("--tokens", type=int, default=256, help="decoded tokens per request")
+    parser.add_argument("--ttft", type=int, default=8192, help="prompt tokens for TTFT (0 = skip)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    args = parser.parse_args(argv)
+    args.lanes = [int(x) for x in args.lanes.split(",")]
+    overrides = parse_set(args.set)
+    configs = [(share, policy) for share in (float(x) for x in args.resident.split(","))
+               for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    copy, h2d, rows = copy_gbps(), None, []
+    with tempfile.TemporaryDirectory() as tmp:
+        compile_cache(Path(tmp) / "jax-cache")
+        for share, policy in configs:
+            engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp))
+            if h2d is None:
+                h2d = h2d_gbps(engine.residency.state.bank)
+                print(f"device copy {copy:.0f} GB/s (read + write); host-to-device {h2d:.1f} GB/s "
+                      f"(in-step expert fetch)", flush=True)
+            rows += run_config(engine, picks, share, policy, args, copy, h2d)
+            del engine
+    table = "\n".join([HEADER, "|" + " --- |" * 11]
+                      + ["| " + " | ".join(r.cells()) + " |" for r in rows])
+    text = (f"{datetime.date.today()}, jax {jax.__version__} on {jax.devices()[0].device_kind}: "
+            f"device copy {copy:.0f} GB/s, host-to-device {h2d:.1f} GB/s\n\n{table}\n")
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "roofline.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
