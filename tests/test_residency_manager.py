@@ -17,7 +17,7 @@ from tidejax.config import ResidencySection
 from tidejax.residency import Residency
 from tidejax.residency.__main__ import main as residency_cli
 from tidejax.residency.history import History
-from tidejax.residency.planner import Swap, plan
+from tidejax.residency.planner import Swap, place, plan
 from tidejax.residency.pool import budget_slots
 
 
@@ -261,3 +261,20 @@ def test_manager_swap_campaign_then_restore(tmp_path):
     assert sorted(res.slot_rows[:res.n_resident]) == sorted(res.boot_rows[:res.n_resident])
     after, res.state = toy_step(res.state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
     np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+def test_place_keeps_the_busiest_rows_each_group_can_hold():
+    # per_layer, 2 layers of 4 experts, 2 slots a layer; layer 0 asks for 3 rows (keeps the first 2)
+    slot_rows = place(np.array([2, 0, 3, 5]), 4, 2, 4, "per_layer")
+    np.testing.assert_array_equal(slot_rows, [2, 0, 5, 4])  # layer 1 filled with its lowest free row
+    np.testing.assert_array_equal(place(np.array([7, 6, 1]), 2, 2, 4, "arena"), [7, 6])
+    with pytest.raises(ValueError, match="rows must be in"):
+        place(np.array([8]), 2, 2, 4, "arena")
+
+
+def test_arena_follows_a_skewed_domain(tmp_path):
+    res = manager(tmp_path, geometry="arena")
+    shares = serve_steps(res, domain([4, 5, 6, 7]), 24)
+    assert np.mean(shares[-4:]) < np.mean(shares[:4]) / 2, shares
+    rows = res.slot_rows[:res.n_resident]
+    assert np.isin(rows % E, [4, 5, 6, 7]).mean() > 0.8
