@@ -37,6 +37,8 @@ def served(tmp_path_factory):
     model_dir = write_chat_model(root / "tiny")
     profile = write_profile(root / "live.toml", model_dir,
                             engine={"max_context": CONTEXT, "lanes": LANES, "prefill_chunk": 128},
+                            # half the experts resident; "exact" keeps outputs all-resident
+                            residency={"budget_experts": 4, "miss_policy": "exact"},
                             server={"api_keys": [KEY], "max_body_bytes": 65536,
                                     "max_tokens_limit": LIMIT})
     trace_dir = root / "trace"
@@ -103,7 +105,8 @@ def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer):
                                          stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
-    assert chunks[-1].model_extra["x_engine_stats"]["decode_tps"] > 0
+    stats = chunks[-1].model_extra["x_engine_stats"]
+    assert stats["decode_tps"] > 0 and 0 < stats["cold_share"] < 1  # misses served exactly
 
 
 def test_stop_strings(oai, claude):
@@ -336,6 +339,7 @@ def test_disconnect_frees_the_lane(served, oai):
     assert reasons[2:] == ["length"] * (LANES - 1) and generated[2:] == [900] * (LANES - 1)
     metrics = get(url, "/metrics")
     assert 'tidejax_generations_total{reason="cancelled"} 1' in metrics
+    assert "Traceback" not in server_log(served["profile"])  # a client leaving is no error
 
 
 def test_auth(served):
@@ -394,4 +398,6 @@ def test_bad_input_then_success(served, oai, claude):
     assert re.search(r'tidejax_http_responses_total\{route="/v1/chat/completions",status="400"\} [1-9]',
                      metrics)
     assert re.search(r"tidejax_generated_tokens_total [1-9]", metrics)
+    assert re.search(r"tidejax_residency_misses [1-9]", metrics)
+    assert re.search(r"tidejax_residency_swaps_applied \d+", metrics)
 

@@ -97,8 +97,6 @@ async def api_middleware(request: web.Request, handler):
         if request.path != "/health":
             server.check_key(request)
         response = await handler(request)
-    except ConnectionError:  # the client is gone: nobody to answer
-        raise
     except Exception as e:
         response = error_response(e, dialect_of(request.path))
         log.info("%s %s -> %d %s", request.method, request.path, response.status,
@@ -152,8 +150,7 @@ async def metrics(request: web.Request) -> web.Response:
     residency = {}
     if server.client is not None:
         active, queued = server.client.active, server.client.queued
-        stats = getattr(server.engine.residency, "stats", None)
-        residency = stats() if callable(stats) else {}
+        residency = server.engine.residency.stats()
     return web.Response(text=server.metrics.render(active, queued, residency),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

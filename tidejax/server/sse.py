@@ -26,9 +26,10 @@ class SSE:
         await self.response.write(f"{head}data: {text}\n\n".encode())
 
     async def fail(self, exc: Exception, dialect: str) -> web.StreamResponse:
-        """After the headers went out, an error can only be an event (unless the client is gone)."""
+        """After the headers went out, an error can only be an event; when the client is gone
+        (the request is cancelled already) there is nobody to tell."""
         if isinstance(exc, ConnectionError):
-            raise exc
+            return self.response
         body = error_body(as_api_error(exc), dialect)
         await self.send(body, event="error" if dialect == "anthropic" else None)
         return self.response
