@@ -240,6 +240,14 @@ def raw_sse(url: str, body: dict) -> list[tuple[str, dict]]:
     return events
 
 
+def test_anthropic_count_tokens(claude, hf_tokenizer):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    count = claude.messages.count_tokens(model="tiny", messages=messages, system="Be brief.",
+                                         tools=[ANTHROPIC_WEATHER])
+    reference = [{"role": "system", "content": "Be brief."}] + messages
+    assert count.input_tokens == prompt_len(hf_tokenizer, reference, [WEATHER])
+
+
 def test_anthropic_tool_use_round_trip(claude):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = claude.messages.create(model="tiny", max_tokens=20, messages=messages,

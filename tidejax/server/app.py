@@ -128,6 +128,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await anthropic_api.message(request, gen, parser, chat.stream)
 
 
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's POST /v1/messages/count_tokens: the prompt's length under the chat template."""
+    chat = parse_messages(parse_json(await request.read()), count_only=True)
+    prompt_ids, _ = request.app[SERVER].ready_model(chat.model).chat_prompt(chat)
+    return web.json_response({"input_tokens": len(prompt_ids)})
+
+
 async def models(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     return web.json_response({"object": "list", "data": [{
@@ -163,6 +170,7 @@ def build_app(server: Server) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -292,7 +292,8 @@ def _anthropic_tools(body: Fields) -> list[dict] | None:
     return out
 
 
-def parse_messages(body: Fields) -> ChatInput:
+def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
+    """A Messages request; `count_only` (POST /v1/messages/count_tokens) needs no max_tokens."""
     messages = body.get("messages", list, required=True)
     if not messages:
         raise APIError(400, "'messages' should not be empty", param="messages")
@@ -303,6 +304,6 @@ def parse_messages(body: Fields) -> ChatInput:
         model=body.get("model", str, required=True),
         messages=_anthropic_messages(body.get("system", (str, list)), messages),
         tools=_anthropic_tools(body), template_kwargs=kwargs,
-        sampling=_sampling(body, _max_tokens(body, "max_tokens", required=True),
+        sampling=_sampling(body, _max_tokens(body, "max_tokens", required=not count_only),
                            _stop(body, "stop_sequences")),
         stream=body.get("stream", bool, False))
