@@ -89,28 +89,29 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
         await sse.send({"type": "content_block_delta", "index": index,
                         "delta": {"type": delta_type, field: text}}, "content_block_delta")
 
+    async def tail(calls: list[ToolCall]) -> None:
+        if open_kind is not None:
+            await stop_block()
+        elif not calls:  # an empty answer is still one (empty) text block
+            await start_block(dict(_BLOCKS["content"][0]))
+            await stop_block()
+        for call in calls:
+            await start_block(_tool_use(call, input_value={}))
+            await sse.send({"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}}, "content_block_delta")
+            await stop_block()
+        await sse.send({"type": "message_delta",
+                        "delta": {"stop_reason": _stop_reason(gen, calls),
+                                  "stop_sequence": gen.stop_string},
+                        "usage": {"output_tokens": gen.completion_tokens},
+                        "x_engine_stats": gen.engine_stats}, "message_delta")
+        await sse.send({"type": "message_stop"}, "message_stop")
+
     try:
         async with contextlib.aclosing(output_pieces(gen, parser)) as output:
             async for kind, text in output:
                 await piece(kind, text)
+        await tail(parser.tool_calls)
     except Exception as e:
         return await sse.fail(e, "anthropic")
-    calls = parser.tool_calls
-    if open_kind is not None:
-        await stop_block()
-    elif not calls:  # an empty answer is still one (empty) text block
-        await start_block(dict(_BLOCKS["content"][0]))
-        await stop_block()
-    for call in calls:
-        await start_block(_tool_use(call, input_value={}))
-        await sse.send({"type": "content_block_delta", "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
-                       "content_block_delta")
-        await stop_block()
-    await sse.send({"type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(gen, calls),
-                              "stop_sequence": gen.stop_string},
-                    "usage": {"output_tokens": gen.completion_tokens},
-                    "x_engine_stats": gen.engine_stats}, "message_delta")
-    await sse.send({"type": "message_stop"}, "message_stop")
     return sse.response

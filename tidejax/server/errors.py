@@ -36,6 +36,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return APIError(413, f"request body too large: {exc.text}", code="request_too_large")
+    if isinstance(exc, ConnectionError):  # nobody will read this; 499 as nginx counts it
+        return APIError(499, "the client closed the connection")
     if isinstance(exc, web.HTTPException):
         return APIError(exc.status, exc.reason or str(exc))
     log.exception("internal error", exc_info=exc)

@@ -62,21 +62,21 @@ async def chat_completion(request: web.Request, gen: Generation, parser: OutputP
     def delta(kind: str, text: str) -> dict:
         return chunk({"reasoning_content" if kind == "reasoning" else "content": text})
 
-    await sse.send(chunk({"role": "assistant", "content": ""}))
     try:
+        await sse.send(chunk({"role": "assistant", "content": ""}))
         async with contextlib.aclosing(output_pieces(gen, parser)) as output:
             async for kind, piece in output:
                 await sse.send(delta(kind, piece))
+        calls = parser.tool_calls
+        if calls:
+            await sse.send(chunk({"tool_calls": [
+                {"index": i, **call} for i, call in enumerate(_tool_calls(calls))]}))
+        await sse.send(chunk({}, _finish_reason(gen, calls)))
+        await sse.send({**head, "object": "chat.completion.chunk", "choices": [],
+                        "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+        await sse.send("[DONE]")
     except Exception as e:
         return await sse.fail(e, "openai")
-    calls = parser.tool_calls
-    if calls:
-        await sse.send(chunk({"tool_calls": [{"index": i, **call}
-                                             for i, call in enumerate(_tool_calls(calls))]}))
-    await sse.send(chunk({}, _finish_reason(gen, calls)))
-    await sse.send({**head, "object": "chat.completion.chunk", "choices": [],
-                    "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
-    await sse.send("[DONE]")
     return sse.response
 
 
@@ -101,10 +101,10 @@ async def completion(request: web.Request, gen: Generation, stream: bool) -> web
         async with contextlib.aclosing(gen.texts()) as texts:
             async for text in texts:
                 await sse.send({**head, "choices": [choice(text, None)]})
+        await sse.send({**head, "choices": [choice("", finish())]})
+        await sse.send({**head, "choices": [], "usage": _usage(gen),
+                        "x_engine_stats": gen.engine_stats})
+        await sse.send("[DONE]")
     except Exception as e:
         return await sse.fail(e, "openai")
-    await sse.send({**head, "choices": [choice("", finish())]})
-    await sse.send({**head, "choices": [], "usage": _usage(gen),
-                    "x_engine_stats": gen.engine_stats})
-    await sse.send("[DONE]")
     return sse.response
