@@ -305,10 +305,12 @@ def expert_pool(rows: int, hidden: int, inter: int, held_as: str, dtype: np.dtyp
                 "down_blocks": np.empty((rows, hidden, inter // 32, 16), np.uint8),
                 "down_scales": np.empty((rows, hidden, inter // 32), np.uint8)}
 
+        quantize = jax.jit(mxfp4.quantize)  # on the default device: numpy takes seconds an expert
+
         def put_row(row, arrays):
             for name in ("gate_up", "down"):
-                pool[f"{name}_blocks"][row], pool[f"{name}_scales"][row] = mxfp4.quantize(
-                    np.asarray(arrays[name], np.float32))
+                blocks, scales = quantize(jnp.asarray(arrays[name], jnp.float32))
+                pool[f"{name}_blocks"][row], pool[f"{name}_scales"][row] = blocks, scales
         return pool, put_row
     dtype = np.dtype(jnp.bfloat16) if held_as == "bf16" else dtype
     pool = {"gate_up": np.empty((rows, 2 * inter, hidden), dtype),

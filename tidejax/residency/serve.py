@@ -61,8 +61,15 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
             slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
         else:
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
+    bank = state.bank
+    if options.all_resident and jax.default_backend() != "gpu":
+        # The reference scans every slot; under the identity map this layer's experts are one
+        # contiguous block, so scan only those (the GPU kernel reads just the picked slots).
+        e = state.n_experts
+        bank = jax.tree.map(lambda a: a[moe_index * e:(moe_index + 1) * e], bank)
+        slots = slots - moe_index * e
     slots = jnp.where(live, slots, -1)
-    y = moe_grouped(x, state.bank, slots, weights, swiglu_limit=options.swiglu_limit,
+    y = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
                     impl=options.kernel)
     return y, state
 
