@@ -68,6 +68,23 @@ def test_logits_match_transformers(name, seed):
     assert np.array_equal(np.asarray(got).argmax(-1), want.argmax(-1))
 
 
+def test_load_folder(tmp_path):
+    """A folder of transformers' module names (config.json + safetensors) loads through `load`."""
+    from safetensors.torch import save_file
+
+    from tidejax.models.deepseek_v4 import load
+
+    model, raw = tiny_model("plain_hc2", 3)
+    state = model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg, params, banks = load(tmp_path)
+    np.testing.assert_array_equal(np.asarray(params["params"]["embed"]),
+                                  state["model.embed_tokens.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(banks[4]["down"]),
+                                  state["model.layers.4.mlp.experts.down_proj"].numpy())
+
+
 def test_unmapped_tensor_is_named():
     model, raw = tiny_model("plain_hc2", 2)
     state = {k: v.numpy() for k, v in model.state_dict().items()}

@@ -9,8 +9,9 @@ overlap, no indexer: every visible entry attends); an unweighted norm on q per h
 (a fixed token -> experts table) in the first MoE layers; each mHC site collapses with its own
 pre; a final hyper head. No QAT fake quantizers.
 
-`DeepseekV4.__call__(tokens, token_mask, experts)` is a full forward from position 0 (scoring and
-parity); a generation cache for this family is not built yet.
+`DeepseekV4.__call__(tokens, experts)` is a full forward from position 0 (scoring and parity);
+`load(model_dir)` reads a transformers-layout folder. A generation cache for this family is not
+built yet.
 """
 
 from __future__ import annotations
@@ -385,3 +386,15 @@ def load_state(cfg: V4Config, tensors: dict, source: str = "checkpoint") -> tupl
         if set(bank) != {"gate_up", "down"}:
             raise ConfigError(f"{source}: layer {layer} lacks mlp.experts.gate_up_proj / down_proj")
     return {"params": unflatten_dict(params)}, banks
+
+
+def load(model_dir) -> tuple[V4Config, dict, list]:
+    """A transformers-layout folder (config.json + *.safetensors) -> (config, params, banks)."""
+    from tidejax.models.deepseek_v41_load import Tensors
+
+    model_dir = Path(model_dir)
+    cfg = V4Config.from_file(model_dir)
+    tensors = Tensors(model_dir)
+    arrays = {name: np.asarray(tensors.view(name)) for name in tensors.where}
+    params, banks = load_state(cfg, arrays, str(model_dir))
+    return cfg, params, banks

@@ -65,10 +65,6 @@ class V41Config:
 
     # --- the schedule, as the forward uses it
 
-    def kv_source_of(self, layer: int) -> int:
-        """The KV source whose compressed entries a compressed layer attends (-1: none)."""
-        return max((s for s in self.kv_sources if s <= layer), default=-1)
-
     def owns_index_keys(self, layer: int) -> bool:
         return layer in self.kv_sources and layer in self.index_sources
 
