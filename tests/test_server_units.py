@@ -264,6 +264,8 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
      "'messages[0].tool_call_id' is required"),
     ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "'tool_choice'"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "'response_format.type'"),
+    ({**CHAT, "logprobs": True}, "'logprobs' is not supported"),
     ({**CHAT, "tools": [{"type": "function", "function": {}}]}, "'tools[0].function.name'"),
     ([1, 2], "body should be a JSON object"),
 ]

@@ -194,6 +194,13 @@ def parse_chat(body: Fields) -> ChatInput:
     if not messages:
         raise APIError(400, "'messages' should not be empty", param="messages")
     kwargs = body.get("chat_template_kwargs", dict, {})
+    response_format = Fields(body.get("response_format", dict, {}), "response_format.")
+    if response_format.get("type", str, "text") != "text":
+        raise APIError(400, "'response_format.type' = "
+                            f"{response_format.raw['type']!r} is not supported (text): the engine "
+                            "does not constrain decoding", param="response_format.type")
+    if body.raw.get("logprobs") or body.raw.get("top_logprobs"):
+        raise APIError(400, "'logprobs' is not supported", param="logprobs")
     return ChatInput(
         model=body.get("model", str, required=True),
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
