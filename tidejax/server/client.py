@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest
+from tidejax.server.errors import APIError
 
 
 class RequestStream:
@@ -49,7 +50,10 @@ class EngineClient:
         self.loop = loop
 
     def submit(self, request: GenerationRequest) -> RequestStream:
-        return RequestStream(self.scheduler, self.loop, request)
+        try:
+            return RequestStream(self.scheduler, self.loop, request)
+        except ValueError as e:  # the scheduler refuses a request it cannot run
+            raise APIError(400, str(e)) from None
 
     @property
     def queued(self) -> int:
