@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
 from bench.roofline import (compile_cache, drive, parse_set, prompt_ids,  # noqa: E402
-                            residency_stats, seed_map_from_picks)
+                            residency_stats, seed_map_from_picks, warm_up)
 
 VARIANTS = ("fixed", "adaptive", "oracle")
 SMOOTH = 8  # steps
@@ -105,9 +105,7 @@ def run_variant(name: str, args, seed_map: Path, overrides: dict, replays: dict 
     engine = tidejax.load(args.model, **tables)
     warm = replays[args.phases[0]] if replays else None
     engine.set_routing_replay(warm)
-    # compile the campaign's shapes (prompt bucket, decode, swaps) before its clock starts
-    drive(engine, [prompt_ids(engine, args.phases[0], args.prompt_tokens, offset=7 * i)
-                   for i in range(args.requests)], 2)
+    warm_up(engine, args.phases[0], args.prompt_tokens, args.requests)
     series, phases = Series(), []
     origin = time.perf_counter()
     for index, domain in enumerate(args.phases):

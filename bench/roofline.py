@@ -196,6 +196,28 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             return records
 
 
+def warm_up(engine, domain: str, prompt_tokens: int, lanes: int) -> float:
+    """Compiles what a measurement will run before its clock starts: the prompt's prefill bucket
+    and the decode step, each also right after a counter drain (a drain hands the step fresh,
+    uncommitted counter arrays, which compiles it once more). Returns the seconds it took."""
+    start = time.perf_counter()
+    prompts = [prompt_ids(engine, domain, prompt_tokens, offset=7 * i) for i in range(lanes)]
+    for drain_first in (False, True):
+        if drain_first:
+            engine.residency.drain()
+        for ids in prompts:
+            engine.scheduler.submit(GenerationRequest(ids, 4, 0.6, ignore_eos=True), _no_events)
+        engine.scheduler.step()  # prefill (after a drain the second time) and a decode
+        engine.residency.drain()
+        engine.scheduler.run_until_idle()  # decode right after a drain
+    return time.perf_counter() - start
+
+
+def _no_events(event) -> None:
+    if isinstance(event, ErrorEvent):
+        raise RuntimeError(f"engine error: {event.message}")
+
+
 def time_to_first_token(engine, ids: list[int]) -> float:
     """Seconds from submit to the first token of a prompt (its prefill), one token generated."""
     first = []
@@ -252,14 +274,14 @@ class Row:
                 f"{self.ttft_s:.2f}" if self.ttft_s is not None else ""]
 
 
+PROMPT_TOKENS = 64  # prompt of each decode measurement
 HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | device GB/step | "
           "host GB/step | cold share | swaps | TTFT s |")
 
 
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
                    copy: float, h2d: float, resident: float) -> Row:
-    prompt_len = 64
-    prompts = [prompt_ids(engine, domain, prompt_len, offset=997 * i) for i in range(lanes)]
+    prompts = [prompt_ids(engine, domain, PROMPT_TOKENS, offset=997 * i) for i in range(lanes)]
     before = residency_stats(engine)
     records = drive(engine, prompts, tokens)
     after = residency_stats(engine)
@@ -272,7 +294,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     top_k = engine.cfg.num_experts_per_tok
     distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
-    limit = step_limit(engine, lanes, prompt_len + tokens / 2, distinct, cold, policy, moved,
+    limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        copy, h2d)
     return Row(resident, policy, lanes, lanes / step_s, limit, cold,
                after["swaps_applied"] - before["swaps_applied"])
@@ -310,10 +332,8 @@ def load_config(model: str, resident: float, policy: str, args, overrides: dict,
 
 def run_config(engine, picks, resident: float, policy: str, args, copy: float,
                h2d: float) -> list[Row]:
-    start = time.perf_counter()
-    drive(engine, [prompt_ids(engine, args.domain, 16)], 4)  # compiles prefill + decode
-    print(f"[{resident:.0%} {policy}] warm-up (compile) {time.perf_counter() - start:.1f} s",
-          flush=True)
+    seconds = warm_up(engine, args.domain, PROMPT_TOKENS, max(args.lanes))
+    print(f"[{resident:.0%} {policy}] warm-up (compile) {seconds:.1f} s", flush=True)
     rows = []
     for lanes in args.lanes:
         row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, copy, h2d,
