@@ -1,0 +1,126 @@
+"""Benchmark tooling: synthetic checkpoints load and route by replayed traces, traces scale to other
+models, and the end-to-end scripts (bench.py against a live server, the residency campaign on the
+demo model) run and report."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import tidejax  # noqa: E402
+from bench import roofline, traces  # noqa: E402
+from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
+
+DEMO = REPO / "models" / "demo"
+
+
+def make_synthetic(out: Path, *args: str) -> Path:
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out), "--tiny",
+                    "--workers", "2", *args], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory) -> Path:
+    return make_synthetic(tmp_path_factory.mktemp("syn") / "bf16", "--experts", "bf16")
+
+
+def test_synthetic_checkpoint_loads_and_routes_by_the_replayed_trace(tiny_bf16):
+    engine = tidejax.load(tiny_bf16, engine={"lanes": 1, "max_context": 128})
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    assert (n_moe, n_experts) == (2, 16)
+    ids = engine.tokenizer.encode((traces.HELDOUT / "en.txt").read_text())[:40]
+
+    def counted(replay):
+        engine.set_routing_replay(replay)
+        before = np.asarray(engine.residency.state.counts).copy()
+        logits = engine.logits(ids)
+        assert np.isfinite(logits).all()
+        return np.asarray(engine.residency.state.counts) - before
+
+    picks = traces.scale(traces.load("en"), n_moe, n_experts, engine.cfg.num_experts_per_tok)
+    want = np.stack([np.bincount(picks[:len(ids), l].reshape(-1), minlength=n_experts)
+                     for l in range(n_moe)])
+    np.testing.assert_array_equal(counted(picks), want)
+    assert not np.array_equal(counted(None), want)  # the random router picks otherwise
+
+
+def test_synthetic_mxfp4_experts_are_stored_gpt_oss_style_at_unit_gain(tmp_path):
+    out = make_synthetic(tmp_path / "mx")
+    reader = CheckpointReader(out, progress=False)
+    e, d, i = 16, 64, 32
+    prefix = "model.layers.1.mlp.experts"
+    shapes = {"gate_up_proj_blocks": (e, 2 * i, d // 32, 16), "gate_up_proj_scales": (e, 2 * i, d // 32),
+              "down_proj_blocks": (e, d, i // 32, 16), "down_proj_scales": (e, d, i // 32)}
+    for name, shape in shapes.items():
+        assert reader.shape(f"{prefix}.{name}") == shape
+        assert reader.dtype(f"{prefix}.{name}") == np.uint8
+    w = mxfp4.dequantize(reader.read(f"{prefix}.gate_up_proj_blocks"),
+                         reader.read(f"{prefix}.gate_up_proj_scales"))  # [E, 2I, D]
+    x = np.random.default_rng(0).standard_normal((d, 256)).astype(np.float32)
+    gain = float(np.std(w @ x))  # a projection of unit-variance inputs
+    assert 0.5 < gain < 2.0 and math.isfinite(gain)
+
+
+def test_scaled_trace_keeps_each_demo_expert_in_its_block():
+    demo = traces.load("python")
+    n, l_demo, k_demo = demo.shape
+    scaled = traces.scale(demo, 5, 384, 8)
+    assert scaled.shape == (n, 5, 8) and scaled.dtype == np.int32
+    per_block = 384 // 48
+    for layer in range(5):
+        np.testing.assert_array_equal(scaled[:, layer, :k_demo] // per_block, demo[:, layer % l_demo])
+    assert all(len(set(row)) == 8 for row in scaled.reshape(-1, 8))  # distinct picks per token
+    used = np.bincount(scaled[:, 0, 0] % per_block, minlength=per_block)
+    assert used.min() > 0.5 * used.mean()  # the hash spreads over the block
+    fewer = traces.scale(demo, 2, 16, 4)  # fewer experts than the demo: still distinct, in range
+    assert fewer.max() < 16 and all(len(set(row)) == 4 for row in fewer.reshape(-1, 4))
+
+
+def test_distinct_experts_per_step():
+    picks = np.array([[[0, 1]], [[1, 2]], [[3, 4]], [[3, 4]]])  # [N=4, L=1, k=2]
+    assert roofline.distinct_experts(picks, 1, 8, 2, 1) == 2.0
+    assert roofline.distinct_experts(picks, 2, 8, 2, 1) == 2.5  # {0,1,2} then {3,4}
+    assert roofline.distinct_experts(None, 4, 8, 2, 3) == 3 * 8.0  # bound: min(batch*k, E)
+
+
+def test_bench_against_a_live_server(tiny_bf16, tmp_path):
+    from server_fixtures import live_server, write_profile
+
+    profile = write_profile(tmp_path / "p.toml", tiny_bf16,
+                            engine={"lanes": 2, "max_context": 512, "prefill_chunk": 128})
+    with live_server(profile) as url:
+        result = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "bench.py"), "--url", url, "--tokens", "12",
+             "--runs", "1", "--lanes", "1,2", "--ttft-tokens", "300"],
+            check=True, capture_output=True, text=True, timeout=300)
+    rows = [r for r in result.stdout.splitlines() if r.startswith(("| prose", "| code"))]
+    assert len(rows) == 8  # 2 prompts x 2 concurrencies, printed live and in the table
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert int(cells[2]) >= 1 and float(cells[3]) > 0 and float(cells[5]) > 0
+    assert "TTFT, prompt of" in result.stdout and " s" in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="no bundled demo model")
+def test_residency_campaign_quick_on_the_demo_model(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "bench" / "residency_campaign.py"), "--quick"],
+                   check=True, capture_output=True, text=True, timeout=900,
+                   env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    report = (tmp_path / "campaign.md").read_text()
+    rows = [r for r in report.splitlines() if r.startswith(("| fixed", "| adaptive", "| oracle"))]
+    assert len(rows) == 6  # 3 variants x 2 phases
+    cold = {tuple(c.strip() for c in r.strip("|").split("|")[:2]): float(r.split("|")[5])
+            for r in rows}
+    # the fixed map was fitted on phase 0's domain: the shift to the other domain raises its cold share
+    assert cold[("fixed", "1")] > cold[("fixed", "0")]
+    assert (tmp_path / "campaign.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
