@@ -21,7 +21,7 @@ from server_fixtures import CHAT_TEMPLATE, free_port, write_tokenizer
 from tidejax.config import EngineConfig
 from tidejax.server.__main__ import bind_host, parse_set
 from tidejax.server.app import Server, build_app
-from tidejax.server.templates import ChatTemplate, TemplateRenderError
+from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.server.toolcalls import (DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning,
                                       tool_format_for)
 

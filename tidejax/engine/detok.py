@@ -8,19 +8,33 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    """push(token) -> the new text it completes ("" while a character is incomplete)."""
+    """push(token) -> the new text it completes ("" while a character is incomplete).
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    Special tokens are dropped, except those in `keep` (e.g. tool-call markers a parser needs).
+    """
+
+    def __init__(self, tokenizer, keep: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
-        self.skip_special = skip_special_tokens
+        self.dropped = tokenizer.special_ids - keep
         self.ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already released
 
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
+
     def push(self, token_id: int) -> str:
+        if token_id in self.dropped:
+            return ""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
+        text = self._text()
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return ""
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        """At the end: whatever is still held (an unfinished character decodes to U+FFFD)."""
+        text = self._text()
         new, self.emitted = text[self.emitted:], len(text)
         return new
 

@@ -73,8 +73,7 @@ class Engine:
         self.lanes = config.engine.lanes
         self.max_context = min(config.engine.max_context, self._max_positions())
         self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
-        self.eos_ids = tuple(sorted(set(self.cfg.eos_token_ids) | (
-            {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set())))
+        self.eos_ids = end_of_turn_ids(model_dir, self.cfg.eos_token_ids, self.tokenizer.eos_id)
         self.serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
@@ -290,6 +289,17 @@ class _Steps:
             logits, _, experts = self._forward(params, replay, tokens, positions, mask, cache, experts)
             return logits, experts
         return jax.jit(step, donate_argnames=("experts",))
+
+
+def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """Generation stops at config.json's eos ids, generation_config.json's (where published
+    checkpoints list their end-of-turn tokens) and the tokenizer's eos token."""
+    ids = set(config_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        eos = read_json(generation).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))
 
 
 def expert_pool(rows: int, hidden: int, inter: int, held_as: str, dtype: np.dtype):

@@ -27,7 +27,7 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
             if isinstance(event, TokenEvent):
                 text = stops.feed(detok.push(event.token_id))
             elif isinstance(event, DoneEvent):
-                text, done[i] = stops.flush(), True
+                text, done[i] = stops.feed(detok.flush()) + stops.flush(), True
             else:
                 assert isinstance(event, ErrorEvent)
                 text, done[i] = "", True

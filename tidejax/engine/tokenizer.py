@@ -1,26 +1,15 @@
-"""A checkpoint's tokenizer (tokenizer.json through `tokenizers`) and its chat template.
-
-The template is rendered as transformers renders it: a sandboxed jinja2 environment with
-trim_blocks / lstrip_blocks, `raise_exception`, `tojson` and `strftime_now`, the special tokens as
-variables, and the rendered text tokenized without adding special tokens again.
-"""
+"""A checkpoint's tokenizer (tokenizer.json through `tokenizers`), its special tokens, its
+end-of-turn ids and its chat template (engine/chat_template.py)."""
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 from pathlib import Path
 
-import jinja2
-import jinja2.sandbox
 import tokenizers
 
 from tidejax.config import ConfigError
-
-
-class TemplateError(ValueError):
-    """The chat template refused the messages (its raise_exception) or could not render."""
+from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
 
 
 def _token_text(value) -> str | None:
@@ -42,13 +31,12 @@ class Tokenizer:
                         ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.bos_id = self.token_id(self.special["bos_token"])
         self.eos_id = self.token_id(self.special["eos_token"])
-        template = config.get("chat_template")
-        template_file = model_dir / "chat_template.jinja"
-        if template_file.exists():
-            template = template_file.read_text()
-        if isinstance(template, list):  # named templates: take the default
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
+        self.special_ids = frozenset(
+            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        try:
+            self.chat_template: ChatTemplate | None = ChatTemplate.from_checkpoint(model_dir)
+        except TemplateRenderError:
+            self.chat_template = None
         self.add_bos = bool(config.get("add_bos_token", False))
 
     @property
@@ -67,34 +55,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **template_kwargs) -> str:
-        if not self.chat_template:
-            raise TemplateError("this model has no chat template (tokenizer_config.json "
-                                "'chat_template' or chat_template.jinja)")
-        try:
-            return _compile(self.chat_template).render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                **{k: v for k, v in self.special.items() if v is not None}, **template_kwargs)
-        except TemplateError:
-            raise
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template failed: {e}") from None
-
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
-
-
-def _raise(message: str):
-    raise TemplateError(message)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+        """Renders the chat template and tokenizes it (the template writes the special tokens)."""
+        if self.chat_template is None:
+            raise TemplateRenderError("this model has no chat template (tokenizer_config.json "
+                                      "'chat_template' or chat_template.jinja)")
+        text = self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+        return self.encode(text, add_special_tokens=False)

@@ -17,7 +17,7 @@ from tidejax.server.client import EngineClient
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, Sampling
-from tidejax.server.templates import ChatTemplate, TemplateRenderError
+from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.server.toolcalls import (OutputParser, ToolFormat, starts_in_reasoning,
                                       tool_format_for)
 
@@ -36,19 +36,22 @@ class ServedModel:
     tool_format: ToolFormat | None
     max_context: int
     max_tokens_limit: int
+    keep_special: frozenset[int]  # special tokens the output parsers read (tool calls, thinking)
 
     @staticmethod
     def of(engine) -> "ServedModel":
-        try:
-            template = ChatTemplate.from_checkpoint(engine.model_dir)
-        except TemplateRenderError as e:
-            log.warning("%s; /v1/chat/completions and /v1/messages are unavailable", e)
-            template = None
+        template = engine.tokenizer.chat_template
+        if template is None:
+            log.warning("%s has no chat template; /v1/chat/completions and /v1/messages are "
+                        "unavailable", engine.model_dir)
+        backend = engine.tokenizer.backend
+        keep = frozenset(i for i in engine.tokenizer.special_ids
+                         if any(word in backend.id_to_token(i).lower() for word in ("tool", "think")))
         return ServedModel(
             name=engine.served_name, tokenizer=engine.tokenizer, template=template,
             tool_format=tool_format_for(engine.cfg.model_type, template.source if template else ""),
             max_context=engine.max_context,
-            max_tokens_limit=engine.config.server.max_tokens_limit)
+            max_tokens_limit=engine.config.server.max_tokens_limit, keep_special=keep)
 
     def chat_prompt(self, chat: ChatInput) -> tuple[list[int], bool]:
         """Token ids of the rendered conversation, and whether the output starts inside a
@@ -114,14 +117,6 @@ def _arguments_as_dicts(message: dict, i: int) -> dict:
     return {**message, "tool_calls": calls}
 
 
-def _held_text(detok: IncrementalDetokenizer) -> str:
-    """What the detokenizer still holds when the generation ends: an unfinished character,
-    which decodes to U+FFFD as in a full decode. (For IncrementalDetokenizer.flush(), once the
-    engine has one.)"""
-    text = detok.tokenizer.decode(detok.ids, skip_special_tokens=detok.skip_special)
-    return text[detok.emitted:]
-
-
 class Generation:
     """One request on the engine. `async for text in gen.texts()` yields detokenized text with
     stop strings cut; afterwards `finish_reason`, `prompt_tokens`, `completion_tokens` and
@@ -147,7 +142,7 @@ class Generation:
         return {k: self.stats.get(k, 0.0) for k in ("prefill_tps", "decode_tps", "cold_share")}
 
     async def texts(self):
-        detok = IncrementalDetokenizer(self.model.tokenizer)
+        detok = IncrementalDetokenizer(self.model.tokenizer, keep=self.model.keep_special)
         stops = StopMatcher(self.stop)
         started = time.perf_counter()
         raw, released = "", 0  # detokenized text, and how much of it went out
@@ -171,7 +166,7 @@ class Generation:
                         if text := release(detok.push(event.token_id)):
                             yield text
                 elif isinstance(event, DoneEvent):
-                    tail = "" if stops.stopped else release(_held_text(detok))
+                    tail = "" if stops.stopped else release(detok.flush())
                     if tail := tail + stops.flush():
                         yield tail
                     self.finish_reason = "stop" if stops.stopped else event.finish_reason
