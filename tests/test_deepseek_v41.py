@@ -182,3 +182,22 @@ def test_engram_layout_checks_tokenizer_vocab(tmp_path):
     cfg = V41Config.from_file(tmp_path)
     with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
         engram_layout(cfg, tmp_path)
+
+
+def test_e4m3_rounding_is_exact():
+    """The fake quantizers round onto the e4m3 grid in float32 arithmetic (no float8 cast, which
+    some backends do through float16, rounding twice); ties included, it equals ml_dtypes' RNE."""
+    import jax
+    import ml_dtypes
+
+    from tidejax.models.deepseek_v41_ops import round_e4m3
+
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    ties = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=5000) * 10.0 ** rng.uniform(-4, 2.6, 5000), grid, ties,
+                        np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))])
+    x = np.clip(x.astype(np.float32), -448, 448)
+    want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.array_equal(np.asarray(jax.jit(round_e4m3)(x)), want)

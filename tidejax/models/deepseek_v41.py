@@ -83,10 +83,6 @@ class V41Cache:
                             if cfg.compress_ratios[s] > 1)
 
 
-def _dot(x, w):
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)
-
-
 def _scatter_rows(store, rows, at, keep):
     """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
     at = jnp.where(keep, at, store.shape[1])

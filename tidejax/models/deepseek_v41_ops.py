@@ -29,6 +29,17 @@ def pow2_ceil(t):
     return jax.lax.bitcast_convert_type((k + 127) << 23, F32)
 
 
+def round_e4m3(x):
+    """Rounds float32 |x| <= 448 onto the float8_e4m3fn grid, to nearest, ties to even, in float32
+    arithmetic. Exact on every backend: a plain `astype(float8_e4m3fn)` may round twice (through
+    float16) on some, which moves ties."""
+    x = x.astype(F32)
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+    exponent = jnp.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6: the subnormal spacing
+    ulp = jax.lax.bitcast_convert_type((exponent - 3 + 127) << 23, F32)  # 3 mantissa bits
+    return jnp.round(x / ulp) * ulp  # jnp.round: half to even; the division by 2^k is exact
+
+
 def _blocks(x, block: int):
     return x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
@@ -40,7 +51,7 @@ def fake_quant_fp8(x, block: int = 32):
         return x
     b = _blocks(x, block)
     scale = pow2_ceil(jnp.maximum(jnp.max(jnp.abs(b), -1), 1e-4) * (1.0 / FP8_MAX))[..., None]
-    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(F32)
+    q = round_e4m3(jnp.clip(b / scale, -FP8_MAX, FP8_MAX))
     return (q * scale).reshape(x.shape).astype(x.dtype)
 
 
@@ -63,7 +74,7 @@ def fake_quant_fp4(x, block: int, e4m3_scale: bool):
     b = _blocks(x, block)
     amax = jnp.max(jnp.abs(b), -1)
     if e4m3_scale:
-        scale = (jnp.maximum(amax, FP4_MAX * 2.0 ** -9) / FP4_MAX).astype(jnp.float8_e4m3fn).astype(F32)
+        scale = round_e4m3(jnp.minimum(jnp.maximum(amax, FP4_MAX * 2.0 ** -9) / FP4_MAX, FP8_MAX))
     else:
         scale = pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0 ** -126) * (1.0 / FP4_MAX))
     scale = scale[..., None]
