@@ -16,7 +16,8 @@ each decoding --tokens tokens (ignore_eos, temperature 0.6), all submitted at th
 On the demo model the router routes by itself (real trained routing). With --replay (random-weight
 synthetic models) each phase replays its domain's trace, scaled to the model.
 
-Reports per variant and phase: median decode tok/s, cold share (missed / wanted picks), swaps,
+Reports per variant and phase: median decode tok/s, cold share (missed / wanted picks), copies
+(expert rows swapped or ring-copied into the bank),
 and T90 after each shift: seconds until the cold share (smoothed over 8 steps) has cleared 90% of
 its excess over the level the phase settles to (its last quarter); "-" when there was no excess
 (< 0.02) to clear. Draws the cold share over time for the three variants to a PNG.
@@ -52,7 +53,7 @@ class Phase:
     domain: str
     tok_s: float
     cold: float
-    swaps: int
+    copies: int
     t90: float | None
 
 
@@ -131,20 +132,20 @@ def run_variant(name: str, args, seed_map: Path, overrides: dict, replays: dict 
         phases.append(Phase(
             domain, statistics.median(rates) if rates else 0.0,
             (after["misses"] - before["misses"]) / wanted if wanted else 0.0,
-            after["swaps_applied"] - before["swaps_applied"],
+            after["copies"] - before["copies"],
             t90(series.t[start:], series.cold[start:]) if index else None))
         print(f"[{name}] phase {index} {domain}: {phases[-1].tok_s:.1f} tok/s, cold "
-              f"{phases[-1].cold:.3f}, swaps {phases[-1].swaps}", flush=True)
+              f"{phases[-1].cold:.3f}, copies {phases[-1].copies}", flush=True)
     return phases, series
 
 
 def table(results: dict) -> str:
-    lines = ["| variant | phase | domain | median tok/s | cold share | swaps | T90 s |",
+    lines = ["| variant | phase | domain | median tok/s | cold share | copies | T90 s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, (phases, _) in results.items():
         for i, p in enumerate(phases):
             lines.append(f"| {name} | {i} | {p.domain} | {p.tok_s:.1f} | {p.cold:.3f} | "
-                         f"{p.swaps} | {'-' if p.t90 is None else f'{p.t90:.1f}'} |")
+                         f"{p.copies} | {'-' if p.t90 is None else f'{p.t90:.1f}'} |")
     return "\n".join(lines)
 
 

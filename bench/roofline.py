@@ -152,9 +152,9 @@ def prompt_ids(engine, domain: str, n: int, offset: int = 0) -> list[int]:
 
 
 def residency_stats(engine) -> dict:
-    stats = getattr(engine.residency, "stats", None)
-    return stats() if stats else {"cold_share_step": 0.0, "swaps_applied": 0, "bytes_moved": 0,
-                                  "misses": 0, "wanted": 0}
+    """The residency's counters, with `copies` = planned swaps + ring copies (rows moved in)."""
+    stats = engine.residency.stats()
+    return stats | {"copies": stats["swaps_applied"] + stats["ring_copies"]}
 
 
 @dataclasses.dataclass
@@ -163,7 +163,7 @@ class StepRecord:
     active: int
     prefill: bool  # the step admitted a request (its prefill ran in it)
     cold: float  # cold share of the step's wanted picks
-    swaps: int  # swaps applied after it (cumulative)
+    copies: int  # rows copied into the bank so far: swaps + ring copies (cumulative)
     bytes_moved: int  # cumulative
 
 
@@ -187,7 +187,7 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         stats = residency_stats(engine)
         records.append(StepRecord(seconds, engine.scheduler.active or 0,
                                   engine.scheduler.queued < queued, stats["cold_share_step"],
-                                  stats["swaps_applied"], stats["bytes_moved"]))
+                                  stats["copies"], stats["bytes_moved"]))
         if on_step:
             on_step(records[-1])
         if errors:
@@ -196,20 +196,21 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
             return records
 
 
-def warm_up(engine, domain: str, prompt_tokens: int, lanes: int) -> float:
+def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = True) -> float:
     """Compiles what a measurement will run before its clock starts: the prompt's prefill bucket
-    and the decode step, each also right after a counter drain (a drain hands the step fresh,
-    uncommitted counter arrays, which compiles it once more). Returns the seconds it took."""
+    and the decode step, with `drains` each also right after a counter drain (a drain hands the
+    step fresh, uncommitted counter arrays, which compiles it once more). Returns the seconds."""
     start = time.perf_counter()
     prompts = [prompt_ids(engine, domain, prompt_tokens, offset=7 * i) for i in range(lanes)]
-    for drain_first in (False, True):
+    for drain_first in (False, True) if drains else (False,):
         if drain_first:
             engine.residency.drain()
         for ids in prompts:
             engine.scheduler.submit(GenerationRequest(ids, 4, 0.6, ignore_eos=True), _no_events)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
-        engine.residency.drain()
-        engine.scheduler.run_until_idle()  # decode right after a drain
+        if drains:
+            engine.residency.drain()
+        engine.scheduler.run_until_idle()  # decode (right after a drain)
     return time.perf_counter() - start
 
 
@@ -263,20 +264,20 @@ class Row:
     tok_s: float
     limit: Limit
     cold: float
-    swaps: int
+    copies: int
     ttft_s: float | None = None
 
     def cells(self) -> list[str]:
         return [f"{self.resident:.0%}", self.policy, str(self.lanes), f"{self.tok_s:.1f}",
                 f"{self.limit.tokens_per_s:.1f}", f"{self.tok_s / self.limit.tokens_per_s:.2f}",
                 f"{self.limit.device_bytes / 1e9:.2f}", f"{self.limit.host_bytes / 1e9:.3f}",
-                f"{self.cold:.3f}", str(self.swaps),
+                f"{self.cold:.3f}", str(self.copies),
                 f"{self.ttft_s:.2f}" if self.ttft_s is not None else ""]
 
 
 PROMPT_TOKENS = 64  # prompt of each decode measurement
 HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | device GB/step | "
-          "host GB/step | cold share | swaps | TTFT s |")
+          "host GB/step | cold share | copies | TTFT s |")
 
 
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
@@ -297,7 +298,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        copy, h2d)
     return Row(resident, policy, lanes, lanes / step_s, limit, cold,
-               after["swaps_applied"] - before["swaps_applied"])
+               after["copies"] - before["copies"])
 
 
 def load_config(model: str, resident: float, policy: str, args, overrides: dict, workdir: Path):
@@ -332,7 +333,8 @@ def load_config(model: str, resident: float, policy: str, args, overrides: dict,
 
 def run_config(engine, picks, resident: float, policy: str, args, copy: float,
                h2d: float) -> list[Row]:
-    seconds = warm_up(engine, args.domain, PROMPT_TOKENS, max(args.lanes))
+    drains = engine.config.residency.drain_every <= args.tokens + PROMPT_TOKENS
+    seconds = warm_up(engine, args.domain, PROMPT_TOKENS, max(args.lanes), drains)
     print(f"[{resident:.0%} {policy}] warm-up (compile) {seconds:.1f} s", flush=True)
     rows = []
     for lanes in args.lanes:
@@ -340,9 +342,10 @@ def run_config(engine, picks, resident: float, policy: str, args, copy: float,
                              resident)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
         rows.append(row)
-    if args.ttft:
+    if args.ttft and policy == "exact":  # the worst case: every miss copied in
         ids = prompt_ids(engine, args.domain, args.ttft)
-        time_to_first_token(engine, ids[:args.ttft // 2])  # compiles the long-prompt buckets
+        chunk = engine.prefill_chunk  # compile the long prompt's chunk sizes first
+        time_to_first_token(engine, ids[:min(chunk + args.ttft % chunk, args.ttft - 1)])
         rows[0].ttft_s = time_to_first_token(engine, ids)
         print(f"[{resident:.0%} {policy}] TTFT at {args.ttft} tokens: {rows[0].ttft_s:.2f} s",
               flush=True)

@@ -59,8 +59,8 @@ ST_DTYPES = {np.dtype(np.uint8): "U8", BF16: "BF16", np.dtype(np.float32): "F32"
 
 
 def hf_config(shape: str, layers: int, dense_layers: int, vocab_size: int, max_positions: int,
-              special: dict) -> dict:
-    s = SHAPES[shape]
+              special: dict, n_experts: int = 0) -> dict:
+    s = SHAPES[shape] | ({"n_routed_experts": n_experts} if n_experts else {})
     if not 0 <= dense_layers < layers:
         raise SystemExit(f"error: --dense-layers {dense_layers} must leave at least one MoE layer "
                          f"of --layers {layers}")
@@ -231,7 +231,7 @@ def run_job(job: tuple) -> int:
 
 def write_checkpoint(out: Path, shape: str, layers: int, dense_layers: int, experts: str,
                      tokenizer_dir: Path, max_positions: int, seed: int = 0,
-                     workers: int = 1) -> dict:
+                     workers: int = 1, n_experts: int = 0) -> dict:
     """Writes config.json, the tokenizer files and the shards; returns the config."""
     import tokenizers
 
@@ -244,7 +244,8 @@ def write_checkpoint(out: Path, shape: str, layers: int, dense_layers: int, expe
                "eos_token_id": [backend.token_to_id(t) for t in (tok_config["eos_token"], "<|end|>")
                                 if backend.token_to_id(t) is not None],
                "pad_token_id": backend.token_to_id(tok_config.get("pad_token") or "")}
-    cfg = hf_config(shape, layers, dense_layers, backend.get_vocab_size(), max_positions, special)
+    cfg = hf_config(shape, layers, dense_layers, backend.get_vocab_size(), max_positions, special,
+                    n_experts)
     out.mkdir(parents=True, exist_ok=True)
     shards = [("model-top.safetensors", top_tensors(cfg))] + [
         (f"model-layer{i:03d}.safetensors", layer_tensors(cfg, i, experts)) for i in range(layers)]
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (dense + MoE)")
     parser.add_argument("--dense-layers", type=int, default=1, help="leading dense-MLP layers")
     parser.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4")
+    parser.add_argument("--n-experts", type=int, default=0,
+                        help="routed experts per layer (default: the shape's)")
     parser.add_argument("--max-positions", type=int, default=16384)
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
@@ -285,7 +288,8 @@ def main(argv=None) -> int:
     shape, layers = ("tiny", 3) if args.tiny else (args.shape, args.layers)
     start = time.perf_counter()
     cfg = write_checkpoint(args.out, shape, layers, args.dense_layers, args.experts,
-                           args.tokenizer, args.max_positions, args.seed, args.workers)
+                           args.tokenizer, args.max_positions, args.seed, args.workers,
+                           args.n_experts)
     n_moe = layers - cfg["first_k_dense_replace"]
     print(f"{args.out}: {shape}, {layers} layers ({n_moe} MoE x {cfg['n_routed_experts']} experts, "
           f"{args.experts}), vocab {cfg['vocab_size']}, in {time.perf_counter() - start:.1f} s")
