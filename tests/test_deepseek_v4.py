@@ -36,7 +36,8 @@ def tiny_model(name, seed):
     cfg = transformers.DeepseekV4Config(
         vocab_size=97, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16,
-        index_n_heads=16, index_head_dim=32,  # many heads: ReLU all-zero ties at the top-k are rare partial_rotary_factor=0.25, layer_types=kinds,
+        index_n_heads=16, index_head_dim=32,  # many heads: ReLU all-zero ties at top-k are rare
+        partial_rotary_factor=0.25, layer_types=kinds,
         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256,
         **CONFIGS[name])
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
@@ -61,6 +62,8 @@ def test_logits_match_transformers(name, seed):
     with torch.no_grad():
         want = model(ids).logits.numpy()
     cfg = V4Config.from_hf(raw, f"{name}/config.json")
+    assert set(cfg.layer_types) == {"sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention"} and cfg.hash_layers == (0, 1)
     params, banks = load_state(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
     got = jax.jit(lambda p, b: DeepseekV4(cfg, "reference").apply(p, jnp.asarray(ids.numpy()), b))(
         params, banks)

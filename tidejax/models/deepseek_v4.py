@@ -86,10 +86,12 @@ class V4Config:
             return raw[name]
 
         if raw.get("model_type") != "deepseek_v4":
-            raise ConfigError(f"{source}: field 'model_type' = {raw.get('model_type')!r}, expected 'deepseek_v4'")
+            raise ConfigError(f"{source}: field 'model_type' = {raw.get('model_type')!r}, "
+                              "expected 'deepseek_v4'")
         n = req("num_hidden_layers")
         head_dim = req("head_dim")
-        rope_dim = int(head_dim * raw.get("partial_rotary_factor") or raw.get("qk_rope_head_dim") or 64)
+        factor = raw.get("partial_rotary_factor")
+        rope_dim = int(head_dim * factor) if factor else int(raw.get("qk_rope_head_dim") or 64)
         layer_types = tuple(req("layer_types"))[:n]
         mlp_types = tuple(raw.get("mlp_layer_types") or ["hash_moe"] * 3 + ["moe"] * n)[:n]
         for field, values, allowed in (("layer_types", layer_types, (SLIDING, CSA, HCA)),
@@ -304,7 +306,8 @@ class DeepseekV4(nn.Module):
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
                 pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_attn_hc"), **mix)
-                x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(ops.hc_collapse(streams, pre))
+                x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
+                    ops.hc_collapse(streams, pre))
                 y = Attention(cfg, i, name=f"layers_{i}_self_attn")(x, positions)
                 streams = ops.hc_expand(y, streams, post, comb)
                 pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_ffn_hc"), **mix)
