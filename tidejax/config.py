@@ -269,13 +269,6 @@ class ServerSection:
     max_tokens_limit: int = 4096
 
 
-@dataclasses.dataclass(frozen=True)
-class DistributedSection:
-    coordinator: str = ""
-    num_processes: int = 1
-    process_id: int = 0
-
-
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),
     ("model", "experts"): ("checkpoint", "bf16", "mxfp4"),
@@ -289,7 +282,6 @@ _SECTIONS = {
     "engine": EngineSection,
     "residency": ResidencySection,
     "server": ServerSection,
-    "distributed": DistributedSection,
 }
 
 
@@ -301,7 +293,6 @@ class EngineConfig:
     engine: EngineSection = EngineSection()
     residency: ResidencySection = ResidencySection()
     server: ServerSection = ServerSection()
-    distributed: DistributedSection = DistributedSection()
     source: str = "<defaults>"
 
     @staticmethod
