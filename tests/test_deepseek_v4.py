@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tidejax.config import ConfigError  # noqa: E402
-from tidejax.models.deepseek_v4 import DeepseekV4, V4Config, load_state  # noqa: E402
+from tidejax.models.deepseek_v4 import (DeepseekV4, V4Cache, V4Config, full_forward,  # noqa: E402
+                                         load_state)
 
 CONFIGS = {
     "yarn_hc3": dict(hidden_size=64, head_dim=32, hc_mult=3, hc_sinkhorn_iters=5, sliding_window=6,
@@ -65,10 +66,29 @@ def test_logits_match_transformers(name, seed):
     assert set(cfg.layer_types) == {"sliding_attention", "compressed_sparse_attention",
                                     "heavily_compressed_attention"} and cfg.hash_layers == (0, 1)
     params, banks = load_state(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
-    got = jax.jit(lambda p, b: DeepseekV4(cfg, "reference").apply(p, jnp.asarray(ids.numpy()), b))(
+    got = jax.jit(lambda p, b: full_forward(cfg, p, b, jnp.asarray(ids.numpy()), "reference"))(
         params, banks)
     assert np.abs(np.asarray(got) - want).max() <= 1e-4
     assert np.array_equal(np.asarray(got).argmax(-1), want.argmax(-1))
+
+
+def test_prefill_then_decode_equals_full_forward():
+    """Prefill 11 (CSA and HCA windows left part full), then one token at a time: the same
+    logits as one forward (which matches transformers above)."""
+    model, raw = tiny_model("yarn_hc3", 4)
+    cfg = V4Config.from_hf(raw, "x")
+    params, banks = load_state(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
+    ids = np.random.default_rng(4).integers(0, 97, (1, 40)).astype(np.int32)
+    want = np.asarray(jax.jit(lambda p, b: full_forward(cfg, p, b, jnp.asarray(ids), "reference"))(
+        params, banks))[0]
+    step = jax.jit(lambda p, c, tok, pos, b: DeepseekV4(cfg, "reference").apply(
+        p, tok, pos, pos >= 0, c, b))
+    cache, got = V4Cache.create(cfg, 1, 40), []
+    for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
+        logits, cache = step(params, cache, jnp.asarray(ids[:, lo:hi]),
+                             jnp.arange(lo, hi, dtype=jnp.int32)[None], banks)
+        got.append(np.asarray(logits[0]))
+    assert np.abs(np.concatenate(got) - want).max() <= 1e-4
 
 
 def test_load_folder(tmp_path):

@@ -9,9 +9,9 @@ overlap, no indexer: every visible entry attends); an unweighted norm on q per h
 (a fixed token -> experts table) in the first MoE layers; each mHC site collapses with its own
 pre; a final hyper head. No QAT fake quantizers.
 
-`DeepseekV4.__call__(tokens, experts)` is a full forward from position 0 (scoring and parity);
-`load(model_dir)` reads a transformers-layout folder. A generation cache for this family is not
-built yet.
+`DeepseekV4.__call__(tokens, positions, token_mask, cache, experts)` is the one forward for
+prefill chunks and decode steps (chunks contiguous per row, real tokens first); `full_forward`
+scores a sequence; `load(model_dir)` reads a transformers-layout folder.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,10 +129,81 @@ class V4Config:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), source=source)
 
 
+@flax.struct.dataclass
+class V4Cache:
+    """Generation state, per layer (None where a layer has no such part):
+    window [b, W-1, k]: the last window keys (= values), slot = position mod W-1;
+    entries [b, G, k]: compressed entries (rotated), entry g pools positions g*r .. g*r+r-1;
+    ring_kv, ring_gate [b, R, c]: raw projections of the last R positions (slot = position mod
+      R; R = 2r for CSA, whose entries also read the previous window, r for HCA);
+    index_keys [b, G, i_k], index_ring_kv, index_ring_gate [b, 2r, 2 i_k]: CSA's indexer."""
+
+    window: tuple
+    entries: tuple
+    ring_kv: tuple
+    ring_gate: tuple
+    index_keys: tuple
+    index_ring_kv: tuple
+    index_ring_gate: tuple
+
+    @staticmethod
+    def create(cfg: "V4Config", batch: int, max_len: int) -> "V4Cache":
+        def per_layer(make):
+            return tuple(make(i, cfg.rate(i)) if cfg.rate(i) else None for i in range(cfg.num_layers))
+
+        def csa(make):
+            return per_layer(lambda i, r: make(r) if cfg.layer_types[i] == CSA else None)
+
+        def zeros(*shape):
+            return jnp.zeros((batch, *shape), F32)
+
+        k, ik = cfg.head_dim, cfg.index_head_dim
+        overlap = {CSA: 2, HCA: 1}
+        return V4Cache(
+            window=tuple(zeros(cfg.sliding_window - 1, k) for _ in range(cfg.num_layers)),
+            entries=per_layer(lambda i, r: zeros(max_len // r, k)),
+            ring_kv=per_layer(lambda i, r: zeros(overlap[cfg.layer_types[i]] * r,
+                                                 overlap[cfg.layer_types[i]] * k)),
+            ring_gate=per_layer(lambda i, r: zeros(overlap[cfg.layer_types[i]] * r,
+                                                   overlap[cfg.layer_types[i]] * k)),
+            index_keys=csa(lambda r: zeros(max_len // r, ik)),
+            index_ring_kv=csa(lambda r: zeros(2 * r, 2 * ik)),
+            index_ring_gate=csa(lambda r: zeros(2 * r, 2 * ik)))
+
+
+def _pool_chunk(kv, gate, ring_kv, ring_gate, bias, start, n_valid, rate: int, width: int,
+                overlap: bool):
+    """One sequence: the entries of every window the chunk touches. kv, gate [t, c] raw
+    projections of the chunk; ring_* [R, c] those of the R positions before it; bias [rate, c].
+    CSA (overlap): entry w pools window w-1's first halves and window w's second halves (2*rate
+    slots; before position 0 the slots are empty). -> latents [n, width], ids [n], complete [n]."""
+    t, slots = kv.shape[0], ring_kv.shape[0]
+    n = t // rate + 2
+    group = start // rate + jnp.arange(n)
+    member = group[:, None] * rate + jnp.arange(rate)[None]  # [n, rate] positions
+
+    def fetch(pos):
+        idx = pos - start
+        inside = ((idx >= 0) & (idx < t))[..., None]
+        safe, slot = jnp.clip(idx, 0, t - 1), jnp.mod(pos, slots)
+        return (jnp.where(inside, kv[safe], ring_kv[slot]),
+                jnp.where(inside, gate[safe], ring_gate[slot]) + bias[None])
+
+    kv_m, gate_m = fetch(member)
+    if overlap:
+        kv_p, gate_p = fetch(member - rate)
+        gate_p = jnp.where((member - rate >= 0)[..., None], gate_p, -jnp.inf)
+        kv_m = jnp.concatenate([kv_p[..., :width], kv_m[..., width:]], 1)
+        gate_m = jnp.concatenate([gate_p[..., :width], gate_m[..., width:]], 1)
+    latent = jnp.sum(kv_m * jax.nn.softmax(gate_m, 1), 1)
+    complete = group * rate + rate - 1 <= start + n_valid - 1
+    return latent, group, complete
+
+
 class Pooler(nn.Module):
-    """Softmax-gated pooling of `rate` tokens into one entry of width `width` (rotated with the
-    compress RoPE at the window's first position). overlap: CSA's layout, entry w pools the
-    first halves ("Ca") of window w-1 and the second halves ("Cb") of window w."""
+    """Softmax-gated pooling of `rate` tokens into one entry of width `width`, rotated with the
+    compress RoPE at the window's first position; learned position bias on the gate. overlap:
+    CSA's layout (see _pool_chunk)."""
 
     cfg: V4Config
     rate: int
@@ -139,29 +211,27 @@ class Pooler(nn.Module):
     overlap: bool
 
     @nn.compact
-    def __call__(self, x):
-        """x [b, t, d] -> entries [b, t // rate, width]."""
-        b, t, _ = x.shape
-        n, r = t // self.rate, self.rate
-        w = self.width * (2 if self.overlap else 1)
-        kv = Linear(w, name="kv_proj")(x)[:, :n * r].astype(F32).reshape(b, n, r, w)
-        bias = self.param("position_bias", nn.initializers.zeros, (r, w), F32)
-        gate = Linear(w, name="gate_proj")(x)[:, :n * r].astype(F32).reshape(b, n, r, w) + bias
-        norm = RMSNorm(self.cfg.rms_norm_eps, name="kv_norm")
-        if n == 0:  # no window complete yet
-            return norm(jnp.zeros((b, 0, self.width), F32))
-        if self.overlap:
-            c = self.width
-            prev_kv = jnp.pad(kv[:, :-1, :, :c], ((0, 0), (1, 0), (0, 0), (0, 0)))
-            prev_gate = jnp.pad(gate[:, :-1, :, :c], ((0, 0), (1, 0), (0, 0), (0, 0)),
-                                constant_values=-jnp.inf)
-            kv = jnp.concatenate([prev_kv, kv[..., c:]], 2)
-            gate = jnp.concatenate([prev_gate, gate[..., c:]], 2)
-        pooled = jnp.sum(kv * jax.nn.softmax(gate, 2), 2)
-        pooled = norm(pooled)
+    def __call__(self, x, positions, n_valid, store, ring_kv, ring_gate):
+        """x [b, t, d] -> store [b, G, width] with the completed entries written, rings."""
+        c = self.width * (2 if self.overlap else 1)
+        kv = Linear(c, name="kv_proj")(x).astype(F32)
+        bias = self.param("position_bias", nn.initializers.zeros, (self.rate, c), F32)
+        gate = Linear(c, name="gate_proj")(x).astype(F32)
+        start = positions[:, 0]
+        latent, group, complete = jax.vmap(_pool_chunk, (0, 0, 0, 0, None, 0, 0, None, None, None))(
+            kv, gate, ring_kv, ring_gate, bias, start, n_valid, self.rate, self.width, self.overlap)
+        latent = RMSNorm(self.cfg.rms_norm_eps, name="kv_norm")(latent)
         inv_freq, _ = rope_frequencies(self.cfg.compress_rope)
-        cos, sin = ops.rope_angles(jnp.arange(n)[None] * r, inv_freq)  # [1, n, r/2]
-        return ops.rope_tail(pooled, cos, sin)
+        cos, sin = ops.rope_angles(group * self.rate, inv_freq)
+        store = _scatter_rows(store, ops.rope_tail(latent, cos, sin), group, complete)
+        update = jax.vmap(ops.ring_update)
+        return store, update(ring_kv, kv, start, n_valid), update(ring_gate, gate, start, n_valid)
+
+
+def _scatter_rows(store, rows, at, keep):
+    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
+    at = jnp.where(keep, at, store.shape[1])
+    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
 
 
 class Attention(nn.Module):
@@ -169,27 +239,40 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions):
-        """x [b, t, d] (normed), positions [t] -> [b, t, d]."""
+    def __call__(self, x, positions, n_valid, window, state):
+        """x [b, t, d] (normed), positions [b, t] -> y [b, t, d], window ring, state (this layer's
+        compressed-branch cache parts, updated)."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, k = cfg.num_heads, cfg.head_dim
         kind, rate = cfg.layer_types[self.layer], cfg.rate(self.layer)
         inv_freq, _ = rope_frequencies(cfg.main_rope if kind == SLIDING else cfg.compress_rope)
-        cos, sin = ops.rope_angles(positions[None], inv_freq)  # [1, t, r/2]
+        cos, sin = ops.rope_angles(positions, inv_freq)
         q_res = RMSNorm(cfg.rms_norm_eps, name="q_a_norm")(Linear(cfg.q_lora_rank, name="q_a_proj")(x))
         q = Linear(h * k, name="q_b_proj")(q_res).reshape(b, t, h, k).astype(F32)
         q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + cfg.rms_norm_eps)
         q = ops.rope_tail(q, cos, sin)
         kv = ops.rope_tail(RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="kv_proj")(x)),
                            cos, sin).astype(F32)
-        qp, kp = positions[:, None], positions[None, :]
-        mask = jnp.broadcast_to((kp <= qp) & (kp > qp - cfg.sliding_window), (b, t, t))
-        keys = kv
+        start = positions[:, 0]
+        ring_pos = jax.vmap(ops.ring_positions, (0, None))(start, window.shape[1])
+        keys = jnp.concatenate([window, kv], 1)
+        kp, qp = jnp.concatenate([ring_pos, positions], 1)[:, None, :], positions[:, :, None]
+        mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)  # [b, t, s]
+        window = jax.vmap(ops.ring_update)(window, kv, start, n_valid)
         if kind != SLIDING:
-            entries, extra_mask = self.compressed(x, q_res, positions, kind, rate)
-            keys = jnp.concatenate([kv, entries], 1)
-            mask = jnp.concatenate([mask, extra_mask], 2)
+            comp = _Compressor(cfg, rate, kind == CSA, name="compressor")
+            entries, ring_kv, ring_gate = comp.main(x, positions, n_valid, *state[:3])
+            visible = jnp.arange(entries.shape[1])[None, None] < ((positions + 1) // rate)[..., None]
+            if kind == CSA:
+                scores, index_state = comp.indexer(x, q_res, positions, n_valid, visible, *state[3:])
+                ids, valid = jax.vmap(ops.top_k_select, (0, None))(scores, cfg.index_topk)
+                visible = jax.vmap(ops.selection_mask, (0, 0, None))(ids, valid, entries.shape[1])
+                state = (entries, ring_kv, ring_gate, *index_state)
+            else:
+                state = (entries, ring_kv, ring_gate)
+            keys = jnp.concatenate([keys, entries], 1)
+            mask = jnp.concatenate([mask, visible], 2)
         logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST) * k ** -0.5
         logits = jnp.where(mask[:, None], logits, -jnp.inf)
         sinks = self.param("sinks", nn.initializers.zeros, (h,), F32)
@@ -201,23 +284,7 @@ class Attention(nn.Module):
                           (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
         grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, cfg.o_groups, -1),
                              wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1), precision=HIGHEST)
-        return Linear(cfg.hidden_size, name="o_b_proj")(grouped.reshape(b, t, -1))
-
-    def compressed(self, x, q_res, positions, kind, rate):
-        """-> (entries [b, G, k], mask [b, t, G]): HCA attends every visible entry, CSA the
-        indexer's top-k."""
-        cfg = self.cfg
-        b, t, _ = x.shape
-        overlap = kind == CSA
-        comp = _Compressor(cfg, rate, overlap, name="compressor")
-        entries = comp.main(x)
-        g = entries.shape[1]
-        visible = jnp.arange(g)[None, :] < ((positions + 1) // rate)[:, None]  # [t, G]
-        if not overlap:
-            return entries, jnp.broadcast_to(visible, (b, t, g))
-        scores = comp.indexer(x, q_res, positions, visible)
-        ids, valid = jax.vmap(ops.top_k_select, (0, None))(scores, cfg.index_topk)
-        return entries, jax.vmap(ops.selection_mask, (0, 0, None))(ids, valid, g)
+        return Linear(cfg.hidden_size, name="o_b_proj")(grouped.reshape(b, t, -1)), window, state
 
 
 class _Compressor(nn.Module):
@@ -239,18 +306,20 @@ class Indexer(nn.Module):
     rate: int
 
     @nn.compact
-    def __call__(self, x, q_res, positions, visible):
+    def __call__(self, x, q_res, positions, n_valid, visible, keys, ring_kv, ring_gate):
+        """-> scores [b, t, G] (-inf where invisible), (keys, ring_kv, ring_gate) updated."""
         cfg = self.cfg
         b, t, _ = x.shape
-        keys = Pooler(cfg, self.rate, cfg.index_head_dim, True, name="keys")(x).astype(F32)
+        keys, ring_kv, ring_gate = Pooler(cfg, self.rate, cfg.index_head_dim, True, name="keys")(
+            x, positions, n_valid, keys, ring_kv, ring_gate)
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        cos, sin = ops.rope_angles(positions[None], inv_freq)
+        cos, sin = ops.rope_angles(positions, inv_freq)
         q = Linear(cfg.index_heads * cfg.index_head_dim, name="q_b_proj")(q_res)
         q = ops.rope_tail(q.reshape(b, t, cfg.index_heads, cfg.index_head_dim), cos, sin).astype(F32)
         s = jax.nn.relu(jnp.einsum("btik,bgk->btig", q, keys, precision=HIGHEST)) * cfg.index_head_dim ** -0.5
         w = Linear(cfg.index_heads, name="weights_proj")(x).astype(F32) * cfg.index_heads ** -0.5
         scores = jnp.einsum("btig,bti->btg", s, w, precision=HIGHEST)
-        return jnp.where(visible[None], scores, -jnp.inf)
+        return jnp.where(visible, scores, -jnp.inf), (keys, ring_kv, ring_gate)
 
 
 class MoE(nn.Module):
@@ -288,12 +357,14 @@ class DeepseekV4(nn.Module):
     kernel: str = "auto"
 
     @nn.compact
-    def __call__(self, tokens, experts):
-        """tokens [b, t] (positions 0..t-1), experts: per layer a bank -> logits [b, t, vocab]."""
+    def __call__(self, tokens, positions, token_mask, cache: V4Cache, experts):
+        """tokens, positions [b, t]; token_mask [b, t] (real tokens first); experts: per layer a
+        bank -> (logits [b, t, vocab] float32, cache). A full forward is a prefill into an empty
+        cache."""
         cfg = self.cfg
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
-        positions = jnp.arange(t)
+        n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
         embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, d), F32)
         streams = jnp.broadcast_to(jnp.take(embed, tokens, 0)[:, :, None], (b, t, n, d))
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
@@ -303,18 +374,23 @@ class DeepseekV4(nn.Module):
                     self.param(f"{site}_base", nn.initializers.zeros, ((2 + n) * n,), F32),
                     self.param(f"{site}_scale", nn.initializers.ones, (3,), F32))
 
+        parts = [list(p) for p in zip(cache.entries, cache.ring_kv, cache.ring_gate, cache.index_keys,
+                                      cache.index_ring_kv, cache.index_ring_gate)]
+        windows = list(cache.window)
         for i in range(cfg.num_layers):
-            with jax.named_scope(f"layer_{i}"):
-                pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_attn_hc"), **mix)
-                x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
-                    ops.hc_collapse(streams, pre))
-                y = Attention(cfg, i, name=f"layers_{i}_self_attn")(x, positions)
-                streams = ops.hc_expand(y, streams, post, comb)
-                pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_ffn_hc"), **mix)
-                x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
-                    ops.hc_collapse(streams, pre))
-                y = MoE(cfg, i, name=f"layers_{i}_mlp")(x, tokens, experts[i], self.kernel)
-                streams = ops.hc_expand(y, streams, post, comb)
+            pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_attn_hc"), **mix)
+            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
+                ops.hc_collapse(streams, pre))
+            state = tuple(p for p in parts[i] if p is not None)
+            y, windows[i], state = Attention(cfg, i, name=f"layers_{i}_self_attn")(
+                x, positions, n_valid, windows[i], state)
+            parts[i] = list(state) + [None] * (6 - len(state))
+            streams = ops.hc_expand(y, streams, post, comb)
+            pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_ffn_hc"), **mix)
+            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
+                ops.hc_collapse(streams, pre))
+            y = MoE(cfg, i, name=f"layers_{i}_mlp")(x, tokens, experts[i], self.kernel)
+            streams = ops.hc_expand(y, streams, post, comb)
         head_fn = self.param("hc_head_fn", nn.initializers.normal(0.02), (n, n * d), F32)
         head_base = self.param("hc_head_base", nn.initializers.zeros, (n,), F32)
         head_scale = self.param("hc_head_scale", nn.initializers.ones, (1,), F32)
@@ -325,7 +401,18 @@ class DeepseekV4(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(ops.hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), F32)
-        return jnp.einsum("btd,vd->btv", x.astype(F32), head, precision=HIGHEST)
+        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head, precision=HIGHEST)
+        cache = V4Cache(tuple(windows), *(tuple(p[j] for p in parts) for j in range(6)))
+        return logits, cache
+
+
+def full_forward(cfg: V4Config, params, banks, tokens, kernel: str = "auto"):
+    """Logits [b, t, vocab] of tokens [b, t] at positions 0..t-1 (a prefill into a fresh cache)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _ = DeepseekV4(cfg, kernel).apply(params, tokens, positions, positions >= 0,
+                                              V4Cache.create(cfg, b, t), banks)
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +454,9 @@ def load_state(cfg: V4Config, tensors: dict, source: str = "checkpoint") -> tupl
     model = DeepseekV4(cfg, kernel="reference")
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     empty = [{"gate_up": jnp.zeros((e, 2 * i, d)), "down": jnp.zeros((e, d, i))}] * cfg.num_layers
-    shapes = flatten_dict(jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32), empty))["params"])
+    tok = jnp.zeros((1, 1), jnp.int32)
+    shapes = flatten_dict(jax.eval_shape(lambda: model.init(
+        jax.random.PRNGKey(0), tok, tok, tok >= 0, V4Cache.create(cfg, 1, 1), empty))["params"])
     params, banks = {}, [dict() for _ in range(cfg.num_layers)]
     for name, value in tensors.items():
         key = name.removeprefix("model.")
