@@ -18,9 +18,10 @@ synthetic models) each phase replays its domain's trace, scaled to the model.
 
 Reports per variant and phase: median decode tok/s, cold share (missed / wanted picks), copies
 (expert rows swapped or ring-copied into the bank),
-and T90 after each shift: seconds until the cold share (smoothed over 8 steps) has cleared 90% of
+and T90 after each shift: seconds until the cold share (smoothed over 16 steps) has cleared 90% of
 its excess over the level the phase settles to (its last quarter); "-" when there was no excess
-(< 0.02) to clear. Draws the cold share over time for the three variants to a PNG.
+(< 0.05) to clear. Draws the cold share over decode steps (the same traffic, so the phases line
+up) for the three variants to a PNG.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from bench.roofline import (compile_cache, drive, parse_set, prompt_ids,  # noqa
                             residency_stats, seed_map_from_picks, warm_up)
 
 VARIANTS = ("fixed", "adaptive", "oracle")
-SMOOTH = 8  # steps
+SMOOTH = 16  # steps
 
 
 @dataclasses.dataclass
@@ -76,13 +77,13 @@ def smooth(values: list[float], width: int = SMOOTH) -> np.ndarray:
 
 def t90(t: list[float], cold: list[float]) -> float | None:
     """Seconds from a phase's start until its smoothed cold share clears 90% of the excess over
-    the level it settles to; None when the excess is under 0.02."""
+    the level it settles to; None when the excess is under 0.05."""
     if len(cold) < 2 * SMOOTH:
         return None
     s = smooth(cold)
     settled = float(np.mean(cold[-max(len(cold) // 4, 1):]))
     excess = float(s[:SMOOTH].max()) - settled
-    if excess < 0.02:
+    if excess < 0.05:
         return None
     start = int(np.argmax(s[:SMOOTH]))
     below = np.nonzero(s[start:] <= settled + 0.1 * excess)[0]
@@ -155,8 +156,8 @@ COLORS = {"fixed": (214, 39, 40), "adaptive": (31, 119, 180), "oracle": (44, 160
 
 
 def draw(results: dict, path: Path, title: str) -> None:
-    """Cold share over time for each variant (matplotlib where installed, else a plain PNG of the
-    lines, colours as COLORS, shifts as grey verticals)."""
+    """Cold share over decode steps for each variant (matplotlib where installed, else a plain PNG
+    of the lines, colours as COLORS, shifts as grey verticals)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -165,12 +166,12 @@ def draw(results: dict, path: Path, title: str) -> None:
         return _draw_plain(results, path)
     fig, ax = plt.subplots(figsize=(9, 4))
     for name, (_, s) in results.items():
-        ax.plot(s.t, smooth(s.cold), label=name, color=[c / 255 for c in COLORS[name]])
+        ax.plot(smooth(s.cold), label=name, color=[c / 255 for c in COLORS[name]])
     _, first = next(iter(results.values()))
     for i in range(1, len(first.phase)):
         if first.phase[i] != first.phase[i - 1]:
-            ax.axvline(first.t[i], color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("seconds")
+            ax.axvline(i, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("decode step")
     ax.set_ylabel(f"cold share ({SMOOTH}-step mean)")
     ax.set_title(title)
     ax.legend()
@@ -189,19 +190,19 @@ def _draw_plain(results: dict, path: Path, width: int = 800, height: int = 300) 
         if 0 <= x < width and 0 <= y < height:
             pixels[(y * width + x) * 3:(y * width + x) * 3 + 3] = bytes(rgb)
 
-    t_max = max(max(s.t, default=0.0) for _, s in results.values()) or 1.0
+    n_max = max(len(s.cold) for _, s in results.values()) or 1
     c_max = max(max(smooth(s.cold), default=0.0) for _, s in results.values()) or 1.0
 
-    def xy(t, c):
-        return int(t / t_max * (width - 1)), int((1 - c / c_max) * (height - 11)) + 5
+    def xy(step, c):
+        return int(step / n_max * (width - 1)), int((1 - c / c_max) * (height - 11)) + 5
 
     _, first = next(iter(results.values()))
     for i in range(1, len(first.phase)):
         if first.phase[i] != first.phase[i - 1]:
             for y in range(0, height, 2):
-                put(xy(first.t[i], 0)[0], y, (160, 160, 160))
+                put(xy(i, 0)[0], y, (160, 160, 160))
     for name, (_, s) in results.items():
-        points = [xy(t, c) for t, c in zip(s.t, smooth(s.cold))]
+        points = [xy(i, c) for i, c in enumerate(smooth(s.cold))]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             n = max(abs(x1 - x0), abs(y1 - y0), 1)
             for k in range(n + 1):
