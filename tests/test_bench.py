@@ -124,3 +124,27 @@ def test_residency_campaign_quick_on_the_demo_model(tmp_path):
     # the fixed map was fitted on phase 0's domain: the shift to the other domain raises its cold share
     assert cold[("fixed", "1")] > cold[("fixed", "0")]
     assert (tmp_path / "campaign.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_t90_counts_seconds_to_clear_nine_tenths_of_the_excess():
+    from bench.residency_campaign import t90
+
+    t = [0.5 * i for i in range(80)]
+    cold = [0.5] * 20 + [0.1] * 60  # the excess (0.4) clears at step 20
+    # the 16-step mean first falls to 0.1 + 0.1 * 0.4 at step 34 (one high step left in it)
+    assert t90(t, cold) == pytest.approx(17.0)
+    assert t90(t, [0.1] * 80) is None  # nothing to clear
+
+
+def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "roofline.py"), str(tiny_bf16), "--resident", "1.0",
+         "--lanes", "2", "--tokens", "12", "--ttft", "40", "--set", "engine.prefill_chunk=32"],
+        check=True, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    rows = [r for r in (tmp_path / "roofline.md").read_text().splitlines() if r.startswith("| 100%")]
+    assert len(rows) == 1, result.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    tok_s, limit, ratio = float(cells[3]), float(cells[4]), float(cells[5])
+    assert tok_s > 0 and limit > 0 and abs(ratio - tok_s / limit) < 0.01
+    assert float(cells[10]) > 0  # TTFT
