@@ -171,13 +171,14 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
           seed: int = 0, on_step=None) -> list[StepRecord]:
     """Submits the prompts (ignore_eos, so each decodes exactly max_new_tokens) and runs the
     scheduler to idle, one record per step. Errors from the engine raise."""
-    errors, admitted = [], []
+    errors = []
+
+    def on_event(event):
+        if isinstance(event, ErrorEvent):
+            errors.append(event.message)
     for i, ids in enumerate(prompts):
-        def on_event(event):
-            if isinstance(event, ErrorEvent):
-                errors.append(event.message)
-        admitted.append(engine.scheduler.submit(GenerationRequest(
-            ids, max_new_tokens, temperature, seed=seed + i, ignore_eos=True), on_event))
+        engine.scheduler.submit(GenerationRequest(ids, max_new_tokens, temperature, seed=seed + i,
+                                                  ignore_eos=True), on_event)
     records = []
     while True:
         queued = engine.scheduler.queued
@@ -185,7 +186,7 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         more = engine.scheduler.step()
         seconds = time.perf_counter() - start
         stats = residency_stats(engine)
-        records.append(StepRecord(seconds, engine.scheduler.active or 0,
+        records.append(StepRecord(seconds, engine.scheduler.active,
                                   engine.scheduler.queued < queued, stats["cold_share_step"],
                                   stats["copies"], stats["bytes_moved"]))
         if on_step:
