@@ -40,15 +40,17 @@ def full_forward(name):
     import jax.numpy as jnp
 
     from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
+    from tidejax.residency.serve import ServeOptions
 
     ck = checkpoint(name)
     ids = golden(name, "input_ids.npy")
     t = ids.shape[1]
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
-    model = DeepseekV41(ck.cfg, kernel=KERNEL)
-    (logits, _), inter = jax.jit(lambda params, cache, rows, experts: model.apply(
-        params, jnp.asarray(ids), pos, pos >= 0, cache, rows, experts, mutable=["intermediates"]))(
+    model = DeepseekV41(ck.cfg, ServeOptions(kernel=KERNEL, swiglu_limit=ck.cfg.swiglu_limit,
+                                             all_resident=True))
+    (logits, _, _), inter = jax.jit(lambda params, cache, rows, experts: model.apply(
+        params, jnp.asarray(ids), pos, pos >= 0, cache, experts, rows, mutable=["intermediates"]))(
         ck.params, V41Cache.create(ck.cfg, 1, t), rows, ck.experts)
     inter = inter["intermediates"]
     streams = np.stack([np.asarray(s[0]) for s in inter["streams"]])
@@ -131,14 +133,14 @@ def test_batched_lanes():
     mask[0, 5:] = False  # row 0 prefills 5 tokens (a padded chunk), row 1 prefills 8
     positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
     rows = engram_rows(ck, hashers, tokens, [0, 0], mask)
-    first, cache = step(ck.params, cache, tokens, positions, mask, rows, ck.experts)
+    first, cache, _ = step(ck.params, cache, tokens, positions, mask, rows, ck.experts)
     np.testing.assert_allclose(np.asarray(first[0, :5]), want[:5], atol=1e-4)
     np.testing.assert_allclose(np.asarray(first[1]), want[:8], atol=1e-4)
     at = [5, 8]
     for _ in range(3):
         nxt = ids[at][:, None].astype(np.int32)
         rows = engram_rows(ck, hashers, nxt, at)
-        out, cache = step(ck.params, cache, nxt, np.array(at, np.int32)[:, None],
+        out, cache, _ = step(ck.params, cache, nxt, np.array(at, np.int32)[:, None],
                           np.ones((2, 1), bool), rows, ck.experts)
         np.testing.assert_allclose(np.asarray(out[:, 0]), want[at], atol=1e-4)
         at = [a + 1 for a in at]

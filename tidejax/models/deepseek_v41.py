@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from tidejax.models import deepseek_v41_ops as ops
 from tidejax.models.deepseek_v41_config import V41Config
 from tidejax.models.layers import HIGHEST, Linear, RMSNorm, rope_frequencies
-from tidejax.pallas import moe_grouped
+from tidejax.residency.serve import ServeOptions, serve_routed
+from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
 
@@ -274,20 +275,25 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
+    """sqrtsoftplus router, routed experts through residency (tidejax.residency.serve), shared expert."""
+
     cfg: V41Config
+    layer: int
+    serve: ServeOptions
 
     @nn.compact
-    def __call__(self, x, bank, kernel: str):
-        """x [b, t, d], bank {"gate_up": [E, 2I, d], "down": [E, d, I]} (or MXFP4) -> [b, t, d]."""
+    def __call__(self, x, token_mask, experts: ExpertState):
+        """x [b, t, d], token_mask [b, t] -> (y [b, t, d], experts)."""
         cfg = self.cfg
         b, t, d = x.shape
         weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
         bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
         flat = x.reshape(b * t, d)
-        ids, weights, _ = route(flat, weight, bias, cfg)
-        y = moe_grouped(flat, bank, ids, weights, swiglu_limit=cfg.swiglu_limit, impl=kernel)
+        ids, weights, choice = route(flat, weight, bias, cfg)
+        y, experts = serve_routed(self.layer, flat, ids, weights, choice, token_mask.reshape(b * t),
+                                  experts, self.serve)
         y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)
-        return y.astype(x.dtype)
+        return y.astype(x.dtype), experts
 
 
 class Engram(nn.Module):
@@ -315,10 +321,11 @@ class Engram(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: V41Config
     layer: int
-    kernel: str
+    serve: ServeOptions
 
     @nn.compact
-    def __call__(self, streams, pre, positions, n_valid, window, shared, src_cache, rows, bank):
+    def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
+                 rows, experts):
         cfg = self.cfg
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -338,21 +345,23 @@ class DecoderLayer(nn.Module):
 
         pre_f, post_f, comb_f = ops.hc_mixes(streams, *hc_params("ffn"), **mix)
         x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(ops.hc_collapse(streams, pre_a))
-        y = MoE(cfg, name="ffn")(x, bank, self.kernel)
+        y, experts = MoE(cfg, self.layer, self.serve, name="ffn")(x, token_mask, experts)
         streams = ops.hc_expand(y, streams, post_f, comb_f)
-        return streams, pre_f, window, shared, src_cache
+        return streams, pre_f, window, shared, src_cache, experts
 
 
 class DeepseekV41(nn.Module):
     cfg: V41Config
-    kernel: str = "auto"  # routed-expert kernel: "auto" | "pallas" | "reference"
+    serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
     dtype: jnp.dtype = F32
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: V41Cache, engram_rows, experts):
+    def __call__(self, tokens, positions, token_mask, cache: V41Cache, experts: ExpertState,
+                 engram_rows=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
-        engram_rows [b, t, n_engram_layers, cols, e] float32 (None without Engram layers);
-        experts: per layer the routed-expert bank -> (logits [b, t, vocab] float32, cache).
+        experts: the residency state (every layer is a MoE layer, rowmap row = layer);
+        engram_rows [b, t, n_engram_layers, cols, e] float32 from the host (None without Engram
+        layers) -> (logits [b, t, vocab] float32, cache, experts).
 
         Sows "streams" (each layer's output streams) and "selection" (each index source's
         selection) into the "intermediates" collection for parity checks."""
@@ -370,10 +379,10 @@ class DeepseekV41(nn.Module):
             src = cfg.kv_sources.index(i) if i in cfg.kv_sources else None
             rows = (engram_rows[:, :, cfg.engram_layers.index(i)]
                     if i in cfg.engram_layers else None)
-            streams, pre, windows[i], shared, src_cache = DecoderLayer(
-                cfg, i, self.kernel, name=f"layers_{i}")(
-                streams, pre, positions, n_valid, windows[i], shared,
-                None if src is None else tuple(sources[src]), rows, experts[i])
+            streams, pre, windows[i], shared, src_cache, experts = DecoderLayer(
+                cfg, i, self.serve, name=f"layers_{i}")(
+                streams, pre, positions, token_mask, n_valid, windows[i], shared,
+                None if src is None else tuple(sources[src]), rows, experts)
             if src is not None:
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)
@@ -386,4 +395,4 @@ class DeepseekV41(nn.Module):
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
-        return logits, V41Cache(tuple(windows), entries, index_keys, buf_kv, buf_gate)
+        return logits, V41Cache(tuple(windows), entries, index_keys, buf_kv, buf_gate), experts

@@ -20,16 +20,19 @@ from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
 from tidejax.models.deepseek_v41_config import V41Config
 from tidejax.models.deepseek_v41_load import V41Checkpoint
 from tidejax.models.engram import EngramHasher, gather_rows
+from tidejax.residency.serve import ServeOptions
 
 
 @functools.lru_cache(maxsize=None)
 def step_fn(cfg: V41Config, kernel: str = "auto"):
     """jit(params, cache, tokens [b, t], positions [b, t], token_mask [b, t], engram_rows, experts)
-    -> (logits [b, t, vocab] float32, cache); the cache is donated."""
-    model = DeepseekV41(cfg, kernel=kernel)
+    -> (logits [b, t, vocab] float32, cache, experts); the cache is donated. Every expert is
+    resident here (the engine serves budgets through tidejax.residency)."""
+    model = DeepseekV41(cfg, ServeOptions(kernel=kernel, swiglu_limit=cfg.swiglu_limit,
+                                          all_resident=True))
 
     def step(params, cache, tokens, positions, token_mask, rows, experts):
-        return model.apply(params, tokens, positions, token_mask, cache, rows, experts)
+        return model.apply(params, tokens, positions, token_mask, cache, experts, rows)
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -55,7 +58,7 @@ def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarra
     t = ids.shape[1]
     positions = np.arange(t, dtype=np.int32)[None]
     rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
-    logits, _ = step_fn(ck.cfg, kernel)(ck.params, V41Cache.create(ck.cfg, 1, t), ids, positions,
+    logits, _, _ = step_fn(ck.cfg, kernel)(ck.params, V41Cache.create(ck.cfg, 1, t), ids, positions,
                                         np.ones_like(ids, bool), rows, ck.experts)
     return np.asarray(logits[0])
 
@@ -75,8 +78,8 @@ class Sequence:
         ids = np.asarray(token_ids, np.int32)[None]
         positions = self.length + np.arange(ids.shape[1], dtype=np.int32)[None]
         rows = engram_rows(self.ck, self.hashers, ids, [self.length])
-        logits, self.cache = self.step(self.ck.params, self.cache, ids, positions,
-                                       np.ones_like(ids, bool), rows, self.ck.experts)
+        logits, self.cache, _ = self.step(self.ck.params, self.cache, ids, positions,
+                                          np.ones_like(ids, bool), rows, self.ck.experts)
         self.length += ids.shape[1]
         return np.asarray(logits[0])
 

@@ -30,6 +30,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from tidejax.checkpoint.fp8 import dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import ExpertState, all_resident_state
 from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
 from tidejax.models.deepseek_v41_config import V41Config
 from tidejax.models.engram import EngramLayout, compressed_token_map
@@ -64,27 +66,31 @@ def param_path(name: str) -> tuple[str, ...]:
 
 def param_shapes(cfg: V41Config) -> dict:
     """The flax param tree's shapes (nothing allocated)."""
-    model = DeepseekV41(cfg, kernel="reference")
+    model = DeepseekV41(cfg, ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit,
+                                          all_resident=True))
     b, t = 1, 1
     cache = V41Cache.create(cfg, b, 4)
     rows = jnp.zeros((b, t, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
-    experts = [empty_bank(cfg)] * cfg.num_layers
     tok = jnp.zeros((b, t), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tok, tok, tok > -1, cache,
-                                               rows if cfg.engram_layers else None, experts))
-    return shapes["params"]
+
+    def init():
+        experts = all_resident_state(empty_pool(cfg), cfg.num_layers)
+        return model.init(jax.random.PRNGKey(0), tok, tok, tok > -1, cache, experts,
+                          rows if cfg.engram_layers else None)
+    return jax.eval_shape(init)["params"]
 
 
-def empty_bank(cfg: V41Config) -> dict:
-    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    return {"gate_up": jnp.zeros((e, 2 * i, d), jnp.float32), "down": jnp.zeros((e, d, i), jnp.float32)}
+def empty_pool(cfg: V41Config) -> dict:
+    """A dense pool of every layer's routed experts, zeros: [layers * E, ...]."""
+    n, i, d = cfg.num_layers * cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return {"gate_up": jnp.zeros((n, 2 * i, d), jnp.float32), "down": jnp.zeros((n, d, i), jnp.float32)}
 
 
 @dataclasses.dataclass
 class V41Checkpoint:
     cfg: V41Config
     params: dict  # {"params": flax tree}
-    experts: list  # per layer: a dense {"gate_up", "down"} or an MXFP4 bank ([] with put_row)
+    experts: ExpertState | None  # every expert resident (None when put_row took the rows)
     engram_tables: list  # per Engram layer: float32 [rows, e] or (e4m3 values, float32 scales)
     engram_layout: EngramLayout | None
 
@@ -162,7 +168,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     """Reads config.json, *.safetensors and (with Engram layers) tokenizer.json of a folder.
 
     dtype: of the dense params. put_row(layer * E + expert, row): where the routed experts go
-    (a host pool, for residency); without it they are stacked into one device bank per layer
+    (a host pool, for residency); without it they are stacked into an all-resident expert state
     (`V41Checkpoint.experts`), which only suits models that fit."""
     model_dir = Path(model_dir)
     cfg = V41Config.from_file(model_dir)
@@ -191,15 +197,18 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     if missing:
         raise V41LoadError(f"{model_dir}: no tensor for parameter {'/'.join(missing[0])} "
                            f"({len(missing)} missing)")
-    banks = []
+    stacked = []
     for layer in range(cfg.num_layers):
         rows = _expert_rows(tensors, experts.get(layer, {}), layer, cfg)
         if put_row is not None:
             for expert, row in rows:
                 put_row(layer * cfg.n_routed_experts + expert, row)
         else:
-            rows = [row for _, row in rows]
-            banks.append({k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]})
+            stacked += [row for _, row in rows]
+    state = None
+    if put_row is None:
+        pool = {k: np.stack([r[k] for r in stacked]) for k in stacked[0]}
+        state = all_resident_state(pool, cfg.num_layers)
     for layer in cfg.engram_layers:
         if layer not in tables:
             raise V41LoadError(f"{model_dir}: no tensor layers.{layer}.engram.embed.weight")
@@ -209,7 +218,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
         raise V41LoadError(f"{tensors.where_is(left[0])} is not used by the model "
                            f"({len(left)} such tensors)")
     layout = engram_layout(cfg, model_dir, tokenizer) if cfg.engram_layers else None
-    return V41Checkpoint(cfg, {"params": unflatten_dict(params)}, banks,
+    return V41Checkpoint(cfg, {"params": unflatten_dict(params)}, state,
                          [tables[layer] for layer in cfg.engram_layers], layout)
 
 
