@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint, mxfp4
 from tidejax.config import ConfigError, EngineConfig, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
+from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
 from tidejax.residency.serve import ServeOptions
@@ -29,7 +29,6 @@ from tidejax.residency.serve import ServeOptions
 log = logging.getLogger("tidejax")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_FP32_LEAVES = ("gate_weight", "gate_bias")  # the router stays in float32, as the references keep it
 
 
 CALIBRATION_TEXT = (
@@ -44,12 +43,6 @@ def _buckets(limit: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes + [limit]
-
-
-def _tree_get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 class Engine:
@@ -73,12 +66,17 @@ class Engine:
         self.lanes = config.engine.lanes
         self.max_context = min(config.engine.max_context, self._max_positions())
         self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
-        self.eos_ids = end_of_turn_ids(model_dir, self.cfg.eos_token_ids, self.tokenizer.eos_id)
+        self.eos_ids = end_of_turn_ids(model_dir, getattr(self.cfg, "eos_token_ids", ()),
+                                       self.tokenizer.eos_id)
         self.serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
-        self.params, pool = self._load_weights(raw)
+        n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
+        pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype)
+        self.params, self._aux = self.family.load_weights(
+            self.cfg, model_dir, raw, self.serve, self.dtype, pool.put_row)
+        pool = pool.result()
         self.residency = Residency(
             pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
             config.residency, kernel=config.engine.kernel, swiglu_limit=self.serve.swiglu_limit,
@@ -90,6 +88,7 @@ class Engine:
         self._steps = _Steps(self.model)
         self._replay: np.ndarray | None = None  # [N, L_moe, k] recorded picks, see set_routing_replay
         self._replay_cursor = 0
+        self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
         if self.residency.needs_calibration:
@@ -111,32 +110,6 @@ class Engine:
 
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
-
-    def _load_weights(self, raw_config: dict) -> tuple[dict, dict]:
-        """Params onto the device and routed experts into a host pool, one tensor at a time,
-        after every name and shape is checked against the checkpoint's headers."""
-        family, cfg = self.family, self.cfg
-        block = (raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128))
-        reader = CheckpointReader(self.model_dir, fp8_block=tuple(block))
-        shapes = family.param_shapes(cfg, self.serve, self.dtype)
-        table = {path: Rule(name, tuple(_tree_get(shapes, path).shape))
-                 for name, path in family.checkpoint_table(cfg).items()}
-        unfilled = ({jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
-                    - {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path))
-                       for path in table})
-        if unfilled:
-            raise ConfigError(f"{self.model_dir}: no checkpoint tensor fills {sorted(unfilled)[0]}")
-        n_moe, n_experts, hidden, inter = family.expert_dims(cfg)
-        pool, put_row = expert_pool(n_moe * n_experts, hidden, inter, self.config.model.experts,
-                                    np.dtype(self.dtype))
-
-        def put(path, array):
-            return jnp.asarray(array, jnp.float32 if path[-1] in _FP32_LEAVES else self.dtype)
-
-        params = load_checkpoint(reader, table, ignore=family.ignored_tensors(cfg), put=put,
-                                 experts=(family.expert_prefixes(cfg), n_experts, hidden, inter),
-                                 put_row=put_row)
-        return params, pool
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
@@ -167,8 +140,10 @@ class Engine:
             tokens[0, :len(chunk)] = chunk
             positions = np.arange(start, start + size, dtype=np.int32)[None]
             mask = (np.arange(size) < len(chunk))[None]
+            inputs = (self._lane_inputs.rows(tokens, [start], mask, lanes=[lane])
+                      if self._lane_inputs else None)
             token, self.cache, experts = self._steps.prefill(
-                self.params, self._replay_ids(tokens.shape), tokens, positions, mask,
+                self.params, self._replay_ids(tokens.shape), inputs, tokens, positions, mask,
                 np.int32(lane), self.cache, self.residency.state, np.int32(len(chunk) - 1),
                 lane_sampling)
             self.residency.state = experts
@@ -177,9 +152,11 @@ class Engine:
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
                sampling: LaneSampling) -> np.ndarray:
         """One step for all lanes: tokens/positions/active [lanes] -> next tokens [lanes]."""
+        inputs = (self._lane_inputs.rows(tokens[:, None], positions, active[:, None])
+                  if self._lane_inputs else None)
         with jax.profiler.TraceAnnotation("decode"):
             next_tokens, self.cache, experts = self._steps.decode(
-                self.params, self._replay_ids((len(tokens), 1)), tokens.astype(np.int32),
+                self.params, self._replay_ids((len(tokens), 1)), inputs, tokens.astype(np.int32),
                 positions.astype(np.int32), active, self.cache, self.residency.state, sampling)
             next_tokens = np.asarray(next_tokens)
         self.residency.state = experts
@@ -194,9 +171,12 @@ class Engine:
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = ids
         cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
+        mask = (np.arange(size) < n)[None]
+        scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
+        inputs = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
         logits, experts = self._steps.score(
-            self.params, self._replay_ids(tokens.shape), tokens, np.arange(size, dtype=np.int32)[None], (np.arange(size) < n)[None],
-            cache, self.residency.state)
+            self.params, self._replay_ids(tokens.shape), inputs, tokens,
+            np.arange(size, dtype=np.int32)[None], mask, cache, self.residency.state)
         self.residency.state = experts
         self.residency.after_step(n)
         return np.asarray(logits[0, :n], np.float32)
@@ -209,8 +189,10 @@ class Engine:
         self.decode(lanes, lanes, np.zeros(self.lanes, bool), LaneSampling.of([SamplingParams()] * self.lanes))
         for size in self._prefill_buckets if prefill_buckets else ():
             tokens = np.zeros((1, size), np.int32)
+            inputs = (self._lane_inputs.rows(tokens, [0], tokens > 0, lanes=[0])
+                      if self._lane_inputs else None)
             _, self.cache, self.residency.state = self._steps.prefill(
-                self.params, self._replay_ids(tokens.shape), tokens, tokens, tokens > 0,
+                self.params, self._replay_ids(tokens.shape), inputs, tokens, tokens, tokens > 0,
                 np.int32(0), self.cache, self.residency.state, np.int32(0),
                 LaneSampling.of([SamplingParams()]))
         log.info("compiled the steps in %.1f s", time.perf_counter() - start)
@@ -219,6 +201,8 @@ class Engine:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
         token in order and cyclically, instead of by the router's own choice; None turns it off.
         Benchmarks use it to give random-weight models a trained model's routing."""
+        if picks is not None and self.family.replay_variables is None:
+            raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
         if picks is not None:
             n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
             picks = np.asarray(picks, np.int32)
@@ -259,16 +243,18 @@ class _Steps:
 
     model: object
 
-    def _forward(self, params, replay, tokens, positions, mask, cache, experts):
+    def _forward(self, params, replay, inputs, tokens, positions, mask, cache, experts):
         variables = {"params": params} | ({"replay": replay} if replay is not None else {})
-        return self.model.apply(variables, tokens, positions, mask, cache, experts)
+        extra = () if inputs is None else (inputs,)
+        return self.model.apply(variables, tokens, positions, mask, cache, experts, *extra)
 
     @functools.cached_property
     def prefill(self):
-        def step(params, replay, tokens, positions, mask, lane, cache, experts, last, sampling):
+        def step(params, replay, inputs, tokens, positions, mask, lane, cache, experts, last,
+                 sampling):
             lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lane, 1, 0), cache)
-            logits, lane_cache, experts = self._forward(params, replay, tokens, positions, mask,
-                                                        lane_cache, experts)
+            logits, lane_cache, experts = self._forward(params, replay, inputs, tokens, positions,
+                                                        mask, lane_cache, experts)
             cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, lane, 0),
                                  cache, lane_cache)
             token = sample(logits[:, last], sampling, positions[:, last] + 1)
@@ -277,16 +263,17 @@ class _Steps:
 
     @functools.cached_property
     def decode(self):
-        def step(params, replay, tokens, positions, active, cache, experts, sampling):
-            logits, cache, experts = self._forward(params, replay, tokens[:, None],
+        def step(params, replay, inputs, tokens, positions, active, cache, experts, sampling):
+            logits, cache, experts = self._forward(params, replay, inputs, tokens[:, None],
                                                    positions[:, None], active[:, None], cache, experts)
             return sample(logits[:, 0], sampling, positions + 1), cache, experts
         return jax.jit(step, donate_argnames=("cache", "experts"))
 
     @functools.cached_property
     def score(self):
-        def step(params, replay, tokens, positions, mask, cache, experts):
-            logits, _, experts = self._forward(params, replay, tokens, positions, mask, cache, experts)
+        def step(params, replay, inputs, tokens, positions, mask, cache, experts):
+            logits, _, experts = self._forward(params, replay, inputs, tokens, positions, mask,
+                                               cache, experts)
             return logits, experts
         return jax.jit(step, donate_argnames=("experts",))
 
@@ -300,36 +287,6 @@ def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> t
         eos = read_json(generation).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return tuple(sorted(ids))
-
-
-def expert_pool(rows: int, hidden: int, inter: int, held_as: str, dtype: np.dtype):
-    """The host pool of every routed expert in the bank format `held_as` asks for ("checkpoint":
-    dense in the model's dtype, "bf16", or "mxfp4" quantized row by row as rows arrive), and the
-    put_row(row, {"gate_up", "down"}) that fills it."""
-    if held_as == "mxfp4":
-        if hidden % 32 or inter % 32:
-            raise ConfigError(f"experts = 'mxfp4' needs hidden ({hidden}) and expert intermediate "
-                              f"({inter}) sizes that are multiples of 32")
-        pool = {"gate_up_blocks": np.empty((rows, 2 * inter, hidden // 32, 16), np.uint8),
-                "gate_up_scales": np.empty((rows, 2 * inter, hidden // 32), np.uint8),
-                "down_blocks": np.empty((rows, hidden, inter // 32, 16), np.uint8),
-                "down_scales": np.empty((rows, hidden, inter // 32), np.uint8)}
-
-        quantize = jax.jit(mxfp4.quantize)  # on the default device: numpy takes seconds an expert
-
-        def put_row(row, arrays):
-            for name in ("gate_up", "down"):
-                blocks, scales = quantize(jnp.asarray(arrays[name], jnp.float32))
-                pool[f"{name}_blocks"][row], pool[f"{name}_scales"][row] = blocks, scales
-        return pool, put_row
-    dtype = np.dtype(jnp.bfloat16) if held_as == "bf16" else dtype
-    pool = {"gate_up": np.empty((rows, 2 * inter, hidden), dtype),
-            "down": np.empty((rows, hidden, inter), dtype)}
-
-    def put_row(row, arrays):
-        pool["gate_up"][row] = arrays["gate_up"]
-        pool["down"][row] = arrays["down"]
-    return pool, put_row
 
 
 def load(model_or_profile: str | Path, trace_dir: str | None = None, **overrides) -> Engine:

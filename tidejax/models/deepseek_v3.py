@@ -23,6 +23,7 @@ from tidejax.config import ModelConfig
 from tidejax.models.layers import (HIGHEST, Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                    rope_frequencies)
 from tidejax.models.moe import MoE, RouterSpec
+from tidejax.models.loading import load_by_table
 from tidejax.models.registry import Family, register
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state
@@ -226,19 +227,25 @@ def replay_variables(cfg: ModelConfig, ids) -> dict:
     return {f"layers_{layer}": {"moe": {"ids": ids[:, :, m]}} for m, layer in enumerate(cfg.moe_layers)}
 
 
+def load_weights(cfg: ModelConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,
+                 put_row):
+    params = load_by_table(
+        model_dir, raw_config, param_shapes=param_shapes(cfg, serve, dtype),
+        table=checkpoint_table(cfg), ignored=ignored_tensors(cfg),
+        expert_prefixes=expert_prefixes(cfg), expert_dims=expert_dims(cfg), dtype=dtype,
+        put_row=put_row)
+    return params, None
+
+
 register(Family(
     name="deepseek_v3",
     model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
     config_from_hf=ModelConfig.from_hf,
     build=build,
-    param_shapes=param_shapes,
-    checkpoint_table=checkpoint_table,
-    expert_prefixes=expert_prefixes,
-    ignored_tensors=ignored_tensors,
+    load_weights=load_weights,
     expert_dims=expert_dims,
+    top_k=lambda cfg: cfg.num_experts_per_tok,
     create_cache=MLACache.create,
     cache_bytes_per_token=MLACache.bytes_per_token,
     replay_variables=replay_variables,
-    top_k=lambda cfg: cfg.num_experts_per_tok,
-    tool_format="deepseek_v3",
 ))

@@ -14,29 +14,31 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, experts) -> (logits [b, t, vocab], cache, experts)
-    checkpoint_table(cfg) -> {hf tensor name: params path} (everything but routed experts)
-    expert_prefixes(cfg) -> checkpoint prefix of each MoE layer's routed experts, rowmap order
+        (tokens, positions, token_mask, cache, experts[, host_inputs])
+        -> (logits [b, t, vocab] float32, cache, experts)
+    load_weights(cfg, model_dir, raw_config, serve_options, dtype, put_row) -> (params, aux):
+        dense params on the device; routed experts through put_row(layer * E + expert, row);
+        aux is whatever host-side state the family keeps (None for most)
     expert_dims(cfg) -> (moe layers, experts per layer, hidden, expert intermediate)
-    param_shapes(cfg, serve_options, dtype) -> the params pytree as ShapeDtypeStructs
     create_cache(cfg, batch, length, dtype) -> the generation cache pytree (batch axis 0)
+    host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
+        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
+    replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
+        where the family cannot replay recorded routing
     """
 
     name: str
     model_types: tuple[str, ...]
     config_from_hf: Callable[[dict, str], Any]
     build: Callable
-    param_shapes: Callable
-    checkpoint_table: Callable
-    expert_prefixes: Callable
-    ignored_tensors: Callable
+    load_weights: Callable
     expert_dims: Callable
     top_k: Callable  # (cfg) -> routed experts picked per token
     create_cache: Callable
-    cache_bytes_per_token: Callable
-    replay_variables: Callable  # (cfg, ids [b, t, L_moe, k]) -> the "replay" collection of the MoE layers
+    cache_bytes_per_token: Callable  # (cfg, dtype) -> bytes a token of context adds
+    replay_variables: Callable | None = None
+    host_inputs: Callable = lambda cfg, aux, batch: None
     swiglu_limit: Callable = lambda cfg: 0.0
-    tool_format: str = "json"  # the server's tool-call parser for this family's chat format
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -60,4 +62,4 @@ def family_for(raw_config: dict, source: str) -> Family:
 
 
 def _import_families() -> None:
-    from tidejax.models import deepseek_v3  # noqa: F401  (registers itself)
+    from tidejax.models import deepseek_v3, deepseek_v41_family  # noqa: F401  (register themselves)

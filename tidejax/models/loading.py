@@ -1,0 +1,90 @@
+"""Loading a family's weights: dense params onto the device, routed experts into a host pool.
+
+`ExpertPool` receives each routed expert as a row (`put_row(layer * E + expert, row)`) in the
+format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4 blocks and scales) and stores it
+in the format the profile asks for, allocating on the first row: no second copy of the experts is
+ever held. `load_by_table` is the declarative loader of families whose tensors map one to one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint, mxfp4
+from tidejax.config import ConfigError
+
+FP32_LEAVES = ("gate_weight", "gate_bias")  # routers stay in float32, as the references keep them
+
+
+class ExpertPool:
+    """held_as: "checkpoint" (as stored; dense rows in `dtype`), "bf16" or "mxfp4"."""
+
+    def __init__(self, rows: int, held_as: str, dtype):
+        self.rows, self.held_as, self.dtype = rows, held_as, np.dtype(dtype)
+        self.pool: dict | None = None
+        self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
+
+    def put_row(self, row: int, arrays: dict) -> None:
+        arrays = self._convert(arrays)
+        if self.pool is None:
+            self.pool = {k: np.empty((self.rows, *np.shape(v)), np.asarray(v).dtype)
+                         for k, v in arrays.items()}
+        for k, v in arrays.items():
+            self.pool[k][row] = v
+
+    def _convert(self, arrays: dict) -> dict:
+        packed = "gate_up_blocks" in arrays
+        if self.held_as == "mxfp4" and not packed:
+            out = {}
+            for name in ("gate_up", "down"):
+                w = np.asarray(arrays[name], np.float32)
+                if w.shape[-1] % 32:
+                    raise ConfigError(f"experts = 'mxfp4' needs input sizes that are multiples of "
+                                      f"32; '{name}' has {w.shape[-1]}")
+                out[f"{name}_blocks"], out[f"{name}_scales"] = (
+                    np.asarray(a) for a in self._quantize(jnp.asarray(w)))
+            return out
+        if packed and self.held_as != "mxfp4" and self.held_as != "checkpoint":
+            arrays = {name: mxfp4.dequantize(arrays[f"{name}_blocks"], arrays[f"{name}_scales"])
+                      for name in ("gate_up", "down")}
+            packed = False
+        if packed:
+            return arrays
+        dtype = np.dtype(jnp.bfloat16) if self.held_as == "bf16" else self.dtype
+        return {k: np.asarray(v).astype(dtype, copy=False) for k, v in arrays.items()}
+
+    def result(self) -> dict:
+        if self.pool is None:
+            raise ConfigError("the checkpoint holds no routed experts")
+        return self.pool
+
+
+def _tree_get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_by_table(model_dir, raw_config: dict, *, param_shapes: dict, table: dict[str, tuple],
+                  ignored: tuple[str, ...], expert_prefixes: list[str], expert_dims, dtype,
+                  put_row) -> dict:
+    """Dense params by a name table ({hf name: params path}, shapes from `param_shapes`) and
+    routed experts through `put_row`, after every name and shape is checked against the headers."""
+    block = (raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128))
+    reader = CheckpointReader(model_dir, fp8_block=tuple(block))
+    rules = {path: Rule(name, tuple(_tree_get(param_shapes, path).shape))
+             for name, path in table.items()}
+    filled = {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path)) for path in rules}
+    unfilled = {jax.tree_util.keystr(p) for p, _ in
+                jax.tree_util.tree_flatten_with_path(param_shapes)[0]} - filled
+    if unfilled:
+        raise ConfigError(f"{model_dir}: no checkpoint tensor fills {sorted(unfilled)[0]}")
+    _, n_experts, hidden, inter = expert_dims
+
+    def put(path, array):
+        return jnp.asarray(array, jnp.float32 if path[-1] in FP32_LEAVES else dtype)
+
+    return load_checkpoint(reader, rules, ignore=ignored, put=put,
+                           experts=(expert_prefixes, n_experts, hidden, inter), put_row=put_row)
