@@ -1,0 +1,61 @@
+"""DeepSeek-V4.1 through the engine (lanes, residency, scheduler) and the server, on tiny_a."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from server_fixtures import REPO, live_server
+
+GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tidejax.load(GOLDEN, engine={"lanes": 2, "max_context": 128, "prefill_chunk": 16})
+
+
+def test_logits_and_half_resident_exact(engine):
+    ids = np.load(GOLDEN / "input_ids.npy")[0]
+    want = np.load(GOLDEN / "logits.npy")
+    full = engine.logits(ids)
+    assert np.abs(full - want).max() <= 1e-4
+    n_layers, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    half = tidejax.load(GOLDEN, residency={"budget_experts": n_layers * n_experts // 2,
+                                           "miss_policy": "exact"})
+    np.testing.assert_array_equal(half.logits(ids), full)
+    assert half.residency.stats()["misses"] > 0
+
+
+def test_greedy_through_lanes_equals_golden(engine):
+    """Prefill in 16-token chunks, then decode on 2 lanes with another request beside it."""
+    ids = np.load(GOLDEN / "input_ids.npy")[0]
+    greedy = np.load(GOLDEN / "greedy.npy").tolist()
+    outputs = {0: [], 1: []}
+    for lane, prompt in enumerate([ids[:16], ids[20:40]]):
+        engine.scheduler.submit(
+            GenerationRequest(prompt.tolist(), len(greedy), ignore_eos=True),
+            lambda e, lane=lane: outputs[lane].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    assert outputs[0] == greedy
+    assert len(outputs[1]) == len(greedy)
+
+
+def test_tiny_profile_serves_through_the_openai_api(tmp_path):
+    from openai import OpenAI
+    profile = tmp_path / "ds41.toml"
+    profile.write_text((REPO / "configs" / "ds41-tiny.toml").read_text().replace(
+        'path = "tests/data/golden_v41/tiny_a"', f'path = "{GOLDEN}"'))
+    with live_server(profile) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["ds41-tiny"]
+        out = client.completions.create(model="ds41-tiny", prompt="the cat", max_tokens=8,
+                                        temperature=0)
+        assert out.usage.completion_tokens > 0 and out.choices[0].text
+        stream = client.completions.create(model="ds41-tiny", prompt="the cat", max_tokens=8,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
