@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from tidejax.models import deepseek_v41_ops as ops
 from tidejax.models.deepseek_v41_config import V41Config
 from tidejax.models.layers import HIGHEST, Linear, RMSNorm, rope_frequencies
+from tidejax.models.moe import RouterSpec, route
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import ExpertState
 
@@ -246,17 +247,12 @@ class Attention(nn.Module):
         return shared, src_cache
 
 
-def route(x, weight, bias, cfg: V41Config):
-    """sqrtsoftplus router: x [T, d] -> ids [T, k] int32, weights [T, k] float32, choice scores
-    [T, e] float32 (the biased scores the top-k picks from; the bias never enters the weights)."""
-    logits = jnp.einsum("td,ed->te", x.astype(F32), weight.astype(F32), precision=HIGHEST)
-    scores = jnp.sqrt(jax.nn.softplus(logits / cfg.gate_temp))
-    choice = scores + bias
-    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=1)
-    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor, choice
+def router_spec(cfg: V41Config) -> RouterSpec:
+    """sqrtsoftplus scores of logits / gate_temp; the correction bias picks, never weighs."""
+    return RouterSpec(n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+                      scoring="sqrtsoftplus", temperature=cfg.gate_temp,
+                      norm_topk_prob=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
+                      routed_scaling_factor=cfg.routed_scaling_factor)
 
 
 class SharedExpert(nn.Module):
@@ -289,7 +285,7 @@ class MoE(nn.Module):
         weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
         bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
         flat = x.reshape(b * t, d)
-        ids, weights, choice = route(flat, weight, bias, cfg)
+        ids, weights, choice = route(flat, weight, bias, router_spec(cfg))
         y, experts = serve_routed(self.layer, flat, ids, weights, choice, token_mask.reshape(b * t),
                                   experts, self.serve)
         y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)

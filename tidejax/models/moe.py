@@ -23,7 +23,8 @@ from tidejax.residency.state import ExpertState
 class RouterSpec:
     n_experts: int
     top_k: int
-    scoring: str = "sigmoid"  # "sigmoid" | "softmax"
+    scoring: str = "sigmoid"  # "sigmoid" | "softmax" | "sqrtsoftplus" (DeepSeek-V4)
+    temperature: float = 1.0  # logits are divided by it before scoring
     n_group: int = 1
     topk_group: int = 1
     group_score: str = "top2_sum"  # "top2_sum" (noaux_tc) | "max" (group_limited_greedy)
@@ -41,7 +42,14 @@ def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
     """
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), weight.astype(jnp.float32),
                         precision=HIGHEST)  # [T, e]
-    scores = jax.nn.sigmoid(logits) if spec.scoring == "sigmoid" else jax.nn.softmax(logits, -1)
+    if spec.temperature != 1.0:
+        logits = logits / spec.temperature
+    if spec.scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    elif spec.scoring == "sqrtsoftplus":
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+    else:
+        scores = jax.nn.softmax(logits, -1)
     choice = scores + bias if bias is not None else scores
     if spec.n_group > 1 and spec.topk_group < spec.n_group:
         grouped = choice.reshape(choice.shape[0], spec.n_group, -1)  # [T, groups, e/groups]
