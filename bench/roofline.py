@@ -273,7 +273,7 @@ class Row:
                 f"{self.limit.tokens_per_s:.1f}", f"{self.tok_s / self.limit.tokens_per_s:.2f}",
                 f"{self.limit.device_bytes / 1e9:.2f}", f"{self.limit.host_bytes / 1e9:.3f}",
                 f"{self.cold:.3f}", str(self.copies),
-                f"{self.ttft_s:.2f}" if self.ttft_s is not None else ""]
+                f"{self.ttft_s:.3f}" if self.ttft_s is not None else ""]
 
 
 PROMPT_TOKENS = 64  # prompt of each decode measurement
