@@ -2,9 +2,10 @@
 
 1. Host-to-device bandwidth: `jax.device_put` of a pinned_host expert pool (MXFP4 rows of
    DeepSeek-V4.1-Flash size: hidden 5120, moe_intermediate 2304, 18.8 MB a row) to device memory.
-2. One swap: `Residency.apply_swaps` of one row from the pinned pool into the bank (the jitted,
-   donated `swap_row`, then a wait for it), median over random swaps; its GB/s against (1); the
-   swap's compiled memory analysis (in place: alias = the state, temp ~ one row).
+2. Swaps: `Residency.apply_swaps` of one row from the pinned pool into the bank (the jitted,
+   donated `swap_rows`, then a wait for it), median over random swaps, and of a step's worth
+   (max_swaps_per_step) in one call; GB/s against (1); the swap's compiled memory analysis
+   (in place: alias = the state, temp ~ one row).
 3. Miss policies: a decode-like step of one MoE layer (64 experts, half resident) with "exact"
    (missing rows fetched from the pinned pool inside the step) against "substitute".
 4. Demand counting A/B: a decode-like step of L_MOE MoE layers (router + serve_routed + the
@@ -35,7 +36,7 @@ from tidejax.config import ResidencySection
 from tidejax.residency import Residency, ServeOptions, serve_routed
 from tidejax.residency.planner import Swap
 from tidejax.residency.state import ExpertState
-from tidejax.residency.swap import swap_row
+from tidejax.residency.swap import swap_rows
 
 
 def dims(quick: bool):
@@ -71,7 +72,9 @@ def h2d_gbps(pool: dict) -> float:
 
 def bench_swaps(res: Residency, n_swaps: int, rng):
     slots = res.n_resident
-    compiled = swap_row.lower(res.state, np.int32(0), np.int32(0)).compile()
+    batch = res.section.max_swaps_per_step
+    compiled = swap_rows.lower(res.state, np.zeros(batch, np.int32), np.zeros(batch, np.int32),
+                               np.int32(1)).compile()
     mem = compiled.memory_analysis()
     times = []
     for _ in range(n_swaps + 3):
@@ -81,8 +84,17 @@ def bench_swaps(res: Residency, n_swaps: int, rng):
         res.apply_swaps([swap])
         jax.block_until_ready(res.state)
         times.append(time.perf_counter() - t0)
+    batched = []  # a step's worth of swaps (max_swaps_per_step) in one call
+    for _ in range(max(3, n_swaps // 8)):
+        cold = rng.permutation(np.setdiff1d(np.arange(res.n_experts), res.slot_rows))
+        swaps = [Swap(int(s), int(r), res.version) for s, r in
+                 zip(rng.permutation(slots)[:res.section.max_swaps_per_step], cold)]
+        t0 = time.perf_counter()
+        res.apply_swaps(swaps)
+        jax.block_until_ready(res.state)
+        batched.append((time.perf_counter() - t0) / len(swaps))
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(res.state))
-    return statistics.median(times[3:]), mem, state_bytes
+    return statistics.median(times[3:]), statistics.median(batched[1:]), mem, state_bytes
 
 
 def counting_step(n_layers, top_k):
@@ -148,13 +160,15 @@ def swap_and_policy_rows(quick: bool) -> list:
     section = ResidencySection(budget_experts=pool_rows // 2, miss_policy="exact", adapt=False)
     res = Residency(pool_np, 1, k, section, max_tokens=4)
     del pool_np
-    swap_s, mem, state_bytes = bench_swaps(res, 10 if quick else 60, rng)
+    swap_s, batched_s, mem, state_bytes = bench_swaps(res, 10 if quick else 60, rng)
     bw = h2d_gbps(res.state.pool)
     swap_gbps = row_mb / 1e3 / swap_s
     rows = [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
              f"({pool_rows} rows, {pool_rows * row_mb / 1e3:.2f} GB)"),
             (f"one swap ({row_mb:.1f} MB MXFP4 row, pinned host -> bank slot), median",
              f"{swap_s * 1e6:.0f} us = {swap_gbps:.1f} GB/s = {swap_gbps / bw:.2f} of host->device"),
+            (f"{res.section.max_swaps_per_step} swaps in one call, per swap, median",
+             f"{batched_s * 1e6:.0f} us = {row_mb / 1e3 / batched_s / bw:.2f} of host->device"),
             ("swap memory_analysis: alias / temp / state bytes",
              f"{mem.alias_size_in_bytes / 1e6:.1f} MB / {mem.temp_size_in_bytes / 1e6:.1f} MB / "
              f"{state_bytes / 1e6:.1f} MB")]

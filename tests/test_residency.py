@@ -11,7 +11,7 @@ from tidejax.residency.planner import Swap, place
 from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import all_resident_state, build_state
-from tidejax.residency.swap import swap_row
+from tidejax.residency.swap import swap_row, swap_rows
 
 REF = dict(kernel="reference")
 NO_BIAS = jnp.zeros(E, jnp.float32)
@@ -137,10 +137,12 @@ def test_swap_is_in_place():
     state = half_state(make_pool("mxfp4"))
     bank_bytes = sum(a.nbytes for a in jax.tree.leaves(state.bank))
     row_bytes = bank_bytes // state.n_slots
-    compiled = swap_row.lower(state, np.int32(0), np.int32(5)).compile()
-    mem = compiled.memory_analysis()
-    assert mem.alias_size_in_bytes >= bank_bytes
-    assert mem.temp_size_in_bytes <= 4 * row_bytes + 4096
+    for lowered in (swap_row.lower(state, np.int32(0), np.int32(5)),
+                    swap_rows.lower(state, np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
+                                    np.int32(3))):
+        mem = lowered.compile().memory_analysis()
+        assert mem.alias_size_in_bytes >= bank_bytes
+        assert mem.temp_size_in_bytes <= 4 * row_bytes + 4096
 
 
 def test_swap_campaign_then_restore_is_lossless():

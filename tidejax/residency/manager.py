@@ -28,7 +28,7 @@ from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state, build_state
-from tidejax.residency.swap import drained, swap_row
+from tidejax.residency.swap import drained, swap_rows
 
 log = logging.getLogger("tidejax.residency")
 
@@ -194,25 +194,32 @@ class Residency:
 
     def _apply_now(self, state: ExpertState, swaps: list[Swap], kind: str):
         t0 = time.perf_counter()
-        applied = 0
+        accepted = []
         for swap in swaps:
             # stale: the slot moved since the plan, or the row became resident meanwhile
             if (self._slot_changed[swap.slot] > swap.version
                     or swap.row in self.slot_rows[:self.n_resident]):
                 self.counters["swaps_rejected"] += 1
                 continue
-            state = swap_row(state, np.int32(swap.slot), np.int32(swap.row))
             self.version += 1
             for other in np.nonzero(self.slot_rows == swap.row)[0]:  # e.g. the row's ring slot
                 self.slot_rows[other] = -1
                 self._slot_changed[other] = self.version
             self.slot_rows[swap.slot] = swap.row
             self._slot_changed[swap.slot] = self.version
-            applied += 1
-        if applied:
+            accepted.append(swap)
+        batch = max(1, self.section.max_swaps_per_step)  # one compilation for every call
+        for start in range(0, len(accepted), batch):
+            part = accepted[start:start + batch]
+            slots = np.zeros(batch, np.int32)
+            rows = np.zeros(batch, np.int32)
+            slots[:len(part)] = [s.slot for s in part]
+            rows[:len(part)] = [s.row for s in part]
+            state = swap_rows(state, slots, rows, np.int32(len(part)))
+        if accepted:
             jax.block_until_ready(state.slot_rows)
-            self.counters[kind] += applied
-            self.counters["bytes_moved"] += applied * self.row_bytes
+            self.counters[kind] += len(accepted)
+            self.counters["bytes_moved"] += len(accepted) * self.row_bytes
             self.counters["swap_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
         return state
 

@@ -1,4 +1,4 @@
-"""Swaps between steps: one expert row from the host pool into one bank slot, in place."""
+"""Swaps between steps: expert rows from the host pool into bank slots, in place."""
 
 from __future__ import annotations
 
@@ -10,20 +10,35 @@ import jax.numpy as jnp
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 
+def _swap(pool, maps, slot, row):
+    """maps = (bank, rowmap, slot_rows) with pool row `row` written into `slot`."""
+    bank, rowmap, slot_rows = maps
+    old = slot_rows[slot]
+    flat = rowmap.reshape(-1)
+    nowhere = flat.size  # an out-of-range index: the update is dropped
+    flat = flat.at[jnp.where(old >= 0, old, nowhere)].set(-1, mode="drop")
+    flat = flat.at[jnp.where(row >= 0, row, nowhere)].set(slot, mode="drop")
+    slot_rows = jnp.where((slot_rows == row) & (row >= 0), -1, slot_rows).at[slot].set(row)
+    bank = write_row(bank, slot, fetch_row(pool, row))
+    return bank, flat.reshape(rowmap.shape), slot_rows
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def swap_row(state: ExpertState, slot, row) -> ExpertState:
     """Writes pool row `row` (= moe_layer * E + expert) into bank slot `slot` and updates the
     rowmap and its inverse: the slot's previous expert and any other slot holding `row` become
     non-resident; row -1 empties the slot. The state is donated: updated in place."""
-    old = state.slot_rows[slot]
-    flat = state.rowmap.reshape(-1)
-    nowhere = flat.size  # an out-of-range index: the update is dropped
-    flat = flat.at[jnp.where(old >= 0, old, nowhere)].set(-1, mode="drop")
-    flat = flat.at[jnp.where(row >= 0, row, nowhere)].set(slot, mode="drop")
-    slot_rows = jnp.where((state.slot_rows == row) & (row >= 0), -1, state.slot_rows)
-    slot_rows = slot_rows.at[slot].set(row)
-    bank = write_row(state.bank, slot, fetch_row(state.pool, row))
-    return state.replace(bank=bank, rowmap=flat.reshape(state.rowmap.shape), slot_rows=slot_rows)
+    maps = _swap(state.pool, (state.bank, state.rowmap, state.slot_rows), slot, row)
+    return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
+    """The first `count` swaps (slots[i], rows[i]) in order, as `swap_row` each, in one call;
+    slots / rows have a fixed length so that any count up to it reuses one compilation."""
+    maps = jax.lax.fori_loop(0, count, lambda i, m: _swap(state.pool, m, slots[i], rows[i]),
+                             (state.bank, state.rowmap, state.slot_rows))
+    return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
 
 
 def drained(state: ExpertState) -> ExpertState:
