@@ -11,7 +11,9 @@ from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 
 def _swap(pool, maps, slot, row):
-    """maps = (bank, rowmap, slot_rows) with pool row `row` written into `slot`."""
+    """maps = (bank, rowmap, slot_rows) with pool row `row` (= moe_layer * E + expert) written
+    into `slot`: the slot's previous expert and any other slot holding `row` become
+    non-resident; row -1 empties the slot."""
     bank, rowmap, slot_rows = maps
     old = slot_rows[slot]
     flat = rowmap.reshape(-1)
@@ -24,18 +26,10 @@ def _swap(pool, maps, slot, row):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def swap_row(state: ExpertState, slot, row) -> ExpertState:
-    """Writes pool row `row` (= moe_layer * E + expert) into bank slot `slot` and updates the
-    rowmap and its inverse: the slot's previous expert and any other slot holding `row` become
-    non-resident; row -1 empties the slot. The state is donated: updated in place."""
-    maps = _swap(state.pool, (state.bank, state.rowmap, state.slot_rows), slot, row)
-    return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
-
-
-@functools.partial(jax.jit, donate_argnums=0)
 def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
-    """The first `count` swaps (slots[i], rows[i]) in order, as `swap_row` each, in one call;
-    slots / rows have a fixed length so that any count up to it reuses one compilation."""
+    """Applies the first `count` swaps (slots[i], rows[i]), in order, in one call. slots / rows
+    have a fixed length, so any count up to it reuses one compilation. The state is donated:
+    bank, rowmap and its inverse are updated in place."""
     maps = jax.lax.fori_loop(0, count, lambda i, m: _swap(state.pool, m, slots[i], rows[i]),
                              (state.bank, state.rowmap, state.slot_rows))
     return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
