@@ -329,7 +329,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_profiles_parse_and_every_key_is_commented(path):
     config = EngineConfig.from_toml(path)
-    assert config.model.path.endswith("models/demo")
+    # a bundled checkpoint, or none where the user must name theirs (the real-model profiles)
+    assert not config.model.path or (Path(config.model.path) / "config.json").exists()
     for line in path.read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
             assert "#" in line.split("=", 1)[1], f"{path.name}: no comment on {line!r}"

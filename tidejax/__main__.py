@@ -39,7 +39,9 @@ def main(argv=None) -> int:
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
             parser.error("--messages must be a JSON list of {role, content} objects")
     engine = load(args.model)
-    engine.warmup(prefill_buckets=False)
+    ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str)
+           else engine.tokenizer.encode_chat(prompt))
+    engine.warmup(prompt_lengths=[len(ids)])  # the printed speeds leave compilation out
     pieces = []
 
     def on_text(_, text):

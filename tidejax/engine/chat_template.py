@@ -64,7 +64,7 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
@@ -94,7 +94,7 @@ class ChatTemplate:
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         special = {k: t for k in ChatTemplate.SPECIAL_TOKENS
-                   if (t := _token_text(config.get(k))) is not None}
+                   if (t := token_text(config.get(k))) is not None}
         jinja_path = model_dir / "chat_template.jinja"
         if jinja_path.exists():
             return ChatTemplate(jinja_path.read_text(), special, str(jinja_path))

@@ -17,25 +17,29 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.dropped = tokenizer.special_ids - keep
         self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already released
+        # Decode only from `prefix` on: ids[prefix:read] decoded to text already released, so the
+        # cost of a token does not grow with the length of the output.
+        self.prefix = self.read = 0
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=False)
 
     def push(self, token_id: int) -> str:
         if token_id in self.dropped:
             return ""
         self.ids.append(token_id)
-        text = self._text()
+        text = self._decode(self.prefix)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return ""
-        new, self.emitted = text[self.emitted:], len(text)
+        new = text[len(self._decode(self.prefix, self.read)):]
+        self.prefix, self.read = self.read, len(self.ids)
         return new
 
     def flush(self) -> str:
         """At the end: whatever is still held (an unfinished character decodes to U+FFFD)."""
-        text = self._text()
-        new, self.emitted = text[self.emitted:], len(text)
+        text = self._decode(self.prefix)
+        new = text[len(self._decode(self.prefix, self.read)):]
+        self.prefix = self.read = len(self.ids)
         return new
 
 

@@ -80,7 +80,7 @@ class Engine:
         self.residency = Residency(
             pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
             config.residency, kernel=config.engine.kernel, swiglu_limit=self.serve.swiglu_limit,
-            max_tokens=max(self.prefill_chunk, self.lanes))
+            max_tokens=self.max_context)
         self.serve = self.residency.options
         self.model = self.family.build(self.cfg, self.serve, self.dtype)
         self.cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
@@ -131,11 +131,18 @@ class Engine:
         self.residency.after_step(n)
         return int(token)
 
+    def _chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """(start, ids) of each prefill chunk of a prompt."""
+        return [(start, token_ids[start:start + self.prefill_chunk])
+                for start in range(0, len(token_ids), self.prefill_chunk)]
+
+    def _bucket(self, n: int) -> int:
+        """The compiled prefill size that holds a chunk of n tokens."""
+        return next(b for b in self._prefill_buckets if b >= n)
+
     def _prefill_chunks(self, lane: int, token_ids: list[int], lane_sampling: LaneSampling):
-        n = len(token_ids)
-        for start in range(0, n, self.prefill_chunk):
-            chunk = token_ids[start:start + self.prefill_chunk]
-            size = next(b for b in self._prefill_buckets if b >= len(chunk))
+        for start, chunk in self._chunks(token_ids):
+            size = self._bucket(len(chunk))
             tokens = np.zeros((1, size), np.int32)
             tokens[0, :len(chunk)] = chunk
             positions = np.arange(start, start + size, dtype=np.int32)[None]
@@ -167,7 +174,7 @@ class Engine:
         """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""
         ids = np.asarray(token_ids, np.int32).reshape(-1)
         n = len(ids)
-        size = next((b for b in _buckets(max(n, 16)) if b >= n))
+        size = max(16, 1 << (n - 1).bit_length())  # powers of two: few compiles for any length
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = ids
         cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
@@ -181,13 +188,19 @@ class Engine:
         self.residency.after_step(n)
         return np.asarray(logits[0, :n], np.float32)
 
-    def warmup(self, prefill_buckets: bool = True) -> None:
-        """Compiles the decode step (and each prefill chunk size) before traffic arrives, by
-        running them with every token masked out: nothing is counted and no lane is used."""
+    def warmup(self, prompt_lengths: list[int] | None = None) -> None:
+        """Compiles the decode step and the prefill chunk sizes (those `prompt_lengths` need, or
+        all) before traffic arrives, by running them with every token masked out: nothing is
+        counted and no lane is used."""
         start = time.perf_counter()
         lanes = np.zeros(self.lanes, np.int32)
-        self.decode(lanes, lanes, np.zeros(self.lanes, bool), LaneSampling.of([SamplingParams()] * self.lanes))
-        for size in self._prefill_buckets if prefill_buckets else ():
+        self.decode(lanes, lanes, np.zeros(self.lanes, bool),
+                    LaneSampling.of([SamplingParams()] * self.lanes))
+        sizes = self._prefill_buckets
+        if prompt_lengths is not None:
+            sizes = sorted({self._bucket(len(chunk)) for n in prompt_lengths
+                            for _, chunk in self._chunks(list(range(n)))})
+        for size in sizes:
             tokens = np.zeros((1, size), np.int32)
             inputs = (self._lane_inputs.rows(tokens, [0], tokens > 0, lanes=[0])
                       if self._lane_inputs else None)

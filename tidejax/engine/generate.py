@@ -13,6 +13,8 @@ def _is_chat(item) -> bool:
 
 def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
              stop: tuple[str, ...] = (), on_text=None):
+    if engine.scheduler.thread is not None:
+        raise RuntimeError("generate() while the scheduler thread serves: use the server API")
     single = isinstance(prompts, str) or _is_chat(prompts)
     items = [prompts] if single else list(prompts)
     outputs = [""] * len(items)
@@ -42,10 +44,7 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
         handles.append(engine.scheduler.submit(GenerationRequest(
             ids, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
             sampling.seed), on_event))
-    if engine.scheduler.thread is None:
-        engine.scheduler.run_until_idle()
-    else:
-        raise RuntimeError("generate() while the scheduler thread serves: use the server API")
+    engine.scheduler.run_until_idle()
     if errors:
         raise ValueError(errors[0])
     return outputs[0] if single else outputs

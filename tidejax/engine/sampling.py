@@ -44,14 +44,21 @@ class LaneSampling:
         return LaneSampling(
             temperature=np.array([p.temperature for p in params], np.float32),
             top_p=np.array([p.top_p for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int32),
+            top_k=np.array([min(p.top_k, 1 << 30) for p in params], np.int32),
             seed=np.array([(p.seed if p.seed is not None else 0) & 0x7FFFFFFF for p in params],
                           np.int32))
 
 
 def sample(logits, lanes: LaneSampling, positions):
-    """logits [b, v] float32, positions [b] int32 (of the token being sampled) -> tokens [b] int32."""
+    """logits [b, v] float32, positions [b] int32 (of the token being sampled) -> tokens [b] int32.
+
+    All-greedy steps skip the sort over the vocabulary."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(lanes.temperature > 0),
+                        lambda: _sample(logits, lanes, positions, greedy), lambda: greedy)
+
+
+def _sample(logits, lanes: LaneSampling, positions, greedy):
     order = jnp.argsort(-logits, axis=-1)  # [b, v] best first
     ranked = jnp.take_along_axis(logits, order, axis=-1)
     scaled = ranked / jnp.maximum(lanes.temperature, 1e-6)[:, None]

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 import time
 
@@ -100,6 +101,8 @@ class Scheduler:
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         request.sampling  # validates
+        if request.seed is None:  # unseeded requests must not share one random stream
+            request = dataclasses.replace(request, seed=secrets.randbits(31))
         handle = RequestHandle(request, on_event)
         with self.wake:
             self.queue.append(handle)
@@ -172,8 +175,9 @@ class Scheduler:
             start = time.perf_counter()
             try:
                 token = self.engine.prefill(lane, handle.request.prompt_ids, handle.request.sampling)
-            except ValueError as e:
-                handle.on_event(ErrorEvent(str(e)))
+            except Exception as e:  # this request fails; the lanes and the queue go on
+                log.exception("prefill failed")
+                handle.on_event(ErrorEvent(f"prefill failed: {e}"))
                 continue
             handle.prefill_s = time.perf_counter() - start
             handle.first_token_at = time.perf_counter()

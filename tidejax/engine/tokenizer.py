@@ -9,13 +9,7 @@ from pathlib import Path
 import tokenizers
 
 from tidejax.config import ConfigError
-from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
-
-
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):  # AddedToken serialized by transformers
-        return value.get("content")
-    return value
+from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 
 class Tokenizer:
@@ -27,7 +21,7 @@ class Tokenizer:
         self.backend = tokenizers.Tokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.special = {k: _token_text(config.get(k)) for k in
+        self.special = {k: token_text(config.get(k)) for k in
                         ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.bos_id = self.token_id(self.special["bos_token"])
         self.eos_id = self.token_id(self.special["eos_token"])

@@ -36,10 +36,16 @@ def _check_args(x, bank, slot_ids, weights):
     return n
 
 
+# Up to this many picks the reference gathers each pick's weights, above it scans the slots. The
+# choice depends on the picks alone, never on the bank's size, so the same tokens give the same
+# bits whichever experts are resident.
+GATHER_PICKS = 64
+
+
 def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0):
     """x [T, D], slot_ids [T, k] int32 (-1 = skip), weights [T, k] -> y [T, D] of x.dtype.
 
-    Float32 throughout (HIGHEST precision dots). Small T*k gathers the picked slots' weights;
+    Float32 throughout (HIGHEST precision dots). Up to GATHER_PICKS picks it gathers their weights;
     otherwise it scans over the slots, so memory stays at one slot's weights (dequantized) plus
     [T, 2I] activations and the [T, k, D] per-pick outputs.
     """
@@ -47,7 +53,7 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
     xf = x.astype(jnp.float32)
     picked = slot_ids >= 0
     w = jnp.where(picked, weights.astype(jnp.float32), 0.0)  # [T, k]
-    if slot_ids.size <= n:
+    if slot_ids.size <= GATHER_PICKS:
         rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
         rows = dequantized(rows)
         h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
