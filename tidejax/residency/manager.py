@@ -266,9 +266,11 @@ class Residency:
         self._log_telemetry()
 
     def window_cold_share(self) -> float:
-        """Cold share over the sliding window of recent steps."""
-        wanted = sum(w for _, w in self._window)
-        return sum(m for m, _ in self._window) / wanted if wanted else 0.0
+        """Cold share over the sliding window of recent steps (safe from other threads: the
+        window is copied in one step before it is read)."""
+        window = tuple(self._window)
+        wanted = sum(w for _, w in window)
+        return sum(m for m, _ in window) / wanted if wanted else 0.0
 
     def stats(self) -> dict:
         c = self.counters
