@@ -13,7 +13,7 @@ import pytest
 
 from tidejax.config import ConfigError
 from tidejax.models.deepseek_v41_config import V41Config
-from tidejax.models.deepseek_v41_generate import (Sequence, engram_rows, greedy, new_hashers,
+from v41_runner import (Sequence, engram_rows, greedy, new_hashers,
                                                   step_fn)
 from tidejax.models.deepseek_v41_load import load
 from tidejax.models.engram import EngramHasher

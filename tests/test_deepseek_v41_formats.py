@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from tidejax.checkpoint import mxfp4
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
-from tidejax.models.deepseek_v41_generate import full_logits
+from v41_runner import full_logits
 from tidejax.models.deepseek_v41_load import V41LoadError, load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"  # widths divisible by 32

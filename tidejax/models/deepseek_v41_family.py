@@ -14,13 +14,29 @@ import numpy as np
 from tidejax.models import deepseek_v41_load
 from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
 from tidejax.models.deepseek_v41_config import V41Config
-from tidejax.models.deepseek_v41_generate import engram_rows, new_hashers
+from tidejax.models.deepseek_v41_load import V41Checkpoint
+from tidejax.models.engram import EngramHasher, gather_rows
 from tidejax.models.registry import Family, register
 
 
 def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
     checkpoint = deepseek_v41_load.load(model_dir, dtype=dtype, put_row=put_row)
     return checkpoint.params["params"], checkpoint
+
+
+def engram_rows(ck: V41Checkpoint, hashers: list[EngramHasher], tokens: np.ndarray,
+                starts, token_mask: np.ndarray | None = None):
+    """Host side of Engram: tokens [b, t] at positions starts[r].. -> float32
+    [b, t, engram layers, cols, e] table rows (None for a model without Engram)."""
+    if not ck.cfg.engram_layers:
+        return None
+    ids = np.stack([h(row, int(s), None if token_mask is None else token_mask[r])
+                    for r, (h, row, s) in enumerate(zip(hashers, np.asarray(tokens), starts))])
+    return gather_rows(ck.engram_tables, ids)
+
+
+def new_hashers(ck: V41Checkpoint, batch: int) -> list[EngramHasher]:
+    return [EngramHasher(ck.engram_layout) for _ in range(batch)] if ck.engram_layout else []
 
 
 class EngramInputs:

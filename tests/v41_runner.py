@@ -1,11 +1,6 @@
-"""Running DeepSeek-V4.1: the jitted step (prefill chunk or decode, cache donated), the host-side
-Engram inputs, a full forward for scoring and a greedy loop through the cache.
-
-The engine calls `step_fn(cfg, kernel)` once and then, per step:
-    rows = engram_rows(ck, hashers, tokens, starts)            # host: hash + gather table rows
-    logits, cache = step(ck.params, cache, tokens, positions, token_mask, rows, ck.experts)
-with `cache = V41Cache.create(cfg, lanes, max_len)` per batch of lanes and one `EngramHasher` per
-lane (reset it when a lane starts a new sequence).
+"""A plain DeepSeek-V4.1 runner for the golden tests, every expert resident: the jitted step,
+a full forward for scoring and a greedy loop through the cache (the engine serves the family
+through tidejax.models.deepseek_v41_family).
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ import numpy as np
 
 from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
 from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41_family import engram_rows, new_hashers
 from tidejax.models.deepseek_v41_load import V41Checkpoint
-from tidejax.models.engram import EngramHasher, gather_rows
 from tidejax.residency.serve import ServeOptions
 
 
@@ -37,19 +32,8 @@ def step_fn(cfg: V41Config, kernel: str = "auto"):
     return jax.jit(step, donate_argnums=(1,))
 
 
-def engram_rows(ck: V41Checkpoint, hashers: list[EngramHasher], tokens: np.ndarray,
-                starts, token_mask: np.ndarray | None = None):
-    """Host side of Engram: tokens [b, t] at positions starts[r].. -> float32
-    [b, t, engram layers, cols, e] table rows (None for a model without Engram)."""
-    if not ck.cfg.engram_layers:
-        return None
-    ids = np.stack([h(row, int(s), None if token_mask is None else token_mask[r])
-                    for r, (h, row, s) in enumerate(zip(hashers, np.asarray(tokens), starts))])
-    return gather_rows(ck.engram_tables, ids)
 
 
-def new_hashers(ck: V41Checkpoint, batch: int) -> list[EngramHasher]:
-    return [EngramHasher(ck.engram_layout) for _ in range(batch)] if ck.engram_layout else []
 
 
 def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarray:
