@@ -146,7 +146,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     num_mtp_layers: int = 0
     hidden_act: str = "silu"
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""
 
@@ -214,7 +213,6 @@ class ModelConfig:
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
             num_mtp_layers=f.opt("num_nextn_predict_layers", f.opt("num_mtp_layers", 0)),
             hidden_act=act,
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             source=source,
         )

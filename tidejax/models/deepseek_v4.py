@@ -223,15 +223,9 @@ class Pooler(nn.Module):
         latent = RMSNorm(self.cfg.rms_norm_eps, name="kv_norm")(latent)
         inv_freq, _ = rope_frequencies(self.cfg.compress_rope)
         cos, sin = ops.rope_angles(group * self.rate, inv_freq)
-        store = _scatter_rows(store, ops.rope_tail(latent, cos, sin), group, complete)
+        store = ops.scatter_rows(store, ops.rope_tail(latent, cos, sin), group, complete)
         update = jax.vmap(ops.ring_update)
         return store, update(ring_kv, kv, start, n_valid), update(ring_gate, gate, start, n_valid)
-
-
-def _scatter_rows(store, rows, at, keep):
-    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
-    at = jnp.where(keep, at, store.shape[1])
-    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
 
 
 class Attention(nn.Module):

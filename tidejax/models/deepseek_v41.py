@@ -85,12 +85,6 @@ class V41Cache:
                             if cfg.compress_ratios[s] > 1)
 
 
-def _scatter_rows(store, rows, at, keep):
-    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
-    at = jnp.where(keep, at, store.shape[1])
-    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
-
-
 class Compressor(nn.Module):
     """A KV source's compressor: entries for the groups completing in this chunk (pre-RoPE)."""
 
@@ -233,9 +227,9 @@ class Attention(nn.Module):
                 x, positions, n_valid, buf_kv, buf_gate)
             cos_g, sin_g = ops.rope_angles(group * ratio, inv_freq)
             if index_keys is not None:
-                index_keys = _scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
+                index_keys = ops.scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
             rotated = ops.fake_quant_fp4(ops.rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
-            entries = _scatter_rows(entries, rotated, group, complete)
+            entries = ops.scatter_rows(entries, rotated, group, complete)
             src_cache = (entries, index_keys, buf_kv, buf_gate)
             shared = {"entries": entries, "index_keys": index_keys,
                       "candidates": shared.get("candidates")}

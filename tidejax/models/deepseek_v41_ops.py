@@ -207,3 +207,9 @@ def selection_mask(ids, valid, g: int):
     """ids, valid [t, k] -> bool [t, g] (which entries a query may attend)."""
     t = ids.shape[0]
     return jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], ids].set(valid)
+
+
+def scatter_rows(store, rows, at, keep):
+    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
+    at = jnp.where(keep, at, store.shape[1])
+    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
