@@ -83,7 +83,10 @@ class Engine:
             max_tokens=self.max_context)
         self.serve = self.residency.options
         self.model = self.family.build(self.cfg, self.serve, self.dtype)
-        self.cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
+        # committed to the device, as the steps return it: one compile per step, not two
+        self.cache = jax.device_put(
+            self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype),
+            jax.devices()[0])
         self._prefill_buckets = _buckets(self.prefill_chunk)
         self._steps = _Steps(self.model)
         self._replay: np.ndarray | None = None  # [N, L_moe, k] recorded picks, see set_routing_replay

@@ -35,8 +35,11 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
     return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def drained(state: ExpertState) -> ExpertState:
-    """The state with fresh zeroed counters (after the host has read them)."""
-    shape = state.counts.shape
-    return state.replace(counts=jnp.zeros(shape, jnp.float32), weight_sums=jnp.zeros(shape, jnp.float32),
-                         misses=jnp.zeros(shape, jnp.float32))
+    """The state with zeroed counters (after the host has read them), in place. Jitted, so the
+    counters keep the placement the step was compiled for: fresh host-made arrays would be
+    uncommitted and make every step compile again after the first drain."""
+    return state.replace(counts=jnp.zeros_like(state.counts),
+                         weight_sums=jnp.zeros_like(state.weight_sums),
+                         misses=jnp.zeros_like(state.misses))

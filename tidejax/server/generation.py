@@ -129,7 +129,7 @@ class Generation:
         self.request = GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed)
+            seed=sampling.seed, ignore_eos=sampling.ignore_eos)
         self.stop = sampling.stop
         self.finish_reason = "cancelled"
         self.prompt_tokens = len(prompt_ids)

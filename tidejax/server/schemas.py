@@ -22,6 +22,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,8 @@ def _sampling(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str,
     return Sampling(max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
                     temperature=body.number("temperature", 1.0, 0.0, 2.0),
                     top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-                    top_k=max(top_k, 0), seed=body.get("seed", int), stop=stop)
+                    top_k=max(top_k, 0), seed=body.get("seed", int), stop=stop,
+                    ignore_eos=body.get("ignore_eos", bool, False))
 
 
 def _text_content(content: Any, param: str, parts_type: str = "text") -> str:
