@@ -177,3 +177,28 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.residency.stats()["resident"] == n_moe * n_experts // 2
     np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
     assert half.residency.stats()["misses"] > 0
+
+
+def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):
+    """Experts stored as fused MXFP4 blocks and scales stay MXFP4 in the bank and compute what
+    the same values stored dense compute."""
+    from tidejax.checkpoint import mxfp4
+    name, path, model, _ = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for the format")
+    state = _state_dict(model)
+    packed, dense = dict(state), dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(state[key])
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        dense[key] = mxfp4.dequantize(blocks, scales).astype(np.float32)
+    for label, tensors in (("packed", packed), ("dense", dense)):
+        shutil.copytree(path, tmp_path / label)
+        (tmp_path / label / "model.safetensors").unlink()
+        save_file(tensors, str(tmp_path / label / "model.safetensors"))
+    native = tidejax.load(tmp_path / "packed")
+    assert set(native.residency.state.bank) == {"gate_up_blocks", "gate_up_scales",
+                                                "down_blocks", "down_scales"}
+    np.testing.assert_allclose(native.logits(PROMPT), tidejax.load(tmp_path / "dense").logits(PROMPT),
+                               rtol=0, atol=1e-6)

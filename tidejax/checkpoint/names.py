@@ -65,7 +65,8 @@ def load_routed_experts(reader: CheckpointReader, layer_prefixes: Sequence[str],
       per-expert: {prefix}.experts.{e}.{gate_proj,up_proj}.weight [I, D], .down_proj.weight
                   [D, I] (FP8 pairs allowed);
       fused (transformers 5): {prefix}.experts.gate_up_proj [E, 2I, D],
-                  {prefix}.experts.down_proj [E, D, I]."""
+                  {prefix}.experts.down_proj [E, D, I];
+      MXFP4: {prefix}.experts.{gate_up,down}_proj_{blocks,scales} (emitted as MXFP4 rows)."""
     plan = _plan_experts(reader, layer_prefixes, n_experts, hidden, inter)
     _read_experts(reader, plan, n_experts, put_row, dtype)
 
@@ -115,13 +116,28 @@ def _read_params(reader: CheckpointReader, rules, dtype, put) -> dict:
     return out
 
 
+# bank leaf -> the fused MXFP4 tensor under "{prefix}.experts." (gate rows first, then up rows)
+MXFP4_TENSORS = {"gate_up_blocks": "gate_up_proj_blocks", "gate_up_scales": "gate_up_proj_scales",
+                 "down_blocks": "down_proj_blocks", "down_scales": "down_proj_scales"}
+
+
 def _plan_experts(reader: CheckpointReader, layer_prefixes: Sequence[str], n_experts: int,
-                  hidden: int, inter: int) -> list[tuple[int, str, bool]]:
-    """Check and claim every layer's expert tensors from the headers: [(m, prefix, fused)]."""
+                  hidden: int, inter: int) -> list[tuple[int, str, str]]:
+    """Check and claim every layer's expert tensors from the headers: [(m, prefix, layout)] with
+    layout "per_expert", "fused" (transformers 5) or "mxfp4" (fused blocks and scales)."""
     E, D, I = n_experts, hidden, inter
     plan = []
     for m, prefix in enumerate(layer_prefixes):
         fused = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
+        packed = {part: f"{prefix}.experts.{name}" for part, name in MXFP4_TENSORS.items()}
+        if packed["gate_up_blocks"] in reader:
+            shapes = {"gate_up_blocks": (E, 2 * I, D // 32, 16), "gate_up_scales": (E, 2 * I, D // 32),
+                      "down_blocks": (E, D, I // 32, 16), "down_scales": (E, D, I // 32)}
+            for part, name in packed.items():
+                check_shape(reader, name, shapes[part], f"MXFP4 routed experts of '{prefix}'")
+                reader.claim(name)
+            plan.append((m, prefix, "mxfp4"))
+            continue
         if any(n in reader for n in fused):
             if f"{prefix}.experts.0.gate_proj.weight" in reader:
                 where = reader.file_of(fused[0] if fused[0] in reader else fused[1])
@@ -130,20 +146,26 @@ def _plan_experts(reader: CheckpointReader, layer_prefixes: Sequence[str], n_exp
             for name, shape in zip(fused, ((E, 2 * I, D), (E, D, I))):
                 check_shape(reader, name, shape, f"routed experts of '{prefix}'")
                 reader.claim(name)
-            plan.append((m, prefix, True))
+            plan.append((m, prefix, "fused"))
             continue
         for e in range(E):
             for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
                 name = f"{prefix}.experts.{e}.{proj}.weight"
                 check_shape(reader, name, shape, f"expert {e} of '{prefix}'")
                 reader.claim(name)
-        plan.append((m, prefix, False))
+        plan.append((m, prefix, "per_expert"))
     return plan
 
 
 def _read_experts(reader: CheckpointReader, plan, E: int, put_row, dtype) -> None:
-    for m, prefix, fused in plan:
-        if fused:
+    """Rows go out as stored: dense {"gate_up", "down"} (cast to dtype) or MXFP4 blocks/scales."""
+    for m, prefix, layout in plan:
+        if layout == "mxfp4":
+            names = [f"{prefix}.experts.{name}" for name in MXFP4_TENSORS.values()]
+            for e, parts in enumerate(zip(*(reader.read_rows(n) for n in names))):
+                put_row(m * E + e, dict(zip(MXFP4_TENSORS, parts)))
+            continue
+        if layout == "fused":
             rows = zip(reader.read_rows(f"{prefix}.experts.gate_up_proj"),
                        reader.read_rows(f"{prefix}.experts.down_proj"))
             for e, (gate_up, down) in enumerate(rows):
