@@ -63,9 +63,11 @@ def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
     bank = jax.tree.map(jnp.asarray, pool)
     rowmap = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_layers, n_experts)
     counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
-    return ExpertState(bank=bank, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
-                       counts=counts, weight_sums=weight_sums, misses=misses, pool=None,
-                       resident=n_rows)
+    state = ExpertState(bank=bank, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
+                        counts=counts, weight_sums=weight_sums, misses=misses, pool=None,
+                        resident=n_rows)
+    # committed to the device, as the steps return it: the first step compiles once, not twice
+    return jax.device_put(state, jax.devices()[0])
 
 
 def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
