@@ -128,7 +128,6 @@ class Engine:
         if not 0 < n < self.max_context:
             raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_context}")
         lane_sampling = LaneSampling.of([sampling])
-        token = None
         with jax.profiler.TraceAnnotation("prefill"):
             token = self._prefill_chunks(lane, token_ids, lane_sampling)
         self.residency.after_step(n)

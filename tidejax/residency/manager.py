@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
