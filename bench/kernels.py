@@ -7,13 +7,18 @@ the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the s
 kernel is checked against the jnp reference on the GPU first. Prints a markdown table and
 appends it to bench/RESULTS.md (and to $OUT/kernels.md when $OUT is set).
 
-    PYTHONPATH=. python3 bench/kernels.py [--quick]
+--variants instead times the kernel's variants (and the previous kernel, "v0") side by side at
+each token count, with each one's error against the reference, and the jnp tile planning alone;
+it prints one table (and writes $OUT/kernel_variants.md), RESULTS.md is left alone.
+
+    PYTHONPATH=. python3 bench/kernels.py [--quick | --variants]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -28,7 +33,8 @@ from tidejax.pallas.bank import bank_format
 from tidejax.pallas.demand import count_demand_reference
 from tidejax.pallas.demand_kernel import count_demand_pallas
 from tidejax.pallas.moe import moe_grouped_reference
-from tidejax.pallas.moe_kernel import TILES, moe_grouped_pallas, rows_per_tile
+from tidejax.pallas import moe_kernel_v0
+from tidejax.pallas.moe_kernel import TILES, default_variant, moe_grouped_pallas, plan_tiles, rows_per_tile
 
 D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
@@ -116,12 +122,12 @@ def check(fmt, bank, rng):
     return max(errs)
 
 
-def time_moe(bank, ids_sets, w, x, tile):
+def time_moe(bank, ids_sets, w, x, tile, kernel=moe_grouped_pallas, n_iter=None):
     """Seconds per call, from a loop of calls inside one jit (no dispatch gaps)."""
     def step(j, acc, x, bank, ids_sets, w):
-        return acc + moe_grouped_pallas(x, bank, ids_sets[j % ROTATE], w, tile=tile).astype(jnp.float32)
+        return acc + kernel(x, bank, ids_sets[j % ROTATE], w, tile=tile).astype(jnp.float32)
     return seconds_per_step(step, jnp.zeros(x.shape, jnp.float32), x, bank, ids_sets, w,
-                            n_iter=200 if x.shape[0] <= 64 else 10)
+                            n_iter=n_iter or (200 if x.shape[0] <= 64 else 10))
 
 
 def bench_format(fmt, rng, copy, mm, rows, quick):
@@ -151,6 +157,108 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         print(rows[-1], flush=True)
 
 
+# --variants: (variant, tile) candidates per format and token count; "v0" = the previous kernel
+# with its own tile choice. Tiles: rows x out-cols x K-block x warps x stages.
+CANDIDATES = {
+    "mxfp4": {
+        1: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv-f32bits", (1, 64, 128, 4, 1))],
+        4: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (1, 128, 128, 4, 1)),
+            ("gemv", (1, 64, 256, 4, 1)), ("gemv", (1, 32, 128, 2, 1)), ("gemv-f32bits", (1, 64, 128, 4, 1)),
+            ("dot-split", (16, 64, 128, 4, 1))],
+        16: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (2, 64, 128, 4, 1))],
+        64: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (2, 64, 128, 4, 1)),
+             ("gemv", (4, 64, 128, 4, 1)), ("dot-split", (16, 64, 128, 4, 1))],
+        4096: [("v0", None), ("dot", (64, 64, 128, 4, 2)), ("dot-split", (64, 64, 128, 4, 2))],
+    },
+    "bf16": {
+        1: [("v0", None), ("gemv", (1, 64, 128, 4, 1))],
+        4: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("dot-split", (16, 32, 256, 4, 4))],
+        64: [("v0", None), ("gemv", (2, 64, 128, 4, 1)), ("dot-split", (16, 32, 256, 4, 4))],
+        4096: [("v0", None), ("dot-split", (64, 256, 64, 8, 3))],
+    },
+}
+
+
+def kernel_of(variant, tile):
+    """The kernel function of a candidate, taking (x, bank, ids, w, *, tile[, swiglu_limit])."""
+    if variant == "v0":
+        return moe_kernel_v0.moe_grouped_pallas
+    return functools.partial(moe_grouped_pallas, variant=variant)
+
+
+def variant_error(kernel, tile, bank, rng, t):
+    """Relative error vs the reference at t tokens (full bank), or 1024 tokens on 32 slots; x of
+    bf16 values given as float32, so that the output is float32 (not rounded to bf16)."""
+    if t > 64:
+        bank, t = jax.tree.map(lambda a: a[:32], bank), 1024
+    n = next(iter(bank.values())).shape[0]
+    ids, w = routing(rng, 1, t, n)
+    ids = ids[0].at[0, 0].set(-1) if t > 1 else ids[0]
+    x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16).astype(jnp.float32)  # float32 out
+    got = kernel(x, bank, ids, w, tile=tile, swiglu_limit=7.0)
+    want = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(x, bank, ids, w, swiglu_limit=7.0)
+    return rel_err(got, want)
+
+
+def plan_seconds(t):
+    """The jnp tile planning alone (sort of picks by slot) at t tokens, in a loop inside one jit."""
+    ids = jnp.asarray(np.argsort(np.random.default_rng(0).random((ROTATE, t, E)), -1)[..., :K].astype(np.int32))
+    bt = rows_per_tile(t * K, E)
+
+    def step(j, acc, ids):
+        tile_slot, row_token, pick_row = plan_tiles(ids[j % ROTATE], E, bt)
+        return acc + tile_slot[0] + row_token[0] + pick_row[0]
+    return seconds_per_step(step, jnp.int32(0), ids, n_iter=200)
+
+
+def bench_variants(fmt, rng, copy, rows):
+    bank = make_bank(fmt, E, jax.random.key(3))
+    per_expert = expert_bytes(bank)
+    for t, candidates in CANDIDATES[fmt].items():
+        ids_sets, w = routing(rng, ROTATE, t, E)
+        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
+        distinct = np.mean([len(np.unique(np.asarray(s))) for s in ids_sets])
+        default = TILES[fmt if fmt == "mxfp4" else "dense"][rows_per_tile(t * K, E)]
+        for variant, tile in candidates:
+            kernel = kernel_of(variant, tile)
+            try:
+                s = time_moe(bank, ids_sets, w, x, tile, kernel=kernel, n_iter=50 if t <= 64 else 5)
+                err = variant_error(kernel, tile, bank, rng, t)
+            except Exception:  # a candidate that does not compile is reported, the sweep goes on
+                print(f"{fmt} tokens={t} {variant} {tile} failed:\n{traceback.format_exc()}", flush=True)
+                continue
+            gbps = distinct * per_expert / s / 1e9
+            mark = " (default)" if variant != "v0" and tile == default and variant == default_variant(tile[0]) else ""
+            rows.append(f"| {fmt} | {t} | {distinct:.1f} | {variant}{mark} | {'x'.join(map(str, tile or ['own']))} | "
+                        f"{s * 1e6:.1f} | {gbps:.0f} | {gbps / copy:.2f} | {err:.1e} |")
+            print(rows[-1], flush=True)
+
+
+def main_variants(args, copy):
+    rows = []
+    for fmt in args.formats.split(","):
+        try:
+            bench_variants(fmt, np.random.default_rng(int(time.time())), copy, rows)
+        except Exception:
+            print(f"{fmt} failed:\n{traceback.format_exc()}", flush=True)
+    plans = [f"| plan_tiles | {t} | {plan_seconds(t) * 1e6:.1f} us |" for t in (1, 4, 64)]
+    section = "\n".join([
+        f"\n## Kernel variants ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
+        f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, "
+        f"jax {jax.__version__}; device copy {copy:.0f} GB/s (read + write). v0 = the previous kernel. "
+        "err = relative Frobenius error vs the float32 reference (swiglu_limit 7; 4096 tokens: checked at "
+        "1024 tokens on 32 slots).\n",
+        "| experts | tokens | distinct experts | variant | tile | us | GB/s | / copy | err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows, "",
+        "| op | tokens | time |", "| --- | --- | --- |", *plans, "",
+    ])
+    print(section)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kernel_variants.md"), "w") as f:
+            f.write(section)
+
+
 def bench_demand(rng, rows):
     layers = 43
     for t in (64, 4096):
@@ -173,8 +281,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="no tile sweep")
     ap.add_argument("--formats", default="mxfp4,bf16", help="comma-separated: mxfp4, bf16")
     ap.add_argument("--no-demand", action="store_true", help="skip the demand counter rows")
+    ap.add_argument("--variants", action="store_true", help="compare the kernel's variants (and v0)")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
+    if args.variants:
+        copy_gbps()  # warm the clocks up first
+        return main_variants(args, copy_gbps())
     copy_gbps(), matmul_tflops()  # warm the clocks up first
     copy, mm = copy_gbps(), matmul_tflops()
     print(f"device copy {copy:.0f} GB/s (read + write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)

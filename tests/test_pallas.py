@@ -1,5 +1,6 @@
 """Kernels (Pallas interpret mode on CPU) and their jnp references against float64 numpy."""
 
+import functools
 import time
 
 import jax
@@ -10,7 +11,7 @@ import pytest
 from tidejax.checkpoint import mxfp4
 from tidejax.pallas import count_demand, moe_grouped, moe_grouped_reference
 from tidejax.pallas.demand_kernel import count_demand_pallas
-from tidejax.pallas.moe_kernel import moe_grouped_pallas
+from tidejax.pallas.moe_kernel import moe_grouped_pallas, rows_per_tile
 
 
 @pytest.fixture
@@ -61,7 +62,8 @@ def rel_err(got, want):
     return np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
 
 
-# (format, slots, tokens, k): decode-like (16-row tiles) and prefill-like (64-row tiles)
+# (format, slots, tokens, k) with the kernel's own tile choice: decode-like (GEMV tiles) and
+# prefill-like (64-row tiles on the matrix units)
 CASES = [("bf16", 8, 3, 2), ("mxfp4", 8, 5, 3), ("bf16", 4, 150, 2), ("mxfp4", 4, 150, 2)]
 
 
@@ -74,7 +76,34 @@ def test_moe_kernel_interpret_matches_float64(rng, fmt, n, t, k, limit):
     want = numpy_moe(x, gate_up, down, slot_ids, weights, limit)
     got = moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=limit, interpret=True)
     assert got.dtype == jnp.float32 and got.shape == x.shape
-    assert rel_err(got, want) < 2e-2  # bf16 inputs to the dots, float32 accumulation
+    assert rel_err(got, want) < 2e-2  # bf16 inputs to the prefill dots, float32 accumulation
+
+
+# (variant, tile, tolerance): GEMV in float32; dots with the activations split into bf16 hi + lo
+# (~16 mantissa bits) or not (bf16). Tiles sized for hidden 64, intermediate 32: several K steps.
+PATHS = [("gemv", (1, 16, 64, 4, 1), 1e-5), ("gemv", (4, 8, 32, 2, 1), 1e-5),
+         ("dot-split", (16, 16, 32, 4, 1), 1e-4), ("dot", (16, 16, 32, 4, 1), 2e-2)]
+
+
+@pytest.mark.parametrize("variant,tile,tol", PATHS)
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_moe_kernel_variants_match_float64(rng, variant, tile, tol, fmt, t):
+    n, k, limit = 8, 3, 0.6 if t == 4 else 0.0
+    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
+    x = rng.standard_normal((t, 64)).astype(np.float32)
+    slot_ids, weights = random_picks(rng, t, k, n)
+    slot_ids[0, 0] = -1  # a skipped pick
+    want = numpy_moe(x, gate_up, down, slot_ids, weights, limit)
+    got = moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=limit, interpret=True,
+                             tile=tile, variant=variant)
+    assert rel_err(got, want) < tol
+
+
+def test_rows_per_tile_follows_the_picks_a_used_slot_gets():
+    # DeepSeek-V4.1-Flash decode: 384 slots, 6 picks a token
+    assert [rows_per_tile(6 * t, 384) for t in (1, 4, 16, 64, 4096)] == [1, 1, 1, 2, 64]
+    assert rows_per_tile(16, 4) == 4 and rows_per_tile(80, 4) == 32
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "mxfp4"])
@@ -141,10 +170,17 @@ def test_count_demand_matches_loop(rng, impl):
 
 def test_kernel_e2m1_decoding_covers_every_code():
     from tidejax.checkpoint.mxfp4 import E2M1_VALUES
-    from tidejax.pallas.moe_kernel import _e2m1_over_2_to_14
+    from tidejax.pallas.moe_kernel import e2m1_f16_f32, e2m1_f32
 
-    got = jax.jit(_e2m1_over_2_to_14)(jnp.arange(16, dtype=jnp.int32))
-    np.testing.assert_array_equal(np.asarray(got) * 2.0**14, E2M1_VALUES)
+    codes = jnp.arange(16, dtype=jnp.uint32)
+    for shift, byte in ((0, codes), (4, codes << 4 | (15 - codes))):  # the other nibble is noise
+        got = jax.jit(e2m1_f16_f32, static_argnums=1)(byte, shift)
+        np.testing.assert_array_equal(np.asarray(got) * 2.0**14, E2M1_VALUES)
+        # float32 bits with +-0.5 as subnormals: read by numpy, which keeps subnormals (XLA on CPU
+        # flushes them, so the bits are checked, not arithmetic on them)
+        bits = jax.lax.bitcast_convert_type(jax.jit(e2m1_f32, static_argnums=1)(byte, shift), jnp.uint32)
+        got = np.asarray(bits).view(np.float32).astype(np.float64) * 2.0**126
+        np.testing.assert_array_equal(got, E2M1_VALUES)
 
 
 def test_kernels_lower_to_triton_for_cuda():
@@ -161,8 +197,10 @@ def test_kernels_lower_to_triton_for_cuda():
     ]
     triton_ok = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for bank in banks:
-        for tokens in (t, 300):  # decode tiles and prefill tiles
-            exported = export.export(jax.jit(moe_grouped_pallas), platforms=["cuda"], disabled_checks=triton_ok)(
+        for tokens, tile, variant in ((t, None, None), (300, None, None), (t, (2, 32, 128, 4, 1), "gemv-f32bits"),
+                                      (t, (16, 32, 128, 4, 1), "dot-split"), (300, (64, 64, 64, 4, 2), "dot")):
+            kernel = functools.partial(moe_grouped_pallas, tile=tile, variant=variant)
+            exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=triton_ok)(
                 shape((tokens, d), jnp.bfloat16), bank, shape((tokens, k), jnp.int32), shape((tokens, k), jnp.float32))
             assert exported.mlir_module().count("xla.gpu.triton") == 2
     exported = export.export(jax.jit(count_demand_pallas), platforms=["cuda"], disabled_checks=triton_ok)(

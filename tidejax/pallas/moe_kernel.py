@@ -3,11 +3,22 @@
 Plan (jnp, cheap): the T*k picks are sorted by slot and laid out in tiles of `bt` rows, every
 tile holding picks of one slot (a slot's last tile is padded). Then two kernels, each a grid over
 (tile, output columns); a program streams its slot's weight rows once, dequantizing MXFP4 in
-registers, and serves all rows of its tile with bf16 dots accumulated in float32:
-  1. h[row] = swiglu(x[token(row)] @ gate_up[slot].T)      [rows, I] bf16
-  2. o[row] = h[row] @ down[slot].T                        [rows, D] f32
+registers, and serves all rows of its tile:
+  1. h[row] = swiglu(x[token(row)] @ gate_up[slot].T)      [rows, I] float32
+  2. o[row] = h[row] @ down[slot].T                        [rows, D] float32
 Finally y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
 Tiles past the used ones have slot -1 and return at once.
+
+Two ways to run a tile (`variant`):
+  * decode (a few rows a tile, bt <= GEMV_ROWS): "gemv" — no matrix units; float32 products of
+    the weights with the activations, summed over each 32-value block, times the block's scale.
+    The weights stream once and each element costs a few integer ops plus one FMA a row.
+    "gemv-f32bits" decodes codes straight to float32 bits, one conversion less, but +-0.5
+    become float32 subnormals: right only where subnormals are not flushed (the GPU, not XLA
+    on CPU, so no CPU test can check it; bench/kernels.py checks it on the GPU).
+  * prefill (bt >= 16): "dot" — weights dequantized to bf16 in registers, bf16 dots with float32
+    accumulation; "dot-split" also feeds the activations' rounding error through a second dot
+    (x = hi + lo, both bf16), so they keep ~16 mantissa bits.
 """
 
 from __future__ import annotations
@@ -23,19 +34,40 @@ from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
 
-# Tile by bank format and rows per tile bt: (bt, block of output columns, block of K, num_warps,
-# num_stages). Small bt = decode (weight streaming), large bt = prefill (matrix units). Chosen
-# by bench/kernels.py sweeps on the H200 (bench/RESULTS.md).
+GEMV_ROWS = 4  # tiles of up to this many rows run as GEMV, taller ones on the matrix units
+VARIANTS = ("gemv", "gemv-f32bits", "dot", "dot-split")
+# Tile by bank format and rows per tile bt: (bt, block of output columns, block of K values,
+# num_warps, num_stages). Chosen by bench/kernels.py sweeps on the H200 (bench/RESULTS.md).
 TILES = {
-    "dense": {16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 256, 64, 8, 3)},
-    "mxfp4": {16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4), 64: (64, 64, 128, 4, 2)},
+    "dense": {1: (1, 64, 128, 4, 1), 2: (2, 64, 128, 4, 1), 4: (4, 64, 128, 4, 1),
+              16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 256, 64, 8, 3)},
+    "mxfp4": {1: (1, 64, 128, 4, 1), 2: (2, 64, 128, 4, 1), 4: (4, 64, 128, 4, 1),
+              16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4), 64: (64, 64, 128, 4, 2)},
 }
+# Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
+# block's 16 bytes (32 values: the low nibbles hold the even inputs, the high nibbles the odd).
+GEMV_GROUP = {"dense": 8, "mxfp4": 16}
+# "gemv-f32bits" decodes MXFP4 codes into float32 bits as value * 2**-126 (subnormal for +-0.5),
+# so the activations are scaled by 2**X_SCALE_LOG2 on the way in to keep the products normal.
+X_SCALE_LOG2 = 64
 
 
 def rows_per_tile(n_picks: int, n_slots: int) -> int:
-    """Average picks a used slot gets decides the tile height (a power of two, >= 16)."""
-    avg = n_picks / max(1, min(n_slots, n_picks))
-    return 16 if avg <= 16 else 32 if avg <= 32 else 64
+    """Tile height from the picks a used slot gets on average under uniform routing.
+
+    One row a tile re-reads a slot's weights for each of its picks; taller tiles cost padding
+    rows (GEMV: one FMA a weight each) or move to the matrix units (16 rows and up).
+    """
+    used = n_slots * (1 - (1 - 1 / n_slots) ** n_picks) if n_slots > 1 else 1.0
+    avg = n_picks / max(1.0, min(used, n_picks))
+    for bt, most in ((1, 1.15), (2, 2.3), (4, 4.5), (16, 16), (32, 32)):
+        if avg <= most:
+            return bt
+    return 64
+
+
+def default_variant(bt: int) -> str:
+    return "gemv" if bt <= GEMV_ROWS else "dot-split" if bt <= 16 else "dot"
 
 
 def pallas_supports(bank) -> bool:
@@ -45,13 +77,13 @@ def pallas_supports(bank) -> bool:
     return d % 16 == 0 and i % (16 * phases) == 0
 
 
-def _block(dim: int, want: int, what: str) -> int:
-    """Largest power of two <= want that divides dim (Triton blocks are powers of two, >= 16)."""
+def _block(dim: int, want: int, what: str, least: int = 16) -> int:
+    """Largest power of two <= want that divides dim and is >= least."""
     b = want
-    while b >= 16 and dim % b:
+    while b >= least and dim % b:
         b //= 2
-    if b < 16:
-        raise ValueError(f"moe_grouped(impl='pallas'): {what} {dim} is not a multiple of 16")
+    if b < least:
+        raise ValueError(f"moe_grouped(impl='pallas'): {what} {dim} is not a multiple of {least}")
     return b
 
 
@@ -83,60 +115,47 @@ def plan_tiles(slot_ids, n_slots: int, bt: int):
     return tile_slot, row_token, pick_row
 
 
-def _e2m1_over_2_to_14(nibbles):
-    """int32 e2m1 codes (0..15) -> float32 value * 2**-14, in a few integer ops.
+# ---- e2m1 codes -> floats, by moving the code's bits into a float's fields -------------------
+# A code's exponent bits (2..1) and mantissa bit (0) land at the bottom of the float's exponent
+# and the top of its mantissa, its sign (bit 3) on the sign bit: the float is the e2m1 value
+# times a fixed power of two (e2m1's exponent-0 codes, 0 and +-0.5, become the float's own
+# subnormals, exactly). `shift` 0 takes a byte's low nibble, 4 its high nibble.
 
-    The code's exponent and mantissa bits, moved to the top of an fp16's exponent and mantissa
-    fields, read as fp16 (subnormal for exponent 0, exactly as e2m1's) the value times 2**-14.
-    """
-    bits = ((nibbles & 7) << 9) | ((nibbles & 8) << 12)
-    half = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-    return half.astype(jnp.float32)
+def _e2m1_bits(b, shift, mantissa_top, sign_bit):
+    """uint32 bytes b -> bits of the float with mantissa's top bit `mantissa_top`."""
+    magnitude = (b << (mantissa_top - shift)) & jnp.uint32(7 << mantissa_top)
+    sign = (b << (sign_bit - 3 - shift)) & jnp.uint32(1 << sign_bit)
+    return magnitude | sign
 
+
+def e2m1_f32(b, shift):
+    """value * 2**-126 as float32."""
+    return jax.lax.bitcast_convert_type(_e2m1_bits(b, shift, 22, 31), jnp.float32)
+
+
+def e2m1_f16_f32(b, shift):
+    """value * 2**-14: fp16 bits, converted to float32."""
+    bits = _e2m1_bits(b, shift, 9, 15).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _pow2_f32(e, bias, top):
+    """float32 2**(e - bias) from int32 e; e clamped to <= top (no real weight is that big)."""
+    return jax.lax.bitcast_convert_type((jnp.minimum(e, top) + 127 - bias) << 23, jnp.float32)
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
 
 def _step_start(kk, size):
     """kk * size, marked a multiple of size for Triton (vector loads); kk may be a Python int."""
     return kk * size if isinstance(kk, int) else pl.multiple_of(kk * size, size)
 
 
-def _fetch(w_refs, slot, rows, kk, bk):
-    """Raw operands of K step kk for weight rows `rows` (a pl.ds) of one slot.
-
-    dense -> (tile [bn, bk],); mxfp4 -> (bytes [bn, bk/2], scale bytes [bn, bk/32]).
-    """
-    if len(w_refs) == 1:  # dense
-        return (w_refs[0][slot, rows, pl.ds(_step_start(kk, bk), bk)],)
-    blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
-    nbytes, nb = bk // 2, bk // mxfp4.BLOCK
-    packed = blocks_ref[slot, rows, pl.ds(_step_start(kk, nbytes), nbytes)]
-    return packed, scales_ref[slot, rows, pl.ds(_step_start(kk, nb), nb)]
-
-
-def _decode(raw):
-    """Raw operands -> bf16 weights as phases of K.
-
-    dense -> (w [bn, bk],); mxfp4 -> (w_even [bn, bk/2], w_odd [bn, bk/2]): the low nibbles
-    hold the even inputs and the high nibbles the odd ones, so the dot takes x split the same
-    way and the nibbles are never interleaved in registers.
-    """
-    if len(raw) == 1:
-        return (raw[0].astype(jnp.bfloat16),)
-    packed, exps = raw[0].astype(jnp.int32), raw[1].astype(jnp.int32)
-    bn, nb = exps.shape
-    # 2**(e - 127 + 14) as float32 bits (scales above 240, 2**113, saturate: no weight is that big)
-    scale = jax.lax.bitcast_convert_type(jnp.minimum(exps + 14, 254) << 23, jnp.float32)
-    half = mxfp4.BLOCK // 2  # bytes a block
-    scale = jnp.broadcast_to(scale.reshape(bn, nb, 1), (bn, nb, half)).reshape(bn, nb * half)
-    lo = _e2m1_over_2_to_14(packed & 15) * scale
-    hi = _e2m1_over_2_to_14(packed >> 4) * scale
-    return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
-
-
 def _k_loop(n_k, fetch, consume, acc, prefetch):
     """acc = consume(kk, fetch(kk), acc) for kk < n_k.
 
     With prefetch, step kk+1's loads are issued before step kk's math (double buffering in
-    registers): MXFP4 bytes go through integer math before the dot, so Triton's own pipelining,
+    registers): MXFP4 bytes go through integer math before use, so Triton's own pipelining,
     which feeds dots from shared memory, does not hide their latency.
     """
     if not prefetch:
@@ -150,11 +169,6 @@ def _k_loop(n_k, fetch, consume, acc, prefetch):
     return jax.lax.fori_loop(0, n_k, step, (acc, fetch(0)))[0]
 
 
-def _dot_t(a, b):
-    """a [m, k] @ b[n, k].T in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _phase_rows(col, bn, n_rows, phases):
     """Program `col` of a projection with n_rows outputs, its phase and the rows it makes.
 
@@ -166,7 +180,192 @@ def _phase_rows(col, bn, n_rows, phases):
     return phase, q0, pl.ds(phases * q0 + phase, bn, stride=phases)
 
 
-def _gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases):
+def _swiglu(g, u, limit):
+    if limit > 0:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return g * jax.nn.sigmoid(g) * u
+
+
+# ---- GEMV (decode) -------------------------------------------------------------------------------
+# Weights as [N, R, K/G, G] (G = GEMV_GROUP): a step takes [bn, nb, G] of them, one 16-byte
+# vector a (row, group), and the activations' [nb, G] (x split into even / odd halves for MXFP4).
+# The products are summed over G inside each thread, scaled per block, and accumulated [bn, nb];
+# the sum over nb comes once, at the end.
+
+def _gemv_fetch(w_refs, slot, rows, kk, nb):
+    g0 = _step_start(kk, nb)
+    return tuple(ref[slot, rows, pl.ds(g0, nb)] for ref in w_refs)
+
+
+def _gemv_weights(raw, variant):
+    """Raw operands -> (float32 planes [bn, nb, G] matching the activation phases, scale [bn, nb])."""
+    if len(raw) == 1:  # dense
+        return (raw[0].astype(jnp.float32),), None
+    b, e = raw[0].astype(jnp.uint32), raw[1].astype(jnp.int32)
+    if variant == "gemv-f32bits":  # value * 2**-126 against x * 2**64: 2**(e - 127 + 126 - 64)
+        return (e2m1_f32(b, 0), e2m1_f32(b, 4)), _pow2_f32(e, 65, 192)
+    return (e2m1_f16_f32(b, 0), e2m1_f16_f32(b, 4)), _pow2_f32(e, 113, 240)  # value * 2**-14
+
+
+def _gemv_partial(weights, xs):
+    """[bn, nb] float32: per row and group, sum over G of weights * activations (then scaled)."""
+    planes, scale = weights
+    p = sum(jnp.sum(w * x[None], axis=2) for w, x in zip(planes, xs))
+    return p if scale is None else p * scale
+
+
+def _gemv_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, nb, n_k, i, limit, phases,
+                         variant, out_scale):
+    x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
+    tile, col = pl.program_id(0), pl.program_id(1)
+    slot = tile_slot_ref[tile]
+
+    @pl.when(slot >= 0)
+    def _():
+        tokens = [row_token_ref[tile * bt + r] for r in range(bt)]
+        phase, q0, rows = _phase_rows(col, bn, i, phases)
+        up_rows = pl.ds(i + rows.start, bn, stride=phases)
+
+        def fetch(kk):
+            return _gemv_fetch(w_refs, slot, rows, kk, nb), _gemv_fetch(w_refs, slot, up_rows, kk, nb)
+
+        def consume(kk, raw, acc):
+            g0 = _step_start(kk, nb)
+            gate, up = (_gemv_weights(r, variant) for r in raw)
+            out = []
+            for tok, (g, u) in zip(tokens, acc):
+                xs = [r[tok, pl.ds(g0, nb)].astype(jnp.float32) for r in x_refs]
+                out.append((g + _gemv_partial(gate, xs), u + _gemv_partial(up, xs)))
+            return tuple(out)
+
+        zeros = jnp.zeros((bn, nb), jnp.float32)
+        acc = _k_loop(n_k, fetch, consume, ((zeros, zeros),) * bt, prefetch=True)
+        for r, (g, u) in enumerate(acc):
+            h = _swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
+            h_ref[phase, tile * bt + r, pl.ds(q0, bn)] = h * out_scale
+
+
+def _gemv_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, nb, n_k, phases, variant):
+    *w_refs, o_ref = refs
+    tile, col = pl.program_id(0), pl.program_id(1)
+    slot = tile_slot_ref[tile]
+
+    @pl.when(slot >= 0)
+    def _():
+        def consume(kk, raw, acc):
+            g0 = _step_start(kk, nb)
+            w = _gemv_weights(raw, variant)
+            return tuple(
+                a + _gemv_partial(w, [h_ref[p, tile * bt + r, pl.ds(g0, nb)] for p in range(phases)])
+                for r, a in enumerate(acc))
+
+        fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
+        acc = _k_loop(n_k, fetch, consume, (jnp.zeros((bn, nb), jnp.float32),) * bt, prefetch=True)
+        for r, a in enumerate(acc):
+            o_ref[tile * bt + r, pl.ds(col * bn, bn)] = jnp.sum(a, axis=1)
+
+
+def _gemv_refs(bank, name, group):
+    """Kernel operands of one projection as groups: (dense [N, R, K/G, G],) or (blocks, scales)."""
+    if bank_format(bank) == "dense":
+        w = bank[name]
+        n, r, k = w.shape
+        return (w.reshape(n, r, k // group, group),)
+    return bank[name + "_blocks"], bank[name + "_scales"]
+
+
+def _grouped(a, group):
+    """[..., K] -> [..., K / group, group]."""
+    return a.reshape(*a.shape[:-1], a.shape[-1] // group, group)
+
+
+def _run_gemv(x, bank, tile_slot, row_token, *, tile, limit, variant, interpret):
+    fmt = bank_format(bank)
+    _, d, i = bank_dims(bank)
+    bt, bn, bk, num_warps, num_stages = tile
+    phases = 1 if fmt == "dense" else 2
+    group = GEMV_GROUP[fmt]
+    per_step = group * phases  # K values a group covers
+    rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    scale = 2.0**X_SCALE_LOG2 if variant == "gemv-f32bits" and fmt == "mxfp4" else 1.0
+    xs = [_grouped(x.astype(jnp.float32)[:, p::phases] * scale, group) for p in range(phases)]
+
+    bn1 = _block(i // phases, bn, "moe intermediate / phases", least=1)
+    nb1 = _block(d // per_step, bk // per_step, "hidden groups", least=1)
+    h = pl.pallas_call(
+        functools.partial(_gemv_gate_up_kernel, bt=bt, bn=bn1, nb=nb1, n_k=d // per_step // nb1, i=i,
+                          limit=limit, phases=phases, variant=variant, out_scale=scale),
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
+        grid=(n_tiles, i // bn1),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_gate_up_gemv",
+    )(tile_slot, row_token, *xs, *_gemv_refs(bank, "gate_up", group))
+
+    bn2 = _block(d, bn, "hidden", least=1)
+    nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
+    return pl.pallas_call(
+        functools.partial(_gemv_down_kernel, bt=bt, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
+                          phases=phases, variant=variant),
+        out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
+        grid=(n_tiles, d // bn2),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_down_gemv",
+    )(tile_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
+
+
+# ---- dots (prefill) ------------------------------------------------------------------------------
+
+def _dot_fetch(w_refs, slot, rows, kk, bk):
+    """Raw operands of K step kk for weight rows `rows` (a pl.ds) of one slot.
+
+    dense -> (tile [bn, bk],); mxfp4 -> (bytes [bn, bk/2], scale bytes [bn, bk/32]).
+    """
+    if len(w_refs) == 1:  # dense
+        return (w_refs[0][slot, rows, pl.ds(_step_start(kk, bk), bk)],)
+    blocks_ref, scales_ref = w_refs  # [N, R, K/2] uint8, [N, R, K/32] uint8
+    nbytes, nb = bk // 2, bk // mxfp4.BLOCK
+    packed = blocks_ref[slot, rows, pl.ds(_step_start(kk, nbytes), nbytes)]
+    return packed, scales_ref[slot, rows, pl.ds(_step_start(kk, nb), nb)]
+
+
+def _dot_weights(raw):
+    """Raw operands -> bf16 weights as phases of K.
+
+    dense -> (w [bn, bk],); mxfp4 -> (w_even [bn, bk/2], w_odd [bn, bk/2]): the low nibbles
+    hold the even inputs and the high nibbles the odd ones, so the dot takes x split the same
+    way and the nibbles are never interleaved in registers. Exact: codes value * 2**-14 (fp16
+    bits) times the scale 2**(e - 113) in float32, then bf16.
+    """
+    if len(raw) == 1:
+        return (raw[0].astype(jnp.bfloat16),)
+    b, e = raw[0].astype(jnp.uint32), raw[1].astype(jnp.int32)
+    bn, nb = e.shape
+    half = mxfp4.BLOCK // 2  # bytes a block
+    scale = _pow2_f32(e, 113, 240).reshape(bn, nb, 1)
+    scale = jnp.broadcast_to(scale, (bn, nb, half)).reshape(bn, nb * half)
+    return tuple((e2m1_f16_f32(b, s) * scale).astype(jnp.bfloat16) for s in (0, 4))
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k].T in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dots(acc, xs, ws, split):
+    """acc + sum over phases of x @ w.T; x float32, split into bf16 hi + lo when `split`."""
+    for x, w in zip(xs, ws):
+        hi = x.astype(jnp.bfloat16)
+        acc = acc + _dot_t(hi, w)
+        if split:
+            acc = acc + _dot_t((x - hi.astype(jnp.float32)).astype(jnp.bfloat16), w)
+    return acc
+
+
+def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases, split):
     x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -179,28 +378,19 @@ def _gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit
         kx = bk // phases  # x columns a phase takes per step
 
         def fetch(kk):
-            return _fetch(w_refs, slot, rows, kk, bk), _fetch(w_refs, slot, up_rows, kk, bk)
+            return _dot_fetch(w_refs, slot, rows, kk, bk), _dot_fetch(w_refs, slot, up_rows, kk, bk)
 
         def consume(kk, raw, acc):
-            g, u = acc
             x0 = _step_start(kk, kx)
-            xs = [r[tokens, pl.ds(x0, kx)].astype(jnp.bfloat16) for r in x_refs]
-            for xp, wp in zip(xs, _decode(raw[0])):
-                g = g + _dot_t(xp, wp)
-            for xp, wp in zip(xs, _decode(raw[1])):
-                u = u + _dot_t(xp, wp)
-            return g, u
+            xs = [r[tokens, pl.ds(x0, kx)].astype(jnp.float32) for r in x_refs]
+            return tuple(_dots(a, xs, _dot_weights(w), split) for a, w in zip(acc, raw))
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
         g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
-        if limit > 0:
-            g = jnp.minimum(g, limit)
-            u = jnp.clip(u, -limit, limit)
-        h = g * jax.nn.sigmoid(g) * u
-        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = h.astype(h_ref.dtype)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit)
 
 
-def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
+def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, split):
     *w_refs, o_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -211,16 +401,15 @@ def _down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
 
         def consume(kk, raw, acc):
             h0 = _step_start(kk, kh)
-            for p, wp in enumerate(_decode(raw)):
-                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)], wp)
-            return acc
+            hs = [h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)] for p in range(phases)]
+            return _dots(acc, hs, _dot_weights(raw), split)
 
-        fetch = lambda kk: _fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
+        fetch = lambda kk: _dot_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
         acc = _k_loop(i // bk, fetch, consume, jnp.zeros((bt, bn), jnp.float32), prefetch=phases > 1)
         o_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = acc
 
 
-def _weight_refs(bank, name):
+def _dot_refs(bank, name):
     """Kernel operands of one projection: (dense,) or (blocks as [N, R, K/2], scales)."""
     if bank_format(bank) == "dense":
         return (bank[name],)
@@ -229,44 +418,56 @@ def _weight_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile"))
-def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
-                       tile=None):
-    """Same contract as `moe_grouped_reference`; bf16 dots with float32 accumulation.
-
-    tile: (bt, bn, bk, num_warps, num_stages) to override the choice from TILES (benchmarks).
-    """
-    n, d, i = bank_dims(bank)
-    t, k = slot_ids.shape
-    bt, bn, bk, num_warps, num_stages = tile or TILES[bank_format(bank)][rows_per_tile(t * k, n)]
-    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
-    rows = row_token.shape[0]
-    n_tiles = tile_slot.shape[0]
+def _run_dots(x, bank, tile_slot, row_token, *, tile, limit, split, interpret):
+    _, d, i = bank_dims(bank)
+    bt, bn, bk, num_warps, num_stages = tile
+    rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     phases = 1 if bank_format(bank) == "dense" else 2
     xs = [x[:, p::phases] for p in range(phases)]  # [T, D / phases] each
 
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=swiglu_limit,
-                          phases=phases),
-        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
+        functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
+                          phases=phases, split=split),
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
         grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(tile_slot, row_token, *xs, *_weight_refs(bank, "gate_up"))
+    )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
-    out = pl.pallas_call(
-        functools.partial(_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases),
+    return pl.pallas_call(
+        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases, split=split),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(n_tiles, d // bn2),
         compiler_params=params,
         interpret=interpret,
         name="moe_down",
-    )(tile_slot, h, *_weight_refs(bank, "down"))
+    )(tile_slot, h, *_dot_refs(bank, "down"))
 
-    picked = jnp.take(out, pick_row, axis=0, mode="clip").reshape(t, k, d)
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile", "variant"))
+def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
+                       tile=None, variant=None):
+    """Same contract as `moe_grouped_reference`.
+
+    tile: (bt, bn, bk, num_warps, num_stages) to override the choice from TILES; variant: one
+    of VARIANTS to override `default_variant(bt)` (benchmarks). "gemv*" take bt <= GEMV_ROWS.
+    """
+    n, _, _ = bank_dims(bank)
+    t, k = slot_ids.shape
+    tile = tile or TILES[bank_format(bank)][rows_per_tile(t * k, n)]
+    variant = variant or default_variant(tile[0])
+    if variant not in VARIANTS or (variant.startswith("gemv") and tile[0] > GEMV_ROWS):
+        raise ValueError(f"moe_grouped_pallas: variant {variant!r} with tile {tile}")
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, tile[0])
+    run = dict(tile=tile, limit=swiglu_limit, interpret=interpret)
+    if variant.startswith("gemv"):
+        out = _run_gemv(x, bank, tile_slot, row_token, variant=variant, **run)
+    else:
+        out = _run_dots(x, bank, tile_slot, row_token, split=variant == "dot-split", **run)
+    picked = jnp.take(out, pick_row, axis=0, mode="clip").reshape(t, k, -1)
     picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
     return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
