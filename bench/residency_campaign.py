@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
-from bench.roofline import (compile_cache, drive, parse_set, prompt_ids,  # noqa: E402
+from bench.roofline import (compile_cache, drive, moe_dims, parse_set, prompt_ids,  # noqa: E402
                             residency_stats, seed_map_from_picks, warm_up)
 
 VARIANTS = ("fixed", "adaptive", "oracle")
@@ -238,9 +237,7 @@ def main(argv=None) -> int:
             overrides.setdefault("residency", {}).setdefault(key, value)
         overrides.setdefault("engine", {}).setdefault("lanes", 2)
     args.phases = args.phases.split(",")
-    raw = json.loads((Path(args.model) / "config.json").read_text())
-    n_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
-    n_layers = raw["num_hidden_layers"] - raw.get("first_k_dense_replace", 0)
+    n_layers, n_experts, top_k = moe_dims(args.model)
     args.budget = int(round(args.resident * n_layers * n_experts))
     replays = ({d: traces.scale(traces.load(d), n_layers, n_experts, top_k) for d in set(args.phases)}
                if args.replay else None)

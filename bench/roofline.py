@@ -16,10 +16,13 @@ with both bandwidths measured in the same run: a jitted `a + 1` over 1 GiB (byte
 and the residency's own in-step fetch (a data-dependent row of a pinned_host pool written into a
 device bank) of expert-sized rows. Distinct experts per step come from the replayed routing
 trace (bench/traces.py) when there is one; otherwise batch x top-k per layer (an upper bound).
+DeepSeek-V4.1's Engram rows are gathered on the host each step and are not in the byte count.
 
 Each configuration (resident share x miss policy) is a fresh `tidejax.load`; at a share below 1 it
 boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed trace, and
-adapts. Prints a markdown table and writes it to $OUT/roofline.md when $OUT is set.
+adapts. Prints a markdown table, then per configuration the KV cache bytes a token of context
+and the device memory in use, and writes them to $OUT/roofline.md when $OUT is set. Any model
+family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepSeek-V4.1).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -42,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
+from tidejax.engine.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
 
@@ -294,7 +298,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     cold = statistics.mean(r.cold for r in steady)
     moved = (after["bytes_moved"] - before["bytes_moved"]) / len(records)
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
-    top_k = engine.cfg.num_experts_per_tok
+    top_k = engine.family.top_k(engine.cfg)
     distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        copy, h2d)
@@ -302,13 +306,33 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
                after["copies"] - before["copies"])
 
 
+def moe_dims(model: str) -> tuple[int, int, int]:
+    """(MoE layers, routed experts a layer, experts a token picks) of a checkpoint, read by its
+    model family (a V3 config keeps them at the top, a V4.1 one in text_config)."""
+    from tidejax.models.registry import family_for
+
+    path = Path(model) / "config.json"
+    raw = json.loads(path.read_text())
+    family = family_for(raw, str(path))
+    cfg = family.config_from_hf(raw, str(path))
+    n_moe, n_experts = family.expert_dims(cfg)[:2]
+    return n_moe, n_experts, family.top_k(cfg)
+
+
+def memory_line(engine) -> str:
+    """Cache bytes a token of context adds, and the device memory in use (where JAX reports it)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    device = (f"device memory in use {stats['bytes_in_use'] / 2**30:.2f} GiB (peak "
+              f"{stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB)" if "bytes_in_use" in stats
+              else "device memory: not reported")
+    return f"KV cache {engine.cache_bytes_per_token():.0f} bytes a token of context; {device}"
+
+
 def load_config(model: str, resident: float, policy: str, args, overrides: dict, workdir: Path):
     """A fresh engine for one configuration, replaying the trace; returns (engine, picks)."""
     import tidejax
 
-    raw = json.loads((Path(model) / "config.json").read_text())
-    n_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
-    n_moe = raw["num_hidden_layers"] - raw.get("first_k_dense_replace", 0)
+    n_moe, n_experts, top_k = moe_dims(model)
     picks = (traces.scale(traces.load(args.trace), n_moe, n_experts, top_k)
              if args.trace else None)
     tables = {k: dict(v) for k, v in overrides.items()}
@@ -382,7 +406,7 @@ def main(argv=None) -> int:
     configs = [(share, policy) for share in (float(x) for x in args.resident.split(","))
                for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    copy, h2d, rows = copy_gbps(), None, []
+    copy, h2d, rows, memory = copy_gbps(), None, [], []
     with tempfile.TemporaryDirectory() as tmp:
         compile_cache(Path(tmp) / "jax-cache")
         for share, policy in configs:
@@ -392,11 +416,17 @@ def main(argv=None) -> int:
                 print(f"device copy {copy:.0f} GB/s (read + write); host-to-device {h2d:.1f} GB/s "
                       f"(in-step expert fetch)", flush=True)
             rows += run_config(engine, picks, share, policy, args, copy, h2d)
+            memory.append(f"- {share:.0%} {policy}: {memory_line(engine)}")
+            print(memory[-1], flush=True)
             del engine
+            gc.collect()  # the engine and its scheduler refer to each other: free the pool and
+            # the bank (pinned host and device memory) before the next configuration loads
     table = "\n".join([HEADER, "|" + " --- |" * 11]
                       + ["| " + " | ".join(r.cells()) + " |" for r in rows])
     text = (f"{datetime.date.today()}, jax {jax.__version__} on {jax.devices()[0].device_kind}: "
-            f"device copy {copy:.0f} GB/s, host-to-device {h2d:.1f} GB/s\n\n{table}\n")
+            f"device copy {copy:.0f} GB/s, host-to-device {h2d:.1f} GB/s\n\n{table}\n\n"
+            "Memory after each configuration's runs (peak: since the process started):\n"
+            + "\n".join(memory) + "\n")
     print("\n" + text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "roofline.md").write_text(text)

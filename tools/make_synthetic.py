@@ -1,25 +1,59 @@
-"""Write a random-weight checkpoint of a real model's shape, routed experts in MXFP4.
+"""Write a random-weight checkpoint of a real model's shape, routed experts in MXFP4 / FP4.
 
     python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
     python tools/make_synthetic.py OUT_DIR --tiny
+    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4]
 
-Shapes (DeepSeek-V3 family arithmetic: MLA attention, DeepSeekMoE with a shared expert):
+Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,
              MLA dims as DeepSeek-V3's (128 heads, q_lora 1536, kv_lora 512, rope 64)
   v3         DeepSeek-V3: hidden 7168, 256 experts of 2048, 8 a token, groups 8 / top 4
   tiny       hidden 64, 16 experts of 32, 4 a token (tests)
 The first `--dense-layers` layers have a dense MLP (DeepSeek's first_k_dense_replace), the rest
-are MoE. The tokenizer (and so the vocabulary) is the bundled demo model's, so prompts work.
-
-Routed experts of MoE layer i are stored fused per layer, in the bank's row convention (gate rows
-0..I-1, then up rows I..2I-1), gpt-oss style for MXFP4:
+are MoE. Routed experts of MoE layer i are stored fused per layer, in the bank's row convention
+(gate rows 0..I-1, then up rows I..2I-1), gpt-oss style for MXFP4:
   model.layers.{i}.mlp.experts.gate_up_proj_blocks [E, 2I, D/32, 16] U8, ..._scales [E, 2I, D/32] U8
   model.layers.{i}.mlp.experts.down_proj_blocks    [E, D, I/32, 16] U8, ..._scales [E, D, I/32] U8
 or with `--experts bf16` as transformers 5's fused `gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I].
 
-Values: dense weights uniform with std 1/sqrt(fan_in) (bf16), norms 1; MXFP4 codes uniform random
-bytes with e8m0 scales sized so a projection keeps unit variance. One shard per layer, written
-as it is generated (memory stays at one expert row), with a progress line.
+Shapes of the DeepSeek-V4.1 family (model_type deepseek_v41: mHC streams, latent single-KV
+attention with CSA2 compressed branches and indexers, Engram, sqrtsoftplus MoE), written as the
+published DeepSeek-V4.1-Flash checkpoint is (no `model.` prefix, `head.weight`; composite
+config.json with `text_config` and `quantization_config`):
+  dense weights   `X.weight` F8_E4M3 + `X.scale` F8_E8M0 per 32 x 32 block (weight_block_size)
+  routed experts  `layers.{i}.ffn.experts.{e}.w{1,2,3}.weight` I8 [out, in/2] (two e2m1 codes a
+                  byte, low nibble first) + `.scale` F8_E8M0 [out, in/32]
+  Engram tables   `layers.{i}.engram.embed.weight` F8_E4M3 [rows, 256] + `.scale` F8_E8M0 [rows, 8]
+  kept wide       embed / head / norms / router / compressor / indexer keys and weights_proj /
+                  Engram q,k weights in BF16; mHC params, attention sinks, router biases in F32
+  also written    `ffn.gate.bias_vl` (image-token router bias) and `image_start/end/newline`, as
+                  published; text decoding leaves them unused
+  ds41-flash  the released model: 40 layers, hidden 5120, 64 heads of 512 (rope 64), q_lora 1280,
+              o_groups 8 x o_lora 1024, window 128, compress ratios [0,0] + [2]x18 + [1]x20, KV
+              sources 2 8 14 20, index sources 2 8 14 20 24 28 32 36, candidate source 20 (2048
+              blocks of 8), indexer 32 heads x 128, top-512, hc_mult 4 (Sinkhorn 20), 384 routed
+              experts of 2304, 6 a token, one shared expert, routed_scaling 1.5, swiglu_limit 10,
+              Engram at layers 1 and 14 (n-grams 2..4, 8 heads, rows of 256), rms_norm_eps 1e-20,
+              rope theta 10000 / compress 160000 with YaRN x16 from 65536, 1M positions.
+              Known: the released config's values as the V4.1 goldens' ARCHITECTURE.md quotes them
+              (in brackets there), and from public write-ups of the published config and tensor
+              headers: Engram at layers 1 and 14 with rows of 256, hc_mult 4, 32 x 32 FP8
+              blocks, I8 expert codes, which tensors stay BF16 / F32. Assumed: gate_temp 1.0;
+              the vocabulary is the demo tokenizer's 4,096 ids, not 129,280, so embed and head
+              are 32x smaller than the real 1.3 GB each.
+  ds41-tiny   the same layout at hidden 64, 8 experts of 32 (tests)
+`--layers N` keeps N of the 40 layers, first those of DS41_KEEP (one of each kind: Engram,
+ratio-2 KV source, ratio-1 KV and candidate source, Reindex, Reuse), then the rest in order,
+renumbered in order; the KV / index / candidate / Engram layer ids follow them. DSpark (MTP)
+layers and the vision tower are left out (num_nextn_predict_layers 0). `--engram-gib` sizes each
+Engram table (rows follow from the hash layout's primes, as in the real model: 94.4 GiB a table,
+prime start 16,000,000); the default, 4 GiB for ds41-flash, suits a 128 GiB host.
+
+Values: dense weights with std about 1/sqrt(fan_in) (bf16, or e4m3 codes over 4 octaves with e8m0
+block scales), norms 1; MXFP4 / FP4 codes uniform random bytes with e8m0 scales sized so a
+projection keeps unit variance. The tokenizer (and so the vocabulary) is the bundled demo
+model's, so prompts work. One shard per layer, written as it is generated (memory stays at one
+expert row), with a progress line.
 """
 
 from __future__ import annotations
@@ -38,7 +72,20 @@ import ml_dtypes
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tidejax.models.engram import compressed_token_map, layer_primes  # noqa: E402
+
 E2M1_MEAN_SQUARE = 8.5625  # mean of v**2 over the 16 e2m1 codes
+
+
+def _e4m3_codes(bits: np.ndarray) -> np.ndarray:
+    """Random bytes -> e4m3 codes: random sign and mantissa, exponent over the 4 octaves below 2."""
+    return (bits & 0x87) | ((4 + ((bits >> 3) & 3)) << 3)
+
+
+E4M3_MEAN_SQUARE = float(np.mean(np.square(
+    _e4m3_codes(np.arange(256, dtype=np.uint8)).view(ml_dtypes.float8_e4m3fn).astype(np.float32))))
 
 ATTN_V3 = dict(num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                qk_rope_head_dim=64, v_head_dim=128)
@@ -54,8 +101,43 @@ SHAPES = {
                  topk_group=1, routed_scaling_factor=1.0, num_attention_heads=2, q_lora_rank=32,
                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
+
+# DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
+DS41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
+DS41_KV_SOURCES = (2, 8, 14, 20)
+DS41_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
+DS41_CANDIDATE = 20
+DS41_ENGRAM = (1, 14)
+# --layers N keeps these first: 1 Engram (window only), 2 ratio-2 KV source, 14 ratio-2 KV source
+# + Engram, 20 ratio-1 KV source + candidate source, 24 Reindex, 21 ratio-1 Reuse, 3 ratio-2 Reuse
+DS41_KEEP = (1, 2, 14, 20, 24, 21, 3)
+_DS41_COMMON = dict(num_key_value_heads=1, hc_sinkhorn_iters=20, hc_eps=1e-6, n_shared_experts=1,
+                    norm_topk_prob=True, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
+                    gate_temp=1.0, hidden_act="silu", rms_norm_eps=1e-20, rope_theta=10000.0,
+                    compress_rope_theta=160000.0, num_nextn_predict_layers=0,
+                    tie_word_embeddings=False, routed_scaling_factor=1.5, swiglu_limit=10.0)
+DS41_SHAPES = {
+    "ds41-flash": dict(hidden_size=5120, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+                       q_lora_rank=1280, o_groups=8, o_lora_rank=1024, sliding_window=128,
+                       index_n_heads=32, index_head_dim=128, index_topk=512,
+                       candidate_block_size=8, candidate_topk_blocks=2048, hc_mult=4,
+                       n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=2304,
+                       engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
+                       max_position_embeddings=1 << 20, yarn_original=65536, engram_gib=4.0),
+    "ds41-tiny": dict(hidden_size=64, num_attention_heads=2, head_dim=64, qk_rope_head_dim=16,
+                      q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+                      index_n_heads=2, index_head_dim=32, index_topk=4, candidate_block_size=4,
+                      candidate_topk_blocks=2, hc_mult=4, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, engram_max_ngram_size=3,
+                      engram_n_heads=2, engram_head_dim=32, max_position_embeddings=4096,
+                      yarn_original=256, engram_gib=1e-4),
+}
+FP8_BLOCK = 32  # the published weight_block_size: one e8m0 scale per 32 x 32 block
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
-ST_DTYPES = {np.dtype(np.uint8): "U8", BF16: "BF16", np.dtype(np.float32): "F32"}
+F32, U8, I8 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8)
+E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
+ST_DTYPES = {U8: "U8", I8: "I8", BF16: "BF16", F32: "F32", E4M3: "F8_E4M3", E8M0: "F8_E8M0"}
 
 
 def hf_config(shape: str, layers: int, dense_layers: int, vocab_size: int, max_positions: int,
@@ -81,11 +163,13 @@ def hf_config(shape: str, layers: int, dense_layers: int, vocab_size: int, max_p
 # -- tensors: (name, dtype, shape, filler); a filler is a picklable (kind, parameter) -----------
 
 def fill(filler: tuple, rng, shape: tuple) -> np.ndarray:
-    """Random values for `shape` from the integer bits of `rng` (fast: no float math on MXFP4).
+    """Random values for `shape` from the integer bits of `rng` (fast: no float math on the codes),
+    as an array of the tensor's bytes (codes and scales as uint8).
 
-    bf16: random sign and mantissa, exponent spread over 4 octaves, centred so the std is about
-    1/sqrt(fan_in). codes: uniform e2m1 byte pairs. scales: e8m0 bytes around
-    2**round(-log2(sqrt(fan_in * E[v^2]))), so an MXFP4 projection keeps unit variance.
+    bf16 / f32: random sign and mantissa, exponent spread over 4 octaves, centred so the std is
+    about 1/sqrt(fan_in). codes: uniform e2m1 byte pairs. e4m3: codes over 4 octaves below 2.
+    scales: e8m0 bytes around 2**round(-log2(sqrt(fan_in * E[v^2]))) (the parameter is
+    fan_in * E[v^2] of the codes they scale), so a quantized projection keeps unit variance.
     """
     kind, param = filler
     n = math.prod(shape)
@@ -96,19 +180,22 @@ def fill(filler: tuple, rng, shape: tuple) -> np.ndarray:
     bits = rng.bit_generator.random_raw((n + 7) // 8).view(np.uint8)[:n]
     if kind == "codes":
         return bits.reshape(shape)
+    if kind == "e4m3":
+        return _e4m3_codes(bits).reshape(shape)
     if kind == "scales":
-        center = 127 + round(-0.5 * math.log2(param * E2M1_MEAN_SQUARE))
+        center = 127 + round(-0.5 * math.log2(param))
         return (center - 1 + bits % 3).astype(np.uint8).reshape(shape)
-    if kind == "bf16":  # E[v^2] = 0.774 * 4**(e0 - 127) over the 4 octaves below e0
+    if kind in ("bf16", "f32"):  # E[v^2] = 0.774 * 4**(e0 - 127) over the 4 octaves below e0
         e0 = 127 + round(-0.5 * math.log2(0.774 * param))
         words = rng.bit_generator.random_raw((n + 3) // 4).view(np.uint16)[:n]
         exponent = (e0 - ((words >> 7) & 3)).astype(np.uint16) << 7
-        return ((words & 0x807F) | exponent).view(BF16).reshape(shape)
+        out = ((words & 0x807F) | exponent).view(BF16).reshape(shape)
+        return out if kind == "bf16" else out.astype(np.float32)
     raise ValueError(f"unknown filler {filler}")
 
 
-def _uniform(fan_in: int) -> tuple:
-    return ("bf16", fan_in)
+def _uniform(fan_in: int, dtype=BF16) -> tuple:
+    return ("bf16" if dtype == BF16 else "f32", fan_in)
 
 
 def _const(value: float, dtype) -> tuple:
@@ -116,10 +203,11 @@ def _const(value: float, dtype) -> tuple:
 
 
 _codes = ("codes", 0)
+_e4m3 = ("e4m3", 0)
 
 
-def _scales(fan_in: int) -> tuple:
-    return ("scales", fan_in)
+def _scales(fan_in: int, mean_square: float = E2M1_MEAN_SQUARE) -> tuple:
+    return ("scales", fan_in * mean_square)
 
 
 def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
@@ -146,18 +234,16 @@ def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
     e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     shared = inter * cfg["n_shared_experts"]
     out += [(f"{p}.mlp.gate.weight", BF16, (e, d), _uniform(d)),
-            (f"{p}.mlp.gate.e_score_correction_bias", np.dtype(np.float32), (e,),
-             _const(0.0, np.float32)),
+            (f"{p}.mlp.gate.e_score_correction_bias", F32, (e,), _const(0.0, F32)),
             (f"{p}.mlp.shared_experts.gate_proj.weight", BF16, (shared, d), _uniform(d)),
             (f"{p}.mlp.shared_experts.up_proj.weight", BF16, (shared, d), _uniform(d)),
             (f"{p}.mlp.shared_experts.down_proj.weight", BF16, (d, shared), _uniform(shared))]
     x = f"{p}.mlp.experts"
-    u8 = np.dtype(np.uint8)
     if experts == "mxfp4":
-        return out + [(f"{x}.gate_up_proj_blocks", u8, (e, 2 * inter, d // 32, 16), _codes),
-                      (f"{x}.gate_up_proj_scales", u8, (e, 2 * inter, d // 32), _scales(d)),
-                      (f"{x}.down_proj_blocks", u8, (e, d, inter // 32, 16), _codes),
-                      (f"{x}.down_proj_scales", u8, (e, d, inter // 32), _scales(inter))]
+        return out + [(f"{x}.gate_up_proj_blocks", U8, (e, 2 * inter, d // 32, 16), _codes),
+                      (f"{x}.gate_up_proj_scales", U8, (e, 2 * inter, d // 32), _scales(d)),
+                      (f"{x}.down_proj_blocks", U8, (e, d, inter // 32, 16), _codes),
+                      (f"{x}.down_proj_scales", U8, (e, d, inter // 32), _scales(inter))]
     return out + [(f"{x}.gate_up_proj", BF16, (e, 2 * inter, d), _uniform(d)),
                   (f"{x}.down_proj", BF16, (e, d, inter), _uniform(inter))]
 
@@ -167,6 +253,130 @@ def top_tensors(cfg: dict) -> list[tuple]:
     return [("model.embed_tokens.weight", BF16, (v, d), _uniform(1)),
             ("model.norm.weight", BF16, (d,), _const(1.0, BF16)),
             ("lm_head.weight", BF16, (v, d), _uniform(d))]
+
+
+# -- DeepSeek-V4.1, in the published layout ---------------------------------------------------
+
+def ds41_layers(layers: int) -> list[int]:
+    """The ids, among the real model's 40, of the layers an N-layer model keeps, in order."""
+    if not 1 <= layers <= len(DS41_RATIOS):
+        raise SystemExit(f"error: --layers {layers}: the DeepSeek-V4.1 shapes have 1 to "
+                         f"{len(DS41_RATIOS)} layers")
+    order = DS41_KEEP + tuple(i for i in range(len(DS41_RATIOS)) if i not in DS41_KEEP)
+    return sorted(order[:layers])
+
+
+def ds41_config(shape: str, layers: int, vocab_size: int, special: dict, token_map: np.ndarray,
+                n_experts: int = 0, engram_gib: float | None = None) -> dict:
+    """The composite config.json: the real schedule cut to `layers` layers, Engram tables of about
+    `engram_gib` GiB (their rows are the sums of the hash layout's primes)."""
+    s = dict(DS41_SHAPES[shape]) | ({"n_routed_experts": n_experts} if n_experts else {})
+    yarn_original, gib = s.pop("yarn_original"), s.pop("engram_gib")
+    gib = gib if engram_gib is None else engram_gib
+    if special["pad_token_id"] is None:
+        raise SystemExit("error: the tokenizer has no pad token, which Engram hashes blocked "
+                         "n-gram slots with (tokenizer_config.json: pad_token)")
+    kept = ds41_layers(layers)
+    new_id = {old: new for new, old in enumerate(kept)}
+
+    def renumber(ids):
+        return [new_id[i] for i in ids if i in new_id]
+    engram = renumber(DS41_ENGRAM)
+    n, heads, width = s["engram_max_ngram_size"], s["engram_n_heads"], s["engram_head_dim"]
+    prime_start = max(2, round(gib * 2**30 / ((width + width // 32) * (n - 1) * heads)))
+    primes = layer_primes(len(engram), n, heads, prime_start)
+    text = {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41_text",
+        "vocab_size": vocab_size, "num_hidden_layers": layers, **_DS41_COMMON, **s,
+        "compress_ratios": [DS41_RATIOS[i] for i in kept],
+        "kv_source_layer_ids": renumber(DS41_KV_SOURCES),
+        "index_source_layer_ids": renumber(DS41_INDEX_SOURCES),
+        "candidate_source_layer_id": new_id.get(DS41_CANDIDATE, -1),
+        "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": yarn_original},
+        "engram_layer_ids": engram, "engram_vocab_size": prime_start,
+        "engram_num_embeddings": [int(p.sum()) for p in primes],
+        "engram_compressed_vocab_size": int(token_map.max()) + 1,
+        "engram_pad_id": special["pad_token_id"], **special,
+    }
+    return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+            "text_config": text, "vision_config": None, "tie_word_embeddings": False,
+            "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                    "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+            "tidejax_synthetic": {"shape": shape, "random_weights": True, "layers_of_40": kept}}
+
+
+def _ones(name: str, n: int) -> tuple:
+    return (name, BF16, (n,), _const(1.0, BF16))
+
+
+def _fp8(name: str, out: int, inn: int) -> list[tuple]:
+    """A dense weight [out, in] in e4m3 and its e8m0 scales, one per FP8_BLOCK x FP8_BLOCK."""
+    blocks = (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
+    return [(f"{name}.weight", E4M3, (out, inn), _e4m3),
+            (f"{name}.scale", E8M0, blocks, _scales(inn, E4M3_MEAN_SQUARE))]
+
+
+def _fp4(name: str, out: int, inn: int) -> list[tuple]:
+    """A routed expert's weight [out, in]: e2m1 pairs [out, in/2] and e8m0 scales [out, in/32]."""
+    return [(f"{name}.weight", I8, (out, inn // 2), _codes),
+            (f"{name}.scale", E8M0, (out, inn // 32), _scales(inn))]
+
+
+def ds41_layer_tensors(t: dict, i: int) -> list[tuple]:
+    """Layer i's tensors, from the text config `t`."""
+    d, h, k, hc = t["hidden_size"], t["num_attention_heads"], t["head_dim"], t["hc_mult"]
+    q_lora, groups, o_lora = t["q_lora_rank"], t["o_groups"], t["o_lora_rank"]
+    p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
+    out = [_ones(f"{p}.attn_norm.weight", d), _ones(f"{p}.ffn_norm.weight", d)]
+    for site in ("attn", "ffn"):
+        out += [(f"{p}.hc_{site}_fn", F32, ((2 + hc) * hc, hc * d), _uniform(hc * d, F32)),
+                (f"{p}.hc_{site}_base", F32, ((2 + hc) * hc,), _const(0.0, F32)),
+                (f"{p}.hc_{site}_scale", F32, (3,), _const(1.0, F32))]
+    out += [*_fp8(f"{a}.wq_a", q_lora, d), _ones(f"{a}.q_norm.weight", q_lora),
+            *_fp8(f"{a}.wq_b", h * k, q_lora), *_fp8(f"{a}.wkv", k, d),
+            _ones(f"{a}.kv_norm.weight", k), *_fp8(f"{a}.wo_a", groups * o_lora, h * k // groups),
+            *_fp8(f"{a}.wo_b", d, groups * o_lora), (f"{a}.attn_sink", F32, (h,), _const(0.0, F32))]
+    kv_source = i in t["kv_source_layer_ids"]
+    if kv_source:
+        out += [(f"{a}.compressor.wkv.weight", BF16, (k, d), _uniform(d)),
+                _ones(f"{a}.compressor.norm.weight", k)]
+        if t["compress_ratios"][i] > 1:  # a ratio-1 compressor pools nothing: no gate
+            out.append((f"{a}.compressor.wgate.weight", BF16, (k, d), _uniform(d)))
+    if i in t["index_source_layer_ids"]:
+        heads, width = t["index_n_heads"], t["index_head_dim"]
+        out += [*_fp8(f"{a}.indexer.wq_b", heads * width, q_lora),
+                (f"{a}.indexer.weights_proj.weight", BF16, (heads, d), _uniform(d))]
+        if kv_source:  # keys only where a compressor makes entries
+            out += [(f"{a}.indexer.wk.weight", BF16, (width, k), _uniform(k)),
+                    _ones(f"{a}.indexer.k_norm.weight", width)]
+    e, inter = t["n_routed_experts"], t["moe_intermediate_size"]
+    out += [(f"{f}.gate.weight", BF16, (e, d), _uniform(d)),
+            (f"{f}.gate.bias", F32, (e,), _const(0.0, F32)),
+            (f"{f}.gate.bias_vl", F32, (e,), _const(0.0, F32))]
+    for x in range(e):
+        out += [*_fp4(f"{f}.experts.{x}.w1", inter, d), *_fp4(f"{f}.experts.{x}.w2", d, inter),
+                *_fp4(f"{f}.experts.{x}.w3", inter, d)]
+    out += [*_fp8(f"{f}.shared_experts.w1", inter, d), *_fp8(f"{f}.shared_experts.w2", d, inter),
+            *_fp8(f"{f}.shared_experts.w3", inter, d)]
+    if i in t["engram_layer_ids"]:
+        rows = t["engram_num_embeddings"][t["engram_layer_ids"].index(i)]
+        width = t["engram_head_dim"]
+        cols = (t["engram_max_ngram_size"] - 1) * t["engram_n_heads"]
+        out += [(f"{p}.engram.embed.weight", E4M3, (rows, width), _e4m3),
+                (f"{p}.engram.embed.scale", E8M0, (rows, width // 32), _scales(1, E4M3_MEAN_SQUARE)),
+                *_fp8(f"{p}.engram.wkv", d * (hc + 1), cols * width),
+                (f"{p}.engram.q_weight", BF16, (hc, d), _const(1.0, BF16)),
+                (f"{p}.engram.k_weight", BF16, (hc, d), _const(1.0, BF16))]
+    return out
+
+
+def ds41_top_tensors(t: dict) -> list[tuple]:
+    v, d = t["vocab_size"], t["hidden_size"]
+    return [("embed.weight", BF16, (v, d), _uniform(1)), _ones("norm.weight", d),
+            ("head.weight", BF16, (v, d), _uniform(d))] + [
+        (name, BF16, (d,), _uniform(1)) for name in ("image_start", "image_end", "image_newline")]
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -218,7 +428,9 @@ def shard_jobs(path: Path, tensors: list[tuple], seed: tuple) -> list[tuple]:
 
 def run_job(job: tuple) -> int:
     path, offset, filler, dtype, rows, seed = job
-    data = np.ascontiguousarray(fill(filler, np.random.default_rng(seed), rows), dtype)
+    data = np.ascontiguousarray(fill(filler, np.random.default_rng(seed), rows))
+    if data.nbytes != math.prod(rows) * dtype.itemsize:
+        raise ValueError(f"filler {filler} gave {data.dtype}, the tensor is {dtype}")
     buf, done = data.reshape(-1).view(np.uint8), 0
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -229,10 +441,8 @@ def run_job(job: tuple) -> int:
     return data.nbytes
 
 
-def write_checkpoint(out: Path, shape: str, layers: int, dense_layers: int, experts: str,
-                     tokenizer_dir: Path, max_positions: int, seed: int = 0,
-                     workers: int = 1, n_experts: int = 0) -> dict:
-    """Writes config.json, the tokenizer files and the shards; returns the config."""
+def read_tokenizer(tokenizer_dir: Path):
+    """(tokenizers.Tokenizer, the config's special token ids) of `tokenizer_dir`."""
     import tokenizers
 
     tok_file = tokenizer_dir / "tokenizer.json"
@@ -244,11 +454,14 @@ def write_checkpoint(out: Path, shape: str, layers: int, dense_layers: int, expe
                "eos_token_id": [backend.token_to_id(t) for t in (tok_config["eos_token"], "<|end|>")
                                 if backend.token_to_id(t) is not None],
                "pad_token_id": backend.token_to_id(tok_config.get("pad_token") or "")}
-    cfg = hf_config(shape, layers, dense_layers, backend.get_vocab_size(), max_positions, special,
-                    n_experts)
+    return backend, special
+
+
+def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], tokenizer_dir: Path,
+                     seed: int = 0, workers: int = 1) -> int:
+    """Writes the shards [(file, tensors)], their index, the tokenizer files and, last,
+    config.json; returns the bytes of tensor data."""
     out.mkdir(parents=True, exist_ok=True)
-    shards = [("model-top.safetensors", top_tensors(cfg))] + [
-        (f"model-layer{i:03d}.safetensors", layer_tensors(cfg, i, experts)) for i in range(layers)]
     jobs = [job for k, (file, tensors) in enumerate(shards)
             for job in shard_jobs(out / file, tensors, (seed, k))]
     progress = Progress(sum(math.prod(job[4]) * job[3].itemsize for job in jobs))
@@ -265,20 +478,27 @@ def write_checkpoint(out: Path, shape: str, layers: int, dense_layers: int, expe
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return cfg
+    return progress.total
+
+
+# flags of one family's shapes, with their defaults
+V3_FLAGS = {"dense_layers": 1, "experts": "mxfp4", "max_positions": 16384}
+DS41_FLAGS = {"engram_gib": None}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="v41-flash")
+    parser.add_argument("--shape", choices=sorted(SHAPES | DS41_SHAPES), default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (dense + MoE)")
-    parser.add_argument("--dense-layers", type=int, default=1, help="leading dense-MLP layers")
-    parser.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--n-experts", type=int, default=0,
                         help="routed experts per layer (default: the shape's)")
-    parser.add_argument("--max-positions", type=int, default=16384)
+    parser.add_argument("--dense-layers", type=int, help="leading dense-MLP layers (V3 family; 1)")
+    parser.add_argument("--experts", choices=("mxfp4", "bf16"), help="V3 family (mxfp4)")
+    parser.add_argument("--max-positions", type=int, help="V3 family (16384)")
+    parser.add_argument("--engram-gib", type=float,
+                        help="GiB of each Engram table (V4.1 family; ds41-flash: 4, real: 94.4)")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
     parser.add_argument("--seed", type=int, default=0)
@@ -286,13 +506,35 @@ def main(argv=None) -> int:
                         help="processes filling and writing the shards")
     args = parser.parse_args(argv)
     shape, layers = ("tiny", 3) if args.tiny else (args.shape, args.layers)
+    flags, other = (DS41_FLAGS, V3_FLAGS) if shape in DS41_SHAPES else (V3_FLAGS, DS41_FLAGS)
+    for name in other:
+        if getattr(args, name) is not None:
+            raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
+    for name, default in flags.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     start = time.perf_counter()
-    cfg = write_checkpoint(args.out, shape, layers, args.dense_layers, args.experts,
-                           args.tokenizer, args.max_positions, args.seed, args.workers,
-                           args.n_experts)
-    n_moe = layers - cfg["first_k_dense_replace"]
-    print(f"{args.out}: {shape}, {layers} layers ({n_moe} MoE x {cfg['n_routed_experts']} experts, "
-          f"{args.experts}), vocab {cfg['vocab_size']}, in {time.perf_counter() - start:.1f} s")
+    backend, special = read_tokenizer(args.tokenizer)
+    if shape in DS41_SHAPES:
+        cfg = ds41_config(shape, layers, backend.get_vocab_size(), special,
+                          compressed_token_map(backend), args.n_experts, args.engram_gib)
+        t = cfg["text_config"]
+        shards = [("model-top.safetensors", ds41_top_tensors(t))] + [
+            (f"model-layer{i:03d}.safetensors", ds41_layer_tensors(t, i)) for i in range(layers)]
+        what = (f"{layers} layers (of the 40: {cfg['tidejax_synthetic']['layers_of_40']}) x "
+                f"{t['n_routed_experts']} FP4 experts, Engram tables of "
+                f"{t['engram_num_embeddings']} rows")
+    else:
+        cfg = hf_config(shape, layers, args.dense_layers, backend.get_vocab_size(),
+                        args.max_positions, special, args.n_experts)
+        shards = [("model-top.safetensors", top_tensors(cfg))] + [
+            (f"model-layer{i:03d}.safetensors", layer_tensors(cfg, i, args.experts))
+            for i in range(layers)]
+        what = (f"{layers} layers ({layers - args.dense_layers} MoE x {cfg['n_routed_experts']} "
+                f"experts, {args.experts})")
+    total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
+    print(f"{args.out}: {shape}, {what}, vocab {backend.get_vocab_size()}, "
+          f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
     return 0
 
 

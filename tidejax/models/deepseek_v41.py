@@ -265,7 +265,10 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """sqrtsoftplus router, routed experts through residency (tidejax.residency.serve), shared expert."""
+    """sqrtsoftplus router, routed experts through residency (tidejax.residency.serve), shared expert.
+
+    A "replay" variable collection ({"ids": [b, t, k]} at this module's path) routes by recorded
+    picks instead (benchmarks: a trained model's routing on random weights); see moe.MoE."""
 
     cfg: V41Config
     layer: int
@@ -279,7 +282,9 @@ class MoE(nn.Module):
         weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
         bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
         flat = x.reshape(b * t, d)
-        ids, weights, choice = route(flat, weight, bias, router_spec(cfg))
+        replayed = (self.get_variable("replay", "ids").reshape(b * t, cfg.num_experts_per_tok)
+                    if self.has_variable("replay", "ids") else None)
+        ids, weights, choice = route(flat, weight, bias, router_spec(cfg), replayed)
         y, experts = serve_routed(self.layer, flat, ids, weights, choice, token_mask.reshape(b * t),
                                   experts, self.serve)
         y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)

@@ -53,6 +53,12 @@ class EngramInputs:
         return engram_rows(self.checkpoint, hashers, tokens, starts, mask)
 
 
+def replay_variables(cfg: V41Config, ids) -> dict:
+    """Recorded picks ids [b, t, layers, k] as the MoE layers' "replay" variables (every layer
+    is a MoE layer)."""
+    return {f"layers_{layer}": {"ffn": {"ids": ids[:, :, layer]}} for layer in range(cfg.num_layers)}
+
+
 def host_inputs(cfg: V41Config, checkpoint, batch: int):
     return EngramInputs(checkpoint, batch) if cfg.engram_layers else None
 
@@ -68,6 +74,7 @@ register(Family(
     top_k=lambda cfg: cfg.num_experts_per_tok,
     create_cache=V41Cache.create,
     cache_bytes_per_token=V41Cache.bytes_per_token,
+    replay_variables=replay_variables,
     host_inputs=host_inputs,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))

@@ -6,7 +6,8 @@ Names: the reference's module paths (`model.layers.{i}.attn.wq_a.weight`, ...) o
 ones (no `model.` prefix, `head.weight` for the output head). Formats, told apart by dtype:
 - float (f32 / bf16 / f16) tensors as they are;
 - FP8 dense weights: `X.weight` float8_e4m3fn + `X.scale` (e8m0, or float32 `X.weight_scale_inv`)
-  per 128 x 128 block;
+  per block of config.json's `quantization_config.weight_block_size` (the published Flash
+  checkpoint: 32 x 32; 128 x 128 when the config does not say);
 - FP4 routed experts: `...experts.{e}.w{1,2,3}.weight` uint8/int8 [out, in/2] (two e2m1 codes a
   byte, low nibble first) + `.scale` e8m0 (or uint8 exponents) [out, in/32]: kept as an MXFP4 bank
   {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"};
@@ -27,8 +28,9 @@ import ml_dtypes
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tidejax.checkpoint.fp8 import dequantize_fp8_block
+from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
+from tidejax.config import read_json
 
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state
@@ -97,10 +99,11 @@ class V41Checkpoint:
 
 class Tensors:
     """The folder's safetensors files as one lazy name -> array map (memory-mapped views),
-    names without the `model.` prefix; records what was used so leftovers can be reported."""
+    names without the `model.` prefix; records what was used so leftovers can be reported.
+    fp8_block: the (rows, cols) block of an FP8 weight's scales."""
 
-    def __init__(self, model_dir: Path):
-        self.source = model_dir
+    def __init__(self, model_dir: Path, fp8_block: tuple[int, int] = BLOCK):
+        self.source, self.fp8_block = model_dir, fp8_block
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise V41LoadError(f"{model_dir}: no *.safetensors file")
@@ -143,7 +146,7 @@ class Tensors:
         return None
 
     def read_float(self, name) -> np.ndarray:
-        """A float32 copy; FP8 weights are dequantized with their 128 x 128 block scales."""
+        """A float32 copy; FP8 weights are dequantized with their block scales."""
         value = self.view(name)
         if value.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
             return np.asarray(value, np.float32)
@@ -152,7 +155,7 @@ class Tensors:
             raise V41LoadError(f"{self.where_is(name)} is FP8 but has no block scales "
                                "(X.scale or X.weight_scale_inv)")
         try:
-            return dequantize_fp8_block(value, _as_float(self.view(scale)))
+            return dequantize_fp8_block(value, _as_float(self.view(scale)), self.fp8_block)
         except ValueError as e:
             raise V41LoadError(f"{self.where_is(name)}: {e}") from None
 
@@ -171,8 +174,10 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     (a host pool, for residency); without it they are stacked into an all-resident expert state
     (`V41Checkpoint.experts`), which only suits models that fit."""
     model_dir = Path(model_dir)
-    cfg = V41Config.from_file(model_dir)
-    tensors = Tensors(model_dir)
+    raw = read_json(model_dir / "config.json")
+    cfg = V41Config.from_hf(raw, str(model_dir / "config.json"))
+    block = (raw.get("quantization_config") or {}).get("weight_block_size", BLOCK)
+    tensors = Tensors(model_dir, tuple(block))
     shapes = flatten_dict(param_shapes(cfg))
     params: dict = {}
     experts: dict[int, dict] = {}
