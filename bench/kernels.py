@@ -7,18 +7,13 @@ the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the s
 kernel is checked against the jnp reference on the GPU first. Prints a markdown table and
 appends it to bench/RESULTS.md (and to $OUT/kernels.md when $OUT is set).
 
---variants instead times the kernel's variants (and the previous kernel, "v0") side by side at
-each token count, with each one's error against the reference, and the jnp tile planning alone;
-it prints one table (and writes $OUT/kernel_variants.md), RESULTS.md is left alone.
-
-    PYTHONPATH=. python3 bench/kernels.py [--quick | --variants]
+    PYTHONPATH=. python3 bench/kernels.py [--quick] [--formats mxfp4,bf16] [--no-demand]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import statistics
 import sys
@@ -33,15 +28,14 @@ from tidejax.pallas.bank import bank_format
 from tidejax.pallas.demand import count_demand_reference
 from tidejax.pallas.demand_kernel import count_demand_pallas
 from tidejax.pallas.moe import moe_grouped_reference
-from tidejax.pallas import moe_kernel_v0
-from tidejax.pallas.moe_kernel import TILES, default_variant, moe_grouped_pallas, plan_tiles, rows_per_tile
+from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas
 
 D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 # tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere TILES' choice
-SWEEP = {
-    4: [(16, 32, 256, 4, 4), (16, 32, 256, 4, 1), (16, 64, 128, 4, 1), (16, 32, 512, 4, 1), (16, 16, 256, 2, 1)],
+SWEEP = {  # GEMV tiles at 4 tokens (bt = 1), dot tiles at 4096
+    4: [(1, 64, 128, 4, 1), (1, 32, 128, 2, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1)],
     4096: [(64, 128, 64, 4, 4), (64, 128, 64, 4, 1), (64, 64, 128, 4, 2)],
 }
 
@@ -107,19 +101,21 @@ def rel_err(got, want):
 
 
 def check(fmt, bank, rng):
-    """Kernel vs reference on the GPU: decode tiles on the full bank, larger tiles on sub-banks."""
-    errs = []
+    """Kernel vs reference on the GPU, {"gemv": err, "dots": err}: 4 tokens on the full bank
+    (GEMV), 64 and 1024 tokens on sub-banks (dots). x holds bf16 values as float32, so that the
+    output is float32 (not rounded to bf16)."""
+    errs = {}
     for t, n in ((4, E), (64, min(64, E)), (1024, 32)):
         sub = jax.tree.map(lambda a: a[:n], bank) if n < E else bank
         ids, w = routing(rng, 1, t, n)
         ids = ids[0].at[0, 0].set(-1)  # one skipped pick
-        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16).astype(jnp.float32)
         got = moe_grouped_pallas(x, sub, ids, w, swiglu_limit=7.0)
-        want = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(
-            x.astype(jnp.float32), sub, ids, w, swiglu_limit=7.0)
-        errs.append(rel_err(got.astype(jnp.float32), want))
-        print(f"check {fmt} tokens={t} slots={n}: rel err {errs[-1]:.2e}", flush=True)
-    return max(errs)
+        want = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(x, sub, ids, w, swiglu_limit=7.0)
+        path = "gemv" if choose_tile(bank_format(sub), t * K, n)[0] == 1 else "dots"
+        errs[path] = max(errs.get(path, 0.0), rel_err(got, want))
+        print(f"check {fmt} tokens={t} slots={n} ({path}): rel err {rel_err(got, want):.2e}", flush=True)
+    return errs
 
 
 def time_moe(bank, ids_sets, w, x, tile, kernel=moe_grouped_pallas, n_iter=None):
@@ -133,7 +129,7 @@ def time_moe(bank, ids_sets, w, x, tile, kernel=moe_grouped_pallas, n_iter=None)
 def bench_format(fmt, rng, copy, mm, rows, quick):
     bank = make_bank(fmt, E, jax.random.key(3))
     per_expert = expert_bytes(bank)
-    err = check(fmt, bank, rng)
+    errs = check(fmt, bank, rng)
     for t in TOKENS:
         ids_sets, w = routing(rng, ROTATE, t, E)
         x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
@@ -141,7 +137,7 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         tiles = [None] if quick else SWEEP.get(t, [None])
         results = []
         for tile in tiles:
-            tile = tile or TILES[bank_format(bank)][rows_per_tile(t * K, E)]
+            tile = tile or choose_tile(bank_format(bank), t * K, E)
             try:
                 results.append((time_moe(bank, ids_sets, w, x, tile), tile))
                 print(f"{fmt} tokens={t} tile={tile}: {results[-1][0] * 1e6:.1f} us", flush=True)
@@ -150,113 +146,12 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         if not results:
             continue
         s, tile = min(results)
+        err = errs["gemv" if tile[0] == 1 else "dots"]
         gbps = distinct * per_expert / s / 1e9
         tflops = 2 * t * K * 3 * I * D / s / 1e12
         rows.append(f"| {fmt} | {t} | {distinct:.1f} | {'x'.join(map(str, tile))} | {s * 1e6:.1f} | "
                     f"{gbps:.0f} | {gbps / copy:.2f} | {tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
         print(rows[-1], flush=True)
-
-
-# --variants: (variant, tile) candidates per format and token count; "v0" = the previous kernel
-# with its own tile choice. Tiles: rows x out-cols x K-block x warps x stages.
-CANDIDATES = {
-    "mxfp4": {
-        1: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv-f32bits", (1, 64, 128, 4, 1))],
-        4: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (1, 128, 128, 4, 1)),
-            ("gemv", (1, 64, 256, 4, 1)), ("gemv", (1, 32, 128, 2, 1)), ("gemv-f32bits", (1, 64, 128, 4, 1)),
-            ("dot-split", (16, 64, 128, 4, 1))],
-        16: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (2, 64, 128, 4, 1))],
-        64: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("gemv", (2, 64, 128, 4, 1)),
-             ("gemv", (4, 64, 128, 4, 1)), ("dot-split", (16, 64, 128, 4, 1))],
-        4096: [("v0", None), ("dot", (64, 64, 128, 4, 2)), ("dot-split", (64, 64, 128, 4, 2))],
-    },
-    "bf16": {
-        1: [("v0", None), ("gemv", (1, 64, 128, 4, 1))],
-        4: [("v0", None), ("gemv", (1, 64, 128, 4, 1)), ("dot-split", (16, 32, 256, 4, 4))],
-        64: [("v0", None), ("gemv", (2, 64, 128, 4, 1)), ("dot-split", (16, 32, 256, 4, 4))],
-        4096: [("v0", None), ("dot-split", (64, 256, 64, 8, 3))],
-    },
-}
-
-
-def kernel_of(variant, tile):
-    """The kernel function of a candidate, taking (x, bank, ids, w, *, tile[, swiglu_limit])."""
-    if variant == "v0":
-        return moe_kernel_v0.moe_grouped_pallas
-    return functools.partial(moe_grouped_pallas, variant=variant)
-
-
-def variant_error(kernel, tile, bank, rng, t):
-    """Relative error vs the reference at t tokens (full bank), or 1024 tokens on 32 slots; x of
-    bf16 values given as float32, so that the output is float32 (not rounded to bf16)."""
-    if t > 64:
-        bank, t = jax.tree.map(lambda a: a[:32], bank), 1024
-    n = next(iter(bank.values())).shape[0]
-    ids, w = routing(rng, 1, t, n)
-    ids = ids[0].at[0, 0].set(-1) if t > 1 else ids[0]
-    x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16).astype(jnp.float32)  # float32 out
-    got = kernel(x, bank, ids, w, tile=tile, swiglu_limit=7.0)
-    want = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(x, bank, ids, w, swiglu_limit=7.0)
-    return rel_err(got, want)
-
-
-def plan_seconds(t):
-    """The jnp tile planning alone (sort of picks by slot) at t tokens, in a loop inside one jit."""
-    ids = jnp.asarray(np.argsort(np.random.default_rng(0).random((ROTATE, t, E)), -1)[..., :K].astype(np.int32))
-    bt = rows_per_tile(t * K, E)
-
-    def step(j, acc, ids):
-        tile_slot, row_token, pick_row = plan_tiles(ids[j % ROTATE], E, bt)
-        return acc + tile_slot[0] + row_token[0] + pick_row[0]
-    return seconds_per_step(step, jnp.int32(0), ids, n_iter=200)
-
-
-def bench_variants(fmt, rng, copy, rows):
-    bank = make_bank(fmt, E, jax.random.key(3))
-    per_expert = expert_bytes(bank)
-    for t, candidates in CANDIDATES[fmt].items():
-        ids_sets, w = routing(rng, ROTATE, t, E)
-        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
-        distinct = np.mean([len(np.unique(np.asarray(s))) for s in ids_sets])
-        default = TILES[fmt if fmt == "mxfp4" else "dense"][rows_per_tile(t * K, E)]
-        for variant, tile in candidates:
-            kernel = kernel_of(variant, tile)
-            try:
-                s = time_moe(bank, ids_sets, w, x, tile, kernel=kernel, n_iter=50 if t <= 64 else 5)
-                err = variant_error(kernel, tile, bank, rng, t)
-            except Exception:  # a candidate that does not compile is reported, the sweep goes on
-                print(f"{fmt} tokens={t} {variant} {tile} failed:\n{traceback.format_exc()}", flush=True)
-                continue
-            gbps = distinct * per_expert / s / 1e9
-            mark = " (default)" if variant != "v0" and tile == default and variant == default_variant(tile[0]) else ""
-            rows.append(f"| {fmt} | {t} | {distinct:.1f} | {variant}{mark} | {'x'.join(map(str, tile or ['own']))} | "
-                        f"{s * 1e6:.1f} | {gbps:.0f} | {gbps / copy:.2f} | {err:.1e} |")
-            print(rows[-1], flush=True)
-
-
-def main_variants(args, copy):
-    rows = []
-    for fmt in args.formats.split(","):
-        try:
-            bench_variants(fmt, np.random.default_rng(int(time.time())), copy, rows)
-        except Exception:
-            print(f"{fmt} failed:\n{traceback.format_exc()}", flush=True)
-    plans = [f"| plan_tiles | {t} | {plan_seconds(t) * 1e6:.1f} us |" for t in (1, 4, 64)]
-    section = "\n".join([
-        f"\n## Kernel variants ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
-        f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}; device copy {copy:.0f} GB/s (read + write). v0 = the previous kernel. "
-        "err = relative Frobenius error vs the float32 reference (swiglu_limit 7; 4096 tokens: checked at "
-        "1024 tokens on 32 slots).\n",
-        "| experts | tokens | distinct experts | variant | tile | us | GB/s | / copy | err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *rows, "",
-        "| op | tokens | time |", "| --- | --- | --- |", *plans, "",
-    ])
-    print(section)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernel_variants.md"), "w") as f:
-            f.write(section)
 
 
 def bench_demand(rng, rows):
@@ -281,12 +176,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="no tile sweep")
     ap.add_argument("--formats", default="mxfp4,bf16", help="comma-separated: mxfp4, bf16")
     ap.add_argument("--no-demand", action="store_true", help="skip the demand counter rows")
-    ap.add_argument("--variants", action="store_true", help="compare the kernel's variants (and v0)")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
-    if args.variants:
-        copy_gbps()  # warm the clocks up first
-        return main_variants(args, copy_gbps())
     copy_gbps(), matmul_tflops()  # warm the clocks up first
     copy, mm = copy_gbps(), matmul_tflops()
     print(f"device copy {copy:.0f} GB/s (read + write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
@@ -308,8 +199,9 @@ def main():
         f"Ceilings measured in the same run: device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
         f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "
         f"{K} a token, random routing; GB/s counts each distinct expert's bytes once; "
-        "tile = rows x cols x K-block x warps x stages (best of the sweep); err = max relative "
-        "Frobenius error vs the jnp reference on the GPU (4 tokens full bank, 64 and 1024 tokens on sub-banks).\n",
+        "tile = rows x cols x K-block x warps x stages (best of the sweep; rows 1 = the GEMV path); err = "
+        "max relative Frobenius error of that path vs the jnp reference on the GPU (GEMV: 4 tokens, full "
+        "bank; dots: 64 and 1024 tokens on sub-banks).\n",
         "| experts | tokens | distinct experts | tile | us | GB/s | / copy | TFLOP/s | / matmul | err |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows, "",

@@ -1,24 +1,18 @@
-"""Pallas (Triton lowering) kernel for `moe_grouped`: picks grouped by bank slot into row tiles.
+"""Pallas (Triton lowering) kernel for `moe_grouped`, in two shapes chosen by how many picks an
+expert gets in the step (under uniform routing, from the static shapes):
 
-Plan (jnp, cheap): the T*k picks are sorted by slot and laid out in tiles of `bt` rows, every
-tile holding picks of one slot (a slot's last tile is padded). Then two kernels, each a grid over
-(tile, output columns); a program streams its slot's weight rows once, dequantizing MXFP4 in
-registers, and serves all rows of its tile:
-  1. h[row] = swiglu(x[token(row)] @ gate_up[slot].T)      [rows, I] float32
-  2. o[row] = h[row] @ down[slot].T                        [rows, D] float32
-Finally y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
-Tiles past the used ones have slot -1 and return at once.
+* GEMV (decode: few picks, nearly all of distinct experts): one row a pick, no planning. Two
+  kernels over (pick, output columns) stream the pick's expert once, each weight decoded in
+  registers and used in float32 FMAs (no matrix units), summed over each 32-value block, times
+  the block's scale: exact to float32 rounding. Skipped picks (slot -1) return at once.
+* dots (prefill and busy decode steps): the picks are sorted by slot into tiles of `bt` rows
+  (jnp; a slot's last tile is padded), and a program streams its slot's weight rows once for the
+  whole tile, dequantized to bf16 in registers, bf16 dots with float32 accumulation (~2e-3).
+Both run h[row] = swiglu(x[token(row)] @ gate_up[slot].T), then o[row] = h[row] @ down[slot].T,
+and y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
 
-Two ways to run a tile (`variant`):
-  * decode (a few rows a tile, bt <= GEMV_ROWS): "gemv" — no matrix units; float32 products of
-    the weights with the activations, summed over each 32-value block, times the block's scale.
-    The weights stream once and each element costs a few integer ops plus one FMA a row.
-    "gemv-f32bits" decodes codes straight to float32 bits, one conversion less, but +-0.5
-    become float32 subnormals: right only where subnormals are not flushed (the GPU, not XLA
-    on CPU, so no CPU test can check it; bench/kernels.py checks it on the GPU).
-  * prefill (bt >= 16): "dot" — weights dequantized to bf16 in registers, bf16 dots with float32
-    accumulation; "dot-split" also feeds the activations' rounding error through a second dot
-    (x = hi + lo, both bf16), so they keep ~16 mantissa bits.
+The planning is not free on the GPU (a sort and a dozen small ops, ~0.2 ms a call on the H200,
+more than the kernels at one token): hence GEMV without it where picks rarely share an expert.
 """
 
 from __future__ import annotations
@@ -34,40 +28,35 @@ from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
 
-GEMV_ROWS = 4  # tiles of up to this many rows run as GEMV, taller ones on the matrix units
-VARIANTS = ("gemv", "gemv-f32bits", "dot", "dot-split")
-# Tile by bank format and rows per tile bt: (bt, block of output columns, block of K values,
-# num_warps, num_stages). Chosen by bench/kernels.py sweeps on the H200 (bench/RESULTS.md).
+# Tile by bank format: "gemv" (bt = 1) and the dots' rows per tile bt: (bt, block of output
+# columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
+# H200 (bench/RESULTS.md).
 TILES = {
-    "dense": {1: (1, 64, 128, 4, 1), 2: (2, 64, 128, 4, 1), 4: (4, 64, 128, 4, 1),
-              16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4), 64: (64, 256, 64, 8, 3)},
-    "mxfp4": {1: (1, 64, 128, 4, 1), 2: (2, 64, 128, 4, 1), 4: (4, 64, 128, 4, 1),
-              16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4), 64: (64, 64, 128, 4, 2)},
+    "dense": {"gemv": (1, 64, 128, 4, 1), 16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4),
+              64: (64, 256, 64, 8, 3)},
+    "mxfp4": {"gemv": (1, 64, 128, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
+              64: (64, 64, 128, 4, 2)},
 }
 # Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
 # block's 16 bytes (32 values: the low nibbles hold the even inputs, the high nibbles the odd).
 GEMV_GROUP = {"dense": 8, "mxfp4": 16}
-# "gemv-f32bits" decodes MXFP4 codes into float32 bits as value * 2**-126 (subnormal for +-0.5),
-# so the activations are scaled by 2**X_SCALE_LOG2 on the way in to keep the products normal.
-X_SCALE_LOG2 = 64
+# GEMV reads an expert once per pick: it runs while the picks an expert gets average at most this.
+GEMV_MAX_PICKS_PER_EXPERT = 1.15
 
 
-def rows_per_tile(n_picks: int, n_slots: int) -> int:
-    """Tile height from the picks a used slot gets on average under uniform routing.
-
-    One row a tile re-reads a slot's weights for each of its picks; taller tiles cost padding
-    rows (GEMV: one FMA a weight each) or move to the matrix units (16 rows and up).
-    """
+def picks_per_expert(n_picks: int, n_slots: int) -> float:
+    """Mean picks of each expert used in a step, under uniform routing over n_slots."""
     used = n_slots * (1 - (1 - 1 / n_slots) ** n_picks) if n_slots > 1 else 1.0
-    avg = n_picks / max(1.0, min(used, n_picks))
-    for bt, most in ((1, 1.15), (2, 2.3), (4, 4.5), (16, 16), (32, 32)):
-        if avg <= most:
-            return bt
-    return 64
+    return n_picks / max(1.0, min(used, n_picks))
 
 
-def default_variant(bt: int) -> str:
-    return "gemv" if bt <= GEMV_ROWS else "dot-split" if bt <= 16 else "dot"
+def choose_tile(fmt: str, n_picks: int, n_slots: int) -> tuple:
+    """The tile for a step's picks: GEMV when experts are rarely shared, else dots whose tile
+    height follows the picks a used expert gets."""
+    avg = picks_per_expert(n_picks, n_slots)
+    if avg <= GEMV_MAX_PICKS_PER_EXPERT:
+        return TILES[fmt]["gemv"]
+    return TILES[fmt][16 if avg <= 16 else 32 if avg <= 32 else 64]
 
 
 def pallas_supports(bank) -> bool:
@@ -115,28 +104,18 @@ def plan_tiles(slot_ids, n_slots: int, bt: int):
     return tile_slot, row_token, pick_row
 
 
-# ---- e2m1 codes -> floats, by moving the code's bits into a float's fields -------------------
-# A code's exponent bits (2..1) and mantissa bit (0) land at the bottom of the float's exponent
-# and the top of its mantissa, its sign (bit 3) on the sign bit: the float is the e2m1 value
-# times a fixed power of two (e2m1's exponent-0 codes, 0 and +-0.5, become the float's own
-# subnormals, exactly). `shift` 0 takes a byte's low nibble, 4 its high nibble.
-
-def _e2m1_bits(b, shift, mantissa_top, sign_bit):
-    """uint32 bytes b -> bits of the float with mantissa's top bit `mantissa_top`."""
-    magnitude = (b << (mantissa_top - shift)) & jnp.uint32(7 << mantissa_top)
-    sign = (b << (sign_bit - 3 - shift)) & jnp.uint32(1 << sign_bit)
-    return magnitude | sign
-
-
-def e2m1_f32(b, shift):
-    """value * 2**-126 as float32."""
-    return jax.lax.bitcast_convert_type(_e2m1_bits(b, shift, 22, 31), jnp.float32)
-
+# ---- e2m1 codes -> floats ----------------------------------------------------------------------
 
 def e2m1_f16_f32(b, shift):
-    """value * 2**-14: fp16 bits, converted to float32."""
-    bits = _e2m1_bits(b, shift, 9, 15).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+    """uint32 bytes b -> float32 value * 2**-14 of the code in bits shift..shift+3 (0: a byte's
+    low nibble, 4: its high nibble). The code's exponent and mantissa bits (2..0) land at the
+    bottom of an fp16's exponent and the top of its mantissa, its sign bit on the sign: the fp16
+    is the e2m1 value times 2**-14, exactly (exponent-0 codes, 0 and +-0.5, become fp16
+    subnormals, which the conversion to float32 keeps)."""
+    magnitude = (b << (9 - shift)) & jnp.uint32(7 << 9)
+    sign = (b << (12 - shift)) & jnp.uint32(1 << 15)
+    half = jax.lax.bitcast_convert_type((magnitude | sign).astype(jnp.uint16), jnp.float16)
+    return half.astype(jnp.float32)
 
 
 def _pow2_f32(e, bias, top):
@@ -191,21 +170,21 @@ def _swiglu(g, u, limit):
 # Weights as [N, R, K/G, G] (G = GEMV_GROUP): a step takes [bn, nb, G] of them, one 16-byte
 # vector a (row, group), and the activations' [nb, G] (x split into even / odd halves for MXFP4).
 # The products are summed over G inside each thread, scaled per block, and accumulated [bn, nb];
-# the sum over nb comes once, at the end.
+# the sum over nb comes once, at the end. Program (pick, column block) serves one pick.
 
 def _gemv_fetch(w_refs, slot, rows, kk, nb):
     g0 = _step_start(kk, nb)
     return tuple(ref[slot, rows, pl.ds(g0, nb)] for ref in w_refs)
 
 
-def _gemv_weights(raw, variant):
-    """Raw operands -> (float32 planes [bn, nb, G] matching the activation phases, scale [bn, nb])."""
+def _gemv_weights(raw):
+    """Raw operands -> (float32 planes [bn, nb, G] matching the activation phases, scale [bn, nb]).
+
+    MXFP4 codes decode to value * 2**-14 (fp16 bits, exact), the scale to 2**(e - 127 + 14)."""
     if len(raw) == 1:  # dense
         return (raw[0].astype(jnp.float32),), None
     b, e = raw[0].astype(jnp.uint32), raw[1].astype(jnp.int32)
-    if variant == "gemv-f32bits":  # value * 2**-126 against x * 2**64: 2**(e - 127 + 126 - 64)
-        return (e2m1_f32(b, 0), e2m1_f32(b, 4)), _pow2_f32(e, 65, 192)
-    return (e2m1_f16_f32(b, 0), e2m1_f16_f32(b, 4)), _pow2_f32(e, 113, 240)  # value * 2**-14
+    return (e2m1_f16_f32(b, 0), e2m1_f16_f32(b, 4)), _pow2_f32(e, 113, 240)
 
 
 def _gemv_partial(weights, xs):
@@ -215,15 +194,14 @@ def _gemv_partial(weights, xs):
     return p if scale is None else p * scale
 
 
-def _gemv_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, nb, n_k, i, limit, phases,
-                         variant, out_scale):
+def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases):
     x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
-    tile, col = pl.program_id(0), pl.program_id(1)
-    slot = tile_slot_ref[tile]
+    pick, col = pl.program_id(0), pl.program_id(1)
+    slot = pick_slot_ref[pick]
 
     @pl.when(slot >= 0)
     def _():
-        tokens = [row_token_ref[tile * bt + r] for r in range(bt)]
+        token = pick // k
         phase, q0, rows = _phase_rows(col, bn, i, phases)
         up_rows = pl.ds(i + rows.start, bn, stride=phases)
 
@@ -232,38 +210,30 @@ def _gemv_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, nb, n_k, i
 
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
-            gate, up = (_gemv_weights(r, variant) for r in raw)
-            out = []
-            for tok, (g, u) in zip(tokens, acc):
-                xs = [r[tok, pl.ds(g0, nb)].astype(jnp.float32) for r in x_refs]
-                out.append((g + _gemv_partial(gate, xs), u + _gemv_partial(up, xs)))
-            return tuple(out)
+            xs = [r[token, pl.ds(g0, nb)] for r in x_refs]
+            gate, up = (_gemv_weights(w) for w in raw)
+            return acc[0] + _gemv_partial(gate, xs), acc[1] + _gemv_partial(up, xs)
 
         zeros = jnp.zeros((bn, nb), jnp.float32)
-        acc = _k_loop(n_k, fetch, consume, ((zeros, zeros),) * bt, prefetch=True)
-        for r, (g, u) in enumerate(acc):
-            h = _swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
-            h_ref[phase, tile * bt + r, pl.ds(q0, bn)] = h * out_scale
+        g, u = _k_loop(n_k, fetch, consume, (zeros, zeros), prefetch=True)
+        h_ref[phase, pick, pl.ds(q0, bn)] = _swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
 
 
-def _gemv_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, nb, n_k, phases, variant):
+def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases):
     *w_refs, o_ref = refs
-    tile, col = pl.program_id(0), pl.program_id(1)
-    slot = tile_slot_ref[tile]
+    pick, col = pl.program_id(0), pl.program_id(1)
+    slot = pick_slot_ref[pick]
 
     @pl.when(slot >= 0)
     def _():
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
-            w = _gemv_weights(raw, variant)
-            return tuple(
-                a + _gemv_partial(w, [h_ref[p, tile * bt + r, pl.ds(g0, nb)] for p in range(phases)])
-                for r, a in enumerate(acc))
+            return acc + _gemv_partial(_gemv_weights(raw), [h_ref[p, pick, pl.ds(g0, nb)]
+                                                            for p in range(phases)])
 
         fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
-        acc = _k_loop(n_k, fetch, consume, (jnp.zeros((bn, nb), jnp.float32),) * bt, prefetch=True)
-        for r, a in enumerate(acc):
-            o_ref[tile * bt + r, pl.ds(col * bn, bn)] = jnp.sum(a, axis=1)
+        acc = _k_loop(n_k, fetch, consume, jnp.zeros((bn, nb), jnp.float32), prefetch=True)
+        o_ref[pick, pl.ds(col * bn, bn)] = jnp.sum(acc, axis=1)
 
 
 def _gemv_refs(bank, name, group):
@@ -280,41 +250,42 @@ def _grouped(a, group):
     return a.reshape(*a.shape[:-1], a.shape[-1] // group, group)
 
 
-def _run_gemv(x, bank, tile_slot, row_token, *, tile, limit, variant, interpret):
+def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
+    """Per-pick outputs [T*k, D] float32 (rows of skipped picks unwritten)."""
     fmt = bank_format(bank)
     _, d, i = bank_dims(bank)
-    bt, bn, bk, num_warps, num_stages = tile
+    _, bn, bk, num_warps, num_stages = tile
+    t, k = slot_ids.shape
     phases = 1 if fmt == "dense" else 2
     group = GEMV_GROUP[fmt]
     per_step = group * phases  # K values a group covers
-    rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
+    pick_slot = slot_ids.reshape(-1).astype(jnp.int32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    scale = 2.0**X_SCALE_LOG2 if variant == "gemv-f32bits" and fmt == "mxfp4" else 1.0
-    xs = [_grouped(x.astype(jnp.float32)[:, p::phases] * scale, group) for p in range(phases)]
+    xs = [_grouped(x.astype(jnp.float32)[:, p::phases], group) for p in range(phases)]
 
     bn1 = _block(i // phases, bn, "moe intermediate / phases", least=1)
     nb1 = _block(d // per_step, bk // per_step, "hidden groups", least=1)
     h = pl.pallas_call(
-        functools.partial(_gemv_gate_up_kernel, bt=bt, bn=bn1, nb=nb1, n_k=d // per_step // nb1, i=i,
-                          limit=limit, phases=phases, variant=variant, out_scale=scale),
-        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
-        grid=(n_tiles, i // bn1),
+        functools.partial(_gemv_gate_up_kernel, k=k, bn=bn1, nb=nb1, n_k=d // per_step // nb1,
+                          i=i, limit=limit, phases=phases),
+        out_shape=jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
+        grid=(t * k, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up_gemv",
-    )(tile_slot, row_token, *xs, *_gemv_refs(bank, "gate_up", group))
+    )(pick_slot, *xs, *_gemv_refs(bank, "gate_up", group))
 
     bn2 = _block(d, bn, "hidden", least=1)
     nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
     return pl.pallas_call(
-        functools.partial(_gemv_down_kernel, bt=bt, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
-                          phases=phases, variant=variant),
-        out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
-        grid=(n_tiles, d // bn2),
+        functools.partial(_gemv_down_kernel, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
+                          phases=phases),
+        out_shape=jax.ShapeDtypeStruct((t * k, d), jnp.float32),
+        grid=(t * k, d // bn2),
         compiler_params=params,
         interpret=interpret,
         name="moe_down_gemv",
-    )(tile_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
+    )(pick_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
 
 
 # ---- dots (prefill) ------------------------------------------------------------------------------
@@ -355,17 +326,7 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _dots(acc, xs, ws, split):
-    """acc + sum over phases of x @ w.T; x float32, split into bf16 hi + lo when `split`."""
-    for x, w in zip(xs, ws):
-        hi = x.astype(jnp.bfloat16)
-        acc = acc + _dot_t(hi, w)
-        if split:
-            acc = acc + _dot_t((x - hi.astype(jnp.float32)).astype(jnp.bfloat16), w)
-    return acc
-
-
-def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases, split):
+def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases):
     x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -382,15 +343,16 @@ def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, l
 
         def consume(kk, raw, acc):
             x0 = _step_start(kk, kx)
-            xs = [r[tokens, pl.ds(x0, kx)].astype(jnp.float32) for r in x_refs]
-            return tuple(_dots(a, xs, _dot_weights(w), split) for a, w in zip(acc, raw))
+            xs = [r[tokens, pl.ds(x0, kx)] for r in x_refs]
+            return tuple(a + sum(_dot_t(xp, wp) for xp, wp in zip(xs, _dot_weights(w)))
+                         for a, w in zip(acc, raw))
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
         g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
-        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit).astype(h_ref.dtype)
 
 
-def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, split):
+def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
     *w_refs, o_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -401,8 +363,9 @@ def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, split):
 
         def consume(kk, raw, acc):
             h0 = _step_start(kk, kh)
-            hs = [h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)] for p in range(phases)]
-            return _dots(acc, hs, _dot_weights(raw), split)
+            for p, wp in enumerate(_dot_weights(raw)):
+                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)], wp)
+            return acc
 
         fetch = lambda kk: _dot_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
         acc = _k_loop(i // bk, fetch, consume, jnp.zeros((bt, bn), jnp.float32), prefetch=phases > 1)
@@ -418,19 +381,22 @@ def _dot_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-def _run_dots(x, bank, tile_slot, row_token, *, tile, limit, split, interpret):
-    _, d, i = bank_dims(bank)
+def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
+    """Per-pick outputs [T*k, D] float32, through tiles of picks grouped by slot."""
+    n, d, i = bank_dims(bank)
+    t, k = slot_ids.shape
     bt, bn, bk, num_warps, num_stages = tile
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
     rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     phases = 1 if bank_format(bank) == "dense" else 2
-    xs = [x[:, p::phases] for p in range(phases)]  # [T, D / phases] each
+    xs = [x[:, p::phases].astype(jnp.bfloat16) for p in range(phases)]  # [T, D / phases] each
 
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
     h = pl.pallas_call(
         functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
-                          phases=phases, split=split),
-        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
+                          phases=phases),
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
         grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
@@ -438,36 +404,30 @@ def _run_dots(x, bank, tile_slot, row_token, *, tile, limit, split, interpret):
     )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
-    return pl.pallas_call(
-        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases, split=split),
+    out = pl.pallas_call(
+        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(n_tiles, d // bn2),
         compiler_params=params,
         interpret=interpret,
         name="moe_down",
     )(tile_slot, h, *_dot_refs(bank, "down"))
+    return jnp.take(out, pick_row, axis=0, mode="clip")
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile", "variant"))
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile"))
 def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
-                       tile=None, variant=None):
+                       tile=None):
     """Same contract as `moe_grouped_reference`.
 
-    tile: (bt, bn, bk, num_warps, num_stages) to override the choice from TILES; variant: one
-    of VARIANTS to override `default_variant(bt)` (benchmarks). "gemv*" take bt <= GEMV_ROWS.
+    tile: (bt, bn, bk, num_warps, num_stages) to override `choose_tile` (benchmarks); bt = 1 runs
+    the GEMV kernels, bt >= 16 the dots.
     """
     n, _, _ = bank_dims(bank)
     t, k = slot_ids.shape
-    tile = tile or TILES[bank_format(bank)][rows_per_tile(t * k, n)]
-    variant = variant or default_variant(tile[0])
-    if variant not in VARIANTS or (variant.startswith("gemv") and tile[0] > GEMV_ROWS):
-        raise ValueError(f"moe_grouped_pallas: variant {variant!r} with tile {tile}")
-    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, tile[0])
-    run = dict(tile=tile, limit=swiglu_limit, interpret=interpret)
-    if variant.startswith("gemv"):
-        out = _run_gemv(x, bank, tile_slot, row_token, variant=variant, **run)
-    else:
-        out = _run_dots(x, bank, tile_slot, row_token, split=variant == "dot-split", **run)
-    picked = jnp.take(out, pick_row, axis=0, mode="clip").reshape(t, k, -1)
+    tile = tile or choose_tile(bank_format(bank), t * k, n)
+    run = _run_gemv if tile[0] == 1 else _run_dots
+    per_pick = run(x, bank, slot_ids, tile=tile, limit=swiglu_limit, interpret=interpret)
+    picked = per_pick.reshape(t, k, -1)
     picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
     return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
