@@ -6,8 +6,9 @@ back (the device's own pace).
         [--trace en] [--set table.key=value ...]
 
 Each resident share is a fresh `tidejax.load` with engine.lanes = the most --lanes (a step
-always runs every lane; the others sit idle) and, below 1, residency.budget_experts set and a
-seed map fitted on the replayed trace, as bench/roofline.py does. Per (share, lanes) it prints
+always runs every lane; the others sit idle), engine.max_context = 1024 (unless --set gives
+them) and, below 1, residency.budget_experts set and a seed map fitted on the replayed trace, as
+bench/roofline.py does. Per (share, lanes) it prints
 
     loop   ms a decode step in Scheduler.step: admit, queue the step, read the previous step's
            tokens, emit them, the residency's per-step work (steps counted: decode steps queued)
@@ -49,16 +50,16 @@ def _raise_errors(event) -> None:
 
 def loop_ms(engine, lanes: int, steps: int) -> float:
     """ms per decode step of `lanes` requests of steps + 1 tokens through the scheduler, timed
-    from the first decode step's queueing to the end."""
+    from the first decode step's queueing to the end: that step and all after it."""
     for i in range(lanes):
         engine.scheduler.submit(GenerationRequest(
             prompt_ids(engine, "en", PROMPT_TOKENS, offset=997 * i), steps + 1,
             SAMPLING.temperature, seed=i, ignore_eos=True), _raise_errors)
     engine.scheduler.step()  # the prefills, then the first decode step queued
-    first = engine.scheduler.totals["steps"]
+    first = engine.scheduler.totals["steps"]  # counts the step just queued
     start = time.perf_counter()
     engine.scheduler.run_until_idle()
-    return (time.perf_counter() - start) * 1e3 / (engine.scheduler.totals["steps"] - first)
+    return (time.perf_counter() - start) * 1e3 / (engine.scheduler.totals["steps"] - first + 1)
 
 
 def _decode_inputs(engine, lanes: int):
