@@ -110,11 +110,32 @@ def test_stale_swap_rejected(tmp_path):
     np.testing.assert_array_equal(after, res.slot_rows)
 
 
+def test_miss_tally_lags_one_step_and_flush_completes_it(tmp_path):
+    """after_step reads a step's misses at the next step (it never waits for the device); flush
+    reads the rest: then the totals are every wanted pick of a non-resident expert."""
+    res = manager(tmp_path, adapt=False, drain_every=1000)  # a fixed resident set
+    wanted = []
+    for i in range(5):
+        _, res.state = toy_step(res.state, tokens(i), jnp.ones(4, bool), ROUTER, NO_BIAS,
+                                res.options)
+        res.after_step(tokens=4)
+        wanted.append(res.stats()["wanted"])
+    assert wanted == [0, 1 * 4 * 2 * L, 2 * 4 * 2 * L, 3 * 4 * 2 * L, 4 * 4 * 2 * L]
+    res.flush()
+    s = res.stats()
+    resident = res.slot_rows[:res.n_resident]
+    cold = ~np.isin(np.arange(L * E), resident)
+    assert s["wanted"] == 5 * 4 * 2 * L
+    assert s["misses"] == np.asarray(res.state.counts).reshape(-1)[cold].sum() > 0
+    assert s["window_steps"] == 5
+
+
 def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
     res = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
     assert res.needs_calibration
     serve_steps(res, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
     shares = serve_steps(res, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
+    res.flush()  # the last step's drain (after_step reads it at the next step)
     s = res.stats()
     peak, last = max(shares[:8]), np.mean(shares[-8:])
     assert peak > 0.3 and last < peak / 4, (peak, last)
@@ -139,6 +160,7 @@ def test_freeze_keeps_counting_and_boot_resumes_history(tmp_path):
     res = manager(tmp_path)
     res.freeze()
     serve_steps(res, domain([4, 5, 6, 7]), 8)
+    res.flush()
     s = res.stats()
     assert s["swaps_applied"] == 0 and s["drains"] == 2 and s["frozen"]
     assert res.history.counts.sum() > 0 and s["misses"] > 0

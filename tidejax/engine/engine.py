@@ -2,7 +2,9 @@
 
 Shapes are static: prefill runs in chunks padded to a few bucket sizes, decode always runs all
 lanes, so each (phase, bucket) compiles once. The generation cache and the expert state are
-donated into every step and come back updated in place.
+donated into every step and come back updated in place. A decode step returns its tokens on the
+device without waiting for them, and takes each lane's input from the previous step's output
+there, so the scheduler can queue the next step before it reads this one's tokens.
 """
 
 from __future__ import annotations
@@ -88,10 +90,14 @@ class Engine:
             self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype),
             jax.devices()[0])
         self._prefill_buckets = _buckets(self.prefill_chunk)
-        self._steps = _Steps(self.model)
-        self._replay: np.ndarray | None = None  # [N, L_moe, k] recorded picks, see set_routing_replay
-        self._replay_cursor = 0
+        replay = self.family.replay_variables
+        self._steps = _Steps(self.model, functools.partial(replay, self.cfg) if replay else None)
+        self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
+        self._replay_cursor = 0  # the row the next token routes by
         self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
+        # the `previous` tokens of a decode step that takes every input from the host (committed
+        # to the device, as a step's output is: one compilation)
+        self._host_only = jax.device_put(np.zeros(self.lanes, np.int32), jax.devices()[0])
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
         if self.residency.needs_calibration:
@@ -131,7 +137,9 @@ class Engine:
         with jax.profiler.TraceAnnotation("prefill"):
             token = self._prefill_chunks(lane, token_ids, lane_sampling)
         self.residency.after_step(n)
-        return int(token)
+        token = int(token)
+        self.residency.flush()  # the prefill is done: its tallies are ready
+        return token
 
     def _chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
         """(start, ids) of each prefill chunk of a prompt."""
@@ -152,23 +160,37 @@ class Engine:
             inputs = (self._lane_inputs.rows(tokens, [start], mask, lanes=[lane])
                       if self._lane_inputs else None)
             token, self.cache, experts = self._steps.prefill(
-                self.params, self._replay_ids(tokens.shape), inputs, tokens, positions, mask,
+                self.params, self._replay_rows(tokens.size), inputs, tokens, positions, mask,
                 np.int32(lane), self.cache, self.residency.state, np.int32(len(chunk) - 1),
                 lane_sampling)
             self.residency.state = experts
         return token
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether a decode step can take its input tokens from the previous step's output on the
+        device. Not where the family computes host inputs from the token ids (DeepSeek-V4.1's
+        Engram hashes): then every token must be on the host before its step."""
+        return self._lane_inputs is None
+
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
-               sampling: LaneSampling) -> np.ndarray:
-        """One step for all lanes: tokens/positions/active [lanes] -> next tokens [lanes]."""
+               sampling: LaneSampling, previous: jax.Array | None = None,
+               fresh: np.ndarray | None = None) -> jax.Array:
+        """Queues one step for all lanes and returns its next tokens [lanes] on the device, not
+        waiting for them. positions / active [lanes]. Each lane's input token is previous[lane]
+        (an earlier step's output, still on the device) or, where fresh[lane], tokens[lane]
+        from the host; previous None: every input from `tokens`."""
+        if previous is None:
+            previous, fresh = self._host_only, np.ones(self.lanes, bool)
+        elif not self.pipelined:
+            raise ValueError(f"the {self.family.name} family needs every input token on the host")
         inputs = (self._lane_inputs.rows(tokens[:, None], positions, active[:, None])
                   if self._lane_inputs else None)
         with jax.profiler.TraceAnnotation("decode"):
-            next_tokens, self.cache, experts = self._steps.decode(
-                self.params, self._replay_ids((len(tokens), 1)), inputs, tokens.astype(np.int32),
-                positions.astype(np.int32), active, self.cache, self.residency.state, sampling)
-            next_tokens = np.asarray(next_tokens)
-        self.residency.state = experts
+            next_tokens, self.cache, self.residency.state = self._steps.decode(
+                self.params, self._replay_rows(self.lanes), inputs, tokens.astype(np.int32),
+                fresh, previous, positions.astype(np.int32), active, self.cache,
+                self.residency.state, sampling)
         self.residency.after_step(int(active.sum()))
         return next_tokens
 
@@ -184,11 +206,13 @@ class Engine:
         scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
         inputs = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
         logits, experts = self._steps.score(
-            self.params, self._replay_ids(tokens.shape), inputs, tokens,
+            self.params, self._replay_rows(tokens.size), inputs, tokens,
             np.arange(size, dtype=np.int32)[None], mask, cache, self.residency.state)
         self.residency.state = experts
         self.residency.after_step(n)
-        return np.asarray(logits[0, :n], np.float32)
+        logits = np.asarray(logits[0, :n], np.float32)
+        self.residency.flush()
+        return logits
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> None:
         """Compiles the decode step and the prefill chunk sizes (those `prompt_lengths` need, or
@@ -207,7 +231,7 @@ class Engine:
             inputs = (self._lane_inputs.rows(tokens, [0], tokens > 0, lanes=[0])
                       if self._lane_inputs else None)
             _, self.cache, self.residency.state = self._steps.prefill(
-                self.params, self._replay_ids(tokens.shape), inputs, tokens, tokens, tokens > 0,
+                self.params, self._replay_rows(tokens.size), inputs, tokens, tokens, tokens > 0,
                 np.int32(0), self.cache, self.residency.state, np.int32(0),
                 LaneSampling.of([SamplingParams()]))
         log.info("compiled the steps in %.1f s", time.perf_counter() - start)
@@ -224,17 +248,17 @@ class Engine:
             if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
                 raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
                                  f"got shape {picks.shape}")
+            picks = jax.device_put(picks, jax.devices()[0])  # once: steps index it by a cursor
         self._replay, self._replay_cursor = picks, 0
 
-    def _replay_ids(self, shape: tuple[int, int]):
-        """The replay variable collection for a step of `shape` [b, t] tokens, or None."""
+    def _replay_rows(self, n_tokens: int):
+        """(picks, cursor) for a step of `n_tokens` tokens (batch-major), which route by rows
+        cursor, cursor + 1, ... of the picks, cyclically; None without a replay."""
         if self._replay is None:
             return None
-        b, t = shape
-        rows = (self._replay_cursor + np.arange(b * t)) % len(self._replay)
-        self._replay_cursor = int(rows[-1] + 1)
-        ids = self._replay[rows].reshape(b, t, *self._replay.shape[1:])  # [b, t, L_moe, k]
-        return self.family.replay_variables(self.cfg, ids)
+        cursor = self._replay_cursor
+        self._replay_cursor = (cursor + n_tokens) % len(self._replay)
+        return self._replay, np.int32(cursor)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -257,9 +281,16 @@ class _Steps:
     """The jitted functions over one model; cache and expert state are donated."""
 
     model: object
+    replay_variables: object  # ids [b, t, L_moe, k] -> the "replay" collection; None: no replay
 
     def _forward(self, params, replay, inputs, tokens, positions, mask, cache, experts):
-        variables = {"params": params} | ({"replay": replay} if replay is not None else {})
+        variables = {"params": params}
+        if replay is not None:
+            picks, cursor = replay  # [N, L_moe, k], the row of the step's first token
+            b, t = tokens.shape
+            rows = (cursor + jnp.arange(b * t, dtype=jnp.int32)) % picks.shape[0]
+            variables["replay"] = self.replay_variables(
+                picks[rows].reshape(b, t, *picks.shape[1:]))  # [b, t, L_moe, k]
         extra = () if inputs is None else (inputs,)
         return self.model.apply(variables, tokens, positions, mask, cache, experts, *extra)
 
@@ -278,7 +309,9 @@ class _Steps:
 
     @functools.cached_property
     def decode(self):
-        def step(params, replay, inputs, tokens, positions, active, cache, experts, sampling):
+        def step(params, replay, inputs, tokens, fresh, previous, positions, active, cache,
+                 experts, sampling):
+            tokens = jnp.where(fresh, tokens, previous)  # [lanes]
             logits, cache, experts = self._forward(params, replay, inputs, tokens[:, None],
                                                    positions[:, None], active[:, None], cache, experts)
             return sample(logits[:, 0], sampling, positions + 1), cache, experts

@@ -1,10 +1,18 @@
 """Lanes and continuous batching: one thread owns the device.
 
-Each iteration frees the lanes of finished or cancelled requests, admits queued requests into
-free lanes (prefill, first token), then runs one decode step for every active lane. A request
-joins and leaves between steps; the others never wait for it beyond its prefill. Events go to
-each request's `on_event` callback from the scheduler thread (the server turns them into
-asyncio queue items with loop.call_soon_threadsafe).
+Each iteration frees the lanes of cancelled requests, admits queued requests into free lanes
+(prefill, first token), queues one decode step for every lane that needs another token, then
+reads the tokens of the step queued in the previous iteration and delivers them. So one step is
+always in flight: the device runs step N+1 while the host delivers step N's tokens, and step N+1
+takes its input tokens from step N's output on the device (a lane admitted since takes its
+prefill's token from the host). A stop token is seen one step late: the step already queued for
+that lane computes a token nobody receives, at a position its next request overwrites. Length
+limits are known ahead, so no step runs past them. Families that need every token on the host
+before the next step (`engine.pipelined` False) read each step right after queueing it.
+
+A request joins and leaves between steps; the others never wait for it beyond its prefill.
+Events go to each request's `on_event` callback from the scheduler thread (the server turns them
+into asyncio queue items with loop.call_soon_threadsafe).
 """
 
 from __future__ import annotations
@@ -74,13 +82,23 @@ class RequestHandle:
         self.cancelled = True
 
 
+@dataclasses.dataclass
+class _Step:
+    """A queued decode step whose tokens have not been read yet."""
+
+    tokens: object  # jax.Array [lanes]: each lane's next token, on the device
+    handles: list  # [lanes] the request each lane decoded for; None: the lane sat out
+    positions: np.ndarray  # [lanes] the position of each lane's next token
+
+
 class Scheduler:
     def __init__(self, engine):
         self.engine = engine
         lanes = engine.lanes
         self.lane_of: list[RequestHandle | None] = [None] * lanes
-        self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane, fed next step
-        self.positions = np.zeros(lanes, np.int32)  # that token's position
+        self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
+        self.positions = np.zeros(lanes, np.int32)  # the position of each lane's latest token
+        self._in_flight: _Step | None = None
         self.queue: collections.deque[RequestHandle] = collections.deque()
         self.wake = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -139,7 +157,7 @@ class Scheduler:
     def _loop(self) -> None:
         while self.running:
             with self.wake:
-                while self.running and not self.queue and not self.active:
+                while self.running and not self.queue and not self.active and self._in_flight is None:
                     self.wake.wait()
             if self.running:
                 try:
@@ -152,9 +170,13 @@ class Scheduler:
         """One iteration; returns whether any work remains."""
         self._release_cancelled()
         self._admit()
-        if self.active:
-            self._decode()
-        return bool(self.active or self.queue)
+        previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
+        if previous is not None:
+            self._deliver(previous)  # waits for it; the step just queued keeps the device busy
+        if self._in_flight is not None and not self.engine.pipelined:
+            self._deliver(self._in_flight)
+            self._in_flight = None
+        return bool(self.active or self.queue or self._in_flight)
 
     def _release_cancelled(self) -> None:
         for lane, handle in enumerate(self.lane_of):
@@ -186,22 +208,45 @@ class Scheduler:
             self.positions[lane] = len(handle.request.prompt_ids)
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
-            self._emit(lane, token)
+            self._emit(lane, token, self.positions[lane])
 
-    def _decode(self) -> None:
-        active = np.array([h is not None for h in self.lane_of])
+    def _dispatch(self, previous: _Step | None) -> _Step | None:
+        """Queues a decode step for every lane whose request needs another token beyond those
+        already in flight (in `previous`, not read yet); None when no lane does."""
+        handles = list(self.lane_of)
+        if previous is not None:
+            for lane, handle in enumerate(handles):
+                if (handle is not None and previous.handles[lane] is handle
+                        and self._ends_by_length(handle, handle.generated + 1,
+                                                 previous.positions[lane])):
+                    handles[lane] = None  # the token in flight is its last
+        active = np.array([h is not None for h in handles])
+        if not active.any():
+            return None
         if self._sampling is None:
             self._sampling = LaneSampling.of(
                 [h.request.sampling if h else SamplingParams() for h in self.lane_of])
-        next_tokens = self.engine.decode(self.tokens, np.where(active, self.positions, 0),
-                                         active, self._sampling)
+        # a lane continues from its token in flight; one admitted since takes its host token
+        fresh = np.array([previous is None or previous.handles[lane] is not handle
+                          for lane, handle in enumerate(handles)])
+        tokens = self.engine.decode(self.tokens, np.where(active, self.positions, 0), active,
+                                    self._sampling, previous=previous.tokens if previous else None,
+                                    fresh=fresh)
+        tokens.copy_to_host_async()  # on its way as soon as the step ends
+        self.positions[active] += 1
         self.totals["steps"] += 1
-        for lane in np.flatnonzero(active):
-            self.positions[lane] += 1
-            self._emit(int(lane), int(next_tokens[lane]))
+        return _Step(tokens, handles, np.where(active, self.positions, 0))
 
-    def _emit(self, lane: int, token: int) -> None:
-        """Delivers `token` for the request in `lane` (or ends it); keeps it as the next input."""
+    def _deliver(self, step: _Step) -> None:
+        """Reads a step's tokens (waiting for the device) and emits them to the requests still in
+        their lanes: not to one finished, cancelled or replaced since the step was queued."""
+        tokens = np.asarray(step.tokens)
+        for lane, handle in enumerate(step.handles):
+            if handle is not None and self.lane_of[lane] is handle:
+                self._emit(lane, int(tokens[lane]), step.positions[lane])
+
+    def _emit(self, lane: int, token: int, position: int) -> None:
+        """Delivers `token` (at `position`) for the request in `lane`, or ends it."""
         handle = self.lane_of[lane]
         request = handle.request
         if (token in request.stop_token_ids
@@ -212,13 +257,19 @@ class Scheduler:
         self.totals["generated_tokens"] += 1
         handle.on_event(TokenEvent(token))
         self.tokens[lane] = token
-        if handle.generated >= request.max_new_tokens or self.positions[lane] + 1 >= self.engine.max_context:
+        if self._ends_by_length(handle, handle.generated, position):
             self._finish(lane, "length")
+
+    def _ends_by_length(self, handle: RequestHandle, generated: int, position: int) -> bool:
+        """Whether a request is done once it has `generated` tokens, the last at `position`."""
+        return (generated >= handle.request.max_new_tokens
+                or position + 1 >= self.engine.max_context)
 
     def _finish(self, lane: int, reason: str) -> None:
         handle = self.lane_of[lane]
         self.lane_of[lane] = None
         self._sampling = None
+        self.engine.residency.flush()  # the request's steps fully in the cold share
         self.last_stats = self._stats(handle)
         handle.on_event(DoneEvent(reason, self.last_stats))
 
@@ -240,3 +291,4 @@ class Scheduler:
                 self.lane_of[lane] = None
                 handle.on_event(ErrorEvent(message))
         self._sampling = None
+        self._in_flight = None

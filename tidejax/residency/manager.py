@@ -6,7 +6,13 @@ Engine contract (one thread drives the steps):
     options = residency.options              # the MoE layers' static ServeOptions
     each jitted step:  outputs, residency.state = step(params, residency.state, ...)  [donated]
     then:              residency.after_step(n)  # n = real (unpadded) tokens in that step
+    after reading a step's outputs, where its tallies should count now: residency.flush()
     optional:          residency.reseed()       # after a calibration prefill (needs_calibration)
+
+after_step never waits for the device: a step's miss tally and a drain's counters start their way
+to the host (copy_to_host_async) and are read at the next after_step, while the step queued
+after them runs. So the cold share, the ring's copies and the plan lag one step; flush() reads
+whatever is still on its way.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state, build_state
-from tidejax.residency.swap import drained, swap_rows
+from tidejax.residency.swap import swap_rows, taken
 
 log = logging.getLogger("tidejax.residency")
 
@@ -72,7 +78,8 @@ class Residency:
         self._queue: list[Swap] = []
         self._ring_next = 0
         self._window = collections.deque(maxlen=window)  # (missed, wanted) per step
-        self._seen_misses = np.zeros((n_layers, self.n_experts))
+        self._tallies = collections.deque()  # (misses [L_moe, E] on its way to the host, tokens)
+        self._drain = None  # (counts, weight_sums [L_moe, E] on their way to the host, steps)
         self._since_drain = 0
         self.counters = collections.Counter()
         self.state = self._boot(pool_rows, device)
@@ -115,35 +122,45 @@ class Residency:
     # -- between steps ---------------------------------------------------------------------
 
     def after_step(self, tokens: int) -> None:
-        """Per step: miss tallies and cold share; the ring's copies; up to max_swaps_per_step
-        queued swaps. Every drain_every steps: drain the counters into the history, persist it,
-        plan. `tokens` = real tokens the step sent through each MoE layer."""
-        state = self.state
+        """Per step, without waiting for the device: the step's miss tally starts for the host and
+        the previous step's is read (cold share; the ring copies its heaviest misses); up to
+        max_swaps_per_step queued swaps. Every drain_every steps the counters drain; the history
+        update, persisting and planning follow at the next call. `tokens` = real tokens the
+        step sent through each MoE layer."""
         self.counters["steps"] += 1
         self._since_drain += 1
+        self._finish_drain()
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
-            state = self._tally_misses(state, tokens)
+            misses, zeros = taken(self.state.misses)
+            self.state = self.state.replace(misses=zeros)
+            misses.copy_to_host_async()
+            self._tallies.append((misses, tokens))
+            self._read_tallies(keep=1)
         if not self.frozen and not self.all_resident:
-            state = self._apply(state, self._queue[:self.section.max_swaps_per_step])
+            self.state = self._apply(self.state, self._queue[:self.section.max_swaps_per_step])
             del self._queue[:self.section.max_swaps_per_step]
-        self.state = state
         if self.options.count and self._since_drain >= self.section.drain_every:
-            self.drain()
+            self._start_drain()
 
-    def _tally_misses(self, state: ExpertState, tokens: int) -> ExpertState:
-        misses = np.asarray(state.misses, np.float64)
-        new = misses - self._seen_misses  # [L_moe, E] this step's misses
-        self._seen_misses = misses
-        wanted = tokens * self.top_k * self.n_layers
-        self._window.append((new.sum(), wanted))
-        self.counters["misses"] += int(new.sum())
-        self.counters["wanted"] += wanted
-        if self.options.miss_policy == "ring" and not self.frozen:
-            state = self._fill_ring(state, new)
-        return state
+    def flush(self) -> None:
+        """Reads the tallies and the drain still on their way (waits for their steps)."""
+        self._read_tallies(keep=0)
+        self._finish_drain()
+
+    def _read_tallies(self, keep: int) -> None:
+        """Reads all but the newest `keep` step tallies into the cold share (and the ring)."""
+        while len(self._tallies) > keep:
+            misses, tokens = self._tallies.popleft()
+            new = np.asarray(misses, np.float64)  # [L_moe, E] the step's misses
+            wanted = tokens * self.top_k * self.n_layers
+            self._window.append((new.sum(), wanted))
+            self.counters["misses"] += int(new.sum())
+            self.counters["wanted"] += wanted
+            if self.options.miss_policy == "ring" and not self.frozen:
+                self.state = self._fill_ring(self.state, new)
 
     def _fill_ring(self, state: ExpertState, new: np.ndarray) -> ExpertState:
-        """Copies this step's heaviest misses into ring slots, oldest ring entry first."""
+        """Copies a step's heaviest misses into ring slots, oldest ring entry first."""
         flat = new.reshape(-1)
         heavy = np.argsort(-flat, kind="stable")[:min(self.n_ring, self.section.max_swaps_per_step)]
         swaps = []
@@ -154,28 +171,40 @@ class Residency:
         return self._apply(state, swaps, kind="ring_copies")
 
     def drain(self) -> None:
-        """Reads the device counters into the history (decayed), zeroes them, persists, plans."""
-        with jax.profiler.TraceAnnotation("drain"):
-            self._drain()
+        """Reads the device counters into the history (decayed), zeroes them, persists, plans;
+        now, waiting for the device."""
+        self.flush()
+        self._start_drain()
+        self._finish_drain()
 
-    def _drain(self) -> None:
-        t0 = time.perf_counter()
-        state = self.state
-        counts, weights = np.asarray(state.counts), np.asarray(state.weight_sums)
-        self.history.add(counts, weights, self._since_drain)
+    def _start_drain(self) -> None:
+        """Swaps the counters for zeros on the device and starts the old ones for the host."""
+        counters, zeros = taken((self.state.counts, self.state.weight_sums, self.state.misses))
+        self.state = self.state.replace(counts=zeros[0], weight_sums=zeros[1], misses=zeros[2])
+        for counter in counters[:2]:
+            counter.copy_to_host_async()
+        self._drain = (counters[0], counters[1], self._since_drain)
         self._since_drain = 0
-        self._seen_misses = np.zeros_like(self._seen_misses)
-        self.state = drained(state)
-        self.counters["drains"] += 1
-        if self.state_dir:
-            self.history.save(self.history_path)
-        if not self.frozen and not self.all_resident:
-            with jax.profiler.TraceAnnotation("plan"):
-                self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
-                    self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
-                    self.section.hysteresis, self.section.max_swaps_per_layer)]
-            self.counters["planned"] += len(self._queue)
-        self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _finish_drain(self) -> None:
+        """The drain started last, if any: its counters into the history, persist, plan."""
+        if self._drain is None:
+            return
+        counts, weights, steps = self._drain
+        self._drain = None
+        with jax.profiler.TraceAnnotation("drain"):
+            t0 = time.perf_counter()
+            self.history.add(np.asarray(counts), np.asarray(weights), steps)
+            self.counters["drains"] += 1
+            if self.state_dir:
+                self.history.save(self.history_path)
+            if not self.frozen and not self.all_resident:
+                with jax.profiler.TraceAnnotation("plan"):
+                    self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
+                        self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
+                        self.section.hysteresis, self.section.max_swaps_per_layer)]
+                self.counters["planned"] += len(self._queue)
+            self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
         self._log_telemetry()
 
     # -- swaps -----------------------------------------------------------------------------
@@ -215,8 +244,7 @@ class Residency:
             slots[:len(part)] = [s.slot for s in part]
             rows[:len(part)] = [s.row for s in part]
             state = swap_rows(state, slots, rows, np.int32(len(part)))
-        if accepted:
-            jax.block_until_ready(state.slot_rows)
+        if accepted:  # queued on the device behind the step, not waited for
             self.counters[kind] += len(accepted)
             self.counters["bytes_moved"] += len(accepted) * self.row_bytes
             self.counters["swap_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
@@ -288,7 +316,7 @@ class Residency:
             "ring_copies": c["ring_copies"],
             "swaps_queued": len(self._queue),
             "bytes_moved": c["bytes_moved"],
-            "swap_seconds": c["swap_seconds_x1e6"] / 1e6,
+            "swap_seconds": c["swap_seconds_x1e6"] / 1e6,  # host time queueing swaps
             "drains": c["drains"],
             "drain_seconds": c["drain_seconds_x1e6"] / 1e6,
             "resident": self.n_resident,

@@ -36,10 +36,9 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def drained(state: ExpertState) -> ExpertState:
-    """The state with zeroed counters (after the host has read them), in place. Jitted, so the
-    counters keep the placement the step was compiled for: fresh host-made arrays would be
-    uncommitted and make every step compile again after the first drain."""
-    return state.replace(counts=jnp.zeros_like(state.counts),
-                         weight_sums=jnp.zeros_like(state.weight_sums),
-                         misses=jnp.zeros_like(state.misses))
+def taken(counters):
+    """(counters, zeros like them) for `counters` (a pytree of device arrays, donated): the host
+    reads the first while steps count into the second. Jitted, so the zeros keep the placement
+    the step was compiled for: fresh host-made arrays would be uncommitted and make the next step
+    compile again."""
+    return counters, jax.tree.map(jnp.zeros_like, counters)

@@ -1,0 +1,176 @@
+"""Host overhead of the decode loop: ms a step through the scheduler, as `generate` and the server
+run it, beside ms a step of the same jitted decode step queued back to back with nothing read
+back (the device's own pace).
+
+    python bench/step_overhead.py MODEL_DIR [--steps 64] [--lanes 1,4] [--resident 1.0,0.65]
+        [--trace en] [--set table.key=value ...]
+
+Each resident share is a fresh `tidejax.load` with engine.lanes = the most --lanes (a step
+always runs every lane; the others sit idle), engine.max_context = 1024 (unless --set gives
+them) and, below 1, residency.budget_experts set and a seed map fitted on the replayed trace, as
+bench/roofline.py does. Per (share, lanes) it prints
+
+    loop   ms a decode step in Scheduler.step: admit, queue the step, read the previous step's
+           tokens, emit them, the residency's per-step work (steps counted: decode steps queued)
+    engine ms a step of Engine.decode called back to back, tokens never read: the step and the
+           residency's per-step work, without the scheduler
+    bare   ms a step of the jitted decode step alone, back to back, nothing read
+    ratio  loop / bare: 1.0 = the device never waits for the host
+
+Requests sample at temperature 0.6 (as roofline.py drives them) and ignore end-of-sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import traces  # noqa: E402
+from bench.roofline import parse_set, prompt_ids, seed_map_from_picks  # noqa: E402
+from tidejax.engine.sampling import LaneSampling, SamplingParams  # noqa: E402
+from tidejax.engine.scheduler import ErrorEvent, GenerationRequest  # noqa: E402
+
+PROMPT_TOKENS = 16
+SAMPLING = SamplingParams(temperature=0.6, seed=0)
+
+
+def _raise_errors(event) -> None:
+    if isinstance(event, ErrorEvent):
+        raise RuntimeError(f"engine error: {event.message}")
+
+
+def loop_ms(engine, lanes: int, steps: int) -> float:
+    """ms per decode step of `lanes` requests of steps + 1 tokens through the scheduler, timed
+    from the first decode step's queueing to the end: that step and all after it."""
+    for i in range(lanes):
+        engine.scheduler.submit(GenerationRequest(
+            prompt_ids(engine, "en", PROMPT_TOKENS, offset=997 * i), steps + 1,
+            SAMPLING.temperature, seed=i, ignore_eos=True), _raise_errors)
+    engine.scheduler.step()  # the prefills, then the first decode step queued
+    first = engine.scheduler.totals["steps"]  # counts the step just queued
+    start = time.perf_counter()
+    engine.scheduler.run_until_idle()
+    return (time.perf_counter() - start) * 1e3 / (engine.scheduler.totals["steps"] - first + 1)
+
+
+def _decode_inputs(engine, lanes: int):
+    """tokens, positions, active, sampling for a step of `lanes` active lanes."""
+    active = np.arange(engine.lanes) < lanes
+    positions = np.where(active, PROMPT_TOKENS, 0).astype(np.int32)
+    return (np.zeros(engine.lanes, np.int32), positions, active,
+            LaneSampling.of([SAMPLING] * engine.lanes))
+
+
+def engine_ms(engine, lanes: int, steps: int) -> float:
+    """ms per step of Engine.decode back to back, each fed the previous one's tokens on the
+    device, none read."""
+    tokens, positions, active, sampling = _decode_inputs(engine, lanes)
+    stay = np.zeros(engine.lanes, bool)  # every input from the previous step's output
+    out = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = engine.decode(tokens, positions, active, sampling, previous=out, fresh=stay)
+    jax.block_until_ready(out)
+    engine.residency.flush()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def bare_ms(engine, lanes: int, steps: int) -> float:
+    """ms per step of the jitted decode step alone (the engine's private `_steps.decode`, the
+    function Engine.decode queues), back to back, none read."""
+    tokens, positions, active, sampling = _decode_inputs(engine, lanes)
+    stay = np.zeros(engine.lanes, bool)
+    out = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
+    start = time.perf_counter()
+    for _ in range(steps):
+        out, engine.cache, engine.residency.state = engine._steps.decode(
+            engine.params, engine._replay_rows(engine.lanes), None, tokens, stay, out, positions,
+            active, engine.cache, engine.residency.state, sampling)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def load(model: str, share: float, args, overrides: dict, workdir: Path):
+    """A fresh engine at resident `share`, replaying --trace when given."""
+    import tidejax
+
+    raw = json.loads((Path(model) / "config.json").read_text())
+    n_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
+    n_moe = raw["num_hidden_layers"] - raw.get("first_k_dense_replace", 0)
+    picks = (traces.scale(traces.load(args.trace), n_moe, n_experts, top_k)
+             if args.trace else None)
+    tables = {k: dict(v) for k, v in overrides.items()}
+    tables.setdefault("engine", {}).setdefault("lanes", max(args.lanes))
+    tables["engine"].setdefault("max_context", 1024)
+    if share < 1.0:
+        budget = int(round(share * n_moe * n_experts))
+        residency = tables.setdefault("residency", {})
+        residency["budget_experts"] = budget
+        if picks is not None:
+            residency.setdefault("seed_map", str(seed_map_from_picks(
+                picks, n_experts, budget, workdir / f"seed-{share}.json")))
+    start = time.perf_counter()
+    engine = tidejax.load(model, **tables)
+    if picks is not None:
+        engine.set_routing_replay(picks)
+    print(f"[{share:.0%}] loaded in {time.perf_counter() - start:.1f} s", flush=True)
+    return engine
+
+
+def measure(engine, share: float, args) -> list[str]:
+    start = time.perf_counter()
+    # compiles before the clock: the prefill (twice: the boot state may be placed otherwise than
+    # a step leaves it), the decode step, a counter drain and the swaps a plan queues after it
+    loop_ms(engine, max(args.lanes), engine.config.residency.drain_every + 8)
+    for lanes in args.lanes:
+        loop_ms(engine, lanes, 2)
+    engine_ms(engine, 1, 2)
+    bare_ms(engine, 1, 2)
+    print(f"[{share:.0%}] warm-up (compile) {time.perf_counter() - start:.1f} s", flush=True)
+    rows = []
+    for lanes in args.lanes:
+        loop, eng, bare = (loop_ms(engine, lanes, args.steps), engine_ms(engine, lanes, args.steps),
+                           bare_ms(engine, lanes, args.steps))
+        rows.append(f"| {share:.0%} | {engine.residency.options.miss_policy} | {lanes} | "
+                    f"{loop:.3f} | {eng:.3f} | {bare:.3f} | {loop / bare:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+HEADER = ("| resident | policy | lanes | loop ms/step | engine ms/step | bare ms/step | "
+          "loop/bare |\n| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="checkpoint directory")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
+    parser.add_argument("--lanes", default="1,4")
+    parser.add_argument("--resident", default="1.0,0.65", help="resident shares, comma-separated")
+    parser.add_argument("--trace", default="en", help="routing trace to replay ('' = the router's own)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    args = parser.parse_args(argv)
+    args.lanes = [int(x) for x in args.lanes.split(",")]
+    overrides = parse_set(args.set)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for share in (float(x) for x in args.resident.split(",")):
+            engine = load(args.model, share, args, overrides, Path(tmp))
+            rows += measure(engine, share, args)
+            del engine
+    print("\n" + HEADER + "\n" + "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The scheduler's pipelined decode (one step in flight, tokens fed on the device) against
+sequential greedy decoding, stops and cancellation mid-stream, and routing replay on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.engine.sampling import LaneSampling, SamplingParams
+from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+
+PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9), (3, 6))]
+ENGINE = {"lanes": 2, "max_context": 96}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sched")
+    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    return path
+
+
+@pytest.fixture(scope="module", params=["all_resident", "half_exact"])
+def engine(request, model_dir):
+    """All experts resident, or half of them with misses fetched exactly while the manager
+    drains, plans and swaps every few steps (the same tokens either way)."""
+    if request.param == "all_resident":
+        return tidejax.load(model_dir, engine=ENGINE)
+    return tidejax.load(model_dir, engine=ENGINE, residency={
+        "budget_experts": 8, "miss_policy": "exact", "drain_every": 3, "half_life": 4.0})
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Sequential greedy decoding by full forwards (Engine.logits argmax), no cache, no lanes."""
+    scorer = tidejax.load(model_dir, engine=ENGINE)
+    cache = {}
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        key = tuple(prompt)
+        ids = list(cache.get(key, []))
+        while len(ids) < n:
+            ids.append(int(np.argmax(scorer.logits(list(prompt) + ids)[-1])))
+        cache[key] = ids
+        return ids[:n]
+    return greedy
+
+
+def run(engine, requests: list[GenerationRequest], on_token=None) -> list[list]:
+    """Submits the requests at once, runs to idle; the events of each request."""
+    events = [[] for _ in requests]
+    handles = []
+    for i, request in enumerate(requests):
+        def on_event(event, i=i):
+            events[i].append(event)
+            if on_token and isinstance(event, TokenEvent):
+                on_token(i, handles[i], sum(isinstance(e, TokenEvent) for e in events[i]))
+        handles.append(engine.scheduler.submit(request, on_event))
+    engine.scheduler.run_until_idle()
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def test_pipelined_decode_equals_sequential_greedy(engine, reference):
+    """Three requests through two lanes (the third joins when a lane frees), each token fed from
+    the previous step's output on the device."""
+    assert engine.pipelined
+    steps = engine.scheduler.totals["steps"]
+    events = run(engine, [GenerationRequest(p, 14, ignore_eos=True) for p in PROMPTS])
+    for prompt, got in zip(PROMPTS, events):
+        assert tokens_of(got) == reference(prompt, 14)
+        assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "length"
+        assert got[-1].stats["completion_tokens"] == 14 and len(got) == 15
+    # length limits are known ahead: no step runs past them (13 decode steps a request, two
+    # requests at a time, the third after the first one's lane frees)
+    assert engine.scheduler.totals["steps"] - steps == 26
+    assert engine._steps.decode._cache_size() == 1  # drains and swaps compile nothing again
+    if not engine.residency.all_resident:  # misses were fetched and swaps ran mid-stream
+        stats = engine.residency.stats()
+        assert stats["misses"] > 0 and stats["swaps_applied"] > 0, stats
+
+
+def test_stop_token_ends_a_lane_while_the_other_goes_on(engine, reference):
+    """The stopped lane's extra step (queued before its stop token was read) delivers nothing,
+    and the request that takes the lane next decodes as if alone."""
+    long, short, late = PROMPTS
+    ahead = reference(long, 8)
+    stop_at = next(i for i in range(3, 8) if ahead[i] not in ahead[:i])
+    events = run(engine, [
+        GenerationRequest(long, 30, stop_token_ids=(ahead[stop_at],)),
+        GenerationRequest(short, 30, ignore_eos=True),
+        GenerationRequest(late, 40, ignore_eos=True)])  # queued: it takes the stopped lane
+    assert tokens_of(events[0]) == ahead[:stop_at]
+    assert len(events[0]) == stop_at + 1 and events[0][-1].finish_reason == "stop"
+    assert events[0][-1].stats["completion_tokens"] == stop_at
+    assert tokens_of(events[1]) == reference(short, 30)
+    # the late request's cache passes the position the stopped lane's extra step wrote
+    assert len(late) + 40 > len(long) + stop_at + 1
+    assert tokens_of(events[2]) == reference(late, 40)
+
+
+def test_cancel_mid_stream(engine, reference):
+    """A request cancelled from its own token callback gets nothing more, not even the token of
+    the step already in flight; the other lane and the queued request are unaffected."""
+    def cancel_first_at_5(i, handle, n):
+        if i == 0 and n == 5:
+            handle.cancel()
+    events = run(engine, [GenerationRequest(p, 20, ignore_eos=True) for p in PROMPTS],
+                 on_token=cancel_first_at_5)
+    assert tokens_of(events[0]) == reference(PROMPTS[0], 5)
+    assert len(events[0]) == 6 and events[0][-1].finish_reason == "cancelled"
+    for prompt, got in zip(PROMPTS[1:], events[1:]):
+        assert tokens_of(got) == reference(prompt, 20) and got[-1].finish_reason == "length"
+
+
+def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
+    kwargs = dict(temperature=0.8, top_p=0.9, top_k=20, seed=11, ignore_eos=True)
+    alone = run(engine, [GenerationRequest(PROMPTS[1], 12, **kwargs)])
+    beside = run(engine, [GenerationRequest(PROMPTS[0], 5, **kwargs),
+                          GenerationRequest(PROMPTS[1], 12, **kwargs)])
+    assert tokens_of(beside[1]) == tokens_of(alone[0])
+
+
+def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
+    """The trace lives on the device and each step reads rows cursor.. of it: the demand counters
+    equal the picks of exactly the rows the host-side replay consumed, token by token, chunk
+    padding and idle lanes included in the cursor but not counted."""
+    engine = tidejax.load(model_dir, engine={**ENGINE, "prefill_chunk": 16},
+                          residency={"drain_every": 1000})
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    k = engine.cfg.num_experts_per_tok
+    rng = np.random.RandomState(9)
+    picks = np.stack([rng.choice(n_experts, k, replace=False)
+                      for _ in range(37 * n_moe)]).reshape(37, n_moe, k)
+    engine.set_routing_replay(picks)
+    before = np.asarray(engine.residency.state.counts).copy()
+    want = np.zeros((n_moe, n_experts))
+    cursor = 0
+
+    def consume(mask):  # mask [tokens in the step, batch-major]: which tokens are real
+        nonlocal cursor
+        rows = (cursor + np.arange(len(mask))) % len(picks)
+        cursor = int(rows[-1] + 1)
+        for layer in range(n_moe):
+            np.add.at(want[layer], picks[rows[mask], layer].reshape(-1), 1)
+
+    greedy = SamplingParams()
+    engine.prefill(0, PROMPTS[0], greedy)  # chunks of 16 and 4 (padded to 16)
+    consume(np.arange(16) < 16)
+    consume(np.arange(16) < 4)
+    engine.prefill(1, PROMPTS[1], greedy)
+    consume(np.arange(16) < 9)
+    sampling = LaneSampling.of([greedy] * engine.lanes)
+    previous = None
+    for active in [[True, True]] * 5 + [[True, False]] * 3:
+        active = np.array(active)
+        positions = np.array([20, 9]) + 1  # any in range: the routing is replayed
+        previous = engine.decode(np.zeros(engine.lanes, np.int32), positions, active, sampling,
+                                 previous, np.zeros(engine.lanes, bool))
+        consume(active)
+    np.asarray(previous)
+    np.testing.assert_array_equal(np.asarray(engine.residency.state.counts) - before, want)
