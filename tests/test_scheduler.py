@@ -80,6 +80,8 @@ def test_pipelined_decode_equals_sequential_greedy(engine, reference):
     # requests at a time, the third after the first one's lane frees)
     assert engine.scheduler.totals["steps"] - steps == 26
     assert engine._steps.decode._cache_size() == 1  # drains and swaps compile nothing again
+    buckets = {engine._bucket(len(chunk)) for p in PROMPTS for _, chunk in engine._chunks(p)}
+    assert engine._steps.prefill._cache_size() == len(buckets)  # one compile a chunk size
     if not engine.residency.all_resident:  # misses were fetched and swaps ran mid-stream
         stats = engine.residency.stats()
         assert stats["misses"] > 0 and stats["swaps_applied"] > 0, stats

@@ -92,10 +92,15 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     rowmap = np.full(n_rows, -1, np.int32)
     rowmap[held] = np.nonzero(slot_rows >= 0)[0]
     bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
-    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
-    return ExpertState(bank=bank, rowmap=jnp.asarray(rowmap.reshape(n_layers, n_experts)),
-                       slot_rows=jnp.asarray(all_rows), counts=counts, weight_sums=weight_sums,
-                       misses=misses, pool=pool, resident=resident, ring=ring, transient=transient)
+    # the map and counters committed to the device, as the steps return them (the bank, a jitted
+    # fill's output, already is): the first step compiles once, not twice. The pool stays put.
+    rowmap, all_rows, counters = jax.device_put(
+        (rowmap.reshape(n_layers, n_experts), all_rows, _zeros_counters(n_layers, n_experts)),
+        jax.devices()[0])
+    counts, weight_sums, misses = counters
+    return ExpertState(bank=bank, rowmap=rowmap, slot_rows=all_rows, counts=counts,
+                       weight_sums=weight_sums, misses=misses, pool=pool, resident=resident,
+                       ring=ring, transient=transient)
 
 
 def fetch_row(pool: dict, row) -> dict:
