@@ -33,7 +33,7 @@ from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas
 D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
-# tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere TILES' choice
+# tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere choose_tile's
 SWEEP = {  # GEMV tiles at 4 tokens (bt = 1), dot tiles at 4096
     4: [(1, 64, 128, 4, 1), (1, 32, 128, 2, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1)],
     4096: [(64, 128, 64, 4, 4), (64, 128, 64, 4, 1), (64, 64, 128, 4, 2)],
@@ -118,12 +118,12 @@ def check(fmt, bank, rng):
     return errs
 
 
-def time_moe(bank, ids_sets, w, x, tile, kernel=moe_grouped_pallas, n_iter=None):
+def time_moe(bank, ids_sets, w, x, tile):
     """Seconds per call, from a loop of calls inside one jit (no dispatch gaps)."""
     def step(j, acc, x, bank, ids_sets, w):
-        return acc + kernel(x, bank, ids_sets[j % ROTATE], w, tile=tile).astype(jnp.float32)
+        return acc + moe_grouped_pallas(x, bank, ids_sets[j % ROTATE], w, tile=tile).astype(jnp.float32)
     return seconds_per_step(step, jnp.zeros(x.shape, jnp.float32), x, bank, ids_sets, w,
-                            n_iter=n_iter or (200 if x.shape[0] <= 64 else 10))
+                            n_iter=200 if x.shape[0] <= 64 else 10)
 
 
 def bench_format(fmt, rng, copy, mm, rows, quick):
