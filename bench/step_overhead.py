@@ -23,7 +23,6 @@ Requests sample at temperature 0.6 (as roofline.py drives them) and ignore end-o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
-from bench.roofline import parse_set, prompt_ids, seed_map_from_picks  # noqa: E402
+from bench.roofline import moe_dims, parse_set, prompt_ids, seed_map_from_picks  # noqa: E402
 from tidejax.engine.sampling import LaneSampling, SamplingParams  # noqa: E402
 from tidejax.engine.scheduler import ErrorEvent, GenerationRequest  # noqa: E402
 
@@ -103,9 +102,7 @@ def load(model: str, share: float, args, overrides: dict, workdir: Path):
     """A fresh engine at resident `share`, replaying --trace when given."""
     import tidejax
 
-    raw = json.loads((Path(model) / "config.json").read_text())
-    n_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
-    n_moe = raw["num_hidden_layers"] - raw.get("first_k_dense_replace", 0)
+    n_moe, n_experts, top_k = moe_dims(model)
     picks = (traces.scale(traces.load(args.trace), n_moe, n_experts, top_k)
              if args.trace else None)
     tables = {k: dict(v) for k, v in overrides.items()}
