@@ -1,6 +1,5 @@
 """The residency manager: planner, history persistence, seed maps, adaptation on a toy workload."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -189,7 +188,7 @@ def test_reseed_after_calibration(tmp_path):
 
 def test_ring_copies_heavy_misses(tmp_path):
     res = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
-    shares = serve_steps(res, domain([4, 5, 6, 7]), 3)
+    serve_steps(res, domain([4, 5, 6, 7]), 3)
     s = res.stats()
     assert s["ring_copies"] > 0
     ring = np.asarray(res.state.slot_rows)[res.n_resident:]

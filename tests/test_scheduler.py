@@ -130,8 +130,8 @@ def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
 
 def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
     """The trace lives on the device and each step reads rows cursor.. of it: the demand counters
-    equal the picks of exactly the rows the host-side replay consumed, token by token, chunk
-    padding and idle lanes included in the cursor but not counted."""
+    equal the picks of exactly the rows a host-side walk of the cursor gives, token by token,
+    chunk padding and idle lanes included in the cursor but not counted."""
     engine = tidejax.load(model_dir, engine={**ENGINE, "prefill_chunk": 16},
                           residency={"drain_every": 1000})
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
