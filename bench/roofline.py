@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -309,10 +308,11 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
 def moe_dims(model: str) -> tuple[int, int, int]:
     """(MoE layers, routed experts a layer, experts a token picks) of a checkpoint, read by its
     model family (a V3 config keeps them at the top, a V4.1 one in text_config)."""
+    from tidejax.config import read_json
     from tidejax.models.registry import family_for
 
     path = Path(model) / "config.json"
-    raw = json.loads(path.read_text())
+    raw = read_json(path)  # a missing or malformed file: an error naming it
     family = family_for(raw, str(path))
     cfg = family.config_from_hf(raw, str(path))
     n_moe, n_experts = family.expert_dims(cfg)[:2]
