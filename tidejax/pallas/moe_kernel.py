@@ -288,7 +288,7 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
     )(pick_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
 
 
-# ---- dots (prefill) ------------------------------------------------------------------------------
+# ---- dots (prefill and busy decode steps) --------------------------------------------------------
 
 def _dot_fetch(w_refs, slot, rows, kk, bk):
     """Raw operands of K step kk for weight rows `rows` (a pl.ds) of one slot.
