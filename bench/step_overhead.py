@@ -17,7 +17,8 @@ bench/roofline.py does. Per (share, lanes) it prints
     bare   ms a step of the jitted decode step alone, back to back, nothing read
     ratio  loop / bare: 1.0 = the device never waits for the host
 
-Requests sample at temperature 0.6 (as roofline.py drives them) and ignore end-of-sequence.
+Families whose steps take host inputs (DeepSeek-V4.1's Engram rows) are refused: their decode
+loop reads each step before queueing the next. Requests sample at temperature 0.6 (as roofline.py drives them) and ignore end-of-sequence.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def load(model: str, share: float, args, overrides: dict, workdir: Path):
                 picks, n_experts, budget, workdir / f"seed-{share}.json")))
     start = time.perf_counter()
     engine = tidejax.load(model, **tables)
+    if not engine.pipelined:
+        raise SystemExit(f"error: {model}: the {engine.family.name} family reads every step's tokens "
+                         "on the host (host inputs a step): its loop is not pipelined, nothing to compare")
     if picks is not None:
         engine.set_routing_replay(picks)
     print(f"[{share:.0%}] loaded in {time.perf_counter() - start:.1f} s", flush=True)

@@ -184,6 +184,8 @@ class Engine:
             previous, fresh = self._host_only, np.ones(self.lanes, bool)
         elif not self.pipelined:
             raise ValueError(f"the {self.family.name} family needs every input token on the host")
+        elif fresh is None:
+            raise ValueError("decode(previous=...) needs fresh: which lanes take the host token")
         inputs = (self._lane_inputs.rows(tokens[:, None], positions, active[:, None])
                   if self._lane_inputs else None)
         with jax.profiler.TraceAnnotation("decode"):
