@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidejax.config import read_json
 from tidejax.residency.history import History
 from tidejax.residency.planner import fit_rows
 
@@ -38,12 +39,7 @@ def write(seed: dict, path: str | os.PathLike) -> None:
 def read(path: str | os.PathLike, n_layers: int, n_experts: int) -> np.ndarray:
     """The map's rows, checked against this model's shape; errors name the file and field."""
     path = Path(path)
-    try:
-        seed = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: seed map not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: seed map is not valid JSON ({e})") from None
+    seed = read_json(path)  # a missing or malformed file: ConfigError (a ValueError) naming it
     if not isinstance(seed, dict) or seed.get("format") != FORMAT:
         raise ValueError(f"{path}: field 'format' should be {FORMAT!r}")
     for field, want in (("n_layers", n_layers), ("n_experts", n_experts)):
