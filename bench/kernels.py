@@ -35,7 +35,8 @@ TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 # tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere choose_tile's
 SWEEP = {  # GEMV tiles at 4 tokens (bt = 1), dot tiles at 4096
-    4: [(1, 64, 128, 4, 1), (1, 32, 128, 2, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1)],
+    4: [(1, 64, 128, 4, 1), (1, 32, 128, 2, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1),
+        (1, 32, 256, 4, 1), (1, 128, 256, 8, 1), (1, 16, 256, 2, 1)],
     4096: [(64, 128, 64, 4, 4), (64, 128, 64, 4, 1), (64, 64, 128, 4, 2)],
 }
 

@@ -7,7 +7,11 @@ expert gets in the step (under uniform routing, from the static shapes):
   the block's scale: exact to float32 rounding. Skipped picks (slot -1) return at once.
 * dots (prefill and busy decode steps): the picks are sorted by slot into tiles of `bt` rows
   (jnp; a slot's last tile is padded), and a program streams its slot's weight rows once for the
-  whole tile, dequantized to bf16 in registers, bf16 dots with float32 accumulation (~2e-3).
+  whole tile, dequantized to bf16 in registers, bf16 dots with float32 accumulation; h enters
+  the down projection as two bf16 terms, so bf16 activations give ~1e-5 (float32 ones are
+  rounded to bf16: ~2e-3).
+MXFP4 codes are decoded by inline PTX on the GPU (E2M1_PTX, two codes an integer op) and by jnp
+in interpret mode; both give the same exact values.
 Both run h[row] = swiglu(x[token(row)] @ gate_up[slot].T), then o[row] = h[row] @ down[slot].T,
 and y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
 
@@ -118,6 +122,48 @@ def e2m1_f16_f32(b, shift):
     return half.astype(jnp.float32)
 
 
+# The same decode in PTX, for the GPU: a 32-bit register holds 4 bytes, and each shift-and-mask
+# makes two fp16s at once (the codes of bytes j and j + 2, one a 16-bit half), which the
+# conversions widen to float32 (exact, subnormals kept). jnp's version spends ~6 integer ops a
+# code (one byte a 32-bit register); this ~2, which is what lets the GEMV stream MXFP4 at memory
+# speed rather than at integer-ALU speed. One program a nibble (Pallas' inline asm returns one
+# result): outputs $0-3 the nibble of bytes 0-3, input $4 the 4 bytes.
+# PAIR_SHIFTS[nibble]: for the pair (bytes 0, 2) then (bytes 1, 3), the left shifts (negative:
+# right) that bring the code's magnitude bits to 9-11 and its sign to 15 of each 16-bit half.
+PAIR_SHIFTS = {0: ((9, 12), (1, 4)), 4: ((5, 8), (-3, 0))}
+PAIR_MASKS = (0x0E000E00, 0x80008000)  # magnitude, sign bits of both halves
+
+
+def _shift_ptx(dst, n):
+    return f"shl.b32 {dst}, $4, {n};" if n >= 0 else f"shr.b32 {dst}, $4, {-n};"
+
+
+def _e2m1_ptx(shifts):
+    pairs = "".join(
+        f"{_shift_ptx('t', m)} and.b32 t, t, {PAIR_MASKS[0]:#010x}; "
+        f"{_shift_ptx('u', sign)} and.b32 u, u, {PAIR_MASKS[1]:#010x}; or.b32 p{j}, t, u;\n"
+        for j, (m, sign) in enumerate(shifts))
+    return ("{\n.reg .b32 t, u, p0, p1;\n.reg .b16 h<4>;\n" + pairs +
+            "mov.b32 {h0, h1}, p0;\nmov.b32 {h2, h3}, p1;\n"
+            "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h2; cvt.f32.f16 $2, h1; cvt.f32.f16 $3, h3;\n}")
+
+
+E2M1_PTX = {nibble: _e2m1_ptx(shifts) for nibble, shifts in PAIR_SHIFTS.items()}
+
+
+def e2m1_nibbles(b, ptx: bool):
+    """uint8 bytes -> (low nibbles', high nibbles') e2m1 values * 2**-14 as float32, exact.
+
+    ptx: decode with E2M1_PTX (compiled kernels on the GPU); else with jnp (interpret mode)."""
+    if not ptx:
+        b = b.astype(jnp.uint32)
+        return e2m1_f16_f32(b, 0), e2m1_f16_f32(b, 4)
+    like = jax.ShapeDtypeStruct(b.shape, jnp.float32)
+    return tuple(plgpu.elementwise_inline_asm(E2M1_PTX[shift], args=[b], constraints="=f,=f,=f,=f,r",
+                                              pack=4, result_shape_dtypes=[like])[0]
+                 for shift in (0, 4))
+
+
 def _pow2_f32(e, bias, top):
     """float32 2**(e - bias) from int32 e; e clamped to <= top (no real weight is that big)."""
     return jax.lax.bitcast_convert_type((jnp.minimum(e, top) + 127 - bias) << 23, jnp.float32)
@@ -177,14 +223,13 @@ def _gemv_fetch(w_refs, slot, rows, kk, nb):
     return tuple(ref[slot, rows, pl.ds(g0, nb)] for ref in w_refs)
 
 
-def _gemv_weights(raw):
+def _gemv_weights(raw, ptx):
     """Raw operands -> (float32 planes [bn, nb, G] matching the activation phases, scale [bn, nb]).
 
-    MXFP4 codes decode to value * 2**-14 (fp16 bits, exact), the scale to 2**(e - 127 + 14)."""
+    MXFP4 codes decode to value * 2**-14 (exact), the scale to 2**(e - 127 + 14)."""
     if len(raw) == 1:  # dense
         return (raw[0].astype(jnp.float32),), None
-    b, e = raw[0].astype(jnp.uint32), raw[1].astype(jnp.int32)
-    return (e2m1_f16_f32(b, 0), e2m1_f16_f32(b, 4)), _pow2_f32(e, 113, 240)
+    return e2m1_nibbles(raw[0], ptx), _pow2_f32(raw[1].astype(jnp.int32), 113, 240)
 
 
 def _gemv_partial(weights, xs):
@@ -194,7 +239,7 @@ def _gemv_partial(weights, xs):
     return p if scale is None else p * scale
 
 
-def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases):
+def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases, ptx):
     x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
     pick, col = pl.program_id(0), pl.program_id(1)
     slot = pick_slot_ref[pick]
@@ -211,7 +256,7 @@ def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases)
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
             xs = [r[token, pl.ds(g0, nb)] for r in x_refs]
-            gate, up = (_gemv_weights(w) for w in raw)
+            gate, up = (_gemv_weights(w, ptx) for w in raw)
             return acc[0] + _gemv_partial(gate, xs), acc[1] + _gemv_partial(up, xs)
 
         zeros = jnp.zeros((bn, nb), jnp.float32)
@@ -219,7 +264,7 @@ def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases)
         h_ref[phase, pick, pl.ds(q0, bn)] = _swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
 
 
-def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases):
+def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
     *w_refs, o_ref = refs
     pick, col = pl.program_id(0), pl.program_id(1)
     slot = pick_slot_ref[pick]
@@ -228,7 +273,7 @@ def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases):
     def _():
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
-            return acc + _gemv_partial(_gemv_weights(raw), [h_ref[p, pick, pl.ds(g0, nb)]
+            return acc + _gemv_partial(_gemv_weights(raw, ptx), [h_ref[p, pick, pl.ds(g0, nb)]
                                                             for p in range(phases)])
 
         fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
@@ -267,7 +312,7 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
     nb1 = _block(d // per_step, bk // per_step, "hidden groups", least=1)
     h = pl.pallas_call(
         functools.partial(_gemv_gate_up_kernel, k=k, bn=bn1, nb=nb1, n_k=d // per_step // nb1,
-                          i=i, limit=limit, phases=phases),
+                          i=i, limit=limit, phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
         grid=(t * k, i // bn1),
         compiler_params=params,
@@ -279,7 +324,7 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
     nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
     return pl.pallas_call(
         functools.partial(_gemv_down_kernel, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
-                          phases=phases),
+                          phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((t * k, d), jnp.float32),
         grid=(t * k, d // bn2),
         compiler_params=params,
@@ -303,22 +348,22 @@ def _dot_fetch(w_refs, slot, rows, kk, bk):
     return packed, scales_ref[slot, rows, pl.ds(_step_start(kk, nb), nb)]
 
 
-def _dot_weights(raw):
+def _dot_weights(raw, ptx):
     """Raw operands -> bf16 weights as phases of K.
 
     dense -> (w [bn, bk],); mxfp4 -> (w_even [bn, bk/2], w_odd [bn, bk/2]): the low nibbles
     hold the even inputs and the high nibbles the odd ones, so the dot takes x split the same
-    way and the nibbles are never interleaved in registers. Exact: codes value * 2**-14 (fp16
-    bits) times the scale 2**(e - 113) in float32, then bf16.
+    way and the nibbles are never interleaved in registers. Exact: codes value * 2**-14 times
+    the scale 2**(e - 113) in float32, then bf16.
     """
     if len(raw) == 1:
         return (raw[0].astype(jnp.bfloat16),)
-    b, e = raw[0].astype(jnp.uint32), raw[1].astype(jnp.int32)
+    e = raw[1].astype(jnp.int32)
     bn, nb = e.shape
     half = mxfp4.BLOCK // 2  # bytes a block
     scale = _pow2_f32(e, 113, 240).reshape(bn, nb, 1)
     scale = jnp.broadcast_to(scale, (bn, nb, half)).reshape(bn, nb * half)
-    return tuple((e2m1_f16_f32(b, s) * scale).astype(jnp.bfloat16) for s in (0, 4))
+    return tuple((w * scale).astype(jnp.bfloat16) for w in e2m1_nibbles(raw[0], ptx))
 
 
 def _dot_t(a, b):
@@ -326,7 +371,7 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases):
+def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases, ptx):
     x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -344,15 +389,17 @@ def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, l
         def consume(kk, raw, acc):
             x0 = _step_start(kk, kx)
             xs = [r[tokens, pl.ds(x0, kx)] for r in x_refs]
-            return tuple(a + sum(_dot_t(xp, wp) for xp, wp in zip(xs, _dot_weights(w)))
+            return tuple(a + sum(_dot_t(xp, wp) for xp, wp in zip(xs, _dot_weights(w, ptx)))
                          for a, w in zip(acc, raw))
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
         g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
-        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit).astype(h_ref.dtype)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit)
 
 
-def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
+def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, ptx):
+    """h (float32) enters the bf16 dots as two terms, its bf16 rounding and the rest: ~16
+    mantissa bits, so that bf16 inputs give the reference's outputs to ~1e-5, not ~2e-3."""
     *w_refs, o_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
@@ -363,8 +410,11 @@ def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases):
 
         def consume(kk, raw, acc):
             h0 = _step_start(kk, kh)
-            for p, wp in enumerate(_dot_weights(raw)):
-                acc = acc + _dot_t(h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)], wp)
+            for p, wp in enumerate(_dot_weights(raw, ptx)):
+                h = h_ref[p, pl.ds(tile * bt, bt), pl.ds(h0, kh)]
+                high = h.astype(jnp.bfloat16)
+                low = (h - high.astype(jnp.float32)).astype(jnp.bfloat16)
+                acc = acc + _dot_t(high, wp) + _dot_t(low, wp)
             return acc
 
         fetch = lambda kk: _dot_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
@@ -395,8 +445,8 @@ def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
     h = pl.pallas_call(
         functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
-                          phases=phases),
-        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
+                          phases=phases, ptx=not interpret),
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
         grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
@@ -405,7 +455,8 @@ def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
     out = pl.pallas_call(
-        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases),
+        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases,
+                          ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(n_tiles, d // bn2),
         compiler_params=params,
