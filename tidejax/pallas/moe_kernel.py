@@ -36,16 +36,18 @@ from tidejax.pallas.bank import bank_dims, bank_format
 # columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
 # H200 (bench/RESULTS.md).
 TILES = {
-    "dense": {"gemv": (1, 64, 128, 4, 1), 16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4),
+    "dense": {"gemv": (1, 32, 256, 4, 1), 16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4),
               64: (64, 256, 64, 8, 3)},
-    "mxfp4": {"gemv": (1, 64, 128, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
+    "mxfp4": {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
               64: (64, 64, 128, 4, 2)},
 }
 # Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
 # block's 16 bytes (32 values: the low nibbles hold the even inputs, the high nibbles the odd).
 GEMV_GROUP = {"dense": 8, "mxfp4": 16}
-# GEMV reads an expert once per pick: it runs while the picks an expert gets average at most this.
-GEMV_MAX_PICKS_PER_EXPERT = 1.15
+# GEMV reads an expert once per pick, the dots once per step: GEMV runs while the picks a used
+# expert gets average at most this (H200: an MXFP4 expert costs the dots ~2.2x a GEMV pick, a bf16
+# one ~1.4x; bench/RESULTS.md).
+GEMV_MAX_PICKS_PER_EXPERT = {"dense": 1.15, "mxfp4": 2.0}
 
 
 def picks_per_expert(n_picks: int, n_slots: int) -> float:
@@ -58,7 +60,7 @@ def choose_tile(fmt: str, n_picks: int, n_slots: int) -> tuple:
     """The tile for a step's picks: GEMV when experts are rarely shared, else dots whose tile
     height follows the picks a used expert gets."""
     avg = picks_per_expert(n_picks, n_slots)
-    if avg <= GEMV_MAX_PICKS_PER_EXPERT:
+    if avg <= GEMV_MAX_PICKS_PER_EXPERT[fmt]:
         return TILES[fmt]["gemv"]
     return TILES[fmt][16 if avg <= 16 else 32 if avg <= 32 else 64]
 
