@@ -205,22 +205,27 @@ def _counting(kernel, per_program, n_picks, k, n_experts):
     return counting_kernel
 
 
-def _gate_up_call(kernel, out_shape, grid, operands, demand, **call):
-    """pl.pallas_call(kernel, ...)(*operands) -> (its output, counters): None without demand,
-    else (counts, weight_sums) [L_moe, E] float32 with the picks counted inside the kernel."""
+def _gate_up_call(kernel, *, demand, out_shape, grid, **call):
+    """pl.pallas_call(kernel, ...) as a function of the operands -> (its output, counters): None
+    without demand, else (counts, weight_sums) [L_moe, E] float32, counted inside the kernel."""
     if demand is None:
-        return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, **call)(*operands), None
+        return lambda *operands: (pl.pallas_call(kernel, out_shape=out_shape, grid=grid, **call)(*operands),
+                                  None)
     shape = demand.counts.shape
     t, k = demand.ids.shape
-    counting = _counting(kernel, -(-t * k // grid[0]), t * k, k, shape[1])
+    flat = jax.ShapeDtypeStruct((shape[0] * shape[1],), jnp.float32)
+    counting = pl.pallas_call(_counting(kernel, -(-t * k // grid[0]), t * k, k, shape[1]),
+                              out_shape=(out_shape, flat, flat), grid=grid,
+                              input_output_aliases={4: 1, 5: 2}, **call)
     picks = (jnp.reshape(demand.layer, (1,)).astype(jnp.int32), demand.ids.reshape(-1).astype(jnp.int32),
              demand.weights.reshape(-1), demand.token_mask)
-    flat = jax.ShapeDtypeStruct((shape[0] * shape[1],), jnp.float32)
-    out, counts, sums = pl.pallas_call(
-        counting, out_shape=(out_shape, flat, flat), grid=grid, input_output_aliases={4: 1, 5: 2},
-        **call,
-    )(*picks, demand.counts.reshape(-1), demand.weight_sums.reshape(-1), *operands)
-    return out, (counts.reshape(shape), sums.reshape(shape))
+
+    def run(*operands):
+        out, counts, sums = counting(*picks, demand.counts.reshape(-1), demand.weight_sums.reshape(-1),
+                                     *operands)
+        return out, (counts.reshape(shape), sums.reshape(shape))
+
+    return run
 
 
 # ---- GEMV (decode) -------------------------------------------------------------------------------
@@ -325,14 +330,13 @@ def _run_gemv(x, bank, slot_ids, demand, *, tile, limit, interpret):
     h, counters = _gate_up_call(
         functools.partial(_gemv_gate_up_kernel, k=k, bn=bn1, nb=nb1, n_k=d // per_step // nb1,
                           i=i, limit=limit, phases=phases),
-        jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
-        (t * k, i // bn1),
-        (pick_slot, *xs, *_gemv_refs(bank, "gate_up", group)),
-        demand,
+        out_shape=jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
+        grid=(t * k, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up_gemv",
-    )
+        demand=demand,
+    )(pick_slot, *xs, *_gemv_refs(bank, "gate_up", group))
 
     bn2 = _block(d, bn, "hidden", least=1)
     nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
@@ -457,14 +461,13 @@ def _run_dots(x, bank, slot_ids, demand, *, tile, limit, interpret):
     h, counters = _gate_up_call(
         functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
                           phases=phases),
-        jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
-        (n_tiles, i // bn1),
-        (tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up")),
-        demand,
+        out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.bfloat16),
+        grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )
+        demand=demand,
+    )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
     out = pl.pallas_call(
