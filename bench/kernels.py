@@ -1,11 +1,13 @@
-"""GPU benchmark of the grouped MoE kernel and the demand counter (one call, one table).
+"""GPU benchmark of the grouped MoE kernel, without and with the demand counting fused in.
 
 DeepSeek-V4.1-Flash routed experts (hidden 5120, moe_intermediate 2304, 384 experts, 6 a token)
 as MXFP4 and as bf16, at 1, 4, 16, 64 and 4096 tokens: time per call, effective GB/s of the
 expert bytes read (each distinct expert once), the ratio to a device-to-device copy measured in
 the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the same run. The
-kernel is checked against the jnp reference on the GPU first. Prints a markdown table and
-appends it to bench/RESULTS.md (and to $OUT/kernels.md when $OUT is set).
+kernel is checked against the jnp reference on the GPU first. Then the MXFP4 kernel at 4 and 64
+tokens without and with `demand` (the residency counters counted inside it), its counts checked
+against `count_demand_reference`. Prints markdown tables and appends them to bench/RESULTS.md
+(and to $OUT/kernels.md when $OUT is set).
 
     PYTHONPATH=. python3 bench/kernels.py [--quick] [--formats mxfp4,bf16] [--no-demand]
 """
@@ -25,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.pallas.bank import bank_format
-from tidejax.pallas.demand import count_demand_reference
-from tidejax.pallas.demand_kernel import count_demand_pallas
+from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas
 
 D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
+LAYERS = 43  # MoE layers of the demand counters (DeepSeek-V4.1-Flash)
 # tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere choose_tile's
 SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096
     1: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1)],
@@ -121,15 +123,24 @@ def check(fmt, bank, rng):
     return errs
 
 
-def time_moe(bank, ids_sets, w, x, tile):
-    """Seconds per call, from a loop of calls inside one jit (no dispatch gaps)."""
-    def step(j, acc, x, bank, ids_sets, w):
-        return acc + moe_grouped_pallas(x, bank, ids_sets[j % ROTATE], w, tile=tile).astype(jnp.float32)
-    return seconds_per_step(step, jnp.zeros(x.shape, jnp.float32), x, bank, ids_sets, w,
+def time_moe(bank, ids_sets, w, x, tile, mask=None):
+    """Seconds per call, from a loop of calls inside one jit (no dispatch gaps); with a token
+    mask, each call also counts its picks into [LAYERS, E] demand counters (layer j % LAYERS)."""
+    def step(j, carry, x, bank, ids_sets, w, mask):
+        acc, counters = carry
+        ids = ids_sets[j % ROTATE]
+        if mask is None:
+            return acc + moe_grouped_pallas(x, bank, ids, w, tile=tile).astype(jnp.float32), counters
+        demand = Demand(*counters, j % LAYERS, ids, w, mask)
+        y, *counters = moe_grouped_pallas(x, bank, ids, w, tile=tile, demand=demand)
+        return acc + y.astype(jnp.float32), tuple(counters)
+    counters = (jnp.zeros((LAYERS, E), jnp.float32),) * 2
+    return seconds_per_step(step, (jnp.zeros(x.shape, jnp.float32), counters), x, bank, ids_sets, w, mask,
                             n_iter=200 if x.shape[0] <= 64 else 10)
 
 
 def bench_format(fmt, rng, copy, mm, rows, quick):
+    """Appends the format's rows; returns its bank."""
     bank = make_bank(fmt, E, jax.random.key(3))
     per_expert = expert_bytes(bank)
     errs = check(fmt, bank, rng)
@@ -155,22 +166,25 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         rows.append(f"| {fmt} | {t} | {distinct:.1f} | {'x'.join(map(str, tile))} | {s * 1e6:.1f} | "
                     f"{gbps:.0f} | {gbps / copy:.2f} | {tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
         print(rows[-1], flush=True)
+    return bank
 
 
-def bench_demand(rng, rows):
-    layers = 43
-    for t in (64, 4096):
-        ids = jnp.asarray(np.argsort(rng.random((t, E)), -1)[:, :K].astype(np.int32))
-        w = jnp.asarray(rng.random((t, K)).astype(np.float32))
+def bench_demand(bank, rng, rows):
+    """The kernel without and with the demand counting at 4 and 64 tokens (its own tile choice),
+    a tenth of the tokens padding; check: its counts against `count_demand_reference`."""
+    for t in (4, 64):
+        ids_sets, w = routing(rng, ROTATE, t, E)
+        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
         mask = jnp.asarray(rng.random(t) > 0.1)
-        c0 = jnp.zeros((layers, E), jnp.float32)
-        ref = jax.jit(count_demand_reference)
-        got, want = count_demand_pallas(c0, c0, 7, ids, w, mask), ref(c0, c0, 7, ids, w, mask)
-        ok = bool(jnp.all(got[0] == want[0])) and rel_err(got[1], want[1]) < 1e-5
-        s_k, s_r = (seconds_per_step(lambda j, c, *a: fn(c[0], c[1], j % layers, *a), (c0, c0), ids, w, mask,
-                                     n_iter=100) for fn in (count_demand_pallas, count_demand_reference))
-        rows.append(f"| count_demand | {t} | pallas {s_k * 1e6:.0f} us | XLA scatter-add {s_r * 1e6:.0f} us "
-                    f"| {'equal' if ok else 'MISMATCH'} |")
+        counters = jnp.asarray(rng.integers(0, 9, (LAYERS, E)), jnp.float32)
+        demand = Demand(counters, counters, 7, ids_sets[0], w, mask)
+        _, counts, sums = moe_grouped_pallas(x, bank, ids_sets[0], w, demand=demand)
+        want = jax.jit(count_demand_reference)(*demand)
+        ok = bool(jnp.all(counts == want[0])) and rel_err(sums, want[1]) < 1e-6
+        tile = choose_tile(bank_format(bank), t * K, E)
+        without, with_demand = (time_moe(bank, ids_sets, w, x, tile, m) for m in (None, mask))
+        rows.append(f"| moe_grouped {bank_format(bank)} | {t} | {without * 1e6:.1f} us | "
+                    f"{with_demand * 1e6:.1f} us | {'equal' if ok else 'MISMATCH'} |")
         print(rows[-1], flush=True)
 
 
@@ -178,26 +192,26 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="no tile sweep")
     ap.add_argument("--formats", default="mxfp4,bf16", help="comma-separated: mxfp4, bf16")
-    ap.add_argument("--no-demand", action="store_true", help="skip the demand counter rows")
+    ap.add_argument("--no-demand", action="store_true", help="skip the demand counting rows (MXFP4)")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
     copy_gbps(), matmul_tflops()  # warm the clocks up first
     copy, mm = copy_gbps(), matmul_tflops()
     print(f"device copy {copy:.0f} GB/s (read + write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
-    rows = []
+    rows, demand_rows = [], []
     for fmt in args.formats.split(","):
         try:
-            bench_format(fmt, rng, copy, mm, rows, args.quick)
+            bank = bench_format(fmt, rng, copy, mm, rows, args.quick)
         except Exception:
             print(f"{fmt} failed:\n{traceback.format_exc()}", flush=True)
-    demand_rows = []
-    try:
-        if not args.no_demand:
-            bench_demand(rng, demand_rows)
-    except Exception:
-        print(f"count_demand failed:\n{traceback.format_exc()}", flush=True)
+            continue
+        try:
+            if fmt == "mxfp4" and not args.no_demand:
+                bench_demand(bank, rng, demand_rows)
+        except Exception:
+            print(f"demand counting failed:\n{traceback.format_exc()}", flush=True)
     section = "\n".join([
-        f"\n## Kernels: grouped MoE + demand counter ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
+        f"\n## Kernels: grouped MoE, without and with demand counting ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
         f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
         f"Ceilings measured in the same run: device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
         f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "
@@ -208,7 +222,10 @@ def main():
         "| experts | tokens | distinct experts | tile | us | GB/s | / copy | TFLOP/s | / matmul | err |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows, "",
-        "| op | tokens | kernel | reference | check |",
+        f"Demand counting fused into the kernel (MXFP4, own tile choice, counters [{LAYERS}, {E}], a tenth "
+        "of the tokens padding): us a call without / with it; check = counts equal "
+        "count_demand_reference's, weight sums within 1e-6.\n",
+        "| op | tokens | without | with | check |",
         "| --- | --- | --- | --- | --- |",
         *demand_rows, "",
     ])

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from tidejax.checkpoint import mxfp4
-from tidejax.pallas import count_demand, moe_grouped, moe_grouped_reference
-from tidejax.pallas.demand_kernel import count_demand_pallas
+from tidejax.pallas import Demand, moe_grouped, moe_grouped_reference
 from tidejax.pallas.moe_kernel import TILES, choose_tile, moe_grouped_pallas
 
 
@@ -154,22 +153,56 @@ def numpy_counts(counts, sums, layer, ids, weights, mask):
     return counts, sums
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_count_demand_matches_loop(rng, impl):
-    n_layers, n_experts, t, k = 3, 16, 37, 6
+# the grouped kernel's two shapes, forced (hidden 64, intermediate 32), and the reference
+DEMAND_PATHS = [(1, 16, 64, 4, 1), (16, 16, 32, 4, 1), "reference"]
+
+
+@pytest.mark.parametrize("path", DEMAND_PATHS)
+@pytest.mark.parametrize("t", [1, 37])
+def test_demand_counted_in_moe_grouped_matches_loop(rng, path, t):
+    n_layers, n_experts, n_slots, k, layer = 3, 16, 8, 3, 2
+    bank, _, _ = make_bank(rng, "bf16", n_slots, d=64, i=32)
+    x = rng.standard_normal((t, 64)).astype(np.float32)
     ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(t)]).astype(np.int32)
+    ids[rng.random((t, k)) < 0.1] = -1  # no wanted expert
     weights = rng.random((t, k)).astype(np.float32)
     mask = rng.random(t) > 0.25
+    mask[0] = True
+    rowmap = np.full(n_experts, -1, np.int32)  # half the experts resident
+    rowmap[rng.permutation(n_experts)[:n_slots]] = np.arange(n_slots)
+    slot_ids = np.where(mask[:, None] & (ids >= 0), rowmap[ids], -1).astype(np.int32)
+    ids[0, 0], slot_ids[0, 0] = np.flatnonzero(rowmap < 0)[0], -1  # a miss: no slot, still counted
     counts = rng.integers(0, 50, (n_layers, n_experts)).astype(np.float32)
     sums = rng.random((n_layers, n_experts)).astype(np.float32)
-    layer = int(rng.integers(n_layers))
-    if impl == "reference":
-        got = count_demand(counts, sums, layer, ids, weights, mask)
+    demand = Demand(counts, sums, layer, ids, weights, mask)
+    if path == "reference":
+        y, got_counts, got_sums = moe_grouped(x, bank, slot_ids, weights, demand=demand)
+        y_alone = moe_grouped(x, bank, slot_ids, weights)
     else:
-        got = count_demand_pallas(counts, sums, jnp.int32(layer), ids, weights, mask, interpret=True)
-    want = numpy_counts(counts, sums, layer, ids, weights, mask)
-    np.testing.assert_array_equal(np.asarray(got[0]), want[0])
-    np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-6)
+        run = functools.partial(moe_grouped_pallas, x, bank, slot_ids, weights, interpret=True, tile=path)
+        y, got_counts, got_sums = run(demand=demand)
+        y_alone = run()
+    want_counts, want_sums = numpy_counts(counts, sums, layer, ids, weights, mask)
+    assert want_counts[layer, ids[0, 0]] > counts[layer, ids[0, 0]]
+    np.testing.assert_array_equal(np.asarray(got_counts), want_counts)
+    np.testing.assert_allclose(np.asarray(got_sums), want_sums, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_alone))  # counting leaves y alone
+
+
+def test_demand_of_another_shape_or_dtype_is_named():
+    x = np.zeros((2, 32), np.float32)
+    bank = {"gate_up": np.zeros((1, 64, 32), np.float32), "down": np.zeros((1, 32, 32), np.float32)}
+    ids, w = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    counters = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"demand: ids \(3, 1\)"):
+        moe_grouped(x, bank, ids, w, demand=Demand(counters, counters, 0, np.zeros((3, 1), np.int32), w,
+                                                   np.ones(2, bool)))
+    with pytest.raises(ValueError, match="demand: counts"):
+        moe_grouped_pallas(x, bank, ids, w, interpret=True, demand=Demand(
+            counters, counters[:1], 0, ids, w, np.ones(2, bool)))
+    with pytest.raises(ValueError, match="expected float32"):
+        moe_grouped(x, bank, ids, w, demand=Demand(counters, counters.astype(jnp.bfloat16), 0, ids, w,
+                                                   np.ones(2, bool)))
 
 
 def test_kernel_e2m1_decoding_covers_every_code():
@@ -197,14 +230,15 @@ def test_kernels_lower_to_triton_for_cuda():
     triton_ok = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for bank in banks:
         for tokens, tile in ((t, None), (300, None), (t, (16, 32, 128, 4, 1)), (300, (64, 64, 64, 4, 2))):
-            kernel = functools.partial(moe_grouped_pallas, tile=tile)
-            exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=triton_ok)(
-                shape((tokens, d), jnp.bfloat16), bank, shape((tokens, k), jnp.int32), shape((tokens, k), jnp.float32))
-            assert exported.mlir_module().count("xla.gpu.triton") == 2
-    exported = export.export(jax.jit(count_demand_pallas), platforms=["cuda"], disabled_checks=triton_ok)(
-        shape((3, n), jnp.float32), shape((3, n), jnp.float32), shape((), jnp.int32),
-        shape((t, k), jnp.int32), shape((t, k), jnp.float32), shape((t,), jnp.bool_))
-    assert "xla.gpu.triton" in exported.mlir_module()
+            picks = shape((tokens, k), jnp.int32), shape((tokens, k), jnp.float32)
+            counters = shape((3, 2 * n), jnp.float32)
+            # the counting fused in (layer traced) or not
+            for demand in (None, Demand(counters, counters, shape((), jnp.int32), *picks,
+                                        shape((tokens,), jnp.bool_))):
+                kernel = functools.partial(moe_grouped_pallas, tile=tile)
+                exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=triton_ok)(
+                    shape((tokens, d), jnp.bfloat16), bank, *picks, demand=demand)
+                assert exported.mlir_module().count("xla.gpu.triton") == 2
 
 
 def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):

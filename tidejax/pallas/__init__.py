@@ -1,13 +1,13 @@
 """GPU kernels (Pallas) behind plain functions, each with a jnp reference that runs everywhere."""
 
 from tidejax.pallas.bank import bank_dims, bank_format
-from tidejax.pallas.demand import count_demand, count_demand_reference
+from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped, moe_grouped_reference
 
 __all__ = [
+    "Demand",
     "bank_dims",
     "bank_format",
-    "count_demand",
     "count_demand_reference",
     "moe_grouped",
     "moe_grouped_reference",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tidejax.pallas.bank import bank_dims, dequantized
+from tidejax.pallas.demand import Demand, check_demand, count_demand_reference
 from tidejax.pallas.dispatch import choose_impl
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -24,7 +25,7 @@ def swiglu(gate_up, swiglu_limit: float):
     return jax.nn.silu(g) * u
 
 
-def _check_args(x, bank, slot_ids, weights):
+def _check_args(x, bank, slot_ids, weights, demand):
     n, d, _ = bank_dims(bank)
     t = x.shape[0]
     if x.ndim != 2 or x.shape[1] != d:
@@ -33,6 +34,8 @@ def _check_args(x, bank, slot_ids, weights):
         raise ValueError(
             f"moe_grouped: slot_ids {slot_ids.shape} and weights {weights.shape} must both be [{t}, k]"
         )
+    if demand is not None:
+        check_demand(demand, *slot_ids.shape)
     return n
 
 
@@ -42,14 +45,16 @@ def _check_args(x, bank, slot_ids, weights):
 GATHER_PICKS = 64
 
 
-def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0):
-    """x [T, D], slot_ids [T, k] int32 (-1 = skip), weights [T, k] -> y [T, D] of x.dtype.
+def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
+                          demand: Demand | None = None):
+    """x [T, D], slot_ids [T, k] int32 (-1 = skip), weights [T, k] -> y [T, D] of x.dtype; with
+    `demand`, (y, counts, weight_sums) after `count_demand_reference` of its picks.
 
     Float32 throughout (HIGHEST precision dots). Up to GATHER_PICKS picks it gathers their weights;
     otherwise it scans over the slots, so memory stays at one slot's weights (dequantized) plus
     [T, 2I] activations and the [T, k, D] per-pick outputs.
     """
-    n = _check_args(x, bank, slot_ids, weights)
+    n = _check_args(x, bank, slot_ids, weights, demand)
     xf = x.astype(jnp.float32)
     picked = slot_ids >= 0
     w = jnp.where(picked, weights.astype(jnp.float32), 0.0)  # [T, k]
@@ -57,23 +62,23 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
         rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
         rows = dequantized(rows)
         h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
-        out = jnp.einsum("tki,tkdi->tkd", swiglu(h, swiglu_limit), rows["down"], precision=HIGHEST)
-        y = jnp.einsum("tk,tkd->td", w, out, precision=HIGHEST)
-        return y.astype(x.dtype)
+        per_pick = jnp.einsum("tki,tkdi->tkd", swiglu(h, swiglu_limit), rows["down"], precision=HIGHEST)
+    else:
+        def one_slot(acc, slot_and_row):
+            slot, row = slot_and_row
+            row = dequantized(row)
+            hits = slot_ids == slot  # [T, k]
+            h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
+            out = jnp.dot(swiglu(h, swiglu_limit), row["down"].T, precision=HIGHEST)  # [T, D]
+            return jnp.where(hits[:, :, None], out[:, None, :], acc), None
 
-    def one_slot(acc, slot_and_row):
-        slot, row = slot_and_row
-        row = dequantized(row)
-        hits = slot_ids == slot  # [T, k]
-        h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
-        out = jnp.dot(swiglu(h, swiglu_limit), row["down"].T, precision=HIGHEST)  # [T, D]
-        return jnp.where(hits[:, :, None], out[:, None, :], acc), None
-
-    # Each pick's output lands in its own [T, k] cell and the weighted sum runs in pick order, so
-    # the result does not depend on which slot holds an expert (swaps are lossless, bit for bit).
-    per_pick = jnp.zeros((*slot_ids.shape, xf.shape[1]), jnp.float32)  # [T, k, D]
-    per_pick, _ = jax.lax.scan(one_slot, per_pick, (jnp.arange(n, dtype=slot_ids.dtype), bank))
-    return jnp.einsum("tk,tkd->td", w, per_pick, precision=HIGHEST).astype(x.dtype)
+        # Each pick's output lands in its own [T, k] cell and the weighted sum runs in pick order,
+        # so the result does not depend on which slot holds an expert (swaps are lossless, bit for
+        # bit).
+        per_pick = jnp.zeros((*slot_ids.shape, xf.shape[1]), jnp.float32)  # [T, k, D]
+        per_pick, _ = jax.lax.scan(one_slot, per_pick, (jnp.arange(n, dtype=slot_ids.dtype), bank))
+    y = jnp.einsum("tk,tkd->td", w, per_pick, precision=HIGHEST).astype(x.dtype)
+    return y if demand is None else (y, *count_demand_reference(*demand))
 
 
 def _pallas_fits(bank) -> bool:
@@ -82,7 +87,8 @@ def _pallas_fits(bank) -> bool:
     return pallas_supports(bank)
 
 
-def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str = "auto"):
+def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str = "auto",
+                demand: Demand | None = None):
     """Routed experts of one MoE layer over the bank (see `moe_grouped_reference` for shapes).
 
     impl: "auto" (Pallas on a GPU when the kernel takes the bank's shapes, the reference
@@ -90,11 +96,14 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: 
     (before the cast to x.dtype): decode steps whose picks rarely share an expert (GEMV, float32
     products) ~1e-7; busier steps and prefill (bf16 dots, float32 accumulation) ~1e-5 for bf16
     activations, ~2e-3 for float32 ones (rounded to bf16).
+    demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
+    first pass); then returns (y, counts, weight_sums).
     """
     impl = choose_impl("moe_grouped", impl, fits=lambda: _pallas_fits(bank))
     with jax.named_scope(f"moe_grouped_{impl}"):
         if impl == "reference":
-            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit)
+            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
+                                         demand=demand)
         from tidejax.pallas.moe_kernel import moe_grouped_pallas
 
-        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit)
+        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit, demand=demand)

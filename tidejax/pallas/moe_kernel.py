@@ -14,6 +14,8 @@ MXFP4 codes are decoded by inline PTX on the GPU (E2M1_PTX, two codes an integer
 in interpret mode; both give the same exact values.
 Both run h[row] = swiglu(x[token(row)] @ gate_up[slot].T), then o[row] = h[row] @ down[slot].T,
 and y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
+With `demand`, the gate/up pass also counts the router's wanted picks into the residency
+counters (atomic adds by its programs of column block 0), saving a kernel launch a layer.
 
 The planning is not free on the GPU (a sort and a dozen small ops, ~0.2 ms a call on the H200,
 more than the kernels at one token): hence GEMV without it where picks rarely share an expert.
@@ -31,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
+from tidejax.pallas.demand import check_demand
 
 # Tile by bank format: "gemv" (bt = 1) and the dots' rows per tile bt: (bt, block of output
 # columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
@@ -214,6 +217,65 @@ def _swiglu(g, u, limit):
     return g * jax.nn.sigmoid(g) * u
 
 
+# ---- demand counting (fused into the gate/up pass) ----------------------------------------------
+
+def _counting(kernel, per_program, n_picks, k, n_experts):
+    """`kernel` with the demand counting fused in. Refs: (layer [1], wanted ids [P], weights [P],
+    token_mask [T], counts, sums, *the kernel's inputs, *its outputs, counts, sums), the counters
+    flattened [L_moe * E] and aliased. The programs of column block 0 add the picks [program *
+    per_program, + per_program) whether or not they have a slot, except padding tokens' and ids
+    < 0: one scalar atomic add each, as a vector add's lanes may hit one cell (picks of one
+    expert), which the GPU serves but interpret mode's discharge (a scatter-set) would not."""
+
+    def counting_kernel(layer_ref, ids_ref, w_ref, mask_ref, _counts_in, _sums_in, *refs):
+        *refs, counts_ref, sums_ref = refs
+        first = pl.program_id(0) * per_program  # read outside the loop: interpret mode needs it
+
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            def add(j, carry):
+                pick = first + j
+                at = jnp.minimum(pick, n_picks - 1)  # loads stay in bounds past the last pick
+                wanted = ids_ref[at]
+
+                @pl.when((pick < n_picks) & mask_ref[at // k] & (wanted >= 0))
+                def _():
+                    cell = layer_ref[0] * n_experts + wanted
+                    plgpu.atomic_add(counts_ref, cell, jnp.float32(1.0))
+                    plgpu.atomic_add(sums_ref, cell, w_ref[at].astype(jnp.float32))
+
+                return carry
+
+            jax.lax.fori_loop(0, per_program, add, 0)
+
+        kernel(*refs)
+
+    return counting_kernel
+
+
+def _gate_up_call(kernel, *, demand, out_shape, grid, **call):
+    """pl.pallas_call(kernel, ...) as a function of the operands -> (its output, counters): None
+    without demand, else (counts, weight_sums) [L_moe, E] float32, counted inside the kernel."""
+    if demand is None:
+        return lambda *operands: (pl.pallas_call(kernel, out_shape=out_shape, grid=grid, **call)(*operands),
+                                  None)
+    shape = demand.counts.shape
+    t, k = demand.ids.shape
+    flat = jax.ShapeDtypeStruct((shape[0] * shape[1],), jnp.float32)
+    counting = pl.pallas_call(_counting(kernel, -(-t * k // grid[0]), t * k, k, shape[1]),
+                              out_shape=(out_shape, flat, flat), grid=grid,
+                              input_output_aliases={4: 1, 5: 2}, **call)
+    picks = (jnp.reshape(demand.layer, (1,)).astype(jnp.int32), demand.ids.reshape(-1).astype(jnp.int32),
+             demand.weights.reshape(-1), demand.token_mask)
+
+    def run(*operands):
+        out, counts, sums = counting(*picks, demand.counts.reshape(-1), demand.weight_sums.reshape(-1),
+                                     *operands)
+        return out, (counts.reshape(shape), sums.reshape(shape))
+
+    return run
+
+
 # ---- GEMV (decode) -------------------------------------------------------------------------------
 # Weights as [N, R, K/G, G] (G = GEMV_GROUP): a step takes [bn, nb, G] of them, one 16-byte
 # vector a (row, group), and the activations' [nb, G] (x split into even / odd halves for MXFP4).
@@ -297,8 +359,8 @@ def _grouped(a, group):
     return a.reshape(*a.shape[:-1], a.shape[-1] // group, group)
 
 
-def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
-    """Per-pick outputs [T*k, D] float32 (rows of skipped picks unwritten)."""
+def _run_gemv(x, bank, slot_ids, demand, *, tile, limit, interpret):
+    """(per-pick outputs [T*k, D] float32 (rows of skipped picks unwritten), counters or None)."""
     fmt = bank_format(bank)
     _, d, i = bank_dims(bank)
     _, bn, bk, num_warps, num_stages = tile
@@ -312,7 +374,7 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
 
     bn1 = _block(i // phases, bn, "moe intermediate / phases", least=1)
     nb1 = _block(d // per_step, bk // per_step, "hidden groups", least=1)
-    h = pl.pallas_call(
+    h, counters = _gate_up_call(
         functools.partial(_gemv_gate_up_kernel, k=k, bn=bn1, nb=nb1, n_k=d // per_step // nb1,
                           i=i, limit=limit, phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
@@ -320,11 +382,12 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up_gemv",
+        demand=demand,
     )(pick_slot, *xs, *_gemv_refs(bank, "gate_up", group))
 
     bn2 = _block(d, bn, "hidden", least=1)
     nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_gemv_down_kernel, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
                           phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((t * k, d), jnp.float32),
@@ -333,6 +396,7 @@ def _run_gemv(x, bank, slot_ids, *, tile, limit, interpret):
         interpret=interpret,
         name="moe_down_gemv",
     )(pick_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
+    return out, counters
 
 
 # ---- dots (prefill and busy decode steps) --------------------------------------------------------
@@ -433,8 +497,9 @@ def _dot_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
-    """Per-pick outputs [T*k, D] float32, through tiles of picks grouped by slot."""
+def _run_dots(x, bank, slot_ids, demand, *, tile, limit, interpret):
+    """(per-pick outputs [T*k, D] float32, counters or None), through tiles of picks grouped by
+    slot."""
     n, d, i = bank_dims(bank)
     t, k = slot_ids.shape
     bt, bn, bk, num_warps, num_stages = tile
@@ -445,7 +510,7 @@ def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
     xs = [x[:, p::phases].astype(jnp.bfloat16) for p in range(phases)]  # [T, D / phases] each
 
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
-    h = pl.pallas_call(
+    h, counters = _gate_up_call(
         functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
                           phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
@@ -453,6 +518,7 @@ def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
+        demand=demand,
     )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
@@ -465,22 +531,26 @@ def _run_dots(x, bank, slot_ids, *, tile, limit, interpret):
         interpret=interpret,
         name="moe_down",
     )(tile_slot, h, *_dot_refs(bank, "down"))
-    return jnp.take(out, pick_row, axis=0, mode="clip")
+    return jnp.take(out, pick_row, axis=0, mode="clip"), counters
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile"))
 def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
-                       tile=None):
-    """Same contract as `moe_grouped_reference`.
+                       tile=None, demand=None):
+    """Same contract as `moe_grouped_reference` (demand included: the gate/up kernel counts it).
 
     tile: (bt, bn, bk, num_warps, num_stages) to override `choose_tile` (benchmarks); bt = 1 runs
     the GEMV kernels, bt >= 16 the dots.
     """
     n, _, _ = bank_dims(bank)
     t, k = slot_ids.shape
+    if demand is not None:
+        check_demand(demand, t, k)
     tile = tile or choose_tile(bank_format(bank), t * k, n)
     run = _run_gemv if tile[0] == 1 else _run_dots
-    per_pick = run(x, bank, slot_ids, tile=tile, limit=swiglu_limit, interpret=interpret)
+    per_pick, counters = run(x, bank, slot_ids, demand, tile=tile, limit=swiglu_limit,
+                             interpret=interpret)
     picked = per_pick.reshape(t, k, -1)
     picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
-    return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
+    y = jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
+    return y if counters is None else (y, *counters)

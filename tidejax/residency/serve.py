@@ -1,5 +1,5 @@
-"""Routed experts of one MoE layer through the residency bank: count demand, map wanted experts to
-slots, serve the misses by the chosen policy, run the grouped kernel.
+"""Routed experts of one MoE layer through the residency bank: map wanted experts to slots, serve
+the misses by the chosen policy, run the grouped kernel, which also counts the demand.
 
 Miss policies (DESIGN.md "Miss policies"):
 - "exact": the missing experts' rows are fetched from the host pool into the bank's transient
@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tidejax.pallas import count_demand, moe_grouped
+from tidejax.pallas import Demand, moe_grouped
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 MISS_POLICIES = ("exact", "substitute", "ring")
@@ -46,10 +46,6 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
                  options: ServeOptions):
     """x [T, D]; ids / weights [T, k] the router's wanted picks; choice_scores [T, E] (higher =
     preferred); token_mask [T] bool (False = padding, computes nothing) -> (y [T, D], state)."""
-    if options.count:
-        counts, weight_sums = count_demand(state.counts, state.weight_sums, moe_index, ids, weights,
-                                           token_mask, impl=options.kernel)
-        state = state.replace(counts=counts, weight_sums=weight_sums)
     layer_map = state.rowmap[moe_index]  # [E]
     slots = layer_map[ids]  # [T, k]
     live = token_mask[:, None]  # [T, 1]
@@ -69,9 +65,15 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
         bank = jax.tree.map(lambda a: a[moe_index * e:(moe_index + 1) * e], bank)
         slots = slots - moe_index * e
     slots = jnp.where(live, slots, -1)
-    y = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
-                    impl=options.kernel)
-    return y, state
+    demand = None
+    if options.count:  # counted inside the grouped kernel
+        demand = Demand(state.counts, state.weight_sums, moe_index, ids, weights, token_mask)
+    out = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
+                      impl=options.kernel, demand=demand)
+    if demand is None:
+        return out, state
+    y, counts, weight_sums = out
+    return y, state.replace(counts=counts, weight_sums=weight_sums)
 
 
 def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):
