@@ -39,10 +39,10 @@ from tidejax.pallas.demand import check_demand
 # columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
 # H200 (bench/RESULTS.md).
 TILES = {
-    "dense": {"gemv": (1, 32, 256, 4, 1), 16: (16, 32, 256, 4, 4), 32: (32, 64, 128, 4, 4),
+    "dense": {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
               64: (64, 256, 64, 8, 3)},
     "mxfp4": {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
-              64: (64, 64, 128, 4, 2)},
+              64: (64, 128, 64, 4, 4)},
 }
 # Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
 # block's 16 bytes (32 values: the low nibbles hold the even inputs, the high nibbles the odd).
