@@ -35,7 +35,7 @@ D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 LAYERS = 43  # MoE layers of the demand counters (DeepSeek-V4.1-Flash)
-# tiles tried where the targets are set (4 tokens, 4096 tokens); elsewhere choose_tile's
+# tiles tried at each token count (the best is reported); elsewhere choose_tile's
 SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096
     1: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1)],
     4: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1), (1, 32, 512, 4, 1)],

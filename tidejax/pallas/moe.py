@@ -16,13 +16,13 @@ from tidejax.pallas.dispatch import choose_impl
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def swiglu(gate_up, swiglu_limit: float):
-    """[..., 2I] -> [..., I]: silu(g) * u, with g <= L and |u| <= L when swiglu_limit L > 0."""
-    g, u = jnp.split(gate_up, 2, axis=-1)
+def swiglu(g, u, swiglu_limit: float):
+    """silu(g) * u of the gate and up projections, with g <= L and |u| <= L when swiglu_limit
+    L > 0 (the reference's and the kernels' one definition)."""
     if swiglu_limit > 0:
         g = jnp.minimum(g, swiglu_limit)
         u = jnp.clip(u, -swiglu_limit, swiglu_limit)
-    return jax.nn.silu(g) * u
+    return g * jax.nn.sigmoid(g) * u
 
 
 def _check_args(x, bank, slot_ids, weights, demand):
@@ -62,14 +62,16 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
         rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
         rows = dequantized(rows)
         h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
-        per_pick = jnp.einsum("tki,tkdi->tkd", swiglu(h, swiglu_limit), rows["down"], precision=HIGHEST)
+        act = swiglu(*jnp.split(h, 2, axis=-1), swiglu_limit)
+        per_pick = jnp.einsum("tki,tkdi->tkd", act, rows["down"], precision=HIGHEST)
     else:
         def one_slot(acc, slot_and_row):
             slot, row = slot_and_row
             row = dequantized(row)
             hits = slot_ids == slot  # [T, k]
             h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
-            out = jnp.dot(swiglu(h, swiglu_limit), row["down"].T, precision=HIGHEST)  # [T, D]
+            act = swiglu(*jnp.split(h, 2, axis=-1), swiglu_limit)  # [T, I]
+            out = jnp.dot(act, row["down"].T, precision=HIGHEST)  # [T, D]
             return jnp.where(hits[:, :, None], out[:, None, :], acc), None
 
         # Each pick's output lands in its own [T, k] cell and the weighted sum runs in pick order,

@@ -34,6 +34,7 @@ from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
 from tidejax.pallas.demand import check_demand
+from tidejax.pallas.moe import swiglu
 
 # Tile by bank format: "gemv" (bt = 1) and the dots' rows per tile bt: (bt, block of output
 # columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
@@ -210,13 +211,6 @@ def _phase_rows(col, bn, n_rows, phases):
     return phase, q0, pl.ds(phases * q0 + phase, bn, stride=phases)
 
 
-def _swiglu(g, u, limit):
-    if limit > 0:
-        g = jnp.minimum(g, limit)
-        u = jnp.clip(u, -limit, limit)
-    return g * jax.nn.sigmoid(g) * u
-
-
 # ---- demand counting (fused into the gate/up pass) ----------------------------------------------
 
 def _counting(kernel, per_program, n_picks, k, n_experts):
@@ -325,7 +319,7 @@ def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases,
 
         zeros = jnp.zeros((bn, nb), jnp.float32)
         g, u = _k_loop(n_k, fetch, consume, (zeros, zeros), prefetch=True)
-        h_ref[phase, pick, pl.ds(q0, bn)] = _swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
+        h_ref[phase, pick, pl.ds(q0, bn)] = swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
 
 
 def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
@@ -460,7 +454,7 @@ def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, l
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
         g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
-        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = _swiglu(g, u, limit)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = swiglu(g, u, limit)
 
 
 def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, ptx):
