@@ -140,37 +140,21 @@ PAIR_SHIFTS = {0: ((9, 12), (1, 4)), 4: ((5, 8), (-3, 0))}
 PAIR_MASKS = (0x0E000E00, 0x80008000)  # magnitude, sign bits of both halves
 
 
-def _pair_ptx(word, shifts, out):
-    """PTX: the fp16 pair `out` of the codes that `shifts` (a PAIR_SHIFTS entry) picks from `word`."""
-    shl = lambda dst, n: f"shl.b32 {dst}, {word}, {n};" if n >= 0 else f"shr.b32 {dst}, {word}, {-n};"
-    magnitude, sign = shifts
-    return (f"{shl('t', magnitude)} and.b32 t, t, {PAIR_MASKS[0]:#010x}; "
-            f"{shl('u', sign)} and.b32 u, u, {PAIR_MASKS[1]:#010x}; or.b32 {out}, t, u;\n")
+def _shift_ptx(dst, n):
+    return f"shl.b32 {dst}, $4, {n};" if n >= 0 else f"shr.b32 {dst}, $4, {-n};"
 
 
 def _e2m1_ptx(shifts):
-    pairs = "".join(_pair_ptx("$4", pair, f"p{j}") for j, pair in enumerate(shifts))
+    pairs = "".join(
+        f"{_shift_ptx('t', m)} and.b32 t, t, {PAIR_MASKS[0]:#010x}; "
+        f"{_shift_ptx('u', sign)} and.b32 u, u, {PAIR_MASKS[1]:#010x}; or.b32 p{j}, t, u;\n"
+        for j, (m, sign) in enumerate(shifts))
     return ("{\n.reg .b32 t, u, p0, p1;\n.reg .b16 h<4>;\n" + pairs +
             "mov.b32 {h0, h1}, p0;\nmov.b32 {h2, h3}, p1;\n"
             "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h2; cvt.f32.f16 $2, h1; cvt.f32.f16 $3, h3;\n}")
 
 
 E2M1_PTX = {nibble: _e2m1_ptx(shifts) for nibble, shifts in PAIR_SHIFTS.items()}
-# The GEMV's decode and multiply in one program, so that each code costs one FMA (Triton does
-# not contract a multiply and the reduction's add): outputs $0-3 for bytes 0-3, low code *
-# even input + high code * odd input; inputs $4 the 4 bytes, $5-8 the even inputs, $9-12 the odd.
-# Results go to r0-3 and to the outputs last: an output may share a register with an input.
-_CODE_OF_BYTE = ("h0", "h2", "h1", "h3")  # the fp16 of byte j's code in a nibble's two pairs
-E2M1_PRODUCTS_PTX = (
-    "{\n.reg .b32 t, u, p0, p1;\n.reg .b16 h<4>;\n.reg .f32 c, r<4>;\n"
-    + "".join(
-        "".join(_pair_ptx("$4", pair, f"p{j}") for j, pair in enumerate(shifts))
-        + "mov.b32 {h0, h1}, p0;\nmov.b32 {h2, h3}, p1;\n"
-        + "".join(f"cvt.f32.f16 c, {_CODE_OF_BYTE[j]}; "
-                  + (f"mul.rn.f32 r{j}, c, ${5 + j};\n" if nibble == 0 else f"fma.rn.f32 r{j}, c, ${9 + j}, r{j};\n")
-                  for j in range(4))
-        for nibble, shifts in PAIR_SHIFTS.items())
-    + "mov.f32 $0, r0; mov.f32 $1, r1; mov.f32 $2, r2; mov.f32 $3, r3;\n}")
 
 
 def e2m1_nibbles(b, ptx: bool):
@@ -184,18 +168,6 @@ def e2m1_nibbles(b, ptx: bool):
     return tuple(plgpu.elementwise_inline_asm(E2M1_PTX[shift], args=[b], constraints="=f,=f,=f,=f,r",
                                               pack=4, result_shape_dtypes=[like])[0]
                  for shift in (0, 4))
-
-
-def e2m1_products(b, even, odd, ptx: bool):
-    """uint8 bytes b, float32 even, odd (b's shape) -> low code * even + high code * odd, the
-    codes as value * 2**-14. ptx: with E2M1_PRODUCTS_PTX (compiled kernels on the GPU)."""
-    if not ptx:
-        low, high = e2m1_nibbles(b, ptx=False)
-        return low * even + high * odd
-    like = jax.ShapeDtypeStruct(b.shape, jnp.float32)
-    return plgpu.elementwise_inline_asm(E2M1_PRODUCTS_PTX, args=[b, even, odd],
-                                        constraints="=f,=f,=f,=f,r,f,f,f,f,f,f,f,f", pack=4,
-                                        result_shape_dtypes=[like])[0]
 
 
 def _pow2_f32(e, bias, top):
@@ -309,14 +281,20 @@ def _gemv_fetch(w_refs, slot, rows, kk, nb):
     return tuple(ref[slot, rows, pl.ds(g0, nb)] for ref in w_refs)
 
 
-def _gemv_partial(raw, xs, ptx):
-    """[bn, nb] float32: per row and group, the sum over G of weights * activations (MXFP4: times
-    the block's scale 2**(e - 127 + 14), the codes decoding to value * 2**-14, exact)."""
+def _gemv_weights(raw, ptx):
+    """Raw operands -> (float32 planes [bn, nb, G] matching the activation phases, scale [bn, nb]).
+
+    MXFP4 codes decode to value * 2**-14 (exact), the scale to 2**(e - 127 + 14)."""
     if len(raw) == 1:  # dense
-        return jnp.sum(raw[0].astype(jnp.float32) * xs[0][None], axis=2)
-    packed, scale_bytes = raw
-    even, odd = (jnp.broadcast_to(x[None], packed.shape) for x in xs)
-    return jnp.sum(e2m1_products(packed, even, odd, ptx), axis=2) * _pow2_f32(scale_bytes.astype(jnp.int32), 113, 240)
+        return (raw[0].astype(jnp.float32),), None
+    return e2m1_nibbles(raw[0], ptx), _pow2_f32(raw[1].astype(jnp.int32), 113, 240)
+
+
+def _gemv_partial(weights, xs):
+    """[bn, nb] float32: per row and group, sum over G of weights * activations (then scaled)."""
+    planes, scale = weights
+    p = sum(jnp.sum(w * x[None], axis=2) for w, x in zip(planes, xs))
+    return p if scale is None else p * scale
 
 
 def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases, ptx):
@@ -336,7 +314,8 @@ def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases,
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
             xs = [r[token, pl.ds(g0, nb)] for r in x_refs]
-            return tuple(a + _gemv_partial(w, xs, ptx) for a, w in zip(acc, raw))
+            gate, up = (_gemv_weights(w, ptx) for w in raw)
+            return acc[0] + _gemv_partial(gate, xs), acc[1] + _gemv_partial(up, xs)
 
         zeros = jnp.zeros((bn, nb), jnp.float32)
         g, u = _k_loop(n_k, fetch, consume, (zeros, zeros), prefetch=True)
@@ -352,7 +331,8 @@ def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
     def _():
         def consume(kk, raw, acc):
             g0 = _step_start(kk, nb)
-            return acc + _gemv_partial(raw, [h_ref[p, pick, pl.ds(g0, nb)] for p in range(phases)], ptx)
+            return acc + _gemv_partial(_gemv_weights(raw, ptx), [h_ref[p, pick, pl.ds(g0, nb)]
+                                                            for p in range(phases)])
 
         fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
         acc = _k_loop(n_k, fetch, consume, jnp.zeros((bn, nb), jnp.float32), prefetch=True)
