@@ -3,7 +3,7 @@
 Greedy continuations of held-out prompts from each domain, compared token for token. Where they
 part, both engines score the common prefix and the table gives the reference engine's margin
 between its token and the kernel engine's: two float32 computations that differ in rounding
-(~1e-7 relative for the kernel's dots on bf16 activations and for its GEMV) can only part at a near tie, and
+(~1e-5 relative for the kernel's bf16 dots, ~1e-7 for its GEMV) can only part at a near tie, and
 the margin says how near. Decode speed of both paths is reported too. Run on a GPU:
 
     PYTHONPATH=. python3 bench/kernel_parity.py [--model models/demo] [--experts bf16|mxfp4]
