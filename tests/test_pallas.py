@@ -105,7 +105,7 @@ def test_tile_follows_the_picks_an_expert_gets():
     assert got == [1, 1, 1, 1, 16, 16, 64]
     got = [choose_tile("dense", 6 * t, 384)[0] for t in (1, 4, 16, 64)]
     assert got == [1, 1, 1, 16]
-    assert choose_tile("dense", 6, 48) == TILES["dense"]["gemv"]
+    assert choose_tile("dense", 6, 48) == TILES["gemv"]
     assert choose_tile("dense", 80, 4)[0] == 32
 
 

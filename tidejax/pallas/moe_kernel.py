@@ -36,15 +36,11 @@ from tidejax.pallas.bank import bank_dims, bank_format
 from tidejax.pallas.demand import check_demand
 from tidejax.pallas.moe import swiglu
 
-# Tile by bank format: "gemv" (bt = 1) and the dots' rows per tile bt: (bt, block of output
-# columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on the
-# H200 (bench/RESULTS.md).
-TILES = {
-    "dense": {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
-              64: (64, 256, 64, 8, 3)},
-    "mxfp4": {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
-              64: (64, 128, 64, 4, 4)},
-}
+# Tiles, both bank formats: "gemv" (bt = 1) and the dots' by rows per tile bt: (bt, block of
+# output columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on
+# the H200 (bench/RESULTS.md); the sweeps found the same tiles best for bf16 and MXFP4.
+TILES = {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
+         64: (64, 128, 64, 4, 4)}
 # Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
 # block's 16 bytes (32 values: the low nibbles hold the even inputs, the high nibbles the odd).
 GEMV_GROUP = {"dense": 8, "mxfp4": 16}
@@ -65,8 +61,8 @@ def choose_tile(fmt: str, n_picks: int, n_slots: int) -> tuple:
     height follows the picks a used expert gets."""
     avg = picks_per_expert(n_picks, n_slots)
     if avg <= GEMV_MAX_PICKS_PER_EXPERT[fmt]:
-        return TILES[fmt]["gemv"]
-    return TILES[fmt][16 if avg <= 16 else 32 if avg <= 32 else 64]
+        return TILES["gemv"]
+    return TILES[16 if avg <= 16 else 32 if avg <= 32 else 64]
 
 
 def pallas_supports(bank) -> bool:
