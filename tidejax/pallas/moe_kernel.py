@@ -19,6 +19,11 @@ counters (atomic adds by its programs of column block 0), saving a kernel launch
 
 The planning is not free on the GPU (a sort and a dozen small ops, ~0.2 ms a call on the H200,
 more than the kernels at one token): hence GEMV without it where picks rarely share an expert.
+
+Measured against the alternatives on the H200 (bench/RESULTS.md, session 4): a Mosaic GPU GEMV
+(0.57-0.63 of the copy bandwidth for bf16 where this one reaches ~1.0; 0.40 for MXFP4 at 4
+tokens against 0.51), and MXFP4 GEMVs on the tensor cores or in integer dot products (dp4a),
+both slower. The MXFP4 GEMV is bound by instruction issue (~6 instructions a code), not memory.
 """
 
 from __future__ import annotations
