@@ -41,9 +41,10 @@ from tidejax.pallas.bank import bank_dims, bank_format
 from tidejax.pallas.demand import check_demand
 from tidejax.pallas.moe import swiglu
 
-# Tiles, both bank formats: "gemv" (bt = 1) and the dots' by rows per tile bt: (bt, block of
-# output columns, block of K values, num_warps, num_stages). Chosen by bench/kernels.py sweeps on
-# the H200 (bench/RESULTS.md); the sweeps found the same tiles best for bf16 and MXFP4.
+# Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:
+# (bt, block of output columns, block of K values, num_warps, num_stages). Chosen by
+# bench/kernels.py sweeps on the H200 (bench/RESULTS.md); where the two formats' best tiles
+# differ, they differ by a few percent.
 TILES = {"gemv": (1, 32, 256, 4, 1), 16: (16, 64, 128, 4, 1), 32: (32, 64, 128, 4, 4),
          64: (64, 128, 64, 4, 4)}
 # Values along K a GEMV thread reads as one 16-byte vector: a dense group of 8 bf16, an MXFP4
