@@ -269,7 +269,6 @@ class Scheduler:
         handle = self.lane_of[lane]
         self.lane_of[lane] = None
         self._sampling = None
-        self.engine.residency.flush()  # the request's steps fully in the cold share
         self.last_stats = self._stats(handle)
         handle.on_event(DoneEvent(reason, self.last_stats))
 

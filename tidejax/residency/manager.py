@@ -179,9 +179,9 @@ class Residency:
 
     def _start_drain(self) -> None:
         """Swaps the counters for zeros on the device and starts the old ones for the host."""
-        counters, zeros = taken((self.state.counts, self.state.weight_sums, self.state.misses))
-        self.state = self.state.replace(counts=zeros[0], weight_sums=zeros[1], misses=zeros[2])
-        for counter in counters[:2]:
+        counters, zeros = taken((self.state.counts, self.state.weight_sums))
+        self.state = self.state.replace(counts=zeros[0], weight_sums=zeros[1])
+        for counter in counters:
             counter.copy_to_host_async()
         self._drain = (counters[0], counters[1], self._since_drain)
         self._since_drain = 0

@@ -26,7 +26,7 @@ class ExpertState:
     slot_rows: jax.Array  # [S_total] int32: pool row held by each slot, or -1 (rowmap's inverse)
     counts: jax.Array  # [L_moe, E] float32: wanted picks since the last drain
     weight_sums: jax.Array  # [L_moe, E] float32: routing weight of those picks
-    misses: jax.Array  # [L_moe, E] float32: wanted picks served by a miss, since the last drain
+    misses: jax.Array  # [L_moe, E] float32: wanted picks served by a miss in the last step
     pool: dict | None  # leaves [L_moe * E, ...], pinned host memory where the backend has it
     resident: int = struct.field(pytree_node=False, default=0)
     ring: int = struct.field(pytree_node=False, default=0)
