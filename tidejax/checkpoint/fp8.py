@@ -14,6 +14,11 @@ E4M3_MAX = 448.0
 BLOCK = (128, 128)
 
 
+def config_block(raw_config: dict) -> tuple[int, int]:
+    """The scale block of a checkpoint's config.json (quantization_config.weight_block_size)."""
+    return tuple((raw_config.get("quantization_config") or {}).get("weight_block_size", BLOCK))
+
+
 def scale_shape(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
 

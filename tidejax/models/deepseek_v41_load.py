@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block
+from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.config import read_json
 
@@ -176,8 +176,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     model_dir = Path(model_dir)
     raw = read_json(model_dir / "config.json")
     cfg = V41Config.from_hf(raw, str(model_dir / "config.json"))
-    block = (raw.get("quantization_config") or {}).get("weight_block_size", BLOCK)
-    tensors = Tensors(model_dir, tuple(block))
+    tensors = Tensors(model_dir, config_block(raw))
     shapes = flatten_dict(param_shapes(cfg))
     params: dict = {}
     experts: dict[int, dict] = {}

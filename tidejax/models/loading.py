@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.checkpoint import CheckpointReader, Rule, load_checkpoint, mxfp4
+from tidejax.checkpoint import CheckpointReader, Rule, fp8, load_checkpoint, mxfp4
 from tidejax.config import ConfigError
 
 FP32_LEAVES = ("gate_weight", "gate_bias")  # routers stay in float32, as the references keep them
@@ -72,8 +72,7 @@ def load_by_table(model_dir, raw_config: dict, *, param_shapes: dict, table: dic
                   put_row) -> dict:
     """Dense params by a name table ({hf name: params path}, shapes from `param_shapes`) and
     routed experts through `put_row`, after every name and shape is checked against the headers."""
-    block = (raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128))
-    reader = CheckpointReader(model_dir, fp8_block=tuple(block))
+    reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config))
     rules = {path: Rule(name, tuple(_tree_get(param_shapes, path).shape))
              for name, path in table.items()}
     filled = {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path)) for path in rules}
