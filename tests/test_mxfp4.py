@@ -93,22 +93,3 @@ def test_bad_inputs_name_the_problem():
                                 "x_scales": np.zeros((2, 2), np.uint8)})
     with pytest.raises(ValueError, match="not a multiple of 32"):
         mxfp4.quantize(np.zeros((2, 40), np.float32))
-
-
-def test_kernel_ptx_shift_table_decodes_every_byte():
-    """The GPU kernel's PTX decode (tidejax.pallas.moe_kernel.PAIR_SHIFTS / PAIR_MASKS) replayed in
-    numpy on words holding every byte value: each 16-bit half is the fp16 of the e2m1 value
-    times 2**-14 of its byte's nibble (the PTX itself only runs on a GPU: bench/kernels.py checks
-    it there)."""
-    from tidejax.pallas.moe_kernel import PAIR_MASKS, PAIR_SHIFTS
-
-    byte_values = np.arange(256, dtype=np.uint32)
-    words = byte_values | np.roll(byte_values, 1) << 8 | np.roll(byte_values, 2) << 16 | np.roll(byte_values, 3) << 24
-    shift = lambda w, n: w << np.uint32(n) if n >= 0 else w >> np.uint32(-n)
-    for nibble, shifts in PAIR_SHIFTS.items():
-        for j, (m, sign) in enumerate(shifts):  # pair j holds bytes j (low half) and j + 2
-            pair = (shift(words, m) & np.uint32(PAIR_MASKS[0])) | (shift(words, sign) & np.uint32(PAIR_MASKS[1]))
-            halves = pair.astype("<u4").view(np.float16).reshape(-1, 2).astype(np.float64) * 2.0**14
-            for half, byte in ((0, j), (1, j + 2)):
-                codes = (words >> np.uint32(8 * byte + nibble)) & np.uint32(15)
-                np.testing.assert_array_equal(halves[:, half], mxfp4.E2M1_VALUES[codes])

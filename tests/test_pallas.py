@@ -215,6 +215,26 @@ def test_kernel_e2m1_decoding_covers_every_code():
         np.testing.assert_array_equal(np.asarray(got) * 2.0**14, E2M1_VALUES)
 
 
+def test_kernel_ptx_shift_table_decodes_every_byte():
+    """The GPU kernel's PTX decode (tidejax.pallas.moe_kernel.PAIR_SHIFTS / PAIR_MASKS) replayed in
+    numpy on words holding every byte value: each 16-bit half is the fp16 of the e2m1 value
+    times 2**-14 of its byte's nibble (the PTX itself only runs on a GPU: bench/kernels.py checks
+    it there)."""
+    from tidejax.checkpoint.mxfp4 import E2M1_VALUES
+    from tidejax.pallas.moe_kernel import PAIR_MASKS, PAIR_SHIFTS
+
+    byte_values = np.arange(256, dtype=np.uint32)
+    words = byte_values | np.roll(byte_values, 1) << 8 | np.roll(byte_values, 2) << 16 | np.roll(byte_values, 3) << 24
+    shift = lambda w, n: w << np.uint32(n) if n >= 0 else w >> np.uint32(-n)
+    for nibble, shifts in PAIR_SHIFTS.items():
+        for j, (m, sign) in enumerate(shifts):  # pair j holds bytes j (low half) and j + 2
+            pair = (shift(words, m) & np.uint32(PAIR_MASKS[0])) | (shift(words, sign) & np.uint32(PAIR_MASKS[1]))
+            halves = pair.astype("<u4").view(np.float16).reshape(-1, 2).astype(np.float64) * 2.0**14
+            for half, byte in ((0, j), (1, j + 2)):
+                codes = (words >> np.uint32(8 * byte + nibble)) & np.uint32(15)
+                np.testing.assert_array_equal(halves[:, half], E2M1_VALUES[codes])
+
+
 def test_kernels_lower_to_triton_for_cuda():
     """The Pallas -> Triton lowering runs on a CPU machine too: catch lowering errors here."""
     from jax import export

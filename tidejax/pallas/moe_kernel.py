@@ -10,7 +10,7 @@ expert gets in the step (under uniform routing, from the static shapes):
   whole tile, dequantized to bf16 in registers, bf16 dots with float32 accumulation; h enters
   the down projection as two bf16 terms, so bf16 activations give ~1e-5 (float32 ones are
   rounded to bf16: ~2e-3).
-MXFP4 codes are decoded by inline PTX on the GPU (E2M1_PTX, two codes an integer op) and by jnp
+MXFP4 codes are decoded by inline PTX on the GPU (E2M1_PTX, two codes a shift-and-mask) and by jnp
 in interpret mode; both give the same exact values.
 Both run h[row] = swiglu(x[token(row)] @ gate_up[slot].T), then o[row] = h[row] @ down[slot].T,
 and y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
@@ -71,11 +71,16 @@ def choose_tile(fmt: str, n_picks: int, n_slots: int) -> tuple:
     return TILES[16 if avg <= 16 else 32 if avg <= 32 else 64]
 
 
+def _phases(bank) -> int:
+    """Planes the kernel splits K into: 1 (dense), 2 (MXFP4: the even and the odd inputs, low and
+    high nibbles)."""
+    return 1 if bank_format(bank) == "dense" else 2
+
+
 def pallas_supports(bank) -> bool:
     """Whether the kernel takes the bank's shapes: hidden and intermediate (per phase) % 16 == 0."""
     _, d, i = bank_dims(bank)
-    phases = 1 if bank_format(bank) == "dense" else 2
-    return d % 16 == 0 and i % (16 * phases) == 0
+    return d % 16 == 0 and i % (16 * _phases(bank)) == 0
 
 
 def _block(dim: int, want: int, what: str, least: int = 16) -> int:
@@ -133,9 +138,10 @@ def e2m1_f16_f32(b, shift):
 # The same decode in PTX, for the GPU: a 32-bit register holds 4 bytes, and each shift-and-mask
 # makes two fp16s at once (the codes of bytes j and j + 2, one a 16-bit half), which the
 # conversions widen to float32 (exact, subnormals kept). jnp's version spends ~6 integer ops a
-# code (one byte a 32-bit register); this ~2, which is what lets the GEMV stream MXFP4 at memory
-# speed rather than at integer-ALU speed. One program a nibble (Pallas' inline asm returns one
-# result): outputs $0-3 the nibble of bytes 0-3, input $4 the 4 bytes.
+# code (one byte a 32-bit register) and bound the GEMV by the integer ALU (0.30 of the copy
+# bandwidth at 4 tokens); this ~2, and the GEMV is now bound by instruction issue (~0.5). One
+# program a nibble (Pallas' inline asm returns one result): outputs $0-3 the nibble of bytes 0-3,
+# input $4 the 4 bytes.
 # PAIR_SHIFTS[nibble]: for the pair (bytes 0, 2) then (bytes 1, 3), the left shifts (negative:
 # right) that bring the code's magnitude bits to 9-11 and its sign to 15 of each 16-bit half.
 PAIR_SHIFTS = {0: ((9, 12), (1, 4)), 4: ((5, 8), (-3, 0))}
@@ -188,8 +194,9 @@ def _k_loop(n_k, fetch, consume, acc, prefetch):
     """acc = consume(kk, fetch(kk), acc) for kk < n_k.
 
     With prefetch, step kk+1's loads are issued before step kk's math (double buffering in
-    registers): MXFP4 bytes go through integer math before use, so Triton's own pipelining,
-    which feeds dots from shared memory, does not hide their latency.
+    registers): the GEMVs' loads feed no dots and MXFP4 bytes go through integer math before
+    use, so Triton's own pipelining, which feeds dots from shared memory, does not hide their
+    latency (measured on the H200 with the GEMV: num_stages instead is within 3%).
     """
     if not prefetch:
         return jax.lax.fori_loop(0, n_k, lambda kk, a: consume(kk, fetch(kk), a), acc)
@@ -344,9 +351,7 @@ def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
 def _gemv_refs(bank, name, group):
     """Kernel operands of one projection as groups: (dense [N, R, K/G, G],) or (blocks, scales)."""
     if bank_format(bank) == "dense":
-        w = bank[name]
-        n, r, k = w.shape
-        return (w.reshape(n, r, k // group, group),)
+        return (_grouped(bank[name], group),)
     return bank[name + "_blocks"], bank[name + "_scales"]
 
 
@@ -361,7 +366,7 @@ def _run_gemv(x, bank, slot_ids, demand, *, tile, limit, interpret):
     _, d, i = bank_dims(bank)
     _, bn, bk, num_warps, num_stages = tile
     t, k = slot_ids.shape
-    phases = 1 if fmt == "dense" else 2
+    phases = _phases(bank)
     group = GEMV_GROUP[fmt]
     per_step = group * phases  # K values a group covers
     pick_slot = slot_ids.reshape(-1).astype(jnp.int32)
@@ -502,7 +507,7 @@ def _run_dots(x, bank, slot_ids, demand, *, tile, limit, interpret):
     tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
     rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    phases = 1 if bank_format(bank) == "dense" else 2
+    phases = _phases(bank)
     xs = [x[:, p::phases].astype(jnp.bfloat16) for p in range(phases)]  # [T, D / phases] each
 
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
