@@ -1,10 +1,10 @@
 """The engine on the Pallas kernel against the engine on the jnp reference, same GPU, same model.
 
 Greedy continuations of held-out prompts from each domain, compared token for token. Where they
-part, both engines score the common prefix and the table gives the reference engine's margin
-between its token and the kernel engine's: two float32 computations that differ in rounding
-(~1e-5 relative for the kernel's bf16 dots, ~1e-7 for its GEMV) can only part at a near tie, and
-the margin says how near. Decode speed of both paths is reported too. Run on a GPU:
+part, both engines score the common prefix and the table gives, under each engine, the logit of
+the reference engine's token minus that of the kernel engine's (and the logits' spread): two
+float32 computations that differ in rounding (~1e-5 relative for the kernel's bf16 dots, ~1e-7
+for its GEMV) can only part at a near tie, and the margins say how near. Decode speed of both paths is reported too. Run on a GPU:
 
     PYTHONPATH=. python3 bench/kernel_parity.py [--model models/demo] [--experts bf16|mxfp4]
 """
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 import tidejax
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.engine.scheduler import ErrorEvent, GenerationRequest, TokenEvent
 
 HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "heldout"
 
@@ -35,7 +35,13 @@ def run(model: str, kernel: str, experts: str, texts: dict[str, str], new_tokens
     out, speeds = {}, []
     for domain, text in texts.items():
         prompt, tokens = engine.tokenizer.encode(text), []
-        on_event = lambda event: isinstance(event, TokenEvent) and tokens.append(event.token_id)
+
+        def on_event(event, tokens=tokens):
+            if isinstance(event, ErrorEvent):
+                raise RuntimeError(f"engine error: {event.message}")
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+
         engine.scheduler.submit(GenerationRequest(prompt, new_tokens, ignore_eos=True), on_event)
         engine.scheduler.run_until_idle()
         speeds.append(engine.scheduler.last_stats["decode_tps"])

@@ -210,7 +210,7 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
         if drain_first:
             engine.residency.drain()
         for ids in prompts:
-            engine.scheduler.submit(GenerationRequest(ids, 4, 0.6, ignore_eos=True), _no_events)
+            engine.scheduler.submit(GenerationRequest(ids, 4, 0.6, ignore_eos=True), raise_errors)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
         if drains:
             engine.residency.drain()
@@ -218,7 +218,8 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
     return time.perf_counter() - start
 
 
-def _no_events(event) -> None:
+def raise_errors(event) -> None:
+    """A request's on_event that turns the engine's error events into exceptions."""
     if isinstance(event, ErrorEvent):
         raise RuntimeError(f"engine error: {event.message}")
 
@@ -328,8 +329,11 @@ def memory_line(engine) -> str:
     return f"KV cache {engine.cache_bytes_per_token():.0f} bytes a token of context; {device}"
 
 
-def load_config(model: str, resident: float, policy: str, args, overrides: dict, workdir: Path):
-    """A fresh engine for one configuration, replaying the trace; returns (engine, picks)."""
+def load_config(model: str, resident: float, policy: str | None, args, overrides: dict,
+                workdir: Path, max_context: int):
+    """A fresh engine for one configuration (engine.lanes = the most of args.lanes; below
+    `resident` 1, residency.budget_experts, the miss `policy` (None: the profile's) and a seed map
+    fitted on the replayed args.trace), replaying the trace; returns (engine, picks)."""
     import tidejax
 
     n_moe, n_experts, top_k = moe_dims(model)
@@ -338,19 +342,22 @@ def load_config(model: str, resident: float, policy: str, args, overrides: dict,
     tables = {k: dict(v) for k, v in overrides.items()}
     engine_table = tables.setdefault("engine", {})
     engine_table.setdefault("lanes", max(args.lanes))
-    engine_table.setdefault("max_context", max(args.ttft, 64 + args.tokens) + 64)
+    engine_table.setdefault("max_context", max_context)
     res = tables.setdefault("residency", {})
+    label = f"[{resident:.0%}{'' if policy is None else ' ' + policy}]"
     if resident < 1.0:
         budget = int(round(resident * n_moe * n_experts))
-        res |= {"budget_experts": budget, "miss_policy": policy}
+        res["budget_experts"] = budget
+        if policy is not None:
+            res["miss_policy"] = policy
         if policy == "ring":
             res.setdefault("ring_slots", max(8, n_experts // 16))
         if picks is not None:
-            res["seed_map"] = str(seed_map_from_picks(
-                picks, n_experts, budget, workdir / f"seed-{resident}-{policy}.json"))
+            res.setdefault("seed_map", str(seed_map_from_picks(
+                picks, n_experts, budget, workdir / f"seed-{resident}-{policy}.json")))
     start = time.perf_counter()
     engine = tidejax.load(model, **tables)
-    print(f"[{resident:.0%} {policy}] loaded in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{label} loaded in {time.perf_counter() - start:.1f} s", flush=True)
     if picks is not None:
         engine.set_routing_replay(picks)
     return engine, picks
@@ -410,7 +417,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         compile_cache(Path(tmp) / "jax-cache")
         for share, policy in configs:
-            engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp))
+            engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
+                                        max(args.ttft, 64 + args.tokens) + 64)
             if h2d is None:
                 h2d = h2d_gbps(engine.residency.state.bank)
                 print(f"device copy {copy:.0f} GB/s (read + write); host-to-device {h2d:.1f} GB/s "

@@ -18,12 +18,14 @@ bench/roofline.py does. Per (share, lanes) it prints
     ratio  loop / bare: 1.0 = the device never waits for the host
 
 Families whose steps take host inputs (DeepSeek-V4.1's Engram rows) are refused: their decode
-loop reads each step before queueing the next. Requests sample at temperature 0.6 (as roofline.py drives them) and ignore end-of-sequence.
+loop reads each step before queueing the next. Requests sample at temperature 0.6 (as
+roofline.py drives them) and ignore end-of-sequence.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -34,18 +36,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import traces  # noqa: E402
-from bench.roofline import moe_dims, parse_set, prompt_ids, seed_map_from_picks  # noqa: E402
+from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
 from tidejax.engine.sampling import LaneSampling, SamplingParams  # noqa: E402
-from tidejax.engine.scheduler import ErrorEvent, GenerationRequest  # noqa: E402
+from tidejax.engine.scheduler import GenerationRequest  # noqa: E402
 
 PROMPT_TOKENS = 16
 SAMPLING = SamplingParams(temperature=0.6, seed=0)
-
-
-def _raise_errors(event) -> None:
-    if isinstance(event, ErrorEvent):
-        raise RuntimeError(f"engine error: {event.message}")
 
 
 def loop_ms(engine, lanes: int, steps: int) -> float:
@@ -54,7 +50,7 @@ def loop_ms(engine, lanes: int, steps: int) -> float:
     for i in range(lanes):
         engine.scheduler.submit(GenerationRequest(
             prompt_ids(engine, "en", PROMPT_TOKENS, offset=997 * i), steps + 1,
-            SAMPLING.temperature, seed=i, ignore_eos=True), _raise_errors)
+            SAMPLING.temperature, seed=i, ignore_eos=True), raise_errors)
     engine.scheduler.step()  # the prefills, then the first decode step queued
     first = engine.scheduler.totals["steps"]  # counts the step just queued
     start = time.perf_counter()
@@ -63,19 +59,19 @@ def loop_ms(engine, lanes: int, steps: int) -> float:
 
 
 def _decode_inputs(engine, lanes: int):
-    """tokens, positions, active, sampling for a step of `lanes` active lanes."""
+    """tokens, positions, active, sampling for a step of `lanes` active lanes; `stay` (every
+    input from the previous step's output); and a first step's output, waited for."""
     active = np.arange(engine.lanes) < lanes
     positions = np.where(active, PROMPT_TOKENS, 0).astype(np.int32)
-    return (np.zeros(engine.lanes, np.int32), positions, active,
-            LaneSampling.of([SAMPLING] * engine.lanes))
+    tokens, sampling = np.zeros(engine.lanes, np.int32), LaneSampling.of([SAMPLING] * engine.lanes)
+    first = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
+    return tokens, positions, active, sampling, np.zeros(engine.lanes, bool), first
 
 
 def engine_ms(engine, lanes: int, steps: int) -> float:
     """ms per step of Engine.decode back to back, each fed the previous one's tokens on the
     device, none read."""
-    tokens, positions, active, sampling = _decode_inputs(engine, lanes)
-    stay = np.zeros(engine.lanes, bool)  # every input from the previous step's output
-    out = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
+    tokens, positions, active, sampling, stay, out = _decode_inputs(engine, lanes)
     start = time.perf_counter()
     for _ in range(steps):
         out = engine.decode(tokens, positions, active, sampling, previous=out, fresh=stay)
@@ -87,9 +83,7 @@ def engine_ms(engine, lanes: int, steps: int) -> float:
 def bare_ms(engine, lanes: int, steps: int) -> float:
     """ms per step of the jitted decode step alone (the engine's private `_steps.decode`, the
     function Engine.decode queues), back to back, none read."""
-    tokens, positions, active, sampling = _decode_inputs(engine, lanes)
-    stay = np.zeros(engine.lanes, bool)
-    out = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
+    tokens, positions, active, sampling, stay, out = _decode_inputs(engine, lanes)
     start = time.perf_counter()
     for _ in range(steps):
         out, engine.cache, engine.residency.state = engine._steps.decode(
@@ -100,30 +94,12 @@ def bare_ms(engine, lanes: int, steps: int) -> float:
 
 
 def load(model: str, share: float, args, overrides: dict, workdir: Path):
-    """A fresh engine at resident `share`, replaying --trace when given."""
-    import tidejax
-
-    n_moe, n_experts, top_k = moe_dims(model)
-    picks = (traces.scale(traces.load(args.trace), n_moe, n_experts, top_k)
-             if args.trace else None)
-    tables = {k: dict(v) for k, v in overrides.items()}
-    tables.setdefault("engine", {}).setdefault("lanes", max(args.lanes))
-    tables["engine"].setdefault("max_context", 1024)
-    if share < 1.0:
-        budget = int(round(share * n_moe * n_experts))
-        residency = tables.setdefault("residency", {})
-        residency["budget_experts"] = budget
-        if picks is not None:
-            residency.setdefault("seed_map", str(seed_map_from_picks(
-                picks, n_experts, budget, workdir / f"seed-{share}.json")))
-    start = time.perf_counter()
-    engine = tidejax.load(model, **tables)
+    """A fresh engine at resident `share` (bench/roofline.py's load_config, the profile's miss
+    policy), refused where the decode loop is not pipelined."""
+    engine, _ = load_config(model, share, None, args, overrides, workdir, max_context=1024)
     if not engine.pipelined:
         raise SystemExit(f"error: {model}: the {engine.family.name} family reads every step's tokens "
                          "on the host (host inputs a step): its loop is not pipelined, nothing to compare")
-    if picks is not None:
-        engine.set_routing_replay(picks)
-    print(f"[{share:.0%}] loaded in {time.perf_counter() - start:.1f} s", flush=True)
     return engine
 
 
@@ -169,6 +145,7 @@ def main(argv=None) -> int:
             engine = load(args.model, share, args, overrides, Path(tmp))
             rows += measure(engine, share, args)
             del engine
+            gc.collect()  # the engine and its scheduler refer to each other: free its memory
     print("\n" + HEADER + "\n" + "\n".join(rows))
     return 0
 

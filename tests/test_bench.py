@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import tidejax  # noqa: E402
-from bench import roofline, traces  # noqa: E402
+from bench import roofline, step_overhead, traces  # noqa: E402
 from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
 
 DEMO = REPO / "models" / "demo"
@@ -148,3 +148,18 @@ def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
     tok_s, limit, ratio = float(cells[3]), float(cells[4]), float(cells[5])
     assert tok_s > 0 and limit > 0 and abs(ratio - tok_s / limit) < 0.01
     assert float(cells[10]) > 0  # TTFT
+
+
+def test_step_overhead_on_a_tiny_synthetic_checkpoint(tmp_path, capsys):
+    """bench/step_overhead.py runs on a tiny synthetic checkpoint and prints its table."""
+    model = make_synthetic(tmp_path / "tiny")
+    assert step_overhead.main([str(model), "--steps", "6", "--lanes", "1,2",
+                               "--resident", "1.0,0.5", "--set", "engine.max_context=128",
+                               "--set", "residency.drain_every=4"]) == 0
+    table = capsys.readouterr().out.split("| resident |")[-1].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert [(r[0], r[2]) for r in rows] == [("100%", "1"), ("100%", "2"), ("50%", "1"), ("50%", "2")]
+    for row in rows:
+        loop, engine, bare, ratio = map(float, row[3:])
+        assert loop > 0 and engine > 0 and bare > 0
+        assert abs(ratio - loop / bare) < 0.02 * ratio + 0.01
