@@ -309,7 +309,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
 def moe_dims(model: str) -> tuple[int, int, int]:
     """(MoE layers, routed experts a layer, experts a token picks) of a checkpoint, read by its
     model family (a V3 config keeps them at the top, a V4.1 one in text_config)."""
-    from tidejax.config import read_json
+    from tidejax.fields import read_json
     from tidejax.models.registry import family_for
 
     path = Path(model) / "config.json"

@@ -5,7 +5,7 @@ scaling to a larger (synthetic) model for `Engine.set_routing_replay`.
 
 `record` runs the demo model's own forward (tidejax's DeepseekV3 with its trained params) over
 windows of each tests/data/heldout/<domain>.txt and keeps, per token and MoE layer, the top-k
-expert ids its router picks (tidejax.models.moe.route on the MoE layer's input, taken with a
+expert ids its router picks (tidejax.models.layers.moe.route on the MoE layer's input, taken with a
 flax method interceptor). Saved as <out>/<domain>.npy: uint8 [tokens, L_moe, k] in the demo's
 expert ids, the router's order (best first).
 
@@ -49,7 +49,7 @@ def record_picks(engine, token_ids: list[int], window: int = 256, batch: int = 8
     import jax
     import jax.numpy as jnp
 
-    from tidejax.models.moe import MoE, route
+    from tidejax.models.layers.moe import MoE, route
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module

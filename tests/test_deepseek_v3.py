@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 import tidejax
 from tidejax.checkpoint import CheckpointError, CheckpointReader, dequantize_fp8_block, quantize_fp8_block
-from tidejax.config import ConfigError
+from tidejax.fields import ConfigError
 from tidejax.engine.scheduler import GenerationRequest, TokenEvent
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tidejax.config import ConfigError  # noqa: E402
+from tidejax.fields import ConfigError  # noqa: E402
 from tidejax.models.deepseek_v4 import (DeepseekV4, V4Cache, V4Config, full_forward,  # noqa: E402
                                          load_state)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidejax.config import ConfigError
+from tidejax.fields import ConfigError
 from tidejax.models.deepseek_v41_config import V41Config
 from v41_runner import (Sequence, engram_rows, greedy, new_hashers,
                                                   step_fn)

@@ -143,7 +143,7 @@ def test_bad_config_names_the_file(tmp_path):
     raw = json.loads((GOLDEN / "config.json").read_text())
     raw["text_config"]["compress_ratios"] = [0, 2, 2, -1, 1, 1]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    from tidejax.config import ConfigError
+    from tidejax.fields import ConfigError
 
     with pytest.raises(ConfigError, match=r"config.json: text_config: field 'compress_ratios'\[3\]"):
         load(tmp_path)

@@ -12,7 +12,7 @@ balancing), prints the loss curve, evaluates the held-out loss per domain and ex
 Hugging Face checkpoint directory (config.json, model.safetensors, generation_config.json and
 the tokenizer files).
 
-The forward is tidejax.models.deepseek_v3.DeepseekV3 with every expert resident and the jnp
+The forward is tidejax.models.deepseek_v3.model.DeepseekV3 with every expert resident and the jnp
 reference kernel (differentiable), so the model that is trained is the model that is served.
 """
 
@@ -152,13 +152,13 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
-        from tidejax.config import ModelConfig
-        from tidejax.models.deepseek_v3 import DeepseekV3, MLACache
+        from tidejax.models.deepseek_v3.config import DeepseekV3Config
+        from tidejax.models.deepseek_v3.model import DeepseekV3, MLACache
         from tidejax.residency.serve import ServeOptions
         from tidejax.residency.state import all_resident_state
 
         self.jax, self.jnp = jax, jnp
-        self.cfg = cfg = ModelConfig.from_hf(raw_cfg, "train_demo config")
+        self.cfg = cfg = DeepseekV3Config.from_hf(raw_cfg, "train_demo config")
         self.seq = seq
         self.model = DeepseekV3(cfg, ServeOptions(kernel="reference", all_resident=True, count=True))
         self.n_moe = len(cfg.moe_layers)
@@ -326,7 +326,7 @@ def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb:
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
-    from tidejax.models.deepseek_v3 import checkpoint_table, expert_prefixes
+    from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_prefixes
 
     model = params["model"]
     tensors = {}

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.config import ConfigError, EngineConfig, read_json
+from tidejax.config import EngineConfig
+from tidejax.fields import ConfigError, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
 from tidejax.models.loading import ExpertPool

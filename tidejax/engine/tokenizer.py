@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tokenizers
 
-from tidejax.config import ConfigError
+from tidejax.fields import ConfigError
 from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 

@@ -28,9 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tidejax.config import ConfigError, RopeConfig, read_json
+from tidejax.fields import ConfigError, read_json
+from tidejax.models.layers.rope import RopeConfig
 from tidejax.models import deepseek_v41_ops as ops
-from tidejax.models.layers import HIGHEST, Linear, RMSNorm, rope_frequencies
+from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.layers.rope import rope_frequencies
 from tidejax.pallas import moe_grouped
 
 F32 = jnp.float32

@@ -25,8 +25,10 @@ import jax.numpy as jnp
 
 from tidejax.models import deepseek_v41_ops as ops
 from tidejax.models.deepseek_v41_config import V41Config
-from tidejax.models.layers import HIGHEST, Linear, RMSNorm, rope_frequencies
-from tidejax.models.moe import RouterSpec, route
+from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.layers.rope import rope_frequencies
+from tidejax.models.layers.moe import RouterSpec, route
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import ExpertState
 

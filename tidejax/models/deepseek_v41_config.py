@@ -9,7 +9,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tidejax.config import ConfigError, RopeConfig, read_json
+from tidejax.fields import ConfigError, read_json
+from tidejax.models.layers.rope import RopeConfig
 
 
 @dataclasses.dataclass(frozen=True)

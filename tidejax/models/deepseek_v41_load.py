@@ -30,7 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
-from tidejax.config import read_json
+from tidejax.fields import read_json
 
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.checkpoint import CheckpointReader, Rule, fp8, load_checkpoint, mxfp4
-from tidejax.config import ConfigError
+from tidejax.fields import ConfigError
 
 FP32_LEAVES = ("gate_weight", "gate_bias")  # routers stay in float32, as the references keep them
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
-from tidejax.config import ConfigError
+from tidejax.fields import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,13 @@ class Family:
     swiglu_limit: Callable = lambda cfg: 0.0
 
 
+# model_type -> the module that registers its family, imported on demand
+FAMILY_MODULES = {
+    "deepseek_v3": "tidejax.models.deepseek_v3.family",
+    "deepseek_v2": "tidejax.models.deepseek_v3.family",
+    "kimi_k2": "tidejax.models.deepseek_v3.family",
+    "deepseek_v41": "tidejax.models.deepseek_v41_family",
+}
 _FAMILIES: dict[str, Family] = {}
 
 
@@ -51,15 +59,11 @@ def register(family: Family) -> Family:
 
 
 def family_for(raw_config: dict, source: str) -> Family:
-    _import_families()
     model_type = raw_config.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: missing required field 'model_type'")
-    if model_type not in _FAMILIES:
+    if model_type not in FAMILY_MODULES:
         raise ConfigError(f"{source}: field 'model_type' = {model_type!r} is not supported "
-                          f"(supported: {', '.join(sorted(_FAMILIES))})")
+                          f"(supported: {', '.join(sorted(FAMILY_MODULES))})")
+    importlib.import_module(FAMILY_MODULES[model_type])
     return _FAMILIES[model_type]
-
-
-def _import_families() -> None:
-    from tidejax.models import deepseek_v3, deepseek_v41_family  # noqa: F401  (register themselves)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tidejax.config import read_json
+from tidejax.fields import read_json
 from tidejax.residency.history import History
 from tidejax.residency.planner import fit_rows
 

@@ -15,7 +15,8 @@ import sys
 
 from aiohttp import web
 
-from tidejax.config import ConfigError, EngineConfig
+from tidejax.config import EngineConfig
+from tidejax.fields import ConfigError
 from tidejax.engine.engine import Engine, resolve_profile
 from tidejax.server.app import Server, api_keys, build_app
 

@@ -14,7 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.layers import HIGHEST, SwiGLU, dense_init
+from tidejax.models.layers.linear import HIGHEST, dense_init
+from tidejax.models.layers.mlp import SwiGLU
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import ExpertState
 

@@ -1,0 +1,46 @@
+"""One typed reader of JSON / TOML dicts whose errors name the file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json or profile that cannot be used; the message names the file and the field."""
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+class Fields:
+    """Typed access to a config dict that names the file and field on any error."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+
+    def req(self, name: str, kind: type = int) -> Any:
+        if self.raw.get(name) is None:
+            raise ConfigError(f"{self.source}: missing required field '{name}'")
+        return self._cast(name, self.raw[name], kind)
+
+    def opt(self, name: str, default: Any, kind: type = int) -> Any:
+        value = self.raw.get(name)
+        return default if value is None else self._cast(name, value, kind)
+
+    def _cast(self, name: str, value: Any, kind: type) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(
+                f"{self.source}: field '{name}' should be {kind.__name__}, got {value!r}")
+        return value

@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 family: config, weights (declared params + checkpoint table), model, family."""

@@ -1,0 +1,21 @@
+"""DeepSeek-V3 as an engine family."""
+
+from __future__ import annotations
+
+from tidejax.models.deepseek_v3.config import DeepseekV3Config
+from tidejax.models.deepseek_v3.model import MLACache, build
+from tidejax.models.deepseek_v3.weights import expert_dims, load_weights, replay_variables
+from tidejax.models.registry import Family, register
+
+register(Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
+    config_from_hf=DeepseekV3Config.from_hf,
+    build=build,
+    load_weights=load_weights,
+    expert_dims=expert_dims,
+    top_k=lambda cfg: cfg.num_experts_per_tok,
+    create_cache=MLACache.create,
+    cache_bytes_per_token=MLACache.bytes_per_token,
+    replay_variables=replay_variables,
+))

@@ -1,0 +1,107 @@
+"""DeepSeek-V3 (DeepSeek-V2-Lite shape, V3, R1, V3.1, Kimi K2): MLA attention, DeepSeekMoE with
+shared experts, dense MLPs in the first_k_dense_replace layers.
+
+`DeepseekV3.__call__(tokens, positions, token_mask, cache, experts)` is the one forward used for
+prefill chunks, decode steps and full-sequence scoring: keys are written into the cache at their
+positions first, then every query attends to the cache entries at positions <= its own.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax.numpy as jnp
+
+from tidejax.models.deepseek_v3.config import DeepseekV3Config
+from tidejax.models.layers.linear import HIGHEST
+from tidejax.models.layers.mla import MLAttention
+from tidejax.models.layers.mlp import SwiGLU
+from tidejax.models.layers.moe import MoE, RouterSpec
+from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import ExpertState
+
+
+@flax.struct.dataclass
+class MLACache:
+    """Per layer: latent [b, s, c] (normalized kv latent) and rope_k [b, s, r] (rotated key)."""
+
+    latent: tuple
+    rope_k: tuple
+
+    @staticmethod
+    def create(cfg: DeepseekV3Config, batch: int, length: int, dtype) -> "MLACache":
+        return MLACache(
+            latent=tuple(jnp.zeros((batch, length, cfg.kv_lora_rank), dtype)
+                         for _ in range(cfg.num_layers)),
+            rope_k=tuple(jnp.zeros((batch, length, cfg.qk_rope_head_dim), dtype)
+                         for _ in range(cfg.num_layers)))
+
+    @staticmethod
+    def bytes_per_token(cfg: DeepseekV3Config, dtype) -> int:
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize
+
+
+def router_spec(cfg: DeepseekV3Config) -> RouterSpec:
+    return RouterSpec(
+        n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
+        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        group_score="top2_sum" if cfg.topk_method == "noaux_tc" else "max",
+        use_bias=cfg.topk_method == "noaux_tc", norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+class DecoderLayer(nn.Module):
+    cfg: DeepseekV3Config
+    layer: int
+    serve: ServeOptions
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, token_mask, cos, sin, latent_cache, rope_cache, experts):
+        cfg, dt = self.cfg, self.dtype
+        attn, latent_cache, rope_cache = MLAttention(cfg, dt, name="attn")(
+            RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin,
+            latent_cache, rope_cache)
+        x = x + attn
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
+        if self.layer in cfg.moe_layers:
+            y, experts = MoE(router_spec(cfg), cfg.moe_layers.index(self.layer),
+                             cfg.moe_intermediate_size * cfg.n_shared_experts, self.serve, dt,
+                             name="moe")(h, token_mask, experts)
+        else:
+            y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
+        return x + y, latent_cache, rope_cache, experts
+
+
+class DeepseekV3(nn.Module):
+    cfg: DeepseekV3Config
+    serve: ServeOptions
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, positions, token_mask, cache: MLACache, experts: ExpertState):
+        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding)
+        -> logits [b, t, vocab] float32, cache, experts."""
+        cfg, dt = self.cfg, self.dtype
+        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
+        x = jnp.take(embed, tokens, axis=0)
+        inv_freq, attention_factor = rope_frequencies(cfg.rope)
+        cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
+        latents, ropes = list(cache.latent), list(cache.rope_k)
+        for i in range(cfg.num_layers):
+            x, latents[i], ropes[i], experts = DecoderLayer(cfg, i, self.serve, dt, name=f"layers_{i}")(
+                x, positions, token_mask, cos, sin, latents[i], ropes[i], experts)
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            head = embed
+        else:
+            head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
+        logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), head.astype(jnp.float32),
+                            precision=HIGHEST)
+        return logits, MLACache(tuple(latents), tuple(ropes)), experts
+
+
+def build(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> DeepseekV3:
+    return DeepseekV3(cfg, serve, dtype)

@@ -1,0 +1,25 @@
+"""The dense projection as Hugging Face stores it, and the matmul precision the models use."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def dense_init(stddev: float = 0.02):
+    return nn.initializers.normal(stddev)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T with W stored [out, in] as in Hugging Face checkpoints."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", dense_init(), (self.features, x.shape[-1]), self.dtype)
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)

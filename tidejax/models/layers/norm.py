@@ -1,0 +1,25 @@
+"""RMSNorm."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32, casts back, then scales (as the reference implementations do)."""
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        return w.astype(x.dtype) * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x, eps: float):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32.astype(x.dtype)
