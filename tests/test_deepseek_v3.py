@@ -54,19 +54,23 @@ def test_greedy_tokens_match_transformers(tiny):
 
 
 def test_cached_decode_equals_full_forward(tiny):
-    """Prefill 16 tokens, then feed one token at a time through the cache."""
+    """Prefill 16 tokens, then feed one token at a time through the paged cache (pages of 4,
+    handed out in shuffled order)."""
     _, _, _, engine = tiny
     full = engine.logits(PROMPT)
-    cache = engine.family.create_cache(engine.cfg, 1, 64, engine.dtype)
+    cache = engine.family.create_cache(engine.cfg, 16, 4, engine.dtype)
+    table = jnp.asarray(np.random.RandomState(0).permutation(16)[None].astype(np.int32))
     state = engine.residency.state
     apply = jax.jit(engine.model.apply)
     params = {"params": engine.params}
     tokens = jnp.asarray(PROMPT[None, :16])
-    logits, cache, state = apply(params, tokens, jnp.arange(16)[None], tokens > -1, cache, state)
+    logits, cache, state = apply(params, tokens, jnp.arange(16)[None], tokens > -1, cache, table,
+                                 state)
     stepped = [np.asarray(logits[0])]
     for pos in range(16, len(PROMPT)):
         token = jnp.asarray(PROMPT[None, pos:pos + 1])
-        logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache, state)
+        logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache,
+                                     table, state)
         stepped.append(np.asarray(logits[0]))
     engine.residency.state = state
     assert relative_diff(np.concatenate(stepped), full) < 1e-5

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 import tidejax
+from tidejax.engine.engine import DecodeRows, PrefillChunk
 from tidejax.engine.sampling import LaneSampling, SamplingParams
 from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9), (3, 6))]
-ENGINE = {"lanes": 2, "max_context": 96}
+ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8}  # several pages a sequence
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,14 @@ def test_pipelined_decode_equals_sequential_greedy(engine, reference):
         assert tokens_of(got) == reference(prompt, 14)
         assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "length"
         assert got[-1].stats["completion_tokens"] == 14 and len(got) == 15
-    # length limits are known ahead: no step runs past them (13 decode steps a request, two
-    # requests at a time, the third after the first one's lane frees)
-    assert engine.scheduler.totals["steps"] - steps == 26
-    assert engine._steps.decode._cache_size() == 1  # drains and swaps compile nothing again
-    buckets = {engine._bucket(len(chunk)) for p in PROMPTS for _, chunk in engine._chunks(p)}
-    assert engine._steps.prefill._cache_size() == len(buckets)  # one compile a chunk size
+    # length limits are known ahead: no step runs past them. 13 decode steps a request and one
+    # step a prompt chunk: the first prompt alone, the second beside the first's decoding, the
+    # third once both lanes' requests have ended (the first lane frees when its last token is
+    # read, a step after it was queued): 1 + 1 + 13 + 1 + 13 = 29.
+    assert engine.scheduler.totals["steps"] - steps == 29
+    compiled = engine._steps.step._cache_size()
+    run(engine, [GenerationRequest(p, 14, ignore_eos=True) for p in PROMPTS])
+    assert engine._steps.step._cache_size() == compiled  # drains and swaps compile nothing again
     if not engine.residency.all_resident:  # misses were fetched and swaps ran mid-stream
         stats = engine.residency.stats()
         assert stats["misses"] > 0 and stats["swaps_applied"] > 0, stats
@@ -152,18 +155,20 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
             np.add.at(want[layer], picks[rows[mask], layer].reshape(-1), 1)
 
     greedy = SamplingParams()
-    engine.prefill(0, PROMPTS[0], greedy)  # chunks of 16 and 4 (padded to 16)
-    consume(np.arange(16) < 16)
-    consume(np.arange(16) < 4)
-    engine.prefill(1, PROMPTS[1], greedy)
-    consume(np.arange(16) < 9)
     sampling = LaneSampling.of([greedy] * engine.lanes)
+    pages = engine.scheduler.pages
+    for lane, prompt in enumerate(PROMPTS[:2]):  # chunks of 16 and 4 (padded to 16), then 9
+        held = pages.grow(lane, 64)
+        for start, chunk in engine.chunks(prompt):
+            engine.step(None, PrefillChunk(lane, chunk, start, held), sampling)
+            consume(np.arange(16) < len(chunk))
     previous = None
     for active in [[True, True]] * 5 + [[True, False]] * 3:
         active = np.array(active)
         positions = np.array([20, 9]) + 1  # any in range: the routing is replayed
-        previous = engine.decode(np.zeros(engine.lanes, np.int32), positions, active, sampling,
-                                 previous, np.zeros(engine.lanes, bool))
+        decode = DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, previous is None),
+                            positions, active, [pages.pages_of(0), pages.pages_of(1)])
+        previous = engine.step(decode, None, sampling, previous)
         consume(active)
     np.asarray(previous)
     np.testing.assert_array_equal(np.asarray(engine.residency.state.counts) - before, want)

@@ -31,7 +31,10 @@ class ModelSection:
 class EngineSection:
     max_context: int = 2048
     lanes: int = 4
-    prefill_chunk: int = 256
+    prefill_chunk: int = 256  # prompt tokens a step carries beside the decoding lanes
+    page_size: int = 64  # tokens a KV page holds
+    kv_pool_tokens: int = 0  # tokens the KV pool holds (all sequences together); 0: see kv_pool_gib
+    kv_pool_gib: float = 0.0  # or its size in GiB; both 0: lanes x max_context tokens
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
     trace_dir: str = ""
 

@@ -1,10 +1,14 @@
-"""The engine: a loaded model, its caches and expert state, and the jitted steps over them.
+"""The engine: a loaded model, its KV cache and expert state, and the jitted step over them.
 
-Shapes are static: prefill runs in chunks padded to a few bucket sizes, decode always runs all
-lanes, so each (phase, bucket) compiles once. The generation cache and the expert state are
-donated into every step and come back updated in place. A decode step returns its tokens on the
-device without waiting for them, and takes each lane's input from the previous step's output
-there, so the scheduler can queue the next step before it reads this one's tokens.
+One step carries every decoding lane's next token and, beside them, up to `prefill_chunk` prompt
+tokens of one admitting request, so a long prompt never stalls the decoding lanes for more than a
+step. Shapes are static: a prompt chunk is padded to a few bucket sizes, decode always runs all
+lanes, and a paged family's block tables are as wide as the step's longest sequence needs (a power
+of two of pages), so attention costs what the sequences hold and each (bucket, width) compiles
+once. The KV cache and the expert state are donated into every step and come back updated in
+place. A step returns its tokens on the device without waiting for them, and takes each lane's
+input from the previous step's output there, so the scheduler can queue the next step before it
+reads this one's tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tidejax.config import EngineConfig
 from tidejax.fields import ConfigError, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
+from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
@@ -67,7 +72,11 @@ class Engine:
         self.served_name = config.model.served_name or model_dir.name
         self.dtype = _DTYPES[config.model.dtype]
         self.lanes = config.engine.lanes
-        self.max_context = min(config.engine.max_context, self._max_positions())
+        self.max_context = config.engine.max_context
+        if self.max_context > self._max_positions():
+            log.warning("%s: engine.max_context %d is above the model's max_position_embeddings; "
+                        "serving %d", config.source, self.max_context, self._max_positions())
+            self.max_context = self._max_positions()
         self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
         self.eos_ids = end_of_turn_ids(model_dir, getattr(self.cfg, "eos_token_ids", ()),
                                        self.tokenizer.eos_id)
@@ -86,18 +95,27 @@ class Engine:
             max_tokens=self.max_context)
         self.serve = self.residency.options
         self.model = self.family.build(self.cfg, self.serve, self.dtype)
+        self.paged = self.family.cache_kind == "paged"
+        if self.paged:
+            self.page_size = config.engine.page_size
+            self.kv_pages = self._pool_pages(config)
+            self.max_pages = pages_for(self.max_context, self.page_size)
+            cache = self.family.create_cache(self.cfg, self.kv_pages, self.page_size, self.dtype)
+            log.info("KV pool: %d pages of %d tokens (%.2f GiB)", self.kv_pages, self.page_size,
+                     self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30)
+        else:
+            cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
         # committed to the device, as the steps return it: one compile per step, not two
-        self.cache = jax.device_put(
-            self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype),
-            jax.devices()[0])
+        self.cache = jax.device_put(cache, jax.devices()[0])
         self._prefill_buckets = _buckets(self.prefill_chunk)
         replay = self.family.replay_variables
-        self._steps = _Steps(self.model, functools.partial(replay, self.cfg) if replay else None)
+        self._steps = _Steps(self.model, self.paged,
+                             functools.partial(replay, self.cfg) if replay else None)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
         self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
-        # the `previous` tokens of a decode step that takes every input from the host (committed
-        # to the device, as a step's output is: one compilation)
+        # the `previous` tokens of a step that takes every input from the host (committed to the
+        # device, as a step's output is: one compilation)
         self._host_only = jax.device_put(np.zeros(self.lanes, np.int32), jax.devices()[0])
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
@@ -121,6 +139,24 @@ class Engine:
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
 
+    def _pool_pages(self, config: EngineConfig) -> int:
+        """Pages in the KV pool: engine.kv_pool_gib, else engine.kv_pool_tokens, else room for
+        every lane at max_context. The pool must hold one sequence at max_context."""
+        section, size = config.engine, self.page_size
+        if size < 1:
+            raise ConfigError(f"{config.source}: 'engine.page_size' must be at least 1")
+        if section.kv_pool_gib > 0:
+            key = "engine.kv_pool_gib"
+            pages = int(section.kv_pool_gib * 2**30 // (self.cache_bytes_per_token() * size))
+        elif section.kv_pool_tokens > 0:
+            key, pages = "engine.kv_pool_tokens", pages_for(section.kv_pool_tokens, size)
+        else:
+            key, pages = "engine.lanes", pages_for(self.lanes * self.max_context, size)
+        if pages < pages_for(self.max_context, size):
+            raise ConfigError(f"{config.source}: '{key}' gives a KV pool of {pages * size} tokens, "
+                              f"less than one sequence at engine.max_context ({self.max_context})")
+        return pages
+
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.prefill_chunk]
@@ -129,73 +165,104 @@ class Engine:
 
     # -- steps -----------------------------------------------------------------------------
 
-    def prefill(self, lane: int, token_ids: list[int], sampling: SamplingParams) -> int:
-        """Writes `token_ids` (positions 0..n-1) into `lane`'s cache, returns the sampled next token."""
-        n = len(token_ids)
-        if not 0 < n < self.max_context:
-            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_context}")
-        lane_sampling = LaneSampling.of([sampling])
-        with jax.profiler.TraceAnnotation("prefill"):
-            token = self._prefill_chunks(lane, token_ids, lane_sampling)
-        self.residency.after_step(n)
-        token = int(token)
-        self.residency.flush()  # the prefill is done: its tallies are ready
-        return token
-
-    def _chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
+    def chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
         """(start, ids) of each prefill chunk of a prompt."""
         return [(start, token_ids[start:start + self.prefill_chunk])
                 for start in range(0, len(token_ids), self.prefill_chunk)]
 
-    def _bucket(self, n: int) -> int:
+    def bucket(self, n: int) -> int:
         """The compiled prefill size that holds a chunk of n tokens."""
         return next(b for b in self._prefill_buckets if b >= n)
 
-    def _prefill_chunks(self, lane: int, token_ids: list[int], lane_sampling: LaneSampling):
-        for start, chunk in self._chunks(token_ids):
-            size = self._bucket(len(chunk))
-            tokens = np.zeros((1, size), np.int32)
-            tokens[0, :len(chunk)] = chunk
-            positions = np.arange(start, start + size, dtype=np.int32)[None]
-            mask = (np.arange(size) < len(chunk))[None]
-            inputs = (self._lane_inputs.rows(tokens, [start], mask, lanes=[lane])
-                      if self._lane_inputs else None)
-            token, self.cache, experts = self._steps.prefill(
-                self.params, self._replay_rows(tokens.size), inputs, tokens, positions, mask,
-                np.int32(lane), self.cache, self.residency.state, np.int32(len(chunk) - 1),
-                lane_sampling)
-            self.residency.state = experts
-        return token
-
     @property
     def pipelined(self) -> bool:
-        """Whether a decode step can take its input tokens from the previous step's output on the
+        """Whether a step can take its input tokens from the previous step's output on the
         device. Not where the family computes host inputs from the token ids (DeepSeek-V4.1's
         Engram hashes): then every token must be on the host before its step."""
         return self._lane_inputs is None
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
-               sampling: LaneSampling, previous: jax.Array | None = None,
-               fresh: np.ndarray | None = None) -> jax.Array:
-        """Queues one step for all lanes and returns its next tokens [lanes] on the device, not
-        waiting for them. positions / active [lanes]. Each lane's input token is previous[lane]
-        (an earlier step's output, still on the device) or, where fresh[lane], tokens[lane]
-        from the host; previous None: every input from `tokens`."""
+    def step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
+             sampling: LaneSampling, previous: jax.Array | None = None) -> jax.Array:
+        """Queues one step and returns its tokens [lanes] on the device, not waiting for them: each
+        decoding lane's next token and, where `prefill` is given, the token sampled after its
+        chunk at prefill.lane (its request's first token when the chunk ends the prompt).
+        A decoding lane's input is previous[lane] (an earlier step's output, still on the device)
+        or, where decode.fresh[lane], decode.tokens[lane] from the host."""
+        if decode is None and prefill is None:
+            raise ValueError("a step needs decoding lanes or a prompt chunk")
         if previous is None:
-            previous, fresh = self._host_only, np.ones(self.lanes, bool)
+            previous = self._host_only
+            if decode is not None and not decode.fresh.all():
+                raise ValueError("a step without `previous` takes every input from the host")
         elif not self.pipelined:
             raise ValueError(f"the {self.family.name} family needs every input token on the host")
-        elif fresh is None:
-            raise ValueError("decode(previous=...) needs fresh: which lanes take the host token")
-        inputs = (self._lane_inputs.rows(tokens[:, None], positions, active[:, None])
-                  if self._lane_inputs else None)
-        with jax.profiler.TraceAnnotation("decode"):
-            next_tokens, self.cache, self.residency.state = self._steps.decode(
-                self.params, self._replay_rows(self.lanes), inputs, tokens.astype(np.int32),
-                fresh, previous, positions.astype(np.int32), active, self.cache,
-                self.residency.state, sampling)
-        self.residency.after_step(int(active.sum()))
-        return next_tokens
+        width = self._table_width(decode, prefill)
+        prefill_in = prefill_host = None
+        if prefill is not None:
+            if not 0 < len(prefill.tokens) <= self.prefill_chunk:
+                raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
+                                 f"got {len(prefill.tokens)}")
+            prefill_in, prefill_host = self._prefill_inputs(prefill, width)
+        decode_in = decode_host = None
+        if decode is not None:
+            decode_in = DecodeInputs(
+                tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
+                previous=previous, positions=decode.positions.astype(np.int32),
+                active=decode.active.astype(bool),
+                table=self._table(decode.pages, width) if self.paged else None)
+            if self._lane_inputs:
+                decode_host = self._lane_inputs.rows(decode.tokens[:, None], decode.positions,
+                                                     decode.active[:, None])
+        replay_prefill = self._replay_rows(prefill_in.tokens.size) if prefill is not None else None
+        replay_decode = self._replay_rows(self.lanes) if decode is not None else None
+        region = "decode" if prefill is None else "prefill"
+        with jax.profiler.TraceAnnotation(region):
+            tokens, self.cache, self.residency.state = self._steps.step(
+                self.params, replay_prefill, replay_decode, prefill_host, decode_host, prefill_in,
+                decode_in, self.cache, self.residency.state, sampling)
+        real = (len(prefill.tokens) if prefill is not None else 0) + (
+            int(decode.active.sum()) if decode is not None else 0)
+        self.residency.after_step(real)
+        return tokens
+
+    def _table_width(self, decode: DecodeRows | None, prefill: PrefillChunk | None) -> int | None:
+        """Block-table width of a step: a power of two of pages, enough for its longest row."""
+        if not self.paged:
+            return None
+        held = [len(p) for p in (decode.pages if decode is not None else [])]
+        if prefill is not None:
+            held.append(len(prefill.pages))
+        return page_bucket(max(held, default=1), max(self.max_pages, 1))
+
+    def _table(self, pages: list[list[int]], width: int) -> np.ndarray:
+        """Block tables [rows, width]: each row's pages, padded with page 0 (never read: past each
+        row's length)."""
+        table = np.zeros((len(pages), width), np.int32)
+        for row, held in enumerate(pages):
+            table[row, :len(held)] = held[:width]
+        return table
+
+    def _prefill_inputs(self, prefill: PrefillChunk, width: int | None):
+        n, size = len(prefill.tokens), self.bucket(len(prefill.tokens))
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :n] = prefill.tokens
+        mask = (np.arange(size) < n)[None]
+        inputs = PrefillInputs(
+            tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
+            mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
+            table=self._table([prefill.pages], width) if self.paged else None)
+        host = (self._lane_inputs.rows(tokens, [prefill.start], mask, lanes=[prefill.lane])
+                if self._lane_inputs else None)
+        return inputs, host
+
+    def read_pages(self, pages: list[int]):
+        """A sequence's pages of the KV pool, copied to host memory (numpy leaves [n, page_size,
+        ...]): what a preempted sequence keeps until it resumes."""
+        return jax.device_get(self._steps.read_pages(self.cache, np.asarray(pages, np.int32)))
+
+    def write_pages(self, pages: list[int], saved) -> None:
+        """Writes pages read by `read_pages` back into the pool at `pages` (in place)."""
+        self.cache = self._steps.write_pages(self.cache, np.asarray(pages, np.int32), saved)
 
     def logits(self, token_ids) -> np.ndarray:
         """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""
@@ -204,13 +271,19 @@ class Engine:
         size = max(16, 1 << (n - 1).bit_length())  # powers of two: few compiles for any length
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = ids
-        cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
+        table = None
+        if self.paged:  # a pool of its own, the sequence's pages in order
+            n_pages = pages_for(size, self.page_size)
+            cache = self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype)
+            table = np.arange(n_pages, dtype=np.int32)[None]
+        else:
+            cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
         mask = (np.arange(size) < n)[None]
         scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
         inputs = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
         logits, experts = self._steps.score(
             self.params, self._replay_rows(tokens.size), inputs, tokens,
-            np.arange(size, dtype=np.int32)[None], mask, cache, self.residency.state)
+            np.arange(size, dtype=np.int32)[None], mask, cache, table, self.residency.state)
         self.residency.state = experts
         self.residency.after_step(n)
         logits = np.asarray(logits[0, :n], np.float32)
@@ -218,26 +291,50 @@ class Engine:
         return logits
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> None:
-        """Compiles the decode step and the prefill chunk sizes (those `prompt_lengths` need, or
-        all) before traffic arrives, by running them with every token masked out: nothing is
-        counted and no lane is used."""
+        """Compiles the steps that prompts of `prompt_lengths` tokens meet (default: one chunk of
+        each size) before traffic arrives: each chunk alone and beside decoding lanes, and the
+        decode step at the table width of the prompt's end, by running them with every token
+        masked out: nothing is written, counted or sampled into a lane."""
         start = time.perf_counter()
-        lanes = np.zeros(self.lanes, np.int32)
-        self.decode(lanes, lanes, np.zeros(self.lanes, bool),
-                    LaneSampling.of([SamplingParams()] * self.lanes))
-        sizes = self._prefill_buckets
-        if prompt_lengths is not None:
-            sizes = sorted({self._bucket(len(chunk)) for n in prompt_lengths
-                            for _, chunk in self._chunks(list(range(n)))})
-        for size in sizes:
-            tokens = np.zeros((1, size), np.int32)
-            inputs = (self._lane_inputs.rows(tokens, [0], tokens > 0, lanes=[0])
-                      if self._lane_inputs else None)
-            _, self.cache, self.residency.state = self._steps.prefill(
-                self.params, self._replay_rows(tokens.size), inputs, tokens, tokens, tokens > 0,
-                np.int32(0), self.cache, self.residency.state, np.int32(0),
-                LaneSampling.of([SamplingParams()]))
-        log.info("compiled the steps in %.1f s", time.perf_counter() - start)
+        shapes = set()  # (chunk size or 0, table width)
+        for n in prompt_lengths or self._prefill_buckets:
+            for first, chunk in self.chunks(list(range(n))):
+                shapes.add((self.bucket(len(chunk)), self._width_for(first + len(chunk))))
+            shapes.add((0, self._width_for(min(n + 1, self.max_context))))
+        sampling = LaneSampling.of([SamplingParams()] * self.lanes)
+        idle = np.zeros(self.lanes, np.int32)
+        for size, width in sorted(shapes, key=lambda s: (s[0], s[1] or 0)):
+            table = np.zeros((self.lanes, width), np.int32) if self.paged else None
+            decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool),
+                                  previous=self._host_only, positions=idle,
+                                  active=np.zeros(self.lanes, bool), table=table)
+            prefill = None
+            if size:
+                tokens = np.zeros((1, size), np.int32)
+                prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
+                                        lane=np.int32(0), last=np.int32(0),
+                                        table=None if table is None else table[:1])
+            variants = [(prefill, decode), (prefill, None)] if size else [(None, decode)]
+            for prefill_in, decode_in in variants:
+                prefill_host = decode_host = None
+                if self._lane_inputs and prefill_in is not None:
+                    prefill_host = self._lane_inputs.rows(prefill_in.tokens, [0],
+                                                          prefill_in.mask, lanes=[0])
+                if self._lane_inputs and decode_in is not None:
+                    decode_host = self._lane_inputs.rows(idle[:, None], idle,
+                                                         decode_in.active[:, None])
+                _, self.cache, self.residency.state = self._steps.step(
+                    self.params, self._replay_rows(size) if prefill_in is not None else None,
+                    self._replay_rows(self.lanes) if decode_in is not None else None,
+                    prefill_host, decode_host, prefill_in, decode_in, self.cache,
+                    self.residency.state, sampling)
+        log.info("compiled %d step shapes in %.1f s", len(shapes), time.perf_counter() - start)
+
+    def _width_for(self, n_tokens: int) -> int | None:
+        """The block-table width of a step whose longest row holds n_tokens positions."""
+        if not self.paged:
+            return None
+        return page_bucket(pages_for(n_tokens, self.page_size), max(self.max_pages, 1))
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
@@ -278,15 +375,78 @@ class Engine:
     def cache_bytes_per_token(self) -> int:
         return self.family.cache_bytes_per_token(self.cfg, self.dtype)
 
+    def kv_stats(self) -> dict:
+        """The KV cache's size: pages and bytes (paged families), or the per-lane rows."""
+        per_token = self.cache_bytes_per_token()
+        if not self.paged:
+            return {"kv_tokens": self.lanes * self.max_context,
+                    "kv_bytes": int(self.lanes * self.max_context * per_token)}
+        return {"kv_pages": self.kv_pages, "page_size": self.page_size,
+                "kv_tokens": self.kv_pages * self.page_size,
+                "kv_bytes": int(self.kv_pages * self.page_size * per_token),
+                "dense_kv_bytes": int(self.lanes * self.max_context * per_token)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeInputs:
+    """A step's decoding lanes, as arrays: tokens, fresh, previous, positions, active [lanes];
+    table [lanes, P] block tables (paged families; None otherwise)."""
+
+    tokens: jax.Array
+    fresh: jax.Array
+    previous: jax.Array
+    positions: jax.Array
+    active: jax.Array
+    table: jax.Array | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInputs:
+    """A step's prompt chunk, as arrays: tokens, positions, mask [1, C]; lane and last (the
+    chunk's last real token) scalars; table [1, P] (paged families; None otherwise)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    lane: jax.Array
+    last: jax.Array
+    table: jax.Array | None
+
+
+@dataclasses.dataclass
+class DecodeRows:
+    """The scheduler's view of a step's decoding lanes (host values, [lanes] each); pages: each
+    lane's KV pages (paged families), a lane's list covering its next position."""
+
+    tokens: np.ndarray
+    fresh: np.ndarray
+    positions: np.ndarray
+    active: np.ndarray
+    pages: list[list[int]] | None = None
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """A prompt chunk for `lane`: tokens at positions start..; pages: the request's KV pages,
+    covering the chunk (paged families)."""
+
+    lane: int
+    tokens: list[int]
+    start: int
+    pages: list[int] | None = None
+
 
 @dataclasses.dataclass
 class _Steps:
-    """The jitted functions over one model; cache and expert state are donated."""
+    """The jitted functions over one model; the cache and the expert state are donated."""
 
     model: object
+    paged: bool
     replay_variables: object  # ids [b, t, L_moe, k] -> the "replay" collection; None: no replay
 
-    def _forward(self, params, replay, inputs, tokens, positions, mask, cache, experts):
+    def _forward(self, params, replay, inputs, tokens, positions, mask, cache, table, experts):
         variables = {"params": params}
         if replay is not None:
             picks, cursor = replay  # [N, L_moe, k], the row of the step's first token
@@ -294,39 +454,65 @@ class _Steps:
             rows = (cursor + jnp.arange(b * t, dtype=jnp.int32)) % picks.shape[0]
             variables["replay"] = self.replay_variables(
                 picks[rows].reshape(b, t, *picks.shape[1:]))  # [b, t, L_moe, k]
+        pages = (table,) if self.paged else ()
         extra = () if inputs is None else (inputs,)
-        return self.model.apply(variables, tokens, positions, mask, cache, experts, *extra)
+        return self.model.apply(variables, tokens, positions, mask, cache, *pages, experts, *extra)
+
+    def _prefill(self, params, replay, inputs, chunk: PrefillInputs, cache, experts):
+        """The chunk's logits [1, C, vocab]; a paged family writes the shared pool through the
+        chunk's block table, a lane family its lane's slice of the cache."""
+        if self.paged:
+            return self._forward(params, replay, inputs, chunk.tokens, chunk.positions, chunk.mask,
+                                 cache, chunk.table, experts)
+        lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache)
+        logits, lane_cache, experts = self._forward(params, replay, inputs, chunk.tokens,
+                                                    chunk.positions, chunk.mask, lane_cache, None,
+                                                    experts)
+        cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
+                             cache, lane_cache)
+        return logits, cache, experts
 
     @functools.cached_property
-    def prefill(self):
-        def step(params, replay, inputs, tokens, positions, mask, lane, cache, experts, last,
-                 sampling):
-            lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lane, 1, 0), cache)
-            logits, lane_cache, experts = self._forward(params, replay, inputs, tokens, positions,
-                                                        mask, lane_cache, experts)
-            cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, lane, 0),
-                                 cache, lane_cache)
-            token = sample(logits[:, last], sampling, positions[:, last] + 1)
-            return token[0], cache, experts
-        return jax.jit(step, donate_argnames=("cache", "experts"))
-
-    @functools.cached_property
-    def decode(self):
-        def step(params, replay, inputs, tokens, fresh, previous, positions, active, cache,
-                 experts, sampling):
-            tokens = jnp.where(fresh, tokens, previous)  # [lanes]
-            logits, cache, experts = self._forward(params, replay, inputs, tokens[:, None],
-                                                   positions[:, None], active[:, None], cache, experts)
-            return sample(logits[:, 0], sampling, positions + 1), cache, experts
+    def step(self):
+        def step(params, replay_prefill, replay_decode, prefill_host, decode_host,
+                 prefill: PrefillInputs | None, decode: DecodeInputs | None, cache, experts,
+                 sampling: LaneSampling):
+            out = jnp.zeros(sampling.seed.shape, jnp.int32)
+            if prefill is not None:
+                logits, cache, experts = self._prefill(params, replay_prefill, prefill_host,
+                                                       prefill, cache, experts)
+                lane_sampling = jax.tree.map(lambda a: a[prefill.lane][None], sampling)
+                last = prefill.last
+                first = sample(logits[:, last], lane_sampling, prefill.positions[:, last] + 1)
+            if decode is not None:
+                tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
+                logits, cache, experts = self._forward(
+                    params, replay_decode, decode_host, tokens[:, None], decode.positions[:, None],
+                    decode.active[:, None], cache, decode.table, experts)
+                out = sample(logits[:, 0], sampling, decode.positions + 1)
+            if prefill is not None:
+                out = out.at[prefill.lane].set(first[0])
+            return out, cache, experts
         return jax.jit(step, donate_argnames=("cache", "experts"))
 
     @functools.cached_property
     def score(self):
-        def step(params, replay, inputs, tokens, positions, mask, cache, experts):
+        def step(params, replay, inputs, tokens, positions, mask, cache, table, experts):
             logits, _, experts = self._forward(params, replay, inputs, tokens, positions, mask,
-                                               cache, experts)
+                                               cache, table, experts)
             return logits, experts
         return jax.jit(step, donate_argnames=("experts",))
+
+    @functools.cached_property
+    def read_pages(self):
+        return jax.jit(lambda cache, pages: jax.tree.map(lambda leaf: leaf[pages], cache))
+
+    @functools.cached_property
+    def write_pages(self):
+        def write(cache, pages, saved):
+            return jax.tree.map(lambda leaf, rows: leaf.at[pages].set(rows.astype(leaf.dtype)),
+                                cache, saved)
+        return jax.jit(write, donate_argnames=("cache",))
 
 
 def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:

@@ -72,6 +72,7 @@ register(Family(
     expert_dims=lambda cfg: (cfg.num_layers, cfg.n_routed_experts, cfg.hidden_size,
                              cfg.moe_intermediate_size),
     top_k=lambda cfg: cfg.num_experts_per_tok,
+    cache_kind="lanes",
     create_cache=V41Cache.create,
     cache_bytes_per_token=V41Cache.bytes_per_token,
     replay_variables=replay_variables,

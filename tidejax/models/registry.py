@@ -21,7 +21,10 @@ class Family:
         dense params on the device; routed experts through put_row(layer * E + expert, row);
         aux is whatever host-side state the family keeps (None for most)
     expert_dims(cfg) -> (moe layers, experts per layer, hidden, expert intermediate)
-    create_cache(cfg, batch, length, dtype) -> the generation cache pytree (batch axis 0)
+    cache_kind: "paged" (one KV pool of pages shared by all sequences; build's module then takes
+        a block table [b, P] after the cache) or "lanes" (a cache row per lane, [lanes, length, ...])
+    create_cache(cfg, n_pages, page_size, dtype) for "paged", (cfg, batch, length, dtype) for
+        "lanes" -> the generation cache pytree
     host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
         lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
     replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
@@ -35,6 +38,7 @@ class Family:
     load_weights: Callable
     expert_dims: Callable
     top_k: Callable  # (cfg) -> routed experts picked per token
+    cache_kind: str
     create_cache: Callable
     cache_bytes_per_token: Callable  # (cfg, dtype) -> bytes a token of context adds
     replay_variables: Callable | None = None

@@ -15,6 +15,7 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
+    cache_kind="paged",
     create_cache=MLACache.create,
     cache_bytes_per_token=MLACache.bytes_per_token,
     replay_variables=replay_variables,

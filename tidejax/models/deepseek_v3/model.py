@@ -1,9 +1,10 @@
 """DeepSeek-V3 (DeepSeek-V2-Lite shape, V3, R1, V3.1, Kimi K2): MLA attention, DeepSeekMoE with
 shared experts, dense MLPs in the first_k_dense_replace layers.
 
-`DeepseekV3.__call__(tokens, positions, token_mask, cache, experts)` is the one forward used for
-prefill chunks, decode steps and full-sequence scoring: keys are written into the cache at their
-positions first, then every query attends to the cache entries at positions <= its own.
+`DeepseekV3.__call__(tokens, positions, token_mask, cache, block_table, experts)` is the one
+forward used for prefill chunks, decode steps and full-sequence scoring: the cache is the paged KV
+pool, keys are written into each row's pages at their positions first, then every query attends
+to its row's positions <= its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax.kv import paged
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.layers.linear import HIGHEST
 from tidejax.models.layers.mla import MLAttention
@@ -25,17 +27,18 @@ from tidejax.residency.state import ExpertState
 
 @flax.struct.dataclass
 class MLACache:
-    """Per layer: latent [b, s, c] (normalized kv latent) and rope_k [b, s, r] (rotated key)."""
+    """The paged KV pool, per layer: latent [n_pages, page_size, c] (normalized kv latent) and
+    rope_k [n_pages, page_size, r] (rotated key), shared by every sequence through block tables."""
 
     latent: tuple
     rope_k: tuple
 
     @staticmethod
-    def create(cfg: DeepseekV3Config, batch: int, length: int, dtype) -> "MLACache":
+    def create(cfg: DeepseekV3Config, n_pages: int, page_size: int, dtype) -> "MLACache":
         return MLACache(
-            latent=tuple(jnp.zeros((batch, length, cfg.kv_lora_rank), dtype)
+            latent=tuple(jnp.zeros((n_pages, page_size, cfg.kv_lora_rank), dtype)
                          for _ in range(cfg.num_layers)),
-            rope_k=tuple(jnp.zeros((batch, length, cfg.qk_rope_head_dim), dtype)
+            rope_k=tuple(jnp.zeros((n_pages, page_size, cfg.qk_rope_head_dim), dtype)
                          for _ in range(cfg.num_layers)))
 
     @staticmethod
@@ -59,11 +62,12 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, token_mask, cos, sin, latent_cache, rope_cache, experts):
+    def __call__(self, x, positions, token_mask, cos, sin, latent_pages, rope_pages, slots,
+                 block_table, experts):
         cfg, dt = self.cfg, self.dtype
-        attn, latent_cache, rope_cache = MLAttention(cfg, dt, name="attn")(
+        attn, latent_pages, rope_pages = MLAttention(cfg, dt, name="attn")(
             RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin,
-            latent_cache, rope_cache)
+            latent_pages, rope_pages, slots, block_table)
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
         if self.layer in cfg.moe_layers:
@@ -72,7 +76,7 @@ class DecoderLayer(nn.Module):
                              name="moe")(h, token_mask, experts)
         else:
             y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
-        return x + y, latent_cache, rope_cache, experts
+        return x + y, latent_pages, rope_pages, experts
 
 
 class DeepseekV3(nn.Module):
@@ -81,18 +85,21 @@ class DeepseekV3(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: MLACache, experts: ExpertState):
-        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding)
-        -> logits [b, t, vocab] float32, cache, experts."""
+    def __call__(self, tokens, positions, token_mask, cache: MLACache, block_table,
+                 experts: ExpertState):
+        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); block_table
+        [b, P] int32: each row's pages in the pool -> logits [b, t, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
         x = jnp.take(embed, tokens, axis=0)
         inv_freq, attention_factor = rope_frequencies(cfg.rope)
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         latents, ropes = list(cache.latent), list(cache.rope_k)
+        n_pages, page_size = latents[0].shape[:2]
+        slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
         for i in range(cfg.num_layers):
             x, latents[i], ropes[i], experts = DecoderLayer(cfg, i, self.serve, dt, name=f"layers_{i}")(
-                x, positions, token_mask, cos, sin, latents[i], ropes[i], experts)
+                x, positions, token_mask, cos, sin, latents[i], ropes[i], slots, block_table, experts)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
         if cfg.tie_word_embeddings:
             head = embed

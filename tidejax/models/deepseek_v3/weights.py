@@ -68,10 +68,10 @@ def param_shapes(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> dict:
                 "down": jnp.zeros((n_moe * n_experts, hidden, inter), dtype)}
         experts = all_resident_state(pool, max(n_moe, 1))
         tokens = jnp.zeros((1, 1), jnp.int32)
-        cache = MLACache.create(cfg, 1, 1, dtype)
+        cache = MLACache.create(cfg, 1, 1, dtype)  # one page of one token
         serve_all = dataclasses.replace(serve, all_resident=True)  # the bank does not shape params
         return build(cfg, serve_all, dtype).init(jax.random.key(0), tokens, tokens, tokens > -1,
-                                             cache, experts)["params"]
+                                             cache, tokens, experts)["params"]
     return jax.eval_shape(init)
 
 

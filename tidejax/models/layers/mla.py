@@ -10,18 +10,12 @@ family whose config has them uses this layer.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from tidejax.kv import paged
 from tidejax.models.layers.linear import HIGHEST, Linear
 from tidejax.models.layers.norm import RMSNorm
 from tidejax.models.layers.rope import apply_rope
-
-
-def write_positions(cache_arr, values, positions):
-    """cache_arr [b, s, ...] <- values [b, t, ...] at positions [b, t]; out-of-range writes drop."""
-    rows = jnp.arange(cache_arr.shape[0])[:, None]
-    return cache_arr.at[rows, positions].set(values.astype(cache_arr.dtype), mode="drop")
 
 
 class MLAttention(nn.Module):
@@ -29,7 +23,10 @@ class MLAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, cos, sin, latent_cache, rope_cache):
+    def __call__(self, x, positions, cos, sin, latent_pages, rope_pages, slots, block_table):
+        """x [b, t, d]; latent_pages [n_pages, page_size, c] and rope_pages [.., r]: this layer's
+        KV pool; slots [b, t]: where each token's keys go (tidejax.kv.paged.token_slots);
+        block_table [b, P]: each row's pages -> (out [b, t, d], latent_pages, rope_pages)."""
         cfg, dt = self.cfg, self.dtype
         b, t, _ = x.shape
         h, nope, r, v, c = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -46,21 +43,16 @@ class MLAttention(nn.Module):
         kv = Linear(c + r, dt, name="kv_a_proj")(x)  # [b, t, c + r]
         latent = RMSNorm(cfg.rms_norm_eps, dt, name="kv_a_norm")(kv[..., :c])
         rope_k = apply_rope(kv[..., c:], cos, sin, cfg.rope_interleave)
-        latent_cache = write_positions(latent_cache, latent, positions)
-        rope_cache = write_positions(rope_cache, rope_k, positions)
+        latent_pages = paged.write(latent_pages, latent, slots)
+        rope_pages = paged.write(rope_pages, rope_k, slots)
 
         # Absorb kv_b into the query (keys) and the output (values): attention runs on the latent.
         kv_b = self.param("kv_b_proj", nn.initializers.normal(0.02), (h * (nope + v), c), dt)
         kv_b = kv_b.reshape(h, nope + v, c).astype(x.dtype)
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [h, k, c], [h, v, c]
         q_latent = jnp.einsum("bthk,hkc->bthc", q_nope, w_uk, precision=HIGHEST)
-        scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent_cache, precision=HIGHEST)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, rope_cache, precision=HIGHEST))
-        scores = scores.astype(jnp.float32) * cfg.softmax_scale
-        visible = jnp.arange(latent_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [b,t,s]
-        scores = jnp.where(visible[:, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out_latent = jnp.einsum("bhts,bsc->bthc", probs, latent_cache, precision=HIGHEST)
+        out_latent = paged.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
+                                         positions, scale=cfg.softmax_scale)
         out = jnp.einsum("bthc,hvc->bthv", out_latent, w_uv, precision=HIGHEST)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * v))
-        return out, latent_cache, rope_cache
+        return out, latent_pages, rope_pages

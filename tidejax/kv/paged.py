@@ -1,0 +1,54 @@
+"""Device side of the paged KV pool: writes at a sequence's positions, reads of its own pages, and
+attention over them.
+
+A pool leaf is [n_pages, page_size, ...]; a step's block table [b, P] lists each row's pages in
+order (P is the step's bucket, tidejax.kv.pages.page_bucket: what its longest row holds), so reads
+and attention cost what the sequences hold, never the pool or max_context.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def token_slots(block_table, positions, mask, n_pages: int, page_size: int):
+    """block_table [b, P], positions / mask [b, t] -> flat pool rows [b, t] (page * page_size +
+    row); masked tokens and positions past the table get n_pages * page_size, which writes drop."""
+    page_index = positions // page_size
+    inside = mask & (page_index < block_table.shape[1])
+    page = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, block_table.shape[1] - 1), axis=1)
+    return jnp.where(inside, page * page_size + positions % page_size, n_pages * page_size)
+
+
+def write(pool, values, slots):
+    """pool [n_pages, page_size, ...] <- values [b, t, ...] at flat rows `slots` [b, t] (in place
+    when the pool is donated; out-of-range rows are dropped)."""
+    n, size = pool.shape[:2]
+    flat = pool.reshape(n * size, *pool.shape[2:])
+    flat = flat.at[slots.reshape(-1)].set(
+        values.reshape(-1, *values.shape[2:]).astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
+def gather(pool, block_table):
+    """pool [n_pages, page_size, ...], block_table [b, P] -> [b, P * page_size, ...]: each row's
+    positions 0.. in order."""
+    pages = pool[block_table]  # [b, P, page_size, ...]
+    return pages.reshape(pages.shape[0], -1, *pool.shape[2:])
+
+
+def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,
+                  scale: float):
+    """Multi-head latent attention over each row's pages: q_latent [b, t, h, c] (kv_b absorbed),
+    q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
+    latent [b, t, h, c] in the queries' dtype."""
+    latent, rope = gather(latent_pages, block_table), gather(rope_pages, block_table)  # [b, s, c|r]
+    scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent, precision=HIGHEST)
+              + jnp.einsum("bthr,bsr->bhts", q_rope, rope, precision=HIGHEST))
+    scores = scores.astype(jnp.float32) * scale
+    visible = jnp.arange(latent.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    probs = jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bsc->bthc", probs.astype(q_latent.dtype), latent, precision=HIGHEST)
