@@ -18,8 +18,8 @@ from tidejax.server.client import EngineClient
 from tidejax.server.errors import APIError, dialect_of, error_response
 from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import (ChatInput, parse_chat, parse_completion, parse_json,
-                                    parse_messages)
+from tidejax.server.schemas import (ChatInput, GenerationOptions, parse_chat, parse_completion,
+                                    parse_json, parse_messages)
 from tidejax.server.toolcalls import OutputParser
 
 log = logging.getLogger("tidejax.server")
@@ -75,16 +75,17 @@ class Server:
                                 f"{self.model.name!r})", param="model", code="model_not_found")
         return self.model
 
-    def generation(self, prefix: str, prompt_ids: list[int], sampling, max_new: int) -> Generation:
+    def generation(self, prefix: str, prompt_ids: list[int], options: GenerationOptions,
+                   max_new: int) -> Generation:
         return Generation(self.client, self.metrics, self.model, new_id(prefix), prompt_ids,
-                          sampling, max_new)
+                          options, max_new)
 
     def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
-        max_new = model.budget(len(prompt_ids), chat.sampling)
+        max_new = model.budget(len(prompt_ids), chat.options)
         parser = OutputParser(model.tool_format if chat.tools else None, in_reasoning)
-        return self.generation(prefix, prompt_ids, chat.sampling, max_new), parser
+        return self.generation(prefix, prompt_ids, chat.options, max_new), parser
 
 
 SERVER = web.AppKey("server", Server)
@@ -117,8 +118,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse_completion(parse_json(await request.read()))
     model = server.ready_model(body.model)
     prompt_ids = model.completion_prompt(body.prompt)
-    max_new = model.budget(len(prompt_ids), body.sampling)
-    gen = server.generation("cmpl-", prompt_ids, body.sampling, max_new)
+    max_new = model.budget(len(prompt_ids), body.options)
+    gen = server.generation("cmpl-", prompt_ids, body.options, max_new)
     return await openai_api.completion(request, gen, body.stream)
 
 

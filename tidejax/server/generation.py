@@ -16,7 +16,7 @@ from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.server.client import EngineClient
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import ChatInput, Sampling
+from tidejax.server.schemas import ChatInput, GenerationOptions
 from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.server.toolcalls import (OutputParser, ToolFormat, starts_in_reasoning,
                                       tool_format_for)
@@ -78,10 +78,10 @@ class ServedModel:
                                 f"[0, {vocab})", param="prompt")
         return prompt
 
-    def budget(self, prompt_len: int, sampling: Sampling) -> int:
+    def budget(self, prompt_len: int, options: GenerationOptions) -> int:
         """The number of tokens this request may generate; 400 when the prompt or the asked
         max_tokens does not fit."""
-        max_tokens, param = sampling.max_tokens, sampling.max_tokens_param
+        max_tokens, param = options.max_tokens, options.max_tokens_param
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         room = self.max_context - prompt_len - 1
@@ -123,14 +123,13 @@ class Generation:
     `engine_stats` are set. Leaving the loop early (client gone) cancels the request."""
 
     def __init__(self, client: EngineClient, metrics: Metrics, model: ServedModel,
-                 request_id: str, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int):
+                 request_id: str, prompt_ids: list[int], options: GenerationOptions,
+                 max_new_tokens: int):
         self.client, self.metrics, self.model = client, metrics, model
         self.id = request_id
-        self.request = GenerationRequest(
-            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed, ignore_eos=sampling.ignore_eos)
-        self.stop = sampling.stop
+        self.request = GenerationRequest(prompt_ids, max_new_tokens, options.sampling,
+                                         ignore_eos=options.ignore_eos)
+        self.stop = options.stop
         self.finish_reason = "cancelled"
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
