@@ -1,4 +1,5 @@
-"""A tiny checkpoint for the server tests, and a live server process on a free loopback port.
+"""A tiny checkpoint for the server tests, a live server process on a free loopback port, and
+the HTTP app on a thread of this process (`serve_app`).
 
 The checkpoint is transformers' own DeepseekV3ForCausalLM with a tiny random config, plus a
 byte-level BPE tokenizer whose chat template speaks the Hermes tool-call format. So that a tool
@@ -13,18 +14,22 @@ their logits are 0 off the chain while some of the random ones are positive).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import torch
+from aiohttp import web
 
+from tidejax.server.app import Server, build_app
 from tiny_models import TEXT, deepseek_v3_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,3 +159,22 @@ def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: di
 
 def server_log(profile: Path) -> str:
     return profile.with_suffix(".log").read_text()
+
+
+@contextlib.contextmanager
+def serve_app(server: Server):
+    """The real app over `server` on a free loopback port, its event loop on a thread; yields the
+    base URL."""
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(server))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

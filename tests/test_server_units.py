@@ -4,26 +4,23 @@ a real HTTP server that is still "loading"."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
-from server_fixtures import CHAT_TEMPLATE, free_port, write_tokenizer
+from server_fixtures import CHAT_TEMPLATE, serve_app, write_tokenizer
 from tidejax.config import EngineConfig
-from tidejax.server.__main__ import bind_host, parse_set
-from tidejax.server.app import Server, build_app
 from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
-from tidejax.server.toolcalls import (DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning,
-                                      tool_format_for)
+from tidejax.engine.client import tool_format_for
+from tidejax.server.__main__ import bind_host, parse_set
+from tidejax.server.app import Server
+from tidejax.server.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -187,17 +184,8 @@ def loading_server(tokenizer_dir):
     config = EngineConfig().with_overrides({
         "model": {"path": str(tokenizer_dir), "served_name": "tiny"},
         "server": {"api_keys": [KEY], "max_body_bytes": 4096}})
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(Server(config)))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with serve_app(Server(config)) as url:
+        yield url
 
 
 def call(url, path, body=None, headers=None, method=None, raw=None):

@@ -3,7 +3,6 @@ middleware that checks the key and maps every exception to the route's error sha
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import os
@@ -14,7 +13,7 @@ from aiohttp import web
 
 from tidejax.config import EngineConfig
 from tidejax.server import anthropic_api, openai_api
-from tidejax.server.client import EngineClient
+from tidejax.server.client import EngineClient, EngineStats
 from tidejax.server.errors import APIError, dialect_of, error_response
 from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
@@ -34,7 +33,8 @@ def api_keys(config: EngineConfig) -> tuple[str, ...]:
 
 
 class Server:
-    """What the routes share. `status` goes "loading" -> "ready" once the engine is attached."""
+    """What the routes share. `status` goes "loading" -> "ready" once an engine client is
+    attached (started)."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -43,11 +43,12 @@ class Server:
         self.status = "loading"
         self.name = config.model.served_name or Path(config.model.path).name
         self.started = time.time()
-        self.engine = self.client = self.model = None
+        self.client: EngineClient | None = None
+        self.model: ServedModel | None = None
 
-    def attach(self, engine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.client = engine, EngineClient(engine, loop)
-        self.model = ServedModel.of(engine)
+    def attach(self, client: EngineClient) -> None:
+        self.client = client
+        self.model = ServedModel.of(client.info, self.config.server.max_tokens_limit)
         self.name = self.model.name
         self.status = "ready"
 
@@ -84,7 +85,7 @@ class Server:
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
         max_new = model.budget(len(prompt_ids), chat.options)
-        parser = OutputParser(model.tool_format if chat.tools else None, in_reasoning)
+        parser = OutputParser(model.info.tool_format if chat.tools else None, in_reasoning)
         return self.generation(prefix, prompt_ids, chat.options, max_new), parser
 
 
@@ -147,19 +148,15 @@ async def health(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     body = {"status": server.status, "model": server.name}
     if server.client is not None:
-        body.update(lanes=server.engine.lanes, active=server.client.active,
-                    queued=server.client.queued)
+        stats = server.client.stats()
+        body.update(lanes=server.client.info.lanes, active=stats.active, queued=stats.queued)
     return web.json_response(body, status=200 if server.status == "ready" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    active = queued = 0
-    residency = {}
-    if server.client is not None:
-        active, queued = server.client.active, server.client.queued
-        residency = server.engine.residency.stats()
-    return web.Response(text=server.metrics.render(active, queued, residency),
+    stats = server.client.stats() if server.client is not None else EngineStats()
+    return web.Response(text=server.metrics.render(stats),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
