@@ -1,6 +1,6 @@
 """Server pieces that need no engine: chat templates against transformers' renderer, the
 tool-call parsers and the streaming output split, request validation, auth and error shapes on
-a real HTTP server that is still "loading"."""
+a real HTTP server that is still "loading", and the routes over a scripted EngineClient."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from server_fixtures import CHAT_TEMPLATE, serve_app, write_tokenizer
+from server_fixtures import (CALL_JSON, CHAT_TEMPLATE, ScriptedClient, serve_app,
+                             write_tokenizer)
 from tidejax.config import EngineConfig
 from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.engine.client import tool_format_for
+from tidejax.engine.sampling import SamplingParams
+from tidejax.engine.tokenizer import Tokenizer
 from tidejax.server.__main__ import bind_host, parse_set
 from tidejax.server.app import Server
+from tidejax.server.client import EngineInfo
 from tidejax.server.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
 
 TOOLS = [{"type": "function", "function": {
@@ -305,6 +309,59 @@ def test_bad_completion_requests(loading_server):
         assert status == 400 and message in got["error"]["message"]
     status, got = call(loading_server, "/v1/completions", {"model": "tiny", "prompt": "x"}, AUTH)
     assert status == 503
+
+
+# ---------------------------------------------------------------------------------------------
+# The routes over an EngineClient: all the server needs of an engine
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tokenizer_dir):
+    """The app attached to a ScriptedClient that answers every request with a Hermes tool call."""
+    tokenizer = Tokenizer(tokenizer_dir)
+    info = EngineInfo("scripted", tokenizer, tokenizer.chat_template, HERMES, lanes=3,
+                      max_context=1024)
+    client = ScriptedClient(info, f"Sure.<tool_call>{CALL_JSON}</tool_call>", refuse_over=400)
+    server = Server(EngineConfig().with_overrides({"model": {"path": str(tokenizer_dir)},
+                                                   "server": {"max_tokens_limit": 64}}))
+    server.attach(client)
+    with serve_app(server) as url:
+        yield url, client
+
+
+def test_routes_over_an_engine_client(scripted_server):
+    url, client = scripted_server
+    assert call(url, "/health") == (200, {"status": "ready", "model": "scripted", "lanes": 3,
+                                          "active": 2, "queued": 1})
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "weather?"}],
+        "tools": TOOLS, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3,
+        "max_tokens": 20})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+    message = body["choices"][0]["message"]
+    assert message["content"] == "Sure."  # the info's tool format parsed the call out
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                     "arguments": '{"city": "Paris"}'}
+    # the body's sampling fields reach the engine as one SamplingParams
+    assert client.requests[-1].sampling == SamplingParams(0.5, 0.9, 7, 3)
+    assert client.requests[-1].max_new_tokens == 20
+    status, body = call(url, "/v1/messages", {"model": "scripted", "max_tokens": 5,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["stop_reason"] == "max_tokens"
+    # the API's defaults; no seed, so the engine gives the request its own
+    assert client.requests[-1].sampling == SamplingParams(temperature=1.0)
+    metrics = call(url, "/metrics")[1]
+    assert "tidejax_queue_waiting 1" in metrics and "tidejax_residency_misses 7" in metrics
+    assert "geometry" not in metrics  # labels are not gauges
+
+
+def test_requests_the_engine_client_refuses(scripted_server):
+    url, _ = scripted_server
+    status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": [5] * 500})
+    assert status == 400 and "too many" in body["error"]["message"]
+    status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": "x",
+                                                 "max_tokens": 65})
+    assert status == 400 and "above this server's limit of 64" in body["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------
