@@ -45,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
+from tidejax.engine.sampling import SamplingParams  # noqa: E402
 from tidejax.engine.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
@@ -180,8 +181,9 @@ def drive(engine, prompts: list[list[int]], max_new_tokens: int, temperature: fl
         if isinstance(event, ErrorEvent):
             errors.append(event.message)
     for i, ids in enumerate(prompts):
-        engine.scheduler.submit(GenerationRequest(ids, max_new_tokens, temperature, seed=seed + i,
-                                                  ignore_eos=True), on_event)
+        engine.scheduler.submit(GenerationRequest(
+            ids, max_new_tokens, SamplingParams(temperature, seed=seed + i), ignore_eos=True),
+            on_event)
     records = []
     while True:
         queued = engine.scheduler.queued
@@ -210,7 +212,8 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
         if drain_first:
             engine.residency.drain()
         for ids in prompts:
-            engine.scheduler.submit(GenerationRequest(ids, 4, 0.6, ignore_eos=True), raise_errors)
+            engine.scheduler.submit(GenerationRequest(ids, 4, SamplingParams(0.6), ignore_eos=True),
+                                    raise_errors)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
         if drains:
             engine.residency.drain()
@@ -234,7 +237,8 @@ def time_to_first_token(engine, ids: list[int]) -> float:
             first.append(time.perf_counter() - start)
         elif isinstance(event, ErrorEvent):
             raise RuntimeError(event.message)
-    engine.scheduler.submit(GenerationRequest(ids, 1, 0.6, ignore_eos=True), on_event)
+    engine.scheduler.submit(GenerationRequest(ids, 1, SamplingParams(0.6), ignore_eos=True),
+                            on_event)
     engine.scheduler.run_until_idle()
     return first[0]
 

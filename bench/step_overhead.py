@@ -25,6 +25,7 @@ roofline.py drives them) and ignore end-of-sequence.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -50,7 +51,7 @@ def loop_ms(engine, lanes: int, steps: int) -> float:
     for i in range(lanes):
         engine.scheduler.submit(GenerationRequest(
             prompt_ids(engine, "en", PROMPT_TOKENS, offset=997 * i), steps + 1,
-            SAMPLING.temperature, seed=i, ignore_eos=True), raise_errors)
+            dataclasses.replace(SAMPLING, seed=i), ignore_eos=True), raise_errors)
     engine.scheduler.step()  # the prefills, then the first decode step queued
     first = engine.scheduler.totals["steps"]  # counts the step just queued
     start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""A tiny checkpoint for the server tests, and a live server process on a free loopback port.
+"""A tiny checkpoint for the server tests, a live server process on a free loopback port, and
+the HTTP app in this process over any EngineClient (`serve_app`, `ScriptedClient`).
 
 The checkpoint is transformers' own DeepseekV3ForCausalLM with a tiny random config, plus a
 byte-level BPE tokenizer whose chat template speaks the Hermes tool-call format. So that a tool
@@ -13,18 +14,24 @@ their logits are 0 off the chain while some of the random ones are positive).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import torch
+from aiohttp import web
 
+from tidejax.server.app import Server, build_app
+from tidejax.server.client import (DoneEvent, EngineInfo, EngineStats, GenerationRequest,
+                                   TokenEvent)
 from tiny_models import TEXT, deepseek_v3_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,3 +161,68 @@ def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: di
 
 def server_log(profile: Path) -> str:
     return profile.with_suffix(".log").read_text()
+
+
+@contextlib.contextmanager
+def serve_app(server: Server):
+    """The real app over `server` on a free loopback port, its event loop on a thread; yields the
+    base URL."""
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(server))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+class ScriptedStream:
+    """A RequestStream of fixed tokens then "length"; cancel() ends it with "cancelled"."""
+
+    def __init__(self, tokens: list[int]):
+        self.events = [TokenEvent(t) for t in tokens] + [DoneEvent("length", {})]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.events:
+            raise StopAsyncIteration
+        return self.events.pop(0)
+
+    def cancel(self) -> None:
+        if self.events:
+            self.events = [DoneEvent("cancelled", {})]
+
+
+class ScriptedClient:
+    """An EngineClient with no engine: every request is answered with the first max_new_tokens
+    tokens of `reply`; a prompt of more than `refuse_over` tokens is refused. `requests` holds
+    what the server submitted."""
+
+    def __init__(self, info: EngineInfo, reply: str, refuse_over: int):
+        self.info = info
+        self.reply = info.tokenizer.encode(reply, add_special_tokens=False)
+        self.refuse_over = refuse_over
+        self.requests: list[GenerationRequest] = []
+
+    async def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def submit(self, request: GenerationRequest) -> ScriptedStream:
+        if len(request.prompt_ids) > self.refuse_over:
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens, too many")
+        self.requests.append(request)
+        return ScriptedStream(self.reply[:request.max_new_tokens])
+
+    def stats(self) -> EngineStats:
+        return EngineStats(queued=1, active=2, residency={"misses": 7, "geometry": "per_layer"})

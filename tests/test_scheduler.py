@@ -124,7 +124,8 @@ def test_cancel_mid_stream(engine, reference):
 
 
 def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
-    kwargs = dict(temperature=0.8, top_p=0.9, top_k=20, seed=11, ignore_eos=True)
+    kwargs = dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=11),
+                  ignore_eos=True)
     alone = run(engine, [GenerationRequest(PROMPTS[1], 12, **kwargs)])
     beside = run(engine, [GenerationRequest(PROMPTS[0], 5, **kwargs),
                           GenerationRequest(PROMPTS[1], 12, **kwargs)])

@@ -1,29 +1,30 @@
 """Server pieces that need no engine: chat templates against transformers' renderer, the
 tool-call parsers and the streaming output split, request validation, auth and error shapes on
-a real HTTP server that is still "loading"."""
+a real HTTP server that is still "loading", and the routes over a scripted EngineClient."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
-from server_fixtures import CHAT_TEMPLATE, free_port, write_tokenizer
+from server_fixtures import (CALL_JSON, CHAT_TEMPLATE, ScriptedClient, serve_app,
+                             write_tokenizer)
 from tidejax.config import EngineConfig
-from tidejax.server.__main__ import bind_host, parse_set
-from tidejax.server.app import Server, build_app
 from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
-from tidejax.server.toolcalls import (DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning,
-                                      tool_format_for)
+from tidejax.engine.client import tool_format_for
+from tidejax.engine.sampling import SamplingParams
+from tidejax.engine.tokenizer import Tokenizer
+from tidejax.server.__main__ import bind_host, parse_set
+from tidejax.server.app import Server
+from tidejax.server.client import EngineInfo
+from tidejax.server.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -187,17 +188,8 @@ def loading_server(tokenizer_dir):
     config = EngineConfig().with_overrides({
         "model": {"path": str(tokenizer_dir), "served_name": "tiny"},
         "server": {"api_keys": [KEY], "max_body_bytes": 4096}})
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(Server(config)))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with serve_app(Server(config)) as url:
+        yield url
 
 
 def call(url, path, body=None, headers=None, method=None, raw=None):
@@ -317,6 +309,59 @@ def test_bad_completion_requests(loading_server):
         assert status == 400 and message in got["error"]["message"]
     status, got = call(loading_server, "/v1/completions", {"model": "tiny", "prompt": "x"}, AUTH)
     assert status == 503
+
+
+# ---------------------------------------------------------------------------------------------
+# The routes over an EngineClient: all the server needs of an engine
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tokenizer_dir):
+    """The app attached to a ScriptedClient that answers every request with a Hermes tool call."""
+    tokenizer = Tokenizer(tokenizer_dir)
+    info = EngineInfo("scripted", tokenizer, tokenizer.chat_template, HERMES, lanes=3,
+                      max_context=1024)
+    client = ScriptedClient(info, f"Sure.<tool_call>{CALL_JSON}</tool_call>", refuse_over=400)
+    server = Server(EngineConfig().with_overrides({"model": {"path": str(tokenizer_dir)},
+                                                   "server": {"max_tokens_limit": 64}}))
+    server.attach(client)
+    with serve_app(server) as url:
+        yield url, client
+
+
+def test_routes_over_an_engine_client(scripted_server):
+    url, client = scripted_server
+    assert call(url, "/health") == (200, {"status": "ready", "model": "scripted", "lanes": 3,
+                                          "active": 2, "queued": 1})
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "weather?"}],
+        "tools": TOOLS, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3,
+        "max_tokens": 20})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+    message = body["choices"][0]["message"]
+    assert message["content"] == "Sure."  # the info's tool format parsed the call out
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                     "arguments": '{"city": "Paris"}'}
+    # the body's sampling fields reach the engine as one SamplingParams
+    assert client.requests[-1].sampling == SamplingParams(0.5, 0.9, 7, 3)
+    assert client.requests[-1].max_new_tokens == 20
+    status, body = call(url, "/v1/messages", {"model": "scripted", "max_tokens": 5,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["stop_reason"] == "max_tokens"
+    # the API's defaults; no seed, so the engine gives the request its own
+    assert client.requests[-1].sampling == SamplingParams(temperature=1.0)
+    metrics = call(url, "/metrics")[1]
+    assert "tidejax_queue_waiting 1" in metrics and "tidejax_residency_misses 7" in metrics
+    assert "geometry" not in metrics  # labels are not gauges
+
+
+def test_requests_the_engine_client_refuses(scripted_server):
+    url, _ = scripted_server
+    status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": [5] * 500})
+    assert status == 400 and "too many" in body["error"]["message"]
+    status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": "x",
+                                                 "max_tokens": 65})
+    assert status == 400 and "above this server's limit of 64" in body["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------

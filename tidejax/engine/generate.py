@@ -41,9 +41,8 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
             if stops.stopped:
                 handles[i].cancel()
 
-        handles.append(engine.scheduler.submit(GenerationRequest(
-            ids, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-            sampling.seed), on_event))
+        handles.append(engine.scheduler.submit(GenerationRequest(ids, max_new_tokens, sampling),
+                                               on_event))
     engine.scheduler.run_until_idle()
     if errors:
         raise ValueError(errors[0])

@@ -47,16 +47,9 @@ log = logging.getLogger("tidejax")
 class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, parity tests)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +139,9 @@ class Scheduler:
                              f"{self.engine.max_context} tokens")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        request.sampling  # validates
-        if request.seed is None:  # unseeded requests must not share one random stream
-            request = dataclasses.replace(request, seed=secrets.randbits(31))
+        if request.sampling.seed is None:  # unseeded requests must not share one random stream
+            request = dataclasses.replace(request, sampling=dataclasses.replace(
+                request.sampling, seed=secrets.randbits(31)))
         handle = RequestHandle(request, on_event)
         with self.wake:
             self.queue.append(handle)

@@ -16,6 +16,7 @@ import sys
 from aiohttp import web
 
 from tidejax.config import EngineConfig
+from tidejax.engine.client import LocalEngineClient
 from tidejax.fields import ConfigError
 from tidejax.engine.engine import Engine, resolve_profile
 from tidejax.server.app import Server, api_keys, build_app
@@ -65,21 +66,20 @@ async def serve(config: EngineConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = None
+    client = None
     try:
-        engine = await loop.run_in_executor(None, Engine, config)  # traces from here on
-        await loop.run_in_executor(None, engine.warmup)
-        engine.scheduler.start()
-        server.attach(engine, loop)
-        log.info("ready: %s, %d lanes, context %d", server.name, engine.lanes, engine.max_context)
+        # the engine traces from here on
+        client = LocalEngineClient(await loop.run_in_executor(None, Engine, config))
+        await client.start()
+        server.attach(client)
+        log.info("ready: %s, %d lanes, context %d", server.name, client.info.lanes,
+                 client.info.max_context)
         await stop.wait()
     finally:
         log.info("shutting down")
         await runner.cleanup()
-        if engine is not None:
-            if engine.scheduler.thread is not None:
-                engine.scheduler.stop()
-            engine.close()  # writes the profiler trace, when one runs
+        if client is not None:
+            client.stop()  # writes the profiler trace, when one runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,6 @@ middleware that checks the key and maps every exception to the route's error sha
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import os
@@ -14,12 +13,12 @@ from aiohttp import web
 
 from tidejax.config import EngineConfig
 from tidejax.server import anthropic_api, openai_api
-from tidejax.server.client import EngineClient
+from tidejax.server.client import EngineClient, EngineStats
 from tidejax.server.errors import APIError, dialect_of, error_response
 from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import (ChatInput, parse_chat, parse_completion, parse_json,
-                                    parse_messages)
+from tidejax.server.schemas import (ChatInput, GenerationOptions, parse_chat, parse_completion,
+                                    parse_json, parse_messages)
 from tidejax.server.toolcalls import OutputParser
 
 log = logging.getLogger("tidejax.server")
@@ -34,7 +33,8 @@ def api_keys(config: EngineConfig) -> tuple[str, ...]:
 
 
 class Server:
-    """What the routes share. `status` goes "loading" -> "ready" once the engine is attached."""
+    """What the routes share. `status` goes "loading" -> "ready" once an engine client is
+    attached (started)."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -43,11 +43,12 @@ class Server:
         self.status = "loading"
         self.name = config.model.served_name or Path(config.model.path).name
         self.started = time.time()
-        self.engine = self.client = self.model = None
+        self.client: EngineClient | None = None
+        self.model: ServedModel | None = None
 
-    def attach(self, engine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.client = engine, EngineClient(engine, loop)
-        self.model = ServedModel.of(engine)
+    def attach(self, client: EngineClient) -> None:
+        self.client = client
+        self.model = ServedModel.of(client.info, self.config.server.max_tokens_limit)
         self.name = self.model.name
         self.status = "ready"
 
@@ -75,16 +76,17 @@ class Server:
                                 f"{self.model.name!r})", param="model", code="model_not_found")
         return self.model
 
-    def generation(self, prefix: str, prompt_ids: list[int], sampling, max_new: int) -> Generation:
+    def generation(self, prefix: str, prompt_ids: list[int], options: GenerationOptions,
+                   max_new: int) -> Generation:
         return Generation(self.client, self.metrics, self.model, new_id(prefix), prompt_ids,
-                          sampling, max_new)
+                          options, max_new)
 
     def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
-        max_new = model.budget(len(prompt_ids), chat.sampling)
-        parser = OutputParser(model.tool_format if chat.tools else None, in_reasoning)
-        return self.generation(prefix, prompt_ids, chat.sampling, max_new), parser
+        max_new = model.budget(len(prompt_ids), chat.options)
+        parser = OutputParser(model.info.tool_format if chat.tools else None, in_reasoning)
+        return self.generation(prefix, prompt_ids, chat.options, max_new), parser
 
 
 SERVER = web.AppKey("server", Server)
@@ -117,8 +119,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse_completion(parse_json(await request.read()))
     model = server.ready_model(body.model)
     prompt_ids = model.completion_prompt(body.prompt)
-    max_new = model.budget(len(prompt_ids), body.sampling)
-    gen = server.generation("cmpl-", prompt_ids, body.sampling, max_new)
+    max_new = model.budget(len(prompt_ids), body.options)
+    gen = server.generation("cmpl-", prompt_ids, body.options, max_new)
     return await openai_api.completion(request, gen, body.stream)
 
 
@@ -146,19 +148,15 @@ async def health(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     body = {"status": server.status, "model": server.name}
     if server.client is not None:
-        body.update(lanes=server.engine.lanes, active=server.client.active,
-                    queued=server.client.queued)
+        stats = server.client.stats()
+        body.update(lanes=server.client.info.lanes, active=stats.active, queued=stats.queued)
     return web.json_response(body, status=200 if server.status == "ready" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    active = queued = 0
-    residency = {}
-    if server.client is not None:
-        active, queued = server.client.active, server.client.queued
-        residency = server.engine.residency.stats()
-    return web.Response(text=server.metrics.render(active, queued, residency),
+    stats = server.client.stats() if server.client is not None else EngineStats()
+    return web.Response(text=server.metrics.render(stats),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 

@@ -1,64 +1,75 @@
-"""The HTTP layer's view of the engine: submit a request, read its events from an asyncio queue.
+"""The `EngineClient` protocol: all the HTTP layer knows of an engine.
 
-The scheduler thread owns the device and calls `on_event` from that thread; each request's
-events are handed to the event loop with `loop.call_soon_threadsafe`, never polled. Handlers
-never see a jax.Array, only token ids and plain stats.
+The served model's fixed facts (`info`), one way in (`submit` a GenerationRequest, read its
+events from a `RequestStream`), plain stats for /health and /metrics, and start / stop. The
+server never holds an Engine, its scheduler or a jax.Array; engine/client.py implements this for
+an engine in the same process. The request and event types are the engine's own plain
+dataclasses, re-exported here so that the server imports them from its side of the boundary.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+from typing import Protocol
 
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest
-from tidejax.server.errors import APIError
+from tidejax.engine.chat_template import ChatTemplate
+from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.engine.tokenizer import Tokenizer
+from tidejax.server.toolcalls import ToolFormat
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+__all__ = ["DoneEvent", "EngineClient", "EngineInfo", "EngineStats", "ErrorEvent", "Event",
+           "GenerationRequest", "RequestStream", "TokenEvent"]
 
 
-class RequestStream:
-    """One submitted request: `async for event in stream` (TokenEvent... then DoneEvent or
-    ErrorEvent). `cancel()` frees its lane before the scheduler's next step."""
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """The served model, fixed once it has loaded. The chat template and the tool-call format
+    come from the model (its checkpoint and family), so the server needs no per-model branch."""
 
-    def __init__(self, scheduler, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done = False
-        self.handle = scheduler.submit(request, self._on_event)
+    name: str  # the model name requests must give
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None  # None: the checkpoint has none (no chat routes)
+    tool_format: ToolFormat | None  # how the model writes tool calls; None: not parsed
+    lanes: int  # requests decoded together
+    max_context: int  # prompt and generated tokens of one request, together
 
-    def _on_event(self, event) -> None:  # the scheduler thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: the server is shutting down
-            pass
 
-    def __aiter__(self):
-        return self
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health and /metrics, of plain Python values only."""
 
-    async def __anext__(self):
-        if self.done:
-            raise StopAsyncIteration
-        event = await self.queue.get()
-        self.done = isinstance(event, (DoneEvent, ErrorEvent))
-        return event
+    queued: int = 0  # requests waiting for a lane
+    active: int = 0  # requests in a lane
+    residency: dict = dataclasses.field(default_factory=dict)  # name -> number (a few labels)
+
+
+class RequestStream(Protocol):
+    """One submitted request's events, `async for event in stream`: TokenEvent... then one
+    DoneEvent or ErrorEvent, where the iteration ends."""
+
+    def __aiter__(self) -> RequestStream: ...
+
+    async def __anext__(self) -> Event: ...
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        """Ends the request early (its lane is freed before the next step); a no-op once the
+        stream has ended."""
 
 
-class EngineClient:
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
-        self.scheduler = engine.scheduler
-        self.loop = loop
+class EngineClient(Protocol):
+    info: EngineInfo
+
+    async def start(self) -> None:
+        """Compiles the warm-up shapes, then serves: `submit` works from here on."""
+
+    def stop(self) -> None:
+        """Stops serving and releases the engine (finishing its profiler trace, if one runs)."""
 
     def submit(self, request: GenerationRequest) -> RequestStream:
-        try:
-            return RequestStream(self.scheduler, self.loop, request)
-        except ValueError as e:  # the scheduler refuses a request it cannot run
-            raise APIError(400, str(e)) from None
+        """Queues `request`; raises ValueError, saying why, when the engine cannot run it. Call
+        it on the event loop that reads the stream."""
 
-    @property
-    def queued(self) -> int:
-        return self.scheduler.queued
-
-    @property
-    def active(self) -> int:
-        return self.scheduler.active
+    def stats(self) -> EngineStats:
+        """Now: the queue, the lanes in use and the expert residency's counters."""

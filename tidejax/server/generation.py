@@ -1,5 +1,5 @@
-"""What every generating route shares: the served model (tokenizer, template, tool format,
-context), the prompt and token budget checks, and one request's run from token events to text
+"""What every generating route shares: the served model (the engine's info and the server's
+limits), the prompt and token budget checks, and one request's run from token events to text
 with stop strings applied, its log line and its metrics."""
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import logging
 import time
 import uuid
 
+from tidejax.engine.chat_template import TemplateRenderError
 from tidejax.engine.detok import IncrementalDetokenizer, StopMatcher
-from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
-from tidejax.server.client import EngineClient
+from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import ChatInput, Sampling
-from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
-from tidejax.server.toolcalls import (OutputParser, ToolFormat, starts_in_reasoning,
-                                      tool_format_for)
+from tidejax.server.schemas import ChatInput, GenerationOptions
+from tidejax.server.toolcalls import OutputParser, starts_in_reasoning
 
 log = logging.getLogger("tidejax.server")
 
@@ -30,64 +28,60 @@ def new_id(prefix: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
-    name: str
-    tokenizer: object  # tidejax.engine.tokenizer.Tokenizer
-    template: ChatTemplate | None
-    tool_format: ToolFormat | None
-    max_context: int
-    max_tokens_limit: int
+    info: EngineInfo
+    max_tokens_limit: int  # the server's cap on one request's generated tokens
     keep_special: frozenset[int]  # special tokens the output parsers read (tool calls, thinking)
 
     @staticmethod
-    def of(engine) -> "ServedModel":
-        template = engine.tokenizer.chat_template
-        if template is None:
+    def of(info: EngineInfo, max_tokens_limit: int) -> "ServedModel":
+        if info.chat_template is None:
             log.warning("%s has no chat template; /v1/chat/completions and /v1/messages are "
-                        "unavailable", engine.model_dir)
-        backend = engine.tokenizer.backend
-        keep = frozenset(i for i in engine.tokenizer.special_ids
+                        "unavailable", info.name)
+        backend = info.tokenizer.backend
+        keep = frozenset(i for i in info.tokenizer.special_ids
                          if any(word in backend.id_to_token(i).lower() for word in ("tool", "think")))
-        return ServedModel(
-            name=engine.served_name, tokenizer=engine.tokenizer, template=template,
-            tool_format=tool_format_for(engine.cfg.model_type, template.source if template else ""),
-            max_context=engine.max_context,
-            max_tokens_limit=engine.config.server.max_tokens_limit, keep_special=keep)
+        return ServedModel(info, max_tokens_limit, keep)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
 
     def chat_prompt(self, chat: ChatInput) -> tuple[list[int], bool]:
         """Token ids of the rendered conversation, and whether the output starts inside a
         `<think>` block (the template opened it)."""
-        if self.template is None:
+        template, tool_format = self.info.chat_template, self.info.tool_format
+        if template is None:
             raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions")
         messages = chat.messages
-        if self.tool_format is not None and self.tool_format.arguments_as_dict:
+        if tool_format is not None and tool_format.arguments_as_dict:
             messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.template.render(messages, tools=chat.tools, add_generation_prompt=True,
-                                        **chat.template_kwargs)
+            text = template.render(messages, tools=chat.tools, add_generation_prompt=True,
+                                   **chat.template_kwargs)
         except TemplateRenderError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False), starts_in_reasoning(text)
+        return self.info.tokenizer.encode(text, add_special_tokens=False), starts_in_reasoning(text)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.tokenizer.vocab_size
+            return self.info.tokenizer.encode(prompt)
+        vocab = self.info.tokenizer.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"'prompt' has token id {bad}, outside the vocabulary "
                                 f"[0, {vocab})", param="prompt")
         return prompt
 
-    def budget(self, prompt_len: int, sampling: Sampling) -> int:
+    def budget(self, prompt_len: int, options: GenerationOptions) -> int:
         """The number of tokens this request may generate; 400 when the prompt or the asked
         max_tokens does not fit."""
-        max_tokens, param = sampling.max_tokens, sampling.max_tokens_param
+        max_tokens, param = options.max_tokens, options.max_tokens_param
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
-        room = self.max_context - prompt_len - 1
+        room = self.info.max_context - prompt_len - 1
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                                f"{self.max_context} tokens", code="context_length_exceeded")
+                                f"{self.info.max_context} tokens", code="context_length_exceeded")
         if max_tokens is None:
             return min(room, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
@@ -95,7 +89,7 @@ class ServedModel:
                                 f"{self.max_tokens_limit}", param=param)
         if max_tokens > room:
             raise APIError(400, f"'{param}' = {max_tokens} does not fit: the prompt has "
-                                f"{prompt_len} tokens and the context is {self.max_context}",
+                                f"{prompt_len} tokens and the context is {self.info.max_context}",
                            param=param, code="context_length_exceeded")
         return max_tokens
 
@@ -123,14 +117,13 @@ class Generation:
     `engine_stats` are set. Leaving the loop early (client gone) cancels the request."""
 
     def __init__(self, client: EngineClient, metrics: Metrics, model: ServedModel,
-                 request_id: str, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int):
+                 request_id: str, prompt_ids: list[int], options: GenerationOptions,
+                 max_new_tokens: int):
         self.client, self.metrics, self.model = client, metrics, model
         self.id = request_id
-        self.request = GenerationRequest(
-            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed, ignore_eos=sampling.ignore_eos)
-        self.stop = sampling.stop
+        self.request = GenerationRequest(prompt_ids, max_new_tokens, options.sampling,
+                                         ignore_eos=options.ignore_eos)
+        self.stop = options.stop
         self.finish_reason = "cancelled"
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -142,11 +135,14 @@ class Generation:
         return {k: self.stats.get(k, 0.0) for k in ("prefill_tps", "decode_tps", "cold_share")}
 
     async def texts(self):
-        detok = IncrementalDetokenizer(self.model.tokenizer, keep=self.model.keep_special)
+        detok = IncrementalDetokenizer(self.model.info.tokenizer, keep=self.model.keep_special)
         stops = StopMatcher(self.stop)
         started = time.perf_counter()
         raw, released = "", 0  # detokenized text, and how much of it went out
-        stream = self.client.submit(self.request)
+        try:
+            stream = self.client.submit(self.request)
+        except ValueError as e:  # the engine refuses a request it cannot run
+            raise APIError(400, str(e)) from None
 
         def release(new: str) -> str:
             nonlocal raw, released
@@ -177,8 +173,7 @@ class Generation:
                     self.finish_reason = "error"
                     raise APIError(500, f"engine error: {event.message}")
         finally:
-            if not stream.done:
-                stream.cancel()
+            stream.cancel()  # a no-op when the stream has ended
             self._record(time.perf_counter() - started)
 
     def _record(self, seconds: float) -> None:

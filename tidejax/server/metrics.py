@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 
+from tidejax.server.client import EngineStats
+
 
 class Metrics:
     def __init__(self):
@@ -25,7 +27,7 @@ class Metrics:
             if stats.get(key):
                 self.last[key] = float(stats[key])
 
-    def render(self, lanes_active: int, queued: int, residency: dict) -> str:
+    def render(self, stats: EngineStats) -> str:
         out = []
 
         def metric(name, kind, help_text, samples):
@@ -50,9 +52,9 @@ class Metrics:
                [({}, self.last["decode_tps"])])
         metric("cold_share", "gauge", "wanted expert picks served by a miss (last request)",
                [({}, self.last["cold_share"])])
-        metric("lanes_active", "gauge", "requests decoding now", [({}, lanes_active)])
-        metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, queued)])
-        for key, value in sorted(residency.items()):
+        metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
+        metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
+        for key, value in sorted(stats.residency.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 metric(f"residency_{key}", "gauge", f"residency statistic '{key}'",
                        [({}, value)])

@@ -8,19 +8,20 @@ import dataclasses
 import json
 from typing import Any
 
+from tidejax.engine.sampling import SamplingParams
 from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class GenerationOptions:
+    """A request's generation fields: the engine's sampling as is, plus the token budget and the
+    stop strings the server applies."""
+
+    sampling: SamplingParams
     max_tokens: int | None  # None: up to the context or the server's limit
     max_tokens_param: str = "max_tokens"  # the request field that set it, for error messages
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
@@ -31,7 +32,7 @@ class ChatInput:
     messages: list[dict]  # OpenAI-shaped messages, content as strings
     tools: list[dict] | None  # OpenAI function tools, None when none may be called
     template_kwargs: dict
-    sampling: Sampling
+    options: GenerationOptions
     stream: bool
 
 
@@ -39,7 +40,7 @@ class ChatInput:
 class CompletionInput:
     model: str
     prompt: str | list[int]
-    sampling: Sampling
+    options: GenerationOptions
     stream: bool
 
 
@@ -112,7 +113,8 @@ def _stop(body: Fields, name: str) -> tuple[str, ...]:
     return stop
 
 
-def _sampling(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, ...]) -> Sampling:
+def _options(body: Fields, max_tokens: tuple[int | None, str],
+             stop: tuple[str, ...]) -> GenerationOptions:
     top_k = body.get("top_k", int, 0)
     if top_k < -1:
         raise APIError(400, f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
@@ -120,11 +122,11 @@ def _sampling(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str,
     n = body.get("n", int, 1)
     if n != 1:
         raise APIError(400, f"'n' = {n}: only one choice per request is supported", param="n")
-    return Sampling(max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
-                    temperature=body.number("temperature", 1.0, 0.0, 2.0),
-                    top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-                    top_k=max(top_k, 0), seed=body.get("seed", int), stop=stop,
-                    ignore_eos=body.get("ignore_eos", bool, False))
+    sampling = SamplingParams(temperature=body.number("temperature", 1.0, 0.0, 2.0),
+                              top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+                              top_k=max(top_k, 0), seed=body.get("seed", int))
+    return GenerationOptions(sampling, max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
+                             stop=stop, ignore_eos=body.get("ignore_eos", bool, False))
 
 
 def _text_content(content: Any, param: str, parts_type: str = "text") -> str:
@@ -207,8 +209,8 @@ def parse_chat(body: Fields) -> ChatInput:
         model=body.get("model", str, required=True),
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
         tools=_openai_tools(body), template_kwargs=kwargs,
-        sampling=_sampling(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
-                           _stop(body, "stop")),
+        options=_options(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
+                         _stop(body, "stop")),
         stream=body.get("stream", bool, False))
 
 
@@ -225,7 +227,7 @@ def parse_completion(body: Fields) -> CompletionInput:
             raise APIError(400, f"'{name}' is not supported", param=name)
     return CompletionInput(
         model=body.get("model", str, required=True), prompt=prompt,
-        sampling=_sampling(body, _max_tokens(body, "max_tokens"), _stop(body, "stop")),
+        options=_options(body, _max_tokens(body, "max_tokens"), _stop(body, "stop")),
         stream=body.get("stream", bool, False))
 
 
@@ -313,6 +315,6 @@ def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
         model=body.get("model", str, required=True),
         messages=_anthropic_messages(body.get("system", (str, list)), messages),
         tools=_anthropic_tools(body), template_kwargs=kwargs,
-        sampling=_sampling(body, _max_tokens(body, "max_tokens", required=not count_only),
-                           _stop(body, "stop_sequences")),
+        options=_options(body, _max_tokens(body, "max_tokens", required=not count_only),
+                         _stop(body, "stop_sequences")),
         stream=body.get("stream", bool, False))

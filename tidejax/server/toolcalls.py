@@ -1,10 +1,9 @@
 """Model output -> reasoning, content and tool calls.
 
 Each model family writes tool calls in its own format; one `ToolFormat` per format parses them,
-and `tool_format_for` picks it from the checkpoint's chat template (the template is what taught
-the model the format) or, failing that, from the model_type. `OutputParser` splits a stream of
-text into `<think>` reasoning, visible content and the tool-call section, holding back only the
-few characters that might be the start of a marker.
+and the engine client names the served model's (`EngineInfo.tool_format`). `OutputParser`
+splits a stream of text into `<think>` reasoning, visible content and the tool-call section,
+holding back only the few characters that might be the start of a marker.
 """
 
 from __future__ import annotations
@@ -113,22 +112,6 @@ HERMES = ToolFormat(
 
 # most specific template marker first: GLM's templates also contain "<tool_call>"
 TOOL_FORMATS = (DEEPSEEK_V3, GLM, HERMES)
-TOOL_FORMAT_BY_MODEL_TYPE = {
-    "deepseek_v3": DEEPSEEK_V3,
-    "deepseek_v32": DEEPSEEK_V3,
-    "glm4_moe": GLM,
-    "glm_moe_dsa": GLM,
-    "qwen2_moe": HERMES,
-    "qwen3_moe": HERMES,
-}
-
-
-def tool_format_for(model_type: str, template_source: str) -> ToolFormat | None:
-    """The format the chat template teaches, else the family's usual one, else None."""
-    for fmt in TOOL_FORMATS:
-        if fmt.template_marker in template_source:
-            return fmt
-    return TOOL_FORMAT_BY_MODEL_TYPE.get(model_type)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
