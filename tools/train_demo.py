@@ -162,14 +162,16 @@ class Trainer:
         self.seq = seq
         self.model = DeepseekV3(cfg, ServeOptions(kernel="reference", all_resident=True, count=True))
         self.n_moe = len(cfg.moe_layers)
-        self._cache = lambda b: MLACache.create(cfg, b, seq, jnp.float32)
+        # a KV pool of one page of `seq` tokens a row, and its block table [b, 1]
+        self._cache = lambda b: (MLACache.create(cfg, b, seq, jnp.float32),
+                                 jnp.arange(b, dtype=jnp.int32)[:, None])
         self._state = lambda experts: all_resident_state(experts, self.n_moe)
         key_model, key_experts = jax.random.split(jax.random.PRNGKey(seed))
         tokens = jnp.zeros((1, seq), jnp.int32)
         positions = jnp.arange(seq, dtype=jnp.int32)[None]
         experts = self.init_experts(key_experts)
         model_params = self.model.init(key_model, tokens, positions, jnp.ones((1, seq), bool),
-                                       self._cache(1), self._state(experts))["params"]
+                                       *self._cache(1), self._state(experts))["params"]
         self.params = {"model": model_params, "experts": experts}
 
     def init_experts(self, key) -> dict:
@@ -185,7 +187,7 @@ class Trainer:
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         logits, _, state = self.model.apply({"params": params["model"]}, tokens, positions,
-                                            jnp.ones((b, t), bool), self._cache(b),
+                                            jnp.ones((b, t), bool), *self._cache(b),
                                             self._state(params["experts"]))
         return logits, state.counts
 

@@ -86,49 +86,51 @@ ceiling = big[0].nbytes / (median_seconds(read, big) / 20) / 1e9
 say(f"HBM read ceiling (jnp.sum over 512 MiB bf16): {ceiling:.0f} GB/s")
 del big
 
-# correctness
-for b, L in (SHAPES[0], SHAPES[3]):
-    q, qr, lat, rope, tables, lengths = make(b, L)
-    if b == 4:
-        lengths = jnp.asarray([L, L - 37, 1, 0], jnp.int32)
-    for qd in (jnp.bfloat16, jnp.float32):
-        args = (q.astype(qd), qr.astype(qd), lat, rope, tables[0], lengths)
-        got = A.paged_mla_decode_pallas(*args, scale=SCALE)
-        want = ref(*args)
-        say(f"check b={b} L={L} lengths={list(map(int, lengths))} q {jnp.dtype(qd).name}: rel err {rel(got, want):.2e}, "
-            f"zeros row ok {bool(b == 1 or np.all(np.asarray(got[3]) == 0))}")
-    del q, qr, lat, rope, tables
 
-SWEEP = [(16, 64, 4, 2), (16, 64, 4, 1), (16, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2),
-         (16, 128, 4, 2), (32, 128, 8, 2)]
-say("\n| b | L | tile (bh, bs, warps, stages) | splits | us | GB/s | x ceiling | TFLOP/s |")
-say("| --- | --- | --- | --- | --- | --- | --- | --- |")
-results = {}
-for b, L in SHAPES:
+SWEEP = {
+    (1, 32768): [((16, 64, 4, 2), None, False), ((16, 64, 4, 2), None, True), ((16, 32, 4, 2), None, False),
+                 ((16, 32, 4, 3), None, False), ((16, 32, 4, 4), None, False), ((32, 32, 4, 3), None, False),
+                 ((64, 32, 8, 2), None, False), ((32, 64, 4, 2), None, False), ((16, 16, 4, 4), None, False),
+                 ((16, 32, 4, 3), 66, False)],
+    (4, 32768): [((16, 64, 4, 2), None, False), ((16, 32, 4, 3), None, False), ((32, 32, 4, 3), None, False),
+                 ((16, 32, 4, 4), None, False), ((64, 32, 8, 2), None, False)],
+    (1, 4096): [((16, 64, 4, 2), None, False), ((16, 32, 4, 3), None, False), ((16, 32, 4, 4), None, False)],
+    (4, 4096): [((16, 64, 4, 2), None, False), ((16, 32, 4, 3), None, False), ((16, 32, 4, 4), None, False)],
+}
+say("\n| b | L | tile (bh, bs, warps, stages) | rows | splits | us | GB/s | x ceiling | TFLOP/s |")
+say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for (b, L), cands in (SWEEP.items() if MODE != "dry" else zip(SHAPES, SWEEP.values())):
     q, qr, lat, rope, tables, lengths = make(b, L)
     nbytes = b * L * (C + R) * 2
     flops = b * L * H * (2 * (C + R) + 2 * C)
-    n_iter = 50
-    long = L == SHAPES[-1][1]
-    cands = [(tile, None) for tile in (SWEEP if long else SWEEP[:4])]
-    if b == 1:
-        cands += [((16, 64, 4, 2), sp) for sp in (4, 16, 32)]
     best = None
-    for tile, sp in cands:
+    for tile, sp, gather in cands:
+        A.FORCE_GATHER = gather
         try:
             s = per_call(lambda *a: A.paged_mla_decode_pallas(*a, scale=SCALE, tile=tile, splits=sp),
-                         q, qr, lat, rope, tables, lengths, n_iter)
+                         q, qr, lat, rope, tables, lengths, 50)
         except Exception as e:  # noqa: BLE001
-            say(f"| {b} | {L} | {tile} | {sp} | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
+            say(f"| {b} | {L} | {tile} | | {sp} | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
             continue
-        bh = min(tile[0], H)
-        used = sp or A.choose_splits(b, H // bh, L // max(tile[1], PS))
-        say(f"| {b} | {L} | {tile} | {used}{'' if sp else ' (auto)'} | {s*1e6:.1f} | {nbytes/s/1e9:.0f} | "
+        finally:
+            A.FORCE_GATHER = False
+        used = sp or A.choose_splits(b, H // min(tile[0], H), L // tile[1])
+        rows = "gather" if gather or tile[1] > PS else "block"
+        say(f"| {b} | {L} | {tile} | {rows} | {used}{'' if sp else ' (auto)'} | {s*1e6:.1f} | {nbytes/s/1e9:.0f} | "
             f"{nbytes/s/1e9/ceiling:.2f} | {flops/s/1e12:.0f} |")
-        if best is None or s < best[0]:
-            best = (s, tile, used)
-    s = per_call(ref, q, qr, lat, rope, tables, lengths, 10)
-    say(f"| {b} | {L} | reference (jit) | - | {s*1e6:.1f} | {nbytes/s/1e9:.0f} | {nbytes/s/1e9/ceiling:.2f} | "
-        f"{flops/s/1e12:.0f} |")
+        if not gather and (best is None or s < best[0]):
+            best = (s, tile, sp)
+    if b == 4:
+        s = per_call(ref, q, qr, lat, rope, tables, lengths, 10)
+        say(f"| {b} | {L} | reference (jit) | | - | {s*1e6:.1f} | {nbytes/s/1e9:.0f} | {nbytes/s/1e9/ceiling:.2f} | "
+            f"{flops/s/1e12:.0f} |")
     say(f"best b={b} L={L}: {best[1]} splits {best[2]} {best[0]*1e6:.1f} us")
+    if L == SHAPES[-1][1] and b == 4 or (b, L) == SHAPES[0]:
+        if b == 4:
+            lengths = jnp.asarray([L, L - 37, 1, 0], jnp.int32)
+        for qd in (jnp.bfloat16, jnp.float32):
+            args = (q.astype(qd), qr.astype(qd), lat, rope, tables[0], lengths)
+            got = A.paged_mla_decode_pallas(*args, scale=SCALE, tile=best[1], splits=best[2])
+            say(f"check b={b} L={L} tile {best[1]} lengths={list(map(int, lengths))} q {jnp.dtype(qd).name}: "
+                f"rel err {rel(got, ref(*args)):.2e}, zeros row ok {bool(b == 1 or np.all(np.asarray(got[3]) == 0))}")
     del q, qr, lat, rope, tables

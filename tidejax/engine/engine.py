@@ -188,6 +188,19 @@ class Engine:
         chunk at prefill.lane (its request's first token when the chunk ends the prompt).
         A decoding lane's input is previous[lane] (an earlier step's output, still on the device)
         or, where decode.fresh[lane], decode.tokens[lane] from the host."""
+        region = "decode" if prefill is None else "prefill"
+        with jax.profiler.TraceAnnotation(region):
+            tokens, self.cache, self.residency.state = self._steps.step(
+                *self.step_args(decode, prefill, sampling, previous))
+        real = (len(prefill.tokens) if prefill is not None else 0) + (
+            int(decode.active.sum()) if decode is not None else 0)
+        self.residency.after_step(real)
+        return tokens
+
+    def step_args(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
+                  sampling: LaneSampling, previous: jax.Array | None = None) -> tuple:
+        """The jitted step's arguments for `step` (its block tables, padded chunk, host inputs,
+        replay rows); benchmarks and tests lower the step with them."""
         if decode is None and prefill is None:
             raise ValueError("a step needs decoding lanes or a prompt chunk")
         if previous is None:
@@ -215,15 +228,8 @@ class Engine:
                                                      decode.active[:, None])
         replay_prefill = self._replay_rows(prefill_in.tokens.size) if prefill is not None else None
         replay_decode = self._replay_rows(self.lanes) if decode is not None else None
-        region = "decode" if prefill is None else "prefill"
-        with jax.profiler.TraceAnnotation(region):
-            tokens, self.cache, self.residency.state = self._steps.step(
-                self.params, replay_prefill, replay_decode, prefill_host, decode_host, prefill_in,
+        return (self.params, replay_prefill, replay_decode, prefill_host, decode_host, prefill_in,
                 decode_in, self.cache, self.residency.state, sampling)
-        real = (len(prefill.tokens) if prefill is not None else 0) + (
-            int(decode.active.sum()) if decode is not None else 0)
-        self.residency.after_step(real)
-        return tokens
 
     def _table_width(self, decode: DecodeRows | None, prefill: PrefillChunk | None) -> int | None:
         """Block-table width of a step: a power of two of pages, enough for its longest row."""

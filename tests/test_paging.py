@@ -1,0 +1,140 @@
+"""The paged KV pool: preempted requests resume exactly, a long prompt is prefilled in chunks
+beside decoding lanes that keep getting a token every step, and a decode step costs what the
+sequences hold, not max_context (XLA's cost analysis of the compiled step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.engine.engine import DecodeRows
+from tidejax.engine.sampling import LaneSampling, SamplingParams
+from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.fields import ConfigError
+from tidejax.kv.pages import PageTable, page_bucket
+from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+
+PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9))]
+LONG = np.random.RandomState(4).randint(3, 256, 70).tolist()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("paging")
+    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy tokens by full forwards (Engine.logits argmax): no pages, no lanes."""
+    scorer = tidejax.load(model_dir, engine={"max_context": 128})
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        ids = []
+        while len(ids) < n:
+            ids.append(int(np.argmax(scorer.logits(list(prompt) + ids)[-1])))
+        return ids
+    return greedy
+
+
+def collect(engine, requests):
+    events = [[] for _ in requests]
+    for i, request in enumerate(requests):
+        engine.scheduler.submit(request, events[i].append)
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def test_page_table_hands_out_and_takes_back():
+    table = PageTable(6, 4)
+    assert table.grow(1, 9) == [0, 1, 2] and table.grow(1, 12) == [0, 1, 2]
+    assert table.shortfall(2, 13) == 4 and table.free == 3
+    with pytest.raises(RuntimeError, match="4 pages wanted, 3 free"):
+        table.grow(2, 13)
+    table.release(1)
+    assert table.free == 6 and table.grow(2, 13) == [0, 1, 2, 3]
+    assert [page_bucket(n, 64) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 64]
+
+
+def test_preempted_requests_resume_exactly(model_dir, reference):
+    """Two lanes, a pool of 12 pages of 8 tokens: two requests growing to 60 and 49 positions
+    need 15, so the newest is preempted (its pages to host memory) and resumes where it was;
+    greedy and sampled tokens are those of an unpreempted run."""
+    small = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 96, "page_size": 8,
+                                            "kv_pool_tokens": 96})
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    requests = [GenerationRequest(PROMPTS[0], 40, ignore_eos=True),
+                GenerationRequest(PROMPTS[1], 40, sampled, ignore_eos=True)]
+    events = collect(small, requests)
+    small.scheduler.run_until_idle()
+    stats = small.scheduler.kv_stats()
+    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0, stats
+    roomy = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 96, "page_size": 8})
+    alone = collect(roomy, requests)
+    roomy.scheduler.run_until_idle()
+    assert roomy.scheduler.kv_stats()["preemptions"] == 0
+    assert tokens_of(events[0]) == reference(PROMPTS[0], 40) == tokens_of(alone[0])
+    assert tokens_of(events[1]) == tokens_of(alone[1]) and len(tokens_of(events[1])) == 40
+
+
+def test_long_prompt_prefills_beside_a_decoding_lane(model_dir, reference):
+    """A 70-token prompt arrives while a lane decodes; at prefill_chunk 16 it takes five steps,
+    and the decoding lane gets a token in every one of them (steps counted, not time)."""
+    engine = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 128, "page_size": 8,
+                                             "prefill_chunk": 16})
+    scheduler = engine.scheduler
+    decoding, admitted = [], []
+    scheduler.submit(GenerationRequest(PROMPTS[0], 30, ignore_eos=True), decoding.append)
+    for _ in range(3):
+        scheduler.step()
+    scheduler.submit(GenerationRequest(LONG, 6, ignore_eos=True), admitted.append)
+    per_step = []
+    while not tokens_of(admitted):
+        before = len(tokens_of(decoding))
+        scheduler.step()
+        per_step.append(len(tokens_of(decoding)) - before)
+    assert len(per_step) >= 5 and per_step == [1] * len(per_step), per_step
+    scheduler.run_until_idle()
+    assert tokens_of(admitted) == reference(LONG, 6)
+    assert tokens_of(decoding) == reference(PROMPTS[0], 30)
+
+
+def test_pool_smaller_than_one_sequence_fails_at_start(model_dir):
+    with pytest.raises(ConfigError, match="engine.kv_pool_tokens.*less than one sequence"):
+        tidejax.load(model_dir, engine={"max_context": 96, "kv_pool_tokens": 64})
+
+
+def decode_cost(engine, position: int) -> tuple[float, float]:
+    """(flops, bytes accessed) of the compiled decode step, one lane at `position`."""
+    pages = PageTable(engine.kv_pages, engine.page_size)
+    held = pages.grow(0, position + 1)
+    lanes = engine.lanes
+    decode = DecodeRows(np.zeros(lanes, np.int32), np.ones(lanes, bool),
+                        np.full(lanes, position, np.int32), np.arange(lanes) == 0,
+                        [held] + [[]] * (lanes - 1))
+    args = engine.step_args(decode, None, LaneSampling.of([SamplingParams()] * lanes))
+    cost = engine._steps.step.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["flops"], cost["bytes accessed"]
+
+
+def test_decode_cost_does_not_grow_with_max_context(tmp_path):
+    """Same position, max_context 1,024 against 65,536 (one pool size): the same cost within 5%;
+    and position 4,000 costs more than position 20, so the measure sees attention."""
+    write_deepseek_v3(tmp_path, seed=2, max_position_embeddings=65536,
+                      **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    costs = {}
+    for max_context in (1024, 65536):
+        engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": max_context,
+                                                "page_size": 64, "kv_pool_tokens": 65536})
+        assert engine.max_context == max_context
+        costs[max_context] = decode_cost(engine, 20)
+    for short, long in zip(costs[1024], costs[65536]):
+        assert abs(long - short) <= 0.05 * short, costs
+    far = decode_cost(engine, 4000)  # the weights' bytes dominate; attention's flops show
+    assert far[0] > 5 * costs[65536][0] and far[1] > 1.1 * costs[65536][1], (far, costs)
