@@ -12,7 +12,7 @@ bench/roofline.py does. Per (share, lanes) it prints
 
     loop   ms a decode step in Scheduler.step: admit, queue the step, read the previous step's
            tokens, emit them, the residency's per-step work (steps counted: decode steps queued)
-    engine ms a step of Engine.decode called back to back, tokens never read: the step and the
+    engine ms a step of Engine.step called back to back, tokens never read: the step and the
            residency's per-step work, without the scheduler
     bare   ms a step of the jitted decode step alone, back to back, nothing read
     ratio  loop / bare: 1.0 = the device never waits for the host
@@ -38,8 +38,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
+from tidejax.engine.engine import DecodeRows  # noqa: E402
 from tidejax.engine.sampling import LaneSampling, SamplingParams  # noqa: E402
 from tidejax.engine.scheduler import GenerationRequest  # noqa: E402
+from tidejax.kv.pages import pages_for  # noqa: E402
 
 PROMPT_TOKENS = 16
 SAMPLING = SamplingParams(temperature=0.6, seed=0)
@@ -52,44 +54,55 @@ def loop_ms(engine, lanes: int, steps: int) -> float:
         engine.scheduler.submit(GenerationRequest(
             prompt_ids(engine, "en", PROMPT_TOKENS, offset=997 * i), steps + 1,
             dataclasses.replace(SAMPLING, seed=i), ignore_eos=True), raise_errors)
-    engine.scheduler.step()  # the prefills, then the first decode step queued
+    generated = engine.scheduler.totals["generated_tokens"]
+    while engine.scheduler.totals["generated_tokens"] < generated + lanes:
+        engine.scheduler.step()  # the prompts, one a step, until each request has its first token
     first = engine.scheduler.totals["steps"]  # counts the step just queued
     start = time.perf_counter()
     engine.scheduler.run_until_idle()
     return (time.perf_counter() - start) * 1e3 / (engine.scheduler.totals["steps"] - first + 1)
 
 
-def _decode_inputs(engine, lanes: int):
-    """tokens, positions, active, sampling for a step of `lanes` active lanes; `stay` (every
-    input from the previous step's output); and a first step's output, waited for."""
+def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
+    """A step of `lanes` active lanes at position PROMPT_TOKENS, each holding the pages of lane 0's
+    first pages (what they read, not what they hold, is what a step costs)."""
     active = np.arange(engine.lanes) < lanes
     positions = np.where(active, PROMPT_TOKENS, 0).astype(np.int32)
-    tokens, sampling = np.zeros(engine.lanes, np.int32), LaneSampling.of([SAMPLING] * engine.lanes)
-    first = jax.block_until_ready(engine.decode(tokens, positions, active, sampling))
-    return tokens, positions, active, sampling, np.zeros(engine.lanes, bool), first
+    pages = ([list(range(pages_for(PROMPT_TOKENS + 1, engine.page_size)))] * engine.lanes
+             if engine.paged else None)
+    return DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, fresh), positions,
+                      active, pages)
+
+
+def _first_step(engine, lanes: int):
+    """sampling for `lanes` lanes and a first step's output (waited for)."""
+    sampling = LaneSampling.of([SAMPLING] * engine.lanes)
+    return sampling, jax.block_until_ready(engine.step(_decode_rows(engine, lanes, True), None,
+                                                       sampling))
 
 
 def engine_ms(engine, lanes: int, steps: int) -> float:
-    """ms per step of Engine.decode back to back, each fed the previous one's tokens on the
+    """ms per step of Engine.step back to back, each fed the previous one's tokens on the
     device, none read."""
-    tokens, positions, active, sampling, stay, out = _decode_inputs(engine, lanes)
+    sampling, out = _first_step(engine, lanes)
+    decode = _decode_rows(engine, lanes, False)
     start = time.perf_counter()
     for _ in range(steps):
-        out = engine.decode(tokens, positions, active, sampling, previous=out, fresh=stay)
+        out = engine.step(decode, None, sampling, previous=out)
     jax.block_until_ready(out)
     engine.residency.flush()
     return (time.perf_counter() - start) * 1e3 / steps
 
 
 def bare_ms(engine, lanes: int, steps: int) -> float:
-    """ms per step of the jitted decode step alone (the engine's private `_steps.decode`, the
-    function Engine.decode queues), back to back, none read."""
-    tokens, positions, active, sampling, stay, out = _decode_inputs(engine, lanes)
+    """ms per step of the jitted step alone (the engine's private `_steps.step`, the function
+    Engine.step queues), back to back, none read."""
+    sampling, out = _first_step(engine, lanes)
+    decode = _decode_rows(engine, lanes, False)
     start = time.perf_counter()
     for _ in range(steps):
-        out, engine.cache, engine.residency.state = engine._steps.decode(
-            engine.params, engine._replay_rows(engine.lanes), None, tokens, stay, out, positions,
-            active, engine.cache, engine.residency.state, sampling)
+        out, engine.cache, engine.residency.state = engine._steps.step(
+            *engine.step_args(decode, None, sampling, previous=out))
     jax.block_until_ready(out)
     return (time.perf_counter() - start) * 1e3 / steps
 
