@@ -117,17 +117,17 @@ def test_kernel_interpret_matches_reference(rng, pool_dtype, q_dtype, tol, ps):
     np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
 
 
-@pytest.mark.parametrize("pool_dtype,q_dtype,tol", [DTYPES[0], DTYPES[1]])
-def test_kernel_splits_and_head_blocks(rng, pool_dtype, q_dtype, tol):
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol,ps,n_table", [(*DTYPES[0], 8, 24), (*DTYPES[1], 32, 6)])
+def test_kernel_splits_and_head_blocks(rng, pool_dtype, q_dtype, tol, ps, n_table):
     """Several head blocks (20 heads: two blocks of 16, padded) and sequences split across
-    programs (partials combined), some splits empty; chunks of two pages (bs 16 over pages of 8)."""
-    ps, n_table = 8, 24
+    programs (partials combined), some splits empty; chunks of 16 positions: two pages gathered
+    row by row (pages of 8), or half a page read as one block (pages of 32)."""
     lengths = [0, 5, 8 * 16 + 3, n_table * ps]
     args, _ = make_case(rng, b=len(lengths), h=20, c=32, r=16, ps=ps, n_table=n_table, lengths=lengths,
                         pool_dtype=pool_dtype, q_dtype=q_dtype)
     want = np.asarray(paged_mla_decode_reference(*args, scale=SCALE), np.float64)
     assert choose_splits(len(lengths), 2, n_table * ps // 16) == 3  # the kernel's own choice: 3 splits
-    for splits in (None, 1, 5):
+    for splits in (None, 5):  # (one split: the tests above)
         got = paged_mla_decode_pallas(*args, scale=SCALE, interpret=True, splits=splits,
                                       tile=(16, 16, 4, 1))
         assert rel_err(got, want) < tol, splits
@@ -180,16 +180,17 @@ def test_mismatched_shapes_are_named():
         paged_mla_decode(q, qr, latent, rope, table, lengths[:1], scale=SCALE)
 
 
-@pytest.mark.parametrize("b,pool_dtype,q_dtype", [(1, jnp.bfloat16, jnp.bfloat16), (4, jnp.bfloat16, jnp.float32),
-                                                 (64, jnp.float32, jnp.float32)])
-def test_kernel_lowers_to_triton_for_cuda(b, pool_dtype, q_dtype):
+@pytest.mark.parametrize("b,pool_dtype,q_dtype,tile", [(1, jnp.bfloat16, jnp.bfloat16, None),
+                                                      (4, jnp.bfloat16, jnp.float32, (16, 128, 4, 2)),
+                                                      (64, jnp.float32, jnp.float32, (16, 32, 4, 2))])
+def test_kernel_lowers_to_triton_for_cuda(b, pool_dtype, q_dtype, tile):
     """The Pallas -> Triton lowering runs on a CPU machine too: DeepSeek-V3 shapes (h 128, c 512,
-    r 64, pages of 64, a table of 4,096 pages)."""
+    r 64, pages of 64, a table of 4,096 pages); chunks of a page, two pages, half a page."""
     from jax import export
 
     shape = jax.ShapeDtypeStruct
     h, c, r, ps, n_table, n_pages = 128, 512, 64, 64, 4096, 8192
-    kernel = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=SCALE))
+    kernel = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=SCALE, tile=tile))
     exported = export.export(kernel, platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         shape((b, h, c), q_dtype), shape((b, h, r), q_dtype), shape((n_pages, ps, c), pool_dtype),
