@@ -1,5 +1,6 @@
 """GPU kernels (Pallas) behind plain functions, each with a jnp reference that runs everywhere."""
 
+from tidejax.pallas.attention import paged_mla_decode, paged_mla_decode_reference
 from tidejax.pallas.bank import bank_dims, bank_format
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped, moe_grouped_reference
@@ -11,4 +12,6 @@ __all__ = [
     "count_demand_reference",
     "moe_grouped",
     "moe_grouped_reference",
+    "paged_mla_decode",
+    "paged_mla_decode_reference",
 ]

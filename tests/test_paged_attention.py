@@ -1,0 +1,198 @@
+"""Paged MLA decode attention: the jnp reference against dense float64 numpy, the Pallas kernel
+(interpret mode on CPU) against the reference, the dispatch, and the Triton lowering at
+DeepSeek-V3 shapes."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tidejax.pallas import paged_mla_decode, paged_mla_decode_reference
+from tidejax.pallas.attention import choose_splits, paged_mla_decode_pallas, pallas_supports
+
+SCALE = 0.3
+
+
+@pytest.fixture
+def rng():
+    seed = time.time_ns() % 2**32
+    print(f"random seed {seed}")  # shown by pytest when a test fails
+    return np.random.default_rng(seed)
+
+
+def make_case(rng, *, b, h, c, r, ps, n_table, lengths, pool_dtype, q_dtype, spare_pages=5):
+    """Random queries and a pool whose pages are handed out shuffled; table entries past a
+    sequence's pages hold random (valid) page ids. -> (args, pool as float64 numpy)."""
+    held = [-(-length // ps) for length in lengths]
+    n_pages = sum(held) + spare_pages
+    order = rng.permutation(n_pages)
+    table = rng.integers(0, n_pages, (b, n_table)).astype(np.int32)
+    used = 0
+    for i, k in enumerate(held):
+        table[i, :k] = order[used:used + k]
+        used += k
+    latent = jnp.asarray(rng.standard_normal((n_pages, ps, c)), pool_dtype)
+    rope = jnp.asarray(rng.standard_normal((n_pages, ps, r)), pool_dtype)
+    q = jnp.asarray(rng.standard_normal((b, h, c)) / np.sqrt(c), q_dtype)
+    qr = jnp.asarray(rng.standard_normal((b, h, r)) / np.sqrt(r), q_dtype)
+    args = (q, qr, latent, rope, jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    return args, tuple(np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in args[:4])
+
+
+def numpy_attention(q, qr, latent, rope, table, lengths, scale):
+    """Float64, one sequence at a time: its visible positions gathered row by row, then a dense
+    softmax over them."""
+    b, h, c = q.shape
+    ps = latent.shape[1]
+    out = np.zeros((b, h, c))
+    for i in range(b):
+        pos = np.arange(lengths[i])
+        keys = latent[table[i, pos // ps], pos % ps]  # [length, c]
+        rope_keys = rope[table[i, pos // ps], pos % ps]
+        if len(pos) == 0:
+            continue
+        s = (q[i] @ keys.T + qr[i] @ rope_keys.T) * scale  # [h, length]
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = (p / p.sum(axis=1, keepdims=True)) @ keys
+    return out
+
+
+def rel_err(got, want):
+    return np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+
+
+# Lengths over a table of 6 pages: empty, one position, a partial first page, a partial last
+# page, exactly full pages, the full table.
+def lengths_for(ps, n_table=6):
+    return [0, 1, ps - 1, 2 * ps + 1, 3 * ps, n_table * ps]
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("ps", [4, 8])
+def test_reference_matches_float64(rng, pool_dtype, ps):
+    lengths = lengths_for(ps)
+    args, pool64 = make_case(rng, b=len(lengths), h=4, c=32, r=16, ps=ps, n_table=6, lengths=lengths,
+                             pool_dtype=pool_dtype, q_dtype=jnp.float32)
+    want = numpy_attention(*pool64, np.asarray(args[4]), lengths, SCALE)
+    got = jax.jit(paged_mla_decode_reference, static_argnames="scale")(*args, scale=SCALE)
+    assert got.dtype == jnp.float32 and got.shape == (len(lengths), 4, 32)
+    assert rel_err(got, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(got[0]), 0.0)  # length 0 -> zeros
+
+
+def test_reference_reads_only_the_table_pages():
+    """Its buffers follow the table, not the pool: a pool 4,096x larger adds no temporary bytes
+    (XLA's cost_analysis would count a convert it fuses into the gather over the whole pool, though
+    only the gathered rows are computed)."""
+    shape = jax.ShapeDtypeStruct
+    q, qr = shape((2, 4, 32), jnp.float32), shape((2, 4, 16), jnp.float32)
+    table, lengths = shape((2, 6), jnp.int32), shape((2,), jnp.int32)
+    temp = []
+    for n_pages in (16, 65536):
+        pool = shape((n_pages, 8, 32), jnp.bfloat16), shape((n_pages, 8, 16), jnp.bfloat16)
+        compiled = jax.jit(paged_mla_decode_reference, static_argnames="scale").lower(
+            q, qr, *pool, table, lengths, scale=SCALE).compile()
+        temp.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temp[0] == temp[1] < 2 * 48 * 48 * 4 * 4  # a few [b, P * page_size, c] float32 buffers
+
+
+# (pool dtype, query dtype, tolerance against the float32 reference): float32 pools run float32
+# dots; bf16 pools bf16 dots (float32 queries as two bf16 terms, probabilities rounded to bf16).
+DTYPES = [(jnp.float32, jnp.float32, 1e-5), (jnp.bfloat16, jnp.float32, 5e-3),
+          (jnp.bfloat16, jnp.bfloat16, 5e-3)]
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol", DTYPES)
+@pytest.mark.parametrize("ps", [4, 8])
+def test_kernel_interpret_matches_reference(rng, pool_dtype, q_dtype, tol, ps):
+    lengths = lengths_for(ps)
+    args, _ = make_case(rng, b=len(lengths), h=4, c=32, r=16, ps=ps, n_table=6, lengths=lengths,
+                        pool_dtype=pool_dtype, q_dtype=q_dtype)
+    want = np.asarray(paged_mla_decode_reference(*args, scale=SCALE), np.float64)
+    got = paged_mla_decode_pallas(*args, scale=SCALE, interpret=True)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    assert rel_err(got, want) < tol
+    np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol,ps,n_table", [(*DTYPES[0], 8, 24), (*DTYPES[1], 32, 6)])
+def test_kernel_splits_and_head_blocks(rng, pool_dtype, q_dtype, tol, ps, n_table):
+    """Several head blocks (20 heads: two blocks of 16, padded) and sequences split across
+    programs (partials combined), some splits empty; chunks of 16 positions: two pages gathered
+    row by row (pages of 8), or half a page read as one block (pages of 32)."""
+    lengths = [0, 5, 8 * 16 + 3, n_table * ps]
+    args, _ = make_case(rng, b=len(lengths), h=20, c=32, r=16, ps=ps, n_table=n_table, lengths=lengths,
+                        pool_dtype=pool_dtype, q_dtype=q_dtype)
+    want = np.asarray(paged_mla_decode_reference(*args, scale=SCALE), np.float64)
+    assert choose_splits(len(lengths), 2, n_table * ps // 16) == 3  # the kernel's own choice: 3 splits
+    for splits in (None, 5):  # (one split: the tests above)
+        got = paged_mla_decode_pallas(*args, scale=SCALE, interpret=True, splits=splits,
+                                      tile=(16, 16, 4, 1))
+        assert rel_err(got, want) < tol, splits
+        np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
+
+
+def _has_pallas_call(fn, *args):
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+def test_dispatch_runs_the_kernel_when_asked(rng):
+    """impl="pallas" runs the kernel (interpret mode on CPU); "auto" runs the reference here."""
+    lengths = lengths_for(4)
+    args, _ = make_case(rng, b=len(lengths), h=4, c=32, r=16, ps=4, n_table=6, lengths=lengths,
+                        pool_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16)
+    run = lambda impl: (lambda *a: paged_mla_decode(*a, scale=SCALE, impl=impl))
+    assert _has_pallas_call(run("pallas"), *args)
+    assert not _has_pallas_call(run("reference"), *args)
+    assert _has_pallas_call(run("auto"), *args) == (jax.default_backend() == "gpu")
+    want = paged_mla_decode_pallas(*args, scale=SCALE, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(np.asarray(jax.jit(run("pallas"))(*args)), np.asarray(want))
+    assert rel_err(run("reference")(*args), np.asarray(paged_mla_decode_reference(*args, scale=SCALE))) == 0
+
+
+def test_shapes_the_kernel_does_not_take():
+    shape = jax.ShapeDtypeStruct
+    q, qr = shape((2, 4, 32), jnp.float32), shape((2, 4, 16), jnp.float32)
+    assert pallas_supports(q, qr, shape((8, 4, 32), jnp.bfloat16))
+    assert not pallas_supports(shape((2, 4, 48), jnp.float32), qr, shape((8, 4, 48), jnp.bfloat16))  # c
+    assert not pallas_supports(q, shape((2, 4, 8), jnp.float32), shape((8, 4, 32), jnp.bfloat16))  # r < 16
+    assert not pallas_supports(q, qr, shape((8, 6, 32), jnp.bfloat16))  # page size
+    assert not pallas_supports(q, qr, shape((8, 4, 32), jnp.float16))
+    args = (np.zeros((1, 4, 48), np.float32), np.zeros((1, 4, 16), np.float32),
+            np.zeros((3, 4, 48), np.float32), np.zeros((3, 4, 16), np.float32),
+            np.zeros((1, 2), np.int32), np.ones(1, np.int32))
+    with pytest.raises(ValueError, match="shapes the kernel does not take"):
+        paged_mla_decode(*args, scale=SCALE, impl="pallas")
+    assert paged_mla_decode(*args, scale=SCALE).shape == (1, 4, 48)  # auto: the reference
+
+
+def test_mismatched_shapes_are_named():
+    q, qr = np.zeros((2, 4, 32), np.float32), np.zeros((2, 4, 16), np.float32)
+    latent, rope = np.zeros((3, 4, 32), np.float32), np.zeros((3, 4, 16), np.float32)
+    table, lengths = np.zeros((2, 2), np.int32), np.ones(2, np.int32)
+    with pytest.raises(ValueError, match=r"rope_pages has shape \(3, 4, 8\)"):
+        paged_mla_decode(q, qr, latent, rope[..., :8], table, lengths, scale=SCALE)
+    with pytest.raises(ValueError, match="block_table has shape"):
+        paged_mla_decode(q, qr, latent, rope, table[:1], lengths, scale=SCALE)
+    with pytest.raises(ValueError, match="lengths has shape"):
+        paged_mla_decode(q, qr, latent, rope, table, lengths[:1], scale=SCALE)
+
+
+@pytest.mark.parametrize("b,pool_dtype,q_dtype,tile", [(1, jnp.bfloat16, jnp.bfloat16, None),
+                                                      (4, jnp.bfloat16, jnp.float32, (16, 128, 4, 2)),
+                                                      (64, jnp.float32, jnp.float32, (16, 32, 4, 2))])
+def test_kernel_lowers_to_triton_for_cuda(b, pool_dtype, q_dtype, tile):
+    """The Pallas -> Triton lowering runs on a CPU machine too: DeepSeek-V3 shapes (h 128, c 512,
+    r 64, pages of 64, a table of 4,096 pages); chunks of a page, two pages, half a page."""
+    from jax import export
+
+    shape = jax.ShapeDtypeStruct
+    h, c, r, ps, n_table, n_pages = 128, 512, 64, 64, 4096, 8192
+    kernel = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=SCALE, tile=tile))
+    exported = export.export(kernel, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        shape((b, h, c), q_dtype), shape((b, h, r), q_dtype), shape((n_pages, ps, c), pool_dtype),
+        shape((n_pages, ps, r), pool_dtype), shape((b, n_table), jnp.int32), shape((b,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
