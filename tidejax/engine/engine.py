@@ -29,6 +29,7 @@ from tidejax.fields import ConfigError, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
 from tidejax.kv.pages import page_bucket, pages_for
+from tidejax.pallas.dispatch import choose_impl
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
@@ -100,6 +101,7 @@ class Engine:
             self.page_size = config.engine.page_size
             self.kv_pages = self._pool_pages(config)
             self.max_pages = pages_for(self.max_context, self.page_size)
+            self.decode_attention = choose_impl("paged_mla_decode", config.engine.kernel)
             cache = self.family.create_cache(self.cfg, self.kv_pages, self.page_size, self.dtype)
             log.info("KV pool: %d pages of %d tokens (%.2f GiB)", self.kv_pages, self.page_size,
                      self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30)
@@ -209,20 +211,19 @@ class Engine:
                 raise ValueError("a step without `previous` takes every input from the host")
         elif not self.pipelined:
             raise ValueError(f"the {self.family.name} family needs every input token on the host")
-        width = self._table_width(decode, prefill)
         prefill_in = prefill_host = None
         if prefill is not None:
             if not 0 < len(prefill.tokens) <= self.prefill_chunk:
                 raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
                                  f"got {len(prefill.tokens)}")
-            prefill_in, prefill_host = self._prefill_inputs(prefill, width)
+            prefill_in, prefill_host = self._prefill_inputs(prefill, self._prefill_width(prefill))
         decode_in = decode_host = None
         if decode is not None:
             decode_in = DecodeInputs(
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
                 active=decode.active.astype(bool),
-                table=self._table(decode.pages, width) if self.paged else None)
+                table=self._table(decode.pages, self._decode_width(decode)) if self.paged else None)
             if self._lane_inputs:
                 decode_host = self._lane_inputs.rows(decode.tokens[:, None], decode.positions,
                                                      decode.active[:, None])
@@ -231,14 +232,20 @@ class Engine:
         return (self.params, replay_prefill, replay_decode, prefill_host, decode_host, prefill_in,
                 decode_in, self.cache, self.residency.state, sampling)
 
-    def _table_width(self, decode: DecodeRows | None, prefill: PrefillChunk | None) -> int | None:
-        """Block-table width of a step: a power of two of pages, enough for its longest row."""
+    def _decode_width(self, decode: DecodeRows) -> int | None:
+        """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
+        longest lane, where attention reads the whole table (the reference); the pool's longest
+        sequence where the paged decode kernel reads each lane's own pages (one compile)."""
         if not self.paged:
             return None
-        held = [len(p) for p in (decode.pages if decode is not None else [])]
-        if prefill is not None:
-            held.append(len(prefill.pages))
-        return page_bucket(max(held, default=1), max(self.max_pages, 1))
+        if self.decode_attention == "pallas":
+            return self.max_pages
+        return page_bucket(max((len(p) for p in decode.pages), default=1), self.max_pages)
+
+    def _prefill_width(self, prefill: PrefillChunk) -> int | None:
+        """Block-table width of a prompt chunk: its request's pages (reserved for the whole
+        prompt at admission, so every chunk of a prompt compiles once), as a power of two."""
+        return page_bucket(len(prefill.pages), self.max_pages) if self.paged else None
 
     def _table(self, pages: list[list[int]], width: int) -> np.ndarray:
         """Block tables [rows, width]: each row's pages, padded with page 0 (never read: past each
@@ -302,24 +309,31 @@ class Engine:
         decode step at the table width of the prompt's end, by running them with every token
         masked out: nothing is written, counted or sampled into a lane."""
         start = time.perf_counter()
-        shapes = set()  # (chunk size or 0, table width)
+        shapes = set()  # (chunk size or 0, prefill table width, decode table width)
         for n in prompt_lengths or self._prefill_buckets:
-            for first, chunk in self.chunks(list(range(n))):
-                shapes.add((self.bucket(len(chunk)), self._width_for(first + len(chunk))))
-            shapes.add((0, self._width_for(min(n + 1, self.max_context))))
+            held = [0] * pages_for(min(n + 1, self.max_context), self.page_size) if self.paged else None
+            prefill_width = self._prefill_width(PrefillChunk(0, [0], 0, held))
+            decode_width = self._decode_width(DecodeRows(*[None] * 4, pages=[held]))
+            for _, chunk in self.chunks(list(range(n))):
+                shapes.add((self.bucket(len(chunk)), prefill_width, decode_width))
+            shapes.add((0, None, decode_width))
         sampling = LaneSampling.of([SamplingParams()] * self.lanes)
         idle = np.zeros(self.lanes, np.int32)
-        for size, width in sorted(shapes, key=lambda s: (s[0], s[1] or 0)):
-            table = np.zeros((self.lanes, width), np.int32) if self.paged else None
+
+        def table(rows, width):
+            return np.zeros((rows, width), np.int32) if self.paged else None
+
+        for size, prefill_width, decode_width in sorted(shapes, key=str):
             decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool),
                                   previous=self._host_only, positions=idle,
-                                  active=np.zeros(self.lanes, bool), table=table)
+                                  active=np.zeros(self.lanes, bool),
+                                  table=table(self.lanes, decode_width))
             prefill = None
             if size:
                 tokens = np.zeros((1, size), np.int32)
                 prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                         lane=np.int32(0), last=np.int32(0),
-                                        table=None if table is None else table[:1])
+                                        table=table(1, prefill_width))
             variants = [(prefill, decode), (prefill, None)] if size else [(None, decode)]
             for prefill_in, decode_in in variants:
                 prefill_host = decode_host = None
@@ -335,12 +349,6 @@ class Engine:
                     prefill_host, decode_host, prefill_in, decode_in, self.cache,
                     self.residency.state, sampling)
         log.info("compiled %d step shapes in %.1f s", len(shapes), time.perf_counter() - start)
-
-    def _width_for(self, n_tokens: int) -> int | None:
-        """The block-table width of a step whose longest row holds n_tokens positions."""
-        if not self.paged:
-            return None
-        return page_bucket(pages_for(n_tokens, self.page_size), max(self.max_pages, 1))
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tidejax.pallas import paged_mla_decode
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -41,10 +43,16 @@ def gather(pool, block_table):
 
 
 def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,
-                  scale: float):
+                  scale: float, impl: str = "auto"):
     """Multi-head latent attention over each row's pages: q_latent [b, t, h, c] (kv_b absorbed),
     q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
-    latent [b, t, h, c] in the queries' dtype."""
+    latent [b, t, h, c] in the queries' dtype. Decode (t = 1) goes to the paged decode kernel
+    (`impl` picks it or its reference: the pages a row holds, no more); a prefill chunk gathers
+    its row's pages."""
+    if q_latent.shape[1] == 1:
+        out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
+                               block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
+        return out[:, None].astype(q_latent.dtype)
     latent, rope = gather(latent_pages, block_table), gather(rope_pages, block_table)  # [b, s, c|r]
     scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent, precision=HIGHEST)
               + jnp.einsum("bthr,bsr->bhts", q_rope, rope, precision=HIGHEST))

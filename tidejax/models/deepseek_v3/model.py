@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, positions, token_mask, cos, sin, latent_pages, rope_pages, slots,
                  block_table, experts):
         cfg, dt = self.cfg, self.dtype
-        attn, latent_pages, rope_pages = MLAttention(cfg, dt, name="attn")(
+        attn, latent_pages, rope_pages = MLAttention(cfg, dt, self.serve.kernel, name="attn")(
             RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin,
             latent_pages, rope_pages, slots, block_table)
         x = x + attn

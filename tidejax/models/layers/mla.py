@@ -21,6 +21,7 @@ from tidejax.models.layers.rope import apply_rope
 class MLAttention(nn.Module):
     cfg: object  # a config with the fields the module docstring names
     dtype: jnp.dtype
+    kernel: str = "auto"  # the decode attention kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, positions, cos, sin, latent_pages, rope_pages, slots, block_table):
@@ -52,7 +53,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [h, k, c], [h, v, c]
         q_latent = jnp.einsum("bthk,hkc->bthc", q_nope, w_uk, precision=HIGHEST)
         out_latent = paged.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                         positions, scale=cfg.softmax_scale)
+                                         positions, scale=cfg.softmax_scale,
+                                         impl=self.kernel)
         out = jnp.einsum("bthc,hvc->bthv", out_latent, w_uv, precision=HIGHEST)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * v))
         return out, latent_pages, rope_pages
