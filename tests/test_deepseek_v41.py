@@ -192,7 +192,7 @@ def test_e4m3_rounding_is_exact():
     import jax
     import ml_dtypes
 
-    from tidejax.models.deepseek_v41_ops import round_e4m3
+    from tidejax.models.layers.qat import round_e4m3
 
     grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     grid = np.unique(grid[np.isfinite(grid)])

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (`deepseek_v4`, transformers 5.23+): the earlier architecture of the V4.1 line.
 
-Shares with V4.1 (deepseek_v41_ops): mHC streams with Sinkhorn, latent single-KV attention with a
+Shares with V4.1 (through tidejax.models.layers): mHC streams with Sinkhorn, latent single-KV attention with a
 sliding window, sinks, interleaved tail RoPE and its inverse on the output, grouped low-rank
 output, clamped SwiGLU, sqrtsoftplus routing. Its own: per-layer compressors of two kinds, CSA
 (rate 4, overlapping windows: entry w pools window w-1's "Ca" half and window w's "Cb" half, with
@@ -29,11 +29,13 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tidejax.fields import ConfigError, read_json
-from tidejax.models.layers.rope import RopeConfig
-from tidejax.models import deepseek_v41_ops as ops
+from tidejax.models.layers.compress import pool_groups, scatter_rows, selection_mask, top_k_select
+from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
+                                                 window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mixes, mhc_params
 from tidejax.models.layers.norm import RMSNorm
-from tidejax.models.layers.rope import rope_frequencies
+from tidejax.models.layers.rope import RopeConfig, rope_cos_sin, rope_frequencies, rope_tail
 from tidejax.pallas import moe_grouped
 
 F32 = jnp.float32
@@ -174,39 +176,10 @@ class V4Cache:
             index_ring_gate=csa(lambda r: zeros(2 * r, 2 * ik)))
 
 
-def _pool_chunk(kv, gate, ring_kv, ring_gate, bias, start, n_valid, rate: int, width: int,
-                overlap: bool):
-    """One sequence: the entries of every window the chunk touches. kv, gate [t, c] raw
-    projections of the chunk; ring_* [R, c] those of the R positions before it; bias [rate, c].
-    CSA (overlap): entry w pools window w-1's first halves and window w's second halves (2*rate
-    slots; before position 0 the slots are empty). -> latents [n, width], ids [n], complete [n]."""
-    t, slots = kv.shape[0], ring_kv.shape[0]
-    n = t // rate + 2
-    group = start // rate + jnp.arange(n)
-    member = group[:, None] * rate + jnp.arange(rate)[None]  # [n, rate] positions
-
-    def fetch(pos):
-        idx = pos - start
-        inside = ((idx >= 0) & (idx < t))[..., None]
-        safe, slot = jnp.clip(idx, 0, t - 1), jnp.mod(pos, slots)
-        return (jnp.where(inside, kv[safe], ring_kv[slot]),
-                jnp.where(inside, gate[safe], ring_gate[slot]) + bias[None])
-
-    kv_m, gate_m = fetch(member)
-    if overlap:
-        kv_p, gate_p = fetch(member - rate)
-        gate_p = jnp.where((member - rate >= 0)[..., None], gate_p, -jnp.inf)
-        kv_m = jnp.concatenate([kv_p[..., :width], kv_m[..., width:]], 1)
-        gate_m = jnp.concatenate([gate_p[..., :width], gate_m[..., width:]], 1)
-    latent = jnp.sum(kv_m * jax.nn.softmax(gate_m, 1), 1)
-    complete = group * rate + rate - 1 <= start + n_valid - 1
-    return latent, group, complete
-
-
 class Pooler(nn.Module):
     """Softmax-gated pooling of `rate` tokens into one entry of width `width`, rotated with the
     compress RoPE at the window's first position; learned position bias on the gate. overlap:
-    CSA's layout (see _pool_chunk)."""
+    CSA's layout (see layers.compress.pool_groups)."""
 
     cfg: V4Config
     rate: int
@@ -221,13 +194,13 @@ class Pooler(nn.Module):
         bias = self.param("position_bias", nn.initializers.zeros, (self.rate, c), F32)
         gate = Linear(c, name="gate_proj")(x).astype(F32)
         start = positions[:, 0]
-        latent, group, complete = jax.vmap(_pool_chunk, (0, 0, 0, 0, None, 0, 0, None, None, None))(
-            kv, gate, ring_kv, ring_gate, bias, start, n_valid, self.rate, self.width, self.overlap)
+        latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None, None, None))(
+            kv, gate, ring_kv, ring_gate, start, n_valid, self.rate, bias, self.overlap)
         latent = RMSNorm(self.cfg.rms_norm_eps, name="kv_norm")(latent)
         inv_freq, _ = rope_frequencies(self.cfg.compress_rope)
-        cos, sin = ops.rope_angles(group * self.rate, inv_freq)
-        store = ops.scatter_rows(store, ops.rope_tail(latent, cos, sin), group, complete)
-        update = jax.vmap(ops.ring_update)
+        cos, sin = rope_cos_sin(group * self.rate, inv_freq)
+        store = scatter_rows(store, rope_tail(latent, cos, sin), group, complete)
+        update = jax.vmap(ring_update)
         return store, update(ring_kv, kv, start, n_valid), update(ring_gate, gate, start, n_valid)
 
 
@@ -244,27 +217,22 @@ class Attention(nn.Module):
         h, k = cfg.num_heads, cfg.head_dim
         kind, rate = cfg.layer_types[self.layer], cfg.rate(self.layer)
         inv_freq, _ = rope_frequencies(cfg.main_rope if kind == SLIDING else cfg.compress_rope)
-        cos, sin = ops.rope_angles(positions, inv_freq)
+        cos, sin = rope_cos_sin(positions, inv_freq)
         q_res = RMSNorm(cfg.rms_norm_eps, name="q_a_norm")(Linear(cfg.q_lora_rank, name="q_a_proj")(x))
         q = Linear(h * k, name="q_b_proj")(q_res).reshape(b, t, h, k).astype(F32)
         q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + cfg.rms_norm_eps)
-        q = ops.rope_tail(q, cos, sin)
-        kv = ops.rope_tail(RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="kv_proj")(x)),
+        q = rope_tail(q, cos, sin)
+        kv = rope_tail(RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="kv_proj")(x)),
                            cos, sin).astype(F32)
-        start = positions[:, 0]
-        ring_pos = jax.vmap(ops.ring_positions, (0, None))(start, window.shape[1])
-        keys = jnp.concatenate([window, kv], 1)
-        kp, qp = jnp.concatenate([ring_pos, positions], 1)[:, None, :], positions[:, :, None]
-        mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)  # [b, t, s]
-        window = jax.vmap(ops.ring_update)(window, kv, start, n_valid)
+        keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
         if kind != SLIDING:
             comp = _Compressor(cfg, rate, kind == CSA, name="compressor")
             entries, ring_kv, ring_gate = comp.main(x, positions, n_valid, *state[:3])
             visible = jnp.arange(entries.shape[1])[None, None] < ((positions + 1) // rate)[..., None]
             if kind == CSA:
                 scores, index_state = comp.indexer(x, q_res, positions, n_valid, visible, *state[3:])
-                ids, valid = jax.vmap(ops.top_k_select, (0, None))(scores, cfg.index_topk)
-                visible = jax.vmap(ops.selection_mask, (0, 0, None))(ids, valid, entries.shape[1])
+                ids, valid = jax.vmap(top_k_select, (0, None))(scores, cfg.index_topk)
+                visible = jax.vmap(selection_mask, (0, 0, None))(ids, valid, entries.shape[1])
                 state = (entries, ring_kv, ring_gate, *index_state)
             else:
                 state = (entries, ring_kv, ring_gate)
@@ -272,16 +240,13 @@ class Attention(nn.Module):
             mask = jnp.concatenate([mask, visible], 2)
         logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST) * k ** -0.5
         logits = jnp.where(mask[:, None], logits, -jnp.inf)
-        sinks = self.param("sinks", nn.initializers.zeros, (h,), F32)
-        logits = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None], (b, h, t, 1))], -1)
-        probs = jax.nn.softmax(logits, -1)[..., :-1]
+        probs = softmax_with_sink(logits, self.param("sinks", nn.initializers.zeros, (h,), F32))
         out = jnp.einsum("bhts,bsk->bthk", probs, keys, precision=HIGHEST)
-        out = ops.rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
+        out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
         wo_a = self.param("o_a_proj", nn.initializers.normal(0.02),
                           (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
-        grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, cfg.o_groups, -1),
-                             wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1), precision=HIGHEST)
-        return Linear(cfg.hidden_size, name="o_b_proj")(grouped.reshape(b, t, -1)), window, state
+        y = Linear(cfg.hidden_size, name="o_b_proj")(grouped_low_rank(out, wo_a, cfg.o_groups))
+        return y, window, state
 
 
 class _Compressor(nn.Module):
@@ -310,9 +275,9 @@ class Indexer(nn.Module):
         keys, ring_kv, ring_gate = Pooler(cfg, self.rate, cfg.index_head_dim, True, name="keys")(
             x, positions, n_valid, keys, ring_kv, ring_gate)
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        cos, sin = ops.rope_angles(positions, inv_freq)
+        cos, sin = rope_cos_sin(positions, inv_freq)
         q = Linear(cfg.index_heads * cfg.index_head_dim, name="q_b_proj")(q_res)
-        q = ops.rope_tail(q.reshape(b, t, cfg.index_heads, cfg.index_head_dim), cos, sin).astype(F32)
+        q = rope_tail(q.reshape(b, t, cfg.index_heads, cfg.index_head_dim), cos, sin).astype(F32)
         s = jax.nn.relu(jnp.einsum("btik,bgk->btig", q, keys, precision=HIGHEST)) * cfg.index_head_dim ** -0.5
         w = Linear(cfg.index_heads, name="weights_proj")(x).astype(F32) * cfg.index_heads ** -0.5
         scores = jnp.einsum("btig,bti->btg", s, w, precision=HIGHEST)
@@ -366,36 +331,26 @@ class DeepseekV4(nn.Module):
         streams = jnp.broadcast_to(jnp.take(embed, tokens, 0)[:, :, None], (b, t, n, d))
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
-        def hc(site):
-            return (self.param(f"{site}_fn", nn.initializers.normal(0.02), ((2 + n) * n, n * d), F32),
-                    self.param(f"{site}_base", nn.initializers.zeros, ((2 + n) * n,), F32),
-                    self.param(f"{site}_scale", nn.initializers.ones, (3,), F32))
-
         parts = [list(p) for p in zip(cache.entries, cache.ring_kv, cache.ring_gate, cache.index_keys,
                                       cache.index_ring_kv, cache.index_ring_gate)]
         windows = list(cache.window)
         for i in range(cfg.num_layers):
-            pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_attn_hc"), **mix)
+            pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_attn_hc", n, d), **mix)
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
-                ops.hc_collapse(streams, pre))
+                hc_collapse(streams, pre))
             state = tuple(p for p in parts[i] if p is not None)
             y, windows[i], state = Attention(cfg, i, name=f"layers_{i}_self_attn")(
                 x, positions, n_valid, windows[i], state)
             parts[i] = list(state) + [None] * (6 - len(state))
-            streams = ops.hc_expand(y, streams, post, comb)
-            pre, post, comb = ops.hc_mixes(streams, *hc(f"layers_{i}_ffn_hc"), **mix)
+            streams = hc_expand(y, streams, post, comb)
+            pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_ffn_hc", n, d), **mix)
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
-                ops.hc_collapse(streams, pre))
+                hc_collapse(streams, pre))
             y = MoE(cfg, i, name=f"layers_{i}_mlp")(x, tokens, experts[i], self.kernel)
-            streams = ops.hc_expand(y, streams, post, comb)
-        head_fn = self.param("hc_head_fn", nn.initializers.normal(0.02), (n, n * d), F32)
-        head_base = self.param("hc_head_base", nn.initializers.zeros, (n,), F32)
-        head_scale = self.param("hc_head_scale", nn.initializers.ones, (1,), F32)
-        flat = streams.reshape(b, t, n * d).astype(F32)
-        flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + cfg.rms_norm_eps)
-        mixes = jnp.einsum("bti,oi->bto", flat, head_fn, precision=HIGHEST)
-        pre = jax.nn.sigmoid(mixes * head_scale[0] + head_base) + cfg.hc_eps
-        x = RMSNorm(cfg.rms_norm_eps, name="norm")(ops.hc_collapse(streams, pre))
+            streams = hc_expand(y, streams, post, comb)
+        pre = hc_head(streams, *mhc_params(self, "hc_head", n, d, head=True), eps=cfg.rms_norm_eps,
+                      hc_eps=cfg.hc_eps)
+        x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), F32)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head, precision=HIGHEST)
