@@ -433,7 +433,7 @@ def load_state(cfg: V4Config, tensors: dict, source: str = "checkpoint") -> tupl
 
 def load(model_dir) -> tuple[V4Config, dict, list]:
     """A transformers-layout folder (config.json + *.safetensors) -> (config, params, banks)."""
-    from tidejax.models.deepseek_v41_load import Tensors
+    from tidejax.models.deepseek_v41.weights import Tensors
 
     model_dir = Path(model_dir)
     cfg = V4Config.from_file(model_dir)

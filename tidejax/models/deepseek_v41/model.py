@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, scatter_rows,
                                             selection_mask, top_k_select)
 from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
