@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 (and the Flash checkpoints): mHC residual streams, latent single-KV attention
 with a sliding window, CSA2 compressed branches shared across layers with indexers, Engram
-n-gram memory, and a sqrtsoftplus-routed MoE.
+n-gram memory, and a sqrtsoftplus-routed MoE (the shared layers.moe.MoE).
 
 `DeepseekV41.__call__(tokens, positions, token_mask, cache, engram_rows, experts)` is the one
 forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a prefill
@@ -30,11 +30,11 @@ from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, 
                                                  window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
-from tidejax.models.layers.moe import RouterSpec, route
+from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
 from tidejax.models.layers.qat import fake_quant_fp4, fake_quant_fp8
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies, rope_tail
-from tidejax.residency.serve import ServeOptions, serve_routed
+from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
@@ -237,53 +237,13 @@ class Attention(nn.Module):
 
 
 def router_spec(cfg: V41Config) -> RouterSpec:
-    """sqrtsoftplus scores of logits / gate_temp; the correction bias picks, never weighs."""
+    """sqrtsoftplus scores of logits / gate_temp; the correction bias picks, never weighs. Every
+    layer's MoE (layers.moe.MoE, named "ffn") adds one shared expert, clamped as the routed ones
+    (swiglu_limit) and computed in float32 as the reference does."""
     return RouterSpec(n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
                       scoring="sqrtsoftplus", temperature=cfg.gate_temp,
                       norm_topk_prob=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
                       routed_scaling_factor=cfg.routed_scaling_factor)
-
-
-class SharedExpert(nn.Module):
-    """The always-on SwiGLU expert, with the same clamps as the routed ones."""
-
-    cfg: V41Config
-
-    @nn.compact
-    def __call__(self, x):
-        cfg, limit = self.cfg, self.cfg.swiglu_limit
-        gate = Linear(cfg.moe_intermediate_size, name="w1")(x).astype(F32)
-        up = Linear(cfg.moe_intermediate_size, name="w3")(x).astype(F32)
-        if limit > 0:
-            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return Linear(cfg.hidden_size, name="w2")((jax.nn.silu(gate) * up).astype(x.dtype))
-
-
-class MoE(nn.Module):
-    """sqrtsoftplus router, routed experts through residency (tidejax.residency.serve), shared expert.
-
-    A "replay" variable collection ({"ids": [b, t, k]} at this module's path) routes by recorded
-    picks instead (benchmarks: a trained model's routing on random weights); see moe.MoE."""
-
-    cfg: V41Config
-    layer: int
-    serve: ServeOptions
-
-    @nn.compact
-    def __call__(self, x, token_mask, experts: ExpertState):
-        """x [b, t, d], token_mask [b, t] -> (y [b, t, d], experts)."""
-        cfg = self.cfg
-        b, t, d = x.shape
-        weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
-        bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
-        flat = x.reshape(b * t, d)
-        replayed = (self.get_variable("replay", "ids").reshape(b * t, cfg.num_experts_per_tok)
-                    if self.has_variable("replay", "ids") else None)
-        ids, weights, choice = route(flat, weight, bias, router_spec(cfg), replayed)
-        y, experts = serve_routed(self.layer, flat, ids, weights, choice, token_mask.reshape(b * t),
-                                  experts, self.serve)
-        y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)
-        return y.astype(x.dtype), experts
 
 
 class Engram(nn.Module):
@@ -330,7 +290,8 @@ class DecoderLayer(nn.Module):
 
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(hc_collapse(streams, pre_a))
-        y, experts = MoE(cfg, self.layer, self.serve, name="ffn")(x, token_mask, experts)
+        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, F32,
+                         act_dtype=F32, name="ffn")(x, token_mask, experts)
         streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
 

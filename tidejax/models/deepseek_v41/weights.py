@@ -46,7 +46,11 @@ _RENAMES = {("embed", "weight"): ("embed",), ("lm_head", "weight"): ("lm_head",)
             ("head", "weight"): ("lm_head",),
             ("attn", "wo_a", "weight"): ("attn", "wo_a"),
             ("ffn", "gate", "weight"): ("ffn", "gate_weight"),
-            ("ffn", "gate", "bias"): ("ffn", "gate_bias")}
+            ("ffn", "gate", "bias"): ("ffn", "gate_bias"),
+            # the shared expert is layers.mlp.SwiGLU, named "shared" inside layers.moe.MoE
+            ("shared_experts", "w1", "weight"): ("shared", "gate_proj", "weight"),
+            ("shared_experts", "w3", "weight"): ("shared", "up_proj", "weight"),
+            ("shared_experts", "w2", "weight"): ("shared", "down_proj", "weight")}
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _ENGRAM = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
 _SCALES = (".scale", "_scale_inv")  # suffixes of a weight's block scales: X.scale, X.weight_scale_inv
