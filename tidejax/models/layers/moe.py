@@ -92,7 +92,8 @@ class MoE(nn.Module):
     shared_intermediate: int  # 0 = no shared experts
     serve: ServeOptions
     dtype: jnp.dtype = jnp.float32
-    act_dtype: Any = None  # the shared experts' SwiGLU dtype (None: the input's); see SwiGLU
+    act_dtype: Any = None  # the shared experts' SwiGLU and their sum with the routed output are
+    # computed in it (None: the input's dtype); DeepSeek-V4 / V4.1 use float32, as their references
 
     @nn.compact
     def __call__(self, x, token_mask, experts: ExpertState, tokens=None):
@@ -116,6 +117,8 @@ class MoE(nn.Module):
                                   token_mask.reshape(b * t), experts, self.serve)
         y = y.reshape(b, t, d).astype(x.dtype)
         if self.shared_intermediate:
-            y = y + SwiGLU(self.shared_intermediate, self.dtype, self.serve.swiglu_limit,
-                           self.act_dtype, name="shared")(x)
+            shared = SwiGLU(self.shared_intermediate, self.dtype, self.serve.swiglu_limit,
+                            self.act_dtype, name="shared")(x)
+            acc = self.act_dtype or x.dtype  # routed + shared are summed in it
+            y = (y.astype(acc) + shared.astype(acc)).astype(x.dtype)
         return y, experts
