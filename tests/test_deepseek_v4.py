@@ -15,8 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tidejax.fields import ConfigError  # noqa: E402
-from tidejax.models.deepseek_v4 import (DeepseekV4, V4Cache, V4Config, full_forward,  # noqa: E402
-                                         load_state)
+from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
+from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache, full_forward  # noqa: E402
+from tidejax.models.deepseek_v4.weights import load_state  # noqa: E402
 
 CONFIGS = {
     "yarn_hc3": dict(hidden_size=64, head_dim=32, hc_mult=3, hc_sinkhorn_iters=5, sliding_window=6,
@@ -95,7 +96,7 @@ def test_load_folder(tmp_path):
     """A folder of transformers' module names (config.json + safetensors) loads through `load`."""
     from safetensors.torch import save_file
 
-    from tidejax.models.deepseek_v4 import load
+    from tidejax.models.deepseek_v4.weights import load
 
     model, raw = tiny_model("plain_hc2", 3)
     state = model.state_dict()

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from tidejax.fields import ConfigError
-from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41.config import V41Config
 from v41_runner import (Sequence, engram_rows, greedy, new_hashers,
                                                   step_fn)
-from tidejax.models.deepseek_v41_load import load
-from tidejax.models.engram import EngramHasher
+from tidejax.models.deepseek_v41.engram import EngramHasher
+from tidejax.models.deepseek_v41.weights import load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41"
 MODELS = ["tiny_a", "tiny_b"]
@@ -39,7 +39,7 @@ def full_forward(name):
     import jax
     import jax.numpy as jnp
 
-    from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
+    from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
     from tidejax.residency.serve import ServeOptions
 
     ck = checkpoint(name)
@@ -120,7 +120,7 @@ def test_greedy(name):
 def test_batched_lanes():
     """Two rows at different positions in one step, one of them padded: each row's logits equal
     the golden full forward's (causal, so a prefix's logits are the golden's first rows)."""
-    from tidejax.models.deepseek_v41 import V41Cache
+    from tidejax.models.deepseek_v41.model import V41Cache
 
     ck = checkpoint("tiny_b")
     ids = golden("tiny_b", "input_ids.npy")[0]
@@ -147,7 +147,7 @@ def test_batched_lanes():
 
 
 def test_cache_memory_per_token():
-    from tidejax.models.deepseek_v41 import V41Cache
+    from tidejax.models.deepseek_v41.model import V41Cache
 
     cfg = checkpoint("tiny_a").cfg  # sources: layer 1 (ratio 2), layer 3 (ratio 1), both indexed
     per = V41Cache.bytes_per_token(cfg)
@@ -176,7 +176,7 @@ def test_config_errors_name_the_field(changes, field):
 
 
 def test_engram_layout_checks_tokenizer_vocab(tmp_path):
-    from tidejax.models.deepseek_v41_load import engram_layout
+    from tidejax.models.deepseek_v41.weights import engram_layout
 
     raw = _config(engram_compressed_vocab_size=200)
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -192,7 +192,7 @@ def test_e4m3_rounding_is_exact():
     import jax
     import ml_dtypes
 
-    from tidejax.models.deepseek_v41_ops import round_e4m3
+    from tidejax.models.layers.qat import round_e4m3
 
     grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     grid = np.unique(grid[np.isfinite(grid)])

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from tidejax.checkpoint import mxfp4
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from v41_runner import full_logits
-from tidejax.models.deepseek_v41_load import V41LoadError, load
+from tidejax.models.deepseek_v41.weights import V41LoadError, load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"  # widths divisible by 32
 E4M3, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu

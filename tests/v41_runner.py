@@ -1,6 +1,6 @@
 """A plain DeepSeek-V4.1 runner for the golden tests, every expert resident: the jitted step,
 a full forward for scoring and a greedy loop through the cache (the engine serves the family
-through tidejax.models.deepseek_v41_family).
+through tidejax.models.deepseek_v41.family).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
-from tidejax.models.deepseek_v41_config import V41Config
-from tidejax.models.deepseek_v41_family import engram_rows, new_hashers
-from tidejax.models.deepseek_v41_load import V41Checkpoint
+from tidejax.models.deepseek_v41.config import V41Config
+from tidejax.models.deepseek_v41.engram import engram_rows, new_hashers
+from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
+from tidejax.models.deepseek_v41.weights import V41Checkpoint
 from tidejax.residency.serve import ServeOptions
 
 

@@ -31,15 +31,21 @@ class Fields:
     def req(self, name: str, kind: type = int) -> Any:
         if self.raw.get(name) is None:
             raise ConfigError(f"{self.source}: missing required field '{name}'")
-        return self._cast(name, self.raw[name], kind)
+        return self.cast(name, self.raw[name], kind)
 
     def opt(self, name: str, default: Any, kind: type = int) -> Any:
         value = self.raw.get(name)
-        return default if value is None else self._cast(name, value, kind)
+        return default if value is None else self.cast(name, value, kind)
 
-    def _cast(self, name: str, value: Any, kind: type) -> Any:
+    def cast(self, name: str, value: Any, kind: type) -> Any:
+        """kind: int, float (ints accepted), str, bool, list, dict, or tuple (a list of ints)."""
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if kind is tuple:
+            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+                raise ConfigError(
+                    f"{self.source}: field '{name}' should be a list of integers, got {value!r}")
+            return tuple(value)
         if kind is int and isinstance(value, bool) or not isinstance(value, kind):
             raise ConfigError(
                 f"{self.source}: field '{name}' should be {kind.__name__}, got {value!r}")

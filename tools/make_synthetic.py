@@ -74,7 +74,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tidejax.models.engram import compressed_token_map, layer_primes  # noqa: E402
+from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes  # noqa: E402
 
 E2M1_MEAN_SQUARE = 8.5625  # mean of v**2 over the 16 e2m1 codes
 

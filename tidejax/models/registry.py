@@ -51,7 +51,7 @@ FAMILY_MODULES = {
     "deepseek_v3": "tidejax.models.deepseek_v3.family",
     "deepseek_v2": "tidejax.models.deepseek_v3.family",
     "kimi_k2": "tidejax.models.deepseek_v3.family",
-    "deepseek_v41": "tidejax.models.deepseek_v41_family",
+    "deepseek_v41": "tidejax.models.deepseek_v41.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -1,6 +1,9 @@
-"""The SwiGLU MLP: dense layers and shared experts."""
+"""The SwiGLU MLP: dense layers and shared experts, clamped where a family asks (DeepSeek-V4 /
+V4.1's swiglu_limit, the same clamp the routed experts' kernel applies)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -9,14 +12,26 @@ import jax.numpy as jnp
 from tidejax.models.layers.linear import Linear
 
 
+def swiglu(gate, up, limit: float = 0.0):
+    """silu(gate) * up; with limit > 0, gate <= limit and |up| <= limit first."""
+    if limit > 0:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+    """down(swiglu(gate(x), up(x))): the dense MLP and the shared experts."""
 
     intermediate: int
     dtype: jnp.dtype = jnp.float32
+    swiglu_limit: float = 0.0  # > 0: gate <= limit, |up| <= limit
+    act_dtype: Any = None  # the dtype swiglu is computed in (None: the input's)
 
     @nn.compact
     def __call__(self, x):
         gate = Linear(self.intermediate, self.dtype, name="gate_proj")(x)
         up = Linear(self.intermediate, self.dtype, name="up_proj")(x)
-        return Linear(x.shape[-1], self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+        if self.act_dtype is not None:
+            gate, up = gate.astype(self.act_dtype), up.astype(self.act_dtype)
+        act = swiglu(gate, up, self.swiglu_limit).astype(x.dtype)
+        return Linear(x.shape[-1], self.dtype, name="down_proj")(act)

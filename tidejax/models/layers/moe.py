@@ -9,6 +9,7 @@ touches the model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -32,6 +33,7 @@ class RouterSpec:
     use_bias: bool = True  # e_score_correction_bias, for selection only
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    hash_vocab: int = 0  # > 0: a fixed token -> experts table picks (DeepSeek-V4's hash layers)
 
 
 def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
@@ -39,7 +41,8 @@ def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
 
     Scores come from float32 logits; the correction bias shifts only the choice, never the
     weights; group-limited selection keeps the topk_group best groups of experts.
-    `replayed_ids` [T, k] (benchmarks) replace the selection; weights still come from the scores.
+    `replayed_ids` [T, k] (recorded picks, or a hash table's) replace the selection; weights still
+    come from the scores.
     """
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), weight.astype(jnp.float32),
                         precision=HIGHEST)  # [T, e]
@@ -74,8 +77,11 @@ def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
 
 
 class MoE(nn.Module):
-    """Router + routed experts (through residency) + shared experts.
+    """Router + routed experts (through residency) + shared experts (a SwiGLU of
+    shared_intermediate, clamped as the routed experts are: serve.swiglu_limit).
 
+    With router.hash_vocab the picks come from a fixed table `tid2eid` [hash_vocab, top_k]
+    indexed by the token ids (pass `tokens`); the weights still come from the scores.
     A "replay" variable collection ({"ids": [b, t, k]} at this module's path) makes the layer
     route by recorded picks instead of its own choice: benchmarks on random-weight models use it to
     replay a trained model's routing, so skew and domain shifts are realistic.
@@ -86,21 +92,33 @@ class MoE(nn.Module):
     shared_intermediate: int  # 0 = no shared experts
     serve: ServeOptions
     dtype: jnp.dtype = jnp.float32
+    act_dtype: Any = None  # the shared experts' SwiGLU and their sum with the routed output are
+    # computed in it (None: the input's dtype); DeepSeek-V4 / V4.1 use float32, as their references
 
     @nn.compact
-    def __call__(self, x, token_mask, experts: ExpertState):
-        """x [b, t, d], token_mask [b, t] -> (y [b, t, d], experts)."""
+    def __call__(self, x, token_mask, experts: ExpertState, tokens=None):
+        """x [b, t, d], token_mask [b, t], tokens [b, t] (hash routing only)
+        -> (y [b, t, d], experts)."""
+        spec = self.router
         b, t, d = x.shape
-        gate_w = self.param("gate_weight", dense_init(), (self.router.n_experts, d), jnp.float32)
-        bias = (self.param("gate_bias", nn.initializers.zeros, (self.router.n_experts,), jnp.float32)
-                if self.router.use_bias else None)
+        gate_w = self.param("gate_weight", dense_init(), (spec.n_experts, d), jnp.float32)
+        bias = (self.param("gate_bias", nn.initializers.zeros, (spec.n_experts,), jnp.float32)
+                if spec.use_bias else None)
         flat = x.reshape(b * t, d)
-        replayed = (self.get_variable("replay", "ids").reshape(b * t, self.router.top_k)
-                    if self.has_variable("replay", "ids") else None)
-        ids, weights, choice = route(flat, gate_w, bias, self.router, replayed)
+        picked = None
+        if spec.hash_vocab:
+            table = self.param("tid2eid", nn.initializers.zeros, (spec.hash_vocab, spec.top_k),
+                               jnp.int32)
+            picked = table[tokens.reshape(-1)]  # [b * t, k]
+        if self.has_variable("replay", "ids"):
+            picked = self.get_variable("replay", "ids").reshape(b * t, spec.top_k)
+        ids, weights, choice = route(flat, gate_w, bias, spec, picked)
         y, experts = serve_routed(self.moe_index, flat, ids, weights, choice,
                                   token_mask.reshape(b * t), experts, self.serve)
         y = y.reshape(b, t, d).astype(x.dtype)
         if self.shared_intermediate:
-            y = y + SwiGLU(self.shared_intermediate, self.dtype, name="shared")(x)
+            shared = SwiGLU(self.shared_intermediate, self.dtype, self.serve.swiglu_limit,
+                            self.act_dtype, name="shared")(x)
+            acc = self.act_dtype or x.dtype  # routed + shared are summed in it
+            y = (y.astype(acc) + shared.astype(acc)).astype(x.dtype)
         return y, experts

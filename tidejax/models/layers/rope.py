@@ -1,4 +1,5 @@
-"""Rotary embeddings: the config read from config.json, default and YaRN frequencies, rotation."""
+"""Rotary embeddings: the config read from config.json, default and YaRN frequencies, rotation
+(whole head, interleaved or rotate-half; or the trailing channels in place, DeepSeek-V4 / V4.1)."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def yarn_ratio(factor: float, mscale: float, mscale_all_dim: float) -> float:
     return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
 
 
-def rope_cos_sin(positions, inv_freq: np.ndarray, attention_factor: float):
+def rope_cos_sin(positions, inv_freq: np.ndarray, attention_factor: float = 1.0):
     """positions [..., t] int -> cos, sin [..., t, r/2] float32 (already scaled)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
@@ -128,3 +129,18 @@ def apply_rope(x, cos, sin, interleaved: bool):
         x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def rope_tail(x, cos, sin, inverse: bool = False):
+    """Rotates pairs (2m, 2m+1) of the trailing r channels of x [..., t, (h,) n] in place (the
+    channel order is kept: the quantizer blocks and the grouped output see it). cos/sin
+    [..., t, r/2]; inverse rotates by -angle (DeepSeek-V4 / V4.1 undo it on the output)."""
+    if x.ndim == cos.ndim + 1:
+        cos, sin = cos[..., None, :], sin[..., None, :]
+    if inverse:
+        sin = -sin
+    r = 2 * cos.shape[-1]
+    nope, rot = x[..., :-r], x[..., -r:].astype(jnp.float32)
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rot = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1).reshape(rot.shape)
+    return jnp.concatenate([nope, rot.astype(x.dtype)], -1)

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 (and the Flash checkpoints): mHC residual streams, latent single-KV attention
 with a sliding window, CSA2 compressed branches shared across layers with indexers, Engram
-n-gram memory, and a sqrtsoftplus-routed MoE.
+n-gram memory, and a sqrtsoftplus-routed MoE (the shared layers.moe.MoE).
 
 `DeepseekV41.__call__(tokens, positions, token_mask, cache, engram_rows, experts)` is the one
 forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a prefill
@@ -12,7 +12,7 @@ KV is FP8 fake-quantized; a KV source pools its tokens into compressed entries (
 keys (FP4) that the following compressed layers share; index sources select, per query, which
 compressed entries the layers up to the next index source may attend.
 
-Einsum letters (see layers.py): b batch, t queries, s keys, g compressed entries, h heads,
+Einsum letters (see layers/__init__.py): b batch, t queries, s keys, g compressed entries, h heads,
 k head width, d model width, n streams (hc), i index heads.
 """
 
@@ -23,13 +23,18 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tidejax.models import deepseek_v41_ops as ops
-from tidejax.models.deepseek_v41_config import V41Config
+from tidejax.models.deepseek_v41.config import V41Config
+from tidejax.models.layers.compress import (candidate_blocks, pool_groups, scatter_rows,
+                                            selection_mask, top_k_select)
+from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
+                                                 window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
+from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
-from tidejax.models.layers.rope import rope_frequencies
-from tidejax.models.layers.moe import RouterSpec, route
-from tidejax.residency.serve import ServeOptions, serve_routed
+from tidejax.models.layers.qat import fake_quant_fp4, fake_quant_fp8
+from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies, rope_tail
+from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
@@ -102,9 +107,9 @@ class Compressor(nn.Module):
             return norm(kv), positions, jnp.arange(x.shape[1])[None] < n_valid[:, None], None, None
         gate = Linear(cfg.head_dim, name="wgate")(x)
         start = positions[:, 0]
-        latent, group, complete = jax.vmap(ops.pool_groups, (0, 0, 0, 0, 0, 0, None))(
+        latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None))(
             kv, gate, buf_kv, buf_gate, start, n_valid, self.ratio)
-        update = jax.vmap(ops.ring_update)
+        update = jax.vmap(ring_update)
         buf_kv, buf_gate = update(buf_kv, kv, start, n_valid), update(buf_gate, gate, start, n_valid)
         return norm(latent.astype(x.dtype)), group, complete, buf_kv, buf_gate
 
@@ -125,8 +130,8 @@ class Indexer(nn.Module):
 
     def keys(self, latent, cos, sin):
         """Indexer keys of new compressed latents [b, n, k] -> [b, n, i_k] (rotated, FP4)."""
-        k = ops.rope_tail(self.k_norm(self.wk(latent)), cos, sin)
-        return ops.fake_quant_fp4(k, 32, e4m3_scale=False)
+        k = rope_tail(self.k_norm(self.wk(latent)), cos, sin)
+        return fake_quant_fp4(k, 32, e4m3_scale=False)
 
     def __call__(self, x, q_res, keys, positions, cos, sin, candidates):
         """-> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask [b, t, G] or
@@ -135,7 +140,7 @@ class Indexer(nn.Module):
         b, t, _ = x.shape
         ratio = cfg.compress_ratios[self.layer]
         q = self.wq_b(q_res).reshape(b, t, cfg.index_heads, cfg.index_head_dim)
-        q = ops.fake_quant_fp4(ops.rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
+        q = fake_quant_fp4(rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
         w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5  # [b, t, i]
         keys = keys.astype(F32)
 
@@ -150,11 +155,11 @@ class Indexer(nn.Module):
         g = keys.shape[1]
         scores = jnp.where(jnp.arange(g)[None, None] < visible_count[..., None], scores, -jnp.inf)
         if self.layer == cfg.candidate_source:
-            candidates = jax.vmap(ops.candidate_blocks, (0, 0, None, None))(
+            candidates = jax.vmap(candidate_blocks, (0, 0, None, None))(
                 scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
         elif 0 <= cfg.candidate_source < self.layer and candidates is not None:
             scores = jnp.where(candidates, scores, -jnp.inf)
-        ids, valid = jax.vmap(ops.top_k_select, (0, None))(scores, cfg.index_topk)
+        ids, valid = jax.vmap(top_k_select, (0, None))(scores, cfg.index_topk)
         return ids, valid, candidates
 
 
@@ -174,21 +179,15 @@ class Attention(nn.Module):
         ratio = cfg.compress_ratios[layer]
         rope = cfg.compress_rope if ratio else cfg.main_rope
         inv_freq, _ = rope_frequencies(rope)
-        cos, sin = ops.rope_angles(positions, inv_freq)
+        cos, sin = rope_cos_sin(positions, inv_freq)
 
         q_res = RMSNorm(cfg.rms_norm_eps, name="q_norm")(Linear(cfg.q_lora_rank, name="wq_a")(x))
         q = Linear(h * k, name="wq_b")(q_res).reshape(b, t, h, k)
-        q = ops.rope_tail(q, cos, sin)
+        q = rope_tail(q, cos, sin)
         kv = RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="wkv")(x))
-        kv = ops.fake_quant_fp8(ops.rope_tail(kv, cos, sin), 32)
+        kv = fake_quant_fp8(rope_tail(kv, cos, sin), 32)
 
-        start = positions[:, 0]
-        ring_pos = jax.vmap(ops.ring_positions, (0, None))(start, window.shape[1])  # [b, W-1]
-        keys = jnp.concatenate([window, kv.astype(window.dtype)], 1)  # [b, W-1+t, k]
-        key_pos = jnp.concatenate([ring_pos, positions], 1)
-        qp, kp = positions[:, :, None], key_pos[:, None, :]
-        mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)  # [b, t, s]
-        window = jax.vmap(ops.ring_update)(window, kv.astype(window.dtype), start, n_valid)
+        keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
 
         qf, keys = q.astype(F32), keys.astype(F32)
         logits = jnp.einsum("bthk,bsk->bhts", qf, keys, precision=HIGHEST)
@@ -200,22 +199,16 @@ class Attention(nn.Module):
             extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
             logits = jnp.concatenate(
                 [logits, jnp.where(valid[:, None], extra * k ** -0.5, -jnp.inf)], -1)
-        sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
-        sink = jnp.broadcast_to(sink[None, :, None, None], (b, h, t, 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+        probs = softmax_with_sink(logits, self.param("attn_sink", nn.initializers.zeros, (h,), F32))
         n_window = keys.shape[1]
         out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
         if ratio:
             out = out + jnp.einsum("bhtj,btjk->bthk", probs[..., n_window:], picked, precision=HIGHEST)
-        out = ops.rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
+        out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
-        groups = cfg.o_groups
         wo_a = self.param("wo_a", nn.initializers.normal(0.02),
-                          (groups * cfg.o_lora_rank, h * k // groups), F32)
-        grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, groups, -1),
-                             wo_a.reshape(groups, cfg.o_lora_rank, -1).astype(x.dtype),
-                             precision=HIGHEST)
-        y = Linear(cfg.hidden_size, name="wo_b")(grouped.reshape(b, t, -1))
+                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
+        y = Linear(cfg.hidden_size, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
         return y, window, shared, src_cache
 
     def _compressed(self, x, q_res, positions, n_valid, shared, src_cache):
@@ -227,16 +220,16 @@ class Attention(nn.Module):
             entries, index_keys, buf_kv, buf_gate = src_cache
             latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
                 x, positions, n_valid, buf_kv, buf_gate)
-            cos_g, sin_g = ops.rope_angles(group * ratio, inv_freq)
+            cos_g, sin_g = rope_cos_sin(group * ratio, inv_freq)
             if index_keys is not None:
-                index_keys = ops.scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
-            rotated = ops.fake_quant_fp4(ops.rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
-            entries = ops.scatter_rows(entries, rotated, group, complete)
+                index_keys = scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
+            rotated = fake_quant_fp4(rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
+            entries = scatter_rows(entries, rotated, group, complete)
             src_cache = (entries, index_keys, buf_kv, buf_gate)
             shared = {"entries": entries, "index_keys": index_keys,
                       "candidates": shared.get("candidates")}
         if indexer is not None:
-            cos, sin = ops.rope_angles(positions, inv_freq)
+            cos, sin = rope_cos_sin(positions, inv_freq)
             ids, valid, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
                                              shared.get("candidates"))
             shared = {**shared, "selection": (ids, valid), "candidates": candidates}
@@ -244,53 +237,13 @@ class Attention(nn.Module):
 
 
 def router_spec(cfg: V41Config) -> RouterSpec:
-    """sqrtsoftplus scores of logits / gate_temp; the correction bias picks, never weighs."""
+    """sqrtsoftplus scores of logits / gate_temp; the correction bias picks, never weighs. Every
+    layer's MoE (layers.moe.MoE, named "ffn") adds one shared expert, clamped as the routed ones
+    (swiglu_limit) and computed in float32 as the reference does."""
     return RouterSpec(n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
                       scoring="sqrtsoftplus", temperature=cfg.gate_temp,
                       norm_topk_prob=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
                       routed_scaling_factor=cfg.routed_scaling_factor)
-
-
-class SharedExpert(nn.Module):
-    """The always-on SwiGLU expert, with the same clamps as the routed ones."""
-
-    cfg: V41Config
-
-    @nn.compact
-    def __call__(self, x):
-        cfg, limit = self.cfg, self.cfg.swiglu_limit
-        gate = Linear(cfg.moe_intermediate_size, name="w1")(x).astype(F32)
-        up = Linear(cfg.moe_intermediate_size, name="w3")(x).astype(F32)
-        if limit > 0:
-            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return Linear(cfg.hidden_size, name="w2")((jax.nn.silu(gate) * up).astype(x.dtype))
-
-
-class MoE(nn.Module):
-    """sqrtsoftplus router, routed experts through residency (tidejax.residency.serve), shared expert.
-
-    A "replay" variable collection ({"ids": [b, t, k]} at this module's path) routes by recorded
-    picks instead (benchmarks: a trained model's routing on random weights); see moe.MoE."""
-
-    cfg: V41Config
-    layer: int
-    serve: ServeOptions
-
-    @nn.compact
-    def __call__(self, x, token_mask, experts: ExpertState):
-        """x [b, t, d], token_mask [b, t] -> (y [b, t, d], experts)."""
-        cfg = self.cfg
-        b, t, d = x.shape
-        weight = self.param("gate_weight", nn.initializers.normal(0.02), (cfg.n_routed_experts, d), F32)
-        bias = self.param("gate_bias", nn.initializers.zeros, (cfg.n_routed_experts,), F32)
-        flat = x.reshape(b * t, d)
-        replayed = (self.get_variable("replay", "ids").reshape(b * t, cfg.num_experts_per_tok)
-                    if self.has_variable("replay", "ids") else None)
-        ids, weights, choice = route(flat, weight, bias, router_spec(cfg), replayed)
-        y, experts = serve_routed(self.layer, flat, ids, weights, choice, token_mask.reshape(b * t),
-                                  experts, self.serve)
-        y = y.reshape(b, t, d).astype(F32) + SharedExpert(cfg, name="shared_experts")(x).astype(F32)
-        return y.astype(x.dtype), experts
 
 
 class Engram(nn.Module):
@@ -327,23 +280,19 @@ class DecoderLayer(nn.Module):
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
 
-        def hc_params(site):
-            return (self.param(f"hc_{site}_fn", nn.initializers.normal(0.02), ((2 + n) * n, n * d), F32),
-                    self.param(f"hc_{site}_base", nn.initializers.zeros, ((2 + n) * n,), F32),
-                    self.param(f"hc_{site}_scale", nn.initializers.ones, (3,), F32))
-
         if rows is not None:
             streams = Engram(cfg, name="engram")(streams, rows)
-        pre_a, post_a, comb_a = ops.hc_mixes(streams, *hc_params("attn"), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(ops.hc_collapse(streams, pre))
+        pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
+        x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(hc_collapse(streams, pre))
         y, window, shared, src_cache = Attention(cfg, self.layer, name="attn")(
             x, positions, n_valid, window, shared, src_cache)
-        streams = ops.hc_expand(y, streams, post_a, comb_a)
+        streams = hc_expand(y, streams, post_a, comb_a)
 
-        pre_f, post_f, comb_f = ops.hc_mixes(streams, *hc_params("ffn"), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(ops.hc_collapse(streams, pre_a))
-        y, experts = MoE(cfg, self.layer, self.serve, name="ffn")(x, token_mask, experts)
-        streams = ops.hc_expand(y, streams, post_f, comb_f)
+        pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
+        x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(hc_collapse(streams, pre_a))
+        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, F32,
+                         act_dtype=F32, name="ffn")(x, token_mask, experts)
+        streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
 
 
@@ -386,8 +335,8 @@ class DeepseekV41(nn.Module):
             if i in cfg.index_sources:  # dense [b, t, G] masks, for parity checks only
                 g = shared["entries"].shape[1]
                 self.sow("intermediates", f"selection_{i}",
-                         jax.vmap(ops.selection_mask, (0, 0, None))(*shared["selection"], g))
-        x = RMSNorm(cfg.rms_norm_eps, name="norm")(ops.hc_collapse(streams, pre))
+                         jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
+        x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)

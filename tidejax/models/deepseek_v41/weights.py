@@ -1,6 +1,7 @@
-"""Loading a DeepSeek-V4.1 checkpoint folder: config, dense params (flax tree, float32), routed
-experts (one bank per layer), Engram tables (host, memory-mapped) and the Engram hash layout
-(from the tokenizer).
+"""DeepSeek-V4.1 params (declared by the model: `param_shapes`) and the loading of a checkpoint
+folder: config, dense params (flax tree, float32), routed experts (one bank per layer, or rows
+into the engine's pool), Engram tables (host, memory-mapped) and the Engram hash layout (from
+the tokenizer).
 
 Names: the reference's module paths (`model.layers.{i}.attn.wq_a.weight`, ...) or the published
 ones (no `model.` prefix, `head.weight` for the output head). Formats, told apart by dtype:
@@ -31,12 +32,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.fields import read_json
-
+from tidejax.models.deepseek_v41.config import V41Config
+from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
+from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state
-from tidejax.models.deepseek_v41 import DeepseekV41, V41Cache
-from tidejax.models.deepseek_v41_config import V41Config
-from tidejax.models.engram import EngramLayout, compressed_token_map
 
 # Tensors present in checkpoints that the text forward does not use: image-token router bias,
 # DSpark draft layers, the vision tower (no reference forward exists for these yet).
@@ -46,7 +46,11 @@ _RENAMES = {("embed", "weight"): ("embed",), ("lm_head", "weight"): ("lm_head",)
             ("head", "weight"): ("lm_head",),
             ("attn", "wo_a", "weight"): ("attn", "wo_a"),
             ("ffn", "gate", "weight"): ("ffn", "gate_weight"),
-            ("ffn", "gate", "bias"): ("ffn", "gate_bias")}
+            ("ffn", "gate", "bias"): ("ffn", "gate_bias"),
+            # the shared expert is layers.mlp.SwiGLU, named "shared" inside layers.moe.MoE
+            ("shared_experts", "w1", "weight"): ("shared", "gate_proj", "weight"),
+            ("shared_experts", "w3", "weight"): ("shared", "up_proj", "weight"),
+            ("shared_experts", "w2", "weight"): ("shared", "down_proj", "weight")}
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _ENGRAM = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
 _SCALES = (".scale", "_scale_inv")  # suffixes of a weight's block scales: X.scale, X.weight_scale_inv
@@ -294,3 +298,20 @@ def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayo
                               cfg.engram_vocab_size, compressed_token_map(tokenizer),
                               cfg.engram_pad_id, cfg.engram_compressed_vocab,
                               cfg.engram_num_embeddings, cfg.source)
+
+
+def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
+    """Every layer is a MoE layer: (layers, experts, hidden, expert intermediate)."""
+    return cfg.num_layers, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+
+def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
+    """The family's loader: (dense params, the checkpoint as the host-side aux: Engram tables)."""
+    checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
+    return checkpoint.params["params"], checkpoint
+
+
+def replay_variables(cfg: V41Config, ids) -> dict:
+    """Recorded picks ids [b, t, layers, k] as the MoE layers' "replay" variables (every layer
+    is a MoE layer)."""
+    return {f"layers_{layer}": {"ffn": {"ids": ids[:, :, layer]}} for layer in range(cfg.num_layers)}

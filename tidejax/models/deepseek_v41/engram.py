@@ -3,7 +3,9 @@
 The Engram hash ids depend only on token ids, so the host computes them ahead of each step and
 gathers the table rows there; the tables (about 94 GiB each in the released model) stay in host
 memory, memory-mapped, and never reach the accelerator. The device side (the gate that writes a
-looked-up row into the residual streams) lives in deepseek_v41.py.
+looked-up row into the residual streams) lives in model.py. `EngramInputs` is the family's
+`host_inputs`: one EngramHasher per lane (addressed by position) hashes the step's tokens and the
+rows are gathered from the host tables before the step runs.
 
 Hashing, as the reference defines it:
 - token map: each tokenizer id is decoded alone and normalized (NFKC, NFD, strip accents,
@@ -178,3 +180,37 @@ def gather_rows(tables, hash_ids: np.ndarray) -> np.ndarray:
         else:
             out.append(np.asarray(table[ids], np.float32))
     return np.stack(out, axis=-3)
+
+
+def engram_rows(ck, hashers: list[EngramHasher], tokens: np.ndarray, starts,
+                token_mask: np.ndarray | None = None):
+    """Host side of Engram for a loaded checkpoint `ck` (weights.V41Checkpoint): tokens [b, t] at
+    positions starts[r].. -> float32 [b, t, engram layers, cols, e] table rows (None for a model
+    without Engram)."""
+    if not ck.cfg.engram_layers:
+        return None
+    ids = np.stack([h(row, int(s), None if token_mask is None else token_mask[r])
+                    for r, (h, row, s) in enumerate(zip(hashers, np.asarray(tokens), starts))])
+    return gather_rows(ck.engram_tables, ids)
+
+
+def new_hashers(ck, batch: int) -> list[EngramHasher]:
+    return [EngramHasher(ck.engram_layout) for _ in range(batch)] if ck.engram_layout else []
+
+
+class EngramInputs:
+    """The Engram rows of a step, from one hasher per row of the batch (a lane or a sequence)."""
+
+    def __init__(self, checkpoint, batch: int):
+        self.checkpoint = checkpoint
+        self.hashers = new_hashers(checkpoint, batch)
+
+    def rows(self, tokens: np.ndarray, starts, mask: np.ndarray, lanes=None):
+        """tokens [b, t] at positions starts[r].. (mask: real tokens); lanes: which hasher serves
+        each row (default: row r -> hasher r)."""
+        hashers = self.hashers if lanes is None else [self.hashers[i] for i in lanes]
+        return engram_rows(self.checkpoint, hashers, tokens, starts, mask)
+
+
+def host_inputs(cfg, checkpoint, batch: int):
+    return EngramInputs(checkpoint, batch) if cfg.engram_layers else None

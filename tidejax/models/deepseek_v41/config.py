@@ -9,7 +9,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tidejax.fields import ConfigError, read_json
+from tidejax.fields import ConfigError, Fields, read_json
 from tidejax.models.layers.rope import RopeConfig
 
 
@@ -96,55 +96,36 @@ class V41Config:
 
 
 def _parse_text(t: dict, src: str) -> V41Config:
-    def req(name, kind=int):
-        value = t.get(name)
-        if value is None:
-            raise ConfigError(f"{src}: missing required field '{name}'")
-        return _cast(name, value, kind)
+    f = Fields(t, src)
 
-    def opt(name, default, kind=int):
-        value = t.get(name)
-        return default if value is None else _cast(name, value, kind)
-
-    def _cast(name, value, kind):
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if kind is tuple:
-            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-                raise ConfigError(f"{src}: field '{name}' should be a list of integers, got {value!r}")
-            return tuple(value)
-        if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
-            raise ConfigError(f"{src}: field '{name}' should be {kind.__name__}, got {value!r}")
-        return value
-
-    n_layers = req("num_hidden_layers")
-    head_dim, rope_dim = req("head_dim"), req("qk_rope_head_dim")
-    hidden, heads = req("hidden_size"), req("num_attention_heads")
-    n_mtp = opt("num_nextn_predict_layers", 0)
-    ratios = list(req("compress_ratios", tuple))
+    n_layers = f.req("num_hidden_layers")
+    head_dim, rope_dim = f.req("head_dim"), f.req("qk_rope_head_dim")
+    hidden, heads = f.req("hidden_size"), f.req("num_attention_heads")
+    n_mtp = f.opt("num_nextn_predict_layers", 0)
+    ratios = list(f.req("compress_ratios", tuple))
     ratios = (ratios + [0] * (n_layers + n_mtp))[:n_layers + n_mtp][:n_layers]
     kv_sources = t.get("kv_source_layer_ids")
     if kv_sources is None:  # the first layer of each run of equal nonzero ratios
         kv_sources = [i for i, r in enumerate(ratios) if r and (i == 0 or ratios[i - 1] != r)]
-    kv_sources = tuple(sorted(_cast("kv_source_layer_ids", list(kv_sources), tuple)))
+    kv_sources = tuple(sorted(f.cast("kv_source_layer_ids", list(kv_sources), tuple)))
     index_sources = t.get("index_source_layer_ids")
-    index_sources = tuple(sorted(_cast("index_source_layer_ids", list(index_sources), tuple))
+    index_sources = tuple(sorted(f.cast("index_source_layer_ids", list(index_sources), tuple))
                           if index_sources is not None else kv_sources)
     candidate = t.get("candidate_source_layer_id")
-    candidate = (kv_sources[-1] if kv_sources else -1) if candidate is None else _cast(
+    candidate = (kv_sources[-1] if kv_sources else -1) if candidate is None else f.cast(
         "candidate_source_layer_id", candidate, int)
-    max_pos = opt("max_position_embeddings", 4096)
+    max_pos = f.opt("max_position_embeddings", 4096)
 
-    o_groups = req("o_groups")
+    o_groups = f.req("o_groups")
     if heads % o_groups:
         raise ConfigError(f"{src}: field 'o_groups' = {o_groups} does not divide "
                           f"num_attention_heads = {heads}")
-    if opt("hidden_act", "silu", str) != "silu":
+    if f.opt("hidden_act", "silu", str) != "silu":
         raise ConfigError(f"{src}: field 'hidden_act' = {t['hidden_act']!r} is not supported (silu)")
-    if opt("scoring_func", "sqrtsoftplus", str) != "sqrtsoftplus":
+    if f.opt("scoring_func", "sqrtsoftplus", str) != "sqrtsoftplus":
         raise ConfigError(f"{src}: field 'scoring_func' = {t['scoring_func']!r} is not supported "
                           "(sqrtsoftplus)")
-    if req("sliding_window") < 2:
+    if f.req("sliding_window") < 2:
         raise ConfigError(f"{src}: field 'sliding_window' should be at least 2")
 
     for i in kv_sources + index_sources:
@@ -167,18 +148,18 @@ def _parse_text(t: dict, src: str) -> V41Config:
         raise ConfigError(f"{src}: field 'candidate_source_layer_id' = {candidate} is not an "
                           "index source")
 
-    engram_layers = tuple(opt("engram_layer_ids", (), tuple))
-    num_embeddings = tuple(opt("engram_num_embeddings", (), tuple))
+    engram_layers = tuple(f.opt("engram_layer_ids", (), tuple))
+    num_embeddings = tuple(f.opt("engram_num_embeddings", (), tuple))
     if len(num_embeddings) != len(engram_layers):
         raise ConfigError(f"{src}: field 'engram_num_embeddings' needs one entry per "
                           f"engram_layer_ids entry ({len(engram_layers)})")
 
     rope_params = t.get("rope_parameters") or {}
-    main_raw = dict(rope_params.get("main") or {"rope_theta": req("rope_theta", float)})
+    main_raw = dict(rope_params.get("main") or {"rope_theta": f.req("rope_theta", float)})
     compress_raw = dict(rope_params.get("compress") or {})
     if not compress_raw:  # published layout: compress_rope_theta + rope_scaling
         compress_raw = dict(t.get("rope_scaling") or {})
-        compress_raw["rope_theta"] = req("compress_rope_theta", float)
+        compress_raw["rope_theta"] = f.req("compress_rope_theta", float)
     main_rope = _rope(main_raw, head_dim, rope_dim, max_pos, f"{src}: rope_parameters.main")
     compress_rope = dataclasses.replace(
         _rope(compress_raw, head_dim, rope_dim, max_pos, f"{src}: rope_parameters.compress"),
@@ -186,28 +167,28 @@ def _parse_text(t: dict, src: str) -> V41Config:
 
     eos = t.get("eos_token_id")
     return V41Config(
-        vocab_size=req("vocab_size"), hidden_size=hidden, num_layers=n_layers, num_heads=heads,
-        head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=req("q_lora_rank"), o_groups=o_groups,
-        o_lora_rank=req("o_lora_rank"), sliding_window=req("sliding_window"),
-        rms_norm_eps=opt("rms_norm_eps", 1e-6, float), main_rope=main_rope,
+        vocab_size=f.req("vocab_size"), hidden_size=hidden, num_layers=n_layers, num_heads=heads,
+        head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=f.req("q_lora_rank"), o_groups=o_groups,
+        o_lora_rank=f.req("o_lora_rank"), sliding_window=f.req("sliding_window"),
+        rms_norm_eps=f.opt("rms_norm_eps", 1e-6, float), main_rope=main_rope,
         compress_rope=compress_rope, compress_ratios=tuple(ratios), kv_sources=kv_sources,
         index_sources=index_sources, candidate_source=candidate,
-        candidate_block_size=opt("candidate_block_size", 8),
-        candidate_topk_blocks=opt("candidate_topk_blocks", 2048),
-        index_heads=req("index_n_heads"), index_head_dim=req("index_head_dim"),
-        index_topk=req("index_topk"), hc_mult=req("hc_mult"),
-        hc_sinkhorn_iters=opt("hc_sinkhorn_iters", 20), hc_eps=opt("hc_eps", 1e-6, float),
-        n_routed_experts=req("n_routed_experts"), num_experts_per_tok=req("num_experts_per_tok"),
-        moe_intermediate_size=req("moe_intermediate_size"),
-        norm_topk_prob=opt("norm_topk_prob", True, bool),
-        routed_scaling_factor=opt("routed_scaling_factor", 1.0, float),
-        gate_temp=opt("gate_temp", 1.0, float), swiglu_limit=opt("swiglu_limit", 0.0, float),
-        engram_layers=engram_layers, engram_max_ngram=opt("engram_max_ngram_size", 3),
-        engram_heads=opt("engram_n_heads", 1), engram_head_dim=opt("engram_head_dim", 32),
-        engram_vocab_size=opt("engram_vocab_size", 0),
-        engram_compressed_vocab=opt("engram_compressed_vocab_size", 0),
-        engram_num_embeddings=num_embeddings, engram_pad_id=opt("engram_pad_id", 0),
-        tie_word_embeddings=opt("tie_word_embeddings", False, bool),
+        candidate_block_size=f.opt("candidate_block_size", 8),
+        candidate_topk_blocks=f.opt("candidate_topk_blocks", 2048),
+        index_heads=f.req("index_n_heads"), index_head_dim=f.req("index_head_dim"),
+        index_topk=f.req("index_topk"), hc_mult=f.req("hc_mult"),
+        hc_sinkhorn_iters=f.opt("hc_sinkhorn_iters", 20), hc_eps=f.opt("hc_eps", 1e-6, float),
+        n_routed_experts=f.req("n_routed_experts"), num_experts_per_tok=f.req("num_experts_per_tok"),
+        moe_intermediate_size=f.req("moe_intermediate_size"),
+        norm_topk_prob=f.opt("norm_topk_prob", True, bool),
+        routed_scaling_factor=f.opt("routed_scaling_factor", 1.0, float),
+        gate_temp=f.opt("gate_temp", 1.0, float), swiglu_limit=f.opt("swiglu_limit", 0.0, float),
+        engram_layers=engram_layers, engram_max_ngram=f.opt("engram_max_ngram_size", 3),
+        engram_heads=f.opt("engram_n_heads", 1), engram_head_dim=f.opt("engram_head_dim", 32),
+        engram_vocab_size=f.opt("engram_vocab_size", 0),
+        engram_compressed_vocab=f.opt("engram_compressed_vocab_size", 0),
+        engram_num_embeddings=num_embeddings, engram_pad_id=f.opt("engram_pad_id", 0),
+        tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         source=src)
 

@@ -1,0 +1,2 @@
+"""The DeepSeek-V4.1 family: config, weights (declared params + checkpoint reading), model, family
+(the engine's hooks), engram (the host side of the n-gram memory)."""

@@ -1,0 +1,62 @@
+"""Latent single-KV attention over a sliding window (DeepSeek-V4 / V4.1): one latent per token is
+both key and value; the last W-1 of them live in a ring (slot = position mod W-1); attention
+sinks; a grouped low-rank output projection.
+
+Position logic (ring_positions, ring_update) is for ONE sequence whose chunk covers positions
+start..start+t-1, the first n_valid of them real; window_keys vmaps it over the batch.
+Einsum letters: b batch, t queries, s keys, h heads, k head width, g output groups.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tidejax.models.layers.linear import HIGHEST
+
+
+def ring_positions(start, slots: int):
+    """Position held by each ring slot before the chunk (slot = position mod slots); -1 = empty."""
+    last = start - 1
+    pos = last - jnp.mod(last - jnp.arange(slots), slots)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def ring_update(ring, new, start, n_valid):
+    """ring [slots, ...] <- the latest of new [t, ...] (positions start..start+n_valid-1) per slot."""
+    slots, t = ring.shape[0], new.shape[0]
+    end = start + n_valid - 1
+    idx = end - jnp.mod(end - jnp.arange(slots), slots) - start  # chunk index of each slot's latest
+    take = (idx >= 0).reshape((slots,) + (1,) * (ring.ndim - 1))
+    return jnp.where(take, new[jnp.clip(idx, 0, t - 1)], ring)
+
+
+def window_keys(window, kv, positions, n_valid, sliding_window: int):
+    """window [b, W-1, k] (the ring), kv [b, t, k] the chunk's latents, positions [b, t], n_valid
+    [b] -> keys [b, W-1+t, k] (ring, then chunk), mask [b, t, W-1+t] (causal, within the window,
+    filled slots only), the ring updated with the chunk."""
+    kv = kv.astype(window.dtype)
+    start = positions[:, 0]
+    ring_pos = jax.vmap(ring_positions, (0, None))(start, window.shape[1])  # [b, W-1]
+    keys = jnp.concatenate([window, kv], 1)
+    kp = jnp.concatenate([ring_pos, positions], 1)[:, None, :]
+    qp = positions[:, :, None]
+    mask = (kp >= 0) & (kp <= qp) & (kp > qp - sliding_window)  # [b, t, s]
+    return keys, mask, jax.vmap(ring_update)(window, kv, start, n_valid)
+
+
+def softmax_with_sink(logits, sink):
+    """logits [b, h, t, s] (-inf where masked), sink [h] -> probs [b, h, t, s]: a softmax over the
+    keys and one learned sink logit per head, the sink's share dropped."""
+    b, h, t, _ = logits.shape
+    sink = jnp.broadcast_to(sink[None, :, None, None], (b, h, t, 1))
+    return jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+
+
+def grouped_low_rank(out, wo_a, groups: int):
+    """out [b, t, h, k] -> [b, t, groups * rank]: the heads split into `groups`, each projected by
+    its own block of wo_a [groups * rank, h * k / groups] (the output's first, low-rank half)."""
+    b, t = out.shape[:2]
+    w = wo_a.reshape(groups, wo_a.shape[0] // groups, -1).astype(out.dtype)
+    grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, groups, -1), w, precision=HIGHEST)
+    return grouped.reshape(b, t, -1)
