@@ -268,6 +268,13 @@ class Engine:
                 if self._lane_inputs else None)
         return inputs, host
 
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Prompt tokens a step carries from now on (benchmarks sweep it on one loaded model)."""
+        if not 0 < tokens <= self.max_context:
+            raise ValueError(f"prefill_chunk must be in 1..{self.max_context}, got {tokens}")
+        self.prefill_chunk = tokens
+        self._prefill_buckets = _buckets(tokens)
+
     def read_pages(self, pages: list[int]):
         """A sequence's pages of the KV pool, copied to host memory (numpy leaves [n, page_size,
         ...]): what a preempted sequence keeps until it resumes."""
@@ -305,9 +312,9 @@ class Engine:
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> None:
         """Compiles the steps that prompts of `prompt_lengths` tokens meet (default: one chunk of
-        each size) before traffic arrives: each chunk alone and beside decoding lanes, and the
-        decode step at the table width of the prompt's end, by running them with every token
-        masked out: nothing is written, counted or sampled into a lane."""
+        each size) before traffic arrives: each chunk beside the lanes, and the decode step at
+        the table width of the prompt's end, by running them with every token masked out:
+        nothing is written, counted or sampled into a lane."""
         start = time.perf_counter()
         shapes = set()  # (chunk size or 0, prefill table width, decode table width)
         for n in prompt_lengths or self._prefill_buckets:
@@ -334,20 +341,16 @@ class Engine:
                 prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                         lane=np.int32(0), last=np.int32(0),
                                         table=table(1, prefill_width))
-            variants = [(prefill, decode), (prefill, None)] if size else [(None, decode)]
-            for prefill_in, decode_in in variants:
-                prefill_host = decode_host = None
-                if self._lane_inputs and prefill_in is not None:
-                    prefill_host = self._lane_inputs.rows(prefill_in.tokens, [0],
-                                                          prefill_in.mask, lanes=[0])
-                if self._lane_inputs and decode_in is not None:
-                    decode_host = self._lane_inputs.rows(idle[:, None], idle,
-                                                         decode_in.active[:, None])
-                _, self.cache, self.residency.state = self._steps.step(
-                    self.params, self._replay_rows(size) if prefill_in is not None else None,
-                    self._replay_rows(self.lanes) if decode_in is not None else None,
-                    prefill_host, decode_host, prefill_in, decode_in, self.cache,
-                    self.residency.state, sampling)
+            prefill_host = decode_host = None
+            if self._lane_inputs:
+                decode_host = self._lane_inputs.rows(idle[:, None], idle, decode.active[:, None])
+                if prefill is not None:
+                    prefill_host = self._lane_inputs.rows(prefill.tokens, [0], prefill.mask,
+                                                          lanes=[0])
+            _, self.cache, self.residency.state = self._steps.step(
+                self.params, self._replay_rows(size) if prefill is not None else None,
+                self._replay_rows(self.lanes), prefill_host, decode_host, prefill, decode,
+                self.cache, self.residency.state, sampling)
         log.info("compiled %d step shapes in %.1f s", len(shapes), time.perf_counter() - start)
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:

@@ -322,20 +322,18 @@ class Scheduler:
         if self._sampling is None:
             self._sampling = LaneSampling.of(
                 [h.request.sampling if h else SamplingParams() for h in self.lane_of])
-        decode = None
-        if active.any():
-            # a lane continues from its token in flight; one admitted or resumed since takes its
-            # host token
-            fresh = np.array([previous is None or previous.handles[lane] is not handle
-                              for lane, handle in enumerate(handles)])
-            pages = None
-            if self.pages is not None:
-                pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
-                         for lane, h in enumerate(handles)]
-            decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active,
-                                pages)
+        # a lane continues from its token in flight; one admitted or resumed since takes its
+        # host token. Every step carries all lanes (none active while a lone prompt prefills):
+        # one compiled step a chunk size, not two.
+        fresh = np.array([previous is None or previous.handles[lane] is not handle
+                          for lane, handle in enumerate(handles)])
+        pages = None
+        if self.pages is not None:
+            pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
+                     for lane, h in enumerate(handles)]
+        decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active, pages)
         tokens = self.engine.step(decode, chunk, self._sampling,
-                                  previous=previous.tokens if previous and decode else None)
+                                  previous=previous.tokens if previous else None)
         tokens.copy_to_host_async()  # on its way as soon as the step ends
         self.positions[active] += 1
         self.totals["steps"] += 1
