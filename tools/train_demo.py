@@ -152,8 +152,10 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
+        from tidejax.models.base import init
         from tidejax.models.deepseek_v3.config import DeepseekV3Config
         from tidejax.models.deepseek_v3.model import DeepseekV3, MLACache
+        from tidejax.models.deepseek_v3.weights import expert_specs, param_specs
         from tidejax.residency.serve import ServeOptions
         from tidejax.residency.state import all_resident_state
 
@@ -165,19 +167,8 @@ class Trainer:
         self._cache = lambda b: MLACache.create(cfg, b, seq, jnp.float32)
         self._state = lambda experts: all_resident_state(experts, self.n_moe)
         key_model, key_experts = jax.random.split(jax.random.PRNGKey(seed))
-        tokens = jnp.zeros((1, seq), jnp.int32)
-        positions = jnp.arange(seq, dtype=jnp.int32)[None]
-        experts = self.init_experts(key_experts)
-        model_params = self.model.init(key_model, tokens, positions, jnp.ones((1, seq), bool),
-                                       self._cache(1), self._state(experts))["params"]
-        self.params = {"model": model_params, "experts": experts}
-
-    def init_experts(self, key) -> dict:
-        jax, jnp, cfg = self.jax, self.jnp, self.cfg
-        n, d, i = self.n_moe * cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        k1, k2 = jax.random.split(key)
-        return {"gate_up": 0.02 * jax.random.normal(k1, (n, 2 * i, d), jnp.float32),
-                "down": 0.02 * jax.random.normal(k2, (n, d, i), jnp.float32)}
+        self.params = {"model": init(param_specs(cfg, jnp.float32), key_model),
+                       "experts": init(expert_specs(cfg, jnp.float32), key_experts)}
 
     def forward(self, params, tokens):
         """tokens [b, t] -> logits [b, t, vocab], demand counts [L_moe, E] of this batch."""

@@ -1,17 +1,17 @@
-"""DeepSeek-V3 params and the checkpoint table that fills them."""
+"""DeepSeek-V3 params, declared (the tree the flax model consumes), and the checkpoint table that
+fills them."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-import jax.numpy as jnp
-
+from tidejax.models.base import ParamSpec, abstract
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
-from tidejax.models.deepseek_v3.model import MLACache, build
+from tidejax.models.deepseek_v3.model import router_spec
+from tidejax.models.layers.mla import mla_specs
+from tidejax.models.layers.mlp import swiglu_specs
+from tidejax.models.layers.moe import moe_specs, routed_expert_specs
+from tidejax.models.layers.norm import norm_specs
 from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
-from tidejax.residency.state import all_resident_state
 
 
 def checkpoint_table(cfg: DeepseekV3Config) -> dict[str, tuple]:
@@ -59,20 +59,28 @@ def expert_dims(cfg: DeepseekV3Config) -> tuple[int, int, int, int]:
     return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
-def param_shapes(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> dict:
-    """The params pytree as ShapeDtypeStructs (nothing is allocated)."""
-    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+def param_specs(cfg: DeepseekV3Config, dtype) -> dict:
+    """The dense params (everything but the routed experts) as ParamSpecs."""
+    d = cfg.hidden_size
+    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+             "norm": norm_specs(d, "embed", dtype)}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
+    for i in range(cfg.num_layers):
+        layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": mla_specs(cfg, dtype),
+                 "post_attn_norm": norm_specs(d, "embed", dtype)}
+        if i in cfg.moe_layers:
+            layer["moe"] = moe_specs(router_spec(cfg), d, cfg.shared_intermediate_size, dtype)
+        else:
+            layer["mlp"] = swiglu_specs(d, cfg.intermediate_size, dtype)
+        specs[f"layers_{i}"] = layer
+    return specs
 
-    def init():
-        pool = {"gate_up": jnp.zeros((n_moe * n_experts, 2 * inter, hidden), dtype),
-                "down": jnp.zeros((n_moe * n_experts, hidden, inter), dtype)}
-        experts = all_resident_state(pool, max(n_moe, 1))
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        cache = MLACache.create(cfg, 1, 1, dtype)
-        serve_all = dataclasses.replace(serve, all_resident=True)  # the bank does not shape params
-        return build(cfg, serve_all, dtype).init(jax.random.key(0), tokens, tokens, tokens > -1,
-                                             cache, experts)["params"]
-    return jax.eval_shape(init)
+
+def expert_specs(cfg: DeepseekV3Config, dtype) -> dict:
+    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
+    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
 
 
 def replay_variables(cfg: DeepseekV3Config, ids) -> dict:
@@ -83,7 +91,7 @@ def replay_variables(cfg: DeepseekV3Config, ids) -> dict:
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
     params = load_by_table(
-        model_dir, raw_config, param_shapes=param_shapes(cfg, serve, dtype),
+        model_dir, raw_config, param_shapes=abstract(param_specs(cfg, dtype)),
         table=checkpoint_table(cfg), ignored=ignored_tensors(cfg),
         expert_prefixes=expert_prefixes(cfg), expert_dims=expert_dims(cfg), dtype=dtype,
         put_row=put_row)
