@@ -1,9 +1,10 @@
 """DeepSeek-V3 params, declared (the tree the flax model consumes), and the checkpoint table that
-fills them."""
+fills them; loading, test init and memory estimates come from these declarations."""
 
 from __future__ import annotations
 
-from tidejax.models.base import ParamSpec, abstract
+from tidejax.checkpoint import Experts, Rule, Table
+from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import router_spec
 from tidejax.models.layers.mla import mla_specs
@@ -12,51 +13,6 @@ from tidejax.models.layers.moe import moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import norm_specs
 from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
-
-
-def checkpoint_table(cfg: DeepseekV3Config) -> dict[str, tuple]:
-    """Hugging Face tensor name -> our param path, for everything but the routed experts."""
-    table = {"model.embed_tokens.weight": ("embed",), "model.norm.weight": ("norm", "weight")}
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = ("lm_head",)
-    attn = {"q_a_proj": "q_a_proj", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b_proj"}
-    if cfg.q_lora_rank is None:
-        attn = {"q_proj": "q_proj"}
-    attn |= {"kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_a_norm", "o_proj": "o_proj"}
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}", f"layers_{i}"
-        table[f"{src}.input_layernorm.weight"] = (dst, "input_norm", "weight")
-        table[f"{src}.post_attention_layernorm.weight"] = (dst, "post_attn_norm", "weight")
-        for hf, ours in attn.items():
-            table[f"{src}.self_attn.{hf}.weight"] = (dst, "attn", ours, "weight")
-        table[f"{src}.self_attn.kv_b_proj.weight"] = (dst, "attn", "kv_b_proj")
-        if i in cfg.moe_layers:
-            table[f"{src}.mlp.gate.weight"] = (dst, "moe", "gate_weight")
-            if cfg.topk_method == "noaux_tc":
-                table[f"{src}.mlp.gate.e_score_correction_bias"] = (dst, "moe", "gate_bias")
-            if cfg.n_shared_experts:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    table[f"{src}.mlp.shared_experts.{proj}.weight"] = (dst, "moe", "shared", proj, "weight")
-        else:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                table[f"{src}.mlp.{proj}.weight"] = (dst, "mlp", proj, "weight")
-    return table
-
-
-def expert_prefixes(cfg: DeepseekV3Config) -> list[str]:
-    """The checkpoint prefix of each MoE layer's routed experts, in rowmap order."""
-    return [f"model.layers.{i}.mlp" for i in cfg.moe_layers]
-
-
-def ignored_tensors(cfg: DeepseekV3Config) -> tuple[str, ...]:
-    """Checkpoint tensors this family does not use: the multi-token-prediction layers after the
-    last decoder layer, and the rotary caches some exports include."""
-    mtp = tuple(rf"^model\.layers\.{cfg.num_layers + j}\." for j in range(cfg.num_mtp_layers))
-    return mtp + (r"rotary_emb\.inv_freq$",)
-
-
-def expert_dims(cfg: DeepseekV3Config) -> tuple[int, int, int, int]:
-    return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
 def param_specs(cfg: DeepseekV3Config, dtype) -> dict:
@@ -83,6 +39,45 @@ def expert_specs(cfg: DeepseekV3Config, dtype) -> dict:
     return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
 
 
+_LAYER = "model.layers.{i}"
+_EXPERTS = r"{layer:model\.layers\.[0-9]+\.mlp}.experts"
+RULES = (
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.norm.weight", "norm.weight"),
+    Rule("lm_head.weight", "lm_head"),
+    Rule(f"{_LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
+    Rule(f"{_LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
+    Rule(f"{_LAYER}.self_attn.{{proj:q_proj|q_a_proj|q_b_proj|o_proj}}.weight",
+         "layers_{i}.attn.{proj}.weight"),
+    Rule(f"{_LAYER}.self_attn.q_a_layernorm.weight", "layers_{i}.attn.q_a_norm.weight"),
+    Rule(f"{_LAYER}.self_attn.kv_a_proj_with_mqa.weight", "layers_{i}.attn.kv_a_proj.weight"),
+    Rule(f"{_LAYER}.self_attn.kv_a_layernorm.weight", "layers_{i}.attn.kv_a_norm.weight"),
+    Rule(f"{_LAYER}.self_attn.kv_b_proj.weight", "layers_{i}.attn.kv_b_proj"),
+    Rule(f"{_LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
+    Rule(f"{_LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
+    Rule(f"{_LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
+    Rule(f"{_LAYER}.mlp.shared_experts.{{proj:gate|up|down}}_proj.weight",
+         "layers_{i}.moe.shared.{proj}_proj.weight"),
+    # routed experts: published per-expert tensors (FP8 pairs allowed), transformers 5's fused
+    # [E, ...] tensors, or fused MXFP4 blocks and scales (the reader pairs those into one tensor)
+    Experts(_EXPERTS + ".{expert}.{part:gate|up|down}_proj.weight"),
+    Experts(_EXPERTS + ".{part:gate_up|down}_proj"),
+)
+
+
+def checkpoint_table(cfg: DeepseekV3Config) -> Table:
+    """Hugging Face tensor names -> the declared params and the routed-expert rows. Ignored: the
+    multi-token-prediction layers after the last decoder layer and the rotary caches some
+    exports include."""
+    mtp = tuple(f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
+    return Table(RULES, ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
+                 expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
+
+
+def expert_dims(cfg: DeepseekV3Config) -> tuple[int, int, int, int]:
+    return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+
 def replay_variables(cfg: DeepseekV3Config, ids) -> dict:
     """Recorded picks ids [b, t, L_moe, k] as the MoE layers' "replay" variables."""
     return {f"layers_{layer}": {"moe": {"ids": ids[:, :, m]}} for m, layer in enumerate(cfg.moe_layers)}
@@ -90,9 +85,6 @@ def replay_variables(cfg: DeepseekV3Config, ids) -> dict:
 
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
-    params = load_by_table(
-        model_dir, raw_config, param_shapes=abstract(param_specs(cfg, dtype)),
-        table=checkpoint_table(cfg), ignored=ignored_tensors(cfg),
-        expert_prefixes=expert_prefixes(cfg), expert_dims=expert_dims(cfg), dtype=dtype,
-        put_row=put_row)
+    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
+                           expert_specs(cfg, dtype), put_row)
     return params, None
