@@ -41,19 +41,22 @@ def test_declared_params_are_what_the_model_consumes(name):
     checkpoint table names one tensor for every declared param."""
     cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
     tokens = jnp.zeros((1, 4), jnp.int32)
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.bfloat16, jnp.float32):
         model = build(cfg, ServeOptions(kernel="reference", all_resident=True), dtype)
-        experts = all_resident_state(init(expert_specs(cfg, dtype), jax.random.key(1)),
-                                     len(cfg.moe_layers))
         cache = MLACache.create(cfg, 1, 4, dtype)
         declared = param_specs(cfg, dtype)
-        traced = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens, tokens > -1,
-                                                   cache, experts)["params"])
+        traced = jax.eval_shape(lambda pool: model.init(
+            jax.random.key(0), tokens, tokens, tokens > -1, cache,
+            all_resident_state(pool, len(cfg.moe_layers)))["params"],
+            abstract(expert_specs(cfg, dtype)))
         assert traced == abstract(declared)
-        params = init(declared, jax.random.key(2))
-        assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
-        logits, _, _ = model.apply({"params": params}, tokens, tokens, tokens > -1, cache, experts)
-        assert logits.shape == (1, 4, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    params = init(declared, jax.random.key(2))
+    assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
+    experts = all_resident_state(init(expert_specs(cfg, jnp.float32), jax.random.key(1)),
+                                 len(cfg.moe_layers))
+    logits, _, _ = jax.jit(model.apply)({"params": params}, tokens, tokens, tokens > -1, cache,
+                                        experts)
+    assert logits.shape == (1, 4, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
     table = checkpoint_table(cfg)
     for path, _ in jax.tree_util.tree_flatten_with_path(declared)[0]:
         assert len(table.param_names(tuple(k.key for k in path))) == 1, path
