@@ -1,19 +1,21 @@
-"""Checkpoint reading: round trips through the reference safetensors writer, both routed-expert
-layouts, DeepSeek FP8 against a float64 computation, and every bad-checkpoint error."""
+"""Checkpoint reading: round trips through the reference safetensors writer, the regex table over
+declared params, both routed-expert layouts, FP8 (both scale conventions) against a float64
+computation, MXFP4 pairs, and every bad-checkpoint error, found on the headers before any data is
+read."""
 
 import io
 import json
 import struct
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.torch import save_file
 
 from checkpoint_fixtures import save_checkpoint, to_fp8, to_numpy, to_per_expert, to_torch
-from tidejax.checkpoint import (CheckpointError, CheckpointReader, Rule, dequantize_fp8_block,
-                                load_checkpoint, load_params, load_routed_experts,
-                                quantize_fp8_block)
+from tidejax.checkpoint import (TRANSPOSE, CheckpointError, CheckpointReader, Experts, Rule, Table,
+                                dequantize_fp8_block, load, mxfp4, quantize_fp8_block)
 from tidejax.checkpoint.fp8 import e4m3_to_float32
 from tidejax.checkpoint.progress import Progress
 
@@ -62,7 +64,7 @@ def test_round_trip_single_and_sharded(tmp_path, n_shards):
     for name, t in tensors.items():
         assert reader.shape(name) == t.shape and reader.dtype(name) == t.dtype
         assert same_bits(reader.read(name), t), name
-    reader.check_all_consumed()
+    assert reader.progress.items == len(tensors)
 
 
 def test_read_rows(tmp_path):
@@ -70,16 +72,35 @@ def test_read_rows(tmp_path):
     reader = CheckpointReader(save_checkpoint(tmp_path, {"x": t}), progress=False)
     rows = list(reader.read_rows("x"))
     assert len(rows) == 5 and all(np.array_equal(r, t[i]) for i, r in enumerate(rows))
-    reader.check_all_consumed()
+    assert reader.progress.closed
 
 
-def table() -> dict:
-    t = {("embed",): Rule("model.embed_tokens.weight", (10, D)),
-         ("layers", 0, "mlp", "up"): ("model.layers.0.mlp.up_proj.weight", (I, D), np.transpose),
-         ("layers", 0, "norm"): ("model.layers.0.input_layernorm.weight", (D,))}
-    for m, p in enumerate(MOE):
-        t[("layers", m + 1, "router")] = Rule(f"{p}.gate.weight", (E, D))
-    return t
+EXPERT_RULES = (
+    Experts(r"{layer:model\.layers\.[0-9]+\.mlp}.experts.{expert}.{part:gate|up|down}_proj.weight"),
+    Experts(r"{layer:model\.layers\.[0-9]+\.mlp}.experts.{part:gate_up|down}_proj"))
+
+
+def table(ignore=(), more=()) -> Table:
+    return Table((Rule("model.embed_tokens.weight", "embed"),
+                  Rule("model.layers.0.mlp.up_proj.weight", "layers_0.mlp.up", TRANSPOSE),
+                  Rule("model.layers.0.input_layernorm.weight", "layers_0.norm"),
+                  Rule("model.layers.{i}.mlp.gate.weight", "layers_{i}.router"), *EXPERT_RULES,
+                  *more), ignore=ignore, expert_layers=MOE)
+
+
+def spec(*shape, dtype=np.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def param_specs(dtype=np.float32) -> dict:
+    """What `table` fills: the declared params of model_tensors (abstract)."""
+    return {"embed": spec(10, D, dtype=dtype),
+            "layers_0": {"mlp": {"up": spec(D, I, dtype=dtype)}, "norm": spec(D, dtype=dtype)},
+            **{f"layers_{m + 1}": {"router": spec(E, D, dtype=dtype)} for m in range(len(MOE))}}
+
+
+def expert_specs(layers=len(MOE)) -> dict:
+    return {"gate_up": spec(layers * E, 2 * I, D), "down": spec(layers * E, D, I)}
 
 
 def empty_pool(dtype=np.float32) -> dict:
@@ -90,14 +111,12 @@ def empty_pool(dtype=np.float32) -> dict:
 def load_all(model_dir, dtype=np.float32):
     """Load model_tensors' layout through the public API: (params, expert pool)."""
     reader = CheckpointReader(model_dir, progress=False)
-    params = load_params(reader, table(), dtype=dtype)
     pool = empty_pool(dtype)
 
     def put_row(row, r):
         pool["gate_up"][row], pool["down"][row] = r["gate_up"], r["down"]
 
-    load_routed_experts(reader, MOE, E, D, I, put_row, dtype=dtype)
-    reader.check_all_consumed()
+    params = load(reader, table(), param_specs(dtype), expert_specs(), put_row=put_row)
     return params, pool
 
 
@@ -110,9 +129,9 @@ def test_load_checkpoint_checks_everything_before_reading(tmp_path):
     def put_row(row, r):
         pool2["gate_up"][row], pool2["down"][row] = r["gate_up"], r["down"]
 
-    params2 = load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row,
-                              dtype=np.float32, put=lambda path, a: a * 2)
-    np.testing.assert_array_equal(params2["layers"][0]["norm"], 2 * params["layers"][0]["norm"])
+    params2 = load(reader, table(), param_specs(), expert_specs(), put_row=put_row,
+                   put=lambda path, a: a * 2)
+    np.testing.assert_array_equal(params2["layers_0"]["norm"], 2 * params["layers_0"]["norm"])
     for k in pool:
         np.testing.assert_array_equal(pool2[k], pool[k])
     assert reader.progress.closed and reader.progress.nbytes == sum(
@@ -121,17 +140,17 @@ def test_load_checkpoint_checks_everything_before_reading(tmp_path):
     tensors["model.layers.7.extra"] = np.ones(3, np.float32)
     reader = CheckpointReader(save_checkpoint(tmp_path / "extra", tensors), progress=False)
     with pytest.raises(CheckpointError, match="'model.layers.7.extra' in .*model.safetensors"):
-        load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row)
+        load(reader, table(), param_specs(), expert_specs(), put_row=put_row)
     assert reader.progress.nbytes == 0  # failed on the headers alone
     reader = CheckpointReader(tmp_path / "extra", progress=False)
-    load_checkpoint(reader, table(), experts=(MOE, E, D, I), put_row=put_row, ignore=[r"\.extra$"])
+    load(reader, table(ignore=["{any:.*}.extra"]), param_specs(), expert_specs(), put_row=put_row)
 
 
 def test_load_params_and_expert_layouts_agree(tmp_path):
     tensors = model_tensors(np.random.default_rng(2))
     params, pool = load_all(save_checkpoint(tmp_path / "fused", tensors))
-    assert params["layers"][0]["mlp"]["up"].shape == (D, I)
-    np.testing.assert_array_equal(params["layers"][0]["mlp"]["up"],
+    assert params["layers_0"]["mlp"]["up"].shape == (D, I)
+    np.testing.assert_array_equal(params["layers_0"]["mlp"]["up"],
                                   tensors["model.layers.0.mlp.up_proj.weight"].astype(np.float32).T)
     assert params["embed"].dtype == np.float32
     for m, p in enumerate(MOE):
@@ -174,8 +193,9 @@ def test_transformers_writes_per_expert_like_its_fused_params(tmp_path):
         def put_row(row, r, pool=pool):
             pool["gate_up"][row], pool["down"][row] = r["gate_up"], r["down"]
 
-        load_routed_experts(reader, ["model.layers.1.mlp"], E, D, I, put_row)
-        reader.check_all_consumed(ignore=[r"^(?!.*\.experts\.)"])  # all but the experts
+        only_experts = Table(EXPERT_RULES, ignore=[r"{other:(?!.*\.experts\.).*}"],
+                             expert_layers=["model.layers.1.mlp"])
+        load(reader, only_experts, {}, expert_specs(layers=1), put_row=put_row)
         pools.append(pool)
     for k in ("gate_up", "down"):
         np.testing.assert_array_equal(pools[0][k], pools[1][k])
@@ -230,7 +250,7 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
     assert fp8[name].dtype == ml_dtypes.float8_e4m3fn and name + "_scale_inv" in fp8
     assert fp8["model.embed_tokens.weight"].dtype == np.float32
     reader = CheckpointReader(save_checkpoint(tmp_path, fp8, n_shards=2), progress=False)
-    assert reader.is_fp8_pair(name)
+    assert reader.tensors[name].format == "fp8"
     np.testing.assert_array_equal(reader.read(name),
                                   dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"]))
     params, pool = load_all(tmp_path)  # every scale tensor consumed with its weight
@@ -242,9 +262,9 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
 def test_progress_bar(tmp_path, capsys):
     tensors = model_tensors(np.random.default_rng(6))
     reader = CheckpointReader(save_checkpoint(tmp_path, tensors), label="loading test")
-    load_routed_experts(reader, MOE, E, D, I, lambda row, r: None)
-    reader.check_all_consumed(ignore=[r"model\.(embed_tokens|layers\.\d+\.(mlp\.gate|mlp\.up_proj"
-                                      r"|input_layernorm))\.weight"])
+    experts_only = Table(EXPERT_RULES, expert_layers=MOE, ignore=[
+        r"model.{x:embed_tokens|layers\.\d+\.(mlp\.gate|mlp\.up_proj|input_layernorm)}.weight"])
+    load(reader, experts_only, {}, expert_specs(), put_row=lambda row, r: None)
     err = capsys.readouterr().err
     total = sum(t.nbytes for t in tensors.values()) * 1e-9
     n = len(tensors)  # not a tty: just the final line
@@ -319,19 +339,48 @@ def missing_shard(tmp_path):
     CheckpointReader(d)
 
 
+def load_with(model_dir, more=(), **specs):
+    """Load by `table` with more rules and more (or other) declared params."""
+    load(CheckpointReader(model_dir), table(more=more), {**param_specs(), **specs},
+         expert_specs(), put_row=lambda row, r: None)
+
+
+def with_tensors(tmp_path, **extra):
+    """model_tensors plus `extra` (dots spelled __ in the names)."""
+    t = model_tensors(np.random.default_rng(7))
+    t.update({name.replace("__", "."): v for name, v in extra.items()})
+    return save_checkpoint(tmp_path, t)
+
+
 def missing_tensor(tmp_path):
-    load_params(CheckpointReader(fused(tmp_path)), {("x",): ("model.norm.weight", (D,))})
+    load_with(fused(tmp_path), [Rule("model.norm.weight", "x")], x=spec(D))
 
 
 def shape_mismatch(tmp_path):
-    load_params(CheckpointReader(fused(tmp_path)),
-                {("embed",): ("model.embed_tokens.weight", (11, D))})
+    load_with(fused(tmp_path), embed=spec(11, D))
 
 
 def mapped_twice(tmp_path):
-    load_params(CheckpointReader(fused(tmp_path)),
-                {("a",): ("model.embed_tokens.weight", (10, D)),
-                 ("b",): ("model.embed_tokens.weight", (10, D))})
+    load_with(fused(tmp_path), [Rule("model.{what:embed_tokens|wte}.weight", "b")], b=spec(10, D))
+
+
+def filled_twice(tmp_path):
+    load_with(with_tensors(tmp_path, model__wte__weight=np.ones((10, D), np.float32)),
+              [Rule("model.wte.weight", "embed")])
+
+
+def no_place(tmp_path):
+    load_with(with_tensors(tmp_path, model__layers__0__post_attention_layernorm__weight=np.ones(D)),
+              [Rule("model.layers.{i}.post_attention_layernorm.weight", "layers_{i}.post_norm")])
+
+
+def experts_of_a_dense_layer(tmp_path):
+    load_with(with_tensors(tmp_path, model__layers__0__mlp__experts__down_proj=np.ones((E, D, I))))
+
+
+def expert_past_the_count(tmp_path):
+    load_with(with_tensors(tmp_path, **{f"model__layers__1__mlp__experts__{E}__down_proj__weight":
+                                        np.ones((D, I))}))
 
 
 def unmapped(tmp_path):
@@ -369,6 +418,30 @@ def fp8_bad_scale(tmp_path):
     CheckpointReader(save_checkpoint(tmp_path, fp8))
 
 
+def mxfp4_blocks_without_scales(tmp_path):
+    CheckpointReader(save_checkpoint(tmp_path, {"x.down_proj_blocks": np.zeros((2, 1, 16), np.uint8)}))
+
+
+def mxfp4_scales_without_blocks(tmp_path):
+    CheckpointReader(save_checkpoint(tmp_path, {"x.down_proj_scales": np.zeros((2, 1), np.uint8)}))
+
+
+def mxfp4_pair_shapes(tmp_path):
+    CheckpointReader(save_checkpoint(tmp_path, {"x.down_proj_blocks": np.zeros((2, 1, 16), np.uint8),
+                                                "x.down_proj_scales": np.zeros((2, 2), np.uint8)}))
+
+
+def mxfp4_mixed_with_dense(tmp_path):
+    e, d, i = 2, 64, 32
+    rng = np.random.default_rng(7)
+    blocks, scales = mxfp4.quantize(rng.standard_normal((e, 2 * i, d)).astype(np.float32))
+    p = "model.layers.1.mlp.experts"
+    d_ = save_checkpoint(tmp_path, {f"{p}.gate_up_proj_blocks": blocks, f"{p}.gate_up_proj_scales": scales,
+                                    f"{p}.down_proj": np.ones((e, d, i), np.float32)})
+    load(CheckpointReader(d_), Table(EXPERT_RULES, expert_layers=[MOE[0]]), {},
+         {"gate_up": spec(e, 2 * i, d), "down": spec(e, d, i)}, put_row=lambda row, r: None)
+
+
 BAD = {  # case -> (what the message must name: the file, the tensor or field)
     truncated: ("model.safetensors", "'b'", "truncated"),
     truncated_header: ("model.safetensors", "truncated", "header length 1000000"),
@@ -381,7 +454,16 @@ BAD = {  # case -> (what the message must name: the file, the tensor or field)
                     "not found"),
     missing_tensor: ("model.safetensors", "missing tensor 'model.norm.weight'", "('x',)"),
     shape_mismatch: ("model.safetensors", "'model.embed_tokens.weight'", "[10, 8]", "[11, 8]"),
-    mapped_twice: ("model.safetensors", "'model.embed_tokens.weight'", "mapped twice"),
+    mapped_twice: ("model.safetensors", "'model.embed_tokens.weight'", "mapped twice",
+                   "'model.{what:embed_tokens|wte}.weight'"),
+    filled_twice: ("model.safetensors", "'model.wte.weight'", "'model.embed_tokens.weight'",
+                   "both fill params ('embed',)"),
+    no_place: ("model.safetensors", "'model.layers.0.post_attention_layernorm.weight'", "no place",
+               "('layers_0', 'post_norm')"),
+    experts_of_a_dense_layer: ("model.safetensors", "'model.layers.0.mlp.experts.down_proj'",
+                               "'model.layers.0.mlp', which is not a MoE layer"),
+    expert_past_the_count: ("model.safetensors", f"'model.layers.1.mlp.experts.{E}.down_proj.weight'",
+                            f"routed expert {E} of layer 'model.layers.1.mlp', which has {E}"),
     unmapped: ("model.safetensors.index.json", "'model.layers.9.extra' in",
                "-of-00002.safetensors", "unexpected tensor"),
     expert_shape: ("model.safetensors", "'model.layers.2.mlp.experts.down_proj'", "[4, 8, 5]"),
@@ -390,6 +472,13 @@ BAD = {  # case -> (what the message must name: the file, the tensor or field)
     both_layouts: ("model.safetensors", "'model.layers.2.mlp'", "both"),
     fp8_without_scale: ("model.safetensors", "'model.layers.1.mlp.experts.0.gate_proj.weight'",
                         "no 'model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv'"),
+    mxfp4_blocks_without_scales: ("model.safetensors", "'x.down_proj_blocks'",
+                                  "no 'x.down_proj_scales'"),
+    mxfp4_scales_without_blocks: ("model.safetensors", "'x.down_proj_scales'",
+                                  "no 'x.down_proj_blocks'"),
+    mxfp4_pair_shapes: ("model.safetensors", "'x.down_proj_blocks'", "'x.down_proj_scales'",
+                        "[2, 2]", "do not pair"),
+    mxfp4_mixed_with_dense: ("model.safetensors", "'model.layers.1.mlp'", "mixes MXFP4 and dense"),
     fp8_bad_scale: ("model.safetensors",
                     "'model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv'", "(1, 1)"),
 }
@@ -402,3 +491,105 @@ def test_bad_checkpoint_is_named(tmp_path, case):
     message = str(info.value)
     for part in BAD[case]:
         assert part in message, message
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    t = to_per_expert(model_tensors(np.random.default_rng(9)))
+    del t["model.layers.0.input_layernorm.weight"]
+    t["model.layers.5.extra"] = np.ones(2, np.float32)
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:9]
+    with pytest.raises(CheckpointError) as info:
+        load_all(save_checkpoint(tmp_path, t))
+    lines = str(info.value).splitlines()
+    assert lines[0].endswith("model.safetensors: 3 problems:"), lines
+    assert "'model.embed_tokens.weight' has shape [9, 8]" in lines[1]
+    assert "missing tensor 'model.layers.0.input_layernorm.weight'" in lines[2]
+    assert "'model.layers.5.extra' in" in lines[3]
+
+
+def test_bad_headers_fail_before_any_data_is_read(tmp_path):
+    """The data section is cut off after the headers were read: a load that read any tensor
+    would fail in the memory map (a plain ValueError); every header check fails first."""
+    model_dir = fused(tmp_path)
+    reader = CheckpointReader(model_dir, progress=False)
+    f = model_dir / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(8 + int.from_bytes(fh.read(8), "little"))  # header only
+    rows = []
+    bad = {  # the check -> (table, declared params, routed experts)
+        "shape": (table(), {**param_specs(), "embed": spec(11, D)}, expert_specs()),
+        "unfilled": (table(more=[Rule("model.norm.weight", "x")]), {**param_specs(), "x": spec(D)},
+                     expert_specs()),
+        "unmapped": (Table(table().rules[1:], expert_layers=MOE),
+                     {k: v for k, v in param_specs().items() if k != "embed"}, expert_specs()),
+        "multi-match": (table(more=[Rule("model.{n:embed_tokens}.weight", "embed")]),
+                        param_specs(), expert_specs()),
+        "expert shape": (table(), param_specs(), expert_specs(layers=1)),
+    }
+    for check, (t, params, experts) in bad.items():
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            load(reader, t, params, experts, put_row=lambda row, r: rows.append(row))
+    assert reader.progress.nbytes == 0 and rows == []
+    with pytest.raises(ValueError) as info:  # the good table reads, and meets the cut
+        load(reader, table(), param_specs(), expert_specs(), put_row=lambda row, r: None)
+    assert not isinstance(info.value, CheckpointError)
+
+
+def test_fp8_scale_conventions_and_blocks(tmp_path):
+    """DeepSeek-V3's float32 `X.weight_scale_inv` and DeepSeek-V4.1's e8m0 `X.scale` (as
+    float8_e8m0fnu or raw uint8 exponents), with the block of config.json."""
+    rng = np.random.default_rng(10)
+    q = (rng.standard_normal((40, 70)) * 20).astype(ml_dtypes.float8_e4m3fn)
+    exponents = rng.integers(120, 130, (2, 3)).astype(np.uint8)  # 32 x 32 blocks
+    value = np.ldexp(1.0, exponents.astype(np.int32) - 127)
+    want = e4m3_to_float32(q) * np.repeat(np.repeat(value, 32, 0), 32, 1)[:40, :70]
+    model_dir = save_checkpoint(tmp_path, {
+        "a.weight": q, "a.weight_scale_inv": value.astype(np.float32),
+        "b.weight": q, "b.scale": value.astype(ml_dtypes.float8_e8m0fnu),
+        "c.weight": q, "c.scale": exponents})
+    reader = CheckpointReader(model_dir, fp8_block=(32, 32), progress=False)
+    assert sorted(reader.tensors) == ["a.weight", "b.weight", "c.weight"]
+    for name in reader.tensors:
+        assert reader.tensors[name].format == "fp8"
+        np.testing.assert_array_equal(reader.read(name), want.astype(np.float32))
+    with pytest.raises(CheckpointError, match=r"'a.weight_scale_inv'.*does not fit.*\(1, 1\)"):
+        CheckpointReader(model_dir, progress=False)  # 128 x 128 blocks: one scale each
+
+
+def test_mxfp4_pairs_read_and_load_as_rows(tmp_path):
+    """gpt-oss's fused `X_blocks` + `X_scales` and DeepSeek-V4.1's per-expert packed
+    `X.weight` + `X.scale` both load as MXFP4 bank rows, unchanged."""
+    e, d, i = 2, 64, 32
+    rng = np.random.default_rng(11)
+    gate_up = mxfp4.quantize(rng.standard_normal((e, 2 * i, d)).astype(np.float32))
+    down = mxfp4.quantize(rng.standard_normal((e, d, i)).astype(np.float32))
+    fused = {"model.layers.1.mlp.experts.gate_up_proj_blocks": gate_up[0],
+             "model.layers.1.mlp.experts.gate_up_proj_scales": gate_up[1],
+             "model.layers.1.mlp.experts.down_proj_blocks": down[0],
+             "model.layers.1.mlp.experts.down_proj_scales": down[1]}
+    packed = {}  # w1 gate [I, D], w3 up [I, D], w2 down [D, I]; codes [out, in / 2]
+    for x in range(e):
+        parts = {"w1": (gate_up[0][x, :i], gate_up[1][x, :i]),
+                 "w3": (gate_up[0][x, i:], gate_up[1][x, i:]), "w2": (down[0][x], down[1][x])}
+        for w, (blocks, scales) in parts.items():
+            packed[f"layers.1.ffn.experts.{x}.{w}.weight"] = blocks.reshape(len(blocks), -1).view(np.int8)
+            packed[f"layers.1.ffn.experts.{x}.{w}.scale"] = scales.view(ml_dtypes.float8_e8m0fnu)
+    v41_rules = [Experts(r"{layer:layers\.[0-9]+\.ffn}.experts.{expert}." + w + ".weight", part)
+                 for w, part in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
+    experts = {"gate_up": spec(e, 2 * i, d), "down": spec(e, d, i)}
+    for label, tensors, t in (("fused", fused, Table(EXPERT_RULES, expert_layers=[MOE[0]])),
+                              ("packed", packed, Table(v41_rules, expert_layers=["layers.1.ffn"]))):
+        reader = CheckpointReader(save_checkpoint(tmp_path / label, tensors), progress=False)
+        assert {x.format for x in reader.tensors.values()} == {"mxfp4"}
+        rows = {}
+        load(reader, t, {}, experts, put_row=rows.__setitem__)
+        for x in range(e):
+            np.testing.assert_array_equal(rows[x]["gate_up_blocks"], gate_up[0][x])
+            np.testing.assert_array_equal(rows[x]["gate_up_scales"], gate_up[1][x])
+            np.testing.assert_array_equal(rows[x]["down_blocks"], down[0][x])
+            np.testing.assert_array_equal(rows[x]["down_scales"], down[1][x])
+        assert reader.progress.closed
+    reader = CheckpointReader(tmp_path / "packed", progress=False)
+    assert reader.tensors["layers.1.ffn.experts.0.w2.weight"].shape == (d, i)
+    np.testing.assert_array_equal(reader.read("layers.1.ffn.experts.0.w2.weight"),
+                                  mxfp4.dequantize(down[0][0], down[1][0]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from tidejax.checkpoint import mxfp4
+from checkpoint_fixtures import save_checkpoint
+from tidejax.checkpoint import CheckpointReader, mxfp4
 
 
 @pytest.fixture
@@ -70,26 +71,25 @@ def test_numpy_and_jax_agree_also_under_jit(rng):
     np.testing.assert_array_equal(np.asarray(deq, np.float32), mxfp4.dequantize(b_np, s_np))
 
 
-def test_gpt_oss_pair_decodes_like_transformers(rng):
+def test_gpt_oss_pair_decodes_like_transformers(rng, tmp_path):
     experts, rows, groups = 3, 6, 4  # gpt-oss stores [experts, out rows, in/32, 16]
     blocks = rng.integers(0, 256, (experts, rows, groups, 16), dtype=np.uint8)
     scales = rng.integers(110, 140, (experts, rows, groups), dtype=np.uint8)
     tensors = {"model.layers.0.mlp.experts.down_proj_blocks": blocks,
                "model.layers.0.mlp.experts.down_proj_scales": scales,
                "model.layers.0.mlp.router.weight": np.ones(2, np.float32)}
-    decoded = mxfp4.dequantize_pairs(tensors)
-    assert sorted(decoded) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.router.weight"]
-    ours = decoded["model.layers.0.mlp.experts.down_proj"]  # [experts, out, in]
+    reader = CheckpointReader(save_checkpoint(tmp_path, tensors), progress=False)
+    assert sorted(reader.tensors) == ["model.layers.0.mlp.experts.down_proj",
+                                      "model.layers.0.mlp.router.weight"]
+    ours = reader.read("model.layers.0.mlp.experts.down_proj")  # [experts, out, in]
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                         dtype=torch.float32)  # [experts, in, out]
     np.testing.assert_array_equal(ours, theirs.numpy().transpose(0, 2, 1))
 
 
 def test_bad_inputs_name_the_problem():
-    with pytest.raises(ValueError, match="down_proj_blocks has no matching down_proj_scales"):
-        mxfp4.dequantize_pairs({"down_proj_blocks": np.zeros((2, 1, 16), np.uint8)})
-    with pytest.raises(ValueError, match="x_blocks.*do not match"):
-        mxfp4.dequantize_pairs({"x_blocks": np.zeros((2, 1, 16), np.uint8),
-                                "x_scales": np.zeros((2, 2), np.uint8)})
+    """(Unpaired blocks or scales in a checkpoint: tests/test_checkpoint.py, mxfp4_* cases.)"""
+    with pytest.raises(ValueError, match=r"blocks \(2, 1, 16\) and scales \(2, 2\) do not match"):
+        mxfp4.dequantize(np.zeros((2, 1, 16), np.uint8), np.zeros((2, 2), np.uint8))
     with pytest.raises(ValueError, match="not a multiple of 32"):
         mxfp4.quantize(np.zeros((2, 40), np.float32))

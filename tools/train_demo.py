@@ -152,8 +152,10 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
+        from tidejax.models.base import init
         from tidejax.models.deepseek_v3.config import DeepseekV3Config
         from tidejax.models.deepseek_v3.model import DeepseekV3, MLACache
+        from tidejax.models.deepseek_v3.weights import expert_specs, param_specs
         from tidejax.residency.serve import ServeOptions
         from tidejax.residency.state import all_resident_state
 
@@ -167,19 +169,8 @@ class Trainer:
                                  jnp.arange(b, dtype=jnp.int32)[:, None])
         self._state = lambda experts: all_resident_state(experts, self.n_moe)
         key_model, key_experts = jax.random.split(jax.random.PRNGKey(seed))
-        tokens = jnp.zeros((1, seq), jnp.int32)
-        positions = jnp.arange(seq, dtype=jnp.int32)[None]
-        experts = self.init_experts(key_experts)
-        model_params = self.model.init(key_model, tokens, positions, jnp.ones((1, seq), bool),
-                                       *self._cache(1), self._state(experts))["params"]
-        self.params = {"model": model_params, "experts": experts}
-
-    def init_experts(self, key) -> dict:
-        jax, jnp, cfg = self.jax, self.jnp, self.cfg
-        n, d, i = self.n_moe * cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        k1, k2 = jax.random.split(key)
-        return {"gate_up": 0.02 * jax.random.normal(k1, (n, 2 * i, d), jnp.float32),
-                "down": 0.02 * jax.random.normal(k2, (n, d, i), jnp.float32)}
+        self.params = {"model": init(param_specs(cfg, jnp.float32), key_model),
+                       "experts": init(expert_specs(cfg, jnp.float32), key_experts)}
 
     def forward(self, params, tokens):
         """tokens [b, t] -> logits [b, t, vocab], demand counts [L_moe, E] of this batch."""
@@ -325,27 +316,29 @@ def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb:
     """A Hugging Face checkpoint directory: bf16 weights, float32 router; per-expert tensor names
     as published DeepSeek-V3 checkpoints have them; shards of at most `shard_mb` MB (with
     model.safetensors.index.json) when the weights are larger than that."""
+    import jax
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
-    from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_prefixes
+    from tidejax.models.deepseek_v3.weights import checkpoint_table, param_specs
 
-    model = params["model"]
+    table = checkpoint_table(cfg)  # its inverse names each param and expert part
     tensors = {}
-    for name, path in checkpoint_table(cfg).items():
-        leaf = model
-        for key in path:
-            leaf = leaf[key]
-        router = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-        tensors[name] = jnp.asarray(leaf, jnp.float32 if router else jnp.bfloat16)
+
+    def add(path, spec, leaf):  # in the declared dtype: bf16, routers float32
+        (name,) = table.param_names(tuple(k.key for k in path))
+        tensors[name] = jnp.asarray(leaf, spec.dtype)
+
+    jax.tree_util.tree_map_with_path(add, param_specs(cfg, jnp.bfloat16), params["model"])
     e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
     gate_up, down = np.asarray(params["experts"]["gate_up"]), np.asarray(params["experts"]["down"])
-    for m, prefix in enumerate(expert_prefixes(cfg)):
+    for m, layer in enumerate(table.expert_layers):
         for x in range(e):
             row = m * e + x
-            for proj, w in (("gate_proj", gate_up[row, :i]), ("up_proj", gate_up[row, i:]),
-                            ("down_proj", down[row])):
-                tensors[f"{prefix}.experts.{x}.{proj}.weight"] = jnp.asarray(w, jnp.bfloat16)
+            for part, w in (("gate", gate_up[row, :i]), ("up", gate_up[row, i:]),
+                            ("down", down[row])):
+                (name,) = table.expert_names(layer, part, x)
+                tensors[name] = jnp.asarray(w, jnp.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     shards, size = [{}], 0
     for name, t in tensors.items():

@@ -1,6 +1,8 @@
-"""DeepSeek's native FP8 weights: `weight` in float8_e4m3fn and `weight_scale_inv` in float32,
-one scale per block of 128 x 128 (rows, cols) of the [out, in] weight, w = fp8 * scale_inv.
-Edge blocks are partial: the scale shape is [ceil(out / 128), ceil(in / 128)].
+"""DeepSeek's native FP8 weights: `weight` in float8_e4m3fn and its block scales, one scale per
+block of 128 x 128 (rows, cols) of the [out, in] weight (or config.json's weight_block_size),
+w = fp8 * scale. Edge blocks are partial: the scale shape is [ceil(out / 128), ceil(in / 128)].
+The scales are `X.weight_scale_inv` (DeepSeek-V3: float32) or `X.scale` (DeepSeek-V4.1: e8m0,
+as float8_e8m0fnu or its raw uint8 bits, or float32).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from tidejax.checkpoint.mxfp4 import SCALE_BIAS  # e8m0: the same biased exponent
+
 E4M3_MAX = 448.0
 BLOCK = (128, 128)
 
@@ -17,6 +21,21 @@ BLOCK = (128, 128)
 def config_block(raw_config: dict) -> tuple[int, int]:
     """The scale block of a checkpoint's config.json (quantization_config.weight_block_size)."""
     return tuple((raw_config.get("quantization_config") or {}).get("weight_block_size", BLOCK))
+
+
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype(np.uint8))
+
+
+def scale_names(weight: str) -> tuple[str, str]:
+    """The names the block scales of weight `X.weight` may have: X.weight_scale_inv, X.scale."""
+    return weight + "_scale_inv", weight.removesuffix(".weight") + ".scale"
+
+
+def scales_to_float32(scales: np.ndarray) -> np.ndarray:
+    """Block scales as float32: raw uint8 e8m0 bits (a biased exponent), e8m0 or float."""
+    if scales.dtype == np.uint8:
+        return np.ldexp(np.float32(1), scales.astype(np.int32) - SCALE_BIAS)
+    return scales.astype(np.float32)
 
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> tuple[int, int]:

@@ -8,8 +8,6 @@ nibble, 2i+1 in the high one); scales [..., n_blocks] uint8: e8m0 exponents, bia
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,28 +74,3 @@ def quantize(w):
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(xp.uint8)
     scales = (exponent + SCALE_BIAS).astype(xp.uint8)
     return blocks, scales
-
-
-def dequantize_pairs(tensors: Mapping[str, object], dtype=np.float32) -> dict:
-    """Decode every `NAME_blocks` / `NAME_scales` pair of a checkpoint's tensors to `NAME`.
-
-    Tensors that are not part of a pair pass through unchanged; a blocks tensor without its
-    scales (or the other way round) is an error naming it.
-    """
-    out = {}
-    for name, value in tensors.items():
-        if name.endswith("_blocks"):
-            base = name[: -len("_blocks")]
-            if base + "_scales" not in tensors:
-                raise ValueError(f"mxfp4: {name} has no matching {base}_scales")
-            try:
-                out[base] = dequantize(value, tensors[base + "_scales"], dtype)
-            except ValueError as e:
-                raise ValueError(f"mxfp4: {name}: {e}") from None
-        elif name.endswith("_scales"):
-            base = name[: -len("_scales")]
-            if base + "_blocks" not in tensors:
-                raise ValueError(f"mxfp4: {name} has no matching {base}_blocks")
-        else:
-            out[name] = value
-    return out

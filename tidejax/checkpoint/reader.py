@@ -1,34 +1,60 @@
 """CheckpointReader: a checkpoint directory (one model.safetensors, or shards listed by
-model.safetensors.index.json) seen as one lazy name -> tensor map that records which tensors
-were consumed, so a load can fail on anything left unmapped."""
+model.safetensors.index.json) seen as one lazy map of tensors as the model sees them: a weight and
+its block scales are one tensor. Every header, pair and scale shape is checked at open; tensor
+data is read only by `read`, `read_rows` and `read_mxfp4`.
+
+Stored tensors that make one logical tensor (`Tensor.parts`: the data first, then the scales):
+  fp8   `X.weight` float8_e4m3fn + `X.weight_scale_inv` (DeepSeek-V3, float32) or `X.scale`
+        (DeepSeek-V4.1, e8m0) per `fp8_block` (rows, cols) block; reads as float32.
+  mxfp4 `X_blocks` uint8 [..., G, 16] + `X_scales` e8m0 [..., G] (gpt-oss layout): tensor `X`
+        [..., G * 32]; or `X.weight` uint8 / int8 [..., n / 2] (two e2m1 codes a byte, low nibble
+        first) + `X.scale` e8m0 [..., n / 32] (DeepSeek-V4.1's FP4 experts): tensor `X.weight`
+        [..., n]. Reads as float32, or as (blocks, scales) with `read_mxfp4` / `read_rows`.
+  plain every other stored tensor, as stored.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
-from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block, scale_shape
+from tidejax.checkpoint import mxfp4
+from tidejax.checkpoint.fp8 import (BLOCK, SCALE_DTYPES, dequantize_fp8_block, scale_names,
+                                    scale_shape, scales_to_float32)
 from tidejax.checkpoint.progress import Progress
-from tidejax.checkpoint.safetensors_io import DTYPES, CheckpointError, SafetensorsFile
+from tidejax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-SCALE_SUFFIX = "_scale_inv"  # DeepSeek FP8: X.weight (e4m3) + X.weight_scale_inv (f32 blocks)
-_E4M3 = DTYPES["F8_E4M3"]
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+_CODES = (np.dtype(np.uint8), np.dtype(np.int8))  # packed e2m1 codes
+_MX_SCALES = (np.dtype(np.uint8), _E8M0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A checkpoint tensor as the model sees it: logical (dequantized) shape, format ("plain",
+    "fp8" or "mxfp4") and the stored tensors that hold it, data first."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: str
+    parts: tuple[str, ...]
 
 
 class CheckpointReader:
     """Lazy access to a safetensors checkpoint.
 
     `path`: a directory holding model.safetensors.index.json (sharded) or model.safetensors,
-    or the path of either file. Every header is read and checked at open (truncation,
-    dtypes, duplicates, index consistency); tensor data is read only by `read`/`read_rows`.
-    An FP8 pair `X.weight` + `X.weight_scale_inv` reads as one float32 tensor.
+    or the path of either file. `tensors`: logical name -> Tensor; `names()`, `shape`, `dtype`
+    and `file_of` speak of the stored tensors. Errors are CheckpointError naming file and tensor.
     """
 
     def __init__(self, path: str | os.PathLike, *, fp8_block: tuple[int, int] = BLOCK,
@@ -37,13 +63,12 @@ class CheckpointReader:
         self.fp8_block = tuple(fp8_block)
         # name -> its file (the index check has already ruled out a name in two shards)
         self._where: dict[str, SafetensorsFile] = {n: f for f in files for n in f.tensors}
-        self._consumed: set[str] = set()
-        self._check_fp8_pairs()
-        infos = [f.tensors[n] for n, f in self._where.items()]
+        self.tensors: dict[str, Tensor] = self._pair()
+        infos = [self._info(n) for n in self._where]
         self.progress = Progress(label, len(infos), sum(i.nbytes for i in infos),
                                  enabled=progress)
 
-    # -- what is there ---------------------------------------------------------------------
+    # -- what is there (stored tensors) ----------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self._where)
 
@@ -54,103 +79,162 @@ class CheckpointReader:
         return self._info(name).shape
 
     def dtype(self, name: str) -> np.dtype:
-        """The stored dtype (float8_e4m3fn for the weight of an FP8 pair)."""
         return self._info(name).dtype
 
     def file_of(self, name: str) -> Path:
-        self._info(name)
-        return self._where[name].path
-
-    def is_fp8_pair(self, name: str) -> bool:
-        return name + SCALE_SUFFIX in self._where and self._info(name).dtype == _E4M3
-
-    # -- consumption ----------------------------------------------------------------------
-    def claim(self, name: str, by: str = "") -> None:
-        """Mark `name` (and its FP8 scale) consumed; a second claim is a duplicate mapping."""
-        self._info(name)
-        if name in self._consumed:
-            raise CheckpointError(f"{self.file_of(name)}: tensor '{name}' is mapped twice"
-                                  + (f" (again by {by})" if by else ""))
-        self._consumed.add(name)
-        if self.is_fp8_pair(name):
-            self._consumed.add(name + SCALE_SUFFIX)
-
-    def check_all_consumed(self, ignore: Iterable[str] = ()) -> None:
-        """Fail naming every tensor that no rule consumed (claimed) and no `ignore` regex
-        matches (re.search: anchor with ^ and $ as needed). May run before the reads, once
-        everything is claimed; ignored tensors count as done on the progress line."""
-        patterns = [re.compile(p) for p in ignore]
-        unclaimed = [n for n in self.names() if n not in self._consumed]
-        left = [n for n in unclaimed if not any(p.search(n) for p in patterns)]
-        if left:
-            self.progress.close()
-            shown = "; ".join(f"'{n}' in {self.file_of(n)}" for n in left[:10])
-            more = f" (and {len(left) - 10} more)" if len(left) > 10 else ""
-            raise CheckpointError(f"{self.source}: {len(left)} unexpected tensor(s) that no "
-                                  f"rule maps: {shown}{more}")
-        self._consumed.update(unclaimed)  # ignored: done
-        self.progress.advance(len(unclaimed), sum(self._info(n).nbytes for n in unclaimed))
+        """The file of stored tensor `name`, or of the data of logical tensor `name`."""
+        tensor = self.tensors.get(name)
+        return self._path(tensor.parts[0] if tensor is not None else name)
 
     # -- reading --------------------------------------------------------------------------
     def read(self, name: str) -> np.ndarray:
-        """The tensor as a fresh array (float32 for an FP8 pair); claims it if unclaimed."""
-        if name not in self._consumed:
-            self.claim(name)
-        f = self._where[name]
-        if self.is_fp8_pair(name):
-            scale_name = name + SCALE_SUFFIX
-            out = dequantize_fp8_block(f.view(name), self._where[scale_name].view(scale_name),
-                                       self.fp8_block)
-            self.progress.advance(2, f.tensors[name].nbytes
-                                  + self._where[scale_name].tensors[scale_name].nbytes)
-            return out
-        out = np.array(f.view(name))
-        self.progress.advance(1, f.tensors[name].nbytes)
+        """Tensor `name` as a fresh array: float32 for fp8 and mxfp4 tensors, as stored for
+        plain ones; a stored part of a pair (the scales, the blocks) reads raw."""
+        tensor = self._tensor(name)
+        if tensor.format == "fp8":
+            weight, scales = (self._view(p) for p in tensor.parts)
+            out = dequantize_fp8_block(weight, scales_to_float32(scales), self.fp8_block)
+        elif tensor.format == "mxfp4":
+            out = mxfp4.dequantize(*self._mxfp4_views(tensor))
+        else:
+            out = np.array(self._view(name))
+        self.done(tensor)
         return out
 
-    def read_rows(self, name: str) -> Iterator[np.ndarray]:
+    def read_mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An mxfp4 tensor as stored: (blocks uint8 [..., G, 16], scales uint8 [..., G])."""
+        tensor = self._tensor(name)
+        if tensor.format != "mxfp4":
+            raise CheckpointError(f"{self.file_of(name)}: '{name}' is {tensor.format}, not MXFP4")
+        out = tuple(np.array(v) for v in self._mxfp4_views(tensor))
+        self.done(tensor)
+        return out
+
+    def read_rows(self, name: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         """Tensor `name` one leading-axis row at a time (fresh arrays), so a stacked [E, ...]
-        tensor is never copied whole. Not for FP8 pairs."""
-        if self.is_fp8_pair(name):
+        tensor is never copied whole: arrays for plain tensors, (blocks, scales) for mxfp4 ones.
+        Not for fp8 tensors (their scale blocks span rows)."""
+        tensor = self._tensor(name)
+        if tensor.format == "fp8":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is FP8 block-scaled; "
                                   f"read it whole")
-        if name not in self._consumed:
-            self.claim(name)
-        f = self._where[name]
-        view, nbytes = f.view(name), f.tensors[name].nbytes
-        for i in range(view.shape[0]):
-            row = np.array(view[i])
-            self.progress.advance(int(i == view.shape[0] - 1), nbytes // view.shape[0])
-            yield row
+        views = self._mxfp4_views(tensor) if tensor.format == "mxfp4" else (self._view(name),)
+        n, nbytes = views[0].shape[0], self._nbytes(tensor)
+        for i in range(n):
+            rows = tuple(np.array(v[i]) for v in views)
+            self.progress.advance(len(tensor.parts) if i == n - 1 else 0, nbytes // n)
+            yield rows if tensor.format == "mxfp4" else rows[0]
 
-    def missing(self, name: str, wanted_by: str = "") -> CheckpointError:
-        """The error for a tensor the model needs but the checkpoint lacks."""
-        return CheckpointError(f"{self.source}: missing tensor '{name}'"
-                               + (f" (needed for {wanted_by})" if wanted_by else ""))
+    def done(self, tensor: Tensor) -> None:
+        """Count `tensor` as done on the progress line (read, or ignored unread)."""
+        self.progress.advance(len(tensor.parts), self._nbytes(tensor))
 
-    def _info(self, name: str):
+    # -- internals ------------------------------------------------------------------------
+    def _file(self, name: str) -> SafetensorsFile:
         f = self._where.get(name)
         if f is None:
-            raise self.missing(name)
-        return f.tensors[name]
+            raise CheckpointError(f"{self.source}: missing tensor '{name}'")
+        return f
 
-    def _check_fp8_pairs(self) -> None:
-        """Every e4m3 tensor has its block scales, and every scale fits its weight."""
-        for name, f in self._where.items():
-            info = f.tensors[name]
-            weight_name = name.removesuffix(SCALE_SUFFIX)
-            if weight_name != name and weight_name in self._where:
-                weight = self._info(weight_name)
-                want = scale_shape(weight.shape, self.fp8_block) if len(weight.shape) == 2 else None
-                if weight.dtype != _E4M3 or info.shape != want or info.dtype != np.float32:
-                    raise CheckpointError(
-                        f"{f.path}: '{name}' {info.dtype} {list(info.shape)} does not fit FP8 "
-                        f"block scales of '{weight_name}' {weight.dtype} {list(weight.shape)} "
-                        f"(expected a 2-D float8_e4m3fn weight and float32 {want} scales for "
-                        f"{self.fp8_block} blocks)")
-            elif info.dtype == _E4M3 and name + SCALE_SUFFIX not in self._where:
-                raise CheckpointError(f"{f.path}: FP8 tensor '{name}' has no "
-                                      f"'{name}{SCALE_SUFFIX}' block scales")
+    def _path(self, name: str) -> Path:
+        return self._file(name).path
+
+    def _info(self, name: str) -> TensorInfo:
+        return self._file(name).tensors[name]
+
+    def _view(self, name: str) -> np.ndarray:
+        return self._file(name).view(name)
+
+    def _tensor(self, name: str) -> Tensor:
+        tensor = self.tensors.get(name)
+        if tensor is None:  # a stored part of a pair, read raw
+            tensor = Tensor(name, self.shape(name), "plain", (name,))
+        return tensor
+
+    def _nbytes(self, tensor: Tensor) -> int:
+        return sum(self._info(p).nbytes for p in tensor.parts)
+
+    def _mxfp4_views(self, tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        codes, scales = (self._view(p) for p in tensor.parts)
+        blocks = codes.view(np.uint8).reshape(*scales.shape, mxfp4.BLOCK // 2)
+        return blocks, scales.view(np.uint8)
+
+    def _pair(self) -> dict[str, Tensor]:
+        """Logical tensors from the stored ones; every pair checked on the headers."""
+        tensors: dict[str, Tensor] = {}
+        paired: set[str] = set()
+        for name in self._where:
+            tensor = self._fp8(name) or self._mxfp4(name)
+            if tensor is not None:
+                if tensor.name != name and tensor.name in self._where:
+                    raise CheckpointError(f"{self._path(name)}: '{tensor.name}' is stored "
+                                          f"both as it is and as '{name}'")
+                tensors[tensor.name] = tensor
+                paired.update(tensor.parts)
+        for name in self._where:
+            if name in paired:
+                continue
+            self._check_stray_scales(name)
+            tensors[name] = Tensor(name, self.shape(name), "plain", (name,))
+        return tensors
+
+    def _fp8(self, name: str) -> Tensor | None:
+        info = self._info(name)
+        if info.dtype != _E4M3:
+            return None
+        scale = next((s for s in scale_names(name) if s in self._where), None)
+        if scale is None:
+            raise CheckpointError(f"{self._path(name)}: FP8 tensor '{name}' has no "
+                                  f"'{scale_names(name)[0]}' (or '{scale_names(name)[1]}') "
+                                  f"block scales")
+        s = self._info(scale)
+        want = scale_shape(info.shape, self.fp8_block) if len(info.shape) == 2 else None
+        if s.shape != want or s.dtype not in SCALE_DTYPES:
+            raise CheckpointError(
+                f"{self._path(scale)}: '{scale}' {s.dtype} {list(s.shape)} does not fit FP8 "
+                f"block scales of '{name}' {info.dtype} {list(info.shape)} (expected a 2-D "
+                f"float8_e4m3fn weight and {want} scales of "
+                f"{', '.join(map(str, SCALE_DTYPES))} for {self.fp8_block} blocks)")
+        return Tensor(name, info.shape, "fp8", (name, scale))
+
+    def _mxfp4(self, name: str) -> Tensor | None:
+        info = self._info(name)
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            scale, logical = base + "_scales", base
+            if scale not in self._where:
+                raise CheckpointError(f"{self._path(name)}: MXFP4 blocks '{name}' have no "
+                                      f"'{scale}'")
+            ok = info.dtype == np.uint8 and info.shape[-1:] == (mxfp4.BLOCK // 2,)
+            groups = info.shape[:-1]
+        elif (info.dtype in _CODES and name.endswith(".weight")
+              and scale_names(name)[1] in self._where):
+            scale, logical = scale_names(name)[1], name
+            n = info.shape[-1] if info.shape else 0
+            ok = n % (mxfp4.BLOCK // 2) == 0
+            groups = (*info.shape[:-1], n // (mxfp4.BLOCK // 2))
+        else:
+            return None
+        s = self._info(scale)
+        if not ok or s.shape != groups or s.dtype not in _MX_SCALES:
+            raise CheckpointError(
+                f"{self._path(name)}: MXFP4 '{name}' {info.dtype} {list(info.shape)} and "
+                f"'{scale}' {s.dtype} {list(s.shape)} do not pair (want uint8 codes, 16 bytes a "
+                f"block of 32, and uint8 / e8m0 scales {list(groups)})")
+        return Tensor(logical, (*groups[:-1], groups[-1] * mxfp4.BLOCK) if groups else (),
+                      "mxfp4", (name, scale))
+
+    def _check_stray_scales(self, name: str) -> None:
+        """Scales whose weight is there but not quantized (an unpaired `_scales` is an error)."""
+        if name.endswith("_scales"):
+            raise CheckpointError(f"{self._path(name)}: MXFP4 scales '{name}' have no "
+                                  f"'{name.removesuffix('_scales')}_blocks'")
+        weight = name.removesuffix("_scale_inv")
+        if weight != name and weight in self._where:
+            raise CheckpointError(
+                f"{self._path(name)}: '{name}' does not fit FP8 block scales of '{weight}' "
+                f"{self.dtype(weight)} {list(self.shape(weight))} (expected a 2-D "
+                f"float8_e4m3fn weight)")
 
 
 def _resolve(path: Path) -> tuple[Path, list[SafetensorsFile]]:

@@ -3,19 +3,22 @@
 `ExpertPool` receives each routed expert as a row (`put_row(layer * E + expert, row)`) in the
 format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4 blocks and scales) and stores it
 in the format the profile asks for, allocating on the first row: no second copy of the experts is
-ever held. `load_by_table` is the declarative loader of families whose tensors map one to one.
+ever held. `load_by_table` loads a family's declared params by its checkpoint table.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.checkpoint import CheckpointReader, Rule, fp8, load_checkpoint, mxfp4
+from tidejax.checkpoint import CheckpointReader, Table, fp8, load, mxfp4
 from tidejax.fields import ConfigError
+from tidejax.models.base import abstract, nbytes
 
-FP32_LEAVES = ("gate_weight", "gate_bias")  # routers stay in float32, as the references keep them
+log = logging.getLogger(__name__)
 
 
 class ExpertPool:
@@ -61,29 +64,13 @@ class ExpertPool:
         return self.pool
 
 
-def _tree_get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def load_by_table(model_dir, raw_config: dict, *, param_shapes: dict, table: dict[str, tuple],
-                  ignored: tuple[str, ...], expert_prefixes: list[str], expert_dims, dtype,
-                  put_row) -> dict:
-    """Dense params by a name table ({hf name: params path}, shapes from `param_shapes`) and
-    routed experts through `put_row`, after every name and shape is checked against the headers."""
+def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
+                  expert_specs: dict, put_row) -> dict:
+    """Dense params (declared by `param_specs`, onto the device in their declared dtypes) and
+    routed experts (rows of `expert_specs`, through `put_row`) by the family's checkpoint table,
+    after every name and shape is checked against the headers."""
     reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config))
-    rules = {path: Rule(name, tuple(_tree_get(param_shapes, path).shape))
-             for name, path in table.items()}
-    filled = {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path)) for path in rules}
-    unfilled = {jax.tree_util.keystr(p) for p, _ in
-                jax.tree_util.tree_flatten_with_path(param_shapes)[0]} - filled
-    if unfilled:
-        raise ConfigError(f"{model_dir}: no checkpoint tensor fills {sorted(unfilled)[0]}")
-    _, n_experts, hidden, inter = expert_dims
-
-    def put(path, array):
-        return jnp.asarray(array, jnp.float32 if path[-1] in FP32_LEAVES else dtype)
-
-    return load_checkpoint(reader, rules, ignore=ignored, put=put,
-                           experts=(expert_prefixes, n_experts, hidden, inter), put_row=put_row)
+    log.info("%s: %.2f GB of dense params, %.2f GB of routed experts (as declared)", model_dir,
+             nbytes(param_specs) / 1e9, nbytes(expert_specs) / 1e9)
+    return load(reader, table, abstract(param_specs), abstract(expert_specs),
+                put=lambda path, array: jnp.asarray(array), put_row=put_row)

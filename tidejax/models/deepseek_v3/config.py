@@ -51,6 +51,11 @@ class DeepseekV3Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the shared experts' SwiGLU (0: none)."""
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the decoder layers whose MLP is a routed MoE."""
         return tuple(i for i in range(self.num_layers)

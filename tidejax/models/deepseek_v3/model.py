@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
         if self.layer in cfg.moe_layers:
             y, experts = MoE(router_spec(cfg), cfg.moe_layers.index(self.layer),
-                             cfg.moe_intermediate_size * cfg.n_shared_experts, self.serve, dt,
+                             cfg.shared_intermediate_size, self.serve, dt,
                              name="moe")(h, token_mask, experts)
         else:
             y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)

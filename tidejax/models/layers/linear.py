@@ -6,11 +6,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.models.base import ParamSpec
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def dense_init(stddev: float = 0.02):
     return nn.initializers.normal(stddev)
+
+
+def linear_specs(out: int, inn: int, axes: tuple[str, str], dtype) -> dict:
+    """Linear's declared params: {"weight": [out, in]}, `axes` naming (out, in)."""
+    return {"weight": ParamSpec((out, inn), dtype, axes)}
 
 
 class Linear(nn.Module):

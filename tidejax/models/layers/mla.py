@@ -13,9 +13,27 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tidejax.kv import paged
-from tidejax.models.layers.linear import HIGHEST, Linear
-from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.base import ParamSpec
+from tidejax.models.layers.linear import HIGHEST, Linear, linear_specs
+from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import apply_rope
+
+
+def mla_specs(cfg, dtype) -> dict:
+    """MLAttention's declared params (the config fields of the module docstring)."""
+    h, nope, r, v, c = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                        cfg.v_head_dim, cfg.kv_lora_rank)
+    d, q = cfg.hidden_size, cfg.num_heads * (nope + r)
+    if cfg.q_lora_rank is None:
+        specs = {"q_proj": linear_specs(q, d, ("heads", "embed"), dtype)}
+    else:
+        specs = {"q_a_proj": linear_specs(cfg.q_lora_rank, d, ("q_lora", "embed"), dtype),
+                 "q_a_norm": norm_specs(cfg.q_lora_rank, "q_lora", dtype),
+                 "q_b_proj": linear_specs(q, cfg.q_lora_rank, ("heads", "q_lora"), dtype)}
+    return specs | {"kv_a_proj": linear_specs(c + r, d, ("kv_lora", "embed"), dtype),
+                    "kv_a_norm": norm_specs(c, "kv_lora", dtype),
+                    "kv_b_proj": ParamSpec((h * (nope + v), c), dtype, ("heads", "kv_lora")),
+                    "o_proj": linear_specs(d, h * v, ("embed", "heads"), dtype)}
 
 
 class MLAttention(nn.Module):

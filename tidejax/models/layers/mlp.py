@@ -9,7 +9,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.layers.linear import Linear
+from tidejax.models.layers.linear import Linear, linear_specs
+
+
+def swiglu_specs(hidden: int, intermediate: int, dtype) -> dict:
+    """SwiGLU's declared params: gate_proj, up_proj [f, d] and down_proj [d, f]."""
+    up = linear_specs(intermediate, hidden, ("ffw", "embed"), dtype)
+    return {"gate_proj": up, "up_proj": up,
+            "down_proj": linear_specs(hidden, intermediate, ("embed", "ffw"), dtype)}
 
 
 def swiglu(gate, up, limit: float = 0.0):

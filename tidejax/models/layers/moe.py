@@ -15,8 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.models.base import ParamSpec
 from tidejax.models.layers.linear import HIGHEST, dense_init
-from tidejax.models.layers.mlp import SwiGLU
+from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import ExpertState
 
@@ -34,6 +35,24 @@ class RouterSpec:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     hash_vocab: int = 0  # > 0: a fixed token -> experts table picks (DeepSeek-V4's hash layers)
+
+
+def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) -> dict:
+    """MoE's declared params: the router (float32, as the references keep it), shared experts."""
+    e = router.n_experts
+    specs = {"gate_weight": ParamSpec((e, hidden), jnp.float32, ("experts", "embed"))}
+    if router.use_bias:
+        specs["gate_bias"] = ParamSpec((e,), jnp.float32, ("experts",), init="zeros")
+    if shared_intermediate:
+        specs["shared"] = swiglu_specs(hidden, shared_intermediate, dtype)
+    return specs
+
+
+def routed_expert_specs(rows: int, hidden: int, intermediate: int, dtype) -> dict:
+    """The routed experts as host-pool rows (row = moe layer * experts + expert): gate_up
+    [rows, 2f, d] (gate rows, then up rows) and down [rows, d, f]."""
+    return {"gate_up": ParamSpec((rows, 2 * intermediate, hidden), dtype, ("experts", "ffw", "embed")),
+            "down": ParamSpec((rows, hidden, intermediate), dtype, ("experts", "embed", "ffw"))}
 
 
 def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):

@@ -6,6 +6,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.models.base import ParamSpec
+
+
+def norm_specs(dim: int, axis: str, dtype) -> dict:
+    """RMSNorm's declared params: {"weight": [dim]} (ones)."""
+    return {"weight": ParamSpec((dim,), dtype, (axis,), init="ones")}
+
 
 class RMSNorm(nn.Module):
     """Normalizes in float32, casts back, then scales (as the reference implementations do)."""

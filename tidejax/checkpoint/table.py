@@ -1,0 +1,378 @@
+"""The checkpoint table: one declarative map from checkpoint tensor names to a family's declared
+params and routed-expert rows, checked whole against the headers before any tensor data is read.
+
+A pattern is literal text with fields, `{name}` (digits) or `{name:REGEX}`, and matches whole
+names; a rule's target uses the fields of its source::
+
+    table = Table(rules=(
+        Rule("model.embed_tokens.weight", "embed"),
+        Rule("model.layers.{i}.mlp.{proj:gate|up|down}_proj.weight",
+             "layers_{i}.mlp.{proj}_proj.weight"),
+        # routed experts: field `layer` is one of expert_layers (rowmap order), `expert` the
+        # expert (absent: all experts stacked on a leading axis), `part` gate | up | gate_up | down
+        Experts(r"{layer:model\\.layers\\.\\d+\\.mlp}.experts.{expert}.{part:gate|up|down}_proj.weight"),
+        Experts(r"{layer:model\\.layers\\.\\d+\\.mlp}.experts.{part:gate_up|down}_proj"),
+    ), ignore=("{any:.*}rotary_emb.inv_freq",), expert_layers=("model.layers.1.mlp", ...))
+
+    params = load(reader, table, abstract(param_specs), abstract(expert_specs),
+                  put=lambda path, a: jnp.asarray(a), put_row=pool.put_row)
+
+Checks, all on the headers, all problems reported in one CheckpointError naming file and tensor:
+unmapped (no rule and no ignore pattern matches a tensor), multi-match (two rules match one),
+no place (a rule's target is not declared), duplicate (two tensors fill one param or expert
+part), shape (the logical shape, after the rule's transform, against the declaration), unfilled
+(a declared param or expert part that no tensor fills, named by the tensor the table expects),
+and the routed experts' layouts (both layouts for one expert, MXFP4 mixed with dense in a layer,
+a layer that is not a MoE layer, an expert past the count). Ignore patterns win over the rules
+(e.g. the multi-token-prediction layers after the last decoder layer). Then the params are read
+one tensor at a time, cast to their declared dtype, and the experts emitted row by row as
+put_row(moe_layer * E + expert, {"gate_up": [2I, D] (gate rows, then up), "down": [D, I]}) as
+stored (FP8 as float32) or, for MXFP4 experts, {"gate_up_blocks", "gate_up_scales",
+"down_blocks", "down_scales"}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tidejax.checkpoint.reader import CheckpointReader, Tensor
+from tidejax.checkpoint.safetensors_io import CheckpointError
+
+ParamPath = tuple  # keys of nested dicts, e.g. ("layers_3", "attn", "q_a_proj", "weight")
+EXPERT_PARTS = ("gate", "up", "gate_up", "down")
+_FIELD = re.compile(r"\{(\w+)(?::([^{}]*))?\}")
+_SHOWN = 20  # problems listed in one error
+
+
+class Pattern:
+    """Literal text with fields `{name}` (digits, or the REGEX `fields` gives the name) or
+    `{name:REGEX}`; matches whole names."""
+
+    def __init__(self, text: str, fields: Mapping[str, str] | None = None):
+        self.text, self.fields = text, {}
+        pieces, last = [], 0
+        for m in _FIELD.finditer(text):
+            self.fields[m[1]] = m[2] or (fields or {}).get(m[1], "[0-9]+")
+            pieces += [re.escape(text[last:m.start()]), f"(?P<{m[1]}>{self.fields[m[1]]})"]
+            last = m.end()
+        self.regex = re.compile("".join(pieces) + re.escape(text[last:]))
+
+    def match(self, name: str) -> dict[str, str] | None:
+        m = self.regex.fullmatch(name)
+        return None if m is None else m.groupdict()
+
+    def format(self, fields: Mapping[str, str]) -> str:
+        """The text with the fields filled in (a field not given stays as written)."""
+        return _FIELD.sub(lambda m: str(fields.get(m[1], m[0])), self.text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """A change of layout from the stored tensor to the param: its effect on the shape (for the
+    header checks) and on the array."""
+    name: str
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    apply: Callable[[np.ndarray], np.ndarray]
+
+
+TRANSPOSE = Transform("transposed", lambda shape: shape[::-1], np.transpose)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Params `target` (dotted path, with the source's fields) <- checkpoint tensors `source`."""
+    source: str
+    target: str
+    transform: Transform | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """Routed-expert rows <- checkpoint tensors `source` (fields `layer`, optionally `expert`);
+    `part`: one of EXPERT_PARTS, or a pattern of them over the source's fields."""
+    source: str
+    part: str = "{part}"
+
+
+class Table:
+    """A family's checkpoint table: rules, ignore patterns, and the `layer` field values of the
+    MoE layers in rowmap order."""
+
+    def __init__(self, rules: Sequence[Rule | Experts], ignore: Sequence[str] = (),
+                 expert_layers: Sequence[str] = ()):
+        self.rules, self.expert_layers = tuple(rules), tuple(expert_layers)
+        self.ignore = tuple(Pattern(p) for p in ignore)
+        self._compiled = []
+        for rule in self.rules:
+            source = Pattern(rule.source)
+            target = Pattern(rule.target if isinstance(rule, Rule) else rule.part, source.fields)
+            needed = set(target.fields) | ({"layer"} if isinstance(rule, Experts) else set())
+            if not needed <= set(source.fields):
+                raise ValueError(f"checkpoint table: rule {rule} uses fields "
+                                 f"{sorted(needed - set(source.fields))} its source lacks")
+            self._compiled.append((rule, source, target))
+
+    def ignores(self, name: str) -> bool:
+        return any(p.match(name) is not None for p in self.ignore)
+
+    def matches(self, name: str) -> list[tuple[Rule | Experts, Pattern, dict[str, str]]]:
+        """Every rule whose source matches `name`: (rule, its target pattern, the fields)."""
+        return [(rule, target, fields) for rule, source, target in self._compiled
+                if (fields := source.match(name)) is not None]
+
+    def param_names(self, path: ParamPath) -> list[str]:
+        """The checkpoint names the rules fill params `path` from (as many as rules give it)."""
+        return self._names(lambda rule, source: isinstance(rule, Rule), ".".join(path), {})
+
+    def expert_names(self, layer: str, part: str, expert: int | None = None) -> list[str]:
+        """The checkpoint names the rules fill `part` of routed expert `expert` of `layer` from
+        (expert None: the stacked tensors of every expert)."""
+        def per_expert(rule, source) -> bool:
+            return isinstance(rule, Experts) and ("expert" in source.fields) == (expert is not None)
+        return self._names(per_expert, part, {"layer": layer, "expert": str(expert)})
+
+    def _names(self, which, target_text: str, fields: dict[str, str]) -> list[str]:
+        names = []
+        for rule, source, target in self._compiled:
+            found = target.match(target_text) if which(rule, source) else None
+            if found is not None:
+                name = source.format({**fields, **found})
+                if source.match(name) is not None:  # the fields fit the source's patterns
+                    names.append(name)
+        return names
+
+
+def load(reader: CheckpointReader, table: Table, params: Mapping, experts: Mapping | None = None,
+         *, put: Callable[[ParamPath, np.ndarray], Any] | None = None,
+         put_row: Callable[[int, dict], None] | None = None) -> dict:
+    """Check the whole checkpoint against `table` and the declaration on the headers, then read.
+
+    params: nested dicts whose leaves have .shape and .dtype (models.base.abstract(specs));
+    experts: {"gate_up": [rows, 2I, D], "down": [rows, D, I]} likewise, rows = len(expert_layers)
+    * experts a layer, emitted through `put_row`. Returns the params as nested dicts of
+    put(path, array) (default: the numpy array) in each param's declared dtype."""
+    plan = _Plan(reader, table, params, experts)
+    out = plan.read_params(put)
+    if experts is not None:
+        plan.read_experts(put_row)
+    return out
+
+
+def _flatten(tree: Mapping, prefix: ParamPath = ()) -> Iterator[tuple[ParamPath, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _quoted(names: Sequence[str], joiner: str = " or ") -> str:
+    return joiner.join(f"'{n}'" for n in names)
+
+
+class _Plan:
+    """Every check of `load`, on the headers: what each tensor fills."""
+
+    def __init__(self, reader: CheckpointReader, table: Table, params: Mapping,
+                 experts: Mapping | None):
+        self.reader, self.table = reader, table
+        self.specs = dict(_flatten(params))
+        self.params: dict[ParamPath, tuple[Tensor, Rule]] = {}
+        self.rows: dict[tuple[int, int], dict[str, tuple[Tensor, bool]]] = {}  # (m, e) -> parts
+        self.problems: list[str] = []
+        self.tried: set = set()  # params paths and (moe layer, part) a rejected tensor aimed at
+        self.n_experts, self.part_shapes = self._expert_shapes(experts)
+        unmapped, ignored, duplicates = [], [], {}
+        for name, tensor in reader.tensors.items():
+            if table.ignores(name):
+                ignored.append(tensor)
+                continue
+            hits = table.matches(name)
+            if len(hits) > 1:
+                self.tried.update(tuple(target.format(fields).split("."))
+                                  for rule, target, fields in hits if isinstance(rule, Rule))
+                self._problem(name, f"tensor '{name}' is mapped twice, by "
+                                    f"{_quoted([rule.source for rule, _, _ in hits], ' and ')}")
+            elif not hits:
+                unmapped.append(name)
+            elif isinstance(hits[0][0], Rule):
+                self._param(tensor, *hits[0])
+            else:
+                self._expert(tensor, *hits[0], duplicates)
+        for (first, second, layer, part) in duplicates:
+            self._problem(second, f"tensors '{first}' and '{second}' both fill the '{part}' of "
+                                  f"routed experts of layer '{layer}'")
+        self._check_unfilled()
+        self._check_rows()
+        if unmapped:
+            shown = "; ".join(f"'{n}' in {reader.file_of(n)}" for n in unmapped[:10])
+            more = f" (and {len(unmapped) - 10} more)" if len(unmapped) > 10 else ""
+            self.problems.append(f"{reader.source}: {len(unmapped)} unexpected tensor(s) that "
+                                 f"no rule maps: {shown}{more}")
+        if self.problems:
+            p = self.problems
+            more = f"\n  (and {len(p) - _SHOWN} more)" if len(p) > _SHOWN else ""
+            raise CheckpointError(p[0] if len(p) == 1 else f"{reader.source}: {len(p)} problems:"
+                                  f"\n  " + "\n  ".join(p[:_SHOWN]) + more)
+        for tensor in ignored:
+            reader.done(tensor)
+
+    def _problem(self, name: str, text: str) -> None:
+        self.problems.append(f"{self.reader.file_of(name)}: {text}")
+
+    def _expert_shapes(self, experts: Mapping | None) -> tuple[int, dict[str, tuple]]:
+        if experts is None:
+            return 0, {}
+        rows, n_layers = experts["gate_up"].shape[0], len(self.table.expert_layers)
+        if not n_layers or rows % n_layers:
+            raise ValueError(f"checkpoint table: {rows} expert rows for {n_layers} MoE layers")
+        gate_up, down = tuple(experts["gate_up"].shape[1:]), tuple(experts["down"].shape[1:])
+        half = (gate_up[0] // 2, *gate_up[1:])
+        return rows // n_layers, {"gate": half, "up": half, "gate_up": gate_up, "down": down}
+
+    def _param(self, tensor: Tensor, rule: Rule, target, fields) -> None:
+        name, path = tensor.name, tuple(target.format(fields).split("."))
+        spec = self.specs.get(path)
+        if spec is None:
+            self._problem(name, f"tensor '{name}' has no place in the model (rule "
+                                f"'{rule.source}' gives params {path}, which is not declared)")
+            return
+        if path in self.params:
+            self._problem(name, f"tensors '{self.params[path][0].name}' and '{name}' both fill "
+                                f"params {path}")
+            return
+        shape = rule.transform.shape(tensor.shape) if rule.transform else tensor.shape
+        if tuple(shape) != tuple(spec.shape):
+            self.tried.add(path)
+            how = f" ({rule.transform.name}: {list(shape)})" if rule.transform else ""
+            self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}{how}, params "
+                                f"{path} expects {list(spec.shape)}")
+            return
+        self.params[path] = (tensor, rule)
+
+    def _expert(self, tensor: Tensor, rule: Experts, part_pattern, fields, duplicates) -> None:
+        name, layer, part = tensor.name, fields["layer"], part_pattern.format(fields)
+        if not self.n_experts or layer not in self.table.expert_layers:
+            self._problem(name, f"tensor '{name}' holds routed experts of '{layer}', which is not "
+                                f"a MoE layer of this model")
+            return
+        if part not in EXPERT_PARTS:
+            raise ValueError(f"checkpoint table: rule {rule} gives part {part!r}, not one of "
+                             f"{EXPERT_PARTS}")
+        m, fused = self.table.expert_layers.index(layer), "expert" not in fields
+        want = (self.n_experts, *self.part_shapes[part]) if fused else self.part_shapes[part]
+        if tuple(tensor.shape) != want:
+            self.tried.add((m, part))
+            self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}, the routed "
+                                f"experts' '{part}' of layer '{layer}' expects {list(want)}")
+            return
+        experts = range(self.n_experts) if fused else [int(fields["expert"])]
+        if experts[-1] >= self.n_experts:
+            self._problem(name, f"tensor '{name}' is routed expert {experts[-1]} of layer "
+                                f"'{layer}', which has {self.n_experts} experts")
+            return
+        for e in experts:
+            row = self.rows.setdefault((m, e), {})
+            if part in row:
+                duplicates[(row[part][0].name, name, layer, part)] = None
+            else:
+                row[part] = (tensor, fused)
+
+    def _check_unfilled(self) -> None:
+        for path in self.specs:
+            if path not in self.params and path not in self.tried:
+                names = self.table.param_names(path)
+                what = (f"missing tensor {_quoted(names)} (needed for params {path})" if names
+                        else f"no rule of the table fills params {path}")
+                self.problems.append(f"{self.reader.source}: {what}")
+
+    def _check_rows(self) -> None:
+        if not self.n_experts:
+            return
+        for m, layer in enumerate(self.table.expert_layers):
+            rows = [self.rows.get((m, e), {}) for e in range(self.n_experts)]
+            tensors = {t.name: t for row in rows for t, _ in row.values()}
+            if len({t.format == "mxfp4" for t in tensors.values()}) > 1:
+                self._problem(next(iter(tensors)), f"layer '{layer}' mixes MXFP4 and dense "
+                                                   f"routed experts")
+            missing: dict[str, list[int]] = {}
+            for e, row in enumerate(rows):
+                if "gate_up" in row and ("gate" in row or "up" in row):
+                    split = (row.get("gate") or row["up"])[0].name
+                    self._problem(split, f"layer '{layer}' holds routed expert {e} in both the "
+                                         f"fused and the per-expert layout ('{row['gate_up'][0].name}'"
+                                         f" and '{split}')")
+                for part in _missing_parts(row):
+                    if (m, part) not in self.tried:
+                        missing.setdefault(part, []).append(e)
+            for part, es in missing.items():
+                which = ("every routed expert" if len(es) == self.n_experts else
+                         f"routed expert(s) {', '.join(map(str, es[:8]))}"
+                         + (", ..." if len(es) > 8 else ""))
+                self.problems.append(f"{self.reader.source}: missing tensor "
+                                     f"{self._expert_names(layer, es[0], part)} (needed for "
+                                     f"{which} of layer '{layer}')")
+
+    def _expert_names(self, layer: str, e: int, part: str) -> str:
+        names = [_quoted(self.table.expert_names(layer, part, expert)) for expert in (e, None)]
+        if part == "gate_up":  # or the two halves
+            halves = [self.table.expert_names(layer, p, e) for p in ("gate", "up")]
+            names += [_quoted(pair, " and ") for pair in zip(*halves)]
+        return " or ".join(n for n in names if n) or "(no rule of the table gives it)"
+
+    def read_params(self, put) -> dict:
+        out: dict = {}
+        for path, (tensor, rule) in self.params.items():
+            a = self.reader.read(tensor.name)
+            if rule.transform is not None:
+                a = rule.transform.apply(a)
+            a = a.astype(np.dtype(self.specs[path].dtype), copy=False)
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = put(path, a) if put is not None else a
+        return out
+
+    def read_experts(self, put_row) -> None:
+        for m in range(len(self.table.expert_layers)):
+            fused_rows: dict[str, Iterator] = {}  # one row of each stacked tensor per expert
+            for e in range(self.n_experts):
+                parts = {}
+                for part, (tensor, fused) in self.rows[(m, e)].items():
+                    if fused:
+                        rows = fused_rows.setdefault(tensor.name, self.reader.read_rows(tensor.name))
+                        parts[part] = next(rows)
+                    elif tensor.format == "mxfp4":
+                        parts[part] = self.reader.read_mxfp4(tensor.name)
+                    else:
+                        parts[part] = self.reader.read(tensor.name)
+                put_row(m * self.n_experts + e, _expert_row(parts))
+
+
+def _missing_parts(row: Mapping[str, Any]) -> list[str]:
+    """What a row lacks: gate_up (or the missing half of gate + up), down."""
+    need = []
+    if "gate_up" not in row:
+        halves = [p for p in ("gate", "up") if p not in row]
+        need += halves if len(halves) == 1 else (["gate_up"] if halves else [])
+    return need + ([] if "down" in row else ["down"])
+
+
+def _expert_row(parts: dict) -> dict:
+    """{"gate_up", "down"} arrays, or the MXFP4 bank's blocks and scales for (blocks, scales)."""
+    if "gate_up" in parts:
+        gate_up = parts["gate_up"]
+    elif isinstance(parts["gate"], tuple):
+        gate_up = tuple(np.concatenate(pair) for pair in zip(parts["gate"], parts["up"]))
+    else:
+        gate_up = np.concatenate([parts["gate"], parts["up"]])
+    down = parts["down"]
+    if isinstance(gate_up, tuple):
+        return {"gate_up_blocks": gate_up[0], "gate_up_scales": gate_up[1],
+                "down_blocks": down[0], "down_scales": down[1]}
+    return {"gate_up": gate_up, "down": down}
