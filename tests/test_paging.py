@@ -138,3 +138,21 @@ def test_decode_cost_does_not_grow_with_max_context(tmp_path):
         assert abs(long - short) <= 0.05 * short, costs
     far = decode_cost(engine, 4000)  # the weights' bytes dominate; attention's flops show
     assert far[0] > 5 * costs[65536][0] and far[1] > 1.1 * costs[65536][1], (far, costs)
+
+
+def test_a_long_chunk_attends_in_query_blocks_with_the_same_result():
+    """Chunks above QUERY_BLOCK queries are attended a block at a time (bounded scores memory):
+    the same output as all queries at once."""
+    import jax.numpy as jnp
+
+    from tidejax.kv import paged
+    rng = np.random.RandomState(0)
+    t = 2 * paged.QUERY_BLOCK
+    q, q_rope = (jnp.asarray(rng.randn(1, t, 2, n), jnp.float32) for n in (8, 4))
+    latent_pages, rope_pages = (jnp.asarray(rng.randn(40, 16, n), jnp.float32) for n in (8, 4))
+    table = jnp.asarray(rng.permutation(40)[:36][None].astype(np.int32))
+    positions = jnp.arange(t)[None] + 40
+    blocked = paged.mla_attention(q, q_rope, latent_pages, rope_pages, table, positions, scale=0.3)
+    at_once = paged._attend(q, q_rope, paged.gather(latent_pages, table),
+                            paged.gather(rope_pages, table), positions, 0.3)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(at_once), atol=1e-6)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from tidejax.pallas import paged_mla_decode
 
 HIGHEST = jax.lax.Precision.HIGHEST
+QUERY_BLOCK = 256  # prefill queries attended at once: bounds the [h, queries, keys] scores
 
 
 def token_slots(block_table, positions, mask, n_pages: int, page_size: int):
@@ -54,6 +55,22 @@ def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, posit
                                block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
         return out[:, None].astype(q_latent.dtype)
     latent, rope = gather(latent_pages, block_table), gather(rope_pages, block_table)  # [b, s, c|r]
+    t = q_latent.shape[1]
+    if t <= QUERY_BLOCK or t % QUERY_BLOCK:
+        return _attend(q_latent, q_rope, latent, rope, positions, scale)
+    # a long chunk attends a block of queries at a time: [b, h, QUERY_BLOCK, s] scores at most
+    blocks = t // QUERY_BLOCK
+
+    def split(x):  # [b, t, ...] -> [blocks, b, QUERY_BLOCK, ...]
+        return jnp.moveaxis(x.reshape(x.shape[0], blocks, QUERY_BLOCK, *x.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda q: _attend(*q[:2], latent, rope, q[2], scale),
+                      (split(q_latent), split(q_rope), split(positions)))
+    return jnp.moveaxis(out, 0, 1).reshape(q_latent.shape)
+
+
+def _attend(q_latent, q_rope, latent, rope, positions, scale):
+    """Softmax attention of queries [b, t, h, c|r] at positions [b, t] over a row's gathered
+    positions latent [b, s, c], rope [b, s, r] (a query sees positions <= its own)."""
     scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent, precision=HIGHEST)
               + jnp.einsum("bthr,bsr->bhts", q_rope, rope, precision=HIGHEST))
     scores = scores.astype(jnp.float32) * scale
