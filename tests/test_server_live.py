@@ -408,4 +408,6 @@ def test_bad_input_then_success(served, oai, claude):
     assert re.search(r"tidejax_generated_tokens_total [1-9]", metrics)
     assert re.search(r"tidejax_residency_misses [1-9]", metrics)
     assert re.search(r"tidejax_residency_swaps_applied \d+", metrics)
+    assert re.search(r"tidejax_kv_pages_in_use \d+", metrics)  # the shared KV pool
+    assert re.search(r"tidejax_kv_preemptions \d+", metrics)
 

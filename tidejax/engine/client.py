@@ -87,4 +87,5 @@ class LocalEngineClient:
 
     def stats(self) -> EngineStats:
         return EngineStats(queued=self.scheduler.queued, active=self.scheduler.active,
-                           residency=self.engine.residency.stats())
+                           residency=self.engine.residency.stats(),
+                           kv=self.scheduler.kv_stats())

@@ -43,6 +43,7 @@ class EngineStats:
     queued: int = 0  # requests waiting for a lane
     active: int = 0  # requests in a lane
     residency: dict = dataclasses.field(default_factory=dict)  # name -> number (a few labels)
+    kv: dict = dataclasses.field(default_factory=dict)  # KV pool: pages in use, preemptions, ...
 
 
 class RequestStream(Protocol):

@@ -54,8 +54,9 @@ class Metrics:
                [({}, self.last["cold_share"])])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
-        for key, value in sorted(stats.residency.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                metric(f"residency_{key}", "gauge", f"residency statistic '{key}'",
-                       [({}, value)])
+        for prefix, table in (("residency", stats.residency), ("kv", stats.kv)):
+            for key, value in sorted(table.items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metric(f"{prefix}_{key}", "gauge", f"{prefix} statistic '{key}'",
+                           [({}, value)])
         return "\n".join(out) + "\n"
