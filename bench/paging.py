@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import (compile_cache, drive, load_config, parse_set,  # noqa: E402
-                            prompt_ids, raise_errors)
+                            prompt_ids, raise_errors, report)
 from tidejax.engine.sampling import SamplingParams  # noqa: E402
 from tidejax.engine.scheduler import GenerationRequest, TokenEvent  # noqa: E402
 
@@ -101,6 +100,8 @@ def main(argv=None) -> int:
     args.lanes = [int(x) for x in args.lanes.split(",")]
     chunks = [int(x) for x in args.chunks.split(",")]
     overrides = parse_set(args.set)
+    # the arriving prompt needs a lane beside the decoding one
+    overrides.setdefault("engine", {}).setdefault("lanes", max(max(args.lanes), 2))
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {device}", flush=True)
     lines = ["| max_context | lanes | decode tok/s | KV pool GB | dense layout GB |",
@@ -138,12 +139,9 @@ def main(argv=None) -> int:
                          f"{max(gaps) * 1e3:.1f} | {max(gaps) / step:.2f} | {busy['tokens_during']} |")
             print(mixed[-1], flush=True)
             print(f"[chunk {chunk}] gaps ms: " + " ".join(f"{g * 1e3:.0f}" for g in gaps), flush=True)
-    report = (f"{datetime.date.today()}, jax {jax.__version__}, {device}, "
-              f"`python bench/paging.py {' '.join(argv or sys.argv[1:])}`\n\n"
-              + "\n".join(lines) + "\n\n" + "\n".join(mixed) + "\n")
-    print("\n" + report)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "paging.md").write_text(report)
+    report("paging.md", f"{datetime.date.today()}, jax {jax.__version__}, {device}, "
+           f"`python bench/paging.py {' '.join(argv or sys.argv[1:])}`\n\n"
+           + "\n".join(lines) + "\n\n" + "\n".join(mixed) + "\n")
     return 0
 
 

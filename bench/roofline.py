@@ -388,6 +388,13 @@ def run_config(engine, picks, resident: float, policy: str, args, copy: float,
     return rows
 
 
+def report(name: str, text: str) -> None:
+    """Prints a run's report and writes it to $OUT/name where $OUT is set (the device tool)."""
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], name).write_text(text)
+
+
 def parse_set(items: list[str]) -> dict:
     """["engine.lanes=8", ...] -> {"engine": {"lanes": "8"}} (the profile types the strings)."""
     tables: dict = {}
@@ -439,9 +446,7 @@ def main(argv=None) -> int:
             f"device copy {copy:.0f} GB/s, host-to-device {h2d:.1f} GB/s\n\n{table}\n\n"
             "Memory after each configuration's runs (peak: since the process started):\n"
             + "\n".join(memory) + "\n")
-    print("\n" + text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "roofline.md").write_text(text)
+    report("roofline.md", text)
     return 0
 
 
