@@ -45,6 +45,32 @@ def test_greedy_through_lanes_equals_golden(engine):
     assert len(outputs[1]) == len(greedy)
 
 
+def test_prompt_chunks_beside_a_decoding_lane_equal_each_alone(engine):
+    """A 44-token prompt arrives while the golden request decodes: its three 16-token chunks run
+    in the decoding lane's steps (on its own lane's cache rows), and both requests get the tokens
+    they get alone."""
+    ids = np.load(GOLDEN / "input_ids.npy")[0]
+    greedy = np.load(GOLDEN / "greedy.npy").tolist()
+    late = ids[20:64].tolist()
+    alone = []
+    engine.scheduler.submit(GenerationRequest(late, 8, ignore_eos=True),
+                            lambda e: alone.append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    outputs = {0: [], 1: []}
+    engine.scheduler.submit(GenerationRequest(ids[:16].tolist(), len(greedy), ignore_eos=True),
+                            lambda e: outputs[0].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    for _ in range(3):
+        engine.scheduler.step()
+    during = len(outputs[0])
+    engine.scheduler.submit(GenerationRequest(late, 8, ignore_eos=True),
+                            lambda e: outputs[1].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    for _ in range(3):  # the prompt's three chunks, one a step
+        engine.scheduler.step()
+    assert len(outputs[0]) == during + 3  # the decoding lane got a token in each of them
+    engine.scheduler.run_until_idle()
+    assert outputs[0] == greedy and outputs[1] == alone
+
+
 def test_tiny_profile_serves_through_the_openai_api(tmp_path):
     from openai import OpenAI
     profile = tmp_path / "ds41.toml"
