@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.config import EngineConfig
 from tidejax.fields import ConfigError, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
@@ -108,7 +109,8 @@ class Engine:
         else:
             cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
         # committed to the device, as the steps return it: one compile per step, not two
-        self.cache = jax.device_put(cache, jax.devices()[0])
+        axes = self.family.cache_axes
+        self.cache = parallel.put(cache, axes(cache)) if axes else parallel.replicated(cache)
         self._prefill_buckets = _buckets(self.prefill_chunk)
         replay = self.family.replay_variables
         self._steps = _Steps(self.model, self.paged,
@@ -118,7 +120,7 @@ class Engine:
         self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
-        self._host_only = jax.device_put(np.zeros(self.lanes, np.int32), jax.devices()[0])
+        self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
         from tidejax.engine.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
         if self.residency.needs_calibration:
@@ -365,7 +367,7 @@ class Engine:
             if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
                 raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
                                  f"got shape {picks.shape}")
-            picks = jax.device_put(picks, jax.devices()[0])  # once: steps index it by a cursor
+            picks = parallel.replicated(picks)  # once: steps index it by a cursor
         self._replay, self._replay_cursor = picks, 0
 
     def _replay_rows(self, n_tokens: int):

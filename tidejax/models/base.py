@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Logical axis names, one per concept: every param axis is one of these (or None: never split);
-# the sharding table maps them to mesh axes.
-AXES = ("vocab", "embed", "heads", "q_lora", "kv_lora", "ffw", "experts")
+# Logical axis names, one per concept: every param, KV page, bank and pool axis is one of these
+# (or None: never split); the sharding table (tidejax.parallel.RULES) maps them to mesh axes.
+# rope: the rotary key width; slots: bank rows; pages, page: a KV pool's pages and their rows.
+AXES = ("vocab", "embed", "heads", "q_lora", "kv_lora", "rope", "ffw", "experts", "slots",
+        "pages", "page")
 INITS = ("normal", "ones", "zeros")  # how `init` fills a param (normal: N(0, stddev**2))
 
 

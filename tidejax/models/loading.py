@@ -1,4 +1,5 @@
-"""Loading a family's weights: dense params onto the device, routed experts into a host pool.
+"""Loading a family's weights: dense params onto the device (placed by their logical axes),
+routed experts into a host pool.
 
 `ExpertPool` receives each routed expert as a row (`put_row(layer * E + expert, row)`) in the
 format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4 blocks and scales) and stores it
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.checkpoint import CheckpointReader, Table, fp8, load, mxfp4
 from tidejax.fields import ConfigError
 from tidejax.models.base import abstract, nbytes
@@ -66,11 +68,20 @@ class ExpertPool:
 
 def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
                   expert_specs: dict, put_row) -> dict:
-    """Dense params (declared by `param_specs`, onto the device in their declared dtypes) and
-    routed experts (rows of `expert_specs`, through `put_row`) by the family's checkpoint table,
-    after every name and shape is checked against the headers."""
+    """Dense params (declared by `param_specs`: onto the device in their declared dtypes, placed
+    by their declared logical axes through tidejax.parallel) and routed experts (rows of
+    `expert_specs`, through `put_row`) by the family's checkpoint table, after every name and
+    shape is checked against the headers."""
     reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config))
     log.info("%s: %.2f GB of dense params, %.2f GB of routed experts (as declared)", model_dir,
              nbytes(param_specs) / 1e9, nbytes(expert_specs) / 1e9)
     return load(reader, table, abstract(param_specs), abstract(expert_specs),
-                put=lambda path, array: jnp.asarray(array), put_row=put_row)
+                put=lambda path, array: parallel.put(array, _spec_at(param_specs, path).axes),
+                put_row=put_row)
+
+
+def _spec_at(specs: dict, path: tuple):
+    """The ParamSpec at `path` (keys of nested dicts)."""
+    for key in path:
+        specs = specs[key]
+    return specs

@@ -25,6 +25,8 @@ class Family:
         a block table [b, P] after the cache) or "lanes" (a cache row per lane, [lanes, length, ...])
     create_cache(cfg, n_pages, page_size, dtype) for "paged", (cfg, batch, length, dtype) for
         "lanes" -> the generation cache pytree
+    cache_axes(cache) -> the logical axes of each cache leaf (a tuple per leaf, the cache's
+        structure), or None: the cache is placed replicated (tidejax.parallel)
     host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
         lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
     replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
@@ -42,6 +44,7 @@ class Family:
     create_cache: Callable
     cache_bytes_per_token: Callable  # (cfg, dtype) -> bytes a token of context adds
     replay_variables: Callable | None = None
+    cache_axes: Callable | None = None
     host_inputs: Callable = lambda cfg, aux, batch: None
     swiglu_limit: Callable = lambda cfg: 0.0
 

@@ -41,7 +41,7 @@ log = logging.getLogger("tidejax.residency")
 class Residency:
     def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
                  *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
-                 window: int = 64, device=None):
+                 window: int = 64):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert);
         max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
         slots: min(E, max_tokens * top_k))."""
@@ -82,7 +82,7 @@ class Residency:
         self._drain = None  # (counts, weight_sums [L_moe, E] on their way to the host, steps)
         self._since_drain = 0
         self.counters = collections.Counter()
-        self.state = self._boot(pool_rows, device)
+        self.state = self._boot(pool_rows)
 
     # -- boot ------------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ class Residency:
     def history_path(self) -> Path:
         return self.state_dir / "history.npz"
 
-    def _boot(self, pool_rows: dict, device) -> ExpertState:
+    def _boot(self, pool_rows: dict) -> ExpertState:
         """The first state: all resident, or the seed map, else the saved history's busiest
         experts, else the first slots of each group (then `needs_calibration` is True)."""
         if self.all_resident:
@@ -110,7 +110,7 @@ class Residency:
         log.info("residency: %d of %d experts resident (%s), %d ring + %d transient slots; boot "
                  "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
                  self.n_ring, self.n_transient, source)
-        pool = host_pool(pool_rows, device)
+        pool = host_pool(pool_rows)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
-log = logging.getLogger("tidejax.residency")
-
-
-def host_memory_kind(device=None) -> str | None:
-    """'pinned_host' where the device has it (GPU, recent CPU backends), else None (default)."""
-    device = device or jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    return "pinned_host" if "pinned_host" in kinds else None
+from tidejax import parallel
+from tidejax.pallas.bank import expert_axes
 
 
-def host_pool(rows: dict, device=None) -> dict:
+def host_pool(rows: dict) -> dict:
     """Places a bank-format dict of arrays [L_moe * E, ...] in host memory the device can read
-    inside a jit (pinned_host where available; the device's default memory otherwise)."""
-    device = device or jax.devices()[0]
-    kind = host_memory_kind(device)
-    if kind is None:
-        log.warning("device %s has no pinned_host memory: the expert pool stays in its default "
-                    "memory", device)
-    return jax.device_put(rows, SingleDeviceSharding(device, memory_kind=kind))
+    inside a jit (tidejax.parallel.host_sharding, by the pool's logical axes)."""
+    return parallel.put(rows, expert_axes(rows, "experts"), memory="host")
 
 
 def row_bytes(rows: dict) -> int:

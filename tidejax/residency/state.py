@@ -8,7 +8,9 @@ Bank rows (slots) come in three regions, all one array so the grouped kernel see
     [resident + ring, ... + transient) transient slots: missing rows fetched inside a step ("exact")
 
 The rowmap points at resident or ring slots only; transient slots are scratch, rewritten by every
-MoE layer that misses. Pool rows are `moe_layer * E + expert`. Formats: tidejax.pallas.bank.
+MoE layer that misses. Pool rows are `moe_layer * E + expert`. Formats, logical axes and the
+gate_up layout a tensor split needs: tidejax.pallas.bank. Every leaf is placed through
+tidejax.parallel: bank and pool by their axes, the map and counters replicated.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from tidejax import parallel
+from tidejax.pallas.bank import expert_axes
 
 
 @struct.dataclass
@@ -60,14 +65,21 @@ def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
     if n_rows % n_layers:
         raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
     n_experts = n_rows // n_layers
-    bank = jax.tree.map(jnp.asarray, pool)
     rowmap = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_layers, n_experts)
     counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
-    state = ExpertState(bank=bank, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
+    state = ExpertState(bank=pool, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
                         counts=counts, weight_sums=weight_sums, misses=misses, pool=None,
                         resident=n_rows)
     # committed to the device, as the steps return it: the first step compiles once, not twice
-    return jax.device_put(state, jax.devices()[0])
+    return _placed(state)
+
+
+def _placed(state: ExpertState) -> ExpertState:
+    """The bank put by its logical axes, the map and counters replicated; the pool stays put."""
+    maps = parallel.replicated((state.rowmap, state.slot_rows, state.counts, state.weight_sums,
+                                state.misses))
+    return state.replace(bank=parallel.put(state.bank, expert_axes(state.bank)), rowmap=maps[0],
+                         slot_rows=maps[1], counts=maps[2], weight_sums=maps[3], misses=maps[4])
 
 
 def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
@@ -92,22 +104,19 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     rowmap = np.full(n_rows, -1, np.int32)
     rowmap[held] = np.nonzero(slot_rows >= 0)[0]
     bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
-    # the map and counters committed to the device, as the steps return them (the bank, a jitted
-    # fill's output, already is): the first step compiles once, not twice. The pool stays put.
-    rowmap, all_rows, counters = jax.device_put(
-        (rowmap.reshape(n_layers, n_experts), all_rows, _zeros_counters(n_layers, n_experts)),
-        jax.devices()[0])
-    counts, weight_sums, misses = counters
-    return ExpertState(bank=bank, rowmap=rowmap, slot_rows=all_rows, counts=counts,
-                       weight_sums=weight_sums, misses=misses, pool=pool, resident=resident,
-                       ring=ring, transient=transient)
+    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
+    # committed to the device, as the steps return it: the first step compiles once, not twice
+    return _placed(ExpertState(bank=bank, rowmap=rowmap.reshape(n_layers, n_experts),
+                               slot_rows=all_rows, counts=counts, weight_sums=weight_sums,
+                               misses=misses, pool=pool, resident=resident, ring=ring,
+                               transient=transient))
 
 
 def fetch_row(pool: dict, row) -> dict:
     """One pool row (a traced int) as device arrays: a data-dependent read of host memory."""
     return jax.tree.map(
-        lambda leaf: jax.device_put(jax.lax.dynamic_index_in_dim(leaf, row, keepdims=False),
-                                    jax.memory.Space.Device), pool)
+        lambda leaf: parallel.to_device(jax.lax.dynamic_index_in_dim(leaf, row, keepdims=False)),
+        pool)
 
 
 def write_row(bank: dict, slot, row: dict) -> dict:

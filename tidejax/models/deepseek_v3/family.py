@@ -17,6 +17,7 @@ register(Family(
     top_k=lambda cfg: cfg.num_experts_per_tok,
     cache_kind="paged",
     create_cache=MLACache.create,
+    cache_axes=MLACache.axes,
     cache_bytes_per_token=MLACache.bytes_per_token,
     replay_variables=replay_variables,
 ))

@@ -41,6 +41,11 @@ class MLACache:
             rope_k=tuple(jnp.zeros((n_pages, page_size, cfg.qk_rope_head_dim), dtype)
                          for _ in range(cfg.num_layers)))
 
+    def axes(self) -> "MLACache":
+        """The logical axes of each pool leaf (tidejax.parallel)."""
+        return MLACache(latent=tuple(("pages", "page", "kv_lora") for _ in self.latent),
+                        rope_k=tuple(("pages", "page", "rope") for _ in self.rope_k))
+
     @staticmethod
     def bytes_per_token(cfg: DeepseekV3Config, dtype) -> int:
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from tidejax import parallel
 from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.fields import read_json
@@ -306,9 +307,10 @@ def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
 
 
 def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
-    """The family's loader: (dense params, the checkpoint as the host-side aux: Engram tables)."""
+    """The family's loader: (dense params, the checkpoint as the host-side aux: Engram tables).
+    The params have no declaration of logical axes yet: they are placed replicated."""
     checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
-    return checkpoint.params["params"], checkpoint
+    return parallel.replicated(checkpoint.params["params"]), checkpoint
 
 
 def replay_variables(cfg: V41Config, ids) -> dict:

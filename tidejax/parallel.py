@@ -1,0 +1,105 @@
+"""The one sharding table (DESIGN.md rule 3): logical axes -> mesh axes, and every placement.
+
+Every param, KV page, bank and pool leaf names the logical axis of each dimension
+(tidejax.models.base.AXES); `RULES` maps those names to the mesh's ("data", "tensor") axes, and
+the functions here are the only place anything is put on a device. One device is a 1x1 mesh.
+
+    mesh = make_mesh()                                  # 1x1 on the first device
+    spec(("heads", "embed"))                            # P("tensor", None): the table
+    sharding(("heads", "embed"))                        # NamedSharding(mesh, P()) on a 1x1 mesh
+    put(params, axes_tree)                              # device_put leaf by leaf
+    replicated(counters)                                # leaves without a declaration
+    put(pool, pool_axes, memory="host")                 # pinned_host where the backend has it
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+log = logging.getLogger("tidejax")
+
+MESH_AXES = ("data", "tensor")
+
+# logical axis -> mesh axis (None: never split). "tensor" splits attention heads and every
+# intermediate (dense, shared and routed experts: the bank's gate_up rows, see
+# tidejax.pallas.bank for the layout that split needs); the rest stays whole for now.
+RULES: dict[str, str | None] = {
+    "vocab": None, "embed": None, "heads": "tensor", "q_lora": None, "kv_lora": None,
+    "rope": None, "ffw": "tensor", "experts": None, "slots": None, "pages": None, "page": None,
+}
+
+
+def make_mesh(data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
+    """A (data, tensor) mesh over the first data * tensor devices present."""
+    devices = jax.devices()
+    if data * tensor > len(devices):
+        raise ValueError(f"a {data}x{tensor} mesh needs {data * tensor} devices; "
+                         f"{len(devices)} present")
+    return jax.make_mesh((data, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 2,
+                         devices=devices[:data * tensor])
+
+
+@functools.cache
+def default_mesh() -> jax.sharding.Mesh:
+    """The mesh every placement uses unless given one: 1x1 (tensor parallelism not yet served)."""
+    return make_mesh()
+
+
+def spec(axes) -> PartitionSpec:
+    """PartitionSpec of a leaf whose dimensions have logical `axes` (None: not split)."""
+    return PartitionSpec(*(None if a is None else RULES[a] for a in axes))
+
+
+def _on(mesh, axes) -> PartitionSpec:
+    """spec(axes) naming only the mesh axes that split (size > 1), trailing Nones dropped: on a
+    1x1 mesh every leaf is P(), as a jitted step returns it, so a step compiles once, not twice."""
+    names = [a if a is not None and mesh.shape[a] > 1 else None for a in spec(axes)]
+    while names and names[-1] is None:
+        names.pop()
+    return PartitionSpec(*names)
+
+
+def host_memory_kind(mesh=None) -> str | None:
+    """'pinned_host' where the mesh's devices have it (GPU, recent CPU backends), else None."""
+    kinds = {m.kind for m in (mesh or default_mesh()).devices.flat[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def sharding(axes, mesh=None) -> NamedSharding:
+    """The device sharding of a leaf with logical `axes`."""
+    mesh = mesh or default_mesh()
+    return NamedSharding(mesh, _on(mesh, axes))
+
+
+def host_sharding(axes, mesh=None) -> NamedSharding:
+    """The sharding of a leaf with logical `axes` in host memory the devices read inside a jit
+    (pinned_host where available; the devices' default memory otherwise, with a warning)."""
+    mesh = mesh or default_mesh()
+    kind = host_memory_kind(mesh)
+    if kind is None:
+        log.warning("devices %s have no pinned_host memory: host pools stay in their default "
+                    "memory", mesh.devices.flat[0])
+    return NamedSharding(mesh, _on(mesh, axes), memory_kind=kind)
+
+
+def put(tree, axes_tree, mesh=None, memory: str = "device"):
+    """device_put of each leaf of `tree` by the logical axes of the matching leaf of `axes_tree`
+    (a tuple per leaf: `tree` is a prefix of `axes_tree`); memory "host" puts it where
+    host_sharding says."""
+    place = host_sharding if memory == "host" else sharding
+    return jax.device_put(tree, jax.tree.map(lambda _, axes: place(axes, mesh), tree, axes_tree))
+
+
+def replicated(tree, mesh=None):
+    """device_put of every leaf whole on every device (counters, rowmaps, tokens: leaves without
+    a declaration), committed as a step's outputs are."""
+    return jax.device_put(tree, NamedSharding(mesh or default_mesh(), PartitionSpec()))
+
+
+def to_device(x):
+    """Inside a jit: `x` (read from a host pool) moved to device memory, keeping its sharding."""
+    return jax.device_put(x, jax.memory.Space.Device)
