@@ -30,6 +30,7 @@ from tidejax.fields import ConfigError, read_json
 from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
 from tidejax.engine.tokenizer import Tokenizer
 from tidejax.kv.pages import page_bucket, pages_for
+from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.dispatch import choose_impl
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
@@ -102,7 +103,7 @@ class Engine:
             self.page_size = config.engine.page_size
             self.kv_pages = self._pool_pages(config)
             self.max_pages = pages_for(self.max_context, self.page_size)
-            self.decode_attention = choose_impl("paged_mla_decode", config.engine.kernel)
+            self.decode_attention = self._decode_attention(config.engine.kernel)
             cache = self.family.create_cache(self.cfg, self.kv_pages, self.page_size, self.dtype)
             log.info("KV pool: %d pages of %d tokens (%.2f GiB)", self.kv_pages, self.page_size,
                      self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30)
@@ -142,6 +143,16 @@ class Engine:
 
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
+
+    def _decode_attention(self, kernel: str) -> str:
+        """The paged decode attention the steps will trace ("pallas" reads only each lane's own
+        pages, so its block tables can be full width): the kernel's own choice for the shapes
+        of this model's latent cache (MLA, the paged families' attention)."""
+        def struct(*shape):
+            return jax.ShapeDtypeStruct(shape, self.dtype)
+        latent = struct(1, self.page_size, self.cfg.kv_lora_rank)
+        return choose_impl("paged_mla_decode", kernel, lambda: paged_mla_supports(
+            struct(1, 1, self.cfg.kv_lora_rank), struct(1, 1, self.cfg.qk_rope_head_dim), latent))
 
     def _pool_pages(self, config: EngineConfig) -> int:
         """Pages in the KV pool: engine.kv_pool_gib, else engine.kv_pool_tokens, else room for
