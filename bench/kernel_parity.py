@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 import tidejax
-from tidejax.engine.scheduler import ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent
 
 HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "heldout"
 

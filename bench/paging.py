@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import (compile_cache, drive, load_config, parse_set,  # noqa: E402
                             prompt_ids, raise_errors, report)
-from tidejax.engine.sampling import SamplingParams  # noqa: E402
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent  # noqa: E402
+from tidejax.runtime.sampling import SamplingParams  # noqa: E402
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
 
 PROMPT_TOKENS = 16
 

@@ -45,8 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
-from tidejax.engine.sampling import SamplingParams  # noqa: E402
-from tidejax.engine.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
+from tidejax.runtime.sampling import SamplingParams  # noqa: E402
+from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
 

@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
-from tidejax.engine.engine import DecodeRows  # noqa: E402
-from tidejax.engine.sampling import LaneSampling, SamplingParams  # noqa: E402
-from tidejax.engine.scheduler import GenerationRequest  # noqa: E402
+from tidejax.runtime.engine import DecodeRows  # noqa: E402
+from tidejax.runtime.sampling import LaneSampling, SamplingParams  # noqa: E402
+from tidejax.runtime.scheduler import GenerationRequest  # noqa: E402
 from tidejax.kv.pages import pages_for  # noqa: E402
 
 PROMPT_TOKENS = 16

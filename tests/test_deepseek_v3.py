@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 import tidejax
 from tidejax.checkpoint import CheckpointError, CheckpointReader, dequantize_fp8_block, quantize_fp8_block
 from tidejax.fields import ConfigError
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.models.base import abstract, init, nbytes
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import MLACache, build

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from server_fixtures import REPO, live_server
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.engine.engine import DecodeRows
-from tidejax.engine.sampling import LaneSampling, SamplingParams
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.engine import DecodeRows
+from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.fields import ConfigError
 from tidejax.kv.pages import PageTable, page_bucket
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tidejax
 from tidejax import parallel
-from tidejax.engine.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.models.base import AXES
 from tidejax.models.deepseek_v3.weights import param_specs
 from tidejax.pallas.bank import expert_axes

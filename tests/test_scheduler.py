@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.engine.engine import DecodeRows, PrefillChunk
-from tidejax.engine.sampling import LaneSampling, SamplingParams
-from tidejax.engine.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.engine import DecodeRows, PrefillChunk
+from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9), (3, 6))]

@@ -17,14 +17,14 @@ import pytest
 from server_fixtures import (CALL_JSON, CHAT_TEMPLATE, ScriptedClient, serve_app,
                              write_tokenizer)
 from tidejax.config import EngineConfig
-from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError
-from tidejax.engine.client import tool_format_for
-from tidejax.engine.sampling import SamplingParams
-from tidejax.engine.tokenizer import Tokenizer
+from tidejax.text.chat_template import ChatTemplate, TemplateRenderError
+from tidejax.runtime.client import tool_format_for
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.text.tokenizer import Tokenizer
 from tidejax.server.__main__ import bind_host, parse_set
 from tidejax.server.app import Server
 from tidejax.server.client import EngineInfo
-from tidejax.server.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
+from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -1,6 +1,6 @@
 """tidejax: serve mixture-of-experts models larger than GPU memory, with adaptive expert residency."""
 
-from tidejax.engine import Engine, load
+from tidejax.runtime import Engine, load
 
 __version__ = "0.1.0"
 

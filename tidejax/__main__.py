@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from tidejax.engine import load
+from tidejax.runtime import load
 
 
 def main(argv=None) -> int:

@@ -16,9 +16,9 @@ import sys
 from aiohttp import web
 
 from tidejax.config import EngineConfig
-from tidejax.engine.client import LocalEngineClient
+from tidejax.runtime.client import LocalEngineClient
 from tidejax.fields import ConfigError
-from tidejax.engine.engine import Engine, resolve_profile
+from tidejax.runtime.engine import Engine, resolve_profile
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")

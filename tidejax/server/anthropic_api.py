@@ -12,7 +12,7 @@ from aiohttp import web
 
 from tidejax.server.generation import Generation, output_pieces
 from tidejax.server.sse import SSE
-from tidejax.server.toolcalls import OutputParser, ToolCall
+from tidejax.text.toolcalls import OutputParser, ToolCall
 
 _BLOCKS = {  # parser piece kind -> (empty block, delta type, delta field)
     "reasoning": ({"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta",

@@ -19,7 +19,7 @@ from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import (ChatInput, GenerationOptions, parse_chat, parse_completion,
                                     parse_json, parse_messages)
-from tidejax.server.toolcalls import OutputParser
+from tidejax.text.toolcalls import OutputParser
 
 log = logging.getLogger("tidejax.server")
 

@@ -2,7 +2,7 @@
 
 The served model's fixed facts (`info`), one way in (`submit` a GenerationRequest, read its
 events from a `RequestStream`), plain stats for /health and /metrics, and start / stop. The
-server never holds an Engine, its scheduler or a jax.Array; engine/client.py implements this for
+server never holds an Engine, its scheduler or a jax.Array; runtime/client.py implements this for
 an engine in the same process. The request and event types are the engine's own plain
 dataclasses, re-exported here so that the server imports them from its side of the boundary.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from tidejax.engine.chat_template import ChatTemplate
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
-from tidejax.engine.tokenizer import Tokenizer
-from tidejax.server.toolcalls import ToolFormat
+from tidejax.text.chat_template import ChatTemplate
+from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.text.tokenizer import Tokenizer
+from tidejax.text.toolcalls import ToolFormat
 
 Event = TokenEvent | DoneEvent | ErrorEvent
 

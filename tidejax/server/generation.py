@@ -11,13 +11,13 @@ import logging
 import time
 import uuid
 
-from tidejax.engine.chat_template import TemplateRenderError
-from tidejax.engine.detok import IncrementalDetokenizer, StopMatcher
+from tidejax.text.chat_template import TemplateRenderError
+from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
 from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, GenerationOptions
-from tidejax.server.toolcalls import OutputParser, starts_in_reasoning
+from tidejax.text.toolcalls import OutputParser, starts_in_reasoning
 
 log = logging.getLogger("tidejax.server")
 

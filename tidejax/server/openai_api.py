@@ -11,7 +11,7 @@ from aiohttp import web
 
 from tidejax.server.generation import Generation, output_pieces
 from tidejax.server.sse import SSE
-from tidejax.server.toolcalls import OutputParser, ToolCall
+from tidejax.text.toolcalls import OutputParser, ToolCall
 
 
 def _usage(gen: Generation) -> dict:

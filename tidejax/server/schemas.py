@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tidejax.engine.sampling import SamplingParams
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -36,8 +36,8 @@ import time
 
 import numpy as np
 
-from tidejax.engine.engine import DecodeRows, PrefillChunk
-from tidejax.engine.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.engine import DecodeRows, PrefillChunk
+from tidejax.runtime.sampling import LaneSampling, SamplingParams
 from tidejax.kv.pages import PageTable, pages_for
 
 log = logging.getLogger("tidejax")

@@ -27,8 +27,8 @@ import numpy as np
 from tidejax import parallel
 from tidejax.config import EngineConfig
 from tidejax.fields import ConfigError, read_json
-from tidejax.engine.sampling import LaneSampling, SamplingParams, sample
-from tidejax.engine.tokenizer import Tokenizer
+from tidejax.runtime.sampling import LaneSampling, SamplingParams, sample
+from tidejax.text.tokenizer import Tokenizer
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.dispatch import choose_impl
@@ -122,7 +122,7 @@ class Engine:
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
         self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
-        from tidejax.engine.scheduler import Scheduler  # circular at import time only
+        from tidejax.runtime.scheduler import Scheduler  # circular at import time only
         self.scheduler = Scheduler(self)
         if self.residency.needs_calibration:
             self._calibrate()
@@ -397,7 +397,7 @@ class Engine:
                  stop: list[str] | tuple[str, ...] = (), on_text=None):
         """Generates for a prompt (str), a chat (list of message dicts), or a list of either;
         returns a str or a list of str to match. `on_text(i, text)` streams pieces as they come."""
-        from tidejax.engine.generate import generate
+        from tidejax.runtime.generate import generate
         return generate(self, prompts, max_new_tokens=max_new_tokens,
                         sampling=SamplingParams(temperature, top_p, top_k, seed), stop=tuple(stop),
                         on_text=on_text)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tidejax.engine.detok import IncrementalDetokenizer, StopMatcher
-from tidejax.engine.sampling import SamplingParams
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
 
 def _is_chat(item) -> bool:

@@ -1,5 +1,5 @@
 """A checkpoint's tokenizer (tokenizer.json through `tokenizers`), its special tokens, its
-end-of-turn ids and its chat template (engine/chat_template.py)."""
+end-of-turn ids and its chat template (text/chat_template.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import tokenizers
 
 from tidejax.fields import ConfigError
-from tidejax.engine.chat_template import ChatTemplate, TemplateRenderError, token_text
+from tidejax.text.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 
 class Tokenizer:

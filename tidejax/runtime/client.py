@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest
+from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest
 from tidejax.server.client import EngineInfo, EngineStats, Event
-from tidejax.server.toolcalls import DEEPSEEK_V3, GLM, HERMES, TOOL_FORMATS, ToolFormat
+from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, TOOL_FORMATS, ToolFormat
 
 # the tool-call format of each model type's checkpoints, where their chat template does not show it
 TOOL_FORMAT_BY_MODEL_TYPE = {

@@ -1,8 +1,8 @@
 """Generation: the engine (jitted steps over caches and expert state), scheduler, sampling."""
 
-from tidejax.engine.engine import Engine, load
-from tidejax.engine.sampling import SamplingParams
-from tidejax.engine.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.engine import Engine, load
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
 __all__ = ["DoneEvent", "Engine", "ErrorEvent", "GenerationRequest", "SamplingParams", "TokenEvent",
            "load"]
