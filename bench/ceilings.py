@@ -14,8 +14,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-READ_BLOCK = 1 << 16  # float32 values a program of the read kernel sums
 READ_LANES = 16  # partial sums a program writes (Triton blocks are powers of two, not scalars)
+READ_CONFIGS = [(block, warps) for block in (1 << 13, 1 << 14, 1 << 15, 1 << 16) for warps in (4, 8)]
 
 
 def median_seconds(fn, *args, reps: int = 7) -> float:
@@ -36,38 +36,40 @@ def seconds_per_step(step, carry, *args, n_iter: int) -> float:
     return median_seconds(loop, carry, *args, reps=5) / n_iter
 
 
-def _read_kernel(x_ref, salt_ref, o_ref):
-    block = x_ref[...].reshape(READ_LANES, READ_BLOCK // READ_LANES)
-    o_ref[...] = jnp.sum(block, axis=1) + salt_ref[...]
-
-
-def _read_all(x, salt):
-    """Partial sums of x (float32 [n], n a multiple of READ_BLOCK), plus salt [READ_LANES]: every
-    byte read once, a 1/4096th written back. The salt (the loop index) keeps XLA from hoisting the
-    call out of a loop."""
+def _read_all(x, salt, block: int, warps: int):
+    """Partial sums of x (float32 [n], n a multiple of block), plus salt [READ_LANES]: every byte
+    read once, READ_LANES values a block written back. The salt (the loop index) keeps XLA from
+    hoisting the call out of a loop."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
-    programs = x.shape[0] // READ_BLOCK
+    def kernel(x_ref, salt_ref, o_ref):
+        o_ref[...] = jnp.sum(x_ref[...].reshape(READ_LANES, block // READ_LANES), axis=1) + salt_ref[...]
+
+    programs = x.shape[0] // block
     return pl.pallas_call(
-        _read_kernel, grid=(programs,),
-        in_specs=[pl.BlockSpec((READ_BLOCK,), lambda i: (i,)),
+        kernel, grid=(programs,),
+        in_specs=[pl.BlockSpec((block,), lambda i: (i,)),
                   pl.BlockSpec((READ_LANES,), lambda i: (0,))],
         out_specs=pl.BlockSpec((READ_LANES,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((programs * READ_LANES,), jnp.float32))(x, salt)
+        out_shape=jax.ShapeDtypeStruct((programs * READ_LANES,), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))(x, salt)
 
 
 def hbm_read_gbps(nbytes: int = 1 << 30) -> float:
-    """HBM read bandwidth, GB/s: a Pallas kernel that streams `nbytes` of float32 and writes one
-    partial sum per 4,096 values, looped inside one jit (the loop carries the read data's sums so
-    no iteration is skipped)."""
+    """HBM read bandwidth, GB/s: the best of READ_CONFIGS (block, warps) for a Pallas kernel that
+    streams `nbytes` of float32 and writes back a partial sum per block / READ_LANES values,
+    looped inside one jit (the loop carries the sums, so no iteration is skipped)."""
     x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    best = 0.0
+    for block, warps in READ_CONFIGS:
+        def step(j, acc, x, block=block, warps=warps):
+            salt = jnp.full((READ_LANES,), j, jnp.float32)
+            return acc + _read_all(x, salt, block, warps)[:READ_LANES]
 
-    def step(j, acc, x):
-        salt = jnp.full((READ_LANES,), j, jnp.float32)
-        return acc + _read_all(x, salt)[:READ_LANES]
-
-    seconds = seconds_per_step(step, jnp.zeros(READ_LANES, jnp.float32), x, n_iter=20)
-    return nbytes / seconds / 1e9
+        seconds = seconds_per_step(step, jnp.zeros(READ_LANES, jnp.float32), x, n_iter=20)
+        best = max(best, nbytes / seconds / 1e9)
+    return best
 
 
 def copy_gbps(nbytes: int = 1 << 30) -> float:
