@@ -9,7 +9,8 @@ decode tok/s at each lane count (lanes / median step over --tokens steps, 16-tok
 the KV pool's bytes beside the dense per-lane layout's (lanes x max_context). Then, on the last
 engine, per prefill chunk size: the --prompt-token prompt's TTFT on an idle engine, and again
 while one lane decodes: the decoding lane's gaps between tokens while the prompt is admitted
-(median and largest), the mixed steps (median and longest), and the prompt's TTFT. Prints a markdown table and
+(median and largest), the mixed steps (median and longest), and the prompt's TTFT. Prints a
+markdown table and
 writes it to $OUT/paging.md when $OUT is set.
 """
 
@@ -106,8 +107,8 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__} on {device}", flush=True)
     lines = ["| max_context | lanes | decode tok/s | KV pool GB | dense layout GB |",
              "| --- | --- | --- | --- | --- |"]
-    mixed = ["| prefill_chunk | TTFT idle s | TTFT busy s | busy / idle | mixed step ms (median) | "
-             "gap ms median | gap ms max | max gap / mixed step | decode tokens during |",
+    mixed = ["| prefill_chunk | TTFT idle s | TTFT busy s | busy / idle | mixed step ms median / max "
+             "| gap ms median | gap ms max | max gap / longest mixed step | decode tokens during |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     with tempfile.TemporaryDirectory() as tmp:
         compile_cache(Path(tmp) / "xla")
