@@ -10,8 +10,7 @@ the KV pool's bytes beside the dense per-lane layout's (lanes x max_context). Th
 engine, per prefill chunk size: the --prompt-token prompt's TTFT on an idle engine, and again
 while one lane decodes: the decoding lane's gaps between tokens while the prompt is admitted
 (median and largest), the mixed steps (median and longest), and the prompt's TTFT. Prints a
-markdown table and
-writes it to $OUT/paging.md when $OUT is set.
+markdown table and writes it to $OUT/paging.md when $OUT is set.
 """
 
 from __future__ import annotations
