@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tidejax.pallas import Demand, moe_grouped
+from tidejax.pallas.moe import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 MISS_POLICIES = ("exact", "substitute", "ring")
