@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tidejax.fields import ConfigError
+from tidejax.pallas.dispatch import IMPLS
 
 # ---------------------------------------------------------------------------------------------
 # Engine profiles
@@ -67,12 +68,14 @@ class ServerSection:
     max_tokens_limit: int = 4096
 
 
+MISS_POLICIES = ("exact", "substitute", "ring")  # how a pick of a non-resident expert is served
+
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),
     ("model", "experts"): ("checkpoint", "bf16", "mxfp4"),
-    ("engine", "kernel"): ("auto", "pallas", "reference"),
+    ("engine", "kernel"): IMPLS,
     ("residency", "geometry"): ("per_layer", "arena"),
-    ("residency", "miss_policy"): ("exact", "substitute", "ring"),
+    ("residency", "miss_policy"): MISS_POLICIES,
 }
 
 _SECTIONS = {
