@@ -116,7 +116,7 @@ def _profiles() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tidejax.server", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="override one profile setting (a TOML value, else a string); "
                              "repeatable")
     parser.add_argument("--trace-dir", help="write a JAX profiler trace here (engine.trace_dir)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         config = load_config(args)
