@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tidejax.config import API_KEYS_ENV, EngineConfig
+from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.fields import ConfigError
 from tidejax.residency import __main__ as residency_cli
 from tidejax.residency.history import History
@@ -26,7 +26,7 @@ PROFILES = sorted((REPO / "configs").glob("*.toml"))
     ("/models/x y", "/models/x y"), ("a = 1", "a = 1"),
 ])
 def test_set_values_are_toml_where_they_parse(text, value):
-    got = server_cli.parse_set(f"table.key={text}")["table"]["key"]
+    got = parse_set(f"table.key={text}")["table"]["key"]
     assert got == value and type(got) is type(value)
 
 

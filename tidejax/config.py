@@ -175,6 +175,25 @@ class EngineConfig:
         return EngineConfig.from_dict(overrides, source=source or self.source, base=self)
 
 
+def toml_value(text: str):
+    """A --set value: a TOML value where it parses as one (8, true, ["a", "b"], "quoted"), else
+    the text itself (exact, 127.0.0.1:1234, /models/x)."""
+    try:
+        parsed = tomllib.loads(f"value = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    return parsed["value"] if len(parsed) == 1 else text
+
+
+def parse_set(item: str) -> dict:
+    """"engine.lanes=8" -> {"engine": {"lanes": 8}}."""
+    key, eq, value = item.partition("=")
+    table, dot, name = key.strip().partition(".")
+    if not eq or not dot or not table or not name:
+        raise ConfigError(f"--set {item!r}: expected table.key=value")
+    return {table: {name: toml_value(value.strip())}}
+
+
 def _coerce(source: str, key: str, value: Any, default: Any) -> Any:
     """`value` as the type of `default`: TOML and Python values as they are (an int where a float
     is wanted is taken), never text parsed into a number."""

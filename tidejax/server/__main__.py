@@ -12,13 +12,12 @@ import asyncio
 import logging
 import signal
 import sys
-import tomllib
 from pathlib import Path
 
 from aiohttp import web
 
 from tidejax.checkpoint.safetensors_io import CheckpointError
-from tidejax.config import API_KEYS_ENV, EngineConfig
+from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.fields import ConfigError
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
@@ -26,25 +25,6 @@ from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def toml_value(text: str):
-    """A --set value: a TOML value where it parses as one (8, true, ["a", "b"], "quoted"), else
-    the text itself (exact, 127.0.0.1:1234, /models/x)."""
-    try:
-        parsed = tomllib.loads(f"value = {text}")
-    except tomllib.TOMLDecodeError:
-        return text
-    return parsed["value"] if len(parsed) == 1 else text
-
-
-def parse_set(item: str) -> dict:
-    """"engine.lanes=8" -> {"engine": {"lanes": 8}}."""
-    key, eq, value = item.partition("=")
-    table, dot, name = key.strip().partition(".")
-    if not eq or not dot or not table or not name:
-        raise ConfigError(f"--set {item!r}: expected table.key=value")
-    return {table: {name: toml_value(value.strip())}}
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
