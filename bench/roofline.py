@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
 from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds  # noqa: E402
+from tidejax import config  # noqa: E402
+from tidejax.fields import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
@@ -379,14 +381,14 @@ def report(name: str, text: str) -> None:
 
 
 def parse_set(items: list[str]) -> dict:
-    """["engine.lanes=8", ...] -> {"engine": {"lanes": "8"}} (the profile types the strings)."""
+    """["engine.lanes=8", ...] -> {"engine": {"lanes": 8}}: the server's --set, merged."""
     tables: dict = {}
     for item in items:
-        key, eq, value = item.partition("=")
-        table, dot, name = key.partition(".")
-        if not eq or not dot:
-            raise SystemExit(f"error: --set {item!r}: expected table.key=value")
-        tables.setdefault(table, {})[name] = value
+        try:
+            for table, values in config.parse_set(item).items():
+                tables.setdefault(table, {}).update(values)
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
     return tables
 
 

@@ -31,7 +31,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from tidejax import parallel
 from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
-from tidejax.checkpoint.safetensors_io import SafetensorsFile
+from tidejax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from tidejax.fields import read_json
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
@@ -58,7 +58,7 @@ _SCALES = (".scale", "_scale_inv")  # suffixes of a weight's block scales: X.sca
 _PACKED = (np.dtype(np.uint8), np.dtype(np.int8))  # FP4 codes, two a byte
 
 
-class V41LoadError(ValueError):
+class V41LoadError(CheckpointError):
     """A checkpoint that does not fit the config; names the file and the tensor."""
 
 
