@@ -74,15 +74,19 @@ def chunk_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, pos
     """Causal attention of a chunk's queries [b, t, h, c|r] at positions [b, t] over their rows'
     pages, a block of KEY_BLOCK keys at a time with a running max and sum (flash attention): the
     loop stops at the block holding the chunk's last position, so a chunk costs the keys it can
-    see, not the table's width. Scores and sums in float32."""
+    see, not the table's width. Scores and sums in float32. Differentiable where the chunk is as
+    long as its table (the loop's bound is then static)."""
     page_size = latent_pages.shape[1]
     per_block = max(1, KEY_BLOCK // page_size)  # pages a key block holds
     keys = per_block * page_size
     b, t, h, c = q_latent.shape
     width = block_table.shape[1]
     table = jnp.pad(block_table, ((0, 0), (0, -width % per_block)))  # padding: page 0, masked
-    n_blocks = (jnp.max(positions) + keys) // keys  # key blocks up to the last query's position
-    n_blocks = jnp.minimum(n_blocks, table.shape[1] // per_block)
+    n_blocks = table.shape[1] // per_block
+    if width * page_size > t:  # key blocks up to the last query's position (a dynamic bound)
+        n_blocks = jnp.minimum((jnp.max(positions) + keys) // keys, n_blocks)
+    # else the chunk is as long as its table (a full forward: scoring, training): every block,
+    # a static bound, which reverse-mode differentiation needs
 
     def attend_block(i, carry):
         top, total, acc = carry  # [b, h, t], [b, h, t], [b, t, h, c]
