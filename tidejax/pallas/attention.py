@@ -1,19 +1,26 @@
-"""Paged decode attention over DeepSeek MLA's latent cache (one query a sequence, absorbed W_uk).
+"""Paged attention over DeepSeek MLA's latent cache (absorbed W_uk): decode (one query a sequence)
+and prefill (a prompt chunk's queries).
 
-For sequence i and head j, over the visible positions p < lengths[i] of its pages:
+For sequence i, head j and a query at position q (decode: q = lengths[i] - 1), over the visible
+positions p <= q of its pages:
     scores[p] = (q_latent[i, j] . latent[p] + q_rope[i, j] . rope[p]) * scale    (float32)
     out[i, j] = softmax(scores) @ latent                                          (float32)
 where position p lives in page block_table[i, p // page_size] at row p % page_size.
 
-`paged_mla_decode` dispatches between the Pallas GPU kernel (Triton lowering; interpret mode off
-the GPU) and `paged_mla_decode_reference` (jnp, float32, runs everywhere).
+`paged_mla_decode` and `paged_mla_prefill` dispatch between the Pallas GPU kernels (Triton
+lowering; interpret mode off the GPU) and their jnp references (run everywhere).
 
-The kernel, flash-decoding style: program (head block, split, sequence) takes bh heads of one
-sequence and walks its positions in chunks of `bs` (a page, part of one, or several small pages), from
-its split's share of the ceil(length / bs) chunks the sequence holds (a dynamic loop bound: the
-cost follows the length, not the table's width), keeping a running max and sum. Each chunk's
-rows are gathered through the block table, read once and used twice: keys for the scores, values
-for the output. The splits' partial sums are combined by log-sum-exp in jnp.
+The decode kernel, flash-decoding style: program (head block, split, sequence) takes bh heads of
+one sequence and walks its positions in chunks of `bs` (a page, part of one, or several small
+pages), from its split's share of the ceil(length / bs) chunks the sequence holds (a dynamic loop
+bound: the cost follows the length, not the table's width), keeping a running max and sum. Each
+chunk's rows are gathered through the block table, read once and used twice: keys for the scores,
+values for the output. The splits' partial sums are combined by log-sum-exp in jnp.
+
+The prefill kernel, flash-attention style: program (query block, head block, sequence) stacks
+its bq queries x bh heads as the rows of its dots, walks the row's keys a block at a time up to
+its last query's position and writes its output once (PREFILL_TILE).
+
 Dots take the pool's dtype with float32 accumulation: bf16 pools run bf16 dots (float32 queries
 enter as two bf16 terms, their rounding and the rest, so the scores keep ~16 mantissa bits; the
 probabilities enter the value dot rounded to bf16, as in FlashAttention); float32 pools run
@@ -288,6 +295,7 @@ def paged_mla_prefill_reference(q_latent, q_rope, latent_pages, rope_pages, bloc
     probabilities enter the value dot in the pool's dtype."""
     _check_args("paged_mla_prefill", q_latent, q_rope, latent_pages, rope_pages, block_table, positions,
                 "positions")
+    latent_pages, rope_pages = jnp.asarray(latent_pages), jnp.asarray(rope_pages)  # indexed by tracers
     t = q_latent.shape[1]
     if t <= QUERY_BLOCK or t % QUERY_BLOCK:
         return _chunk_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, scale)
@@ -299,6 +307,14 @@ def paged_mla_prefill_reference(q_latent, q_rope, latent_pages, rope_pages, bloc
         lambda q: _chunk_reference(*q[:2], latent_pages, rope_pages, block_table, q[2], scale),
         (split(q_latent), split(q_rope), split(positions)))
     return jnp.moveaxis(out, 0, 1).reshape(q_latent.shape)
+
+
+def _einsum_f32(spec, a, b):
+    """einsum with float32 accumulation (HIGHEST). XLA:CPU has no bf16 x bf16 -> float32 dot, so
+    off the GPU the operands enter as float32: the same products (exact in float32) and sums."""
+    if jax.default_backend() != "gpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _chunk_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, scale):
@@ -319,10 +335,8 @@ def _chunk_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, po
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
         latent = latent_pages[pages].reshape(b, keys, c)  # [b, keys, c]
         rope = rope_pages[pages].reshape(b, keys, r)  # [b, keys, r]
-        scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent, precision=HIGHEST,
-                             preferred_element_type=jnp.float32)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, rope, precision=HIGHEST,
-                               preferred_element_type=jnp.float32)) * scale
+        scores = (_einsum_f32("bthc,bsc->bhts", q_latent, latent)
+                  + _einsum_f32("bthr,bsr->bhts", q_rope, rope)) * scale
         key_pos = i * keys + jnp.arange(keys)[None, None, :]
         visible = key_pos <= jnp.minimum(positions, last)[:, :, None]  # [b, t, s]
         scores = jnp.where(visible[:, None], scores, -jnp.inf)
@@ -330,9 +344,8 @@ def _chunk_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, po
         probs = jnp.exp(scores - new_top[..., None])
         keep = jnp.exp(top - new_top)
         total = total * keep + jnp.sum(probs, axis=-1)
-        acc = acc * jnp.moveaxis(keep, 1, 2)[..., None] + jnp.einsum(
-            "bhts,bsc->bthc", probs.astype(latent.dtype), latent, precision=HIGHEST,
-            preferred_element_type=jnp.float32)
+        acc = acc * jnp.moveaxis(keep, 1, 2)[..., None] + _einsum_f32(
+            "bhts,bsc->bthc", probs.astype(latent.dtype), latent)
         return new_top, total, acc
 
     start = (jnp.full((b, h, t), -1e30, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
@@ -344,12 +357,15 @@ def _chunk_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, po
 
 # (queries a program bq, heads a program bh, keys a block bk, num_warps, num_stages): a program
 # stacks its bq x bh (query, head) pairs as the M = bq * bh rows of its dots, so each key block it
-# loads serves them all. Its loop runs bk keys at a time up to the block holding its last query's
-# position (causal skipping). In registers: the float32 output [M, c] (M = 64, c = 512: 128 KB,
-# 128 a thread at 8 warps) and the scores [M, bk]; in shared memory: the queries [M, c + r] and
-# num_stages key blocks [bk, c + r] (bf16: 72 KB each at M = bk = 64). All powers of two. To be
-# chosen by the H200 sweep of bench/prefill_attention.py at V3 shapes.
-PREFILL_TILE = (4, 16, 64, 8, 2)
+# loads serves them all; its loop runs bk keys at a time up to the block of its last query's
+# position (causal skipping). The float32 output [M, c] lives in registers (M 32, c 512: 128 a
+# thread at 4 warps), the queries [M, c + r] and num_stages key blocks [bk, c + r] in shared memory.
+# All powers of two. H200 sweep at V3 shapes (h 128, c 512, r 64, bf16 pages of 64, jax 0.11.2,
+# bench/prefill_attention.py): 2048 queries at 6144..8191 take 15.6 ms a layer (262 TFLOP/s of
+# causal work, 0.38 of the bf16 matmul rate; the jnp reference 32.3 ms), 512 at 0..511 0.37 ms
+# (the reference 0.99). num_stages 3 the same; M 64 (4x16 or 1x64 at 8 warps) 22 ms, 8 warps at
+# M 32 27 ms, bk 32 or 128 20 / 18 ms, num_stages 1 34 ms, M 16 21 ms.
+PREFILL_TILE = (2, 16, 64, 4, 2)
 
 
 def _prefill_kernel(table_ref, pos_ref, *refs, bq, bh, bk, ps, n_table, scale, terms):
