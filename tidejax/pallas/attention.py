@@ -41,10 +41,11 @@ HIGHEST = jax.lax.Precision.HIGHEST
 POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def _check_args(op, q_latent, q_rope, latent_pages, rope_pages, block_table, index, index_name):
+def _check_args(op, q_latent, q_rope, latent_pages, rope_pages, block_table, index, index_name, *,
+                kernel=False):
     """Shapes of one call: queries [*lead, h, c|r] (lead: (b,) for decode, (b, t) for a chunk),
     pages [n_pages, page_size, c|r] of one dtype, block_table [b, P], index (lengths | positions)
-    [*lead]."""
+    [*lead]; with `kernel`, shapes the Pallas kernels take (`pallas_supports`)."""
     *lead, h, c = q_latent.shape
     n, ps, _ = latent_pages.shape
     r = q_rope.shape[-1]
@@ -59,6 +60,10 @@ def _check_args(op, q_latent, q_rope, latent_pages, rope_pages, block_table, ind
     if latent_pages.dtype != rope_pages.dtype:
         raise ValueError(f"{op}: latent_pages {latent_pages.dtype} and rope_pages "
                          f"{rope_pages.dtype} must share a dtype")
+    if kernel and not pallas_supports(q_latent, q_rope, latent_pages):
+        raise ValueError(f"{op}(impl='pallas'): shapes the kernel does not take: q_latent "
+                         f"{q_latent.shape} {q_latent.dtype}, q_rope {q_rope.shape}, latent_pages "
+                         f"{latent_pages.shape} {latent_pages.dtype}")
 
 
 def paged_mla_decode_reference(q_latent, q_rope, latent_pages, rope_pages, block_table, lengths, *,
@@ -223,11 +228,7 @@ def paged_mla_decode_pallas(q_latent, q_rope, latent_pages, rope_pages, block_ta
     from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 
     _check_args("paged_mla_decode", q_latent, q_rope, latent_pages, rope_pages, block_table, lengths,
-                "lengths")
-    if not pallas_supports(q_latent, q_rope, latent_pages):
-        raise ValueError(f"paged_mla_decode(impl='pallas'): shapes the kernel does not take: q_latent "
-                         f"{q_latent.shape} {q_latent.dtype}, q_rope {q_rope.shape}, latent_pages "
-                         f"{latent_pages.shape} {latent_pages.dtype}")
+                "lengths", kernel=True)
     b, h, c = q_latent.shape
     n, ps, r = rope_pages.shape
     n_table = block_table.shape[1]
@@ -265,14 +266,18 @@ def paged_mla_decode(q_latent, q_rope, latent_pages, rope_pages, block_table, le
     against the float32 reference: ~1e-7 for float32 pools; bf16 pools ~1e-3 (probabilities
     rounded to bf16 for the value dot). H200, V3 shapes: 3.5-5x faster than the jitted reference.
     """
-    impl = choose_impl("paged_mla_decode", impl,
-                       fits=lambda: pallas_supports(q_latent, q_rope, latent_pages))
-    with jax.named_scope(f"paged_mla_decode_{impl}"):
+    return _dispatch("paged_mla_decode", paged_mla_decode_reference, paged_mla_decode_pallas,
+                     (q_latent, q_rope, latent_pages, rope_pages, block_table, lengths), scale, impl)
+
+
+def _dispatch(op, reference, kernel, args, scale, impl):
+    """Runs `op` on the implementation `choose_impl` picks (the kernel where `pallas_supports`
+    the shapes), under a named scope; args start (q_latent, q_rope, latent_pages)."""
+    impl = choose_impl(op, impl, fits=lambda: pallas_supports(*args[:3]))
+    with jax.named_scope(f"{op}_{impl}"):
         if impl == "reference":
-            return paged_mla_decode_reference(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                              lengths, scale=scale)
-        return paged_mla_decode_pallas(q_latent, q_rope, latent_pages, rope_pages, block_table, lengths,
-                                       scale=float(scale), interpret=jax.default_backend() != "gpu")
+            return reference(*args, scale=scale)
+        return kernel(*args, scale=float(scale), interpret=jax.default_backend() != "gpu")
 
 
 # ---- prefill: a prompt chunk's queries over their rows' pages ------------------------------------
@@ -412,11 +417,7 @@ def paged_mla_prefill_pallas(q_latent, q_rope, latent_pages, rope_pages, block_t
     from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 
     _check_args("paged_mla_prefill", q_latent, q_rope, latent_pages, rope_pages, block_table, positions,
-                "positions")
-    if not pallas_supports(q_latent, q_rope, latent_pages):
-        raise ValueError(f"paged_mla_prefill(impl='pallas'): shapes the kernel does not take: q_latent "
-                         f"{q_latent.shape} {q_latent.dtype}, q_rope {q_rope.shape}, latent_pages "
-                         f"{latent_pages.shape} {latent_pages.dtype}")
+                "positions", kernel=True)
     bq, bh, bk, num_warps, num_stages = tile or PREFILL_TILE
     if not all(_pow2(x) for x in (bq, bh, bk)):
         raise ValueError(f"paged_mla_prefill: tile {tile}: bq, bh and bk must be powers of two")
@@ -453,12 +454,5 @@ def paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, p
     reference elsewhere) | "pallas" (interpret mode off the GPU) | "reference". The kernel
     against the reference: ~1e-6 for float32 pools and queries; ~1e-3 for bf16 (probabilities
     rounded to bf16 for the value dot, against other running maxima)."""
-    impl = choose_impl("paged_mla_prefill", impl,
-                       fits=lambda: pallas_supports(q_latent, q_rope, latent_pages))
-    with jax.named_scope(f"paged_mla_prefill_{impl}"):
-        if impl == "reference":
-            return paged_mla_prefill_reference(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                               positions, scale=scale)
-        return paged_mla_prefill_pallas(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                        positions, scale=float(scale),
-                                        interpret=jax.default_backend() != "gpu")
+    return _dispatch("paged_mla_prefill", paged_mla_prefill_reference, paged_mla_prefill_pallas,
+                     (q_latent, q_rope, latent_pages, rope_pages, block_table, positions), scale, impl)
