@@ -35,7 +35,9 @@ class Family:
         structure), or None: the pool is placed replicated (tidejax.parallel); the lane rows are
         always replicated
     host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
-        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
+        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), and whose
+        read_lane(lane) / write_lane(lane, saved) save and restore a lane's host state across a
+        preemption; or None
     replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
         where the family cannot replay recorded routing
     """

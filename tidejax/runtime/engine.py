@@ -302,17 +302,22 @@ class Engine:
         self.prefill_chunk = tokens
         self._prefill_buckets = _buckets(tokens)
 
-    def read_sequence(self, pages: list[int], lane: int) -> PagedCache:
-        """A sequence's pages of the KV pool and its lane's rows, copied to host memory (numpy
-        leaves [n, rows, ...] and [...]): what a preempted sequence keeps until it resumes."""
-        return jax.device_get(self._steps.read_sequence(self.cache, np.asarray(pages, np.int32),
+    def read_sequence(self, pages: list[int], lane: int) -> tuple:
+        """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
+        pool and its lane's rows (a PagedCache of numpy leaves [n, rows, ...] and [...]), and
+        its lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        rows = jax.device_get(self._steps.read_sequence(self.cache, np.asarray(pages, np.int32),
                                                         np.int32(lane)))
+        return rows, self._lane_inputs.read_lane(lane) if self._lane_inputs else None
 
-    def write_sequence(self, pages: list[int], lane: int, saved: PagedCache) -> None:
-        """Writes what `read_sequence` read back into the pool at `pages` and into the rows of
-        `lane` (any lane: not necessarily the one it was read from), in place."""
+    def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
+        """Puts what `read_sequence` read back: into the pool at `pages` and into the rows and
+        host-input state of `lane` (any lane: not necessarily the one it was read from)."""
+        rows, host = saved
         self.cache = self._steps.write_sequence(self.cache, np.asarray(pages, np.int32),
-                                                np.int32(lane), saved)
+                                                np.int32(lane), rows)
+        if self._lane_inputs:
+            self._lane_inputs.write_lane(lane, host)
 
     def logits(self, token_ids) -> np.ndarray:
         """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""

@@ -92,8 +92,8 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Saved:
-    """A preempted request's place: its KV pages and lane rows in host memory (a PagedCache of
-    numpy leaves), the position and host token of its next step."""
+    """A preempted request's place: what Engine.read_sequence saved (its KV pages, its lane's
+    rows and host-input state, in host memory), the position and host token of its next step."""
 
     pages: object
     n_pages: int
