@@ -68,8 +68,7 @@ def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
     first pages (what they read, not what they hold, is what a step costs)."""
     active = np.arange(engine.lanes) < lanes
     positions = np.where(active, PROMPT_TOKENS, 0).astype(np.int32)
-    pages = ([list(range(pages_for(PROMPT_TOKENS + 1, engine.page_size)))] * engine.lanes
-             if engine.paged else None)
+    pages = [list(range(pages_for(PROMPT_TOKENS + 1, engine.page_size)))] * engine.lanes
     return DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, fresh), positions,
                       active, pages)
 

@@ -18,6 +18,7 @@ from tidejax.fields import ConfigError
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.models.base import abstract, init, nbytes
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
+from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.model import MLACache, build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
 from tidejax.residency.serve import ServeOptions
@@ -43,7 +44,7 @@ def test_declared_params_are_what_the_model_consumes(name):
     tokens = jnp.zeros((1, 4), jnp.int32)
     for dtype in (jnp.bfloat16, jnp.float32):
         model = build(cfg, ServeOptions(kernel="reference", all_resident=True), dtype)
-        cache = MLACache.create(cfg, 1, 4, dtype)  # one page of 4 tokens; block table [[0]]
+        cache = PagedCache(MLACache.create(cfg, 1, 4, dtype))  # one page of 4 tokens; table [[0]]
         declared = param_specs(cfg, dtype)
         traced = jax.eval_shape(lambda pool: model.init(
             jax.random.key(0), tokens, tokens, tokens > -1, cache, tokens[:, :1],
@@ -92,7 +93,7 @@ def test_cached_decode_equals_full_forward(tiny):
     handed out in shuffled order)."""
     _, _, _, engine = tiny
     full = engine.logits(PROMPT)
-    cache = engine.family.create_cache(engine.cfg, 16, 4, engine.dtype)
+    cache = PagedCache(engine.family.create_cache(engine.cfg, 16, 4, engine.dtype))
     table = jnp.asarray(np.random.RandomState(0).permutation(16)[None].astype(np.int32))
     state = engine.residency.state
     apply = jax.jit(engine.model.apply)

@@ -13,8 +13,7 @@ import pytest
 
 from tidejax.fields import ConfigError
 from tidejax.models.deepseek_v41.config import V41Config
-from v41_runner import (Sequence, engram_rows, greedy, new_hashers,
-                                                  step_fn)
+from v41_runner import Sequence, engram_rows, greedy, new_cache, new_hashers, step_fn
 from tidejax.models.deepseek_v41.engram import EngramHasher
 from tidejax.models.deepseek_v41.weights import load
 
@@ -39,7 +38,7 @@ def full_forward(name):
     import jax
     import jax.numpy as jnp
 
-    from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
+    from tidejax.models.deepseek_v41.model import DeepseekV41
     from tidejax.residency.serve import ServeOptions
 
     ck = checkpoint(name)
@@ -49,9 +48,9 @@ def full_forward(name):
     rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
     model = DeepseekV41(ck.cfg, ServeOptions(kernel=KERNEL, swiglu_limit=ck.cfg.swiglu_limit,
                                              all_resident=True))
-    (logits, _, _), inter = jax.jit(lambda params, cache, rows, experts: model.apply(
-        params, jnp.asarray(ids), pos, pos >= 0, cache, experts, rows, mutable=["intermediates"]))(
-        ck.params, V41Cache.create(ck.cfg, 1, t), rows, ck.experts)
+    (logits, _, _), inter = jax.jit(lambda params, cache, table, rows, experts: model.apply(
+        params, jnp.asarray(ids), pos, pos >= 0, cache, table, experts, rows,
+        mutable=["intermediates"]))(ck.params, *new_cache(ck.cfg, 1, t), rows, ck.experts)
     inter = inter["intermediates"]
     streams = np.stack([np.asarray(s[0]) for s in inter["streams"]])
     selections = {k.split("_")[1]: np.asarray(v[0][0]) for k, v in inter.items()
@@ -120,12 +119,10 @@ def test_greedy(name):
 def test_batched_lanes():
     """Two rows at different positions in one step, one of them padded: each row's logits equal
     the golden full forward's (causal, so a prefix's logits are the golden's first rows)."""
-    from tidejax.models.deepseek_v41.model import V41Cache
-
     ck = checkpoint("tiny_b")
     ids = golden("tiny_b", "input_ids.npy")[0]
     want = golden("tiny_b", "logits.npy")
-    cache = V41Cache.create(ck.cfg, 2, 64)
+    cache, table = new_cache(ck.cfg, 2, 64)  # the two rows' pages interleaved in one pool
     hashers = new_hashers(ck, 2)
     step = step_fn(ck.cfg, KERNEL)
     tokens = np.tile(ids[:8], (2, 1)).astype(np.int32)
@@ -133,24 +130,24 @@ def test_batched_lanes():
     mask[0, 5:] = False  # row 0 prefills 5 tokens (a padded chunk), row 1 prefills 8
     positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
     rows = engram_rows(ck, hashers, tokens, [0, 0], mask)
-    first, cache, _ = step(ck.params, cache, tokens, positions, mask, rows, ck.experts)
+    first, cache, _ = step(ck.params, cache, table, tokens, positions, mask, rows, ck.experts)
     np.testing.assert_allclose(np.asarray(first[0, :5]), want[:5], atol=1e-4)
     np.testing.assert_allclose(np.asarray(first[1]), want[:8], atol=1e-4)
     at = [5, 8]
     for _ in range(3):
         nxt = ids[at][:, None].astype(np.int32)
         rows = engram_rows(ck, hashers, nxt, at)
-        out, cache, _ = step(ck.params, cache, nxt, np.array(at, np.int32)[:, None],
+        out, cache, _ = step(ck.params, cache, table, nxt, np.array(at, np.int32)[:, None],
                           np.ones((2, 1), bool), rows, ck.experts)
         np.testing.assert_allclose(np.asarray(out[:, 0]), want[at], atol=1e-4)
         at = [a + 1 for a in at]
 
 
 def test_cache_memory_per_token():
-    from tidejax.models.deepseek_v41.model import V41Cache
+    from tidejax.models.deepseek_v41.model import V41Pages
 
     cfg = checkpoint("tiny_a").cfg  # sources: layer 1 (ratio 2), layer 3 (ratio 1), both indexed
-    per = V41Cache.bytes_per_token(cfg)
+    per = V41Pages.bytes_per_token(cfg)
     assert per == 4 * ((cfg.head_dim + cfg.index_head_dim) / 2 + cfg.head_dim + cfg.index_head_dim)
 
 

@@ -13,25 +13,38 @@ import numpy as np
 
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import engram_rows, new_hashers
-from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
+from tidejax.kv.paged import PagedCache
+from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import V41Checkpoint
 from tidejax.residency.serve import ServeOptions
 
 
+PAGE_SIZE = 16  # small pages: a golden sequence spans several of them
+
+
+def new_cache(cfg: V41Config, rows: int, max_len: int, dtype=jnp.float32):
+    """(cache, block table [rows, P]): a pool of pages for `rows` sequences of up to max_len
+    positions, each row's pages interleaved with the others' (row r holds pages r, r + rows,
+    ...), and one lane of rings and buffers a row."""
+    per_row = -(-max_len // PAGE_SIZE)
+    table = (np.arange(per_row)[None] * rows + np.arange(rows)[:, None]).astype(np.int32)
+    return (PagedCache(V41Pages.create(cfg, rows * per_row, PAGE_SIZE, dtype),
+                       V41Lanes.create(cfg, rows, dtype)), table)
+
+
 @functools.lru_cache(maxsize=None)
 def step_fn(cfg: V41Config, kernel: str = "auto"):
-    """jit(params, cache, tokens [b, t], positions [b, t], token_mask [b, t], engram_rows, experts)
-    -> (logits [b, t, vocab] float32, cache, experts); the cache is donated. Every expert is
-    resident here (the engine serves budgets through tidejax.residency)."""
+    """jit(params, cache, table [b, P], tokens [b, t], positions [b, t], token_mask [b, t],
+    engram_rows, experts) -> (logits [b, t, vocab] float32, cache, experts); the cache is
+    donated. Every expert is resident here (the engine serves budgets through
+    tidejax.residency)."""
     model = DeepseekV41(cfg, ServeOptions(kernel=kernel, swiglu_limit=cfg.swiglu_limit,
                                           all_resident=True))
 
-    def step(params, cache, tokens, positions, token_mask, rows, experts):
-        return model.apply(params, tokens, positions, token_mask, cache, experts, rows)
+    def step(params, cache, table, tokens, positions, token_mask, rows, experts):
+        return model.apply(params, tokens, positions, token_mask, cache, table, experts, rows)
 
     return jax.jit(step, donate_argnums=(1,))
-
-
 
 
 
@@ -42,8 +55,8 @@ def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarra
     t = ids.shape[1]
     positions = np.arange(t, dtype=np.int32)[None]
     rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
-    logits, _, _ = step_fn(ck.cfg, kernel)(ck.params, V41Cache.create(ck.cfg, 1, t), ids, positions,
-                                        np.ones_like(ids, bool), rows, ck.experts)
+    logits, _, _ = step_fn(ck.cfg, kernel)(ck.params, *new_cache(ck.cfg, 1, t), ids, positions,
+                                           np.ones_like(ids, bool), rows, ck.experts)
     return np.asarray(logits[0])
 
 
@@ -53,7 +66,7 @@ class Sequence:
     def __init__(self, ck: V41Checkpoint, max_len: int, kernel: str = "auto",
                  cache_dtype=jnp.float32):
         self.ck, self.step = ck, step_fn(ck.cfg, kernel)
-        self.cache = V41Cache.create(ck.cfg, 1, max_len, cache_dtype)
+        self.cache, self.table = new_cache(ck.cfg, 1, max_len, cache_dtype)
         self.hashers = new_hashers(ck, 1)
         self.length = 0
 
@@ -62,7 +75,7 @@ class Sequence:
         ids = np.asarray(token_ids, np.int32)[None]
         positions = self.length + np.arange(ids.shape[1], dtype=np.int32)[None]
         rows = engram_rows(self.ck, self.hashers, ids, [self.length])
-        logits, self.cache, _ = self.step(self.ck.params, self.cache, ids, positions,
+        logits, self.cache, _ = self.step(self.ck.params, self.cache, self.table, ids, positions,
                                           np.ones_like(ids, bool), rows, self.ck.experts)
         self.length += ids.shape[1]
         return np.asarray(logits[0])

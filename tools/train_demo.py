@@ -152,6 +152,7 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
+        from tidejax.kv.paged import PagedCache
         from tidejax.models.base import init
         from tidejax.models.deepseek_v3.config import DeepseekV3Config
         from tidejax.models.deepseek_v3.model import DeepseekV3, MLACache
@@ -165,7 +166,7 @@ class Trainer:
         self.model = DeepseekV3(cfg, ServeOptions(kernel="reference", all_resident=True, count=True))
         self.n_moe = len(cfg.moe_layers)
         # a KV pool of one page of `seq` tokens a row, and its block table [b, 1]
-        self._cache = lambda b: (MLACache.create(cfg, b, seq, jnp.float32),
+        self._cache = lambda b: (PagedCache(MLACache.create(cfg, b, seq, jnp.float32)),
                                  jnp.arange(b, dtype=jnp.int32)[:, None])
         self._state = lambda experts: all_resident_state(experts, self.n_moe)
         key_model, key_experts = jax.random.split(jax.random.PRNGKey(seed))

@@ -1,21 +1,43 @@
 """Device side of the paged KV pool: writes at a sequence's positions and attention over its own
 pages.
 
-A pool leaf is [n_pages, page_size, ...]; a step's block table [b, P] lists each row's pages in
-order (P is the step's bucket, tidejax.kv.pages.page_bucket: what its longest row holds), so reads
-and attention cost what the sequences hold, never the pool or max_context.
+A pool leaf is [n_pages, rows, ...]: `rows` entries a page, page_size of them for per-token keys
+(MLA's latent), fewer for a leaf that keeps one entry per `ratio` tokens (DeepSeek-V4.1's
+compressed entries: page_size // ratio). A step's block table [b, P] lists each row's pages in
+order (P is the step's bucket, tidejax.kv.pages.page_bucket: what its longest row holds), and one
+table addresses every leaf, so reads and attention cost what the sequences hold, never the pool or
+max_context.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
 from tidejax.pallas import paged_mla_decode, paged_mla_prefill
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedCache:
+    """A paged family's generation cache: `pages`, its pool (a pytree of leaves [n_pages, rows,
+    ...] that rows reach through block tables), and `lanes`, its fixed-size rows per decode lane
+    (a pytree of leaves [lanes, ...]: DeepSeek-V4.1's window rings and group buffers; None for a
+    family that keeps none). A prompt chunk runs on its lane's slice of `lanes`; a preempted
+    sequence saves its pages and its lane's rows."""
+
+    pages: Any
+    lanes: Any = None
+
+
 def token_slots(block_table, positions, mask, n_pages: int, page_size: int):
     """block_table [b, P], positions / mask [b, t] -> flat pool rows [b, t] (page * page_size +
-    row); masked tokens and positions past the table get n_pages * page_size, which writes drop."""
+    row); masked tokens and positions past the table get n_pages * page_size, which writes drop.
+    For a leaf of one entry per `ratio` tokens, positions are entry ids and page_size the
+    entries a page holds."""
     page_index = positions // page_size
     inside = mask & (page_index < block_table.shape[1])
     page = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, block_table.shape[1] - 1), axis=1)
@@ -23,13 +45,20 @@ def token_slots(block_table, positions, mask, n_pages: int, page_size: int):
 
 
 def write(pool, values, slots):
-    """pool [n_pages, page_size, ...] <- values [b, t, ...] at flat rows `slots` [b, t] (in place
+    """pool [n_pages, rows, ...] <- values [b, t, ...] at flat rows `slots` [b, t] (in place
     when the pool is donated; out-of-range rows are dropped)."""
     n, size = pool.shape[:2]
     flat = pool.reshape(n * size, *pool.shape[2:])
     flat = flat.at[slots.reshape(-1)].set(
         values.reshape(-1, *values.shape[2:]).astype(pool.dtype), mode="drop")
     return flat.reshape(pool.shape)
+
+
+def gather(pool, block_table):
+    """pool [n_pages, rows, ...], block_table [b, P] -> [b, P * rows, ...]: each row's entries
+    0.. in order."""
+    pages = pool[block_table]  # [b, P, page_size, ...]
+    return pages.reshape(pages.shape[0], -1, *pool.shape[2:])
 
 
 def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,

@@ -15,20 +15,29 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, experts[, host_inputs])
-        -> (logits [b, t, vocab] float32, cache, experts)
+        (tokens, positions, token_mask, cache, block_table, experts[, host_inputs])
+        -> (logits [b, t, vocab] float32, cache, experts), the cache a kv.paged.PagedCache and
+        block_table [b, P] each row's pages in its pool
     load_weights(cfg, model_dir, raw_config, serve_options, dtype, put_row) -> (params, aux):
         dense params on the device; routed experts through put_row(layer * E + expert, row);
         aux is whatever host-side state the family keeps (None for most)
     expert_dims(cfg) -> (moe layers, experts per layer, hidden, expert intermediate)
-    cache_kind: "paged" (one KV pool of pages shared by all sequences; build's module then takes
-        a block table [b, P] after the cache) or "lanes" (a cache row per lane, [lanes, length, ...])
-    create_cache(cfg, n_pages, page_size, dtype) for "paged", (cfg, batch, length, dtype) for
-        "lanes" -> the generation cache pytree
-    cache_axes(cache) -> the logical axes of each cache leaf (a tuple per leaf, the cache's
-        structure), or None: the cache is placed replicated (tidejax.parallel)
+    create_cache(cfg, n_pages, page_size, dtype) -> the KV pool (PagedCache.pages): leaves
+        [n_pages, rows, ...] shared by all sequences through one block table each
+    create_lane_cache(cfg, lanes, dtype) -> the fixed-size rows each decode lane keeps
+        (PagedCache.lanes, leaves [lanes, ...]: DeepSeek-V4.1's window rings), or None: none
+    page_multiple(cfg) -> what engine.page_size must be a multiple of (DeepSeek-V4.1: its
+        compress ratios, so that a page holds whole groups)
+    mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
+        (cfg.kv_lora_rank, cfg.qk_rope_head_dim); the kernel's own choice for those shapes sets
+        the decode tables' width. False: the family's decode reads whole block tables (jnp)
+    cache_axes(pages) -> the logical axes of each pool leaf (a tuple per leaf, the pool's
+        structure), or None: the pool is placed replicated (tidejax.parallel); the lane rows are
+        always replicated
     host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
-        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
+        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), and whose
+        read_lane(lane) / write_lane(lane, saved) save and restore a lane's host state across a
+        preemption; or None
     replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
         where the family cannot replay recorded routing
     """
@@ -40,9 +49,11 @@ class Family:
     load_weights: Callable
     expert_dims: Callable
     top_k: Callable  # (cfg) -> routed experts picked per token
-    cache_kind: str
     create_cache: Callable
-    cache_bytes_per_token: Callable  # (cfg, dtype) -> bytes a token of context adds
+    cache_bytes_per_token: Callable  # (cfg, dtype) -> pool bytes a token of context adds
+    create_lane_cache: Callable = lambda cfg, lanes, dtype: None
+    page_multiple: Callable = lambda cfg: 1
+    mla_decode: bool = False
     replay_variables: Callable | None = None
     cache_axes: Callable | None = None
     host_inputs: Callable = lambda cfg, aux, batch: None

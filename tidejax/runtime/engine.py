@@ -3,9 +3,11 @@
 One step carries every decoding lane's next token and, beside them, up to `prefill_chunk` prompt
 tokens of one admitting request, so a long prompt never stalls the decoding lanes for more than a
 step. Shapes are static: a prompt chunk is padded to a few bucket sizes, decode always runs all
-lanes, and a paged family's block tables are as wide as the step's longest sequence needs (a power
-of two of pages), so attention costs what the sequences hold and each (bucket, width) compiles
-once. The KV cache and the expert state are donated into every step and come back updated in
+lanes, and the block tables are as wide as the step's longest sequence needs (a power of two of
+pages), so attention costs what the sequences hold and each (bucket, width) compiles once. The
+cache is a kv.paged.PagedCache: the family's KV pool, shared by every sequence through its block
+table, and the fixed-size rows each lane keeps (DeepSeek-V4.1's window rings), which a prompt chunk
+reads and writes at its lane. The KV cache and the expert state are donated into every step and come back updated in
 place. A step returns its tokens on the device without waiting for them, and takes each lane's
 input from the previous step's output there, so the scheduler can queue the next step before it
 reads this one's tokens.
@@ -29,6 +31,7 @@ from tidejax.config import EngineConfig
 from tidejax.fields import ConfigError, read_json
 from tidejax.runtime.sampling import LaneSampling, SamplingParams, sample
 from tidejax.text.tokenizer import Tokenizer
+from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.dispatch import choose_impl
@@ -98,24 +101,23 @@ class Engine:
             max_tokens=self.max_context)
         self.serve = self.residency.options
         self.model = self.family.build(self.cfg, self.serve, self.dtype)
-        self.paged = self.family.cache_kind == "paged"
-        if self.paged:
-            self.page_size = config.engine.page_size
-            self.kv_pages = self._pool_pages(config)
-            self.max_pages = pages_for(self.max_context, self.page_size)
-            self.decode_attention = self._decode_attention(config.engine.kernel)
-            cache = self.family.create_cache(self.cfg, self.kv_pages, self.page_size, self.dtype)
-            log.info("KV pool: %d pages of %d tokens (%.2f GiB)", self.kv_pages, self.page_size,
-                     self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30)
-        else:
-            cache = self.family.create_cache(self.cfg, self.lanes, self.max_context, self.dtype)
+        self.page_size = config.engine.page_size
+        self.kv_pages = self._pool_pages(config)
+        self.max_pages = pages_for(self.max_context, self.page_size)
+        self.decode_attention = self._decode_attention(config.engine.kernel)
+        cache = self._new_cache(self.kv_pages, self.lanes)
+        log.info("KV pool: %d pages of %d tokens (%.2f GiB), %d bytes a lane beside it",
+                 self.kv_pages, self.page_size,
+                 self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30,
+                 self.lane_bytes())
         # committed to the device, as the steps return it: one compile per step, not two
         axes = self.family.cache_axes
-        self.cache = parallel.put(cache, axes(cache)) if axes else parallel.replicated(cache)
+        self.cache = PagedCache(
+            parallel.put(cache.pages, axes(cache.pages)) if axes else parallel.replicated(cache.pages),
+            parallel.replicated(cache.lanes))
         self._prefill_buckets = _buckets(self.prefill_chunk)
         replay = self.family.replay_variables
-        self._steps = _Steps(self.model, self.paged,
-                             functools.partial(replay, self.cfg) if replay else None)
+        self._steps = _Steps(self.model, functools.partial(replay, self.cfg) if replay else None)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
         self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
@@ -150,7 +152,11 @@ class Engine:
     def _decode_attention(self, kernel: str) -> str:
         """The paged decode attention the steps will trace ("pallas" reads only each lane's own
         pages, so its block tables can be full width): the kernel's own choice for the shapes
-        of this model's latent cache (MLA, the paged families' attention)."""
+        of this model's latent cache (MLA), "reference" where the family's decode reads whole
+        block tables."""
+        if not self.family.mla_decode:
+            return "reference"
+
         def struct(*shape):
             return jax.ShapeDtypeStruct(shape, self.dtype)
         latent = struct(1, self.page_size, self.cfg.kv_lora_rank)
@@ -163,6 +169,11 @@ class Engine:
         section, size = config.engine, self.page_size
         if size < 1:
             raise ConfigError(f"{config.source}: 'engine.page_size' must be at least 1")
+        multiple = self.family.page_multiple(self.cfg)
+        if size % multiple:
+            raise ConfigError(f"{config.source}: 'engine.page_size' = {size} must be a multiple of "
+                              f"{multiple} for {self.family.name} (a page holds whole groups of "
+                              "every compressed KV source)")
         if section.kv_pool_gib > 0:
             key = "engine.kv_pool_gib"
             pages = int(section.kv_pool_gib * 2**30 // (self.cache_bytes_per_token() * size))
@@ -174,6 +185,11 @@ class Engine:
             raise ConfigError(f"{config.source}: '{key}' gives a KV pool of {pages * size} tokens, "
                               f"less than one sequence at engine.max_context ({self.max_context})")
         return pages
+
+    def _new_cache(self, n_pages: int, lanes: int) -> PagedCache:
+        """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""
+        return PagedCache(self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype),
+                          self.family.create_lane_cache(self.cfg, lanes, self.dtype))
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
@@ -239,7 +255,7 @@ class Engine:
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
                 active=decode.active.astype(bool),
-                table=self._table(decode.pages, self._decode_width(decode)) if self.paged else None)
+                table=self._table(decode.pages, self._decode_width(decode)))
             if self._lane_inputs:
                 decode_host = self._lane_inputs.rows(decode.tokens[:, None], decode.positions,
                                                      decode.active[:, None])
@@ -248,20 +264,18 @@ class Engine:
         return (self.params, replay_prefill, replay_decode, prefill_host, decode_host, prefill_in,
                 decode_in, self.cache, self.residency.state, sampling)
 
-    def _decode_width(self, decode: DecodeRows) -> int | None:
+    def _decode_width(self, decode: DecodeRows) -> int:
         """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
         longest lane, where attention reads the whole table (the reference); the pool's longest
         sequence where the paged decode kernel reads each lane's own pages (one compile)."""
-        if not self.paged:
-            return None
         if self.decode_attention == "pallas":
             return self.max_pages
         return page_bucket(max((len(p) for p in decode.pages), default=1), self.max_pages)
 
-    def _prefill_width(self, prefill: PrefillChunk) -> int | None:
+    def _prefill_width(self, prefill: PrefillChunk) -> int:
         """Block-table width of a prompt chunk: its request's pages (reserved for the whole
         prompt at admission, so every chunk of a prompt compiles once), as a power of two."""
-        return page_bucket(len(prefill.pages), self.max_pages) if self.paged else None
+        return page_bucket(len(prefill.pages), self.max_pages)
 
     def _table(self, pages: list[list[int]], width: int) -> np.ndarray:
         """Block tables [rows, width]: each row's pages, padded with page 0 (never read: past each
@@ -271,7 +285,7 @@ class Engine:
             table[row, :len(held)] = held[:width]
         return table
 
-    def _prefill_inputs(self, prefill: PrefillChunk, width: int | None):
+    def _prefill_inputs(self, prefill: PrefillChunk, width: int):
         n, size = len(prefill.tokens), self.bucket(len(prefill.tokens))
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = prefill.tokens
@@ -279,7 +293,7 @@ class Engine:
         inputs = PrefillInputs(
             tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
             mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
-            table=self._table([prefill.pages], width) if self.paged else None)
+            table=self._table([prefill.pages], width))
         host = (self._lane_inputs.rows(tokens, [prefill.start], mask, lanes=[prefill.lane])
                 if self._lane_inputs else None)
         return inputs, host
@@ -291,14 +305,22 @@ class Engine:
         self.prefill_chunk = tokens
         self._prefill_buckets = _buckets(tokens)
 
-    def read_pages(self, pages: list[int]):
-        """A sequence's pages of the KV pool, copied to host memory (numpy leaves [n, page_size,
-        ...]): what a preempted sequence keeps until it resumes."""
-        return jax.device_get(self._steps.read_pages(self.cache, np.asarray(pages, np.int32)))
+    def read_sequence(self, pages: list[int], lane: int) -> tuple:
+        """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
+        pool and its lane's rows (a PagedCache of numpy leaves [n, rows, ...] and [...]), and
+        its lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        rows = jax.device_get(self._steps.read_sequence(self.cache, np.asarray(pages, np.int32),
+                                                        np.int32(lane)))
+        return rows, self._lane_inputs.read_lane(lane) if self._lane_inputs else None
 
-    def write_pages(self, pages: list[int], saved) -> None:
-        """Writes pages read by `read_pages` back into the pool at `pages` (in place)."""
-        self.cache = self._steps.write_pages(self.cache, np.asarray(pages, np.int32), saved)
+    def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
+        """Puts what `read_sequence` read back: into the pool at `pages` and into the rows and
+        host-input state of `lane` (any lane: not necessarily the one it was read from)."""
+        rows, host = saved
+        self.cache = self._steps.write_sequence(self.cache, np.asarray(pages, np.int32),
+                                                np.int32(lane), rows)
+        if self._lane_inputs:
+            self._lane_inputs.write_lane(lane, host)
 
     def logits(self, token_ids) -> np.ndarray:
         """A full forward over `token_ids` (a fresh cache): logits [T, vocab] float32."""
@@ -307,13 +329,9 @@ class Engine:
         size = max(16, 1 << (n - 1).bit_length())  # powers of two: few compiles for any length
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = ids
-        table = None
-        if self.paged:  # a pool of its own, the sequence's pages in order
-            n_pages = pages_for(size, self.page_size)
-            cache = self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype)
-            table = np.arange(n_pages, dtype=np.int32)[None]
-        else:
-            cache = self.family.create_cache(self.cfg, 1, size, self.dtype)
+        n_pages = pages_for(size, self.page_size)  # a pool of its own, the pages in order
+        cache = self._new_cache(n_pages, 1)
+        table = np.arange(n_pages, dtype=np.int32)[None]
         mask = (np.arange(size) < n)[None]
         scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
         inputs = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
@@ -334,7 +352,7 @@ class Engine:
         start = time.perf_counter()
         shapes = set()  # (chunk size or 0, prefill table width, decode table width)
         for n in prompt_lengths or self._prefill_buckets:
-            held = [0] * pages_for(min(n + 1, self.max_context), self.page_size) if self.paged else None
+            held = [0] * pages_for(min(n + 1, self.max_context), self.page_size)
             prefill_width = self._prefill_width(PrefillChunk(0, [0], 0, held))
             decode_width = self._decode_width(DecodeRows(*[None] * 4, pages=[held]))
             for _, chunk in self.chunks(list(range(n))):
@@ -344,7 +362,7 @@ class Engine:
         idle = np.zeros(self.lanes, np.int32)
 
         def table(rows, width):
-            return np.zeros((rows, width), np.int32) if self.paged else None
+            return np.zeros((rows, width), np.int32)
 
         for size, prefill_width, decode_width in sorted(shapes, key=str):
             decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool),
@@ -408,50 +426,56 @@ class Engine:
     def cache_bytes_per_token(self) -> int:
         return self.family.cache_bytes_per_token(self.cfg, self.dtype)
 
+    def lane_bytes(self) -> int:
+        """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings
+        and group buffers; 0 for a family that keeps everything in the pool)."""
+        rows = jax.eval_shape(functools.partial(self.family.create_lane_cache, self.cfg, 1,
+                                                self.dtype))
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(rows))
+
     def kv_stats(self) -> dict:
-        """The KV cache's size: pages and bytes (paged families), or the per-lane rows."""
+        """The KV cache's size: the pool's pages and bytes, what a dense cache of every lane at
+        max_context would take, and the fixed rows the lanes keep beside the pool."""
         per_token = self.cache_bytes_per_token()
-        if not self.paged:
-            return {"kv_tokens": self.lanes * self.max_context,
-                    "kv_bytes": int(self.lanes * self.max_context * per_token)}
         return {"kv_pages": self.kv_pages, "page_size": self.page_size,
                 "kv_tokens": self.kv_pages * self.page_size,
                 "kv_bytes": int(self.kv_pages * self.page_size * per_token),
-                "dense_kv_bytes": int(self.lanes * self.max_context * per_token)}
+                "dense_kv_bytes": int(self.lanes * self.max_context * per_token),
+                "lane_bytes": self.lane_bytes(), "lanes_bytes": self.lanes * self.lane_bytes()}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeInputs:
     """A step's decoding lanes, as arrays: tokens, fresh, previous, positions, active [lanes];
-    table [lanes, P] block tables (paged families; None otherwise)."""
+    table [lanes, P] block tables."""
 
     tokens: jax.Array
     fresh: jax.Array
     previous: jax.Array
     positions: jax.Array
     active: jax.Array
-    table: jax.Array | None
+    table: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PrefillInputs:
     """A step's prompt chunk, as arrays: tokens, positions, mask [1, C]; lane and last (the
-    chunk's last real token) scalars; table [1, P] (paged families; None otherwise)."""
+    chunk's last real token) scalars; table [1, P]."""
 
     tokens: jax.Array
     positions: jax.Array
     mask: jax.Array
     lane: jax.Array
     last: jax.Array
-    table: jax.Array | None
+    table: jax.Array
 
 
 @dataclasses.dataclass
 class DecodeRows:
     """The scheduler's view of a step's decoding lanes (host values, [lanes] each); pages: each
-    lane's KV pages (paged families), a lane's list covering its next position."""
+    lane's KV pages, a lane's list covering its next position."""
 
     tokens: np.ndarray
     fresh: np.ndarray
@@ -463,7 +487,7 @@ class DecodeRows:
 @dataclasses.dataclass
 class PrefillChunk:
     """A prompt chunk for `lane`: tokens at positions start..; pages: the request's KV pages,
-    covering the chunk (paged families)."""
+    covering the chunk."""
 
     lane: int
     tokens: list[int]
@@ -476,7 +500,6 @@ class _Steps:
     """The jitted functions over one model; the cache and the expert state are donated."""
 
     model: object
-    paged: bool
     replay_variables: object  # ids [b, t, L_moe, k] -> the "replay" collection; None: no replay
 
     def _forward(self, params, replay, inputs, tokens, positions, mask, cache, table, experts):
@@ -487,23 +510,19 @@ class _Steps:
             rows = (cursor + jnp.arange(b * t, dtype=jnp.int32)) % picks.shape[0]
             variables["replay"] = self.replay_variables(
                 picks[rows].reshape(b, t, *picks.shape[1:]))  # [b, t, L_moe, k]
-        pages = (table,) if self.paged else ()
         extra = () if inputs is None else (inputs,)
-        return self.model.apply(variables, tokens, positions, mask, cache, *pages, experts, *extra)
+        return self.model.apply(variables, tokens, positions, mask, cache, table, experts, *extra)
 
-    def _prefill(self, params, replay, inputs, chunk: PrefillInputs, cache, experts):
-        """The chunk's logits [1, C, vocab]; a paged family writes the shared pool through the
-        chunk's block table, a lane family its lane's slice of the cache."""
-        if self.paged:
-            return self._forward(params, replay, inputs, chunk.tokens, chunk.positions, chunk.mask,
-                                 cache, chunk.table, experts)
-        lane_cache = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache)
-        logits, lane_cache, experts = self._forward(params, replay, inputs, chunk.tokens,
-                                                    chunk.positions, chunk.mask, lane_cache, None,
-                                                    experts)
-        cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
-                             cache, lane_cache)
-        return logits, cache, experts
+    def _prefill(self, params, replay, inputs, chunk: PrefillInputs, cache: PagedCache, experts):
+        """The chunk's logits [1, C, vocab]: it writes the shared pool through its block table
+        and its lane's slice of the per-lane rows."""
+        lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
+        logits, out, experts = self._forward(params, replay, inputs, chunk.tokens, chunk.positions,
+                                             chunk.mask, PagedCache(cache.pages, lane), chunk.table,
+                                             experts)
+        lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
+                             cache.lanes, out.lanes)
+        return logits, PagedCache(out.pages, lanes), experts
 
     @functools.cached_property
     def step(self):
@@ -537,14 +556,19 @@ class _Steps:
         return jax.jit(step, donate_argnames=("experts",))
 
     @functools.cached_property
-    def read_pages(self):
-        return jax.jit(lambda cache, pages: jax.tree.map(lambda leaf: leaf[pages], cache))
+    def read_sequence(self):
+        def read(cache: PagedCache, pages, lane):
+            return PagedCache(jax.tree.map(lambda leaf: leaf[pages], cache.pages),
+                              jax.tree.map(lambda leaf: leaf[lane], cache.lanes))
+        return jax.jit(read)
 
     @functools.cached_property
-    def write_pages(self):
-        def write(cache, pages, saved):
-            return jax.tree.map(lambda leaf, rows: leaf.at[pages].set(rows.astype(leaf.dtype)),
-                                cache, saved)
+    def write_sequence(self):
+        def write(cache: PagedCache, pages, lane, saved: PagedCache):
+            def put(at):
+                return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype))
+            return PagedCache(jax.tree.map(put(pages), cache.pages, saved.pages),
+                              jax.tree.map(put(lane), cache.lanes, saved.lanes))
         return jax.jit(write, donate_argnames=("cache",))
 
 

@@ -16,9 +16,10 @@ request overwrites. Length limits are known ahead, so no step runs past them. Fa
 every token on the host before the next step (`engine.pipelined` False) read each step right
 after queueing it.
 
-Preemption (paged families): when the pool runs short, the newest admitted request gives up its
-lane; its pages are copied to host memory and it waits at the head of the queue, to resume where
-it was (same positions, same token, same sampling keys) once pages are free again.
+Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
+and its lane's fixed rows (DeepSeek-V4.1's window rings) are copied to host memory and it waits
+at the head of the queue, to resume where it was (same positions, same token, same sampling keys),
+in whatever lane is free, once pages are free again.
 
 Events go to each request's `on_event` callback from the scheduler thread (the server turns them
 into asyncio queue items with loop.call_soon_threadsafe).
@@ -91,8 +92,8 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Saved:
-    """A preempted request's place: its KV pages in host memory, the position and host token of
-    its next step."""
+    """A preempted request's place: what Engine.read_sequence saved (its KV pages, its lane's
+    rows and host-input state, in host memory), the position and host token of its next step."""
 
     pages: object
     n_pages: int
@@ -116,7 +117,7 @@ class Scheduler:
         self.lane_of: list[RequestHandle | None] = [None] * lanes
         self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
         self.positions = np.zeros(lanes, np.int32)  # the position of each lane's latest token
-        self.pages = PageTable(engine.kv_pages, engine.page_size) if engine.paged else None
+        self.pages = PageTable(engine.kv_pages, engine.page_size)
         self._prefilling: RequestHandle | None = None  # the request whose prompt is being written
         self._in_flight: _Step | None = None
         self.queue: collections.deque[RequestHandle] = collections.deque()
@@ -158,10 +159,8 @@ class Scheduler:
 
     def kv_stats(self) -> dict:
         """Pages in use and free, preemptions so far, beside the pool's size."""
-        stats = dict(self.engine.kv_stats(), preemptions=self.totals["preemptions"])
-        if self.pages is not None:
-            stats.update(pages_in_use=self.pages.in_use, pages_free=self.pages.free)
-        return stats
+        return dict(self.engine.kv_stats(), preemptions=self.totals["preemptions"],
+                    pages_in_use=self.pages.in_use, pages_free=self.pages.free)
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -197,8 +196,7 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration; returns whether any work remains."""
         self._release_cancelled()
-        if self.pages is not None:
-            self._make_room()
+        self._make_room()
         self._admit()
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
@@ -242,8 +240,8 @@ class Scheduler:
     def _preempt(self, lane: int) -> None:
         handle = self.lane_of[lane]
         held = self.pages.pages_of(handle.id)
-        handle.saved = _Saved(self.engine.read_pages(held), len(held), int(self.positions[lane]),
-                              int(self.tokens[lane]))
+        handle.saved = _Saved(self.engine.read_sequence(held, lane), len(held),
+                              int(self.positions[lane]), int(self.tokens[lane]))
         self._vacate(lane)
         self.totals["preemptions"] += 1
         with self.wake:
@@ -269,8 +267,7 @@ class Scheduler:
             if handle.saved is not None:
                 self._resume(lane, handle)
                 continue
-            if self.pages is not None:
-                self.pages.grow(handle.id, self._tokens_held(handle))
+            self.pages.grow(handle.id, self._tokens_held(handle))
             handle.started_at = time.perf_counter()
             self._prefilling = handle
             self.totals["requests"] += 1
@@ -282,8 +279,6 @@ class Scheduler:
         prefilling = handle.prefilled < len(handle.request.prompt_ids)
         if prefilling and self._prefilling is not None:
             return False
-        if self.pages is None:
-            return True
         need = pages_for(self._tokens_held(handle), self.pages.page_size)
         return need + self._pages_wanted() <= self.pages.free
 
@@ -298,7 +293,7 @@ class Scheduler:
     def _resume(self, lane: int, handle: RequestHandle) -> None:
         pages = self.pages.grow(handle.id, self._tokens_held(handle))
         saved, handle.saved = handle.saved, None
-        self.engine.write_pages(pages[:saved.n_pages], saved.pages)
+        self.engine.write_sequence(pages[:saved.n_pages], lane, saved.pages)
         self.positions[lane], self.tokens[lane] = saved.position, saved.token
         if handle.prefilled < len(handle.request.prompt_ids):
             self._prefilling = handle
@@ -327,10 +322,8 @@ class Scheduler:
         # one compiled step a chunk size, not two.
         fresh = np.array([previous is None or previous.handles[lane] is not handle
                           for lane, handle in enumerate(handles)])
-        pages = None
-        if self.pages is not None:
-            pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
-                     for lane, h in enumerate(handles)]
+        pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
+                 for lane, h in enumerate(handles)]
         decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active, pages)
         tokens = self.engine.step(decode, chunk, self._sampling,
                                   previous=previous.tokens if previous else None)
@@ -352,8 +345,7 @@ class Scheduler:
         start = handle.prefilled
         ids = handle.request.prompt_ids[start:start + self.engine.prefill_chunk]
         handle.prefilled += len(ids)
-        pages = self.pages.pages_of(handle.id) if self.pages is not None else None
-        return PrefillChunk(self.lane_of.index(handle), ids, start, pages)
+        return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id))
 
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
@@ -410,8 +402,7 @@ class Scheduler:
         handle, self.lane_of[lane] = self.lane_of[lane], None
         if handle is self._prefilling:
             self._prefilling = None
-        if self.pages is not None:
-            self.pages.release(handle.id)
+        self.pages.release(handle.id)
         self._sampling = None
 
     def _fail_all(self, message: str) -> None:

@@ -15,7 +15,7 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    cache_kind="paged",
+    mla_decode=True,
     create_cache=MLACache.create,
     cache_axes=MLACache.axes,
     cache_bytes_per_token=MLACache.bytes_per_token,

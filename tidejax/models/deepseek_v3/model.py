@@ -14,6 +14,7 @@ import flax.struct
 import jax.numpy as jnp
 
 from tidejax.kv import paged
+from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.layers.linear import HIGHEST
 from tidejax.models.layers.mla import MLAttention
@@ -93,16 +94,17 @@ class DeepseekV3(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: MLACache, block_table,
+    def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
                  experts: ExpertState):
-        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); block_table
-        [b, P] int32: each row's pages in the pool -> logits [b, t, vocab] float32, cache, experts."""
+        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); cache: the
+        pool (MLACache; nothing per lane); block_table [b, P] int32: each row's pages in the
+        pool -> logits [b, t, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
         x = jnp.take(embed, tokens, axis=0)
         inv_freq, attention_factor = rope_frequencies(cfg.rope)
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
-        latents, ropes = list(cache.latent), list(cache.rope_k)
+        latents, ropes = list(cache.pages.latent), list(cache.pages.rope_k)
         n_pages, page_size = latents[0].shape[:2]
         slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
         for i in range(cfg.num_layers):
@@ -115,7 +117,7 @@ class DeepseekV3(nn.Module):
             head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
         logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), head.astype(jnp.float32),
                             precision=HIGHEST)
-        return logits, MLACache(tuple(latents), tuple(ropes)), experts
+        return logits, PagedCache(MLACache(tuple(latents), tuple(ropes))), experts
 
 
 def build(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> DeepseekV3:

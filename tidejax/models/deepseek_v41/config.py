@@ -6,6 +6,7 @@ source) resolved and validated. Every error names the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -73,9 +74,11 @@ class V41Config:
     def engram_cols(self) -> int:
         return (self.engram_max_ngram - 1) * self.engram_heads
 
-    def group_capacity(self, source: int, max_len: int) -> int:
-        """Compressed entries a KV source can emit over max_len positions."""
-        return max_len // self.compress_ratios[source]
+    @property
+    def page_multiple(self) -> int:
+        """A KV page must hold whole groups of every KV source: page_size is a multiple of this
+        (the least common multiple of their compress ratios)."""
+        return math.lcm(1, *(self.compress_ratios[s] for s in self.kv_sources))
 
     @staticmethod
     def from_file(path: str | os.PathLike) -> "V41Config":

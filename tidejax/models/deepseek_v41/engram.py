@@ -211,6 +211,14 @@ class EngramInputs:
         hashers = self.hashers if lanes is None else [self.hashers[i] for i in lanes]
         return engram_rows(self.checkpoint, hashers, tokens, starts, mask)
 
+    def read_lane(self, lane: int) -> np.ndarray:
+        """What a preempted sequence keeps of its lane's hasher: the compressed-id history."""
+        return self.hashers[lane].history.copy()
+
+    def write_lane(self, lane: int, history: np.ndarray) -> None:
+        """Gives `lane`'s hasher a history read by `read_lane` (a resumed sequence's look-back)."""
+        self.hashers[lane].history = history.copy()
+
 
 def host_inputs(cfg, checkpoint, batch: int):
     return EngramInputs(checkpoint, batch) if cfg.engram_layers else None

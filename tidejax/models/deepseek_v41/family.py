@@ -1,12 +1,13 @@
 """DeepSeek-V4.1 (and its published checkpoints) as an engine family: routed experts into the
 residency pool, Engram tables kept in host memory and their rows computed on the host per step
-(engram.EngramInputs)."""
+(engram.EngramInputs); compressed entries and indexer keys in the shared KV pool, window rings and
+group buffers per lane."""
 
 from __future__ import annotations
 
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import host_inputs
-from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
+from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import expert_dims, load_weights, replay_variables
 from tidejax.models.registry import Family, register
 
@@ -18,9 +19,10 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    cache_kind="lanes",
-    create_cache=V41Cache.create,
-    cache_bytes_per_token=V41Cache.bytes_per_token,
+    create_cache=V41Pages.create,
+    create_lane_cache=V41Lanes.create,
+    page_multiple=lambda cfg: cfg.page_multiple,
+    cache_bytes_per_token=V41Pages.bytes_per_token,
     replay_variables=replay_variables,
     host_inputs=host_inputs,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,

@@ -2,10 +2,13 @@
 with a sliding window, CSA2 compressed branches shared across layers with indexers, Engram
 n-gram memory, and a sqrtsoftplus-routed MoE (the shared layers.moe.MoE).
 
-`DeepseekV41.__call__(tokens, positions, token_mask, cache, engram_rows, experts)` is the one
-forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a prefill
-into an empty cache, which is also how the reference computes its logits). A row's chunk must be
-contiguous (positions start..start+t-1) with its real tokens first (token_mask a prefix).
+`DeepseekV41.__call__(tokens, positions, token_mask, cache, block_table, experts, engram_rows)`
+is the one forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a
+prefill into an empty cache, which is also how the reference computes its logits). A row's chunk
+must be contiguous (positions start..start+t-1) with its real tokens first (token_mask a prefix).
+The cache is a kv.paged.PagedCache: the compressed entries and indexer keys in the shared page
+pool (V41Pages, read through each row's block table, so the attention and the indexer cost what
+the row holds), the window rings and group buffers per row (V41Lanes).
 
 Semantics follow the reference's cached path (ARCHITECTURE.md in the V4.1 goldens): the window
 KV is FP8 fake-quantized; a KV source pools its tokens into compressed entries (FP4) and indexer
@@ -23,9 +26,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tidejax.kv import paged
+from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.config import V41Config
-from tidejax.models.layers.compress import (candidate_blocks, pool_groups, scatter_rows,
-                                            selection_mask, top_k_select)
+from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
+                                            top_k_select)
 from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
                                                  window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
@@ -41,55 +46,64 @@ F32 = jnp.float32
 
 
 @flax.struct.dataclass
-class V41Cache:
-    """Generation state of a batch of sequences.
+class V41Pages:
+    """The context-growing cache, in the shared KV pool (tidejax.kv.paged): per KV source of
+    ratio r, entries [n_pages, page_size // r, k] (compressed entries, rotated, FP4) and
+    index_keys [n_pages, page_size // r, i_k] (None where the source owns no indexer keys). A
+    sequence's block table addresses every source's leaf with the same page ids: entry g of a row
+    lives in its page g // (page_size // r) and covers positions g*r .. g*r+r-1. The number of
+    emitted entries is implicit: a row that has seen p positions has p // r."""
 
-    window: per layer [b, W-1, k]: the last W-1 window keys (= values), slot = position mod W-1.
-    entries: per KV source [b, G, k]: compressed entries (rotated, FP4), entry g covers positions
-      g*r .. g*r+r-1. index_keys: per KV source [b, G, i_k] indexer keys (None without an indexer).
-    buf_kv, buf_gate: per KV source with r > 1, [b, r, k]: projections of a group still filling.
-    The number of emitted entries is implicit: a row that has seen p positions has p // r.
-
-    The window keys, entries and indexer keys are FP8 / FP4 fake-quantized values, exact in
-    bfloat16, so a bfloat16 cache gives the same results at half the memory; the group buffers
-    hold raw projections and stay float32.
-    """
-
-    window: tuple
     entries: tuple
     index_keys: tuple
-    buf_kv: tuple
-    buf_gate: tuple
 
     @staticmethod
-    def create(cfg: V41Config, batch: int, max_len: int, dtype=F32) -> "V41Cache":
-        def zeros(*shape):
-            return jnp.zeros((batch, *shape), dtype)
+    def create(cfg: V41Config, n_pages: int, page_size: int, dtype=F32) -> "V41Pages":
+        if page_size % cfg.page_multiple:
+            raise ValueError(f"page_size {page_size} is not a multiple of every KV source's "
+                             f"compress ratio (their least common multiple: {cfg.page_multiple})")
 
-        src = cfg.kv_sources
-        return V41Cache(
-            window=tuple(zeros(cfg.sliding_window - 1, cfg.head_dim) for _ in range(cfg.num_layers)),
-            entries=tuple(zeros(cfg.group_capacity(s, max_len), cfg.head_dim) for s in src),
-            index_keys=tuple(zeros(cfg.group_capacity(s, max_len), cfg.index_head_dim)
-                             if cfg.owns_index_keys(s) else None for s in src),
-            buf_kv=tuple(jnp.zeros((batch, cfg.compress_ratios[s], cfg.head_dim), F32)
-                         if cfg.compress_ratios[s] > 1 else None for s in src),
-            buf_gate=tuple(jnp.zeros((batch, cfg.compress_ratios[s], cfg.head_dim), F32)
-                           if cfg.compress_ratios[s] > 1 else None for s in src))
+        def pool(source, width):
+            return jnp.zeros((n_pages, page_size // cfg.compress_ratios[source], width), dtype)
+
+        return V41Pages(
+            entries=tuple(pool(s, cfg.head_dim) for s in cfg.kv_sources),
+            index_keys=tuple(pool(s, cfg.index_head_dim) if cfg.owns_index_keys(s) else None
+                             for s in cfg.kv_sources))
 
     @staticmethod
     def bytes_per_token(cfg: V41Config, dtype=F32) -> float:
-        """Cache bytes that grow with the context (the window rings and buffers are fixed)."""
+        """Pool bytes a token of context adds (the per-lane rings and buffers are fixed)."""
         per = sum((cfg.head_dim + (cfg.index_head_dim if cfg.owns_index_keys(s) else 0))
                   / cfg.compress_ratios[s] for s in cfg.kv_sources)
         return per * jnp.dtype(dtype).itemsize
 
+
+@flax.struct.dataclass
+class V41Lanes:
+    """The fixed-size cache rows of each decode lane: window per layer [lanes, W-1, k] (the last
+    W-1 window keys = values, slot = position mod W-1); buf_kv, buf_gate per KV source with r > 1,
+    [lanes, r, k]: projections of a group still filling (None for r = 1).
+
+    The window keys, entries and indexer keys are FP8 / FP4 fake-quantized values, exact in
+    bfloat16, so a bfloat16 cache gives the same results at half the memory; the group buffers
+    hold raw projections and stay float32."""
+
+    window: tuple
+    buf_kv: tuple
+    buf_gate: tuple
+
     @staticmethod
-    def fixed_bytes(cfg: V41Config, dtype=F32) -> int:
-        """Per-sequence bytes independent of the context: window rings and group buffers."""
-        window = cfg.num_layers * (cfg.sliding_window - 1) * cfg.head_dim * jnp.dtype(dtype).itemsize
-        return window + sum(2 * cfg.compress_ratios[s] * cfg.head_dim * 4 for s in cfg.kv_sources
-                            if cfg.compress_ratios[s] > 1)
+    def create(cfg: V41Config, lanes: int, dtype=F32) -> "V41Lanes":
+        def buffer(source):
+            ratio = cfg.compress_ratios[source]
+            return jnp.zeros((lanes, ratio, cfg.head_dim), F32) if ratio > 1 else None
+
+        return V41Lanes(
+            window=tuple(jnp.zeros((lanes, cfg.sliding_window - 1, cfg.head_dim), dtype)
+                         for _ in range(cfg.num_layers)),
+            buf_kv=tuple(buffer(s) for s in cfg.kv_sources),
+            buf_gate=tuple(buffer(s) for s in cfg.kv_sources))
 
 
 class Compressor(nn.Module):
@@ -168,11 +182,12 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, n_valid, window, shared, src_cache):
+    def __call__(self, x, positions, n_valid, window, shared, src_cache, block_table):
         """x [b, t, d] (normed) -> y [b, t, d], window ring, shared (the group state published by
-        KV / index sources for the layers that follow: entries, index keys, the
-        selection as top-k ids + valid flags, the candidate mask), src_cache (this layer's KV-source cache
-        entries, updated, if it is a source)."""
+        KV / index sources for the layers that follow: each row's entries and index keys gathered
+        from its pages [b, P * page_size // r, ...], the selection as top-k ids + valid flags,
+        the candidate mask), src_cache (this layer's KV-source pools and group buffers, updated,
+        if it is a source); block_table [b, P] each row's pages."""
         cfg, layer = self.cfg, self.layer
         b, t, _ = x.shape
         h, k = cfg.num_heads, cfg.head_dim
@@ -193,7 +208,8 @@ class Attention(nn.Module):
         logits = jnp.einsum("bthk,bsk->bhts", qf, keys, precision=HIGHEST)
         logits = jnp.where(mask[:, None], logits * k ** -0.5, -jnp.inf)
         if ratio:  # plus the selected compressed entries of the KV group, gathered per query
-            shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache)
+            shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache,
+                                                 block_table)
             ids, valid = shared["selection"]
             picked = jax.vmap(lambda e, i: e[i])(shared["entries"].astype(F32), ids)  # [b, t, j, k]
             extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
@@ -211,7 +227,7 @@ class Attention(nn.Module):
         y = Linear(cfg.hidden_size, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
         return y, window, shared, src_cache
 
-    def _compressed(self, x, q_res, positions, n_valid, shared, src_cache):
+    def _compressed(self, x, q_res, positions, n_valid, shared, src_cache, block_table):
         cfg, layer = self.cfg, self.layer
         ratio = cfg.compress_ratios[layer]
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
@@ -221,12 +237,16 @@ class Attention(nn.Module):
             latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
                 x, positions, n_valid, buf_kv, buf_gate)
             cos_g, sin_g = rope_cos_sin(group * ratio, inv_freq)
+            # entry g of a row goes to row g % (page_size // r) of its page g // (page_size // r)
+            slots = paged.token_slots(block_table, group, complete, *entries.shape[:2])
             if index_keys is not None:
-                index_keys = scatter_rows(index_keys, indexer.keys(latent, cos_g, sin_g), group, complete)
+                index_keys = paged.write(index_keys, indexer.keys(latent, cos_g, sin_g), slots)
             rotated = fake_quant_fp4(rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
-            entries = scatter_rows(entries, rotated, group, complete)
+            entries = paged.write(entries, rotated, slots)
             src_cache = (entries, index_keys, buf_kv, buf_gate)
-            shared = {"entries": entries, "index_keys": index_keys,
+            shared = {"entries": paged.gather(entries, block_table),
+                      "index_keys": (None if index_keys is None
+                                     else paged.gather(index_keys, block_table)),
                       "candidates": shared.get("candidates")}
         if indexer is not None:
             cos, sin = rope_cos_sin(positions, inv_freq)
@@ -275,7 +295,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
-                 rows, experts):
+                 block_table, rows, experts):
         cfg = self.cfg
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -285,7 +305,7 @@ class DecoderLayer(nn.Module):
         pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(hc_collapse(streams, pre))
         y, window, shared, src_cache = Attention(cfg, self.layer, name="attn")(
-            x, positions, n_valid, window, shared, src_cache)
+            x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
@@ -302,9 +322,11 @@ class DeepseekV41(nn.Module):
     dtype: jnp.dtype = F32
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: V41Cache, experts: ExpertState,
-                 engram_rows=None):
+    def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
+                 experts: ExpertState, engram_rows=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
+        cache: V41Pages (the shared pool) and V41Lanes (one row per batch row); block_table
+        [b, P] int32: each row's pages in the pool;
         experts: the residency state (every layer is a MoE layer, rowmap row = layer);
         engram_rows [b, t, n_engram_layers, cols, e] float32 from the host (None without Engram
         layers) -> (logits [b, t, vocab] float32, cache, experts).
@@ -318,8 +340,9 @@ class DeepseekV41(nn.Module):
         x = jnp.take(embed, tokens, axis=0)
         streams = jnp.broadcast_to(x[:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, t, cfg.hc_mult), F32).at[..., 0].set(1.0)
-        windows = list(cache.window)
-        sources = [list(z) for z in zip(cache.entries, cache.index_keys, cache.buf_kv, cache.buf_gate)]
+        pages, lanes = cache.pages, cache.lanes
+        windows = list(lanes.window)
+        sources = [list(z) for z in zip(pages.entries, pages.index_keys, lanes.buf_kv, lanes.buf_gate)]
         shared: dict = {}
         for i in range(cfg.num_layers):
             src = cfg.kv_sources.index(i) if i in cfg.kv_sources else None
@@ -328,7 +351,7 @@ class DeepseekV41(nn.Module):
             streams, pre, windows[i], shared, src_cache, experts = DecoderLayer(
                 cfg, i, self.serve, name=f"layers_{i}")(
                 streams, pre, positions, token_mask, n_valid, windows[i], shared,
-                None if src is None else tuple(sources[src]), rows, experts)
+                None if src is None else tuple(sources[src]), block_table, rows, experts)
             if src is not None:
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)
@@ -341,4 +364,5 @@ class DeepseekV41(nn.Module):
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
-        return logits, V41Cache(tuple(windows), entries, index_keys, buf_kv, buf_gate), experts
+        cache = PagedCache(V41Pages(entries, index_keys), V41Lanes(tuple(windows), buf_kv, buf_gate))
+        return logits, cache, experts

@@ -35,7 +35,8 @@ from tidejax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from tidejax.fields import read_json
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
-from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
+from tidejax.kv.paged import PagedCache
+from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state
 
@@ -76,13 +77,14 @@ def param_shapes(cfg: V41Config) -> dict:
     model = DeepseekV41(cfg, ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit,
                                           all_resident=True))
     b, t = 1, 1
-    cache = V41Cache.create(cfg, b, 4)
+    cache = PagedCache(V41Pages.create(cfg, 1, cfg.page_multiple), V41Lanes.create(cfg, b))
+    table = jnp.zeros((b, 1), jnp.int32)
     rows = jnp.zeros((b, t, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
     tok = jnp.zeros((b, t), jnp.int32)
 
     def init():
         experts = all_resident_state(empty_pool(cfg), cfg.num_layers)
-        return model.init(jax.random.PRNGKey(0), tok, tok, tok > -1, cache, experts,
+        return model.init(jax.random.PRNGKey(0), tok, tok, tok > -1, cache, table, experts,
                           rows if cfg.engram_layers else None)
     return jax.eval_shape(init)["params"]
 

@@ -1,0 +1,124 @@
+"""DeepSeek-V4.1 on the paged KV pool (tiny_a: a ratio-2 and a ratio-1 KV source, both indexed):
+greedy tokens through small pages and a small pool equal full forwards; a pool too small for
+every request preempts, and the preempted request (its pages and its lane's window rings and
+group buffers saved to host memory) resumes with the tokens of an unpreempted run; a decode
+step costs what the lane holds, not max_context; the pool's sizing and stats."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.fields import ConfigError
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from test_paging import decode_cost
+
+GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"
+IDS = np.load(GOLDEN / "input_ids.npy")[0].tolist()
+PROMPTS = [IDS[:9], IDS[10:33], IDS[24:64]]  # 9, 23 and 40 tokens
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Three lanes, pages of 32 tokens (16 entries of the ratio-2 source), a pool of 4 pages
+    (two sequences at max_context), 16-token prompt chunks."""
+    return tidejax.load(GOLDEN, engine={"lanes": 3, "max_context": 64, "prefill_chunk": 16,
+                                        "page_size": 32, "kv_pool_tokens": 128})
+
+
+def reference(engine, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by full forwards (Engine.logits argmax: a fresh pool of its own)."""
+    ids = []
+    while len(ids) < n:
+        ids.append(int(np.argmax(engine.logits(list(prompt) + ids)[-1])))
+    return ids
+
+
+def run(engine, requests) -> list[list[int]]:
+    out = [[] for _ in requests]
+    for i, request in enumerate(requests):
+        engine.scheduler.submit(
+            request, lambda e, i=i: out[i].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    return out
+
+
+def test_lanes_of_different_lengths_equal_full_forwards(engine):
+    """Prompts of 9, 23 and 40 tokens in three lanes (the longer two prefilled in 16-token
+    chunks beside the decoding lanes), holding 1, 1 and 2 pages: no preemption."""
+    before = engine.scheduler.kv_stats()["preemptions"]
+    new = [10, 8, 8]
+    got = run(engine, [GenerationRequest(p, n, ignore_eos=True) for p, n in zip(PROMPTS, new)])
+    assert engine.scheduler.kv_stats()["preemptions"] == before
+    assert got == [reference(engine, p, n) for p, n in zip(PROMPTS, new)]
+
+
+def test_preempted_requests_resume_exactly(engine):
+    """Requests growing to 50, 39 and 60 positions need 6 pages of the pool's 4: the newest is
+    preempted (its pages, its lane's rings, buffers and Engram history to host memory) and
+    resumes in whatever lane frees; every request's greedy tokens are those of full forwards."""
+    prompts, new = [IDS[:20], IDS[30:39], IDS[24:64]], [30, 30, 20]
+    before = engine.scheduler.kv_stats()["preemptions"]
+    got = run(engine, [GenerationRequest(p, n, ignore_eos=True) for p, n in zip(prompts, new)])
+    stats = engine.scheduler.kv_stats()
+    assert stats["preemptions"] > before and stats["pages_in_use"] == 0, stats
+    assert got == [reference(engine, p, n) for p, n in zip(prompts, new)]
+
+
+def test_a_saved_sequence_goes_back_into_any_lane(engine):
+    """read_sequence / write_sequence: lane 1's rows, pages and Engram history into lane 0."""
+    saved = engine.read_sequence([2, 3], 1)
+    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(saved[0].lanes))
+    engine.write_sequence([0, 1], 0, saved)
+    again = engine.read_sequence([0, 1], 0)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_cost_does_not_grow_with_max_context(tmp_path):
+    """Same position, max_context 1,024 against 16,384 (one pool size): the same cost within 5%
+    (the entries and indexer keys are read through the lane's block table); position 4,000 costs
+    more than position 20, so the measure sees the compressed attention and the indexer."""
+    model = tmp_path / "tiny_a"
+    shutil.copytree(GOLDEN, model)
+    raw = json.loads((model / "config.json").read_text())
+    raw["text_config"]["max_position_embeddings"] = 16384
+    (model / "config.json").write_text(json.dumps(raw))
+    costs = {}
+    for max_context in (1024, 16384):
+        engine = tidejax.load(model, engine={"lanes": 2, "max_context": max_context,
+                                             "page_size": 64, "kv_pool_tokens": 16384})
+        assert engine.max_context == max_context
+        costs[max_context] = decode_cost(engine, 20)
+    for short, long in zip(costs[1024], costs[16384]):
+        assert abs(long - short) <= 0.05 * short, costs
+    far = decode_cost(engine, 4000)
+    assert far[0] > 1.4 * costs[16384][0] and far[1] > 1.2 * costs[16384][1], (far, costs)
+
+
+def test_pool_sizing_and_stats():
+    """tiny_a in float32: 384 pool bytes a token (entries + indexer keys: (32 + 32) / 2 for the
+    ratio-2 source, 32 + 32 for the ratio-1 one); a lane keeps 6 window rings of 7 x 32 and the
+    ratio-2 source's two buffers of 2 x 32 beside the pool."""
+    per_token, lane = 4 * ((32 + 32) / 2 + 32 + 32), 4 * (6 * 7 * 32 + 2 * 2 * 32)
+    engine = tidejax.load(GOLDEN, engine={"lanes": 2, "max_context": 64, "page_size": 16,
+                                          "kv_pool_gib": 10 * 16 * per_token / 2**30})
+    stats = engine.scheduler.kv_stats()
+    assert engine.cache_bytes_per_token() == per_token
+    assert (stats["kv_pages"], stats["kv_bytes"]) == (10, 10 * 16 * per_token), stats
+    assert (stats["lane_bytes"], stats["lanes_bytes"]) == (lane, 2 * lane), stats
+    leaves = jax.tree.leaves(engine.cache.lanes)
+    assert sum(leaf.nbytes for leaf in leaves) == 2 * lane
+    assert all(leaf.shape[0] == engine.kv_pages for leaf in jax.tree.leaves(engine.cache.pages))
+
+
+def test_page_size_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match=r"engine.page_size' = 15 must be a multiple of 2"):
+        tidejax.load(GOLDEN, engine={"max_context": 64, "page_size": 15})
+
