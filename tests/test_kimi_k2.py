@@ -83,7 +83,6 @@ CHAT_TEMPLATE = """{%- if tools -%}
 <|im_end|>
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"""
-CORPUS = TEXT + "潮水涨了又落。专家住在主机内存里，忙的那些搬到显卡上。数字 12345 和 3.14159\n" * 4
 SAMPLES = ["The tide comes in, and the busy experts move to the GPU.",
            "潮水涨了又落，专家们搬到显卡上。Mixed 中文 and English!",
            "def add(a, b):\n    return a + b\n\n\n   trailing   \t\n",
@@ -93,13 +92,17 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
+# the ranks' corpus: some prose, Chinese, the template's fixed text and a tool declaration
+CORPUS = (TEXT + "潮水涨了又落。专家住在主机内存里，忙的那些搬到显卡上。数字 12345 和 3.14159\n" * 4
+          + ("You are Kimi, an AI assistant created by Moonshot AI. "
+             + json.dumps(WEATHER, separators=(",", ":"))) * 3)
 
 
 def write_ranks(path: Path) -> int:
     """A byte-level BPE trained on CORPUS by tiktoken's own trainer, plus the chain's two text
     pieces as whole tokens (never produced by encoding; only the model writes them)."""
     from tiktoken._educational import bpe_train
-    ranks = bpe_train(CORPUS, 300, r"\s+|\w+|[^\s\w]+", visualise=None)
+    ranks = bpe_train(CORPUS, 500, r"\s+|\w+|[^\s\w]+", visualise=None)
     for piece in (CALL_ID, CALL_ARGS):
         ranks[piece.encode()] = len(ranks)
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
@@ -158,7 +161,7 @@ def kimi(tmp_path_factory):
     model.save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "model_type": "kimi_k2"}))
-    engine = tidejax.load(path, engine={"lanes": 2, "max_context": 512, "prefill_chunk": 256})
+    engine = tidejax.load(path, engine={"lanes": 2, "max_context": 512, "prefill_chunk": 32})
     return path, model, engine
 
 
