@@ -175,7 +175,7 @@ def test_tokenization_equals_tiktoken(kimi, monkeypatch):
         assert tok.encode(text) == ref.encode(text, allowed_special="all"), text
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     # ids after the ranks: the named ones where tokenizer_config.json puts them, the rest reserved
-    n = len(tok.special_ids) and min(tok.special_ids)
+    n = min(tok.special_ids)
     assert [tok.token_id(t) for t in SPECIAL_OFFSETS.values()] == [n + k for k in SPECIAL_OFFSETS]
     assert tok.special_tokens[n + 5] == f"<|reserved_token_{n + 5}|>"
     assert (tok.bos_id, tok.eos_id) == (n, n + 1)
