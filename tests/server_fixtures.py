@@ -84,8 +84,16 @@ def write_chat_model(path: Path, seed: int = 0) -> Path:
                                 bos_token_id=ids["<|bos|>"], eos_token_id=ids["<|eos|>"])
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
-    hidden = config.hidden_size
-    reserved = list(range(hidden - len(CHAIN) + 1, hidden))  # one dimension per chain source
+    write_chain(model, [ids[t] for t in CHAIN])
+    model.save_pretrained(path)
+    return path
+
+
+def write_chain(model, chain: list[int]) -> None:
+    """Edits a DeepseekV3ForCausalLM so that greedy decoding maps each token of `chain` to the
+    next (the module docstring says how); the model never writes chain[0] itself."""
+    hidden = model.config.hidden_size
+    reserved = list(range(hidden - len(chain) + 1, hidden))  # one dimension per chain source
     with torch.no_grad():
         for name, w in model.named_parameters():
             if name.endswith("o_proj.weight") or "down_proj" in name:
@@ -98,13 +106,11 @@ def write_chat_model(path: Path, seed: int = 0) -> Path:
         head.normal_(0, 1.0)  # well separated logits: greedy choices robust to rounding
         embed[:, reserved] = 0
         head[:, reserved] = 0
-        head[ids[CHAIN[0]]] = 0  # only the template writes <|tool_hint|>, never the model
-        for dim, (source, target) in zip(reserved, zip(CHAIN, CHAIN[1:])):
-            embed[ids[source], dim] = 1.0
-            head[ids[target]] = 0
-            head[ids[target], dim] = 40.0
-    model.save_pretrained(path)
-    return path
+        head[chain[0]] = 0  # only the template writes the chain's first token
+        for dim, (source, target) in zip(reserved, zip(chain, chain[1:])):
+            embed[source, dim] = 1.0
+            head[target] = 0
+            head[target, dim] = 40.0
 
 
 def free_port() -> int:

@@ -11,13 +11,14 @@ import asyncio
 
 from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest
 from tidejax.server.client import EngineInfo, EngineStats, Event
-from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, TOOL_FORMATS, ToolFormat
+from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, KIMI_K2, TOOL_FORMATS, ToolFormat
 
 # the tool-call format of each model type's checkpoints, where their chat template does not show it
 TOOL_FORMAT_BY_MODEL_TYPE = {
     "deepseek_v3": DEEPSEEK_V3,
     "deepseek_v32": DEEPSEEK_V3,
     "glm4_moe": GLM,
+    "kimi_k2": KIMI_K2,
     "glm_moe_dsa": GLM,
     "qwen2_moe": HERMES,
     "qwen3_moe": HERMES,

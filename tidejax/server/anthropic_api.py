@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 from aiohttp import web
 
@@ -22,7 +23,9 @@ _BLOCKS = {  # parser piece kind -> (empty block, delta type, delta field)
 
 
 def _tool_use(call: ToolCall, input_value: dict | None = None) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+    # Anthropic ids are [A-Za-z0-9_-]+; a format's own ids (Kimi K2's functions.NAME:IDX) are not
+    tool_id = "toolu_" + re.sub(r"[^A-Za-z0-9_-]", "_", call.id.removeprefix("call_"))
+    return {"type": "tool_use", "id": tool_id, "name": call.name,
             "input": json.loads(call.arguments) if input_value is None else input_value}
 
 

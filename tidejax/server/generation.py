@@ -37,9 +37,8 @@ class ServedModel:
         if info.chat_template is None:
             log.warning("%s has no chat template; /v1/chat/completions and /v1/messages are "
                         "unavailable", info.name)
-        backend = info.tokenizer.backend
-        keep = frozenset(i for i in info.tokenizer.special_ids
-                         if any(word in backend.id_to_token(i).lower() for word in ("tool", "think")))
+        keep = frozenset(i for i, text in info.tokenizer.special_tokens.items()
+                         if any(word in text.lower() for word in ("tool", "think")))
         return ServedModel(info, max_tokens_limit, keep)
 
     @property

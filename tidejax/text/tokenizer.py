@@ -1,5 +1,9 @@
-"""A checkpoint's tokenizer (tokenizer.json through `tokenizers`), its special tokens, its
-end-of-turn ids and its chat template (text/chat_template.py).
+"""A checkpoint's tokenizer, its special tokens, its end-of-turn ids and its chat template
+(text/chat_template.py).
+
+Two kinds of tokenizer file are read: tokenizer.json through `tokenizers`, and tiktoken.model
+(base64 BPE ranks, Moonshot's Kimi checkpoints) through `tiktoken`, built as the checkpoint's own
+tokenization_kimi.py builds it. Both sit behind one `Tokenizer`.
 
 Control tokens come only from the template: in a chat, every string the caller gave (contents,
 tool calls, tools, template kwargs) is tokenized as text, so user text `<|end|><|system|>`
@@ -8,37 +12,200 @@ cannot forge a turn. Encoding releases the GIL (the server tokenizes on worker t
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from pathlib import Path
 
+import tiktoken
 import tokenizers
 
 from tidejax.fields import ConfigError
 from tidejax.text.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 
+class _TokenizersFile:
+    """tokenizer.json through `tokenizers`."""
+
+    def __init__(self, path: Path):
+        self.model = tokenizers.Tokenizer.from_file(str(path))
+        # the same tokenizer reading special-token text as plain text (for the caller's strings)
+        self._as_text = tokenizers.Tokenizer.from_str(self.model.to_str())
+        self._as_text.encode_special_tokens = True
+        self.special = {i: t.content for i, t in self.model.get_added_tokens_decoder().items()
+                        if t.special}
+        self.vocab_size = self.model.get_vocab_size()
+        self.sorts_tools = False
+
+    def encode(self, texts: list[str], controls: bool) -> list[list[int]]:
+        """Each text's ids, special-token text as control tokens (`controls`) or as text; no
+        post-processing. encode_batch releases the GIL while the Rust side works; encode does
+        not."""
+        model = self.model if controls else self._as_text
+        return [e.ids for e in model.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`text` with control tokens and the file's post-processor (e.g. a BOS template)."""
+        [encoding] = self.model.encode_batch([text], add_special_tokens=True)
+        return encoding.ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.model.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        return self.model.token_to_id(text)
+
+
+# Moonshot's tokenization_kimi.py (TikTokenTokenizer): the split pattern, the special ids that
+# follow the ranks (256 reserved + 2), and the longest piece it hands tiktoken at once
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+KIMI_SPECIAL_IDS = 256 + 2
+_MAX_CHARS, _MAX_RUN = 400_000, 25_000
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken ranks file: one "<base64 token> <rank>" a line, ranks 0..n-1 once each.
+    (tiktoken.load.load_tiktoken_bpe caches files by their path in a temp dir, so a changed file
+    at the same path would be read stale.)"""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ConfigError(f"{path}: line {number} is not '<base64 token> <rank>': "
+                              f"{line[:80]!r}") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ConfigError(f"{path}: the ranks are not 0..{len(ranks) - 1} once each "
+                          "(a token or a rank is repeated or missing)")
+    return ranks
+
+
+def _pieces(text: str) -> list[str]:
+    """`text` cut as tokenization_kimi.py cuts it before tiktoken: into chunks of at most
+    400,000 characters, each cut where a run of whitespace or of non-whitespace passes 25,000
+    characters (tiktoken slows down on longer runs)."""
+    out = []
+    for chunk in (text[i:i + _MAX_CHARS] for i in range(0, len(text), _MAX_CHARS)):
+        start, run, space = 0, 0, chunk[:1].isspace()
+        for i, ch in enumerate(chunk):
+            if ch.isspace() != space:
+                run, space = 1, not space
+            else:
+                run += 1
+                if run > _MAX_RUN:
+                    out.append(chunk[start:i])
+                    start, run = i, 1
+        out.append(chunk[start:])
+    return out
+
+
+class _TiktokenFile:
+    """tiktoken.model through `tiktoken`, as tokenization_kimi.py builds it: Kimi's split
+    pattern; special ids n..n+257 after the n ranks, named by tokenizer_config.json's
+    `added_tokens_decoder` and `<|reserved_token_ID|>` otherwise. Like its apply_chat_template,
+    the chat prompt sorts the keys of the tools."""
+
+    def __init__(self, path: Path, config: dict, config_path: Path):
+        ranks = read_ranks(path)
+        n = len(ranks)
+        decoder = config.get("added_tokens_decoder", {})
+        if not isinstance(decoder, dict):
+            raise ConfigError(f"{config_path}: field 'added_tokens_decoder' should be an object")
+        named: dict[int, str] = {}
+        for key, value in decoder.items():
+            content = token_text(value)
+            if not key.isdigit() or content is None:
+                raise ConfigError(f"{config_path}: field 'added_tokens_decoder.{key}' should map "
+                                  "a token id to a token (a string or {\"content\": ...})")
+            if not n <= int(key) < n + KIMI_SPECIAL_IDS:
+                raise ConfigError(
+                    f"{config_path}: field 'added_tokens_decoder.{key}' is outside the special "
+                    f"ids {n}..{n + KIMI_SPECIAL_IDS - 1} that follow the {n} ranks of {path}")
+            named[int(key)] = content
+        self.special = {i: named.get(i, f"<|reserved_token_{i}|>")
+                        for i in range(n, n + KIMI_SPECIAL_IDS)}
+        if len(set(self.special.values())) != KIMI_SPECIAL_IDS:
+            raise ConfigError(f"{config_path}: field 'added_tokens_decoder' names a token twice")
+        self._ids = {t: i for i, t in self.special.items()}
+        self.encoding = tiktoken.Encoding(name=str(path), pat_str=KIMI_PAT_STR,
+                                          mergeable_ranks=ranks, special_tokens=self._ids)
+        self.vocab_size = self.encoding.n_vocab
+        self.sorts_tools = True
+
+    def encode(self, texts: list[str], controls: bool) -> list[list[int]]:
+        """Each text's ids, special-token text as control tokens (`controls`) or as text
+        (tiktoken releases the GIL while it encodes)."""
+        out = []
+        for text in texts:
+            ids: list[int] = []
+            for piece in _pieces(text):
+                ids += (self.encoding.encode(piece, allowed_special="all") if controls
+                        else self.encoding.encode_ordinary(piece))
+            out.append(ids)
+        return out
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`text` with control tokens (a tiktoken file has no post-processor)."""
+        return self.encode([text], controls=True)[0]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special]
+        return self.encoding.decode(ids)  # errors="replace": a cut character is U+FFFD
+
+    def token_id(self, text: str) -> int | None:
+        if text in self._ids:
+            return self._ids[text]
+        try:
+            return self.encoding.encode_single_token(text)
+        except KeyError:
+            return None
+
+
+def _sorted_keys(value):
+    if isinstance(value, dict):
+        return {k: _sorted_keys(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    return value
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise ConfigError(f"{path}: tokenizer file not found")
-        self.backend = tokenizers.Tokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        if (model_dir / "tokenizer.json").exists():
+            self.backend = _TokenizersFile(model_dir / "tokenizer.json")
+        elif (model_dir / "tiktoken.model").exists():
+            self.backend = _TiktokenFile(model_dir / "tiktoken.model", config, config_path)
+        else:
+            raise ConfigError(f"{model_dir}: tokenizer file not found (tokenizer.json or "
+                              "tiktoken.model)")
         self.special = {k: token_text(config.get(k)) for k in
                         ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.bos_id = self.token_id(self.special["bos_token"])
         self.eos_id = self.token_id(self.special["eos_token"])
-        added = self.backend.get_added_tokens_decoder()
-        self.special_ids = frozenset(i for i, t in added.items() if t.special)
-        # the same tokenizer reading special-token text as plain text (for the caller's strings)
-        self._as_text = tokenizers.Tokenizer.from_str(self.backend.to_str())
-        self._as_text.encode_special_tokens = True
+        self.special_tokens: dict[int, str] = self.backend.special  # id -> text
+        self.special_ids = frozenset(self.special_tokens)
         # what a caller's string may not carry into a template as is: the special tokens' text
         # and the two marks that stand in for it while the template renders
-        protected = sorted({t.content for t in added.values() if t.special} | {_OPEN, _CLOSE},
+        protected = sorted(set(self.special_tokens.values()) | {_OPEN, _CLOSE},
                            key=len, reverse=True)
         self._protected = re.compile("|".join(map(re.escape, protected)))
         try:
@@ -49,16 +216,18 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size()
+        return self.backend.vocab_size
 
     def token_id(self, text: str | None) -> int | None:
-        return None if text is None else self.backend.token_to_id(text)
+        return None if text is None else self.backend.token_id(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # encode_batch releases the GIL while the Rust side works; encode does not
-        [encoding] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
-        ids = encoding.ids
-        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+        """`text` as the checkpoint reads a raw prompt: special-token text is a control token;
+        with `add_special_tokens`, the file's post-processor and add_bos_token apply."""
+        if not add_special_tokens:
+            return self.backend.encode([text], controls=True)[0]
+        ids = self.backend.encode_prompt(text)
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
 
@@ -94,18 +263,19 @@ class Tokenizer:
                 return [guard(v) for v in value]
             return value
 
+        if tools and self.backend.sorts_tools:
+            tools = _sorted_keys(tools)
         text = self.chat_template.render(guard(messages), tools=guard(tools),
                                          add_generation_prompt=add_generation_prompt,
                                          **guard(template_kwargs))
         if not held:
             return self.encode(text, add_special_tokens=False), text
         pieces = _MARK.split(text)  # template text, a mark's number, template text, ...
-        template = self.backend.encode_batch(pieces[::2], add_special_tokens=False)
-        caller = self._as_text.encode_batch([held[int(i)] for i in pieces[1::2]],
-                                            add_special_tokens=False)
-        ids = list(template[0].ids)
+        template = self.backend.encode(pieces[::2], controls=True)
+        caller = self.backend.encode([held[int(i)] for i in pieces[1::2]], controls=False)
+        ids = list(template[0])
         for said, after in zip(caller, template[1:]):
-            ids += said.ids + after.ids
+            ids += said + after
         return ids, _MARK.sub(lambda m: held[int(m.group(1))], text)
 
 

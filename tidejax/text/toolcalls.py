@@ -81,6 +81,20 @@ def _call_glm(body: str) -> ToolCall | None:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
+def _call_kimi_k2(body: str) -> ToolCall | None:
+    # "functions.NAME:IDX<|tool_call_argument_begin|>ARGS"; the template writes the call's id
+    # (functions.NAME:IDX) back into the history and names the tool result by it, so it is kept
+    head, sep, args = body.partition("<|tool_call_argument_begin|>")
+    head = head.strip()
+    stem, colon, index = head.rpartition(":")
+    indexed = bool(colon) and index.isdigit()
+    name = (stem if indexed else head).removeprefix("functions.")
+    args = _json_object(args)
+    if not sep or args is None or not name:
+        return None
+    return ToolCall(name, args, head) if indexed else ToolCall(name, args)
+
+
 def _call_hermes(body: str) -> ToolCall | None:
     # {"name": NAME, "arguments": {...}}
     try:
@@ -105,13 +119,17 @@ GLM = ToolFormat(
     name="glm", start="<tool_call>", template_marker="<arg_key>",
     call_pattern=re.compile(r"<tool_call>(.*?)</tool_call>", re.S), parse_call=_call_glm,
     arguments_as_dict=True)
+KIMI_K2 = ToolFormat(
+    name="kimi_k2", start="<|tool_calls_section_begin|>", template_marker="<|tool_call_begin|>",
+    call_pattern=re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.S),
+    parse_call=_call_kimi_k2, arguments_as_dict=False)
 HERMES = ToolFormat(
     name="hermes", start="<tool_call>", template_marker="<tool_call>",
     call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S), parse_call=_call_hermes,
     arguments_as_dict=True)
 
 # most specific template marker first: GLM's templates also contain "<tool_call>"
-TOOL_FORMATS = (DEEPSEEK_V3, GLM, HERMES)
+TOOL_FORMATS = (DEEPSEEK_V3, KIMI_K2, GLM, HERMES)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
