@@ -42,6 +42,7 @@ class V4Config:
     moe_intermediate_size: int
     routed_scaling_factor: float
     swiglu_limit: float
+    max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     source: str = ""
 
@@ -100,4 +101,5 @@ class V4Config:
             moe_intermediate_size=f.req("moe_intermediate_size"),
             routed_scaling_factor=f.opt("routed_scaling_factor", 1.0, float),
             swiglu_limit=f.opt("swiglu_limit", 0.0, float),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool), source=source)
