@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
-from tidejax.fields import ConfigError, Fields, read_json
+from tidejax.fields import ConfigError, Fields
 from tidejax.models.layers.rope import RopeConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -48,12 +46,6 @@ class V4Config:
 
     def rate(self, layer: int) -> int:
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]
-
-    @staticmethod
-    def from_file(path: str | os.PathLike) -> "V4Config":
-        path = Path(path)
-        path = path / "config.json" if path.is_dir() else path
-        return V4Config.from_hf(read_json(path), str(path))
 
     @staticmethod
     def from_hf(raw: dict, source: str = "config.json") -> "V4Config":
