@@ -6,8 +6,6 @@ compress RoPE (or not)."""
 
 from __future__ import annotations
 
-import shutil
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +16,12 @@ transformers = pytest.importorskip("transformers")
 
 import tidejax  # noqa: E402
 from tidejax.checkpoint import CheckpointError  # noqa: E402
-from tidejax.checkpoint.safetensors_io import SafetensorsFile  # noqa: E402
-from tidejax.models.base import abstract, init, nbytes  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
 from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache  # noqa: E402
 from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
 from tidejax.residency.serve import ServeOptions  # noqa: E402
-from tidejax.residency.state import all_resident_state  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
+from declaration import check_declaration, edited_copy, forbid_data_reads, param_paths  # noqa: E402
 from tiny_models import write_tokenizer  # noqa: E402
 
 VOCAB = 300  # the test tokenizer's byte-level alphabet and specials fit
@@ -90,33 +86,20 @@ def prompt(seed: int, n: int = 40) -> np.ndarray:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_declared_params_are_what_the_model_consumes(name):
     """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one (names, shapes, dtypes) in bfloat16 and float32, the model runs on params from
-    init(specs), and the checkpoint table names a tensor for every declared param (the
-    published name first)."""
+    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
+    the checkpoint table names a tensor for every declared param (the published name first)."""
     cfg = V4Config.from_hf(hf_config(name).to_dict())
     assert set(cfg.layer_types) == {"sliding_attention", "compressed_sparse_attention",
                                     "heavily_compressed_attention"} and cfg.hash_layers == (0, 1)
     tokens = jnp.zeros((1, 4), jnp.int32)
-    cache = V4Cache.create(cfg, 1, 32)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        model = DeepseekV4(cfg, serve, dtype)
-        declared = param_specs(cfg, dtype)
-        traced = jax.eval_shape(lambda pool: model.init(
-            jax.random.key(0), tokens, tokens, tokens > -1, cache,
-            all_resident_state(pool, cfg.num_layers))["params"],
-            abstract(expert_specs(cfg, jnp.float32)))
-        assert traced == abstract(declared)
-    params = init(declared, jax.random.key(2))
-    assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
-    experts = all_resident_state(init(expert_specs(cfg, jnp.float32), jax.random.key(1)),
-                                 cfg.num_layers)
-    logits, _, _ = jax.jit(model.apply)({"params": params}, tokens, tokens, tokens > -1, cache,
-                                        experts)
-    assert logits.shape == (1, 4, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    declared = check_declaration(
+        lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
+        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+        (tokens, tokens, tokens > -1, V4Cache.create(cfg, 1, 32)))
     table = checkpoint_table(cfg)
-    for path, _ in jax.tree_util.tree_flatten_with_path(declared)[0]:
-        names = table.param_names(tuple(k.key for k in path))
+    for path in param_paths(declared):
+        names = table.param_names(path)
         assert names and not names[0].startswith("model."), path
 
 
@@ -189,18 +172,6 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.generate(text, max_new_tokens=8) == engine.generate(text, max_new_tokens=8)
 
 
-def _edited(src, out, edit):
-    shutil.copytree(src, out)
-    from safetensors.numpy import save_file
-
-    f = SafetensorsFile(out / "model.safetensors")
-    tensors = {name: np.array(f.view(name)) for name in f.tensors}
-    del f
-    edit(tensors)
-    save_file(tensors, out / "model.safetensors")
-    return out
-
-
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop("model.layers.3.attn.indexer.wq_b.weight"),
      r"missing tensor 'layers.3.attn.indexer.wq_b.weight' \(needed for params "
@@ -221,11 +192,8 @@ def test_bad_checkpoint_fails_at_load_naming_file_and_tensor(tiny, tmp_path, edi
                                                              monkeypatch):
     """Every problem is found on the headers, before any tensor data is read."""
     path, _, _ = tiny
-    edited = _edited(path, tmp_path / "edited", edit)
-
-    def no_data(self, name):
-        raise AssertionError(f"tensor data read before the checks: {name}")
-    monkeypatch.setattr(SafetensorsFile, "view", no_data)
+    edited = edited_copy(path, tmp_path / "edited", edit)
+    forbid_data_reads(monkeypatch)
     with pytest.raises(CheckpointError, match=message) as err:
         tidejax.load(edited, engine=ENGINE)
     assert str(edited / "model.safetensors") in str(err.value)

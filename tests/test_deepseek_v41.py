@@ -149,42 +149,28 @@ def test_batched_lanes():
 @pytest.mark.parametrize("name", MODELS)
 def test_declared_params_are_what_the_model_consumes(name):
     """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one (names, shapes, dtypes) in float32 and bfloat16, the model runs on params from
-    init(specs), and the checkpoint table names a tensor for every declared param and table."""
-    import jax
+    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
+    the checkpoint table names a tensor for every declared param and Engram table."""
     import jax.numpy as jnp
 
-    from tidejax.models.base import abstract, init, nbytes
+    from declaration import check_declaration, param_paths
     from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
     from tidejax.models.deepseek_v41.weights import (checkpoint_table, expert_specs, host_specs,
                                                      param_specs)
     from tidejax.residency.serve import ServeOptions
-    from tidejax.residency.state import all_resident_state
 
     cfg = V41Config.from_file(GOLDEN / name)
     tokens = jnp.zeros((1, 4), jnp.int32)
     rows = (jnp.zeros((1, 4, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
             if cfg.engram_layers else None)
-    cache = V41Cache.create(cfg, 1, 4)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        model = DeepseekV41(cfg, serve, dtype)
-        declared = param_specs(cfg, dtype)
-        traced = jax.eval_shape(lambda pool: model.init(
-            jax.random.key(0), tokens, tokens, tokens > -1, cache,
-            all_resident_state(pool, cfg.num_layers), rows)["params"],
-            abstract(expert_specs(cfg, jnp.float32)))
-        assert traced == abstract(declared)
-    params = init(declared, jax.random.key(2))
-    assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
-    experts = all_resident_state(init(expert_specs(cfg, jnp.float32), jax.random.key(1)),
-                                 cfg.num_layers)
-    logits, _, _ = jax.jit(model.apply)({"params": params}, tokens, tokens, tokens > -1, cache,
-                                        experts, rows)
-    assert logits.shape == (1, 4, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    declared = check_declaration(
+        lambda dtype: DeepseekV41(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
+        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+        (tokens, tokens, tokens > -1, V41Cache.create(cfg, 1, 4)), (rows,))
     table = checkpoint_table(cfg)
-    for path, _ in jax.tree_util.tree_flatten_with_path({**declared, **host_specs(cfg)})[0]:
-        names = table.param_names(tuple(k.key for k in path))
+    for path in param_paths({**declared, **host_specs(cfg)}):
+        names = table.param_names(path)
         assert names and all(not n.startswith("model.") for n in names), path
 
 

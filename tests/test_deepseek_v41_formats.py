@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tidejax.checkpoint import CheckpointError, mxfp4
-from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.models.deepseek_v41.weights import load
+from declaration import edited_copy, forbid_data_reads
 from v41_runner import full_logits
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"  # widths divisible by 32
@@ -115,17 +115,6 @@ def test_published_formats_same_logits(published):
     assert np.abs(got - want).max() <= 1e-5
 
 
-def _edit(published, tmp_path, edit):
-    out = tmp_path / "edited"
-    shutil.copytree(published / "fp8", out)
-    f = SafetensorsFile(out / "model.safetensors")  # safetensors.numpy cannot read e8m0
-    tensors = {name: np.array(f.view(name)) for name in f.tensors}
-    del f
-    edit(tensors)
-    save_file(tensors, out / "model.safetensors")
-    return out
-
-
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop("layers.0.attn.wq_a.scale"),
      r"FP8 tensor 'layers.0.attn.wq_a.weight' has no .* block scales"),
@@ -144,13 +133,8 @@ def _edit(published, tmp_path, edit):
 ])
 def test_bad_checkpoint_names_the_tensor(published, tmp_path, edit, message, monkeypatch):
     """Every problem is found on the headers: no tensor data is read before the error."""
-    from tidejax.checkpoint.safetensors_io import SafetensorsFile as File
-
-    edited = _edit(published, tmp_path, edit)
-
-    def no_data(self, name):
-        raise AssertionError(f"tensor data read before the checks: {name}")
-    monkeypatch.setattr(File, "view", no_data)
+    edited = edited_copy(published / "fp8", tmp_path / "edited", edit)
+    forbid_data_reads(monkeypatch)
     with pytest.raises(CheckpointError, match=message) as err:
         load(edited)
     assert str(edited) in str(err.value)

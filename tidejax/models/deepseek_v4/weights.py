@@ -13,6 +13,7 @@ from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v4.config import CSA, V4Config
 from tidejax.models.deepseek_v4.model import router_spec
+from tidejax.models.layers.latent_window import attention_specs
 from tidejax.models.layers.linear import linear_specs
 from tidejax.models.layers.mhc import mhc_specs
 from tidejax.models.layers.moe import moe_specs, routed_expert_specs
@@ -33,17 +34,14 @@ def _pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool) -> dict:
             "kv_norm": norm_specs(width, None, F32)}
 
 
+# layers.latent_window's attention params, as the model names them (transformers' names)
+_ATTN_NAMES = {"q_a": "q_a_proj", "q_norm": "q_a_norm", "q_b": "q_b_proj", "kv": "kv_proj",
+               "kv_norm": "kv_norm", "sink": "sinks", "o_a": "o_a_proj", "o_b": "o_b_proj"}
+
+
 def _attn_specs(cfg: V4Config, layer: int) -> dict:
-    d, h, k, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    specs = {"q_a_proj": linear_specs(q, d, ("q_lora", "embed"), F32),
-             "q_a_norm": norm_specs(q, "q_lora", F32),
-             "q_b_proj": linear_specs(h * k, q, ("heads", "q_lora"), F32),
-             "kv_proj": linear_specs(k, d, (None, "embed"), F32),
-             "kv_norm": norm_specs(k, None, F32),
-             "sinks": ParamSpec((h,), F32, ("heads",), init="zeros"),
-             "o_a_proj": ParamSpec((cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32,
-                                   (None, None)),
-             "o_b_proj": linear_specs(d, cfg.o_groups * cfg.o_lora_rank, ("embed", None), F32)}
+    d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    specs = attention_specs(cfg, _ATTN_NAMES)
     rate, csa = cfg.rate(layer), cfg.layer_types[layer] == CSA
     if rate:
         specs["compressor"] = {"main": _pooler_specs(cfg, rate, k, csa)}

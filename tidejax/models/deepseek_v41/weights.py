@@ -31,9 +31,9 @@ from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
 from tidejax.models.deepseek_v41.model import router_spec
+from tidejax.models.layers.latent_window import attention_specs
 from tidejax.models.layers.linear import linear_specs
 from tidejax.models.layers.mhc import mhc_specs
-from tidejax.models.layers.mlp import swiglu_specs
 from tidejax.models.layers.moe import moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import norm_specs
 from tidejax.models.loading import ExpertPool, load_by_table
@@ -42,17 +42,14 @@ from tidejax.residency.state import ExpertState, all_resident_state
 F32 = jnp.float32
 
 
+# layers.latent_window's attention params, as the model names them
+_ATTN_NAMES = {"q_a": "wq_a", "q_norm": "q_norm", "q_b": "wq_b", "kv": "wkv", "kv_norm": "kv_norm",
+               "sink": "attn_sink", "o_a": "wo_a", "o_b": "wo_b"}
+
+
 def _attn_specs(cfg: V41Config, layer: int) -> dict:
-    d, h, k, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    specs = {"wq_a": linear_specs(q, d, ("q_lora", "embed"), F32),
-             "q_norm": norm_specs(q, "q_lora", F32),
-             "wq_b": linear_specs(h * k, q, ("heads", "q_lora"), F32),
-             "wkv": linear_specs(k, d, (None, "embed"), F32),
-             "kv_norm": norm_specs(k, None, F32),
-             "attn_sink": ParamSpec((h,), F32, ("heads",), init="zeros"),
-             "wo_a": ParamSpec((cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32,
-                               (None, None)),
-             "wo_b": linear_specs(d, cfg.o_groups * cfg.o_lora_rank, ("embed", None), F32)}
+    d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    specs = attention_specs(cfg, _ATTN_NAMES)
     ratio = cfg.compress_ratios[layer]
     if ratio and layer in cfg.kv_sources:
         specs["compressor"] = {"wkv": linear_specs(k, d, (None, "embed"), F32),
