@@ -2,7 +2,7 @@
 
 DeepSeek-V4.1-Flash routed experts (hidden 5120, moe_intermediate 2304, 384 experts, 6 a token)
 as MXFP4 and as bf16, at 1, 4, 16, 64 and 4096 tokens: time per call, effective GB/s of the
-expert bytes read (each distinct expert once), the ratio to a device-to-device copy measured in
+expert bytes read (each distinct expert once), the ratio to the HBM read ceiling measured in
 the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the same run. The
 kernel is checked against the jnp reference on the GPU first. Then the MXFP4 kernel at 4 and 64
 tokens without and with `demand` (the residency counters counted inside it), its counts checked
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.ceilings import copy_gbps, hbm_read_gbps, matmul_tflops, seconds_per_step
 from tidejax.pallas.bank import bank_format
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped_reference
@@ -43,35 +43,6 @@ SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096
     64: [(1, 32, 256, 4, 1), (16, 64, 128, 4, 1), (16, 32, 256, 4, 4)],
     4096: [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 2)],
 }
-
-
-def median_seconds(fn, *args, reps=7):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def seconds_per_step(step, carry, *args, n_iter):
-    """Median seconds of one `carry = step(carry, *args)`, from loops of n_iter inside one jit."""
-    loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, n_iter, lambda j, c: step(j, c, *a), c))
-    return median_seconds(loop, carry, *args, reps=5) / n_iter
-
-
-def copy_gbps():
-    a = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    s = seconds_per_step(lambda j, v: v + 1.0, a, n_iter=20)
-    return 2 * a.nbytes / s / 1e9  # bytes read + written
-
-
-def matmul_tflops():
-    a = (jax.random.normal(jax.random.key(1), (8192, 8192), jnp.float32) / 8192**0.5).astype(jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
-    s = seconds_per_step(lambda j, c, p: p @ c, b, a, n_iter=10)  # c stays O(1): a is ~orthogonal
-    return 2 * 8192**3 / s / 1e12
 
 
 def make_bank(fmt, n, key):
@@ -140,7 +111,7 @@ def time_moe(bank, ids_sets, w, x, tile, mask=None):
                             n_iter=200 if x.shape[0] <= 64 else 10)
 
 
-def bench_format(fmt, rng, copy, mm, rows, quick):
+def bench_format(fmt, rng, read, mm, rows, quick):
     """Appends the format's rows; returns its bank."""
     bank = make_bank(fmt, E, jax.random.key(3))
     per_expert = expert_bytes(bank)
@@ -165,7 +136,7 @@ def bench_format(fmt, rng, copy, mm, rows, quick):
         gbps = distinct * per_expert / s / 1e9
         tflops = 2 * t * K * 3 * I * D / s / 1e12
         rows.append(f"| {fmt} | {t} | {distinct:.1f} | {'x'.join(map(str, tile))} | {s * 1e6:.1f} | "
-                    f"{gbps:.0f} | {gbps / copy:.2f} | {tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
+                    f"{gbps:.0f} | {gbps / read:.2f} | {tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
         print(rows[-1], flush=True)
     return bank
 
@@ -195,13 +166,14 @@ def main():
     ap.add_argument("--no-demand", action="store_true", help="skip the demand counting rows (MXFP4)")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
-    copy_gbps(), matmul_tflops()  # warm the clocks up first
-    copy, mm = copy_gbps(), matmul_tflops()
-    print(f"device copy {copy:.0f} GB/s (read + write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+    hbm_read_gbps(), matmul_tflops()  # warm the clocks up first
+    read, copy, mm = hbm_read_gbps(), copy_gbps(), matmul_tflops()
+    print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write), bf16 matmul "
+          f"{mm:.0f} TFLOP/s", flush=True)
     rows, demand_rows = [], []
     for fmt in args.formats.split(","):
         try:
-            bank = bench_format(fmt, rng, copy, mm, rows, args.quick)
+            bank = bench_format(fmt, rng, read, mm, rows, args.quick)
         except Exception:
             print(f"{fmt} failed:\n{traceback.format_exc()}", flush=True)
             continue
@@ -213,13 +185,14 @@ def main():
     section = "\n".join([
         f"\n## Kernels: grouped MoE, without and with demand counting ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
         f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
-        f"Ceilings measured in the same run: device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
+        f"Ceilings measured in the same run: HBM read {read:.0f} GB/s (bench/ceilings.py, the GB/s "
+        f"ratio's divisor), device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
         f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "
         f"{K} a token, random routing; GB/s counts each distinct expert's bytes once; "
         "tile = rows x cols x K-block x warps x stages (best of the sweep; rows 1 = the GEMV path); err = "
         "max relative Frobenius error of that path vs the jnp reference on the GPU (GEMV: 4 tokens, full "
         "bank; dots: 64 and 1024 tokens on sub-banks).\n",
-        "| experts | tokens | distinct experts | tile | us | GB/s | / copy | TFLOP/s | / matmul | err |",
+        "| experts | tokens | distinct experts | tile | us | GB/s | / read | TFLOP/s | / matmul | err |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows, "",
         f"Demand counting fused into the kernel (MXFP4, own tile choice, counters [{LAYERS}, {E}], a tenth "

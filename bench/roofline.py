@@ -9,7 +9,7 @@ step whatever the batch), the KV cache up to each active lane's position, and ea
 routed expert the step's tokens want, once per MoE layer. Resident experts come from the bank
 (device memory), missed ones under `exact` from the host pool. The limit of a step is
 
-    (dense + KV + resident expert bytes) / device copy bandwidth
+    (dense + KV + resident expert bytes) / HBM read bandwidth (bench/ceilings.py)
         + (missed expert bytes + swapped-in bytes) / host-to-device bandwidth
 
 with both bandwidths measured in the same run: a jitted `a + 1` over 1 GiB (bytes read + written)
@@ -45,6 +45,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
+from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds  # noqa: E402
+from tidejax import config  # noqa: E402
+from tidejax.fields import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
@@ -52,24 +55,6 @@ HELDOUT = traces.HELDOUT
 
 
 # -- ceilings measured in the same run -------------------------------------------------------------
-
-def _median_seconds(fn, reps: int = 7) -> float:
-    fn()  # compile and warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_gbps(nbytes: int = 1 << 30) -> float:
-    """Device memory bandwidth: GB/s read + written by a jitted `a + 1` over `nbytes` of f32."""
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    step = jax.jit(lambda a: a + 1.0)
-    seconds = _median_seconds(lambda: step(x).block_until_ready())
-    return 2 * nbytes / seconds / 1e9
-
 
 def h2d_gbps(bank: dict, rows: int = 16) -> float:
     """Host-to-device GB/s of the residency's in-step fetch: rows of `bank`'s shape from a host pool
@@ -89,7 +74,7 @@ def h2d_gbps(bank: dict, rows: int = 16) -> float:
         return jax.lax.fori_loop(0, rows, lambda i, b: write_row(b, i % 2, fetch_row(pool, i)),
                                  scratch)
 
-    seconds = _median_seconds(lambda: jax.block_until_ready(fetch_all(pool, scratch)), reps=5)
+    seconds = median_seconds(lambda: jax.block_until_ready(fetch_all(pool, scratch)), reps=5)
     return rows * row_bytes(bank) / seconds / 1e9
 
 
@@ -128,14 +113,14 @@ class Limit:
 
 
 def step_limit(engine, batch: int, context: float, distinct: float, cold: float, policy: str,
-               swapped_bytes_per_step: float, copy: float, h2d: float) -> Limit:
+               swapped_bytes_per_step: float, read: float, h2d: float) -> Limit:
     """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions."""
     expert = row_bytes(engine.residency.state.bank)
     missed = cold * distinct if policy == "exact" else 0.0
     device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
               + (distinct - missed) * expert)
     host = missed * expert + swapped_bytes_per_step
-    seconds = device / (copy * 1e9) + host / (h2d * 1e9)
+    seconds = device / (read * 1e9) + host / (h2d * 1e9)
     return Limit(batch / seconds, device, host)
 
 
@@ -290,7 +275,7 @@ HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | de
 
 
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
-                   copy: float, h2d: float, resident: float) -> Row:
+                   read: float, h2d: float, resident: float) -> Row:
     prompts = [prompt_ids(engine, domain, PROMPT_TOKENS, offset=997 * i) for i in range(lanes)]
     before = residency_stats(engine)
     records = drive(engine, prompts, tokens)
@@ -305,7 +290,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     top_k = engine.family.top_k(engine.cfg)
     distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
-                       copy, h2d)
+                       read, h2d)
     return Row(resident, policy, lanes, lanes / step_s, limit, cold,
                after["copies"] - before["copies"])
 
@@ -367,14 +352,14 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
     return engine, picks
 
 
-def run_config(engine, picks, resident: float, policy: str, args, copy: float,
+def run_config(engine, picks, resident: float, policy: str, args, read: float,
                h2d: float) -> list[Row]:
     drains = engine.config.residency.drain_every <= args.tokens + PROMPT_TOKENS
     seconds = warm_up(engine, args.domain, PROMPT_TOKENS, max(args.lanes), drains)
     print(f"[{resident:.0%} {policy}] warm-up (compile) {seconds:.1f} s", flush=True)
     rows = []
     for lanes in args.lanes:
-        row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, copy, h2d,
+        row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, read, h2d,
                              resident)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
         rows.append(row)
@@ -396,14 +381,14 @@ def report(name: str, text: str) -> None:
 
 
 def parse_set(items: list[str]) -> dict:
-    """["engine.lanes=8", ...] -> {"engine": {"lanes": "8"}} (the profile types the strings)."""
+    """["engine.lanes=8", ...] -> {"engine": {"lanes": 8}}: the server's --set, merged."""
     tables: dict = {}
     for item in items:
-        key, eq, value = item.partition("=")
-        table, dot, name = key.partition(".")
-        if not eq or not dot:
-            raise SystemExit(f"error: --set {item!r}: expected table.key=value")
-        tables.setdefault(table, {})[name] = value
+        try:
+            for table, values in config.parse_set(item).items():
+                tables.setdefault(table, {}).update(values)
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
     return tables
 
 
@@ -424,7 +409,7 @@ def main(argv=None) -> int:
     configs = [(share, policy) for share in (float(x) for x in args.resident.split(","))
                for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    copy, h2d, rows, memory = copy_gbps(), None, [], []
+    read, copy, h2d, rows, memory = hbm_read_gbps(), copy_gbps(), None, [], []
     with tempfile.TemporaryDirectory() as tmp:
         compile_cache(Path(tmp) / "jax-cache")
         for share, policy in configs:
@@ -432,9 +417,10 @@ def main(argv=None) -> int:
                                         max(args.ttft, 64 + args.tokens) + 64)
             if h2d is None:
                 h2d = h2d_gbps(engine.residency.state.bank)
-                print(f"device copy {copy:.0f} GB/s (read + write); host-to-device {h2d:.1f} GB/s "
+                print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write); "
+                      f"host-to-device {h2d:.1f} GB/s "
                       f"(in-step expert fetch)", flush=True)
-            rows += run_config(engine, picks, share, policy, args, copy, h2d)
+            rows += run_config(engine, picks, share, policy, args, read, h2d)
             memory.append(f"- {share:.0%} {policy}: {memory_line(engine)}")
             print(memory[-1], flush=True)
             del engine
@@ -443,7 +429,8 @@ def main(argv=None) -> int:
     table = "\n".join([HEADER, "|" + " --- |" * 11]
                       + ["| " + " | ".join(r.cells()) + " |" for r in rows])
     text = (f"{datetime.date.today()}, jax {jax.__version__} on {jax.devices()[0].device_kind}: "
-            f"device copy {copy:.0f} GB/s, host-to-device {h2d:.1f} GB/s\n\n{table}\n\n"
+            f"HBM read {read:.0f} GB/s (the roofline's divisor), device copy {copy:.0f} GB/s, "
+            f"host-to-device {h2d:.1f} GB/s\n\n{table}\n\n"
             "Memory after each configuration's runs (peak: since the process started):\n"
             + "\n".join(memory) + "\n")
     report("roofline.md", text)

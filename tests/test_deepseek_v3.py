@@ -229,3 +229,32 @@ def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):
                                                 "down_blocks", "down_scales"}
     np.testing.assert_allclose(native.logits(PROMPT), tidejax.load(tmp_path / "dense").logits(PROMPT),
                                rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routes_as_transformers(topk_method, tmp_path):
+    """A transformers-written DeepSeek-V2 checkpoint names no scoring_func: it routes by softmax,
+    greedy or group-limited (groups by their best score), weights not renormalized; logits and
+    greedy tokens match DeepseekV2ForCausalLM."""
+    from tiny_models import write_deepseek_v2
+    model = write_deepseek_v2(tmp_path, topk_method)
+    assert "scoring_func" not in json.loads((tmp_path / "config.json").read_text())
+    engine = tidejax.load(tmp_path)
+    assert (engine.cfg.scoring_func, engine.cfg.norm_topk_prob) == ("softmax", False)
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+        want = model.generate(torch.tensor(PROMPT)[None], max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert relative_diff(engine.logits(PROMPT), ref) < 1e-4
+    tokens = []
+    engine.scheduler.submit(GenerationRequest(list(PROMPT), 12, ignore_eos=True),
+                            lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    assert tokens == want
+
+
+def test_deepseek_v2_rejects_a_scoring_it_does_not_have(tmp_path):
+    raw = json.loads(deepseek_v3_config().to_json_string())
+    raw.update(model_type="deepseek_v2", scoring_func="sigmoid")
+    with pytest.raises(ConfigError, match="scoring_func.*softmax"):
+        DeepseekV3Config.from_hf(raw, "config.json")

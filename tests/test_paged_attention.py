@@ -1,7 +1,10 @@
-"""Paged MLA decode attention: the jnp reference against dense float64 numpy, the Pallas kernel
-(interpret mode on CPU) against the reference, the dispatch, and the Triton lowering at
-DeepSeek-V3 shapes."""
+"""Paged MLA attention, decode (one query a row) and prefill (a prompt chunk's queries): the jnp
+references against dense float64 numpy, the Pallas kernels (interpret mode on CPU) against the
+references and float64, the dispatch, and the Triton lowering at DeepSeek-V3 shapes.
 
+Random inputs come from a seed that each test prints; TIDEJAX_TEST_SEED replays one."""
+
+import os
 import time
 
 import jax
@@ -9,15 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tidejax.pallas import paged_mla_decode, paged_mla_decode_reference
-from tidejax.pallas.attention import choose_splits, paged_mla_decode_pallas, pallas_supports
+from tidejax.pallas import (paged_mla_decode, paged_mla_decode_reference, paged_mla_prefill,
+                            paged_mla_prefill_reference)
+from tidejax.pallas.attention import (choose_splits, paged_mla_decode_pallas, paged_mla_prefill_pallas,
+                                      pallas_supports)
 
 SCALE = 0.3
 
 
 @pytest.fixture
 def rng():
-    seed = time.time_ns() % 2**32
+    seed = int(os.environ.get("TIDEJAX_TEST_SEED", time.time_ns() % 2**32))
     print(f"random seed {seed}")  # shown by pytest when a test fails
     return np.random.default_rng(seed)
 
@@ -195,4 +200,131 @@ def test_kernel_lowers_to_triton_for_cuda(b, pool_dtype, q_dtype, tile):
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         shape((b, h, c), q_dtype), shape((b, h, r), q_dtype), shape((n_pages, ps, c), pool_dtype),
         shape((n_pages, ps, r), pool_dtype), shape((b, n_table), jnp.int32), shape((b,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+# ---- prefill: a prompt chunk's queries ------------------------------------------------------------
+
+def make_chunk_case(rng, *, h, c, r, ps, n_table, starts, t, pool_dtype, q_dtype, spare_pages=5):
+    """Rows of a chunk of t queries at positions starts[i].. over a pool whose pages are handed
+    out shuffled (each row holds its n_table pages, out of order) -> (args, as float64 numpy)."""
+    b = len(starts)
+    n_pages = b * n_table + spare_pages
+    table = rng.permutation(n_pages)[:b * n_table].reshape(b, n_table).astype(np.int32)
+    latent = jnp.asarray(rng.standard_normal((n_pages, ps, c)), pool_dtype)
+    rope = jnp.asarray(rng.standard_normal((n_pages, ps, r)), pool_dtype)
+    q = jnp.asarray(rng.standard_normal((b, t, h, c)) / np.sqrt(c), q_dtype)
+    qr = jnp.asarray(rng.standard_normal((b, t, h, r)) / np.sqrt(r), q_dtype)
+    positions = np.asarray(starts, np.int32)[:, None] + np.arange(t, dtype=np.int32)[None]
+    args = (q, qr, latent, rope, jnp.asarray(table), jnp.asarray(positions))
+    return args, tuple(np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in args[:4])
+
+
+def numpy_causal_attention(q, qr, latent, rope, table, positions, scale):
+    """Float64, one query at a time: the positions 0..its own (all of the table past it) gathered
+    row by row, then a dense softmax over them."""
+    b, t, h, c = q.shape
+    ps = latent.shape[1]
+    out = np.zeros((b, t, h, c))
+    for i in range(b):
+        for j in range(t):
+            pos = np.arange(min(positions[i, j], table.shape[1] * ps - 1) + 1)
+            keys, rope_keys = latent[table[i, pos // ps], pos % ps], rope[table[i, pos // ps], pos % ps]
+            s = (q[i, j] @ keys.T + qr[i, j] @ rope_keys.T) * scale  # [h, keys]
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[i, j] = (p / p.sum(axis=1, keepdims=True)) @ keys
+    return out
+
+
+# Rows over a table of 6 pages, a chunk of 10 queries: from 0, mid-row across a page boundary,
+# ending two pages before the table's last one, and running past the table (a chunk's padding).
+def starts_for(ps, n_table=6):
+    return [0, ps + ps // 2, (n_table - 3) * ps - 10, n_table * ps - 4]
+
+
+# (pool dtype, query dtype, tolerance against float64: the pool's values are exact there; bf16
+# queries are rounded first, so the float64 reference gets the same rounded queries)
+PREFILL_DTYPES = [(jnp.float32, jnp.float32, 1e-5), (jnp.bfloat16, jnp.float32, 1e-2),
+                  (jnp.bfloat16, jnp.bfloat16, 1e-2)]
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol", PREFILL_DTYPES)
+def test_prefill_reference_matches_float64(rng, pool_dtype, q_dtype, tol):
+    """Key blocks of KEY_BLOCK (512) over pages of 64: two blocks, the second one partly past the
+    table (padded)."""
+    ps, n_table = 64, 12
+    starts = [0, 300, 700]
+    args, f64 = make_chunk_case(rng, h=2, c=16, r=16, ps=ps, n_table=n_table, starts=starts, t=20,
+                                pool_dtype=pool_dtype, q_dtype=q_dtype)
+    want = numpy_causal_attention(*f64, np.asarray(args[4]), np.asarray(args[5]), SCALE)
+    got = jax.jit(paged_mla_prefill_reference, static_argnames="scale")(*args, scale=SCALE)
+    assert got.dtype == q_dtype and got.shape == want.shape
+    assert rel_err(got, want) < tol
+
+
+# tiles (bq, bh, bk, warps, stages): key blocks of half a page, a page, two pages (rows gathered);
+# fewer heads than bh (more queries a program), heads padded to a multiple of bh
+PREFILL_CASES = [((4, 16, 4, 4, 1), 8, 4), ((2, 4, 8, 4, 1), 8, 4), ((2, 2, 16, 4, 1), 8, 3)]
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("tile,ps,h", PREFILL_CASES)
+def test_prefill_kernel_interpret_matches_reference_and_float64(rng, pool_dtype, q_dtype, tol, tile, ps, h):
+    starts = starts_for(ps)
+    args, f64 = make_chunk_case(rng, h=h, c=32, r=16, ps=ps, n_table=6, starts=starts, t=10,
+                                pool_dtype=pool_dtype, q_dtype=q_dtype)
+    want64 = numpy_causal_attention(*f64, np.asarray(args[4]), np.asarray(args[5]), SCALE)
+    want = np.asarray(jnp.asarray(paged_mla_prefill_reference(*args, scale=SCALE), jnp.float32), np.float64)
+    got = paged_mla_prefill_pallas(*args, scale=SCALE, interpret=True, tile=tile)
+    assert got.dtype == q_dtype and got.shape == want.shape
+    assert rel_err(got, want) < tol and rel_err(got, want64) < tol
+
+
+def test_prefill_kernel_rows_that_see_nothing_are_zero(rng):
+    args, _ = make_chunk_case(rng, h=4, c=32, r=16, ps=4, n_table=6, starts=[-10, 3], t=4,
+                              pool_dtype=jnp.float32, q_dtype=jnp.float32)
+    got = paged_mla_prefill_pallas(*args, scale=SCALE, interpret=True, tile=(4, 4, 4, 4, 1))
+    want = paged_mla_prefill_reference(*args, scale=SCALE)
+    np.testing.assert_array_equal(np.asarray(got[0]), 0.0)  # positions -10..-7
+    np.testing.assert_array_equal(np.asarray(want[0]), 0.0)
+    assert rel_err(got[1], np.asarray(want[1], np.float64)) < 1e-5
+
+
+def test_prefill_dispatch_and_shapes(rng):
+    """impl="pallas" runs the kernel (interpret mode on CPU), "reference" the jnp path, "auto" the
+    kernel only on a GPU; shapes the kernel does not take fall back under "auto"; bad shapes and
+    tiles are named."""
+    args, _ = make_chunk_case(rng, h=4, c=32, r=16, ps=4, n_table=6, starts=[0, 5], t=3,
+                              pool_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16)
+    run = lambda impl: (lambda *a: paged_mla_prefill(*a, scale=SCALE, impl=impl))
+    assert _has_pallas_call(run("pallas"), *args)
+    assert not _has_pallas_call(run("reference"), *args)
+    assert _has_pallas_call(run("auto"), *args) == (jax.default_backend() == "gpu")
+    odd = (np.zeros((1, 2, 4, 48), np.float32), np.zeros((1, 2, 4, 16), np.float32),
+           np.zeros((3, 4, 48), np.float32), np.zeros((3, 4, 16), np.float32),
+           np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32))
+    with pytest.raises(ValueError, match="shapes the kernel does not take"):
+        paged_mla_prefill(*odd, scale=SCALE, impl="pallas")
+    assert paged_mla_prefill(*odd, scale=SCALE).shape == (1, 2, 4, 48)  # auto: the reference
+    with pytest.raises(ValueError, match=r"positions has shape \(2, 2\), expected \(2, 3\)"):
+        paged_mla_prefill(*args[:5], args[5][:, :2], scale=SCALE)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_mla_prefill_pallas(*args, scale=SCALE, interpret=True, tile=(3, 4, 4, 4, 1))
+
+
+@pytest.mark.parametrize("t,pool_dtype,q_dtype,tile", [(2048, jnp.bfloat16, jnp.bfloat16, None),
+                                                      (48, jnp.bfloat16, jnp.float32, (1, 32, 128, 4, 2)),
+                                                      (16, jnp.float32, jnp.float32, (2, 16, 32, 4, 2))])
+def test_prefill_kernel_lowers_to_triton_for_cuda(t, pool_dtype, q_dtype, tile):
+    """The lowering at DeepSeek-V3 shapes (h 128, c 512, r 64, pages of 64, a table of 128 pages):
+    key blocks of a page, two pages, half a page."""
+    from jax import export
+
+    shape = jax.ShapeDtypeStruct
+    h, c, r, ps, n_table, n_pages = 128, 512, 64, 64, 128, 512
+    kernel = jax.jit(lambda *a: paged_mla_prefill_pallas(*a, scale=SCALE, tile=tile))
+    exported = export.export(kernel, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        shape((1, t, h, c), q_dtype), shape((1, t, h, r), q_dtype), shape((n_pages, ps, c), pool_dtype),
+        shape((n_pages, ps, r), pool_dtype), shape((1, n_table), jnp.int32), shape((1, t), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -140,19 +140,34 @@ def test_decode_cost_does_not_grow_with_max_context(tmp_path):
     assert far[0] > 5 * costs[65536][0] and far[1] > 1.1 * costs[65536][1], (far, costs)
 
 
-def test_a_long_chunk_attends_in_query_blocks_with_the_same_result():
-    """Chunks above QUERY_BLOCK queries are attended a block at a time (bounded scores memory):
-    the same output as all queries at once."""
+def _causal_attention_f64(q, q_rope, latent, rope, positions, scale):
+    """float64 numpy: queries [t, h, c|r] at positions [t] over keys [s, c|r]."""
+    q, q_rope, latent, rope = (np.asarray(a, np.float64) for a in (q, q_rope, latent, rope))
+    scores = (np.einsum("thc,sc->hts", q, latent) + np.einsum("thr,sr->hts", q_rope, rope)) * scale
+    scores = np.where(np.arange(len(latent))[None, None] <= np.asarray(positions)[None, :, None],
+                      scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hts,sc->thc", probs, latent)
+
+
+@pytest.mark.parametrize("t, start", [(2 * 256, 40), (48, 500), (16, 3)])
+def test_a_chunk_attends_its_pages_key_block_by_key_block(t, start):
+    """A prompt chunk's attention (query blocks of QUERY_BLOCK, key blocks of KEY_BLOCK with a
+    running max and sum, stopping at the chunk's last position) equals float64 causal attention
+    over the row's pages in table order: across key blocks, with pages out of order, for chunks
+    that end before the table's last page."""
     import jax.numpy as jnp
 
     from tidejax.kv import paged
-    rng = np.random.RandomState(0)
-    t = 2 * paged.QUERY_BLOCK
+    rng = np.random.RandomState(t)
     q, q_rope = (jnp.asarray(rng.randn(1, t, 2, n), jnp.float32) for n in (8, 4))
-    latent_pages, rope_pages = (jnp.asarray(rng.randn(40, 16, n), jnp.float32) for n in (8, 4))
-    table = jnp.asarray(rng.permutation(40)[:36][None].astype(np.int32))
-    positions = jnp.arange(t)[None] + 40
-    blocked = paged.mla_attention(q, q_rope, latent_pages, rope_pages, table, positions, scale=0.3)
-    at_once = paged._attend(q, q_rope, paged.gather(latent_pages, table),
-                            paged.gather(rope_pages, table), positions, 0.3)
-    np.testing.assert_allclose(np.asarray(blocked), np.asarray(at_once), atol=1e-6)
+    latent_pages, rope_pages = (jnp.asarray(rng.randn(80, 16, n), jnp.float32) for n in (8, 4))
+    table = rng.permutation(80)[:64][None].astype(np.int32)  # 1,024 positions: two key blocks
+    positions = np.arange(t)[None] + start
+    got = paged.mla_attention(q, q_rope, latent_pages, rope_pages, jnp.asarray(table),
+                              jnp.asarray(positions), scale=0.3)
+    latent = np.asarray(latent_pages)[table[0]].reshape(-1, 8)
+    rope = np.asarray(rope_pages)[table[0]].reshape(-1, 4)
+    want = _causal_attention_f64(q[0], q_rope[0], latent, rope, positions[0], 0.3)
+    np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-5, rtol=1e-5)

@@ -102,7 +102,7 @@ def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer):
                                          max_tokens=12, temperature=0)
     assert text_prompt.choices[0].text == expected
     chunks = list(oai.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
-                                         stream=True))
+                                         stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     stats = chunks[-1].model_extra["x_engine_stats"]
@@ -138,7 +138,8 @@ def test_chat_stream_and_not(oai, hf_tokenizer):
     assert set(whole.model_extra["x_engine_stats"]) == {"prefill_tps", "decode_tps", "cold_share"}
 
     chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
-                                              temperature=0, stream=True))
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -284,7 +285,7 @@ def test_concurrent_streams_equal_one_at_a_time(served):
     async def one(client, prompt):
         stream = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=16,
-            temperature=0, stream=True)
+            temperature=0, stream=True, stream_options={"include_usage": True})
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]

@@ -21,7 +21,6 @@ from tidejax.text.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.runtime.client import tool_format_for
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.text.tokenizer import Tokenizer
-from tidejax.server.__main__ import bind_host, parse_set
 from tidejax.server.app import Server
 from tidejax.server.client import EngineInfo
 from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
@@ -157,24 +156,6 @@ def test_reasoning_opened_by_the_template():
         {"reasoning": "plan", "content": "answer"}, [])
 
 
-def test_parse_set():
-    assert parse_set(["engine.lanes=8", "server.api_keys=a,b"]) == {
-        "engine": {"lanes": "8"}, "server": {"api_keys": "a,b"}}
-    config = EngineConfig().with_overrides(parse_set(["engine.lanes=8", "server.api_keys=a,b"]))
-    assert config.engine.lanes == 8 and config.server.api_keys == ("a", "b")
-    with pytest.raises(ValueError, match="table.key=value"):
-        parse_set(["lanes=8"])
-
-
-def test_bind_host(monkeypatch):
-    assert bind_host(EngineConfig()) == "127.0.0.1"  # no keys: loopback only
-    assert bind_host(EngineConfig().with_overrides({"server": {"api_keys": ["k"]}})) == "0.0.0.0"
-    monkeypatch.setenv("SERVER_KEYS", "a, b")
-    from_env = EngineConfig().with_overrides({"server": {"api_keys_env": "SERVER_KEYS"}})
-    assert bind_host(from_env) == "0.0.0.0"
-    assert bind_host(EngineConfig().with_overrides({"server": {"host": "10.0.0.2"}})) == "10.0.0.2"
-
-
 # ---------------------------------------------------------------------------------------------
 # The HTTP layer while the engine is loading: auth, validation and error shapes
 
@@ -187,7 +168,7 @@ def loading_server(tokenizer_dir):
     """The real app on a real socket, with no engine attached (the state during weight loading)."""
     config = EngineConfig().with_overrides({
         "model": {"path": str(tokenizer_dir), "served_name": "tiny"},
-        "server": {"api_keys": [KEY], "max_body_bytes": 4096}})
+        "server": {"api_keys": [KEY], "max_body_bytes": 65536}})
     with serve_app(Server(config)) as url:
         yield url
 
@@ -257,7 +238,28 @@ BAD_CHAT = [
      "'messages[0].tool_call_id' is required"),
     ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "'tool_choice'"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "'response_format.type'"),
-    ({**CHAT, "logprobs": True}, "'logprobs' is not supported"),
+    ({**CHAT, "logprobs": True}, "not supported by this server: 'logprobs' = true"),
+    ({**CHAT, "presence_penalty": 0.5, "min_p": 0.1, "logit_bias": {"5": 3}, "n": 1},
+     "not supported by this server: 'presence_penalty' = 0.5, 'min_p' = 0.1, 'logit_bias' = "
+     "{\"5\": 3} (leave them out)"),
+    ({**CHAT, "frequency_penalty": 1}, "'frequency_penalty' = 1"),
+    ({**CHAT, "repetition_penalty": 1.2}, "'repetition_penalty' = 1.2"),
+    ({**CHAT, "reasoning_effort": "low"}, "'reasoning_effort' = \"low\""),
+    ({**CHAT, "top_logprobs": 2}, "'top_logprobs' = 2"),
+    ({**CHAT, "parallel_tool_calls": False}, "'parallel_tool_calls' = false"),
+    ({**CHAT, "presence_penalty": False}, "'presence_penalty' = false"),  # not the number 0
+    ({**CHAT, "stream_options": {"include_usage": True}}, "'stream_options' is only allowed"),
+    ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}},
+     "'stream_options.include_usage' should be a boolean"),
+    ({**CHAT, "chat_template_kwargs": {"tools": []}}, "'chat_template_kwargs.tools' is set by"),
+    ({**CHAT, "chat_template_kwargs": {"messages": []}}, "'chat_template_kwargs.messages'"),
+    ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "'chat_template_kwargs.add_generation_prompt'"),
+    ({**CHAT, "chat_template_kwargs": {"bos_token": "x"}}, "'chat_template_kwargs.bos_token'"),
+    ({**CHAT, "stop": ["a"] * 17}, "'stop' has 17 sequences; at most 16"),
+    ({**CHAT, "stop": ["a" * 257]}, "longer than 256 characters"),
+    ({**CHAT, "tools": [{}] * 129}, "'tools' has 129 entries; at most 128"),
+    ({"model": "tiny", "messages": [{}] * 4097}, "'messages' has 4097 entries; at most 4096"),
     ({**CHAT, "tools": [{"type": "function", "function": {}}]}, "'tools[0].function.name'"),
     ([1, 2], "body should be a JSON object"),
 ]
@@ -270,12 +272,39 @@ def test_bad_chat_requests(loading_server, body, message):
     assert got["error"]["type"] == "invalid_request_error"
 
 
+def test_neutral_values_of_unsupported_parameters_pass(loading_server):
+    """Values that ask for nothing (OpenAI's defaults) are no reason to refuse: the request goes
+    on to the next check (here: the model is loading)."""
+    body = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "logprobs": False,
+            "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0, "parallel_tool_calls": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    assert call(loading_server, "/v1/chat/completions", body, AUTH)[0] == 503
+
+
+def test_bad_unicode_and_nesting(loading_server):
+    """Lone surrogates and deep nesting: a 400 naming the field, never a 5xx."""
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    status, got = call(loading_server, "/v1/chat/completions", raw=raw, headers=AUTH)
+    assert status == 400 and "'messages[0].content' holds text with a lone UTF-16 surrogate" in \
+        got["error"]["message"] and got["error"]["param"] == "messages[0].content"
+    raw = b'{"model": "tiny", "prompt": "x", "\\udfff": 1}'
+    status, got = call(loading_server, "/v1/completions", raw=raw, headers=AUTH)
+    assert status == 400 and "'body' holds a key with a lone UTF-16 surrogate" in \
+        got["error"]["message"]
+    for depth in (65, 1000, 1500):
+        raw = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+        status, got = call(loading_server, "/v1/completions", raw=raw, headers=AUTH)
+        assert status == 400 and "nested deeper than 64 levels" in got["error"]["message"]
+    raw = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 62 + b"]" * 62 + b"}"
+    assert call(loading_server, "/v1/completions", raw=raw, headers=AUTH)[0] == 503
+
+
 def test_bad_bodies(loading_server):
     status, got = call(loading_server, "/v1/chat/completions", raw=b"{nope", headers=AUTH)
     assert status == 400 and "not valid JSON" in got["error"]["message"]
-    status, got = call(loading_server, "/v1/completions", raw=b"x" * 10_000, headers=AUTH)
+    status, got = call(loading_server, "/v1/completions", raw=b"x" * 70_000, headers=AUTH)
     assert status == 413 and "too large" in got["error"]["message"]
-    status, got = call(loading_server, "/v1/messages", raw=b"x" * 10_000, headers=AUTH)
+    status, got = call(loading_server, "/v1/messages", raw=b"x" * 70_000, headers=AUTH)
     assert status == 413 and got["error"]["type"] == "request_too_large"
     status, got = call(loading_server, "/v1/nothing", CHAT, AUTH)
     assert status == 404 and "error" in got
@@ -291,6 +320,8 @@ BAD_MESSAGES = [
     ({"model": "tiny", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
      "'messages[0].content[0].type' = 'tool_use' is not supported in a user message"),
+    ({**CHAT, "max_tokens": 5, "mcp_servers": [{"url": "x"}]}, "'mcp_servers'"),
+    ({**CHAT, "max_tokens": 5, "stop_sequences": ["x"] * 17}, "'stop_sequences' has 17"),
 ]
 
 
@@ -304,7 +335,9 @@ def test_bad_anthropic_requests(loading_server, body, message):
 def test_bad_completion_requests(loading_server):
     for body, message in [({"model": "tiny"}, "'prompt' is required"),
                           ({"model": "tiny", "prompt": [1.5]}, "'prompt' should be a string"),
-                          ({"model": "tiny", "prompt": "x", "logprobs": 3}, "'logprobs'")]:
+                          ({"model": "tiny", "prompt": "x", "logprobs": 3}, "'logprobs' = 3"),
+                          ({"model": "tiny", "prompt": "x", "echo": True}, "'echo' = true"),
+                          ({"model": "tiny", "prompt": "x", "best_of": 2}, "'best_of' = 2")]:
         status, got = call(loading_server, "/v1/completions", body, AUTH)
         assert status == 400 and message in got["error"]["message"]
     status, got = call(loading_server, "/v1/completions", {"model": "tiny", "prompt": "x"}, AUTH)

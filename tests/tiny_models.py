@@ -65,6 +65,31 @@ def deepseek_v3_config(**overrides):
     return DeepseekV3Config(**base)
 
 
+def write_deepseek_v2(path: Path, topk_method: str, seed: int = 0):
+    """Writes a tiny DeepseekV2ForCausalLM checkpoint (V2-Lite style: no q_lora_rank; softmax
+    routing by `topk_method`, no scoring_func in its config.json) with a tokenizer; returns the
+    torch model (eval mode)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=3, kv_lora_rank=16, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+        max_position_embeddings=256, first_k_dense_replace=1, topk_method=topk_method,
+        n_group=4, topk_group=2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = DeepseekV2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                for param in layer.mlp.experts.parameters():
+                    param.normal_(0, 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, config.vocab_size)
+    return model
+
+
 def write_deepseek_v3(path: Path, seed: int = 0, **overrides):
     """Writes a tiny DeepseekV3ForCausalLM checkpoint (random, float32) with a tokenizer; returns
     the torch model (eval mode) for reference outputs."""

@@ -8,15 +8,20 @@ naming the file and the field, when something that matters is missing or wrong. 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from tidejax.fields import ConfigError
+from tidejax.pallas.dispatch import IMPLS
 
 # ---------------------------------------------------------------------------------------------
 # Engine profiles
+
+
+API_KEYS_ENV = "TIDEJAX_API_KEYS"  # the variable every profile reads keys from (comma-separated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +64,50 @@ class ResidencySection:
 
 @dataclasses.dataclass(frozen=True)
 class ServerSection:
-    host: str = ""  # "" = 127.0.0.1 without API keys; set explicitly to bind elsewhere
+    host: str = ""  # "" = 127.0.0.1, with or without API keys; set it to bind elsewhere
     port: int = 8000
     api_keys: tuple[str, ...] = ()
-    api_keys_env: str = ""
+    api_keys_env: str = API_KEYS_ENV  # "" = no keys from the environment
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
 
 
+MISS_POLICIES = ("exact", "substitute", "ring")  # how a pick of a non-resident expert is served
+
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),
     ("model", "experts"): ("checkpoint", "bf16", "mxfp4"),
-    ("engine", "kernel"): ("auto", "pallas", "reference"),
+    ("engine", "kernel"): IMPLS,
     ("residency", "geometry"): ("per_layer", "arena"),
-    ("residency", "miss_policy"): ("exact", "substitute", "ring"),
+    ("residency", "miss_policy"): MISS_POLICIES,
 }
+
+# (table, key) -> (lowest, highest or None, lowest excluded); every float must also be finite
+_RANGES = {
+    ("engine", "max_context"): (1, None, False),
+    ("engine", "lanes"): (1, None, False),
+    ("engine", "prefill_chunk"): (1, None, False),
+    ("engine", "page_size"): (1, None, False),
+    ("engine", "kv_pool_tokens"): (0, None, False),
+    ("engine", "kv_pool_gib"): (0, None, False),
+    ("residency", "budget_experts"): (0, None, False),
+    ("residency", "budget_gib"): (0, None, False),
+    ("residency", "ring_slots"): (0, None, False),
+    ("residency", "drain_every"): (1, None, False),
+    ("residency", "half_life"): (0, None, True),
+    ("residency", "hysteresis"): (1, None, False),
+    ("residency", "max_swaps_per_layer"): (0, None, False),
+    ("residency", "max_swaps_per_step"): (0, None, False),
+    ("server", "port"): (1, 65535, False),
+    ("server", "max_body_bytes"): (1, None, False),
+    ("server", "max_tokens_limit"): (1, None, False),
+}
+
+# settings that name a file or folder: in a profile, relative to the repository root (the
+# profile's parent folder's parent, where configs/ lives); on the command line, to the working
+# directory
+_PATHS = (("model", "path"), ("engine", "trace_dir"), ("residency", "seed_map"),
+          ("residency", "state_dir"))
 
 _SECTIONS = {
     "model": ModelSection,
@@ -112,10 +146,7 @@ class EngineConfig:
                     raise ConfigError(f"{source}: unknown key '{name}.{key}' "
                                       f"(known: {', '.join(sorted(fields))})")
                 updates[key] = _coerce(source, f"{name}.{key}", value, getattr(current, key))
-                allowed = _CHOICES.get((name, key))
-                if allowed and updates[key] not in allowed:
-                    raise ConfigError(f"{source}: '{name}.{key}' = {value!r} is not one of "
-                                      f"{', '.join(allowed)}")
+                _check(source, name, key, updates[key])
             sections[name] = dataclasses.replace(current, **updates)
         unknown = set(tables) - set(_SECTIONS)
         if unknown:
@@ -133,34 +164,65 @@ class EngineConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
         config = EngineConfig.from_dict(tables, source=str(path))
-        if config.model.path and not Path(config.model.path).is_absolute():
-            # model paths in a profile are relative to the repository root (the profile's parent dir)
-            resolved = (path.parent.parent / config.model.path).resolve()
-            config = dataclasses.replace(
-                config, model=dataclasses.replace(config.model, path=str(resolved)))
+        root = path.resolve().parent.parent
+        for table, key in _PATHS:
+            value = getattr(getattr(config, table), key)
+            if value and not Path(value).is_absolute():
+                section = dataclasses.replace(getattr(config, table),
+                                              **{key: str((root / value).resolve())})
+                config = dataclasses.replace(config, **{table: section})
         return config
 
-    def with_overrides(self, overrides: dict) -> "EngineConfig":
-        return EngineConfig.from_dict(overrides, source=self.source, base=self)
+    def with_overrides(self, overrides: dict, source: str | None = None) -> "EngineConfig":
+        """`overrides` on top of this profile; errors name `source` (default: the profile)."""
+        return EngineConfig.from_dict(overrides, source=source or self.source, base=self)
+
+
+def toml_value(text: str):
+    """A --set value: a TOML value where it parses as one (8, true, ["a", "b"], "quoted"), else
+    the text itself (exact, 127.0.0.1:1234, /models/x)."""
+    try:
+        parsed = tomllib.loads(f"value = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    return parsed["value"] if len(parsed) == 1 else text
+
+
+def parse_set(item: str) -> dict:
+    """"engine.lanes=8" -> {"engine": {"lanes": 8}}."""
+    key, eq, value = item.partition("=")
+    table, dot, name = key.strip().partition(".")
+    if not eq or not dot or not table or not name:
+        raise ConfigError(f"--set {item!r}: expected table.key=value")
+    return {table: {name: toml_value(value.strip())}}
 
 
 def _coerce(source: str, key: str, value: Any, default: Any) -> Any:
+    """`value` as the type of `default`: TOML and Python values as they are (an int where a float
+    is wanted is taken), never text parsed into a number."""
     kind = type(default)
     if kind is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{source}: '{key}' should be a list of strings, got {value!r}")
         return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if kind in (int, float) and isinstance(value, str):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{source}: '{key}' should be {kind.__name__}, got {value!r}")
     return value
+
+
+def _check(source: str, table: str, key: str, value: Any) -> None:
+    """The value's range or choices, naming `source` and the setting."""
+    allowed = _CHOICES.get((table, key))
+    if allowed and value not in allowed:
+        raise ConfigError(f"{source}: '{table}.{key}' = {value!r} is not one of "
+                          f"{', '.join(allowed)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: '{table}.{key}' = {value!r} should be a finite number")
+    if (table, key) in _RANGES:
+        low, high, low_open = _RANGES[(table, key)]
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bound = f"above {low}" if low_open else f"at least {low}"
+            bound += f" and at most {high}" if high is not None else ""
+            raise ConfigError(f"{source}: '{table}.{key}' = {value!r} should be {bound}")

@@ -23,13 +23,34 @@ SPECIAL = [BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, END]  # ids 0..6 in this orde
 
 # <|bos|>, then each turn as <|role|>text<|end|> and a newline; the prompt for a reply ends in
 # <|assistant|>. The model learns this layout from the chat-shaped samples in its training data.
+# Tools (not trained on, but a client's tool loop renders): offered tools go in a system turn
+# first; an assistant's calls follow its text as <tool_call>{"name": ..., "arguments": {...}}
+# </tool_call> (the Hermes format, which the server then parses); a tool result is a user turn
+# holding <tool_response>RESULT</tool_response>. A chat without tools renders as before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>You may call these tools. To call one, answer with <tool_call>{\"name\": "
+    "NAME, \"arguments\": {...}}</tool_call>.\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '<|end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unsupported role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' + '\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response><|end|>\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ (arguments | tojson) if arguments is mapping else arguments }}"
+    "{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

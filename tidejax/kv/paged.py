@@ -1,5 +1,5 @@
-"""Device side of the paged KV pool: writes at a sequence's positions, reads of its own pages, and
-attention over them.
+"""Device side of the paged KV pool: writes at a sequence's positions and attention over its own
+pages.
 
 A pool leaf is [n_pages, page_size, ...]; a step's block table [b, P] lists each row's pages in
 order (P is the step's bucket, tidejax.kv.pages.page_bucket: what its longest row holds), so reads
@@ -8,13 +8,9 @@ and attention cost what the sequences hold, never the pool or max_context.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from tidejax.pallas import paged_mla_decode
-
-HIGHEST = jax.lax.Precision.HIGHEST
-QUERY_BLOCK = 256  # prefill queries attended at once: bounds the [h, queries, keys] scores
+from tidejax.pallas import paged_mla_decode, paged_mla_prefill
 
 
 def token_slots(block_table, positions, mask, n_pages: int, page_size: int):
@@ -36,44 +32,16 @@ def write(pool, values, slots):
     return flat.reshape(pool.shape)
 
 
-def gather(pool, block_table):
-    """pool [n_pages, page_size, ...], block_table [b, P] -> [b, P * page_size, ...]: each row's
-    positions 0.. in order."""
-    pages = pool[block_table]  # [b, P, page_size, ...]
-    return pages.reshape(pages.shape[0], -1, *pool.shape[2:])
-
-
 def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,
                   scale: float, impl: str = "auto"):
     """Multi-head latent attention over each row's pages: q_latent [b, t, h, c] (kv_b absorbed),
     q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
-    latent [b, t, h, c] in the queries' dtype. Decode (t = 1) goes to the paged decode kernel
-    (`impl` picks it or its reference: the pages a row holds, no more); a prefill chunk gathers
-    its row's pages."""
+    latent [b, t, h, c] in the queries' dtype. Decode (t = 1) goes to the paged decode kernel,
+    a prompt chunk to the paged prefill kernel (`impl` picks each kernel or its reference: the
+    pages a row holds, no more)."""
     if q_latent.shape[1] == 1:
         out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
                                block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
         return out[:, None].astype(q_latent.dtype)
-    latent, rope = gather(latent_pages, block_table), gather(rope_pages, block_table)  # [b, s, c|r]
-    t = q_latent.shape[1]
-    if t <= QUERY_BLOCK or t % QUERY_BLOCK:
-        return _attend(q_latent, q_rope, latent, rope, positions, scale)
-    # a long chunk attends a block of queries at a time: [b, h, QUERY_BLOCK, s] scores at most
-    blocks = t // QUERY_BLOCK
-
-    def split(x):  # [b, t, ...] -> [blocks, b, QUERY_BLOCK, ...]
-        return jnp.moveaxis(x.reshape(x.shape[0], blocks, QUERY_BLOCK, *x.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda q: _attend(*q[:2], latent, rope, q[2], scale),
-                      (split(q_latent), split(q_rope), split(positions)))
-    return jnp.moveaxis(out, 0, 1).reshape(q_latent.shape)
-
-
-def _attend(q_latent, q_rope, latent, rope, positions, scale):
-    """Softmax attention of queries [b, t, h, c|r] at positions [b, t] over a row's gathered
-    positions latent [b, s, c], rope [b, s, r] (a query sees positions <= its own)."""
-    scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent, precision=HIGHEST)
-              + jnp.einsum("bthr,bsr->bhts", q_rope, rope, precision=HIGHEST))
-    scores = scores.astype(jnp.float32) * scale
-    visible = jnp.arange(latent.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, s]
-    probs = jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhts,bsc->bthc", probs.astype(q_latent.dtype), latent, precision=HIGHEST)
+    return paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, positions,
+                             scale=float(scale), impl=impl)

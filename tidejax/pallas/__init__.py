@@ -1,6 +1,7 @@
 """GPU kernels (Pallas) behind plain functions, each with a jnp reference that runs everywhere."""
 
-from tidejax.pallas.attention import paged_mla_decode, paged_mla_decode_reference
+from tidejax.pallas.attention import (paged_mla_decode, paged_mla_decode_reference, paged_mla_prefill,
+                                      paged_mla_prefill_reference)
 from tidejax.pallas.bank import bank_dims, bank_format
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped, moe_grouped_reference
@@ -14,4 +15,6 @@ __all__ = [
     "moe_grouped_reference",
     "paged_mla_decode",
     "paged_mla_decode_reference",
+    "paged_mla_prefill",
+    "paged_mla_prefill_reference",
 ]

@@ -24,7 +24,11 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    seedmap.write(seed, args.out)
+    try:
+        seedmap.write(seed, args.out)
+    except OSError as e:
+        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     n_layers, n_experts = history.shape
     total = history.counts.sum()
     kept = history.counts.reshape(-1)[seed["rows"]].sum()

@@ -18,11 +18,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tidejax.config import MISS_POLICIES
 from tidejax.pallas import Demand, moe_grouped
+from tidejax.pallas.dispatch import IMPLS
+from tidejax.pallas.moe import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
 from tidejax.residency.state import ExpertState, fetch_row, write_row
-
-MISS_POLICIES = ("exact", "substitute", "ring")
-KERNELS = ("auto", "pallas", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +38,8 @@ class ServeOptions:
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"miss_policy={self.miss_policy!r}, expected one of {MISS_POLICIES}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel={self.kernel!r}, expected one of {KERNELS}")
+        if self.kernel not in IMPLS:
+            raise ValueError(f"kernel={self.kernel!r}, expected one of {IMPLS}")
 
 
 def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, state: ExpertState,

@@ -128,7 +128,10 @@ class Engine:
             self._calibrate()
         self.trace_dir = config.engine.trace_dir
         if self.trace_dir:
-            jax.profiler.start_trace(self.trace_dir)
+            # no Python tracer: its events (compilation, mostly) would crowd out the regions
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0
+            jax.profiler.start_trace(self.trace_dir, profiler_options=options)
             atexit.register(self.close)
             log.info("writing a JAX profiler trace to %s (regions: prefill, decode, drain, plan, "
                      "swap)", self.trace_dir)

@@ -12,46 +12,47 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
-from tidejax.config import EngineConfig
-from tidejax.runtime.client import LocalEngineClient
+from tidejax.checkpoint.safetensors_io import CheckpointError
+from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.fields import ConfigError
+from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")
-
-
-def parse_set(items: list[str]) -> dict:
-    """["engine.lanes=8", ...] -> {"engine": {"lanes": "8"}} (the profile types the strings)."""
-    tables: dict = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        table, dot, name = key.strip().partition(".")
-        if not eq or not dot or not table or not name:
-            raise ConfigError(f"--set {item!r}: expected table.key=value")
-        tables.setdefault(table, {})[name] = value.strip()
-    return tables
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
-    overrides = parse_set(args.set)
-    server = overrides.setdefault("server", {})
-    if args.host is not None:
-        server["host"] = args.host
-    if args.port is not None:
-        server["port"] = args.port
-    if args.trace_dir is not None:
-        overrides.setdefault("engine", {})["trace_dir"] = args.trace_dir
+    """The profile, then each --set, --host, --port and --trace-dir on top; an error names the
+    argument that gave the value (or the profile file)."""
     config = EngineConfig.from_toml(resolve_profile(args.profile))
-    return config.with_overrides(overrides)
+    for item in args.set:
+        config = config.with_overrides(parse_set(item), source=f"--set {item}")
+    for flag, table, key, value in (("--host", "server", "host", args.host),
+                                    ("--port", "server", "port", args.port),
+                                    ("--trace-dir", "engine", "trace_dir", args.trace_dir)):
+        if value is not None:
+            config = config.with_overrides({table: {key: value}}, source=f"{flag} {value}")
+    return config
 
 
 def bind_host(config: EngineConfig) -> str:
-    """The configured host; without one, loopback unless API keys protect the server."""
-    return config.server.host or ("0.0.0.0" if api_keys(config) else "127.0.0.1")
+    """The configured host, else loopback (API keys never widen it)."""
+    return config.server.host or "127.0.0.1"
+
+
+def keys_line(config: EngineConfig) -> str:
+    n = len(api_keys(config))
+    env = config.server.api_keys_env
+    if n:
+        return f"API keys on ({n} from server.api_keys and ${env or '(no variable)'})"
+    return (f"API keys off: every route is open (set ${env} or server.api_keys)" if env
+            else "API keys off: every route is open (server.api_keys_env is empty)")
 
 
 async def serve(config: EngineConfig) -> None:
@@ -60,8 +61,8 @@ async def serve(config: EngineConfig) -> None:
     await runner.setup()
     host, port = bind_host(config), config.server.port
     await web.TCPSite(runner, host, port).start()
-    log.info("listening on http://%s:%d (loading %s from %s)", host, port, server.name,
-             config.model.path)
+    log.info("listening on http://%s:%d, %s; loading %s from %s", host, port, keys_line(config),
+             server.name, config.model.path)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -72,8 +73,11 @@ async def serve(config: EngineConfig) -> None:
         client = LocalEngineClient(await loop.run_in_executor(None, Engine, config))
         await client.start()
         server.attach(client)
-        log.info("ready: %s, %d lanes, context %d", server.name, client.info.lanes,
-                 client.info.max_context)
+        context = client.info.max_context
+        clamped = (f" (engine.max_context {config.engine.max_context} is above the model's "
+                   f"limit)" if context < config.engine.max_context else "")
+        log.info("ready on http://%s:%d: %s, %d lanes, context %d%s", host, port, server.name,
+                 client.info.lanes, context, clamped)
         await stop.wait()
     finally:
         log.info("shutting down")
@@ -82,22 +86,42 @@ async def serve(config: EngineConfig) -> None:
             client.stop()  # writes the profiler trace, when one runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tidejax.server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _profiles() -> str:
+    """configs/*.toml by name, each with the first line of its header comment."""
+    lines = []
+    for path in sorted(CONFIGS.glob("*.toml")):
+        head = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines()
+                     if ln.startswith("#")), "")
+        lines.append(f"  {path.stem:<12} {head}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tidejax.server", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"profiles ({CONFIGS}):\n{_profiles()}\n\nAPI keys: server.api_keys in the profile "
+               f"and the comma-separated keys in ${API_KEYS_ENV} (the variable "
+               "server.api_keys_env names); without any, every route is open. The server binds "
+               "127.0.0.1 unless --host (or server.host) says otherwise.")
     parser.add_argument("--profile", default="default",
                         help="a profile name (configs/NAME.toml) or a path to a .toml")
     parser.add_argument("--host", help="address to bind (overrides server.host)")
     parser.add_argument("--port", type=int, help="port to bind (overrides server.port)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="override one profile setting; repeatable")
+                        help="override one profile setting (a TOML value, else a string); "
+                             "repeatable")
     parser.add_argument("--trace-dir", help="write a JAX profiler trace here (engine.trace_dir)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         config = load_config(args)
         asyncio.run(serve(config))
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -1,8 +1,12 @@
 """The aiohttp application: short route functions over one `Server` (state, auth, metrics), one
-middleware that checks the key and maps every exception to the route's error shape."""
+middleware that checks the key and maps every exception to the route's error shape. A request's
+body is parsed and its prompt rendered and tokenized on worker threads, never on the event loop
+(/health answers while a large body is read)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hmac
 import logging
 import os
@@ -19,6 +23,8 @@ from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import (ChatInput, GenerationOptions, parse_chat, parse_completion,
                                     parse_json, parse_messages)
+
+PREPARE_THREADS = 4  # requests parsed and tokenized at once
 from tidejax.text.toolcalls import OutputParser
 
 log = logging.getLogger("tidejax.server")
@@ -45,6 +51,12 @@ class Server:
         self.started = time.time()
         self.client: EngineClient | None = None
         self.model: ServedModel | None = None
+        self.workers = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
+                                                             thread_name_prefix="tidejax-prepare")
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on a worker thread (JSON parsing, templates, tokenization)."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
     def attach(self, client: EngineClient) -> None:
         self.client = client
@@ -82,6 +94,7 @@ class Server:
                           options, max_new)
 
     def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
+        """The generation and output parser of a chat request (on a worker thread)."""
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
         max_new = model.budget(len(prompt_ids), chat.options)
@@ -108,40 +121,82 @@ async def api_middleware(request: web.Request, handler):
     return response
 
 
+def _chat(server: Server, raw: bytes, parse, prefix: str):
+    chat = parse(parse_json(raw))
+    return (chat, *server.chat_generation(chat, prefix))
+
+
+def _completion(server: Server, raw: bytes):
+    body = parse_completion(parse_json(raw))
+    model = server.ready_model(body.model)
+    prompt_ids = model.completion_prompt(body.prompt)
+    max_new = model.budget(len(prompt_ids), body.options)
+    return body, server.generation("cmpl-", prompt_ids, body.options, max_new)
+
+
+def _count(server: Server, raw: bytes) -> int:
+    chat = parse_messages(parse_json(raw), count_only=True)
+    return len(server.ready_model(chat.model).chat_prompt(chat)[0])
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    chat = parse_chat(parse_json(await request.read()))
-    gen, parser = request.app[SERVER].chat_generation(chat, "chatcmpl-")
-    return await openai_api.chat_completion(request, gen, parser, chat.stream)
+    server = request.app[SERVER]
+    chat, gen, parser = await server.off_loop(_chat, server, await request.read(), parse_chat,
+                                              "chatcmpl-")
+    return await openai_api.chat_completion(request, gen, parser, chat.stream, chat.include_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    body = parse_completion(parse_json(await request.read()))
-    model = server.ready_model(body.model)
-    prompt_ids = model.completion_prompt(body.prompt)
-    max_new = model.budget(len(prompt_ids), body.options)
-    gen = server.generation("cmpl-", prompt_ids, body.options, max_new)
-    return await openai_api.completion(request, gen, body.stream)
+    body, gen = await server.off_loop(_completion, server, await request.read())
+    return await openai_api.completion(request, gen, body.stream, body.include_usage)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    chat = parse_messages(parse_json(await request.read()))
-    gen, parser = request.app[SERVER].chat_generation(chat, "msg_")
+    server = request.app[SERVER]
+    chat, gen, parser = await server.off_loop(_chat, server, await request.read(),
+                                              parse_messages, "msg_")
     return await anthropic_api.message(request, gen, parser, chat.stream)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt's length under the chat template."""
-    chat = parse_messages(parse_json(await request.read()), count_only=True)
-    prompt_ids, _ = request.app[SERVER].ready_model(chat.model).chat_prompt(chat)
-    return web.json_response({"input_tokens": len(prompt_ids)})
+    server = request.app[SERVER]
+    return web.json_response({"input_tokens": await server.off_loop(
+        _count, server, await request.read())})
+
+
+def _model_object(server: Server, anthropic: bool) -> dict:
+    """The served model as OpenAI lists it, or as Anthropic does (a request that sends
+    `anthropic-version`, as the anthropic SDK does)."""
+    if anthropic:
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.started))
+        return {"type": "model", "id": server.name, "display_name": server.name,
+                "created_at": created}
+    return {"id": server.name, "object": "model", "created": int(server.started),
+            "owned_by": "tidejax", "status": server.status}
 
 
 async def models(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    return web.json_response({"object": "list", "data": [{
-        "id": server.name, "object": "model", "created": int(server.started),
-        "owned_by": "tidejax", "status": server.status}]})
+    anthropic = "anthropic-version" in request.headers
+    data = [_model_object(server, anthropic)]
+    if anthropic:
+        return web.json_response({"data": data, "has_more": False, "first_id": server.name,
+                                  "last_id": server.name})
+    return web.json_response({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model, else 404 naming the one served."""
+    server = request.app[SERVER]
+    anthropic = "anthropic-version" in request.headers
+    name = request.match_info["id"]
+    if name != server.name:
+        err = APIError(404, f"model {name!r} is not served here (this server serves "
+                            f"{server.name!r})", param="model", code="model_not_found")
+        return error_response(err, "anthropic" if anthropic else "openai")
+    return web.json_response(_model_object(server, anthropic))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -165,11 +220,17 @@ def build_app(server: Server) -> web.Application:
     app = web.Application(middlewares=[api_middleware],
                           client_max_size=server.config.server.max_body_bytes)
     app[SERVER] = server
+
+    async def stop_workers(_: web.Application) -> None:
+        server.workers.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_workers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{id}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -40,8 +40,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(499, "the client closed the connection")
     if isinstance(exc, web.HTTPException):
         return APIError(exc.status, exc.reason or str(exc))
-    log.exception("internal error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    log.error("internal error", exc_info=exc)
+    return APIError(500, "internal error (the server's log has the details)")
 
 
 def error_body(err: APIError, dialect: str) -> dict:

@@ -49,18 +49,18 @@ class ServedModel:
     def chat_prompt(self, chat: ChatInput) -> tuple[list[int], bool]:
         """Token ids of the rendered conversation, and whether the output starts inside a
         `<think>` block (the template opened it)."""
-        template, tool_format = self.info.chat_template, self.info.tool_format
-        if template is None:
+        tool_format = self.info.tool_format
+        if self.info.chat_template is None:
             raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions")
         messages = chat.messages
         if tool_format is not None and tool_format.arguments_as_dict:
             messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
         try:
-            text = template.render(messages, tools=chat.tools, add_generation_prompt=True,
-                                   **chat.template_kwargs)
+            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools,
+                                                        **chat.template_kwargs)
         except TemplateRenderError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.info.tokenizer.encode(text, add_special_tokens=False), starts_in_reasoning(text)
+        return ids, starts_in_reasoning(text)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -171,7 +171,9 @@ class Generation:
                                                              self.completion_tokens)
                 else:
                     self.finish_reason = "error"
-                    raise APIError(500, f"engine error: {event.message}")
+                    log.error("%s: engine error: %s", self.id, event.message)
+                    raise APIError(500, "the engine failed on this request (the server's log "
+                                        "has the details)")
         finally:
             stream.cancel()  # a no-op when the stream has ended
             self._record(time.perf_counter() - started)

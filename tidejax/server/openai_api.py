@@ -1,6 +1,7 @@
 """OpenAI routes: /v1/chat/completions, /v1/completions (streaming by server-sent events or
-not). A stream ends with a chunk whose `choices` is empty and which carries `usage` and the
-engine's own `x_engine_stats` (prefill and decode tok/s, cold share), then `data: [DONE]`."""
+not). A stream asked for with `stream_options.include_usage` ends with a chunk whose `choices`
+is empty and which carries `usage` and the engine's own `x_engine_stats` (prefill and decode
+tok/s, cold share); every stream ends with `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _tool_calls(calls: list[ToolCall]) -> list[dict]:
 
 
 async def chat_completion(request: web.Request, gen: Generation, parser: OutputParser,
-                          stream: bool) -> web.StreamResponse:
+                          stream: bool, include_usage: bool) -> web.StreamResponse:
     created = int(time.time())
     head = {"id": gen.id, "created": created, "model": gen.model.name}
     if not stream:
@@ -72,15 +73,17 @@ async def chat_completion(request: web.Request, gen: Generation, parser: OutputP
             await sse.send(chunk({"tool_calls": [
                 {"index": i, **call} for i, call in enumerate(_tool_calls(calls))]}))
         await sse.send(chunk({}, _finish_reason(gen, calls)))
-        await sse.send({**head, "object": "chat.completion.chunk", "choices": [],
-                        "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
+        if include_usage:
+            await sse.send({**head, "object": "chat.completion.chunk", "choices": [],
+                            "usage": _usage(gen), "x_engine_stats": gen.engine_stats})
         await sse.send("[DONE]")
     except Exception as e:
         return await sse.fail(e, "openai")
     return sse.response
 
 
-async def completion(request: web.Request, gen: Generation, stream: bool) -> web.StreamResponse:
+async def completion(request: web.Request, gen: Generation, stream: bool,
+                     include_usage: bool) -> web.StreamResponse:
     head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
             "model": gen.model.name}
 
@@ -102,8 +105,9 @@ async def completion(request: web.Request, gen: Generation, stream: bool) -> web
             async for text in texts:
                 await sse.send({**head, "choices": [choice(text, None)]})
         await sse.send({**head, "choices": [choice("", finish())]})
-        await sse.send({**head, "choices": [], "usage": _usage(gen),
-                        "x_engine_stats": gen.engine_stats})
+        if include_usage:
+            await sse.send({**head, "choices": [], "usage": _usage(gen),
+                            "x_engine_stats": gen.engine_stats})
         await sse.send("[DONE]")
     except Exception as e:
         return await sse.fail(e, "openai")

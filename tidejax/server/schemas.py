@@ -13,6 +13,34 @@ from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
+# caps on what one request may carry (each check names its field)
+MAX_DEPTH = 64  # nesting of objects and arrays in a body
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_STOP = 16  # stop sequences
+MAX_STOP_CHARS = 256  # characters of one stop sequence
+
+# chat_template_kwargs the server passes itself (or the template's own special tokens)
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt",
+                            "bos_token", "eos_token", "unk_token", "pad_token")
+
+# Parameters this server does not implement: each one's values that ask for nothing (what the
+# server does anyway). Any other value is refused with a 400 naming every such parameter.
+_SAMPLING_NEUTRAL = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "min_p": (0,), "logit_bias": ({},), "n": (1,), "best_of": (1,), "use_beam_search": (False,),
+    "length_penalty": (1,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
+}
+UNSUPPORTED = {
+    "chat": {**_SAMPLING_NEUTRAL, "logprobs": (False,), "top_logprobs": (0,),
+             "reasoning_effort": (), "parallel_tool_calls": (True,), "prediction": (),
+             "audio": (), "modalities": (["text"],), "web_search_options": ()},
+    "completion": {**_SAMPLING_NEUTRAL, "logprobs": (), "echo": (False,), "suffix": ("",)},
+    "messages": {"mcp_servers": ([],), "container": ()},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationOptions:
@@ -34,6 +62,7 @@ class ChatInput:
     template_kwargs: dict
     options: GenerationOptions
     stream: bool
+    include_usage: bool = False  # a stream's last chunk carries the usage (OpenAI stream_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +71,7 @@ class CompletionInput:
     prompt: str | list[int]
     options: GenerationOptions
     stream: bool
+    include_usage: bool = False
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
@@ -84,10 +114,59 @@ class Fields:
 
 
 def parse_json(text: bytes) -> Fields:
+    """The body as an object, every string in it valid Unicode (no lone surrogates) and no deeper
+    than MAX_DEPTH."""
     try:
-        return Fields(json.loads(text))
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"request body is nested deeper than {MAX_DEPTH} levels") from None
+    stack = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise APIError(400, f"request body is nested deeper than {MAX_DEPTH} levels "
+                                    f"(at '{where or 'body'}')", param=where or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):  # checked before it names a field in a message
+                    _unicode(key, where or "body", "a key")
+                    path = f"{where}.{key}" if where else key
+                else:
+                    path = f"{where}[{key}]"
+                stack.append((item, path, depth + 1))
+        elif isinstance(value, str):
+            _unicode(value, where or "body", "text")
+    return Fields(body)
+
+
+def _unicode(text: str, where: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{where}' holds {what} with a lone UTF-16 surrogate (not valid "
+                            "Unicode)", param=where) from None
+
+
+def refuse_unsupported(body: Fields, route: str) -> None:
+    """A 400 naming every parameter in UNSUPPORTED[route] given with a value that asks for
+    something this server does not do."""
+    asked = [(name, body.raw[name]) for name, neutral in UNSUPPORTED[route].items()
+             if body.raw.get(name) is not None
+             and not any(_same(body.raw[name], n) for n in neutral)]
+    if asked:
+        listed = ", ".join(f"'{name}' = {json.dumps(value)[:40]}" for name, value in asked)
+        raise APIError(400, f"not supported by this server: {listed} (leave "
+                            f"{'it' if len(asked) == 1 else 'them'} out)", param=asked[0][0])
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal and of one JSON kind (false is not 0; 1 and 1.0 are one number)."""
+    def kind(v):
+        return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)
+    return kind(value) == kind(neutral) and value == neutral
 
 
 def _max_tokens(body: Fields, *names: str, required: bool = False) -> tuple[int | None, str]:
@@ -110,7 +189,30 @@ def _stop(body: Fields, name: str) -> tuple[str, ...]:
     if not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, f"'{name}' should be a string or an array of non-empty strings",
                        param=name)
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"'{name}' has {len(stop)} sequences; at most {MAX_STOP}", param=name)
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'{name}': a stop sequence is longer than {MAX_STOP_CHARS} "
+                            "characters", param=name)
     return stop
+
+
+def _list(body: Fields, name: str, cap: int, required: bool = False) -> list | None:
+    value = body.get(name, list, required=required)
+    if value is not None and len(value) > cap:
+        raise APIError(400, f"'{name}' has {len(value)} entries; at most {cap}", param=name)
+    return value
+
+
+def _include_usage(body: Fields, stream: bool) -> bool:
+    """OpenAI's stream_options.include_usage: a last chunk with the usage (and x_engine_stats)."""
+    options = body.get("stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
+                       param="stream_options")
+    return Fields(options, "stream_options.").get("include_usage", bool, False)
 
 
 def _options(body: Fields, max_tokens: tuple[int | None, str],
@@ -119,9 +221,6 @@ def _options(body: Fields, max_tokens: tuple[int | None, str],
     if top_k < -1:
         raise APIError(400, f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
                        param="top_k")
-    n = body.get("n", int, 1)
-    if n != 1:
-        raise APIError(400, f"'n' = {n}: only one choice per request is supported", param="n")
     sampling = SamplingParams(temperature=body.number("temperature", 1.0, 0.0, 2.0),
                               top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
                               top_k=max(top_k, 0), seed=body.get("seed", int))
@@ -148,7 +247,7 @@ def _text_content(content: Any, param: str, parts_type: str = "text") -> str:
 
 
 def _openai_tools(body: Fields) -> list[dict] | None:
-    tools = body.get("tools", list)
+    tools = _list(body, "tools", MAX_TOOLS)
     choice = body.get("tool_choice", (str, dict), "auto")
     if choice not in ("auto", "none"):
         raise APIError(400, f"'tool_choice' = {json.dumps(choice)} is not supported (auto, "
@@ -193,28 +292,44 @@ def _openai_message(raw: Any, i: int) -> dict:
     return out
 
 
-def parse_chat(body: Fields) -> ChatInput:
-    messages = body.get("messages", list, required=True)
+def _template_kwargs(body: Fields) -> dict:
+    kwargs = body.get("chat_template_kwargs", dict, {})
+    for name in RESERVED_TEMPLATE_KWARGS:
+        if name in kwargs:
+            raise APIError(400, f"'chat_template_kwargs.{name}' is set by the server (send "
+                                f"{'it as the request field' if name in ('messages', 'tools') else 'no such key'})",
+                           param=f"chat_template_kwargs.{name}")
+    return kwargs
+
+
+def _messages(body: Fields) -> list:
+    messages = _list(body, "messages", MAX_MESSAGES, required=True)
     if not messages:
         raise APIError(400, "'messages' should not be empty", param="messages")
-    kwargs = body.get("chat_template_kwargs", dict, {})
+    return messages
+
+
+def parse_chat(body: Fields) -> ChatInput:
+    refuse_unsupported(body, "chat")
+    messages = _messages(body)
+    kwargs = _template_kwargs(body)
+    stream = body.get("stream", bool, False)
     response_format = Fields(body.get("response_format", dict, {}), "response_format.")
     if response_format.get("type", str, "text") != "text":
         raise APIError(400, "'response_format.type' = "
                             f"{response_format.raw['type']!r} is not supported (text): the engine "
                             "does not constrain decoding", param="response_format.type")
-    if body.raw.get("logprobs") or body.raw.get("top_logprobs"):
-        raise APIError(400, "'logprobs' is not supported", param="logprobs")
     return ChatInput(
         model=body.get("model", str, required=True),
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
         tools=_openai_tools(body), template_kwargs=kwargs,
         options=_options(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
                          _stop(body, "stop")),
-        stream=body.get("stream", bool, False))
+        stream=stream, include_usage=_include_usage(body, stream))
 
 
 def parse_completion(body: Fields) -> CompletionInput:
+    refuse_unsupported(body, "completion")
     prompt = body.get("prompt", (str, list), required=True)
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
@@ -222,13 +337,11 @@ def parse_completion(body: Fields) -> CompletionInput:
         elif not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise APIError(400, "'prompt' should be a string, or one array of token ids",
                            param="prompt")
-    for name in ("logprobs", "suffix", "echo", "best_of"):
-        if body.raw.get(name) not in (None, False, 1 if name == "best_of" else None):
-            raise APIError(400, f"'{name}' is not supported", param=name)
+    stream = body.get("stream", bool, False)
     return CompletionInput(
         model=body.get("model", str, required=True), prompt=prompt,
         options=_options(body, _max_tokens(body, "max_tokens"), _stop(body, "stop")),
-        stream=body.get("stream", bool, False))
+        stream=stream, include_usage=_include_usage(body, stream))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +398,7 @@ def _anthropic_messages(system: Any, messages: list) -> list[dict]:
 
 
 def _anthropic_tools(body: Fields) -> list[dict] | None:
-    tools = body.get("tools", list)
+    tools = _list(body, "tools", MAX_TOOLS)
     choice = Fields(body.get("tool_choice", dict, {"type": "auto"}), "tool_choice.")
     kind = choice.get("type", str, required=True)
     if kind not in ("auto", "none"):
@@ -305,9 +418,8 @@ def _anthropic_tools(body: Fields) -> list[dict] | None:
 
 def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
     """A Messages request; `count_only` (POST /v1/messages/count_tokens) needs no max_tokens."""
-    messages = body.get("messages", list, required=True)
-    if not messages:
-        raise APIError(400, "'messages' should not be empty", param="messages")
+    refuse_unsupported(body, "messages")
+    messages = _messages(body)
     thinking = Fields(body.get("thinking", dict, {}), "thinking.").get("type", str)
     kwargs = {} if thinking is None else {"thinking": thinking == "enabled",
                                           "enable_thinking": thinking == "enabled"}

@@ -5,7 +5,7 @@ named templates) or in chat_template.jinja. Templates are untrusted code from th
 publisher, so they run in jinja2's immutable sandbox with the helpers transformers provides
 (`raise_exception`, `tojson`, `strftime_now`, the `{% generation %}` tag) and the same
 whitespace options (trim_blocks, lstrip_blocks). `Engine.generate(messages)` and the server both
-render through `ChatTemplate.render`.
+render through `Tokenizer.chat_prompt`, which keeps special-token text in their strings as text.
 """
 
 from __future__ import annotations

@@ -76,9 +76,17 @@ class DeepseekV3Config:
         if n_routed % n_group:
             raise ConfigError(f"{source}: field 'n_group' = {n_group} does not divide "
                               f"n_routed_experts = {n_routed}")
-        scoring = f.opt("scoring_func", "sigmoid", str)
-        if scoring not in ("sigmoid", "softmax"):
-            raise ConfigError(f"{source}: field 'scoring_func' = {scoring!r} is not supported")
+        # DeepSeek-V2 routes by softmax (transformers' DeepseekV2TopkRouter has no other scoring),
+        # and its published configs name no scoring_func; V3 and Kimi K2 by sigmoid
+        v2 = f.req("model_type", str) == "deepseek_v2"
+        scoring = f.opt("scoring_func", "softmax" if v2 else "sigmoid", str)
+        if scoring not in (("softmax",) if v2 else ("sigmoid", "softmax")):
+            raise ConfigError(f"{source}: field 'scoring_func' = {scoring!r} is not supported"
+                              + (" (DeepSeek-V2 routes by softmax)" if v2 else ""))
+        topk_method = f.opt("topk_method", "noaux_tc" if scoring == "sigmoid" else "greedy", str)
+        if topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ConfigError(f"{source}: field 'topk_method' = {topk_method!r} is not supported "
+                              "(noaux_tc, greedy, group_limited_greedy)")
         act = f.opt("hidden_act", "silu", str)
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (silu)")
@@ -108,10 +116,10 @@ class DeepseekV3Config:
             moe_layer_freq=f.opt("moe_layer_freq", 1),
             n_group=n_group,
             topk_group=f.opt("topk_group", 1) or 1,
-            norm_topk_prob=f.opt("norm_topk_prob", True, bool),
+            norm_topk_prob=f.opt("norm_topk_prob", not v2, bool),
             routed_scaling_factor=f.opt("routed_scaling_factor", 1.0, float),
             scoring_func=scoring,
-            topk_method=f.opt("topk_method", "noaux_tc" if scoring == "sigmoid" else "greedy", str),
+            topk_method=topk_method,
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
             num_mtp_layers=f.opt("num_nextn_predict_layers", f.opt("num_mtp_layers", 0)),
             hidden_act=act,

@@ -52,9 +52,12 @@ class MLACache:
 
 
 def router_spec(cfg: DeepseekV3Config) -> RouterSpec:
+    """noaux_tc: groups ranked by their top-2 biased scores; group_limited_greedy: by their best
+    score; greedy: plain top-k over every expert (n_group is then not a limit)."""
+    grouped = cfg.topk_method != "greedy"
     return RouterSpec(
         n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
-        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        n_group=cfg.n_group if grouped else 1, topk_group=cfg.topk_group if grouped else 1,
         group_score="top2_sum" if cfg.topk_method == "noaux_tc" else "max",
         use_bias=cfg.topk_method == "noaux_tc", norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor)

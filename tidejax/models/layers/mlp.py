@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from tidejax.models.layers.linear import Linear, linear_specs
+from tidejax.residency.serve import swiglu  # the routed experts' kernels' own definition
 
 
 def swiglu_specs(hidden: int, intermediate: int, dtype) -> dict:
@@ -17,13 +17,6 @@ def swiglu_specs(hidden: int, intermediate: int, dtype) -> dict:
     up = linear_specs(intermediate, hidden, ("ffw", "embed"), dtype)
     return {"gate_proj": up, "up_proj": up,
             "down_proj": linear_specs(hidden, intermediate, ("embed", "ffw"), dtype)}
-
-
-def swiglu(gate, up, limit: float = 0.0):
-    """silu(gate) * up; with limit > 0, gate <= limit and |up| <= limit first."""
-    if limit > 0:
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
 
 
 class SwiGLU(nn.Module):

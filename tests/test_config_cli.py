@@ -1,0 +1,132 @@
+"""Profiles and the command line: --set values as TOML values, one key source for every profile,
+loopback unless --host, every bad setting a one-line error naming the setting and whoever gave
+it (profile file or command-line argument), profile paths relative to the profile, --help."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
+from tidejax.fields import ConfigError
+from tidejax.residency import __main__ as residency_cli
+from tidejax.residency.history import History
+from tidejax.server import __main__ as server_cli
+from tidejax.server.app import api_keys
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILES = sorted((REPO / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("text,value", [
+    ('["a","b"]', ["a", "b"]), ("[]", []), ("8", 8), ("0.5", 0.5), ("true", True),
+    ('"quoted"', "quoted"), ("exact", "exact"), ("127.0.0.1:1234", "127.0.0.1:1234"),
+    ("/models/x y", "/models/x y"), ("a = 1", "a = 1"),
+])
+def test_set_values_are_toml_where_they_parse(text, value):
+    got = parse_set(f"table.key={text}")["table"]["key"]
+    assert got == value and type(got) is type(value)
+
+
+def config_of(*argv: str) -> EngineConfig:
+    return server_cli.load_config(server_cli.build_parser().parse_args(["--profile", "tiny", *argv]))
+
+
+def test_api_keys_from_set_and_from_the_variable_in_every_profile(monkeypatch):
+    assert config_of("--set", 'server.api_keys=["a","b"]').server.api_keys == ("a", "b")
+    assert config_of("--set", "server.api_keys=[]").server.api_keys == ()
+    with pytest.raises(ConfigError, match=r"^--set server.api_keys=a: 'server.api_keys' should "
+                                          "be a list of strings"):
+        config_of("--set", "server.api_keys=a")
+    monkeypatch.setenv(API_KEYS_ENV, "secret, other")
+    for path in PROFILES:
+        config = EngineConfig.from_toml(path)
+        assert api_keys(config) == ("secret", "other"), path.name
+        assert server_cli.bind_host(config) == "127.0.0.1", path.name  # keys never widen it
+        assert "API keys on (2" in server_cli.keys_line(config)
+    monkeypatch.delenv(API_KEYS_ENV)
+    assert "API keys off" in server_cli.keys_line(EngineConfig.from_toml(PROFILES[0]))
+    assert server_cli.bind_host(config_of("--host", "10.0.0.2")) == "10.0.0.2"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "engine.lanes=0"], "--set engine.lanes=0: 'engine.lanes' = 0 should be at least 1"),
+    (["--set", "engine.max_context=0"], "'engine.max_context' = 0 should be at least 1"),
+    (["--port", "99999"], "--port 99999: 'server.port' = 99999 should be at least 1 and at most "
+                          "65535"),
+    (["--set", "residency.budget_experts=-1"], "'residency.budget_experts' = -1 should be at "
+                                               "least 0"),
+    (["--set", "residency.budget_gib=-0.5"], "'residency.budget_gib' = -0.5"),
+    (["--set", "residency.half_life=nan"], "--set residency.half_life=nan: "
+                                           "'residency.half_life' = nan should be a finite number"),
+    (["--set", "residency.half_life=0"], "'residency.half_life' = 0.0 should be above 0"),
+    (["--set", "residency.miss_policy=guess"], "'residency.miss_policy' = 'guess' is not one of"),
+    (["--set", "engine.lanes=many"], "--set engine.lanes=many: 'engine.lanes' should be int"),
+    (["--set", "engine.lanes=8", "--set", "engine.lanez=2"], "--set engine.lanez=2: unknown key"),
+    (["--set", "lanes=8"], "--set 'lanes=8': expected table.key=value"),
+    (["--profile", "no_such_profile"], "profile 'no_such_profile' not found"),
+])
+def test_bad_settings_are_one_line_naming_the_setting(argv, message, capsys):
+    assert server_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_profile_errors_blame_the_file(tmp_path, capsys):
+    profile = tmp_path / "p.toml"
+    profile.write_text("[residency]\nhalf_life = nan\n")
+    assert server_cli.main(["--profile", str(profile)]) == 2
+    assert f"error: {profile}: 'residency.half_life' = nan should be a finite number" in \
+        capsys.readouterr().err
+
+
+def test_profile_paths_are_relative_to_the_profile(tmp_path):
+    (tmp_path / "configs").mkdir()
+    profile = tmp_path / "configs" / "p.toml"
+    profile.write_text('[model]\npath = "models/m"\n[engine]\ntrace_dir = "traces"\n'
+                       '[residency]\nseed_map = "maps/seed.json"\nstate_dir = "state/p"\n')
+    config = EngineConfig.from_toml(profile)
+    root = tmp_path.resolve()
+    assert (config.model.path, config.engine.trace_dir) == (str(root / "models/m"),
+                                                            str(root / "traces"))
+    assert config.residency.seed_map == str(root / "maps/seed.json")
+    assert config.residency.state_dir == str(root / "state/p")
+    # on the command line a path is the user's, read from the working directory
+    assert config.with_overrides({"residency": {"state_dir": "here"}}).residency.state_dir == "here"
+
+
+def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
+    model = tmp_path / "demo"
+    shutil.copytree(REPO / "models" / "demo", model)
+    shard = model / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(100_000)
+    port = __import__("server_fixtures").free_port()
+    assert server_cli.main(["--profile", "tiny", "--port", str(port),
+                            "--set", f"model.path={model}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {shard}: truncated: tensor" in err, err
+
+
+def test_help_lists_profiles_and_the_key_variable(capsys):
+    with pytest.raises(SystemExit):
+        server_cli.main(["--help"])
+    out = capsys.readouterr().out
+    for path in PROFILES:
+        assert f"  {path.stem} " in out
+    assert f"${API_KEYS_ENV}" in out and "127.0.0.1 unless --host" in out
+
+
+def test_fit_into_a_missing_folder_is_one_line(tmp_path, capsys):
+    history = History(2, 4)
+    history.add([[3, 1, 0, 0], [0, 0, 2, 5]], [[1, 1, 0, 0], [0, 0, 1, 1]], 10)
+    history.save(tmp_path / "history.npz")
+    out = tmp_path / "missing" / "seed.json"
+    assert residency_cli.main(["fit", "--history", str(tmp_path / "history.npz"),
+                               "--budget", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {out}: No such file or directory\n"
+    assert residency_cli.main(["fit", "--history", str(tmp_path / "history.npz"),
+                               "--budget", "4", "--out", str(tmp_path / "seed.json")]) == 0
