@@ -16,13 +16,12 @@ import tidejax
 from tidejax.checkpoint import CheckpointError, CheckpointReader, dequantize_fp8_block, quantize_fp8_block
 from tidejax.fields import ConfigError
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
-from tidejax.models.base import abstract, init, nbytes
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.model import MLACache, build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
 from tidejax.residency.serve import ServeOptions
-from tidejax.residency.state import all_resident_state
+from declaration import check_declaration, param_paths
 from tiny_models import DEEPSEEK_V3_CONFIGS, deepseek_v3_config, write_deepseek_v3
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
@@ -42,25 +41,16 @@ def test_declared_params_are_what_the_model_consumes(name):
     checkpoint table names one tensor for every declared param."""
     cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
     tokens = jnp.zeros((1, 4), jnp.int32)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        model = build(cfg, ServeOptions(kernel="reference", all_resident=True), dtype)
-        cache = PagedCache(MLACache.create(cfg, 1, 4, dtype))  # one page of 4 tokens; table [[0]]
-        declared = param_specs(cfg, dtype)
-        traced = jax.eval_shape(lambda pool: model.init(
-            jax.random.key(0), tokens, tokens, tokens > -1, cache, tokens[:, :1],
-            all_resident_state(pool, len(cfg.moe_layers)))["params"],
-            abstract(expert_specs(cfg, dtype)))
-        assert traced == abstract(declared)
-    params = init(declared, jax.random.key(2))
-    assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
-    experts = all_resident_state(init(expert_specs(cfg, jnp.float32), jax.random.key(1)),
-                                 len(cfg.moe_layers))
-    logits, _, _ = jax.jit(model.apply)({"params": params}, tokens, tokens, tokens > -1, cache,
-                                        tokens[:, :1], experts)
-    assert logits.shape == (1, 4, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    serve = ServeOptions(kernel="reference", all_resident=True)
+    declared = check_declaration(
+        lambda dtype: build(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
+        lambda dtype: expert_specs(cfg, dtype), len(cfg.moe_layers),
+        # one page of 4 tokens; block table [[0]]
+        (tokens, tokens, tokens > -1, PagedCache(MLACache.create(cfg, 1, 4, jnp.float32)),
+         tokens[:, :1]))
     table = checkpoint_table(cfg)
-    for path, _ in jax.tree_util.tree_flatten_with_path(declared)[0]:
-        assert len(table.param_names(tuple(k.key for k in path))) == 1, path
+    for path in param_paths(declared):
+        assert len(table.param_names(path)) == 1, path
 
 
 def relative_diff(ours, ref) -> float:

@@ -1,10 +1,10 @@
-"""DeepSeek-V4 against transformers' implementation on tiny random checkpoints made here: every
-attention kind (sliding, CSA with its overlapping compressors and indexer, HCA), hash routing,
-clamped SwiGLU, mHC with the hyper head, YaRN on the compress RoPE (or not)."""
+"""DeepSeek-V4 against transformers' implementation on tiny random checkpoints written here, served
+by the engine (tidejax.load: declared params, the checkpoint table, routed experts through
+residency, a cache row per lane): every attention kind (sliding, CSA with its overlapping
+compressors and indexer, HCA), hash routing, clamped SwiGLU, mHC with the hyper head, YaRN on the
+compress RoPE (or not)."""
 
 from __future__ import annotations
-
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +14,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tidejax.fields import ConfigError  # noqa: E402
+import tidejax  # noqa: E402
+from tidejax.checkpoint import CheckpointError  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
-from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache, full_forward  # noqa: E402
-from tidejax.models.deepseek_v4.weights import load_state  # noqa: E402
+from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache  # noqa: E402
+from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
+from tidejax.residency.serve import ServeOptions  # noqa: E402
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
+from declaration import check_declaration, edited_copy, forbid_data_reads, param_paths  # noqa: E402
+from tiny_models import write_tokenizer  # noqa: E402
 
+VOCAB = 300  # the test tokenizer's byte-level alphabet and specials fit
 CONFIGS = {
     "yarn_hc3": dict(hidden_size=64, head_dim=32, hc_mult=3, hc_sinkhorn_iters=5, sliding_window=6,
                      index_topk=3, swiglu_limit=1.0, compress_rates={"compressed_sparse_attention": 4,
@@ -29,19 +35,26 @@ CONFIGS = {
                       index_topk=4, swiglu_limit=7.0, compress_rates={"compressed_sparse_attention": 2,
                                                                        "heavily_compressed_attention": 16}),
 }
+ENGINE = {"lanes": 2, "max_context": 64, "prefill_chunk": 16, "kernel": "reference"}
 
 
-def tiny_model(name, seed):
-    torch.manual_seed(seed)
+def hf_config(name):
     kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
              "compressed_sparse_attention", "heavily_compressed_attention"]
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=97, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+    return transformers.DeepseekV4Config(
+        vocab_size=VOCAB, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16,
         index_n_heads=16, index_head_dim=32,  # many heads: ReLU all-zero ties at top-k are rare
         partial_rotary_factor=0.25, layer_types=kinds,
         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256,
-        **CONFIGS[name])
+        bos_token_id=0, eos_token_id=1, **CONFIGS[name])
+
+
+def write_tiny(path, name, seed):
+    """A DeepseekV4ForCausalLM checkpoint (random, float32; save_pretrained) and a tokenizer;
+    returns the torch model (eval mode) for reference outputs."""
+    torch.manual_seed(seed)
+    cfg = hf_config(name)
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
     with torch.no_grad():  # every parameter random and O(1) in effect (the defaults zero many)
         for pname, p in model.named_parameters():
@@ -53,65 +66,134 @@ def tiny_model(name, seed):
                 b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape))
             elif bname.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
-    raw = json.loads(cfg.to_json_string())
-    return model, raw
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, VOCAB)
+    return model
 
 
-@pytest.mark.parametrize("name, seed", [("yarn_hc3", 0), ("plain_hc2", 1)])
-def test_logits_match_transformers(name, seed):
-    model, raw = tiny_model(name, seed)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        want = model(ids).logits.numpy()
-    cfg = V4Config.from_hf(raw, f"{name}/config.json")
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = write_tiny(path, request.param, seed=len(request.param))
+    return path, model, tidejax.load(path, engine=ENGINE)
+
+
+def prompt(seed: int, n: int = 40) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_declared_params_are_what_the_model_consumes(name):
+    """The declaration and the flax modules cannot drift: model.init's params tree is the
+    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
+    the checkpoint table names a tensor for every declared param (the published name first)."""
+    cfg = V4Config.from_hf(hf_config(name).to_dict())
     assert set(cfg.layer_types) == {"sliding_attention", "compressed_sparse_attention",
                                     "heavily_compressed_attention"} and cfg.hash_layers == (0, 1)
-    params, banks = load_state(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
-    got = jax.jit(lambda p, b: full_forward(cfg, p, b, jnp.asarray(ids.numpy()), "reference"))(
-        params, banks)
-    assert np.abs(np.asarray(got) - want).max() <= 1e-4
-    assert np.array_equal(np.asarray(got).argmax(-1), want.argmax(-1))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
+    declared = check_declaration(
+        lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
+        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+        (tokens, tokens, tokens > -1, V4Cache.create(cfg, 1, 32)))
+    table = checkpoint_table(cfg)
+    for path in param_paths(declared):
+        names = table.param_names(path)
+        assert names and not names[0].startswith("model."), path
 
 
-def test_prefill_then_decode_equals_full_forward():
-    """Prefill 11 (CSA and HCA windows left part full), then one token at a time: the same
-    logits as one forward (which matches transformers above)."""
-    model, raw = tiny_model("yarn_hc3", 4)
-    cfg = V4Config.from_hf(raw, "x")
-    params, banks = load_state(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
-    ids = np.random.default_rng(4).integers(0, 97, (1, 40)).astype(np.int32)
-    want = np.asarray(jax.jit(lambda p, b: full_forward(cfg, p, b, jnp.asarray(ids), "reference"))(
-        params, banks))[0]
-    step = jax.jit(lambda p, c, tok, pos, b: DeepseekV4(cfg, "reference").apply(
-        p, tok, pos, pos >= 0, c, b))
-    cache, got = V4Cache.create(cfg, 1, 40), []
+def test_served_family_and_cache(tiny):
+    _, _, engine = tiny
+    cfg = engine.cfg
+    assert engine.family.name == "deepseek_v4" and engine.family.cache_kind == "lanes"
+    # entries of the CSA layers (with their index keys) and of the HCA layers, float32
+    csa, hca = cfg.csa_rate, cfg.hca_rate
+    assert engine.cache_bytes_per_token() == 4 * (2 * (cfg.head_dim + cfg.index_head_dim) / csa
+                                                  + 2 * cfg.head_dim / hca)
+
+
+def test_logits_match_transformers(tiny):
+    _, model, engine = tiny
+    ids = prompt(0)
+    with torch.no_grad():
+        want = model(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+    got = engine.logits(ids)
+    assert np.abs(got - want).max() <= 1e-4
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_prefill_then_decode_equals_full_forward(tiny):
+    """Prefill 11 (CSA and HCA windows left part full), then one token at a time through the
+    lane cache: the same logits as one forward (which matches transformers above)."""
+    _, _, engine = tiny
+    ids = prompt(4)
+    want = engine.logits(ids)
+    step = jax.jit(engine.model.apply)
+    params, state = {"params": engine.params}, engine.residency.state
+    cache, got = V4Cache.create(engine.cfg, 1, 40), []
     for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
-        logits, cache = step(params, cache, jnp.asarray(ids[:, lo:hi]),
-                             jnp.arange(lo, hi, dtype=jnp.int32)[None], banks)
+        pos = jnp.arange(lo, hi, dtype=jnp.int32)[None]
+        logits, cache, state = step(params, jnp.asarray(ids[None, lo:hi]), pos, pos >= 0, cache,
+                                    state)
         got.append(np.asarray(logits[0]))
+    engine.residency.state = state
     assert np.abs(np.concatenate(got) - want).max() <= 1e-4
 
 
-def test_load_folder(tmp_path):
-    """A folder of transformers' module names (config.json + safetensors) loads through `load`."""
-    from safetensors.torch import save_file
+def test_greedy_tokens_match_transformers(tiny):
+    """Through the scheduler (16-token prefill chunks, two lanes) and through generate()."""
+    _, model, engine = tiny
+    text = "The tide comes in and the tide goes out."
+    ids = engine.tokenizer.encode(text)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    outputs = {0: [], 1: []}
+    for lane, request in enumerate([ids, prompt(5, 20).tolist()]):
+        engine.scheduler.submit(
+            GenerationRequest(request, 12, ignore_eos=True),
+            lambda e, lane=lane: outputs[lane].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    assert outputs[0] == want and len(outputs[1]) == 12
+    stop = next((i for i, t in enumerate(want) if t in engine.eos_ids), len(want))
+    assert engine.generate(text, max_new_tokens=12) == engine.tokenizer.decode(want[:stop])
 
-    from tidejax.models.deepseek_v4.weights import load
 
-    model, raw = tiny_model("plain_hc2", 3)
-    state = model.state_dict()
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg, params, banks = load(tmp_path)
-    np.testing.assert_array_equal(np.asarray(params["params"]["embed"]),
-                                  state["model.embed_tokens.weight"].numpy())
-    np.testing.assert_array_equal(np.asarray(banks[4]["down"]),
-                                  state["model.layers.4.mlp.experts.down_proj"].numpy())
+def test_half_resident_exact_equals_all_resident(tiny):
+    path, _, engine = tiny
+    ids = prompt(6)
+    n_layers, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    half = tidejax.load(path, engine=ENGINE, residency={
+        "budget_experts": n_layers * n_experts // 2, "miss_policy": "exact"})
+    np.testing.assert_array_equal(half.logits(ids), engine.logits(ids))
+    assert half.residency.stats()["misses"] > 0
+    text = "def add(a, b):"
+    assert half.generate(text, max_new_tokens=8) == engine.generate(text, max_new_tokens=8)
 
 
-def test_unmapped_tensor_is_named():
-    model, raw = tiny_model("plain_hc2", 2)
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
-    state["model.layers.0.self_attn.extra.weight"] = np.zeros(3, np.float32)
-    with pytest.raises(ConfigError, match="layers.0.self_attn.extra.weight has no place"):
-        load_state(V4Config.from_hf(raw, "x"), state)
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.3.attn.indexer.wq_b.weight"),
+     r"missing tensor 'layers.3.attn.indexer.wq_b.weight' \(needed for params "
+     r"\('layers_3_self_attn', 'compressor', 'indexer', 'q_b_proj', 'weight'\)\)"),
+    (lambda t: t.pop("model.layers.2.ffn.experts.5.w2.weight"),
+     r"missing tensor 'layers.2.ffn.experts.5.w2.weight' \(needed for routed expert\(s\) 5 of "
+     r"layer 'layers.2.ffn'\)"),
+    (lambda t: t.update({"model.layers.0.attn.extra.weight": np.zeros(3, np.float32)}),
+     r"no rule maps: 'model.layers.0.attn.extra.weight' in .*model.safetensors"),
+    (lambda t: t.update({"model.layers.4.attn.attn_sink": np.zeros(5, np.float32)}),
+     r"tensor 'model.layers.4.attn.attn_sink' has shape \[5\], params "
+     r"\('layers_4_self_attn', 'sinks'\) expects \[4\]"),
+    (lambda t: t.update({"model.layers.1.ffn.experts.3.w1.weight": np.zeros((3, 3), np.float32)}),
+     r"tensor 'model.layers.1.ffn.experts.3.w1.weight' has shape \[3, 3\], the routed experts' "
+     r"'gate' of layer 'layers.1.ffn' expects \[32, "),
+])
+def test_bad_checkpoint_fails_at_load_naming_file_and_tensor(tiny, tmp_path, edit, message,
+                                                             monkeypatch):
+    """Every problem is found on the headers, before any tensor data is read."""
+    path, _, _ = tiny
+    edited = edited_copy(path, tmp_path / "edited", edit)
+    forbid_data_reads(monkeypatch)
+    with pytest.raises(CheckpointError, match=message) as err:
+        tidejax.load(edited, engine=ENGINE)
+    assert str(edited / "model.safetensors") in str(err.value)

@@ -143,6 +143,37 @@ def test_batched_lanes():
         at = [a + 1 for a in at]
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_declared_params_are_what_the_model_consumes(name):
+    """The declaration and the flax modules cannot drift: model.init's params tree is the
+    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
+    the checkpoint table names a tensor for every declared param and Engram table."""
+    import jax.numpy as jnp
+
+    from declaration import check_declaration, param_paths
+    from tidejax.kv.paged import PagedCache
+    from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
+    from tidejax.models.deepseek_v41.weights import (checkpoint_table, expert_specs, host_specs,
+                                                     param_specs)
+    from tidejax.residency.serve import ServeOptions
+
+    cfg = V41Config.from_file(GOLDEN / name)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    rows = (jnp.zeros((1, 4, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
+            if cfg.engram_layers else None)
+    serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
+    declared = check_declaration(
+        lambda dtype: DeepseekV41(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
+        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+        (tokens, tokens, tokens > -1,
+         PagedCache(V41Pages.create(cfg, 1, cfg.page_multiple), V41Lanes.create(cfg, 1)),
+         jnp.zeros((1, 1), jnp.int32)), (rows,))
+    table = checkpoint_table(cfg)
+    for path in param_paths({**declared, **host_specs(cfg)}):
+        names = table.param_names(path)
+        assert names and all(not n.startswith("model.") for n in names), path
+
+
 def test_cache_memory_per_token():
     from tidejax.models.deepseek_v41.model import V41Pages
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tidejax.checkpoint import mxfp4
-from tidejax.checkpoint.safetensors_io import SafetensorsFile
+from tidejax.checkpoint import CheckpointError, mxfp4
+from tidejax.models.deepseek_v41.weights import load
+from declaration import edited_copy, forbid_data_reads
 from v41_runner import full_logits
-from tidejax.models.deepseek_v41.weights import V41LoadError, load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"  # widths divisible by 32
 E4M3, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
@@ -115,28 +115,29 @@ def test_published_formats_same_logits(published):
     assert np.abs(got - want).max() <= 1e-5
 
 
-def _edit(published, tmp_path, edit):
-    out = tmp_path / "edited"
-    shutil.copytree(published / "fp8", out)
-    f = SafetensorsFile(out / "model.safetensors")  # safetensors.numpy cannot read e8m0
-    tensors = {name: np.array(f.view(name)) for name in f.tensors}
-    del f
-    edit(tensors)
-    save_file(tensors, out / "model.safetensors")
-    return out
-
-
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("layers.0.attn.wq_a.scale"), "layers.0.attn.wq_a.weight is FP8 but has no block scales"),
-    (lambda t: t.pop("layers.1.ffn.experts.2.w3.scale"), "experts.2.w3.weight: FP4 expert weight needs"),
-    (lambda t: t.pop("layers.3.engram.embed.scale"), "engram.embed.weight is FP8 and needs"),
-    (lambda t: t.pop("layers.3.ffn.experts.0.w2.weight"), "no tensor layers.3.ffn.experts.0.w2.weight"),
-    (lambda t: t.update({"layers.0.attn.extra": np.zeros(3, np.float32)}), "layers.0.attn.extra has no place"),
-    (lambda t: t.update({"norm.weight": np.zeros(5, np.float32)}), "norm.weight has shape"),
+    (lambda t: t.pop("layers.0.attn.wq_a.scale"),
+     r"FP8 tensor 'layers.0.attn.wq_a.weight' has no .* block scales"),
+    (lambda t: t.pop("layers.1.ffn.experts.2.w3.scale"),
+     r"tensor 'layers.1.ffn.experts.2.w3.weight' has shape \[32, 32\], the routed experts' 'up'"),
+    (lambda t: t.pop("layers.3.engram.embed.scale"),
+     r"FP8 tensor 'layers.3.engram.embed.weight' has no .* block scales"),
+    (lambda t: t.pop("layers.3.ffn.experts.0.w2.weight"),
+     r"missing tensor 'layers.3.ffn.experts.0.w2.weight' .*routed expert\(s\) 0 of layer"),
+    (lambda t: t.update({"layers.0.attn.extra": np.zeros(3, np.float32)}),
+     r"tensor\(s\) that no rule maps: 'layers.0.attn.extra' in .*model.safetensors"),
+    (lambda t: t.update({"norm.weight": np.zeros(5, np.float32)}),
+     r"tensor 'norm.weight' has shape \[5\], params \('norm', 'weight'\) expects \[64\]"),
+    (lambda t: t.pop("layers.2.attn.wq_b.weight"),
+     r"missing tensor 'layers.2.attn.wq_b.weight' \(needed for params"),
 ])
-def test_bad_checkpoint_names_the_tensor(published, tmp_path, edit, message):
-    with pytest.raises(V41LoadError, match=message):
-        load(_edit(published, tmp_path, edit))
+def test_bad_checkpoint_names_the_tensor(published, tmp_path, edit, message, monkeypatch):
+    """Every problem is found on the headers: no tensor data is read before the error."""
+    edited = edited_copy(published / "fp8", tmp_path / "edited", edit)
+    forbid_data_reads(monkeypatch)
+    with pytest.raises(CheckpointError, match=message) as err:
+        load(edited)
+    assert str(edited) in str(err.value)
 
 
 def test_bad_config_names_the_file(tmp_path):

@@ -1,11 +1,14 @@
 """CheckpointReader: a checkpoint directory (one model.safetensors, or shards listed by
 model.safetensors.index.json) seen as one lazy map of tensors as the model sees them: a weight and
 its block scales are one tensor. Every header, pair and scale shape is checked at open; tensor
-data is read only by `read`, `read_rows` and `read_mxfp4`.
+data is read only by `read`, `read_rows` and `read_mxfp4`, or kept as stored, memory-mapped, by
+`keep`.
 
 Stored tensors that make one logical tensor (`Tensor.parts`: the data first, then the scales):
   fp8   `X.weight` float8_e4m3fn + `X.weight_scale_inv` (DeepSeek-V3, float32) or `X.scale`
-        (DeepSeek-V4.1, e8m0) per `fp8_block` (rows, cols) block; reads as float32.
+        (DeepSeek-V4.1, e8m0) per `fp8_block` (rows, cols) block, or the block `fp8_blocks` gives
+        names that match one of its regexes (DeepSeek-V4.1's Engram tables: 1 x 32); reads as
+        float32, or kept as stored with `keep`.
   mxfp4 `X_blocks` uint8 [..., G, 16] + `X_scales` e8m0 [..., G] (gpt-oss layout): tensor `X`
         [..., G * 32]; or `X.weight` uint8 / int8 [..., n / 2] (two e2m1 codes a byte, low nibble
         first) + `X.scale` e8m0 [..., n / 32] (DeepSeek-V4.1's FP4 experts): tensor `X.weight`
@@ -18,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -58,9 +62,11 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, *, fp8_block: tuple[int, int] = BLOCK,
+                 fp8_blocks: Mapping[str, tuple[int, int]] | None = None,
                  progress: bool = True, label: str = "loading weights"):
         self.source, files = _resolve(Path(path))
         self.fp8_block = tuple(fp8_block)
+        self._fp8_blocks = [(re.compile(rx), tuple(b)) for rx, b in (fp8_blocks or {}).items()]
         # name -> its file (the index check has already ruled out a name in two shards)
         self._where: dict[str, SafetensorsFile] = {n: f for f in files for n in f.tensors}
         self.tensors: dict[str, Tensor] = self._pair()
@@ -93,13 +99,28 @@ class CheckpointReader:
         tensor = self._tensor(name)
         if tensor.format == "fp8":
             weight, scales = (self._view(p) for p in tensor.parts)
-            out = dequantize_fp8_block(weight, scales_to_float32(scales), self.fp8_block)
+            out = dequantize_fp8_block(weight, scales_to_float32(scales), self.block_of(name))
         elif tensor.format == "mxfp4":
             out = mxfp4.dequantize(*self._mxfp4_views(tensor))
         else:
             out = np.array(self._view(name))
         self.done(tensor)
         return out
+
+    def keep(self, name: str) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Tensor `name` as stored, memory-mapped (nothing copied but fp8 scales): the array of a
+        plain tensor, (float8_e4m3fn values, float32 scales) of an fp8 one."""
+        tensor = self._tensor(name)
+        if tensor.format == "mxfp4":
+            raise CheckpointError(f"{self.file_of(name)}: '{name}' is MXFP4; read it")
+        views = tuple(self._view(p) for p in tensor.parts)
+        out = (views[0], scales_to_float32(views[1])) if tensor.format == "fp8" else views[0]
+        self.done(tensor)
+        return out
+
+    def block_of(self, name: str) -> tuple[int, int]:
+        """The (rows, cols) scale block of fp8 weight `name`."""
+        return next((b for rx, b in self._fp8_blocks if rx.fullmatch(name)), self.fp8_block)
 
     def read_mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """An mxfp4 tensor as stored: (blocks uint8 [..., G, 16], scales uint8 [..., G])."""
@@ -188,13 +209,14 @@ class CheckpointReader:
                                   f"'{scale_names(name)[0]}' (or '{scale_names(name)[1]}') "
                                   f"block scales")
         s = self._info(scale)
-        want = scale_shape(info.shape, self.fp8_block) if len(info.shape) == 2 else None
+        block = self.block_of(name)
+        want = scale_shape(info.shape, block) if len(info.shape) == 2 else None
         if s.shape != want or s.dtype not in SCALE_DTYPES:
             raise CheckpointError(
                 f"{self._path(scale)}: '{scale}' {s.dtype} {list(s.shape)} does not fit FP8 "
                 f"block scales of '{name}' {info.dtype} {list(info.shape)} (expected a 2-D "
                 f"float8_e4m3fn weight and {want} scales of "
-                f"{', '.join(map(str, SCALE_DTYPES))} for {self.fp8_block} blocks)")
+                f"{', '.join(map(str, SCALE_DTYPES))} for {block} blocks)")
         return Tensor(name, info.shape, "fp8", (name, scale))
 
     def _mxfp4(self, name: str) -> Tensor | None:

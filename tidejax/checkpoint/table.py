@@ -2,7 +2,8 @@
 params and routed-expert rows, checked whole against the headers before any tensor data is read.
 
 A pattern is literal text with fields, `{name}` (digits) or `{name:REGEX}`, and matches whole
-names; a rule's target uses the fields of its source::
+names; a rule's target uses the fields of its source (a source field the target does not use,
+e.g. an optional prefix `{p:(?:model\\.)?}`, is empty in the names an error message expects)::
 
     table = Table(rules=(
         Rule("model.embed_tokens.weight", "embed"),
@@ -16,6 +17,11 @@ names; a rule's target uses the fields of its source::
 
     params = load(reader, table, abstract(param_specs), abstract(expert_specs),
                   put=lambda path, a: jnp.asarray(a), put_row=pool.put_row)
+
+`host`: a third declared tree (paths apart from the params') of tensors kept on the host as
+stored, memory-mapped (reader.keep: an array, or fp8 (values, float32 scales)), returned in the
+same tree as the params: DeepSeek-V4.1's Engram tables. `Table.fp8_blocks` gives the FP8 scale
+block of the tensors whose names match a pattern, where it is not the checkpoint's own.
 
 Checks, all on the headers, all problems reported in one CheckpointError naming file and tensor:
 unmapped (no rule and no ignore pattern matches a tensor), multi-match (two rules match one),
@@ -104,9 +110,12 @@ class Table:
     MoE layers in rowmap order."""
 
     def __init__(self, rules: Sequence[Rule | Experts], ignore: Sequence[str] = (),
-                 expert_layers: Sequence[str] = ()):
+                 expert_layers: Sequence[str] = (),
+                 fp8_blocks: Mapping[str, tuple[int, int]] | None = None):
         self.rules, self.expert_layers = tuple(rules), tuple(expert_layers)
         self.ignore = tuple(Pattern(p) for p in ignore)
+        # pattern -> (rows, cols) FP8 scale block, as CheckpointReader(fp8_blocks=) takes it
+        self.fp8_blocks = {Pattern(p).regex.pattern: tuple(b) for p, b in (fp8_blocks or {}).items()}
         self._compiled = []
         for rule in self.rules:
             source = Pattern(rule.source)
@@ -141,7 +150,7 @@ class Table:
         for rule, source, target in self._compiled:
             found = target.match(target_text) if which(rule, source) else None
             if found is not None:
-                name = source.format({**fields, **found})
+                name = source.format({**dict.fromkeys(source.fields, ""), **fields, **found})
                 if source.match(name) is not None:  # the fields fit the source's patterns
                     names.append(name)
         return names
@@ -149,14 +158,15 @@ class Table:
 
 def load(reader: CheckpointReader, table: Table, params: Mapping, experts: Mapping | None = None,
          *, put: Callable[[ParamPath, np.ndarray], Any] | None = None,
-         put_row: Callable[[int, dict], None] | None = None) -> dict:
+         put_row: Callable[[int, dict], None] | None = None, host: Mapping | None = None) -> dict:
     """Check the whole checkpoint against `table` and the declaration on the headers, then read.
 
     params: nested dicts whose leaves have .shape and .dtype (models.base.abstract(specs));
     experts: {"gate_up": [rows, 2I, D], "down": [rows, D, I]} likewise, rows = len(expert_layers)
-    * experts a layer, emitted through `put_row`. Returns the params as nested dicts of
-    put(path, array) (default: the numpy array) in each param's declared dtype."""
-    plan = _Plan(reader, table, params, experts)
+    * experts a layer, emitted through `put_row`; host: leaves kept as stored (reader.keep).
+    Returns the params as nested dicts of put(path, array) (default: the numpy array) in each
+    param's declared dtype, with the host leaves beside them."""
+    plan = _Plan(reader, table, params, experts, host or {})
     out = plan.read_params(put)
     if experts is not None:
         plan.read_experts(put_row)
@@ -179,9 +189,14 @@ class _Plan:
     """Every check of `load`, on the headers: what each tensor fills."""
 
     def __init__(self, reader: CheckpointReader, table: Table, params: Mapping,
-                 experts: Mapping | None):
+                 experts: Mapping | None, host: Mapping):
         self.reader, self.table = reader, table
+        self.host = dict(_flatten(host))
         self.specs = dict(_flatten(params))
+        if set(self.specs) & set(self.host):
+            raise ValueError(f"checkpoint table: params and host leaves share paths "
+                             f"{sorted(set(self.specs) & set(self.host))[:3]}")
+        self.specs.update(self.host)
         self.params: dict[ParamPath, tuple[Tensor, Rule]] = {}
         self.rows: dict[tuple[int, int], dict[str, tuple[Tensor, bool]]] = {}  # (m, e) -> parts
         self.problems: list[str] = []
@@ -246,6 +261,8 @@ class _Plan:
             self._problem(name, f"tensors '{self.params[path][0].name}' and '{name}' both fill "
                                 f"params {path}")
             return
+        if rule.transform is not None and path in self.host:
+            raise ValueError(f"checkpoint table: rule {rule} transforms a leaf kept as stored")
         shape = rule.transform.shape(tensor.shape) if rule.transform else tensor.shape
         if tuple(shape) != tuple(spec.shape):
             self.tried.add(path)
@@ -328,14 +345,14 @@ class _Plan:
     def read_params(self, put) -> dict:
         out: dict = {}
         for path, (tensor, rule) in self.params.items():
+            if path in self.host:
+                _set(out, path, self.reader.keep(tensor.name))
+                continue
             a = self.reader.read(tensor.name)
             if rule.transform is not None:
                 a = rule.transform.apply(a)
             a = a.astype(np.dtype(self.specs[path].dtype), copy=False)
-            node = out
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = put(path, a) if put is not None else a
+            _set(out, path, put(path, a) if put is not None else a)
         return out
 
     def read_experts(self, put_row) -> None:
@@ -352,6 +369,12 @@ class _Plan:
                     else:
                         parts[part] = self.reader.read(tensor.name)
                 put_row(m * self.n_experts + e, _expert_row(parts))
+
+
+def _set(tree: dict, path: ParamPath, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def _missing_parts(row: Mapping[str, Any]) -> list[str]:

@@ -67,17 +67,21 @@ class ExpertPool:
 
 
 def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
-                  expert_specs: dict, put_row) -> dict:
+                  expert_specs: dict, put_row, host_specs: dict | None = None) -> dict:
     """Dense params (declared by `param_specs`: onto the device in their declared dtypes, placed
     by their declared logical axes through tidejax.parallel) and routed experts (rows of
     `expert_specs`, through `put_row`) by the family's checkpoint table, after every name and
-    shape is checked against the headers."""
-    reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config))
-    log.info("%s: %.2f GB of dense params, %.2f GB of routed experts (as declared)", model_dir,
-             nbytes(param_specs) / 1e9, nbytes(expert_specs) / 1e9)
+    shape is checked against the headers. `host_specs`: tensors kept on the host as stored
+    (memory-mapped), returned beside the params."""
+    reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config),
+                              fp8_blocks=table.fp8_blocks)
+    host_specs = host_specs or {}
+    log.info("%s: %.2f GB of dense params, %.2f GB of routed experts, %.2f GB kept on the host "
+             "(as declared)", model_dir, nbytes(param_specs) / 1e9, nbytes(expert_specs) / 1e9,
+             nbytes(host_specs) / 1e9)
     return load(reader, table, abstract(param_specs), abstract(expert_specs),
                 put=lambda path, array: parallel.put(array, _spec_at(param_specs, path).axes),
-                put_row=put_row)
+                put_row=put_row, host=abstract(host_specs))
 
 
 def _spec_at(specs: dict, path: tuple):

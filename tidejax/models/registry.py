@@ -66,6 +66,7 @@ FAMILY_MODULES = {
     "deepseek_v2": "tidejax.models.deepseek_v3.family",
     "kimi_k2": "tidejax.models.deepseek_v3.family",
     "deepseek_v41": "tidejax.models.deepseek_v41.family",
+    "deepseek_v4": "tidejax.models.deepseek_v4.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
-from tidejax.fields import ConfigError, Fields, read_json
+from tidejax.fields import ConfigError, Fields
 from tidejax.models.layers.rope import RopeConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -42,17 +40,12 @@ class V4Config:
     moe_intermediate_size: int
     routed_scaling_factor: float
     swiglu_limit: float
+    max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     source: str = ""
 
     def rate(self, layer: int) -> int:
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]
-
-    @staticmethod
-    def from_file(path: str | os.PathLike) -> "V4Config":
-        path = Path(path)
-        path = path / "config.json" if path.is_dir() else path
-        return V4Config.from_hf(read_json(path), str(path))
 
     @staticmethod
     def from_hf(raw: dict, source: str = "config.json") -> "V4Config":
@@ -100,4 +93,5 @@ class V4Config:
             moe_intermediate_size=f.req("moe_intermediate_size"),
             routed_scaling_factor=f.opt("routed_scaling_factor", 1.0, float),
             swiglu_limit=f.opt("swiglu_limit", 0.0, float),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool), source=source)

@@ -10,9 +10,10 @@ overlap, no indexer: every visible entry attends); an unweighted norm on q per h
 pre; a final hyper head. No QAT fake quantizers.
 
 `DeepseekV4.__call__(tokens, positions, token_mask, cache, experts)` is the one forward for
-prefill chunks and decode steps (chunks contiguous per row, real tokens first); `full_forward`
-scores a sequence; `weights.load(model_dir)` reads a transformers-layout folder. The MoE is the
-shared layers.moe.MoE (routed experts through residency, every expert resident).
+prefill chunks and decode steps (chunks contiguous per row, real tokens first; a full forward is
+a prefill into an empty cache). Every layer's MoE is the shared layers.moe.MoE: its routed
+experts are served by residency (bank, rowmap, miss policy; rowmap row = layer), so budgets and
+miss policies apply as to the other families.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies, rope_tail
 from tidejax.residency.serve import ServeOptions
-from tidejax.residency.state import all_resident_state
+from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
 
@@ -44,7 +45,9 @@ class V4Cache:
     entries [b, G, k]: compressed entries (rotated), entry g pools positions g*r .. g*r+r-1;
     ring_kv, ring_gate [b, R, c]: raw projections of the last R positions (slot = position mod
       R; R = 2r for CSA, whose entries also read the previous window, r for HCA);
-    index_keys [b, G, i_k], index_ring_kv, index_ring_gate [b, 2r, 2 i_k]: CSA's indexer."""
+    index_keys [b, G, i_k], index_ring_kv, index_ring_gate [b, 2r, 2 i_k]: CSA's indexer.
+    The window, entries and index keys are in the cache's dtype; the rings hold raw projections
+    and stay float32."""
 
     window: tuple
     entries: tuple
@@ -55,28 +58,36 @@ class V4Cache:
     index_ring_gate: tuple
 
     @staticmethod
-    def create(cfg: "V4Config", batch: int, max_len: int) -> "V4Cache":
+    def create(cfg: "V4Config", batch: int, max_len: int, dtype=F32) -> "V4Cache":
         def per_layer(make):
             return tuple(make(i, cfg.rate(i)) if cfg.rate(i) else None for i in range(cfg.num_layers))
 
         def csa(make):
             return per_layer(lambda i, r: make(r) if cfg.layer_types[i] == CSA else None)
 
-        def zeros(*shape):
-            return jnp.zeros((batch, *shape), F32)
+        def zeros(*shape, dt=F32):
+            return jnp.zeros((batch, *shape), dt)
 
         k, ik = cfg.head_dim, cfg.index_head_dim
         overlap = {CSA: 2, HCA: 1}
         return V4Cache(
-            window=tuple(zeros(cfg.sliding_window - 1, k) for _ in range(cfg.num_layers)),
-            entries=per_layer(lambda i, r: zeros(max_len // r, k)),
+            window=tuple(zeros(cfg.sliding_window - 1, k, dt=dtype) for _ in range(cfg.num_layers)),
+            entries=per_layer(lambda i, r: zeros(max_len // r, k, dt=dtype)),
             ring_kv=per_layer(lambda i, r: zeros(overlap[cfg.layer_types[i]] * r,
                                                  overlap[cfg.layer_types[i]] * k)),
             ring_gate=per_layer(lambda i, r: zeros(overlap[cfg.layer_types[i]] * r,
                                                    overlap[cfg.layer_types[i]] * k)),
-            index_keys=csa(lambda r: zeros(max_len // r, ik)),
+            index_keys=csa(lambda r: zeros(max_len // r, ik, dt=dtype)),
             index_ring_kv=csa(lambda r: zeros(2 * r, 2 * ik)),
             index_ring_gate=csa(lambda r: zeros(2 * r, 2 * ik)))
+
+    @staticmethod
+    def bytes_per_token(cfg: "V4Config", dtype=F32) -> float:
+        """Cache bytes that grow with the context: each compressed layer's entries (and a CSA
+        layer's index keys), one per `rate` positions (the window rings and rings are fixed)."""
+        per = sum((cfg.head_dim + (cfg.index_head_dim if cfg.layer_types[i] == CSA else 0))
+                  / cfg.rate(i) for i in range(cfg.num_layers) if cfg.rate(i))
+        return per * jnp.dtype(dtype).itemsize
 
 
 class Pooler(nn.Module):
@@ -199,21 +210,19 @@ def router_spec(cfg: V4Config, layer: int) -> RouterSpec:
 
 class DeepseekV4(nn.Module):
     cfg: V4Config
-    kernel: str = "auto"
+    serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
+    dtype: jnp.dtype = F32  # of embed and lm_head
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: V4Cache, experts):
-        """tokens, positions [b, t]; token_mask [b, t] (real tokens first); experts: per layer a
-        bank (served through residency as a one-layer state, every expert resident)
-        -> (logits [b, t, vocab] float32, cache). A full forward is a prefill into an empty
-        cache."""
+    def __call__(self, tokens, positions, token_mask, cache: V4Cache, experts: ExpertState):
+        """tokens, positions [b, t]; token_mask [b, t] (real tokens first); experts: the
+        residency state (every layer is a MoE layer, rowmap row = layer)
+        -> (logits [b, t, vocab] float32, cache, experts)."""
         cfg = self.cfg
-        serve = ServeOptions(kernel=self.kernel, swiglu_limit=cfg.swiglu_limit, count=False,
-                             all_resident=True)
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
-        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, d), F32)
+        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, d), self.dtype)
         streams = jnp.broadcast_to(jnp.take(embed, tokens, 0)[:, :, None], (b, t, n, d))
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
@@ -232,23 +241,14 @@ class DeepseekV4(nn.Module):
             pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_ffn_hc", n, d), **mix)
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
                 hc_collapse(streams, pre))
-            y, _ = MoE(router_spec(cfg, i), 0, cfg.moe_intermediate_size, serve, F32, act_dtype=F32,
-                       name=f"layers_{i}_mlp")(x, token_mask, all_resident_state(experts[i], 1), tokens)
+            y, experts = MoE(router_spec(cfg, i), i, cfg.moe_intermediate_size, self.serve, F32,
+                             act_dtype=F32, name=f"layers_{i}_mlp")(x, token_mask, experts, tokens)
             streams = hc_expand(y, streams, post, comb)
         pre = hc_head(streams, *mhc_params(self, "hc_head", n, d, head=True), eps=cfg.rms_norm_eps,
                       hc_eps=cfg.hc_eps)
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
-            "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), F32)
-        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head, precision=HIGHEST)
+            "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), self.dtype)
+        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
         cache = V4Cache(tuple(windows), *(tuple(p[j] for p in parts) for j in range(6)))
-        return logits, cache
-
-
-def full_forward(cfg: V4Config, params, banks, tokens, kernel: str = "auto"):
-    """Logits [b, t, vocab] of tokens [b, t] at positions 0..t-1 (a prefill into a fresh cache)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, _ = DeepseekV4(cfg, kernel).apply(params, tokens, positions, positions >= 0,
-                                              V4Cache.create(cfg, b, t), banks)
-    return logits
+        return logits, cache, experts

@@ -1,97 +1,139 @@
-"""DeepSeek-V4 params (declared by the model: `param_shapes`) and the regex table from
-transformers' tensor names that fills them; routed experts stay per layer as banks
-{"gate_up" [E, 2I, D], "down" [E, D, I]}."""
+"""DeepSeek-V4 params, declared (the tree the flax model consumes; transformers' module names,
+`deepseek_v4`, transformers 5.23+), and the checkpoint table that fills them from the checkpoint
+names (DeepSeek's published ones, which transformers also writes); loading, test init and memory
+estimates come from these declarations. The routed experts (`ffn.experts.{e}.w1/w3/w2`) are
+emitted as host-pool rows (layer * E + expert) for residency.
+"""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-import jax
 import jax.numpy as jnp
-import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tidejax.checkpoint import CheckpointReader
-from tidejax.fields import ConfigError
-from tidejax.models.deepseek_v4.config import V4Config
-from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache
+from tidejax.checkpoint import Experts, Rule, Table
+from tidejax.models.base import ParamSpec
+from tidejax.models.deepseek_v4.config import CSA, V4Config
+from tidejax.models.deepseek_v4.model import router_spec
+from tidejax.models.layers.latent_window import attention_specs
+from tidejax.models.layers.linear import linear_specs
+from tidejax.models.layers.mhc import mhc_specs
+from tidejax.models.layers.moe import moe_specs, routed_expert_specs
+from tidejax.models.layers.norm import norm_specs
+from tidejax.models.loading import load_by_table
+from tidejax.residency.serve import ServeOptions
 
 F32 = jnp.float32
 
-# transformers' tensor names -> our params
-_RULES = [  # (regex on the name without "model.", replacement path with "/" separators)
-    (r"^embed_tokens\.weight$", "embed"), (r"^lm_head\.weight$", "lm_head"),
-    (r"^norm\.weight$", "norm/weight"), (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    (r"^layers\.(\d+)\.(attn_hc|ffn_hc)\.(fn|base|scale)$", r"layers_\1_\2_\3"),
-    (r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"layers_\1_\2/weight"),
-    (r"^layers\.(\d+)\.self_attn\.(o_a_proj)\.weight$", r"layers_\1_self_attn/\2"),
-    (r"^layers\.(\d+)\.self_attn\.sinks$", r"layers_\1_self_attn/sinks"),
-    (r"^layers\.(\d+)\.self_attn\.(q_a_proj|q_a_norm|q_b_proj|kv_proj|kv_norm|o_b_proj)\.weight$",
-     r"layers_\1_self_attn/\2/weight"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.(kv_proj|gate_proj|kv_norm)\.weight$",
-     r"layers_\1_self_attn/compressor/main/\2/weight"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.position_bias$",
-     r"layers_\1_self_attn/compressor/main/position_bias"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.indexer\.(kv_proj|gate_proj|kv_norm)\.weight$",
-     r"layers_\1_self_attn/compressor/indexer/keys/\2/weight"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.indexer\.position_bias$",
-     r"layers_\1_self_attn/compressor/indexer/keys/position_bias"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.indexer\.(q_b_proj)\.weight$",
-     r"layers_\1_self_attn/compressor/indexer/\2/weight"),
-    (r"^layers\.(\d+)\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.weight$",
-     r"layers_\1_self_attn/compressor/indexer/weights_proj/weight"),
-    (r"^layers\.(\d+)\.mlp\.gate\.weight$", r"layers_\1_mlp/gate_weight"),
-    (r"^layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"layers_\1_mlp/gate_bias"),
-    (r"^layers\.(\d+)\.mlp\.gate\.tid2eid$", r"layers_\1_mlp/tid2eid"),
-    (r"^layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$",
-     r"layers_\1_mlp/shared/\2/weight"),
-]
-_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+def _pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool) -> dict:
+    """model.Pooler's params: `rate` tokens pooled into one entry of `width` (CSA: overlapping
+    windows, so twice the projections)."""
+    c, d = width * (2 if overlap else 1), cfg.hidden_size
+    return {"kv_proj": linear_specs(c, d, (None, "embed"), F32),
+            "gate_proj": linear_specs(c, d, (None, "embed"), F32),
+            "position_bias": ParamSpec((rate, c), F32, (None, None), init="zeros"),
+            "kv_norm": norm_specs(width, None, F32)}
 
 
-def param_shapes(cfg: V4Config) -> dict:
-    """The flax param tree's shapes (nothing allocated)."""
-    model = DeepseekV4(cfg, kernel="reference")
-    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    empty = [{"gate_up": jnp.zeros((e, 2 * i, d)), "down": jnp.zeros((e, d, i))}] * cfg.num_layers
-    tok = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(
-        jax.random.PRNGKey(0), tok, tok, tok >= 0, V4Cache.create(cfg, 1, 1), empty))["params"]
+# layers.latent_window's attention params, as the model names them (transformers' names)
+_ATTN_NAMES = {"q_a": "q_a_proj", "q_norm": "q_a_norm", "q_b": "q_b_proj", "kv": "kv_proj",
+               "kv_norm": "kv_norm", "sink": "sinks", "o_a": "o_a_proj", "o_b": "o_b_proj"}
 
 
-def load_state(cfg: V4Config, tensors: dict, source: str = "checkpoint") -> tuple[dict, list]:
-    """transformers-named tensors (name -> array) -> ({"params": tree}, per-layer banks).
-    Fails on any unmapped tensor, missing parameter or shape mismatch, naming it."""
-    shapes = flatten_dict(param_shapes(cfg))
-    params, banks = {}, [dict() for _ in range(cfg.num_layers)]
-    for name, value in tensors.items():
-        key = name.removeprefix("model.")
-        if m := _EXPERTS.match(key):
-            banks[int(m[1])]["gate_up" if m[2] == "gate_up_proj" else "down"] = jnp.asarray(value, F32)
-            continue
-        path = next((tuple(re.sub(rx, rep, key).split("/")) for rx, rep in _RULES if re.match(rx, key)), None)
-        if path is None or path not in shapes:
-            raise ConfigError(f"{source}: tensor {name} has no place in the model")
-        if tuple(value.shape) != shapes[path].shape:
-            raise ConfigError(f"{source}: tensor {name} has shape {tuple(value.shape)}, "
-                              f"the config needs {shapes[path].shape}")
-        params[path] = jnp.asarray(np.asarray(value), shapes[path].dtype)
-    missing = [p for p in shapes if p not in params]
-    if missing:
-        raise ConfigError(f"{source}: no tensor for parameter {'/'.join(missing[0])}")
-    for layer, bank in enumerate(banks):
-        if set(bank) != {"gate_up", "down"}:
-            raise ConfigError(f"{source}: layer {layer} lacks mlp.experts.gate_up_proj / down_proj")
-    return {"params": unflatten_dict(params)}, banks
+def _attn_specs(cfg: V4Config, layer: int) -> dict:
+    d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    specs = attention_specs(cfg, _ATTN_NAMES)
+    rate, csa = cfg.rate(layer), cfg.layer_types[layer] == CSA
+    if rate:
+        specs["compressor"] = {"main": _pooler_specs(cfg, rate, k, csa)}
+        if csa:
+            ik, ih = cfg.index_head_dim, cfg.index_heads
+            specs["compressor"]["indexer"] = {
+                "keys": _pooler_specs(cfg, rate, ik, True),
+                "q_b_proj": linear_specs(ih * ik, q, (None, "q_lora"), F32),
+                "weights_proj": linear_specs(ih, d, (None, "embed"), F32)}
+    return specs
 
 
-def load(model_dir) -> tuple[V4Config, dict, list]:
-    """A transformers-layout folder (config.json + model.safetensors or an index of shards)
-    -> (config, params, banks)."""
-    model_dir = Path(model_dir)
-    cfg = V4Config.from_file(model_dir)
-    reader = CheckpointReader(model_dir)
-    arrays = {name: reader.read(name) for name in reader.names()}
-    params, banks = load_state(cfg, arrays, str(model_dir))
-    return cfg, params, banks
+def param_specs(cfg: V4Config, dtype) -> dict:
+    """The dense params (everything but the routed experts) as ParamSpecs: embed and lm_head in
+    `dtype`, the rest float32, as the model declares them."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+             "norm": norm_specs(d, "embed", F32), **mhc_specs("hc_head", n, d, head=True)}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
+    for i in range(cfg.num_layers):
+        specs |= {**mhc_specs(f"layers_{i}_attn_hc", n, d), **mhc_specs(f"layers_{i}_ffn_hc", n, d),
+                  f"layers_{i}_input_layernorm": norm_specs(d, "embed", F32),
+                  f"layers_{i}_self_attn": _attn_specs(cfg, i),
+                  f"layers_{i}_post_attention_layernorm": norm_specs(d, "embed", F32),
+                  f"layers_{i}_mlp": moe_specs(router_spec(cfg, i), d, cfg.moe_intermediate_size,
+                                               F32)}
+    return specs
+
+
+def expert_dims(cfg: V4Config) -> tuple[int, int, int, int]:
+    """Every layer is a MoE layer: (layers, experts, hidden, expert intermediate)."""
+    return cfg.num_layers, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+
+def expert_specs(cfg: V4Config, dtype) -> dict:
+    """The routed experts as host-pool rows (layer * n_routed_experts + expert)."""
+    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
+
+
+_P = r"{p:(?:model\.)?}"  # transformers' save_pretrained writes it, the published names lack it
+_LAYER = _P + "layers.{i}"
+_EXPERT = _P + r"{layer:layers\.[0-9]+\.ffn}.experts.{expert}"
+# the published module names -> ours (transformers' own module names, which the model keeps)
+_ATTN = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv_proj",
+         "norm": "kv_norm", "wo_b": "o_b_proj"}
+_POOLER = {"wkv": "kv_proj", "wgate": "gate_proj", "norm": "kv_norm"}
+_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_TO_ATTN = "layers_{i}_self_attn"
+RULES = (
+    Rule(_P + "embed.weight", "embed"),
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("head.weight", "lm_head"),
+    Rule(_P + "norm.weight", "norm.weight"),
+    Rule(_P + "hc_head_{part:fn|base|scale}", "hc_head_{part}"),
+    Rule(_P + "hc_head.hc_{part:fn|base|scale}", "hc_head_{part}"),
+    Rule(f"{_LAYER}.hc_{{site:attn|ffn}}_{{part:fn|base|scale}}", "layers_{i}_{site}_hc_{part}"),
+    Rule(f"{_LAYER}.attn_norm.weight", "layers_{i}_input_layernorm.weight"),
+    Rule(f"{_LAYER}.ffn_norm.weight", "layers_{i}_post_attention_layernorm.weight"),
+    Rule(f"{_LAYER}.attn.attn_sink", f"{_TO_ATTN}.sinks"),
+    Rule(f"{_LAYER}.attn.wo_a.weight", f"{_TO_ATTN}.o_a_proj"),
+    *(Rule(f"{_LAYER}.attn.{theirs}.weight", f"{_TO_ATTN}.{ours}.weight")
+      for theirs, ours in _ATTN.items()),
+    *(Rule(f"{_LAYER}.attn.{where}.{theirs}.weight", f"{_TO_ATTN}.compressor.{to}.{ours}.weight")
+      for where, to in (("compressor", "main"), ("indexer.compressor", "indexer.keys"))
+      for theirs, ours in _POOLER.items()),
+    Rule(f"{_LAYER}.attn.compressor.ape", f"{_TO_ATTN}.compressor.main.position_bias"),
+    Rule(f"{_LAYER}.attn.indexer.compressor.ape", f"{_TO_ATTN}.compressor.indexer.keys.position_bias"),
+    Rule(f"{_LAYER}.attn.indexer.wq_b.weight", f"{_TO_ATTN}.compressor.indexer.q_b_proj.weight"),
+    Rule(f"{_LAYER}.attn.indexer.weights_proj.weight",
+         f"{_TO_ATTN}.compressor.indexer.weights_proj.weight"),
+    Rule(f"{_LAYER}.ffn.gate.weight", "layers_{i}_mlp.gate_weight"),
+    Rule(f"{_LAYER}.ffn.gate.bias", "layers_{i}_mlp.gate_bias"),
+    Rule(f"{_LAYER}.ffn.gate.tid2eid", "layers_{i}_mlp.tid2eid"),
+    *(Rule(f"{_LAYER}.ffn.shared_experts.{theirs}.weight", f"layers_{{i}}_mlp.shared.{ours}.weight")
+      for theirs, ours in _SHARED.items()),
+    Experts(_EXPERT + ".w1.weight", part="gate"),
+    Experts(_EXPERT + ".w3.weight", part="up"),
+    Experts(_EXPERT + ".w2.weight", part="down"),
+)
+
+
+def checkpoint_table(cfg: V4Config) -> Table:
+    """Checkpoint names (published, or as transformers' save_pretrained writes them: `model.`
+    prefix, `embed_tokens`, `hc_head.hc_*`) -> the declared params and the routed-expert rows
+    (every layer is a MoE layer). FP8 dense weights and FP4 experts pair in the reader."""
+    return Table(RULES, expert_layers=[f"layers.{i}.ffn" for i in range(cfg.num_layers)])
+
+
+def load_weights(cfg: V4Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
+                 put_row):
+    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
+                           expert_specs(cfg, dtype), put_row)
+    return params, None

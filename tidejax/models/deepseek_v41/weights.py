@@ -1,10 +1,9 @@
-"""DeepSeek-V4.1 params (declared by the model: `param_shapes`) and the loading of a checkpoint
-folder: config, dense params (flax tree, float32), routed experts (one bank per layer, or rows
-into the engine's pool), Engram tables (host, memory-mapped) and the Engram hash layout (from
-the tokenizer).
+"""DeepSeek-V4.1 params, declared (the tree the flax model consumes), the Engram tables (kept
+on the host), and the checkpoint table that fills them; loading, test init and memory estimates
+come from these declarations.
 
 Names: the reference's module paths (`model.layers.{i}.attn.wq_a.weight`, ...) or the published
-ones (no `model.` prefix, `head.weight` for the output head). Formats, told apart by dtype:
+ones (no `model.` prefix, `head.weight` for the output head). Formats (CheckpointReader):
 - float (f32 / bf16 / f16) tensors as they are;
 - FP8 dense weights: `X.weight` float8_e4m3fn + `X.scale` (e8m0, or float32 `X.weight_scale_inv`)
   per block of config.json's `quantization_config.weight_block_size` (the published Flash
@@ -13,86 +12,139 @@ ones (no `model.` prefix, `head.weight` for the output head). Formats, told apar
   byte, low nibble first) + `.scale` e8m0 (or uint8 exponents) [out, in/32]: kept as an MXFP4 bank
   {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"};
 - Engram tables: `engram.embed.weight` float8_e4m3fn + `engram.embed.scale` per 32 channels,
-  kept as (values, scales) and dequantized row by row when gathered.
-Loading fails on any unmapped tensor, unfilled parameter, missing scale or shape mismatch.
+  kept memory-mapped as (values, scales) and dequantized row by row when gathered (float tables
+  as they are; their `.scale`, if any, is unused, as in the reference).
+Every check (unmapped, unfilled, duplicate, shape, scales) runs on the headers before any data
+is read; a problem is one CheckpointError naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
-from tidejax import parallel
-from tidejax.checkpoint.fp8 import BLOCK, config_block, dequantize_fp8_block
-from tidejax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
-from tidejax.fields import read_json
+from tidejax.checkpoint import Experts, Rule, Table
+from tidejax.fields import ConfigError, read_json
+from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
-from tidejax.kv.paged import PagedCache
-from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
-from tidejax.residency.serve import ServeOptions
+from tidejax.models.deepseek_v41.model import router_spec
+from tidejax.models.layers.latent_window import attention_specs
+from tidejax.models.layers.linear import linear_specs
+from tidejax.models.layers.mhc import mhc_specs
+from tidejax.models.layers.moe import moe_specs, routed_expert_specs
+from tidejax.models.layers.norm import norm_specs
+from tidejax.models.loading import ExpertPool, load_by_table
 from tidejax.residency.state import ExpertState, all_resident_state
 
+F32 = jnp.float32
+
+
+# layers.latent_window's attention params, as the model names them
+_ATTN_NAMES = {"q_a": "wq_a", "q_norm": "q_norm", "q_b": "wq_b", "kv": "wkv", "kv_norm": "kv_norm",
+               "sink": "attn_sink", "o_a": "wo_a", "o_b": "wo_b"}
+
+
+def _attn_specs(cfg: V41Config, layer: int) -> dict:
+    d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    specs = attention_specs(cfg, _ATTN_NAMES)
+    ratio = cfg.compress_ratios[layer]
+    if ratio and layer in cfg.kv_sources:
+        specs["compressor"] = {"wkv": linear_specs(k, d, (None, "embed"), F32),
+                               "norm": norm_specs(k, None, F32)}
+        if ratio > 1:
+            specs["compressor"]["wgate"] = linear_specs(k, d, (None, "embed"), F32)
+    if ratio and layer in cfg.index_sources:
+        ik = cfg.index_head_dim
+        specs["indexer"] = {"wq_b": linear_specs(cfg.index_heads * ik, q, (None, "q_lora"), F32),
+                            "weights_proj": linear_specs(cfg.index_heads, d, (None, "embed"), F32)}
+        if cfg.owns_index_keys(layer):
+            specs["indexer"] |= {"wk": linear_specs(ik, k, (None, None), F32),
+                                 "k_norm": norm_specs(ik, None, F32)}
+    return specs
+
+
+def param_specs(cfg: V41Config, dtype) -> dict:
+    """The dense params (everything but the routed experts and the Engram tables) as ParamSpecs:
+    embed and lm_head in `dtype`, the rest float32, as the model declares them."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+             "norm": norm_specs(d, "embed", F32)}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
+    for i in range(cfg.num_layers):
+        layer = {"attn_norm": norm_specs(d, "embed", F32), "attn": _attn_specs(cfg, i),
+                 "ffn_norm": norm_specs(d, "embed", F32),
+                 "ffn": moe_specs(router_spec(cfg), d, cfg.moe_intermediate_size, F32),
+                 **mhc_specs("hc_attn", n, d), **mhc_specs("hc_ffn", n, d)}
+        if i in cfg.engram_layers:
+            layer["engram"] = {
+                "wkv": linear_specs(d * (n + 1), cfg.engram_cols * cfg.engram_head_dim,
+                                    (None, None), F32),
+                "q_weight": ParamSpec((n, d), F32, (None, "embed"), init="ones"),
+                "k_weight": ParamSpec((n, d), F32, (None, "embed"), init="ones")}
+        specs[f"layers_{i}"] = layer
+    return specs
+
+
+def host_specs(cfg: V41Config) -> dict:
+    """The Engram tables, kept on the host as stored: {"engram": {"layers_{i}": [rows, e]}}."""
+    return {"engram": {f"layers_{i}": ParamSpec((rows, cfg.engram_head_dim), F32, (None, None))
+                       for i, rows in zip(cfg.engram_layers, cfg.engram_num_embeddings)}}
+
+
+def expert_specs(cfg: V41Config, dtype) -> dict:
+    """The routed experts as host-pool rows (layer * n_routed_experts + expert)."""
+    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
+
+
+_P = r"{p:(?:model\.)?}"  # the reference's names have it, the published ones do not
+_LAYER = _P + "layers.{i}"
+_EXPERT = _P + r"{layer:layers\.[0-9]+\.ffn}.experts.{expert}"
+RULES = (
+    Rule(_P + "embed.weight", "embed"),
+    Rule("lm_head.weight", "lm_head"),
+    Rule("head.weight", "lm_head"),
+    Rule(_P + "norm.weight", "norm.weight"),
+    Rule(f"{_LAYER}.{{norm:attn_norm|ffn_norm}}.weight", "layers_{i}.{norm}.weight"),
+    Rule(f"{_LAYER}.{{site:hc_attn|hc_ffn}}_{{part:fn|base|scale}}", "layers_{i}.{site}_{part}"),
+    Rule(f"{_LAYER}.attn.attn_sink", "layers_{i}.attn.attn_sink"),
+    Rule(f"{_LAYER}.attn.wo_a.weight", "layers_{i}.attn.wo_a"),
+    Rule(f"{_LAYER}.attn.{{m:wq_a|q_norm|wq_b|wkv|kv_norm|wo_b}}.weight", "layers_{i}.attn.{m}.weight"),
+    Rule(f"{_LAYER}.attn.compressor.{{m:wkv|wgate|norm}}.weight",
+         "layers_{i}.attn.compressor.{m}.weight"),
+    Rule(f"{_LAYER}.attn.indexer.{{m:wq_b|weights_proj|wk|k_norm}}.weight",
+         "layers_{i}.attn.indexer.{m}.weight"),
+    Rule(f"{_LAYER}.engram.wkv.weight", "layers_{i}.engram.wkv.weight"),
+    Rule(f"{_LAYER}.engram.{{m:q_weight|k_weight}}", "layers_{i}.engram.{m}"),
+    Rule(f"{_LAYER}.engram.embed.weight", "engram.layers_{i}"),
+    Rule(f"{_LAYER}.ffn.gate.weight", "layers_{i}.ffn.gate_weight"),
+    Rule(f"{_LAYER}.ffn.gate.bias", "layers_{i}.ffn.gate_bias"),
+    # the shared expert is layers.mlp.SwiGLU, named "shared" inside layers.moe.MoE
+    Rule(f"{_LAYER}.ffn.shared_experts.w1.weight", "layers_{i}.ffn.shared.gate_proj.weight"),
+    Rule(f"{_LAYER}.ffn.shared_experts.w3.weight", "layers_{i}.ffn.shared.up_proj.weight"),
+    Rule(f"{_LAYER}.ffn.shared_experts.w2.weight", "layers_{i}.ffn.shared.down_proj.weight"),
+    Experts(_EXPERT + ".w1.weight", part="gate"),
+    Experts(_EXPERT + ".w3.weight", part="up"),
+    Experts(_EXPERT + ".w2.weight", part="down"),
+)
 # Tensors present in checkpoints that the text forward does not use: image-token router bias,
-# DSpark draft layers, the vision tower (no reference forward exists for these yet).
-IGNORED = (r"\.ffn\.gate\.bias_vl$", r"(^|\.)mtp\.", r"^vision\.", r"^aligner\.",
-           r"^image_(start|end|newline)$")
-_RENAMES = {("embed", "weight"): ("embed",), ("lm_head", "weight"): ("lm_head",),
-            ("head", "weight"): ("lm_head",),
-            ("attn", "wo_a", "weight"): ("attn", "wo_a"),
-            ("ffn", "gate", "weight"): ("ffn", "gate_weight"),
-            ("ffn", "gate", "bias"): ("ffn", "gate_bias"),
-            # the shared expert is layers.mlp.SwiGLU, named "shared" inside layers.moe.MoE
-            ("shared_experts", "w1", "weight"): ("shared", "gate_proj", "weight"),
-            ("shared_experts", "w3", "weight"): ("shared", "up_proj", "weight"),
-            ("shared_experts", "w2", "weight"): ("shared", "down_proj", "weight")}
-_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_ENGRAM = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
-_SCALES = (".scale", "_scale_inv")  # suffixes of a weight's block scales: X.scale, X.weight_scale_inv
-_PACKED = (np.dtype(np.uint8), np.dtype(np.int8))  # FP4 codes, two a byte
+# DSpark draft layers, the vision tower (no reference forward exists for these yet), and the
+# scales of float Engram tables (the reference ignores them).
+IGNORED = (f"{_LAYER}.ffn.gate.bias_vl", f"{_LAYER}.engram.embed.scale",
+           r"{a:(?:.*\.)?}mtp.{rest:.*}", _P + "vision.{rest:.*}", _P + "aligner.{rest:.*}",
+           _P + "image_{what:start|end|newline}")
 
 
-class V41LoadError(CheckpointError):
-    """A checkpoint that does not fit the config; names the file and the tensor."""
-
-
-def param_path(name: str) -> tuple[str, ...]:
-    """Checkpoint tensor name (prefix `model.` stripped) -> flax param path."""
-    parts = re.sub(r"^layers\.(\d+)\.", r"layers_\1.", name).split(".")
-    for tail, repl in _RENAMES.items():
-        if tuple(parts[-len(tail):]) == tail:
-            return tuple(parts[:-len(tail)]) + repl
-    return tuple(parts)
-
-
-def param_shapes(cfg: V41Config) -> dict:
-    """The flax param tree's shapes (nothing allocated)."""
-    model = DeepseekV41(cfg, ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit,
-                                          all_resident=True))
-    b, t = 1, 1
-    cache = PagedCache(V41Pages.create(cfg, 1, cfg.page_multiple), V41Lanes.create(cfg, b))
-    table = jnp.zeros((b, 1), jnp.int32)
-    rows = jnp.zeros((b, t, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
-    tok = jnp.zeros((b, t), jnp.int32)
-
-    def init():
-        experts = all_resident_state(empty_pool(cfg), cfg.num_layers)
-        return model.init(jax.random.PRNGKey(0), tok, tok, tok > -1, cache, table, experts,
-                          rows if cfg.engram_layers else None)
-    return jax.eval_shape(init)["params"]
-
-
-def empty_pool(cfg: V41Config) -> dict:
-    """A dense pool of every layer's routed experts, zeros: [layers * E, ...]."""
-    n, i, d = cfg.num_layers * cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    return {"gate_up": jnp.zeros((n, 2 * i, d), jnp.float32), "down": jnp.zeros((n, d, i), jnp.float32)}
+def checkpoint_table(cfg: V41Config) -> Table:
+    """Checkpoint names -> the declared params, the Engram tables (FP8 scales per 32 channels of
+    a row) and the routed-expert rows (every layer is a MoE layer)."""
+    return Table(RULES, ignore=IGNORED,
+                 expert_layers=[f"layers.{i}.ffn" for i in range(cfg.num_layers)],
+                 fp8_blocks={f"{_LAYER}.engram.embed.weight": (1, 32)})
 
 
 @dataclasses.dataclass
@@ -100,192 +152,30 @@ class V41Checkpoint:
     cfg: V41Config
     params: dict  # {"params": flax tree}
     experts: ExpertState | None  # every expert resident (None when put_row took the rows)
-    engram_tables: list  # per Engram layer: float32 [rows, e] or (e4m3 values, float32 scales)
+    engram_tables: list  # per Engram layer: [rows, e] as stored or (e4m3 values, float32 scales)
     engram_layout: EngramLayout | None
 
 
-class Tensors:
-    """The folder's safetensors files as one lazy name -> array map (memory-mapped views),
-    names without the `model.` prefix; records what was used so leftovers can be reported.
-    fp8_block: the (rows, cols) block of an FP8 weight's scales."""
-
-    def __init__(self, model_dir: Path, fp8_block: tuple[int, int] = BLOCK):
-        self.source, self.fp8_block = model_dir, fp8_block
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise V41LoadError(f"{model_dir}: no *.safetensors file")
-        self.where: dict[str, tuple[SafetensorsFile, str]] = {}
-        for path in files:
-            f = SafetensorsFile(path)
-            for name in f.tensors:
-                key = name.removeprefix("model.")
-                if key in self.where:
-                    raise V41LoadError(f"{path}: tensor {name} appears twice in the checkpoint")
-                self.where[key] = (f, name)
-        self.used: set[str] = set()
-
-    def __contains__(self, name):
-        return name in self.where
-
-    def dtype(self, name) -> np.dtype:
-        f, raw = self.where[name]
-        return f.tensors[raw].dtype
-
-    def shape(self, name) -> tuple:
-        f, raw = self.where[name]
-        return tuple(f.tensors[raw].shape)
-
-    def view(self, name) -> np.ndarray:
-        f, raw = self.where[name]
-        self.used.add(name)
-        return f.view(raw)
-
-    def where_is(self, name) -> str:
-        f, raw = self.where[name]
-        return f"{f.path}: tensor {raw}"
-
-    def scale_of(self, name) -> str | None:
-        """The block-scale tensor that goes with weight `name`, if any."""
-        base = name.removesuffix(".weight")
-        for cand in (base + ".scale", name + "_scale_inv"):
-            if cand in self.where:
-                return cand
-        return None
-
-    def read_float(self, name) -> np.ndarray:
-        """A float32 copy; FP8 weights are dequantized with their block scales."""
-        value = self.view(name)
-        if value.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
-            return np.asarray(value, np.float32)
-        scale = self.scale_of(name)
-        if scale is None:
-            raise V41LoadError(f"{self.where_is(name)} is FP8 but has no block scales "
-                               "(X.scale or X.weight_scale_inv)")
-        try:
-            return dequantize_fp8_block(value, _as_float(self.view(scale)), self.fp8_block)
-        except ValueError as e:
-            raise V41LoadError(f"{self.where_is(name)}: {e}") from None
-
-
-def _as_float(scales: np.ndarray) -> np.ndarray:
-    """e8m0 (float8_e8m0fnu, or raw uint8 exponents with bias 127) or float scales -> float32."""
-    if scales.dtype == np.uint8:
-        return np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
-    return scales.astype(np.float32)
-
-
 def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Checkpoint:
-    """Reads config.json, *.safetensors and (with Engram layers) tokenizer.json of a folder.
+    """Reads config.json, the safetensors checkpoint and (with Engram layers) tokenizer.json of a
+    folder, through the checkpoint table.
 
-    dtype: of the dense params. put_row(layer * E + expert, row): where the routed experts go
-    (a host pool, for residency); without it they are stacked into an all-resident expert state
-    (`V41Checkpoint.experts`), which only suits models that fit."""
+    dtype: of embed and lm_head (the model's dtype). put_row(layer * E + expert, row): where the
+    routed experts go (a host pool, for residency); without it they are stacked into an
+    all-resident expert state (`V41Checkpoint.experts`), which only suits models that fit."""
     model_dir = Path(model_dir)
     raw = read_json(model_dir / "config.json")
     cfg = V41Config.from_hf(raw, str(model_dir / "config.json"))
-    tensors = Tensors(model_dir, config_block(raw))
-    shapes = flatten_dict(param_shapes(cfg))
-    params: dict = {}
-    experts: dict[int, dict] = {}
-    tables: dict[int, object] = {}
-    for name in list(tensors.where):
-        if any(re.search(p, name) for p in IGNORED) or name.endswith(_SCALES):
-            continue
-        if m := _EXPERT.match(name):
-            experts.setdefault(int(m[1]), {})[(int(m[2]), m[3])] = name
-            continue
-        if m := _ENGRAM.match(name):
-            tables[int(m[1])] = _engram_table(tensors, name)
-            continue
-        path = param_path(name)
-        if path not in shapes:
-            raise V41LoadError(f"{tensors.where_is(name)} has no place in the model")
-        if tensors.shape(name) != shapes[path].shape:
-            raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
-                               f"the config needs {shapes[path].shape}")
-        params[path] = jnp.asarray(tensors.read_float(name), dtype)
-    missing = [p for p in shapes if p not in params]
-    if missing:
-        raise V41LoadError(f"{model_dir}: no tensor for parameter {'/'.join(missing[0])} "
-                           f"({len(missing)} missing)")
-    stacked = []
-    for layer in range(cfg.num_layers):
-        rows = _expert_rows(tensors, experts.get(layer, {}), layer, cfg)
-        if put_row is not None:
-            for expert, row in rows:
-                put_row(layer * cfg.n_routed_experts + expert, row)
-        else:
-            stacked += [row for _, row in rows]
-    state = None
-    if put_row is None:
-        pool = {k: np.stack([r[k] for r in stacked]) for k in stacked[0]}
-        state = all_resident_state(pool, cfg.num_layers)
-    for layer in cfg.engram_layers:
-        if layer not in tables:
-            raise V41LoadError(f"{model_dir}: no tensor layers.{layer}.engram.embed.weight")
-    left = [n for n in tensors.where if n not in tensors.used and not any(
-        re.search(p, n) for p in IGNORED)]
-    if left:
-        raise V41LoadError(f"{tensors.where_is(left[0])} is not used by the model "
-                           f"({len(left)} such tensors)")
+    n_moe, n_experts = expert_dims(cfg)[:2]
+    pool = None if put_row is not None else ExpertPool(n_moe * n_experts, "checkpoint", F32)
+    params = load_by_table(model_dir, raw, checkpoint_table(cfg), param_specs(cfg, dtype),
+                           expert_specs(cfg, F32), put_row or pool.put_row,
+                           host_specs=host_specs(cfg))
+    tables = params.pop("engram", {})
     layout = engram_layout(cfg, model_dir, tokenizer) if cfg.engram_layers else None
-    return V41Checkpoint(cfg, {"params": unflatten_dict(params)}, state,
-                         [tables[layer] for layer in cfg.engram_layers], layout)
-
-
-def _engram_table(tensors: Tensors, name: str):
-    """float32 rows, or (e4m3 rows as a memory-mapped view, float32 scales [rows, e/32])."""
-    values = tensors.view(name)
-    scale = name.removesuffix(".weight") + ".scale"
-    if values.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
-        if scale in tensors:
-            tensors.view(scale)  # float rows: the reference ignores the scales
-        return np.asarray(values, np.float32)
-    if scale not in tensors or tensors.shape(scale) != (values.shape[0], values.shape[1] // 32):
-        raise V41LoadError(f"{tensors.where_is(name)} is FP8 and needs {scale} "
-                           f"[{values.shape[0]}, {values.shape[1] // 32}]")
-    return values, _as_float(tensors.view(scale))
-
-
-def _expert_rows(tensors: Tensors, found: dict, layer: int, cfg: V41Config):
-    """One layer's routed experts, one at a time: (expert, row) with row an MXFP4 dict
-    {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"} when the checkpoint stores
-    FP4, else {"gate_up": [2I, D] (gate rows, then up rows), "down": [D, I]} float32."""
-    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
-    for expert in range(e):
-        for w in shapes:
-            if (expert, w) not in found:
-                raise V41LoadError(f"{tensors.source}: "
-                                   f"no tensor layers.{layer}.ffn.experts.{expert}.{w}.weight")
-    for expert in range(e):
-        parts = {w: _expert_weight(tensors, found[(expert, w)], shapes[w]) for w in shapes}
-        if isinstance(parts["w1"], tuple):
-            yield expert, {"gate_up_blocks": np.concatenate([parts["w1"][0], parts["w3"][0]]),
-                           "gate_up_scales": np.concatenate([parts["w1"][1], parts["w3"][1]]),
-                           "down_blocks": parts["w2"][0], "down_scales": parts["w2"][1]}
-        else:
-            yield expert, {"gate_up": np.concatenate([parts["w1"], parts["w3"]]), "down": parts["w2"]}
-
-
-def _expert_weight(tensors: Tensors, name: str, shape: tuple[int, int]):
-    """float32 [out, in], or FP4 as (blocks [out, in/32, 16] uint8, e8m0 scales [out, in/32] uint8)."""
-    out, inn = shape
-    if tensors.dtype(name) not in _PACKED:
-        if tensors.shape(name) != shape:
-            raise V41LoadError(f"{tensors.where_is(name)} has shape {tensors.shape(name)}, "
-                               f"the config needs {shape}")
-        return tensors.read_float(name)
-    scale = tensors.scale_of(name)
-    if tensors.shape(name) != (out, inn // 2):
-        raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight should be uint8 "
-                           f"[{out}, {inn // 2}], got {list(tensors.shape(name))}")
-    if scale is None or tensors.shape(scale) != (out, inn // 32):
-        raise V41LoadError(f"{tensors.where_is(name)}: FP4 expert weight needs e8m0 scales "
-                           f"[{out}, {inn // 32}] in {name.removesuffix('.weight')}.scale")
-    blocks = np.array(tensors.view(name)).view(np.uint8).reshape(out, inn // 32, 16)
-    raw = np.array(tensors.view(scale))
-    return blocks, raw if raw.dtype == np.uint8 else raw.view(np.uint8)  # e8m0 bits = biased exponent
+    experts = None if pool is None else all_resident_state(pool.result(), n_moe)
+    return V41Checkpoint(cfg, {"params": params}, experts,
+                         [tables[f"layers_{i}"] for i in cfg.engram_layers], layout)
 
 
 def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayout:
@@ -295,7 +185,7 @@ def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayo
 
         path = model_dir / "tokenizer.json"
         if not path.exists():
-            raise V41LoadError(f"{path}: Engram layers need the tokenizer to hash n-grams")
+            raise ConfigError(f"{path}: Engram layers need the tokenizer to hash n-grams")
         tokenizer = Tokenizer.from_file(str(path))
     return EngramLayout.build(cfg.engram_layers, cfg.engram_max_ngram, cfg.engram_heads,
                               cfg.engram_vocab_size, compressed_token_map(tokenizer),
@@ -309,10 +199,10 @@ def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
 
 
 def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
-    """The family's loader: (dense params, the checkpoint as the host-side aux: Engram tables).
-    The params have no declaration of logical axes yet: they are placed replicated."""
+    """The family's loader: (dense params, placed by their declared axes; the checkpoint as the
+    host-side aux: Engram tables and layout)."""
     checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
-    return parallel.replicated(checkpoint.params["params"]), checkpoint
+    return checkpoint.params["params"], checkpoint
 
 
 def replay_variables(cfg: V41Config, ids) -> dict:

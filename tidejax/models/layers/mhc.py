@@ -12,9 +12,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.models.base import ParamSpec
 from tidejax.models.layers.linear import HIGHEST
 
 F32 = jnp.float32
+
+
+def mhc_specs(prefix: str, hc: int, d: int, head: bool = False) -> dict:
+    """The declared params of one mHC site (as mhc_params declares them on its module)."""
+    outputs = hc if head else (2 + hc) * hc
+    return {f"{prefix}_fn": ParamSpec((outputs, hc * d), F32, (None, None)),
+            f"{prefix}_base": ParamSpec((outputs,), F32, (None,), init="zeros"),
+            f"{prefix}_scale": ParamSpec((1 if head else 3,), F32, (None,), init="ones")}
 
 
 def mhc_params(module: nn.Module, prefix: str, hc: int, d: int, head: bool = False):

@@ -43,6 +43,9 @@ def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) 
     specs = {"gate_weight": ParamSpec((e, hidden), jnp.float32, ("experts", "embed"))}
     if router.use_bias:
         specs["gate_bias"] = ParamSpec((e,), jnp.float32, ("experts",), init="zeros")
+    if router.hash_vocab:  # token -> experts (DeepSeek-V4's hash layers)
+        specs["tid2eid"] = ParamSpec((router.hash_vocab, router.top_k), jnp.int32, ("vocab", None),
+                                     init="zeros")
     if shared_intermediate:
         specs["shared"] = swiglu_specs(hidden, shared_intermediate, dtype)
     return specs
