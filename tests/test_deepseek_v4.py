@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import tidejax  # noqa: E402
 from tidejax.checkpoint import CheckpointError  # noqa: E402
+from tidejax.kv.paged import PagedCache  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
 from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache  # noqa: E402
 from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
@@ -96,7 +97,8 @@ def test_declared_params_are_what_the_model_consumes(name):
     declared = check_declaration(
         lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
         lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
-        (tokens, tokens, tokens > -1, V4Cache.create(cfg, 1, 32)))
+        (tokens, tokens, tokens > -1, PagedCache((), V4Cache.create(cfg, 1, 32)),
+         jnp.zeros((1, 1), jnp.int32)))
     table = checkpoint_table(cfg)
     for path in param_paths(declared):
         names = table.param_names(path)
@@ -106,11 +108,12 @@ def test_declared_params_are_what_the_model_consumes(name):
 def test_served_family_and_cache(tiny):
     _, _, engine = tiny
     cfg = engine.cfg
-    assert engine.family.name == "deepseek_v4" and engine.family.cache_kind == "lanes"
-    # entries of the CSA layers (with their index keys) and of the HCA layers, float32
+    assert engine.family.name == "deepseek_v4" and engine.cache_bytes_per_token() == 0
+    # its whole cache is per lane: entries of the CSA layers (with their index keys) and of the
+    # HCA layers (float32) sized for max_context, beside the window rings
     csa, hca = cfg.csa_rate, cfg.hca_rate
-    assert engine.cache_bytes_per_token() == 4 * (2 * (cfg.head_dim + cfg.index_head_dim) / csa
-                                                  + 2 * cfg.head_dim / hca)
+    growing = 4 * (2 * (cfg.head_dim + cfg.index_head_dim) / csa + 2 * cfg.head_dim / hca)
+    assert engine.lane_bytes() >= growing * engine.max_context
 
 
 def test_logits_match_transformers(tiny):
@@ -131,11 +134,12 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     want = engine.logits(ids)
     step = jax.jit(engine.model.apply)
     params, state = {"params": engine.params}, engine.residency.state
-    cache, got = V4Cache.create(engine.cfg, 1, 40), []
+    cache, got = PagedCache((), V4Cache.create(engine.cfg, 1, 40)), []
+    table = jnp.zeros((1, 1), jnp.int32)
     for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
         pos = jnp.arange(lo, hi, dtype=jnp.int32)[None]
         logits, cache, state = step(params, jnp.asarray(ids[None, lo:hi]), pos, pos >= 0, cache,
-                                    state)
+                                    table, state)
         got.append(np.asarray(logits[0]))
     engine.residency.state = state
     assert np.abs(np.concatenate(got) - want).max() <= 1e-4

@@ -24,8 +24,9 @@ class Family:
     expert_dims(cfg) -> (moe layers, experts per layer, hidden, expert intermediate)
     create_cache(cfg, n_pages, page_size, dtype) -> the KV pool (PagedCache.pages): leaves
         [n_pages, rows, ...] shared by all sequences through one block table each
-    create_lane_cache(cfg, lanes, dtype) -> the fixed-size rows each decode lane keeps
-        (PagedCache.lanes, leaves [lanes, ...]: DeepSeek-V4.1's window rings), or None: none
+    create_lane_cache(cfg, lanes, max_context, dtype) -> the rows each decode lane keeps for a
+        sequence of up to max_context (PagedCache.lanes, leaves [lanes, ...]: DeepSeek-V4.1's
+        window rings, DeepSeek-V4's whole cache), or None: none
     page_multiple(cfg) -> what engine.page_size must be a multiple of (DeepSeek-V4.1: its
         compress ratios, so that a page holds whole groups)
     mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
@@ -51,7 +52,7 @@ class Family:
     top_k: Callable  # (cfg) -> routed experts picked per token
     create_cache: Callable
     cache_bytes_per_token: Callable  # (cfg, dtype) -> pool bytes a token of context adds
-    create_lane_cache: Callable = lambda cfg, lanes, dtype: None
+    create_lane_cache: Callable = lambda cfg, lanes, max_context, dtype: None
     page_multiple: Callable = lambda cfg: 1
     mla_decode: bool = False
     replay_variables: Callable | None = None

@@ -174,7 +174,7 @@ class Engine:
             raise ConfigError(f"{config.source}: 'engine.page_size' = {size} must be a multiple of "
                               f"{multiple} for {self.family.name} (a page holds whole groups of "
                               "every compressed KV source)")
-        if section.kv_pool_gib > 0:
+        if section.kv_pool_gib > 0 and self.cache_bytes_per_token() > 0:
             key = "engine.kv_pool_gib"
             pages = int(section.kv_pool_gib * 2**30 // (self.cache_bytes_per_token() * size))
         elif section.kv_pool_tokens > 0:
@@ -189,7 +189,8 @@ class Engine:
     def _new_cache(self, n_pages: int, lanes: int) -> PagedCache:
         """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""
         return PagedCache(self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype),
-                          self.family.create_lane_cache(self.cfg, lanes, self.dtype))
+                          self.family.create_lane_cache(self.cfg, lanes, self.max_context,
+                                                        self.dtype))
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
@@ -430,7 +431,7 @@ class Engine:
         """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings
         and group buffers; 0 for a family that keeps everything in the pool)."""
         rows = jax.eval_shape(functools.partial(self.family.create_lane_cache, self.cfg, 1,
-                                                self.dtype))
+                                                self.max_context, self.dtype))
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(rows))
 
     def kv_stats(self) -> dict:

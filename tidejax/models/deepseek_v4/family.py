@@ -1,6 +1,7 @@
 """DeepSeek-V4 as an engine family: routed experts into the residency pool and served by the
-shared MoE layer (budgets and miss policies apply). Its cache is a row per lane (`lanes`): the
-window rings and per-layer compressed entries are sized for max_context."""
+shared MoE layer (budgets and miss policies apply). Its whole cache is per lane (the
+PagedCache's `lanes`): the window rings and per-layer compressed entries, sized for max_context;
+its page pool holds nothing."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    cache_kind="lanes",
-    create_cache=V4Cache.create,
-    cache_bytes_per_token=V4Cache.bytes_per_token,
+    create_cache=lambda cfg, n_pages, page_size, dtype: (),
+    cache_bytes_per_token=lambda cfg, dtype: 0,
+    create_lane_cache=V4Cache.create,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))

@@ -23,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, scatter_rows, selection_mask, top_k_select
 from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
@@ -214,10 +215,14 @@ class DeepseekV4(nn.Module):
     dtype: jnp.dtype = F32  # of embed and lm_head
 
     @nn.compact
-    def __call__(self, tokens, positions, token_mask, cache: V4Cache, experts: ExpertState):
-        """tokens, positions [b, t]; token_mask [b, t] (real tokens first); experts: the
-        residency state (every layer is a MoE layer, rowmap row = layer)
-        -> (logits [b, t, vocab] float32, cache, experts)."""
+    def __call__(self, tokens, positions, token_mask, paged: PagedCache, block_table,
+                 experts: ExpertState):
+        """tokens, positions [b, t]; token_mask [b, t] (real tokens first); paged: the engine's
+        cache, whose per-lane part `lanes` is this model's whole V4Cache (its pool part is empty,
+        so block_table [b, P] addresses nothing); experts: the residency state (every layer is a
+        MoE layer, rowmap row = layer) -> (logits [b, t, vocab] float32, paged, experts)."""
+        del block_table  # no pages: every cache row is the lane's own
+        cache = paged.lanes
         cfg = self.cfg
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -251,4 +256,4 @@ class DeepseekV4(nn.Module):
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
         cache = V4Cache(tuple(windows), *(tuple(p[j] for p in parts) for j in range(6)))
-        return logits, cache, experts
+        return logits, PagedCache(paged.pages, cache), experts

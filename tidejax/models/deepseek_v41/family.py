@@ -20,7 +20,7 @@ register(Family(
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
     create_cache=V41Pages.create,
-    create_lane_cache=V41Lanes.create,
+    create_lane_cache=lambda cfg, lanes, max_context, dtype: V41Lanes.create(cfg, lanes, dtype),
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V41Pages.bytes_per_token,
     replay_variables=replay_variables,
