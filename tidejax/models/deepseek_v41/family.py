@@ -23,6 +23,7 @@ register(Family(
     create_lane_cache=lambda cfg, lanes, max_context, dtype: V41Lanes.create(cfg, lanes, dtype),
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V41Pages.bytes_per_token,
+    cache_axes=V41Pages.axes,
     replay_variables=replay_variables,
     host_inputs=host_inputs,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,

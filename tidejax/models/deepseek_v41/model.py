@@ -71,6 +71,13 @@ class V41Pages:
             index_keys=tuple(pool(s, cfg.index_head_dim) if cfg.owns_index_keys(s) else None
                              for s in cfg.kv_sources))
 
+    def axes(self) -> "V41Pages":
+        """The logical axes of each pool leaf (tidejax.parallel): the single latent KV head and
+        the index keys are not split across heads."""
+        return V41Pages(entries=tuple(("pages", "page", None) for _ in self.entries),
+                        index_keys=tuple(None if keys is None else ("pages", "page", None)
+                                         for keys in self.index_keys))
+
     @staticmethod
     def bytes_per_token(cfg: V41Config, dtype=F32) -> float:
         """Pool bytes a token of context adds (the per-lane rings and buffers are fixed)."""
