@@ -102,8 +102,8 @@ def row_bytes(bank: dict) -> int:
 
 def dense_bytes(engine) -> int:
     """Params read every step: all but the embedding table (a few rows of it per step)."""
-    embed = engine.params.get("embed")
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.params)) - (
+    embed = engine.loaded.params.get("embed")
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.loaded.params)) - (
         embed.nbytes if embed is not None else 0)
 
 
@@ -130,7 +130,7 @@ class Limit:
 def step_limit(engine, batch: int, context: float, distinct: float, cold: float, policy: str,
                swapped_bytes_per_step: float, copy: float, h2d: float) -> Limit:
     """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions."""
-    expert = row_bytes(engine.residency.state.bank)
+    expert = row_bytes(engine.state.experts.bank)
     missed = cold * distinct if policy == "exact" else 0.0
     device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
               + (distinct - missed) * expert)
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
             engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
                                         max(args.ttft, 64 + args.tokens) + 64)
             if h2d is None:
-                h2d = h2d_gbps(engine.residency.state.bank)
+                h2d = h2d_gbps(engine.state.experts.bank)
                 print(f"device copy {copy:.0f} GB/s (read + write); host-to-device {h2d:.1f} GB/s "
                       f"(in-step expert fetch)", flush=True)
             rows += run_config(engine, picks, share, policy, args, copy, h2d)

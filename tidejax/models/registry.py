@@ -15,8 +15,9 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, experts[, host_inputs])
-        -> (logits [b, t, vocab] float32, cache, experts)
+        (tokens, positions, token_mask, cache, experts[, host_inputs], replay=None)
+        -> (logits [b, t, vocab] float32, cache, experts); replay [b, t, L_moe, k]: recorded
+        picks the MoE layers route by instead of their routers' choice
     load_weights(cfg, model_dir, raw_config, serve_options, dtype, put_row) -> (params, aux):
         dense params on the device; routed experts through put_row(layer * E + expert, row);
         aux is whatever host-side state the family keeps (None for most)
@@ -29,8 +30,6 @@ class Family:
         structure), or None: the cache is placed replicated (tidejax.parallel)
     host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
         lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), or None
-    replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
-        where the family cannot replay recorded routing
     """
 
     name: str
@@ -43,7 +42,6 @@ class Family:
     cache_kind: str
     create_cache: Callable
     cache_bytes_per_token: Callable  # (cfg, dtype) -> bytes a token of context adds
-    replay_variables: Callable | None = None
     cache_axes: Callable | None = None
     host_inputs: Callable = lambda cfg, aux, batch: None
     swiglu_limit: Callable = lambda cfg: 0.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import host_inputs
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Cache
-from tidejax.models.deepseek_v41.weights import expert_dims, load_weights, replay_variables
+from tidejax.models.deepseek_v41.weights import expert_dims, load_weights
 from tidejax.models.registry import Family, register
 
 register(Family(
@@ -21,7 +21,6 @@ register(Family(
     cache_kind="lanes",
     create_cache=V41Cache.create,
     cache_bytes_per_token=V41Cache.bytes_per_token,
-    replay_variables=replay_variables,
     host_inputs=host_inputs,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))
