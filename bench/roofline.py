@@ -210,13 +210,13 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
     prompts = [prompt_ids(engine, domain, prompt_tokens, offset=7 * i) for i in range(lanes)]
     for drain_first in (False, True) if drains else (False,):
         if drain_first:
-            engine.residency.drain()
+            engine.scheduler.update_experts(engine.residency.drain)
         for ids in prompts:
             engine.scheduler.submit(GenerationRequest(ids, 4, SamplingParams(0.6), ignore_eos=True),
                                     raise_errors)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
         if drains:
-            engine.residency.drain()
+            engine.scheduler.update_experts(engine.residency.drain)
         engine.scheduler.run_until_idle()  # decode (right after a drain)
     return time.perf_counter() - start
 
@@ -380,7 +380,7 @@ def run_config(engine, picks, resident: float, policy: str, args, copy: float,
         rows.append(row)
     if args.ttft and policy == "exact":  # the worst case: every miss copied in
         ids = prompt_ids(engine, args.domain, args.ttft)
-        chunk = engine.prefill_chunk  # compile the long prompt's chunk sizes first
+        chunk = engine.loaded.prefill_chunk  # compile the long prompt's chunk sizes first
         time_to_first_token(engine, ids[:min(chunk + args.ttft % chunk, args.ttft - 1)])
         rows[0].ttft_s = time_to_first_token(engine, ids)
         print(f"[{resident:.0%} {policy}] TTFT at {args.ttft} tokens: {rows[0].ttft_s:.2f} s",

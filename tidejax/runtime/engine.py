@@ -60,7 +60,7 @@ class Engine:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.loaded.prefill_chunk]
         self.logits(ids)
-        self.scheduler.reseed()
+        self.scheduler.update_experts(self.residency.reseed)
 
     # -- what the model is -----------------------------------------------------------------
 

@@ -509,10 +509,11 @@ class Scheduler:
             self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
         return len(shapes)
 
-    def reseed(self) -> None:
-        """Residency's reseed (a drain, then the busiest experts seated) on the state."""
+    def update_experts(self, fn) -> None:
+        """The expert state through `fn(experts) -> experts` between steps: residency's
+        between-step operations (reseed, drain, move_to, apply_swaps)."""
         self._own()
-        self.state = self.state.replace(experts=self.model.residency.reseed(self.state.experts))
+        self.state = self.state.replace(experts=fn(self.state.experts))
 
     def set_sampling(self, lane: int, params: SamplingParams) -> None:
         """A lane's sampling parameters, set in the state (at admission; benchmarks)."""
