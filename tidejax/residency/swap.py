@@ -80,19 +80,21 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
 
 
 def apply_batch(state: ExpertState, batch: SwapBatch) -> ExpertState:
-    """A step's start (traced inside it): the batch's swaps, and the miss tally restarted."""
+    """A step's start (traced inside it): the batch's swaps."""
     if batch.slots.shape[0]:  # static: an all-resident engine's batches are empty
         state = swap_rows(state, batch.slots, batch.rows, batch.count)
-    return state.replace(misses=jnp.zeros_like(state.misses))
+    return state
 
 
 def finish_batch(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
     """A step's end (traced inside it): its Tallies (the miss tally and the counters including
-    this step), and the counters restarted from zero where the batch drains."""
+    this step); the miss tally restarts from zero for the next step, and the counters too where
+    the batch drains."""
     zeros = jnp.zeros_like(state.counts)
     out = Tallies(state.misses, state.counts, state.weight_sums)
     return state.replace(counts=jnp.where(batch.drain, zeros, state.counts),
-                         weight_sums=jnp.where(batch.drain, zeros, state.weight_sums)), out
+                         weight_sums=jnp.where(batch.drain, zeros, state.weight_sums),
+                         misses=zeros), out
 
 
 @functools.partial(jax.jit, donate_argnums=0)
