@@ -13,7 +13,7 @@ delivers step N's tokens, and step N+1 takes its input tokens from step N's outp
 (a lane resumed since takes its token from the host). A stop token is seen one step late: the
 step already queued for that lane computes a token nobody receives, at a position its next
 request overwrites. Length limits are known ahead, so no step runs past them. Families that need
-every token on the host before the next step (`engine.pipelined` False) read each step right
+every token on the host before the next step (`LoadedModel.pipelined` False) read each step right
 after queueing it.
 
 Preemption (paged families): when the pool runs short, the newest admitted request gives up its
