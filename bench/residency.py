@@ -2,8 +2,8 @@
 
 1. Host-to-device bandwidth: `jax.device_put` of a pinned_host expert pool (MXFP4 rows of
    DeepSeek-V4.1-Flash size: hidden 5120, moe_intermediate 2304, 18.8 MB a row) to device memory.
-2. Swaps: `Residency.apply_swaps` of one row from the pinned pool into the bank (the jitted,
-   donated `swap_rows`, then a wait for it), median over random swaps, and of a step's worth
+2. Swaps: `Residency.apply_swaps` of one row from the pinned pool into the bank (a swap batch
+   through the jitted, donated `apply_now`, then a wait for it), median over random swaps, and of a step's worth
    (max_swaps_per_step) in one call; GB/s against (1); the swap's compiled memory analysis
    (in place: alias = the state, temp ~ one row).
 3. Miss policies: a decode-like step of one MoE layer (64 experts, half resident) with "exact"
@@ -36,7 +36,7 @@ from tidejax.config import ResidencySection
 from tidejax.residency import Residency, ServeOptions, serve_routed
 from tidejax.residency.planner import Swap
 from tidejax.residency.state import ExpertState
-from tidejax.residency.swap import swap_rows
+from tidejax.residency.swap import SwapBatch, apply_now
 
 
 def dims(quick: bool):
@@ -70,19 +70,17 @@ def h2d_gbps(pool: dict) -> float:
     return nbytes / min(times) / 1e9
 
 
-def bench_swaps(res: Residency, n_swaps: int, rng):
+def bench_swaps(res: Residency, state, n_swaps: int, rng):
     slots = res.n_resident
-    batch = res.section.max_swaps_per_step
-    compiled = swap_rows.lower(res.state, np.zeros(batch, np.int32), np.zeros(batch, np.int32),
-                               np.int32(1)).compile()
+    compiled = apply_now.lower(state, SwapBatch.of([(0, 0)], res.batch_length)).compile()
     mem = compiled.memory_analysis()
     times = []
     for _ in range(n_swaps + 3):
         cold = np.setdiff1d(np.arange(res.n_experts), res.slot_rows)
         swap = Swap(int(rng.integers(slots)), int(rng.choice(cold)), res.version)
         t0 = time.perf_counter()
-        res.apply_swaps([swap])
-        jax.block_until_ready(res.state)
+        state = res.apply_swaps(state, [swap])
+        jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
     batched = []  # a step's worth of swaps (max_swaps_per_step) in one call
     for _ in range(max(3, n_swaps // 8)):
@@ -90,11 +88,11 @@ def bench_swaps(res: Residency, n_swaps: int, rng):
         swaps = [Swap(int(s), int(r), res.version) for s, r in
                  zip(rng.permutation(slots)[:res.section.max_swaps_per_step], cold)]
         t0 = time.perf_counter()
-        res.apply_swaps(swaps)
-        jax.block_until_ready(res.state)
+        state = res.apply_swaps(state, swaps)
+        jax.block_until_ready(state)
         batched.append((time.perf_counter() - t0) / len(swaps))
-    state_bytes = sum(a.nbytes for a in jax.tree.leaves(res.state))
-    return statistics.median(times[3:]), statistics.median(batched[1:]), mem, state_bytes
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
+    return statistics.median(times[3:]), statistics.median(batched[1:]), mem, state_bytes, state
 
 
 def counting_step(n_layers, top_k):
@@ -110,7 +108,7 @@ def counting_step(n_layers, top_k):
     return jax.jit(step, static_argnames="options", donate_argnums=0)
 
 
-def bench_policies(res: Residency, d: int, top_k: int, steps: int):
+def bench_policies(res: Residency, state, d: int, top_k: int, steps: int):
     """Median step time of one MoE layer, 4 tokens: exact vs substitute; rows fetched a step."""
     step = counting_step(1, top_k)
     key = jax.random.key(5)
@@ -121,12 +119,12 @@ def bench_policies(res: Residency, d: int, top_k: int, steps: int):
         times, fetched = [], []
         for j in range(steps + 2):
             x = jax.random.normal(jax.random.fold_in(key, j), (4, d), jnp.float32).astype(jnp.bfloat16)
-            before = float(res.state.misses.sum())
+            before = float(state.misses.sum())
             t0 = time.perf_counter()
-            y, res.state = step(res.state, x, router, opts)
-            jax.block_until_ready((y, res.state))
+            y, state = step(state, x, router, opts)
+            jax.block_until_ready((y, state))
             times.append(time.perf_counter() - t0)
-            fetched.append(float(res.state.misses.sum()) - before)
+            fetched.append(float(state.misses.sum()) - before)
         out[policy] = (statistics.median(times[2:]), statistics.mean(fetched[2:]))
     return out
 
@@ -160,8 +158,9 @@ def swap_and_policy_rows(quick: bool) -> list:
     section = ResidencySection(budget_experts=pool_rows // 2, miss_policy="exact", adapt=False)
     res = Residency(pool_np, 1, k, section, max_tokens=4)
     del pool_np
-    swap_s, batched_s, mem, state_bytes = bench_swaps(res, 10 if quick else 60, rng)
-    bw = h2d_gbps(res.state.pool)
+    swap_s, batched_s, mem, state_bytes, state = bench_swaps(res, res.take_state(),
+                                                             10 if quick else 60, rng)
+    bw = h2d_gbps(state.pool)
     swap_gbps = row_mb / 1e3 / swap_s
     rows = [("host->device, device_put of the pinned pool", f"{bw:.1f} GB/s "
              f"({pool_rows} rows, {pool_rows * row_mb / 1e3:.2f} GB)"),
@@ -174,7 +173,7 @@ def swap_and_policy_rows(quick: bool) -> list:
              f"{state_bytes / 1e6:.1f} MB")]
     print(rows, "\n", mem, flush=True)
     try:
-        for policy, (secs, missed) in bench_policies(res, d, k, 5 if quick else 20).items():
+        for policy, (secs, missed) in bench_policies(res, state, d, k, 5 if quick else 20).items():
             rows.append((f"one MoE layer, 4 tokens, {pool_rows // 2} of {pool_rows} experts "
                          f"resident, miss policy {policy}",
                          f"{secs * 1e6:.0f} us a step ({missed:.1f} missed picks a step)"))

@@ -87,8 +87,8 @@ def row_bytes(bank: dict) -> int:
 
 def dense_bytes(engine) -> int:
     """Params read every step: all but the embedding table (a few rows of it per step)."""
-    embed = engine.params.get("embed")
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.params)) - (
+    embed = engine.loaded.params.get("embed")
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(engine.loaded.params)) - (
         embed.nbytes if embed is not None else 0)
 
 
@@ -115,7 +115,7 @@ class Limit:
 def step_limit(engine, batch: int, context: float, distinct: float, cold: float, policy: str,
                swapped_bytes_per_step: float, read: float, h2d: float) -> Limit:
     """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions."""
-    expert = row_bytes(engine.residency.state.bank)
+    expert = row_bytes(engine.state.experts.bank)
     missed = cold * distinct if policy == "exact" else 0.0
     device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
               + (distinct - missed) * expert)
@@ -195,13 +195,13 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
     prompts = [prompt_ids(engine, domain, prompt_tokens, offset=7 * i) for i in range(lanes)]
     for drain_first in (False, True) if drains else (False,):
         if drain_first:
-            engine.residency.drain()
+            engine.scheduler.update_experts(engine.residency.drain)
         for ids in prompts:
             engine.scheduler.submit(GenerationRequest(ids, 4, SamplingParams(0.6), ignore_eos=True),
                                     raise_errors)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
         if drains:
-            engine.residency.drain()
+            engine.scheduler.update_experts(engine.residency.drain)
         engine.scheduler.run_until_idle()  # decode (right after a drain)
     return time.perf_counter() - start
 
@@ -365,7 +365,7 @@ def run_config(engine, picks, resident: float, policy: str, args, read: float,
         rows.append(row)
     if args.ttft and policy == "exact":  # the worst case: every miss copied in
         ids = prompt_ids(engine, args.domain, args.ttft)
-        chunk = engine.prefill_chunk  # compile the long prompt's chunk sizes first
+        chunk = engine.loaded.prefill_chunk  # compile the long prompt's chunk sizes first
         time_to_first_token(engine, ids[:min(chunk + args.ttft % chunk, args.ttft - 1)])
         rows[0].ttft_s = time_to_first_token(engine, ids)
         print(f"[{resident:.0%} {policy}] TTFT at {args.ttft} tokens: {rows[0].ttft_s:.2f} s",
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
             engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
                                         max(args.ttft, 64 + args.tokens) + 64)
             if h2d is None:
-                h2d = h2d_gbps(engine.residency.state.bank)
+                h2d = h2d_gbps(engine.state.experts.bank)
                 print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write); "
                       f"host-to-device {h2d:.1f} GB/s "
                       f"(in-step expert fetch)", flush=True)

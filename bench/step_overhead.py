@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
-from tidejax.runtime.engine import DecodeRows  # noqa: E402
-from tidejax.runtime.sampling import LaneSampling, SamplingParams  # noqa: E402
+from tidejax.runtime.sampling import SamplingParams  # noqa: E402
+from tidejax.runtime.steps import DecodeRows  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest  # noqa: E402
 from tidejax.kv.pages import pages_for  # noqa: E402
 
@@ -68,40 +68,40 @@ def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
     first pages (what they read, not what they hold, is what a step costs)."""
     active = np.arange(engine.lanes) < lanes
     positions = np.where(active, PROMPT_TOKENS, 0).astype(np.int32)
-    pages = [list(range(pages_for(PROMPT_TOKENS + 1, engine.page_size)))] * engine.lanes
+    pages = [list(range(pages_for(PROMPT_TOKENS + 1, engine.loaded.page_size)))] * engine.lanes
     return DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, fresh), positions,
                       active, pages)
 
 
 def _first_step(engine, lanes: int):
-    """sampling for `lanes` lanes and a first step's output (waited for)."""
-    sampling = LaneSampling.of([SAMPLING] * engine.lanes)
-    return sampling, jax.block_until_ready(engine.step(_decode_rows(engine, lanes, True), None,
-                                                       sampling))
+    """Every lane sampling as SAMPLING, and a first step's output (waited for)."""
+    for lane in range(engine.lanes):
+        engine.scheduler.set_sampling(lane, SAMPLING)
+    return jax.block_until_ready(engine.step(_decode_rows(engine, lanes, True), None))
 
 
 def engine_ms(engine, lanes: int, steps: int) -> float:
     """ms per step of Engine.step back to back, each fed the previous one's tokens on the
     device, none read."""
-    sampling, out = _first_step(engine, lanes)
+    out = _first_step(engine, lanes)
     decode = _decode_rows(engine, lanes, False)
     start = time.perf_counter()
     for _ in range(steps):
-        out = engine.step(decode, None, sampling, previous=out)
+        out = engine.step(decode, None, previous=out)
     jax.block_until_ready(out)
     engine.residency.flush()
     return (time.perf_counter() - start) * 1e3 / steps
 
 
 def bare_ms(engine, lanes: int, steps: int) -> float:
-    """ms per step of the jitted step alone (the engine's private `_steps.step`, the function
-    Engine.step queues), back to back, none read."""
-    sampling, out = _first_step(engine, lanes)
+    """ms per step of the jitted step alone (Scheduler.dispatch, the call Engine.step queues,
+    with a swap batch that changes nothing), back to back, none read."""
+    out = _first_step(engine, lanes)
     decode = _decode_rows(engine, lanes, False)
+    idle = engine.residency.idle_batch()
     start = time.perf_counter()
     for _ in range(steps):
-        out, engine.cache, engine.residency.state = engine._steps.step(
-            *engine.step_args(decode, None, sampling, previous=out))
+        out, _ = engine.scheduler.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
     jax.block_until_ready(out)
     return (time.perf_counter() - start) * 1e3 / steps
 
@@ -110,7 +110,7 @@ def load(model: str, share: float, args, overrides: dict, workdir: Path):
     """A fresh engine at resident `share` (bench/roofline.py's load_config, the profile's miss
     policy), refused where the decode loop is not pipelined."""
     engine, _ = load_config(model, share, None, args, overrides, workdir, max_context=1024)
-    if not engine.pipelined:
+    if not engine.loaded.pipelined:
         raise SystemExit(f"error: {model}: the {engine.family.name} family reads every step's tokens "
                          "on the host (host inputs a step): its loop is not pipelined, nothing to compare")
     return engine

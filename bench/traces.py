@@ -68,10 +68,11 @@ def record_picks(engine, token_ids: list[int], window: int = 256, batch: int = 8
     def picks(params, tokens, experts):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cache = engine.family.create_cache(engine.cfg, b, t, engine.dtype)
+        cache = engine.family.create_cache(engine.cfg, b, t, engine.loaded.dtype)
         with nn.intercept_methods(interceptor):
-            _, found = engine.model.apply({"params": params}, tokens, positions, tokens >= 0, cache,
-                                          experts, mutable=["intermediates"])
+            _, found = engine.loaded.module.apply({"params": params}, tokens, positions,
+                                                  tokens >= 0, cache, experts,
+                                                  mutable=["intermediates"])
         layers = found["intermediates"]
         return jnp.stack([layers[f"layers_{i}"]["moe"]["picks"][0] for i in moe_layers], axis=2)
 
@@ -83,7 +84,8 @@ def record_picks(engine, token_ids: list[int], window: int = 256, batch: int = 8
     for start in range(0, n, batch):
         chunk = windows[start:start + batch]
         pad = np.zeros((batch - len(chunk), window), np.int32)  # one compiled shape
-        got = np.asarray(picks(engine.params, np.concatenate([chunk, pad]), engine.residency.state))
+        got = np.asarray(picks(engine.loaded.params, np.concatenate([chunk, pad]),
+                               engine.state.experts))
         out.append(got[:len(chunk)].reshape(-1, n_moe, got.shape[-1]))
     return np.concatenate(out)
 

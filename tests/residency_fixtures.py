@@ -11,6 +11,7 @@ import numpy as np
 
 from tidejax.checkpoint import mxfp4
 from tidejax.residency.serve import serve_routed
+from tidejax.residency.swap import apply_batch, finish_batch
 
 L, E, D, I, K = 3, 8, 32, 32, 2  # MoE layers, experts, hidden, intermediate, top-k
 
@@ -32,10 +33,7 @@ def make_router(seed: int = 1) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((L, E, D)) * 0.5).astype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnames="options", donate_argnums=0)
-def toy_step(state, x, token_mask, router, bias, options):
-    """x [T, D] through L residual MoE layers; router [L, E, D]; bias [E] added to every router's
-    logits (a 'domain' that favours some experts). Returns (x, state)."""
+def _layers(state, x, token_mask, router, bias, options):
     for layer in range(L):
         h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)  # as an RMSNorm
         logits = jnp.einsum("td,ed->te", h, router[layer], precision="highest") + bias  # [T, E]
@@ -45,6 +43,21 @@ def toy_step(state, x, token_mask, router, bias, options):
                                 state, options)
         x = x + y
     return x, state
+
+
+@functools.partial(jax.jit, static_argnames="options", donate_argnums=0)
+def toy_step(state, x, token_mask, router, bias, options):
+    """x [T, D] through L residual MoE layers; router [L, E, D]; bias [E] added to every router's
+    logits (a 'domain' that favours some experts). Returns (x, state)."""
+    return _layers(state, x, token_mask, router, bias, options)
+
+
+@functools.partial(jax.jit, static_argnames="options", donate_argnums=0)
+def toy_batch_step(state, batch, x, token_mask, router, bias, options):
+    """toy_step as the engine's steps run: residency's swap batch applied at the start, the
+    step's Tallies returned. Returns (x, state, tallies)."""
+    x, state = _layers(apply_batch(state, batch), x, token_mask, router, bias, options)
+    return (x, *finish_batch(state, batch))
 
 
 def tokens(seed: int, t: int = 4) -> jax.Array:

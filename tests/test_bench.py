@@ -42,10 +42,10 @@ def test_synthetic_checkpoint_loads_and_routes_by_the_replayed_trace(tiny_bf16):
 
     def counted(replay):
         engine.set_routing_replay(replay)
-        before = np.asarray(engine.residency.state.counts).copy()
+        before = np.asarray(engine.state.experts.counts).copy()
         logits = engine.logits(ids)
         assert np.isfinite(logits).all()
-        return np.asarray(engine.residency.state.counts) - before
+        return np.asarray(engine.state.experts.counts) - before
 
     picks = traces.scale(traces.load("en"), n_moe, n_experts, engine.cfg.num_experts_per_tok)
     want = np.stack([np.bincount(picks[:len(ids), l].reshape(-1), minlength=n_experts)

@@ -83,11 +83,11 @@ def test_cached_decode_equals_full_forward(tiny):
     handed out in shuffled order)."""
     _, _, _, engine = tiny
     full = engine.logits(PROMPT)
-    cache = PagedCache(engine.family.create_cache(engine.cfg, 16, 4, engine.dtype))
+    cache = PagedCache(engine.family.create_cache(engine.cfg, 16, 4, engine.loaded.dtype))
     table = jnp.asarray(np.random.RandomState(0).permutation(16)[None].astype(np.int32))
-    state = engine.residency.state
-    apply = jax.jit(engine.model.apply)
-    params = {"params": engine.params}
+    state = engine.state.experts
+    apply = jax.jit(engine.loaded.module.apply)
+    params = {"params": engine.loaded.params}
     tokens = jnp.asarray(PROMPT[None, :16])
     logits, cache, state = apply(params, tokens, jnp.arange(16)[None], tokens > -1, cache, table,
                                  state)
@@ -97,7 +97,6 @@ def test_cached_decode_equals_full_forward(tiny):
         logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache,
                                      table, state)
         stepped.append(np.asarray(logits[0]))
-    engine.residency.state = state
     assert relative_diff(np.concatenate(stepped), full) < 1e-5
 
 
@@ -227,7 +226,7 @@ def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):
         (tmp_path / label / "model.safetensors").unlink()
         save_file(tensors, str(tmp_path / label / "model.safetensors"))
     native = tidejax.load(tmp_path / "packed")
-    assert set(native.residency.state.bank) == {"gate_up_blocks", "gate_up_scales",
+    assert set(native.state.experts.bank) == {"gate_up_blocks", "gate_up_scales",
                                                 "down_blocks", "down_scales"}
     np.testing.assert_allclose(native.logits(PROMPT), tidejax.load(tmp_path / "dense").logits(PROMPT),
                                rtol=0, atol=1e-6)

@@ -132,8 +132,8 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     _, _, engine = tiny
     ids = prompt(4)
     want = engine.logits(ids)
-    step = jax.jit(engine.model.apply)
-    params, state = {"params": engine.params}, engine.residency.state
+    step = jax.jit(engine.loaded.module.apply)
+    params, state = {"params": engine.loaded.params}, engine.state.experts
     cache, got = PagedCache((), V4Cache.create(engine.cfg, 1, 40)), []
     table = jnp.zeros((1, 1), jnp.int32)
     for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
@@ -141,7 +141,6 @@ def test_prefill_then_decode_equals_full_forward(tiny):
         logits, cache, state = step(params, jnp.asarray(ids[None, lo:hi]), pos, pos >= 0, cache,
                                     table, state)
         got.append(np.asarray(logits[0]))
-    engine.residency.state = state
     assert np.abs(np.concatenate(got) - want).max() <= 1e-4
 
 

@@ -113,9 +113,10 @@ def test_pool_sizing_and_stats():
     assert engine.cache_bytes_per_token() == per_token
     assert (stats["kv_pages"], stats["kv_bytes"]) == (10, 10 * 16 * per_token), stats
     assert (stats["lane_bytes"], stats["lanes_bytes"]) == (lane, 2 * lane), stats
-    leaves = jax.tree.leaves(engine.cache.lanes)
+    cache = engine.state.cache
+    leaves = jax.tree.leaves(cache.lanes)
     assert sum(leaf.nbytes for leaf in leaves) == 2 * lane
-    assert all(leaf.shape[0] == engine.kv_pages for leaf in jax.tree.leaves(engine.cache.pages))
+    assert all(leaf.shape[0] == engine.loaded.kv_pages for leaf in jax.tree.leaves(cache.pages))
 
 
 def test_page_size_must_hold_whole_groups():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.runtime.engine import DecodeRows
-from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.steps import DecodeRows
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.fields import ConfigError
 from tidejax.kv.pages import PageTable, page_bucket
@@ -111,14 +111,14 @@ def test_pool_smaller_than_one_sequence_fails_at_start(model_dir):
 
 def decode_cost(engine, position: int) -> tuple[float, float]:
     """(flops, bytes accessed) of the compiled decode step, one lane at `position`."""
-    pages = PageTable(engine.kv_pages, engine.page_size)
+    pages = PageTable(engine.loaded.kv_pages, engine.loaded.page_size)
     held = pages.grow(0, position + 1)
     lanes = engine.lanes
     decode = DecodeRows(np.zeros(lanes, np.int32), np.ones(lanes, bool),
                         np.full(lanes, position, np.int32), np.arange(lanes) == 0,
                         [held] + [[]] * (lanes - 1))
-    args = engine.step_args(decode, None, LaneSampling.of([SamplingParams()] * lanes))
-    cost = engine._steps.step.lower(*args).compile().cost_analysis()
+    inputs = engine.loaded.step_inputs(decode, None, None, engine.residency.idle_batch())
+    cost = engine.scheduler.lower(inputs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return cost["flops"], cost["bytes accessed"]
 

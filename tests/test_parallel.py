@@ -116,11 +116,11 @@ def test_an_engine_loads_and_generates_through_the_table(model_dir):
     engine = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 64, "page_size": 8},
                           residency={"budget_experts": 8, "miss_policy": "exact"})
     mesh = parallel.default_mesh()
-    specs = param_specs(engine.cfg, engine.dtype)
-    for param, spec in zip(jax.tree.leaves(engine.params), jax.tree.leaves(specs)):
+    specs = param_specs(engine.cfg, engine.loaded.dtype)
+    for param, spec in zip(jax.tree.leaves(engine.loaded.params), jax.tree.leaves(specs)):
         assert param.sharding == parallel.sharding(spec.axes)
-    assert engine.cache.latent[0].sharding == parallel.sharding(("pages", "page", "kv_lora"))
-    state = engine.residency.state  # as the warm-up steps returned it: on the mesh, in place
+    assert engine.state.cache.pages.latent[0].sharding == parallel.sharding(("pages", "page", "kv_lora"))
+    state = engine.state.experts  # as the warm-up steps returned it: on the mesh, in place
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.mesh == mesh
     assert state.pool["gate_up"].sharding.memory_kind == parallel.host_memory_kind()

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from residency_fixtures import D, E, I, K, L, make_pool, make_router, tokens, toy_step
+from residency_fixtures import D, E, K, L, make_pool, make_router, tokens, toy_step
 from tidejax.pallas import moe_grouped_reference
-from tidejax.residency.planner import Swap, place
+from tidejax.residency.planner import place
 from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import all_resident_state, build_state
-from tidejax.residency.swap import swap_rows
+from tidejax.residency.swap import SwapBatch, apply_now
 
 REF = dict(kernel="reference")
 NO_BIAS = jnp.zeros(E, jnp.float32)
@@ -137,8 +137,8 @@ def test_swap_is_in_place():
     state = half_state(make_pool("mxfp4"))
     bank_bytes = sum(a.nbytes for a in jax.tree.leaves(state.bank))
     row_bytes = bank_bytes // state.n_slots
-    lowered = swap_rows.lower(state, np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
-                              np.int32(3))
+    lowered = apply_now.lower(state, SwapBatch(np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
+                                               np.int32(3), np.bool_(False)))
     mem = lowered.compile().memory_analysis()
     assert mem.alias_size_in_bytes >= bank_bytes
     assert mem.temp_size_in_bytes <= 4 * row_bytes + 4096
@@ -155,12 +155,12 @@ def test_swap_campaign_then_restore_is_lossless():
     r = np.random.default_rng(0)
     n_slots = state.resident + state.ring
     for batch in range(1250):  # 10,000 swaps, 8 a call
-        state = swap_rows(state, r.integers(0, n_slots, 8).astype(np.int32),
-                          r.integers(0, L * E, 8).astype(np.int32), np.int32(8))
+        pairs = zip(r.integers(0, n_slots, 8).tolist(), r.integers(0, L * E, 8).tolist())
+        state, _ = apply_now(state, SwapBatch.of(list(pairs), 8))
     assert not np.array_equal(np.asarray(state.slot_rows), boot_rows)
     _check_map(state)
     for slot in range(n_slots):  # restore the boot map, slot by slot (ring slots empty)
-        state = swap_rows(state, np.array([slot], np.int32), boot_rows[slot:slot + 1], np.int32(1))
+        state, _ = apply_now(state, SwapBatch.of([(slot, int(boot_rows[slot]))], 8))
     np.testing.assert_array_equal(np.asarray(state.slot_rows), boot_rows)
     after, state = run(state, x, options)
     np.testing.assert_array_equal(np.asarray(after), np.asarray(before))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from residency_fixtures import E, L, make_pool, make_router, tokens, toy_step
+from residency_fixtures import E, L, make_pool, make_router, tokens, toy_batch_step, toy_step
 from tidejax.config import ResidencySection
 from tidejax.residency import Residency
 from tidejax.residency.__main__ import main as residency_cli
@@ -72,7 +72,9 @@ def section(tmp_path, **kw):
 
 
 def manager(tmp_path, **kw):
-    return Residency(make_pool(), L, 2, section(tmp_path, **kw), kernel="reference", max_tokens=4)
+    """A Residency and its boot state (the caller owns the state, as the scheduler does)."""
+    res = Residency(make_pool(), L, 2, section(tmp_path, **kw), kernel="reference", max_tokens=4)
+    return res, res.take_state()
 
 
 ROUTER = jnp.asarray(make_router())
@@ -84,27 +86,28 @@ def domain(hot):
     return jnp.asarray(np.where(np.isin(np.arange(E), hot), 6.0, 0.0), jnp.float32)
 
 
-def serve_steps(res, bias, n, seed=0):
-    """n toy steps through the manager's state; the cold share of each step."""
+def serve_steps(res, state, bias, n, seed=0):
+    """n toy steps, each applying the manager's next batch; (the cold share of each step, the
+    state)."""
     shares = []
     for i in range(n):
-        _, res.state = toy_step(res.state, tokens(seed + i), jnp.ones(4, bool), ROUTER, bias,
-                                res.options)
-        res.after_step(tokens=4)
+        _, state, tallies = toy_batch_step(state, res.next_batch(), tokens(seed + i),
+                                           jnp.ones(4, bool), ROUTER, bias, res.options)
+        res.after_step(tallies, tokens=4)
         shares.append(res.stats()["cold_share_step"])
-    return shares
+    return shares, state
 
 
 def test_stale_swap_rejected(tmp_path):
-    res = manager(tmp_path)
+    res, state = manager(tmp_path)
     planned_on = res.version
-    res.apply_swaps([Swap(slot=0, row=5, version=planned_on)])  # moves slot 0
+    state = res.apply_swaps(state, [Swap(slot=0, row=5, version=planned_on)])  # moves slot 0
     assert res.stats()["swaps_applied"] == 1
-    before = np.asarray(res.state.slot_rows).copy()
-    res.apply_swaps([Swap(slot=0, row=6, version=planned_on),  # stale: slot moved
+    before = np.asarray(state.slot_rows).copy()
+    state = res.apply_swaps(state, [Swap(slot=0, row=6, version=planned_on),  # stale: slot moved
                                     Swap(slot=1, row=7, version=planned_on)])  # still valid
     assert res.stats()["swaps_rejected"] == 1 and res.stats()["swaps_applied"] == 2
-    after = np.asarray(res.state.slot_rows)
+    after = np.asarray(state.slot_rows)
     assert after[0] == before[0] == 5 and after[1] == 7
     np.testing.assert_array_equal(after, res.slot_rows)
 
@@ -112,12 +115,12 @@ def test_stale_swap_rejected(tmp_path):
 def test_miss_tally_lags_one_step_and_flush_completes_it(tmp_path):
     """after_step reads a step's misses at the next step (it never waits for the device); flush
     reads the rest: then the totals are every wanted pick of a non-resident expert."""
-    res = manager(tmp_path, adapt=False, drain_every=1000)  # a fixed resident set
+    res, state = manager(tmp_path, adapt=False, drain_every=1000)  # a fixed resident set
     wanted = []
     for i in range(5):
-        _, res.state = toy_step(res.state, tokens(i), jnp.ones(4, bool), ROUTER, NO_BIAS,
-                                res.options)
-        res.after_step(tokens=4)
+        _, state, tallies = toy_batch_step(state, res.next_batch(), tokens(i), jnp.ones(4, bool),
+                                           ROUTER, NO_BIAS, res.options)
+        res.after_step(tallies, tokens=4)
         wanted.append(res.stats()["wanted"])
     assert wanted == [0, 1 * 4 * 2 * L, 2 * 4 * 2 * L, 3 * 4 * 2 * L, 4 * 4 * 2 * L]
     res.flush()
@@ -125,15 +128,15 @@ def test_miss_tally_lags_one_step_and_flush_completes_it(tmp_path):
     resident = res.slot_rows[:res.n_resident]
     cold = ~np.isin(np.arange(L * E), resident)
     assert s["wanted"] == 5 * 4 * 2 * L
-    assert s["misses"] == np.asarray(res.state.counts).reshape(-1)[cold].sum() > 0
+    assert s["misses"] == np.asarray(state.counts).reshape(-1)[cold].sum() > 0
     assert s["window_steps"] == 5
 
 
 def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
-    res = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
+    res, state = manager(tmp_path)  # boots on experts 0..3 of each layer (no map, no history)
     assert res.needs_calibration
-    serve_steps(res, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
-    shares = serve_steps(res, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 40)  # domain A: adapt to it
+    shares, state = serve_steps(res, state, domain([0, 2, 5, 7]), 40, seed=100)  # shift to B
     res.flush()  # the last step's drain (after_step reads it at the next step)
     s = res.stats()
     peak, last = max(shares[:8]), np.mean(shares[-8:])
@@ -149,49 +152,49 @@ def test_domain_shift_adapts_and_seed_map_starts_low(tmp_path):
                           "--budget", str(L * E // 2), "--out", str(seed_path)]) == 0
     cold_boot = manager(tmp_path / "cold", adapt=False)
     seeded = manager(tmp_path / "seeded", adapt=False, seed_map=str(seed_path))
-    cold_shares = serve_steps(cold_boot, domain([0, 2, 5, 7]), 8, seed=300)
-    seed_shares = serve_steps(seeded, domain([0, 2, 5, 7]), 8, seed=300)
+    cold_shares, _ = serve_steps(*cold_boot, domain([0, 2, 5, 7]), 8, seed=300)
+    seed_shares, _ = serve_steps(*seeded, domain([0, 2, 5, 7]), 8, seed=300)
     assert np.mean(seed_shares) < np.mean(cold_shares) / 2, (seed_shares, cold_shares)
-    assert seeded.stats()["swaps_applied"] == 0
+    assert seeded[0].stats()["swaps_applied"] == 0
 
 
 def test_freeze_keeps_counting_and_boot_resumes_history(tmp_path):
-    res = manager(tmp_path)
+    res, state = manager(tmp_path)
     res.freeze()
-    serve_steps(res, domain([4, 5, 6, 7]), 8)
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 8)
     res.flush()
     s = res.stats()
     assert s["swaps_applied"] == 0 and s["drains"] == 2 and s["frozen"]
     assert res.history.counts.sum() > 0 and s["misses"] > 0
     res.unfreeze()
-    serve_steps(res, domain([4, 5, 6, 7]), 8)
+    serve_steps(res, state, domain([4, 5, 6, 7]), 8)
     assert res.stats()["swaps_applied"] > 0
     res.save()
     # a new boot resumes the saved history and starts from its busiest experts
-    again = manager(tmp_path)
+    again, again_state = manager(tmp_path)
     assert not again.needs_calibration and again.history.steps == res.history.steps
-    hot = np.asarray(again.state.slot_rows).reshape(L, -1) % E
+    hot = np.asarray(again_state.slot_rows).reshape(L, -1) % E
     assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
 
 
 def test_reseed_after_calibration(tmp_path):
-    res = manager(tmp_path, state_dir="")
+    res, state = manager(tmp_path, state_dir="")
     assert res.needs_calibration
     for i in range(2):  # a 'calibration prefill': count only
-        _, res.state = toy_step(res.state, tokens(i), jnp.ones(4, bool), ROUTER,
-                                domain([4, 5, 6, 7]), res.options)
-    res.reseed()
+        _, state = toy_step(state, tokens(i), jnp.ones(4, bool), ROUTER, domain([4, 5, 6, 7]),
+                            res.options)
+    state = res.reseed(state)
     assert not res.needs_calibration
-    hot = np.asarray(res.state.slot_rows)[:res.n_resident].reshape(L, -1) % E
+    hot = np.asarray(state.slot_rows)[:res.n_resident].reshape(L, -1) % E
     assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
 
 
 def test_ring_copies_heavy_misses(tmp_path):
-    res = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
-    serve_steps(res, domain([4, 5, 6, 7]), 3)
+    res, state = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
     s = res.stats()
     assert s["ring_copies"] > 0
-    ring = np.asarray(res.state.slot_rows)[res.n_resident:]
+    ring = np.asarray(state.slot_rows)[res.n_resident:]
     assert (ring >= 0).all() and np.isin(ring % E, [4, 5, 6, 7]).all()
 
 
@@ -199,7 +202,7 @@ def test_corrupt_history_is_set_aside(tmp_path, caplog):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     (state_dir / "history.npz").write_bytes(b"not a history")
-    res = manager(tmp_path)
+    res, _ = manager(tmp_path)
     assert res.history.steps == 0
     assert not (state_dir / "history.npz").exists()
     assert list(state_dir.glob("history.npz.corrupt-*"))
@@ -252,35 +255,35 @@ def test_fit_cli_errors_name_the_file(tmp_path, capsys):
 
 
 def test_plan_applied_at_most_max_swaps_per_step(tmp_path):
-    res = manager(tmp_path, max_swaps_per_step=4, max_swaps_per_layer=2, drain_every=100)
+    res, state = manager(tmp_path, max_swaps_per_step=4, max_swaps_per_layer=2, drain_every=100)
     res.history.counts[:, 4:] = 50.0  # every layer wants experts 4..7; experts 0..3 are resident
-    res.drain()
+    state = res.drain(state)
     assert res.stats()["swaps_queued"] == 2 * L  # the per-layer cap
     applied = []
     for i in range(3):
-        serve_steps(res, NO_BIAS, 1, seed=i)
+        _, state = serve_steps(res, state, NO_BIAS, 1, seed=i)
         applied.append(res.stats()["swaps_applied"])
     assert applied == [4, 6, 6]
-    np.testing.assert_array_equal(np.asarray(res.state.slot_rows), res.slot_rows)
+    np.testing.assert_array_equal(np.asarray(state.slot_rows), res.slot_rows)
 
 
 def test_manager_swap_campaign_then_restore(tmp_path):
-    res = manager(tmp_path, miss_policy="exact", adapt=False)
+    res, state = manager(tmp_path, miss_policy="exact", adapt=False)
     x = tokens(7)
     options = res.options
-    before, res.state = toy_step(res.state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
+    before, state = toy_step(state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
     rng = np.random.default_rng(1)
     for _ in range(200):
         cold = np.setdiff1d(np.arange(L * E), res.slot_rows[:res.n_resident])
         layer_slot = rng.integers(res.n_resident)
         layer = layer_slot // (res.n_resident // L)
         row = rng.choice(cold[cold // E == layer])
-        res.apply_swaps([Swap(int(layer_slot), int(row), res.version)])
+        state = res.apply_swaps(state, [Swap(int(layer_slot), int(row), res.version)])
     assert res.stats()["swaps_applied"] == 200 and res.stats()["swaps_rejected"] == 0
-    np.testing.assert_array_equal(np.asarray(res.state.slot_rows), res.slot_rows)
-    res.move_to(res.boot_rows)
+    np.testing.assert_array_equal(np.asarray(state.slot_rows), res.slot_rows)
+    state = res.move_to(state, res.boot_rows)
     assert sorted(res.slot_rows[:res.n_resident]) == sorted(res.boot_rows[:res.n_resident])
-    after, res.state = toy_step(res.state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
+    after, state = toy_step(state, x, jnp.ones(4, bool), ROUTER, NO_BIAS, options)
     np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
 
 
@@ -294,8 +297,8 @@ def test_place_keeps_the_busiest_rows_each_group_can_hold():
 
 
 def test_arena_follows_a_skewed_domain(tmp_path):
-    res = manager(tmp_path, geometry="arena")
-    shares = serve_steps(res, domain([4, 5, 6, 7]), 24)
+    res, state = manager(tmp_path, geometry="arena")
+    shares, _ = serve_steps(res, state, domain([4, 5, 6, 7]), 24)
     assert np.mean(shares[-4:]) < np.mean(shares[:4]) / 2, shares
     rows = res.slot_rows[:res.n_resident]
     assert np.isin(rows % E, [4, 5, 6, 7]).mean() > 0.8

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.runtime.engine import DecodeRows, PrefillChunk
-from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
@@ -70,7 +70,7 @@ def tokens_of(events) -> list[int]:
 def test_pipelined_decode_equals_sequential_greedy(engine, reference):
     """Three requests through two lanes (the third joins when a lane frees), each token fed from
     the previous step's output on the device."""
-    assert engine.pipelined
+    assert engine.loaded.pipelined
     steps = engine.scheduler.totals["steps"]
     events = run(engine, [GenerationRequest(p, 14, ignore_eos=True) for p in PROMPTS])
     for prompt, got in zip(PROMPTS, events):
@@ -82,9 +82,9 @@ def test_pipelined_decode_equals_sequential_greedy(engine, reference):
     # third once both lanes' requests have ended (the first lane frees when its last token is
     # read, a step after it was queued): 1 + 1 + 13 + 1 + 13 = 29.
     assert engine.scheduler.totals["steps"] - steps == 29
-    compiled = engine._steps.step._cache_size()
+    compiled = engine.loaded.steps.step._cache_size()
     run(engine, [GenerationRequest(p, 14, ignore_eos=True) for p in PROMPTS])
-    assert engine._steps.step._cache_size() == compiled  # drains and swaps compile nothing again
+    assert engine.loaded.steps.step._cache_size() == compiled  # drains and swaps compile nothing again
     if not engine.residency.all_resident:  # misses were fetched and swaps ran mid-stream
         stats = engine.residency.stats()
         assert stats["misses"] > 0 and stats["swaps_applied"] > 0, stats
@@ -144,7 +144,7 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
     picks = np.stack([rng.choice(n_experts, k, replace=False)
                       for _ in range(37 * n_moe)]).reshape(37, n_moe, k)
     engine.set_routing_replay(picks)
-    before = np.asarray(engine.residency.state.counts).copy()
+    before = np.asarray(engine.state.experts.counts).copy()
     want = np.zeros((n_moe, n_experts))
     cursor = 0
 
@@ -155,13 +155,11 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
         for layer in range(n_moe):
             np.add.at(want[layer], picks[rows[mask], layer].reshape(-1), 1)
 
-    greedy = SamplingParams()
-    sampling = LaneSampling.of([greedy] * engine.lanes)
     pages = engine.scheduler.pages
     for lane, prompt in enumerate(PROMPTS[:2]):  # chunks of 16 and 4 (padded to 16), then 9
         held = pages.grow(lane, 64)
-        for start, chunk in engine.chunks(prompt):
-            engine.step(None, PrefillChunk(lane, chunk, start, held), sampling)
+        for start, chunk in engine.loaded.chunks(prompt):
+            engine.step(None, PrefillChunk(lane, chunk, start, held))
             consume(np.arange(16) < len(chunk))
     previous = None
     for active in [[True, True]] * 5 + [[True, False]] * 3:
@@ -169,7 +167,7 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
         positions = np.array([20, 9]) + 1  # any in range: the routing is replayed
         decode = DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, previous is None),
                             positions, active, [pages.pages_of(0), pages.pages_of(1)])
-        previous = engine.step(decode, None, sampling, previous)
+        previous = engine.step(decode, None, previous)
         consume(active)
     np.asarray(previous)
-    np.testing.assert_array_equal(np.asarray(engine.residency.state.counts) - before, want)
+    np.testing.assert_array_equal(np.asarray(engine.state.experts.counts) - before, want)

@@ -49,7 +49,7 @@ def hot_set(counts: np.ndarray, budget: int) -> set:
 
 def measure(engine, ids: np.ndarray, window: int, max_windows: int):
     """Held-out loss and the picks per (MoE layer, expert) over the windows of `ids`."""
-    before = np.asarray(engine.residency.state.counts, np.float64)
+    before = np.asarray(engine.state.experts.counts, np.float64)
     nll, n = 0.0, 0
     for w in range(min(max_windows, len(ids) // window)):
         chunk = ids[w * window:(w + 1) * window]
@@ -57,7 +57,7 @@ def measure(engine, ids: np.ndarray, window: int, max_windows: int):
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         nll += float((logz[:-1] - logits[np.arange(window - 1), chunk[1:]]).sum())
         n += window - 1
-    picks = np.asarray(engine.residency.state.counts, np.float64) - before
+    picks = np.asarray(engine.state.experts.counts, np.float64) - before
     if (picks < 0).any():
         raise RuntimeError("the demand counters were drained during the measurement")
     return nll / n, picks
@@ -102,7 +102,7 @@ def main():
                                 temperature=0.0)[0] for d, q in CHATS.items()}
 
     moe = list(engine.cfg.moe_layers)
-    out = [f"## Demo model (models/demo): held-out loss, routing skew, hot-set overlap",
+    out = ["## Demo model (models/demo): held-out loss, routing skew, hot-set overlap",
            "",
            f"`python tools/demo_stats.py --window {args.window} --max-windows {args.max_windows}` "
            f"({time.strftime('%Y-%m-%d', time.gmtime())}, jax {jax.__version__}, "

@@ -15,9 +15,10 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, block_table, experts[, host_inputs])
+        (tokens, positions, token_mask, cache, block_table, experts[, host_inputs], replay=None)
         -> (logits [b, t, vocab] float32, cache, experts), the cache a kv.paged.PagedCache and
-        block_table [b, P] each row's pages in its pool
+        block_table [b, P] each row's pages in its pool; replay [b, t, L_moe, k]: recorded picks
+        the MoE layers route by instead of their routers' choice (passed only when given)
     load_weights(cfg, model_dir, raw_config, serve_options, dtype, put_row) -> (params, aux):
         dense params on the device; routed experts through put_row(layer * E + expert, row);
         aux is whatever host-side state the family keeps (None for most)
@@ -39,8 +40,8 @@ class Family:
         lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), and whose
         read_lane(lane) / write_lane(lane, saved) save and restore a lane's host state across a
         preemption; or None
-    replay_variables(cfg, ids [b, t, L_moe, k]) -> the MoE layers' "replay" collection, or None
-        where the family cannot replay recorded routing
+    replays: whether build's forward takes `replay` (False: the family cannot replay recorded
+        routing, and Engine.set_routing_replay refuses)
     """
 
     name: str
@@ -55,7 +56,7 @@ class Family:
     create_lane_cache: Callable = lambda cfg, lanes, max_context, dtype: None
     page_multiple: Callable = lambda cfg: 1
     mla_decode: bool = False
-    replay_variables: Callable | None = None
+    replays: bool = True
     cache_axes: Callable | None = None
     host_inputs: Callable = lambda cfg, aux, batch: None
     swiglu_limit: Callable = lambda cfg: 0.0

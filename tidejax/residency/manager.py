@@ -1,13 +1,18 @@
-"""The residency manager: the engine calls it between steps. It owns the host mirror of the map,
-the demand history, the planner's queue, the ring, persistence and telemetry.
+"""The residency manager: the host side of expert residency. It owns the host mirror of the map,
+the demand history, the planner's queue, the ring, persistence and telemetry; it never holds the
+expert state (the scheduler's DecodeState does) and never writes it itself.
 
 Engine contract (one thread drives the steps):
     residency = Residency(pool_rows, n_layers, top_k, config.residency, kernel=..., max_tokens=...)
-    options = residency.options              # the MoE layers' static ServeOptions
-    each jitted step:  outputs, residency.state = step(params, residency.state, ...)  [donated]
-    then:              residency.after_step(n)  # n = real (unpadded) tokens in that step
+    experts = residency.take_state()          # the boot state, once: the caller owns it
+    options = residency.options               # the MoE layers' static ServeOptions
+    each jitted step:  batch = residency.next_batch()          # swaps, ring copies, drain
+                       outputs, experts, tallies = step(params, experts, batch, ...)  [donated;
+                       the step applies the batch at its start: swap.apply_batch]
+                       residency.after_step(tallies, n)        # n = real tokens in that step
     after reading a step's outputs, where its tallies should count now: residency.flush()
-    optional:          residency.reseed()       # after a calibration prefill (needs_calibration)
+    between steps:     experts = residency.apply_swaps / move_to / reseed / drain(experts, ...)
+                       (the same apply_batch, run alone)
 
 after_step never waits for the device: a step's miss tally and a drain's counters start their way
 to the host (copy_to_host_async) and are read at the next after_step, while the step queued
@@ -33,7 +38,7 @@ from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, all_resident_state, build_state
-from tidejax.residency.swap import swap_rows, taken
+from tidejax.residency.swap import SwapBatch, Tallies, apply_now
 
 log = logging.getLogger("tidejax.residency")
 
@@ -76,13 +81,29 @@ class Residency:
         self.history = self.history or History(n_layers, self.n_experts, section.half_life)
         self.frozen = not section.adapt
         self._queue: list[Swap] = []
+        self._ring_rows = np.zeros(0, np.int64)  # the last read tally's heaviest misses
         self._ring_next = 0
         self._window = collections.deque(maxlen=window)  # (missed, wanted) per step
         self._tallies = collections.deque()  # (misses [L_moe, E] on its way to the host, tokens)
         self._drain = None  # (counts, weight_sums [L_moe, E] on their way to the host, steps)
+        self._draining = False  # whether the batch just handed out drains
         self._since_drain = 0
         self.counters = collections.Counter()
-        self.state = self._boot(pool_rows)
+        # a swap batch's fixed length: a step's share of the queue and of ring copies
+        self.batch_length = 0 if self.all_resident else (
+            max(1, section.max_swaps_per_step) + self._ring_per_step)
+        self._state = self._boot(pool_rows)
+
+    def take_state(self) -> ExpertState:
+        """The boot state, handed to its owner once (Residency keeps no reference to it)."""
+        state, self._state = self._state, None
+        if state is None:
+            raise RuntimeError("the residency boot state was already taken")
+        return state
+
+    @property
+    def _ring_per_step(self) -> int:
+        return min(self.n_ring, self.section.max_swaps_per_step) if self.n_ring else 0
 
     # -- boot ------------------------------------------------------------------------------
 
@@ -121,26 +142,44 @@ class Residency:
 
     # -- between steps ---------------------------------------------------------------------
 
-    def after_step(self, tokens: int) -> None:
+    def next_batch(self) -> SwapBatch:
+        """The batch the next step applies at its start: ring copies of the last tally's heaviest
+        misses (oldest ring entry first), then up to max_swaps_per_step queued swaps, each checked
+        against the map (stale ones rejected); and whether it drains (every drain_every steps). From here the
+        host map holds them as applied: the step that takes the batch applies them."""
+        ring = []
+        for row in self._ring_rows:
+            ring.append(Swap(slot=self.n_resident + self._ring_next, row=int(row),
+                             version=self.version))
+            self._ring_next = (self._ring_next + 1) % self.n_ring
+        self._ring_rows = self._ring_rows[:0]
+        n = self.section.max_swaps_per_step
+        queued, self._queue = self._queue[:n], self._queue[n:]
+        pairs = self._accept(ring, "ring_copies") + self._accept(queued, "swaps_applied")
+        # the drain_every-th step since the last drain drains at its end
+        self._draining = self.options.count and self._since_drain + 1 >= self.section.drain_every
+        return SwapBatch.of(pairs, self.batch_length, self._draining)
+
+    def idle_batch(self) -> SwapBatch:
+        """A batch that changes nothing (warm-up, lowering): no swaps, no drain."""
+        return SwapBatch.of([], self.batch_length)
+
+    def after_step(self, tallies: Tallies, tokens: int) -> None:
         """Per step, without waiting for the device: the step's miss tally starts for the host and
-        the previous step's is read (cold share; the ring copies its heaviest misses); up to
-        max_swaps_per_step queued swaps. Every drain_every steps the counters drain; the history
-        update, persisting and planning follow at the next call. `tokens` = real tokens the
-        step sent through each MoE layer."""
+        the previous step's is read (cold share; the ring picks its heaviest misses for the next
+        batch); where the step's batch drained, its counters start for the host, and the history
+        update, persisting and planning follow at the next call. `tokens` = real tokens the step
+        sent through each MoE layer."""
         self.counters["steps"] += 1
         self._since_drain += 1
         self._finish_drain()
+        if self._draining:
+            self._start_drain(tallies)
+            self._draining = False
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
-            misses, zeros = taken(self.state.misses)
-            self.state = self.state.replace(misses=zeros)
-            misses.copy_to_host_async()
-            self._tallies.append((misses, tokens))
+            tallies.misses.copy_to_host_async()
+            self._tallies.append((tallies.misses, tokens))
             self._read_tallies(keep=1)
-        if not self.frozen and not self.all_resident:
-            self.state = self._apply(self.state, self._queue[:self.section.max_swaps_per_step])
-            del self._queue[:self.section.max_swaps_per_step]
-        if self.options.count and self._since_drain >= self.section.drain_every:
-            self._start_drain()
 
     def flush(self) -> None:
         """Reads the tallies and the drain still on their way (waits for their steps)."""
@@ -157,33 +196,24 @@ class Residency:
             self.counters["misses"] += int(new.sum())
             self.counters["wanted"] += wanted
             if self.options.miss_policy == "ring" and not self.frozen:
-                self.state = self._fill_ring(self.state, new)
+                flat = new.reshape(-1)
+                heavy = np.argsort(-flat, kind="stable")[:self._ring_per_step]
+                self._ring_rows = heavy[flat[heavy] > 0]  # the newest tally's, for the next batch
 
-    def _fill_ring(self, state: ExpertState, new: np.ndarray) -> ExpertState:
-        """Copies a step's heaviest misses into ring slots, oldest ring entry first."""
-        flat = new.reshape(-1)
-        heavy = np.argsort(-flat, kind="stable")[:min(self.n_ring, self.section.max_swaps_per_step)]
-        swaps = []
-        for row in heavy[flat[heavy] > 0]:
-            slot = self.n_resident + self._ring_next
-            self._ring_next = (self._ring_next + 1) % self.n_ring
-            swaps.append(Swap(slot=int(slot), row=int(row), version=self.version))
-        return self._apply(state, swaps, kind="ring_copies")
-
-    def drain(self) -> None:
+    def drain(self, state: ExpertState) -> ExpertState:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans;
         now, waiting for the device."""
         self.flush()
-        self._start_drain()
+        state, tallies = apply_now(state, SwapBatch.of([], self.batch_length, drain=True))
+        self._start_drain(tallies)
         self._finish_drain()
+        return state
 
-    def _start_drain(self) -> None:
-        """Swaps the counters for zeros on the device and starts the old ones for the host."""
-        counters, zeros = taken((self.state.counts, self.state.weight_sums))
-        self.state = self.state.replace(counts=zeros[0], weight_sums=zeros[1])
-        for counter in counters:
-            counter.copy_to_host_async()
-        self._drain = (counters[0], counters[1], self._since_drain)
+    def _start_drain(self, tallies: Tallies) -> None:
+        """Starts the counters a batch drained (in the Tallies) toward the host."""
+        tallies.counts.copy_to_host_async()
+        tallies.weight_sums.copy_to_host_async()
+        self._drain = (tallies.counts, tallies.weight_sums, self._since_drain)
         self._since_drain = 0
 
     def _finish_drain(self) -> None:
@@ -209,61 +239,57 @@ class Residency:
 
     # -- swaps -----------------------------------------------------------------------------
 
-    def apply_swaps(self, swaps: list[Swap]) -> None:
-        """Applies swaps now (stale ones rejected and counted); the planner's path, public for
-        tools and tests."""
-        self.state = self._apply(self.state, swaps)
-
-    def _apply(self, state: ExpertState, swaps: list[Swap], kind: str = "swaps_applied"):
+    def _accept(self, swaps: list[Swap], kind: str) -> list[tuple[int, int]]:
+        """The (slot, row) pairs of `swaps` that still apply, with the host map updated as if
+        they were applied: a swap is stale (rejected, counted) if its slot moved since its plan
+        or its row became resident meanwhile."""
         if not swaps:
-            return state
+            return []
         with jax.profiler.TraceAnnotation("swap"):
-            return self._apply_now(state, swaps, kind)
-
-    def _apply_now(self, state: ExpertState, swaps: list[Swap], kind: str):
-        t0 = time.perf_counter()
-        accepted = []
-        for swap in swaps:
-            # stale: the slot moved since the plan, or the row became resident meanwhile
-            if (self._slot_changed[swap.slot] > swap.version
-                    or swap.row in self.slot_rows[:self.n_resident]):
-                self.counters["swaps_rejected"] += 1
-                continue
-            self.version += 1
-            for other in np.nonzero(self.slot_rows == swap.row)[0]:  # e.g. the row's ring slot
-                self.slot_rows[other] = -1
-                self._slot_changed[other] = self.version
-            self.slot_rows[swap.slot] = swap.row
-            self._slot_changed[swap.slot] = self.version
-            accepted.append(swap)
-        batch = max(1, self.section.max_swaps_per_step)  # one compilation for every call
-        for start in range(0, len(accepted), batch):
-            part = accepted[start:start + batch]
-            slots = np.zeros(batch, np.int32)
-            rows = np.zeros(batch, np.int32)
-            slots[:len(part)] = [s.slot for s in part]
-            rows[:len(part)] = [s.row for s in part]
-            state = swap_rows(state, slots, rows, np.int32(len(part)))
-        if accepted:  # queued on the device behind the step, not waited for
+            t0 = time.perf_counter()
+            accepted = []
+            for swap in swaps:
+                if (self._slot_changed[swap.slot] > swap.version
+                        or swap.row in self.slot_rows[:self.n_resident]):
+                    self.counters["swaps_rejected"] += 1
+                    continue
+                self.version += 1
+                for other in np.nonzero(self.slot_rows == swap.row)[0]:  # e.g. the row's ring slot
+                    self.slot_rows[other] = -1
+                    self._slot_changed[other] = self.version
+                self.slot_rows[swap.slot] = swap.row
+                self._slot_changed[swap.slot] = self.version
+                accepted.append((swap.slot, swap.row))
             self.counters[kind] += len(accepted)
             self.counters["bytes_moved"] += len(accepted) * self.row_bytes
             self.counters["swap_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
+        return accepted
+
+    def apply_swaps(self, state: ExpertState, swaps: list[Swap]) -> ExpertState:
+        """Applies swaps now, between steps (stale ones rejected and counted), a batch at a time
+        through the function the steps apply their batches with; for tools and tests."""
+        if self.all_resident:
+            raise ValueError("every expert is resident: there is nothing to swap")
+        pairs = self._accept(swaps, "swaps_applied")
+        for start in range(0, len(pairs), self.batch_length):
+            state, _ = apply_now(state, SwapBatch.of(pairs[start:start + self.batch_length],
+                                                     self.batch_length))
         return state
 
-    def reseed(self) -> None:
+    def reseed(self, state: ExpertState) -> ExpertState:
         """Drains the counters (e.g. of a calibration prefill) and moves the whole resident set to
         the history's busiest experts, ignoring the caps (boot time, not the decode path)."""
         if self.all_resident:
-            return
+            return state
         frozen, self.frozen = self.frozen, True  # drain without planning
-        self.drain()
+        state = self.drain(state)
         self.frozen = frozen
         target = place(fit_rows(self.history.counts, self.n_resident, self.geometry),
                        self.n_resident, self.n_layers, self.n_experts, self.geometry)
         self.needs_calibration = False
-        self.move_to(target)
+        return self.move_to(state, target)
 
-    def move_to(self, target: np.ndarray) -> None:
+    def move_to(self, state: ExpertState, target: np.ndarray) -> ExpertState:
         """Swaps until each group of resident slots (a layer's, or the arena) holds the rows that
         `target` [resident] puts there; rows already in the group keep their slots."""
         target = np.asarray(target)[:self.n_resident]
@@ -273,7 +299,7 @@ class Residency:
             have = set(self.slot_rows[slots].tolist())
             free = [s for s in slots if self.slot_rows[s] not in want]
             swaps += [Swap(int(s), r, self.version) for s, r in zip(free, sorted(want - have))]
-        self.apply_swaps(swaps)
+        return self.apply_swaps(state, swaps)
 
     # -- control and telemetry -------------------------------------------------------------
 
@@ -281,6 +307,7 @@ class Residency:
         """Stops adaptation (planner, queued swaps, ring copies); counting goes on."""
         self.frozen = True
         self._queue.clear()
+        self._ring_rows = self._ring_rows[:0]
 
     def unfreeze(self) -> None:
         self.frozen = False
@@ -316,7 +343,7 @@ class Residency:
             "ring_copies": c["ring_copies"],
             "swaps_queued": len(self._queue),
             "bytes_moved": c["bytes_moved"],
-            "swap_seconds": c["swap_seconds_x1e6"] / 1e6,  # host time queueing swaps
+            "swap_seconds": c["swap_seconds_x1e6"] / 1e6,  # host time batching swaps
             "drains": c["drains"],
             "drain_seconds": c["drain_seconds_x1e6"] / 1e6,
             "resident": self.n_resident,

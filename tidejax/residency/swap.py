@@ -1,13 +1,59 @@
-"""Swaps between steps: expert rows from the host pool into bank slots, in place."""
+"""Swap batches: what residency hands to the next step, and how a step applies it.
+
+`Residency.next_batch()` returns a `SwapBatch` of a fixed length (swaps and ring copies, already
+checked against the host mirror of the map, and whether to drain the counters); the next jitted
+step calls `apply_batch` on the expert state at its start, so expert rows move from the host pool
+into bank slots in place inside the step that needs them, not in calls of their own, and
+`finish_batch` at its end, which returns the step's `Tallies` (its miss tally and the counters)
+and, on a drain, restarts the counters from zero.
+Between steps (boot, calibration, tools) `apply_now` runs the same function alone.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tidejax.residency.state import ExpertState, fetch_row, write_row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SwapBatch:
+    """slots, rows [B] int32: the first `count` (int32 scalar) pairs are written in order (pool row
+    rows[i] into bank slot slots[i]) at the step's start; drain (bool scalar): at its end the
+    counters leave in the step's Tallies and restart from zero. B is fixed per engine (0 when every expert is resident), so any count
+    reuses one compilation."""
+
+    slots: jax.Array
+    rows: jax.Array
+    count: jax.Array
+    drain: jax.Array
+
+    @staticmethod
+    def of(pairs: list[tuple[int, int]], length: int, drain: bool = False) -> "SwapBatch":
+        if len(pairs) > length:
+            raise ValueError(f"{len(pairs)} swaps do not fit a batch of {length}")
+        slots, rows = np.zeros(length, np.int32), np.zeros(length, np.int32)
+        for i, (slot, row) in enumerate(pairs):
+            slots[i], rows[i] = slot, row
+        return SwapBatch(slots, rows, np.int32(len(pairs)), np.bool_(drain))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Tallies:
+    """What a step hands back to residency: misses [L_moe, E] (the step's wanted picks served by a
+    miss); counts, weight_sums [L_moe, E] (the counters through the step, read where its batch
+    drained)."""
+
+    misses: jax.Array
+    counts: jax.Array
+    weight_sums: jax.Array
 
 
 def _swap(pool, maps, slot, row):
@@ -25,20 +71,34 @@ def _swap(pool, maps, slot, row):
     return bank, flat.reshape(rowmap.shape), slot_rows
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
-    """Applies the first `count` swaps (slots[i], rows[i]), in order, in one call. slots / rows
-    have a fixed length, so any count up to it reuses one compilation. The state is donated:
-    bank, rowmap and its inverse are updated in place."""
+    """Applies the first `count` swaps (slots[i], rows[i]), in order: bank, rowmap and its inverse
+    are updated in place where the state is donated into the jit that traces this."""
     maps = jax.lax.fori_loop(0, count, lambda i, m: _swap(state.pool, m, slots[i], rows[i]),
                              (state.bank, state.rowmap, state.slot_rows))
     return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
 
 
+def apply_batch(state: ExpertState, batch: SwapBatch) -> ExpertState:
+    """A step's start (traced inside it): the batch's swaps."""
+    if batch.slots.shape[0]:  # static: an all-resident engine's batches are empty
+        state = swap_rows(state, batch.slots, batch.rows, batch.count)
+    return state
+
+
+def finish_batch(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
+    """A step's end (traced inside it): its Tallies (the miss tally and the counters including
+    this step); the miss tally restarts from zero for the next step, and the counters too where
+    the batch drains."""
+    zeros = jnp.zeros_like(state.counts)
+    out = Tallies(state.misses, state.counts, state.weight_sums)
+    return state.replace(counts=jnp.where(batch.drain, zeros, state.counts),
+                         weight_sums=jnp.where(batch.drain, zeros, state.weight_sums),
+                         misses=zeros), out
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def taken(counters):
-    """(counters, zeros like them) for `counters` (a pytree of device arrays, donated): the host
-    reads the first while steps count into the second. Jitted, so the zeros keep the placement
-    the step was compiled for: fresh host-made arrays would be uncommitted and make the next step
-    compile again."""
-    return counters, jax.tree.map(jnp.zeros_like, counters)
+def apply_now(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
+    """A batch alone, between steps (the state donated: in place): what a step does with it,
+    less the forward."""
+    return finish_batch(apply_batch(state, batch), batch)

@@ -1,4 +1,4 @@
-"""Generation: the engine (jitted steps over caches and expert state), scheduler, sampling."""
+"""Generation: the Engine facade, the scheduler that owns the DecodeState, the jitted steps, sampling."""
 
 from tidejax.runtime.engine import Engine, load
 from tidejax.runtime.sampling import SamplingParams

@@ -13,7 +13,7 @@ delivers step N's tokens, and step N+1 takes its input tokens from step N's outp
 (a lane resumed since takes its token from the host). A stop token is seen one step late: the
 step already queued for that lane computes a token nobody receives, at a position its next
 request overwrites. Length limits are known ahead, so no step runs past them. Families that need
-every token on the host before the next step (`engine.pipelined` False) read each step right
+every token on the host before the next step (`LoadedModel.pipelined` False) read each step right
 after queueing it.
 
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
@@ -23,11 +23,18 @@ in whatever lane is free, once pages are free again.
 
 Events go to each request's `on_event` callback from the scheduler thread (the server turns them
 into asyncio queue items with loop.call_soon_threadsafe).
+
+The scheduler owns the model's one DecodeState (runtime/state.py) and is the only caller of the
+jitted steps over it (runtime/steps.py): the mixed step, scoring, sequence reads and writes, the
+lanes' sampling updates, and residency's between-step swaps. While its thread runs, any of them
+asked for from another thread (`Engine.logits`) goes through `call`, which runs it on the
+scheduler thread between two iterations; called from elsewhere they raise.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -35,11 +42,13 @@ import secrets
 import threading
 import time
 
+import jax
 import numpy as np
 
-from tidejax.runtime.engine import DecodeRows, PrefillChunk
-from tidejax.runtime.sampling import LaneSampling, SamplingParams
 from tidejax.kv.pages import PageTable, pages_for
+from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
 
 log = logging.getLogger("tidejax")
 
@@ -92,7 +101,7 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Saved:
-    """A preempted request's place: what Engine.read_sequence saved (its KV pages, its lane's
+    """A preempted request's place: what Scheduler.read_sequence saved (its KV pages, its lane's
     rows and host-input state, in host memory), the position and host token of its next step."""
 
     pages: object
@@ -111,13 +120,14 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, engine):
-        self.engine = engine
-        lanes = engine.lanes
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.state = model.initial_state()  # the one DecodeState, donated into every step
+        lanes = model.lanes
         self.lane_of: list[RequestHandle | None] = [None] * lanes
         self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
         self.positions = np.zeros(lanes, np.int32)  # the position of each lane's latest token
-        self.pages = PageTable(engine.kv_pages, engine.page_size)
+        self.pages = PageTable(model.kv_pages, model.page_size)
         self._prefilling: RequestHandle | None = None  # the request whose prompt is being written
         self._in_flight: _Step | None = None
         self.queue: collections.deque[RequestHandle] = collections.deque()
@@ -126,7 +136,7 @@ class Scheduler:
         self.running = False
         self.totals = collections.Counter()  # requests, prompt and generated tokens, steps, preemptions
         self._admissions = itertools.count(1)
-        self._sampling = None
+        self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
 
     # -- API -------------------------------------------------------------------------------
@@ -135,9 +145,9 @@ class Scheduler:
         n = len(request.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.engine.max_context:
+        if n >= self.model.max_context:
             raise ValueError(f"the prompt has {n} tokens; this model's context is "
-                             f"{self.engine.max_context} tokens")
+                             f"{self.model.max_context} tokens")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if request.sampling.seed is None:  # unseeded requests must not share one random stream
@@ -159,7 +169,7 @@ class Scheduler:
 
     def kv_stats(self) -> dict:
         """Pages in use and free, preemptions so far, beside the pool's size."""
-        return dict(self.engine.kv_stats(), preemptions=self.totals["preemptions"],
+        return dict(self.model.kv_stats(), preemptions=self.totals["preemptions"],
                     pages_in_use=self.pages.in_use, pages_free=self.pages.free)
 
     def start(self) -> None:
@@ -174,6 +184,30 @@ class Scheduler:
             self.wake.notify()
         if self.thread:
             self.thread.join()
+            self.thread = None
+        while self._calls:
+            self._calls.popleft()[1].set_exception(RuntimeError("the scheduler stopped"))
+
+    def call(self, fn):
+        """fn() on the device's owner: on the scheduler thread between two iterations while it
+        runs (waiting for the result), else here."""
+        if self.thread is None or threading.current_thread() is self.thread:
+            return fn()
+        future = concurrent.futures.Future()
+        with self.wake:
+            if not self.running:
+                raise RuntimeError("the scheduler stopped")
+            self._calls.append((fn, future))
+            self.wake.notify()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as e:  # the caller gets it; serving goes on
+                future.set_exception(e)
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -184,8 +218,10 @@ class Scheduler:
     def _loop(self) -> None:
         while self.running:
             with self.wake:
-                while self.running and not self.queue and not self.active and self._in_flight is None:
+                while (self.running and not self._calls and not self.queue and not self.active
+                       and self._in_flight is None):
                     self.wake.wait()
+            self._run_calls()
             if self.running:
                 try:
                     self.step()
@@ -201,7 +237,7 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
             self._deliver(previous)  # waits for it; the step just queued keeps the device busy
-        if self._in_flight is not None and not self.engine.pipelined:
+        if self._in_flight is not None and not self.model.pipelined:
             self._deliver(self._in_flight)
             self._in_flight = None
         return bool(self.active or self.queue or self._in_flight)
@@ -224,7 +260,7 @@ class Scheduler:
     def _pages_wanted(self) -> int:
         """Pages the decoding lanes need beyond those they hold, for their next positions."""
         return sum(self.pages.shortfall(self.lane_of[lane].id, int(self.positions[lane]) + 1)
-                   for lane in range(self.engine.lanes) if self._decoding(lane))
+                   for lane in range(self.model.lanes) if self._decoding(lane))
 
     def _make_room(self) -> None:
         """Preempts the newest requests until every decoding lane has a page for its next token.
@@ -240,7 +276,7 @@ class Scheduler:
     def _preempt(self, lane: int) -> None:
         handle = self.lane_of[lane]
         held = self.pages.pages_of(handle.id)
-        handle.saved = _Saved(self.engine.read_sequence(held, lane), len(held),
+        handle.saved = _Saved(self.read_sequence(held, lane), len(held),
                               int(self.positions[lane]), int(self.tokens[lane]))
         self._vacate(lane)
         self.totals["preemptions"] += 1
@@ -263,7 +299,7 @@ class Scheduler:
             lane = self.lane_of.index(None)
             self.lane_of[lane] = handle
             handle.admitted_at = next(self._admissions)
-            self._sampling = None
+            self.set_sampling(lane, handle.request.sampling)
             if handle.saved is not None:
                 self._resume(lane, handle)
                 continue
@@ -293,7 +329,7 @@ class Scheduler:
     def _resume(self, lane: int, handle: RequestHandle) -> None:
         pages = self.pages.grow(handle.id, self._tokens_held(handle))
         saved, handle.saved = handle.saved, None
-        self.engine.write_sequence(pages[:saved.n_pages], lane, saved.pages)
+        self.write_sequence(pages[:saved.n_pages], lane, saved.pages)
         self.positions[lane], self.tokens[lane] = saved.position, saved.token
         if handle.prefilled < len(handle.request.prompt_ids):
             self._prefilling = handle
@@ -314,9 +350,6 @@ class Scheduler:
         chunk = self._next_chunk()
         if not active.any() and chunk is None:
             return None
-        if self._sampling is None:
-            self._sampling = LaneSampling.of(
-                [h.request.sampling if h else SamplingParams() for h in self.lane_of])
         # a lane continues from its token in flight; one admitted or resumed since takes its
         # host token. Every step carries all lanes (none active while a lone prompt prefills):
         # one compiled step a chunk size, not two.
@@ -325,8 +358,7 @@ class Scheduler:
         pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
                  for lane, h in enumerate(handles)]
         decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active, pages)
-        tokens = self.engine.step(decode, chunk, self._sampling,
-                                  previous=previous.tokens if previous else None)
+        tokens = self.run_step(decode, chunk, previous.tokens if previous else None)
         tokens.copy_to_host_async()  # on its way as soon as the step ends
         self.positions[active] += 1
         self.totals["steps"] += 1
@@ -343,7 +375,7 @@ class Scheduler:
         if handle is None:
             return None
         start = handle.prefilled
-        ids = handle.request.prompt_ids[start:start + self.engine.prefill_chunk]
+        ids = handle.request.prompt_ids[start:start + self.model.prefill_chunk]
         handle.prefilled += len(ids)
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id))
 
@@ -362,7 +394,7 @@ class Scheduler:
         if not handle.first_token_at:
             handle.first_token_at = time.perf_counter()
         if (token in request.stop_token_ids
-                or (token in self.engine.eos_ids and not request.ignore_eos)):
+                or (token in self.model.eos_ids and not request.ignore_eos)):
             self._finish(lane, "stop")
             return
         handle.generated += 1
@@ -375,7 +407,7 @@ class Scheduler:
     def _ends_by_length(self, handle: RequestHandle, generated: int, position: int) -> bool:
         """Whether a request is done once it has `generated` tokens, the last at `position`."""
         return (generated >= handle.request.max_new_tokens
-                or position + 1 >= self.engine.max_context)
+                or position + 1 >= self.model.max_context)
 
     def _finish(self, lane: int, reason: str) -> None:
         handle = self.lane_of[lane]
@@ -394,7 +426,7 @@ class Scheduler:
             "ttft_s": handle.first_token_at - handle.submitted if handle.first_token_at else 0.0,
             "prefill_tps": prompt / prefill_s if prefill_s > 0 else 0.0,
             "decode_tps": decoded / decode_s if decode_s and decoded else 0.0,
-            "cold_share": self.engine.residency.window_cold_share(),
+            "cold_share": self.model.residency.window_cold_share(),
         }
 
     def _vacate(self, lane: int) -> None:
@@ -403,7 +435,7 @@ class Scheduler:
         if handle is self._prefilling:
             self._prefilling = None
         self.pages.release(handle.id)
-        self._sampling = None
+        self.set_sampling(lane, SamplingParams())  # greedy lanes keep all-greedy steps cheap
 
     def _fail_all(self, message: str) -> None:
         for lane, handle in enumerate(self.lane_of):
@@ -411,3 +443,89 @@ class Scheduler:
                 self._vacate(lane)
                 handle.on_event(ErrorEvent(message))
         self._in_flight = None
+
+    # -- the device: every jitted call over the state ------------------------------------------
+
+    def _own(self) -> None:
+        """The state is touched only by its owner: the scheduler thread while it runs."""
+        if self.thread is not None and threading.current_thread() is not self.thread:
+            raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
+
+    def run_step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
+                 previous: jax.Array | None = None) -> jax.Array:
+        """Queues one step with residency's next swap batch and returns its tokens [lanes] on the
+        device, not waiting for them: each decoding lane's next token and, where `prefill` is
+        given, the token sampled after its chunk at prefill.lane (its request's first token when
+        the chunk ends the prompt). A decoding lane's input is previous[lane] (an earlier step's
+        output, still on the device) or, where decode.fresh[lane], decode.tokens[lane]."""
+        residency = self.model.residency
+        inputs = self.model.step_inputs(decode, prefill, previous, residency.next_batch())
+        with jax.profiler.TraceAnnotation("decode" if prefill is None else "prefill"):
+            tokens, tallies = self.dispatch(inputs)
+        real = (len(prefill.tokens) if prefill is not None else 0) + (
+            int(decode.active.sum()) if decode is not None else 0)
+        residency.after_step(tallies, real)
+        return tokens
+
+    def dispatch(self, inputs) -> tuple:
+        """The jitted step alone over the state (donated): (tokens, Tallies). `run_step` is the
+        serving path; benchmarks time this one bare."""
+        self._own()
+        tokens, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        return tokens, tallies
+
+    def lower(self, inputs):
+        """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
+        return self.model.steps.step.lower(self.model.params, self.state, inputs)
+
+    def score(self, token_ids) -> np.ndarray:
+        """A full forward over `token_ids` (a scratch cache of its own, with residency's next swap
+        batch): logits [T, vocab] float32; only the expert state (its counters) changes."""
+        self._own()
+        residency = self.model.residency
+        inputs, n = self.model.score_inputs(token_ids, residency.next_batch())
+        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
+        residency.after_step(tallies, n)
+        logits = np.asarray(logits[0, :n], np.float32)
+        residency.flush()
+        return logits
+
+    def warmup(self, prompt_lengths: list[int] | None = None) -> int:
+        """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
+        masked out (nothing written, counted or sampled into a lane); returns how many."""
+        self._own()
+        shapes = self.model.warmup_shapes(prompt_lengths)
+        idle = self.model.residency.idle_batch()
+        for size, prefill_width, decode_width in sorted(shapes, key=str):
+            self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
+        return len(shapes)
+
+    def update_experts(self, fn) -> None:
+        """The expert state through `fn(experts) -> experts` between steps: residency's
+        between-step operations (reseed, drain, move_to, apply_swaps)."""
+        self._own()
+        self.state = self.state.replace(experts=fn(self.state.experts))
+
+    def set_sampling(self, lane: int, params: SamplingParams) -> None:
+        """A lane's sampling parameters, set in the state (at admission; benchmarks)."""
+        self._own()
+        self.state = self.state.replace(sampling=self.model.steps.set_lane(
+            self.state.sampling, np.int32(lane), LaneSampling.of([params])))
+
+    def read_sequence(self, pages: list[int], lane: int) -> tuple:
+        """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
+        pool and its lane's rows (a PagedCache of numpy leaves [n, rows, ...] and [...]), and
+        its lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        self._own()
+        rows = jax.device_get(self.model.steps.read_sequence(
+            self.state.cache, np.asarray(pages, np.int32), np.int32(lane)))
+        return rows, self.model.read_lane_inputs(lane)
+
+    def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
+        """Puts what `read_sequence` read back: into the pool at `pages` and into the rows and
+        host-input state of `lane` (any lane: not necessarily the one it was read from)."""
+        self._own()
+        rows, host = saved
+        self.state = self.state.replace(cache=self.model.steps.write_sequence(
+            self.state.cache, np.asarray(pages, np.int32), np.int32(lane), rows))
+        self.model.write_lane_inputs(lane, host)

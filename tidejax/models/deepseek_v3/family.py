@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import MLACache, build
-from tidejax.models.deepseek_v3.weights import expert_dims, load_weights, replay_variables
+from tidejax.models.deepseek_v3.weights import expert_dims, load_weights
 from tidejax.models.registry import Family, register
 
 register(Family(
@@ -19,5 +19,4 @@ register(Family(
     create_cache=MLACache.create,
     cache_axes=MLACache.axes,
     cache_bytes_per_token=MLACache.bytes_per_token,
-    replay_variables=replay_variables,
 ))

@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, token_mask, cos, sin, latent_pages, rope_pages, slots,
-                 block_table, experts):
+                 block_table, experts, replay=None):
         cfg, dt = self.cfg, self.dtype
         attn, latent_pages, rope_pages = MLAttention(cfg, dt, self.serve.kernel, name="attn")(
             RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin,
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         if self.layer in cfg.moe_layers:
             y, experts = MoE(router_spec(cfg), cfg.moe_layers.index(self.layer),
                              cfg.shared_intermediate_size, self.serve, dt,
-                             name="moe")(h, token_mask, experts)
+                             name="moe")(h, token_mask, experts, replay=replay)
         else:
             y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
         return x + y, latent_pages, rope_pages, experts
@@ -95,10 +95,11 @@ class DeepseekV3(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState):
+                 experts: ExpertState, replay=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); cache: the
         pool (MLACache; nothing per lane); block_table [b, P] int32: each row's pages in the
-        pool -> logits [b, t, vocab] float32, cache, experts."""
+        pool; replay [b, t, L_moe, k]: recorded picks to route by (None: the routers choose)
+        -> logits [b, t, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
         x = jnp.take(embed, tokens, axis=0)
@@ -109,7 +110,8 @@ class DeepseekV3(nn.Module):
         slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
         for i in range(cfg.num_layers):
             x, latents[i], ropes[i], experts = DecoderLayer(cfg, i, self.serve, dt, name=f"layers_{i}")(
-                x, positions, token_mask, cos, sin, latents[i], ropes[i], slots, block_table, experts)
+                x, positions, token_mask, cos, sin, latents[i], ropes[i], slots, block_table, experts,
+                replay)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
         if cfg.tie_word_embeddings:
             head = embed

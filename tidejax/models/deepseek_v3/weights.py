@@ -78,11 +78,6 @@ def expert_dims(cfg: DeepseekV3Config) -> tuple[int, int, int, int]:
     return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
-def replay_variables(cfg: DeepseekV3Config, ids) -> dict:
-    """Recorded picks ids [b, t, L_moe, k] as the MoE layers' "replay" variables."""
-    return {f"layers_{layer}": {"moe": {"ids": ids[:, :, m]}} for m, layer in enumerate(cfg.moe_layers)}
-
-
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
     params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),

@@ -9,9 +9,9 @@ overlap, no indexer: every visible entry attends); an unweighted norm on q per h
 (a fixed token -> experts table) in the first MoE layers; each mHC site collapses with its own
 pre; a final hyper head. No QAT fake quantizers.
 
-`DeepseekV4.__call__(tokens, positions, token_mask, cache, experts)` is the one forward for
-prefill chunks and decode steps (chunks contiguous per row, real tokens first; a full forward is
-a prefill into an empty cache). Every layer's MoE is the shared layers.moe.MoE: its routed
+`DeepseekV4.__call__(tokens, positions, token_mask, cache, block_table, experts, replay=None)` is
+the one forward for prefill chunks and decode steps (chunks contiguous per row, real tokens
+first; a full forward is a prefill into an empty cache). Every layer's MoE is the shared layers.moe.MoE: its routed
 experts are served by residency (bank, rowmap, miss policy; rowmap row = layer), so budgets and
 miss policies apply as to the other families.
 """
@@ -216,11 +216,13 @@ class DeepseekV4(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, paged: PagedCache, block_table,
-                 experts: ExpertState):
+                 experts: ExpertState, replay=None):
         """tokens, positions [b, t]; token_mask [b, t] (real tokens first); paged: the engine's
         cache, whose per-lane part `lanes` is this model's whole V4Cache (its pool part is empty,
         so block_table [b, P] addresses nothing); experts: the residency state (every layer is a
-        MoE layer, rowmap row = layer) -> (logits [b, t, vocab] float32, paged, experts)."""
+        MoE layer, rowmap row = layer); replay [b, t, layers, k]: recorded picks to route by,
+        hash layers included (None: the routers and hash tables choose) -> (logits [b, t, vocab]
+        float32, paged, experts)."""
         del block_table  # no pages: every cache row is the lane's own
         cache = paged.lanes
         cfg = self.cfg
@@ -247,7 +249,8 @@ class DeepseekV4(nn.Module):
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
                 hc_collapse(streams, pre))
             y, experts = MoE(router_spec(cfg, i), i, cfg.moe_intermediate_size, self.serve, F32,
-                             act_dtype=F32, name=f"layers_{i}_mlp")(x, token_mask, experts, tokens)
+                             act_dtype=F32, name=f"layers_{i}_mlp")(x, token_mask, experts, tokens,
+                                                                    replay=replay)
             streams = hc_expand(y, streams, post, comb)
         pre = hc_head(streams, *mhc_params(self, "hc_head", n, d, head=True), eps=cfg.rms_norm_eps,
                       hc_eps=cfg.hc_eps)

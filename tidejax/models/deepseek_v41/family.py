@@ -8,7 +8,7 @@ from __future__ import annotations
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import host_inputs
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
-from tidejax.models.deepseek_v41.weights import expert_dims, load_weights, replay_variables
+from tidejax.models.deepseek_v41.weights import expert_dims, load_weights
 from tidejax.models.registry import Family, register
 
 register(Family(
@@ -24,7 +24,6 @@ register(Family(
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V41Pages.bytes_per_token,
     cache_axes=V41Pages.axes,
-    replay_variables=replay_variables,
     host_inputs=host_inputs,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))

@@ -302,7 +302,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
-                 block_table, rows, experts):
+                 block_table, rows, experts, replay=None):
         cfg = self.cfg
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -318,7 +318,7 @@ class DecoderLayer(nn.Module):
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(hc_collapse(streams, pre_a))
         y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, F32,
-                         act_dtype=F32, name="ffn")(x, token_mask, experts)
+                         act_dtype=F32, name="ffn")(x, token_mask, experts, replay=replay)
         streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
 
@@ -330,13 +330,14 @@ class DeepseekV41(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, engram_rows=None):
+                 experts: ExpertState, engram_rows=None, replay=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
         cache: V41Pages (the shared pool) and V41Lanes (one row per batch row); block_table
         [b, P] int32: each row's pages in the pool;
         experts: the residency state (every layer is a MoE layer, rowmap row = layer);
         engram_rows [b, t, n_engram_layers, cols, e] float32 from the host (None without Engram
-        layers) -> (logits [b, t, vocab] float32, cache, experts).
+        layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose)
+        -> (logits [b, t, vocab] float32, cache, experts).
 
         Sows "streams" (each layer's output streams) and "selection" (each index source's
         selection) into the "intermediates" collection for parity checks."""
@@ -358,7 +359,8 @@ class DeepseekV41(nn.Module):
             streams, pre, windows[i], shared, src_cache, experts = DecoderLayer(
                 cfg, i, self.serve, name=f"layers_{i}")(
                 streams, pre, positions, token_mask, n_valid, windows[i], shared,
-                None if src is None else tuple(sources[src]), block_table, rows, experts)
+                None if src is None else tuple(sources[src]), block_table, rows, experts,
+                replay)
             if src is not None:
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)

@@ -204,8 +204,3 @@ def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_
     checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
     return checkpoint.params["params"], checkpoint
 
-
-def replay_variables(cfg: V41Config, ids) -> dict:
-    """Recorded picks ids [b, t, layers, k] as the MoE layers' "replay" variables (every layer
-    is a MoE layer)."""
-    return {f"layers_{layer}": {"ffn": {"ids": ids[:, :, layer]}} for layer in range(cfg.num_layers)}

@@ -104,9 +104,9 @@ class MoE(nn.Module):
 
     With router.hash_vocab the picks come from a fixed table `tid2eid` [hash_vocab, top_k]
     indexed by the token ids (pass `tokens`); the weights still come from the scores.
-    A "replay" variable collection ({"ids": [b, t, k]} at this module's path) makes the layer
-    route by recorded picks instead of its own choice: benchmarks on random-weight models use it to
-    replay a trained model's routing, so skew and domain shifts are realistic.
+    `replay` [b, t, L_moe, k] (recorded picks of every MoE layer) makes the layer route by its
+    row `moe_index` instead of its own choice: benchmarks on random-weight models replay a trained
+    model's routing, so skew and domain shifts are realistic.
     """
 
     router: RouterSpec
@@ -118,9 +118,9 @@ class MoE(nn.Module):
     # computed in it (None: the input's dtype); DeepSeek-V4 / V4.1 use float32, as their references
 
     @nn.compact
-    def __call__(self, x, token_mask, experts: ExpertState, tokens=None):
-        """x [b, t, d], token_mask [b, t], tokens [b, t] (hash routing only)
-        -> (y [b, t, d], experts)."""
+    def __call__(self, x, token_mask, experts: ExpertState, tokens=None, replay=None):
+        """x [b, t, d], token_mask [b, t], tokens [b, t] (hash routing only), replay
+        [b, t, L_moe, k] or None -> (y [b, t, d], experts)."""
         spec = self.router
         b, t, d = x.shape
         gate_w = self.param("gate_weight", dense_init(), (spec.n_experts, d), jnp.float32)
@@ -132,8 +132,8 @@ class MoE(nn.Module):
             table = self.param("tid2eid", nn.initializers.zeros, (spec.hash_vocab, spec.top_k),
                                jnp.int32)
             picked = table[tokens.reshape(-1)]  # [b * t, k]
-        if self.has_variable("replay", "ids"):
-            picked = self.get_variable("replay", "ids").reshape(b * t, spec.top_k)
+        if replay is not None:
+            picked = replay[:, :, self.moe_index].reshape(b * t, spec.top_k)
         ids, weights, choice = route(flat, gate_w, bias, spec, picked)
         y, experts = serve_routed(self.moe_index, flat, ids, weights, choice,
                                   token_mask.reshape(b * t), experts, self.serve)

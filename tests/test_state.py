@@ -1,0 +1,146 @@
+"""One decode state, one owner: the DecodeState is donated into every step, residency's swap
+batches are applied inside the step that takes them, lane sampling lives in the state, and the
+scheduler thread is the only caller of the steps (`Engine.logits` while serving goes through it
+without disturbing a decoding request)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.residency import manager
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.steps import DecodeRows
+from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+
+ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8}
+PROMPT = np.random.RandomState(4).randint(3, 256, 12).tolist()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("state")
+    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    return path
+
+
+def half_exact(model_dir, **residency):
+    return tidejax.load(model_dir, engine=ENGINE, residency={
+        "budget_experts": 8, "miss_policy": "exact", "drain_every": 1000, **residency})
+
+
+def decode_rows(engine, positions) -> DecodeRows:
+    lanes = engine.lanes
+    pages = engine.scheduler.pages
+    held = [pages.grow(lane, int(positions[lane]) + 1) for lane in range(lanes)]
+    return DecodeRows(np.full(lanes, 7, np.int32), np.ones(lanes, bool),
+                      np.asarray(positions, np.int32), np.ones(lanes, bool), held)
+
+
+def test_the_step_applies_the_planned_swaps_and_no_other_call_does(model_dir, monkeypatch):
+    engine = half_exact(model_dir, max_swaps_per_step=2)
+    res = engine.residency
+    boot = np.asarray(engine.state.experts.slot_rows).copy()
+    # every layer wants its cold experts: the drain's plan queues swaps for the next steps
+    cold = ~np.isin(np.arange(res.n_layers * res.n_experts), boot[:res.n_resident])
+    res.history.counts[:] = np.where(cold, 50.0, 0.0).reshape(res.history.counts.shape)
+    engine.scheduler.update_experts(res.drain)
+    assert 2 < res.stats()["swaps_queued"] <= 4
+    applied = res.stats()["swaps_applied"]  # by the calibration's reseed, between steps
+    between_steps = []
+    monkeypatch.setattr(manager, "apply_now",
+                        lambda *a: between_steps.append(1) or pytest.fail("a separate swap call"))
+    engine.step(decode_rows(engine, [3, 5]), None)
+    after = np.asarray(engine.state.experts.slot_rows)
+    assert res.stats()["swaps_applied"] - applied == 2 and not between_steps
+    assert (after != boot).sum() == 2  # the step's output state holds the new map
+    np.testing.assert_array_equal(after, res.slot_rows)
+    rowmap = np.asarray(engine.state.experts.rowmap).reshape(-1)
+    for slot, row in enumerate(after[:res.n_resident]):
+        assert rowmap[row] == slot
+    compiled = engine.loaded.steps.step._cache_size()
+    engine.step(decode_rows(engine, [4, 6]), None)  # the rest of the queue, same compilation
+    np.testing.assert_array_equal(np.asarray(engine.state.experts.slot_rows), res.slot_rows)
+    assert res.stats()["swaps_queued"] == 0
+    assert engine.loaded.steps.step._cache_size() == compiled
+
+
+def test_the_swap_batch_is_written_in_place_inside_the_step(model_dir):
+    """The lowered step takes the swap batch and aliases the whole state (bank included): the
+    rows are written into the donated bank, not into a copy."""
+    engine = half_exact(model_dir)
+    inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None,
+                                       engine.residency.idle_batch())
+    lowered = engine.scheduler.lower(inputs)
+    assert "while" in lowered.as_text()  # the batch's loop over its swaps
+    memory = lowered.compile().memory_analysis()
+    bank = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.state.experts.bank))
+    assert memory.alias_size_in_bytes >= bank
+
+
+@pytest.mark.parametrize("residency", [{}, {"budget_experts": 8, "miss_policy": "exact"}],
+                         ids=["all_resident", "half_exact"])
+def test_the_state_is_donated_into_every_step(model_dir, residency):
+    engine = tidejax.load(model_dir, engine=ENGINE, residency=residency)
+    for function in (lambda: engine.step(decode_rows(engine, [3, 5]), None),
+                     lambda: engine.logits(PROMPT)):
+        before = engine.state
+        function()
+        leaves = jax.tree.leaves(before)
+        assert leaves and all(leaf.is_deleted() for leaf in leaves)
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.state))
+
+
+def test_lane_sampling_is_set_at_admission_not_sent_each_step(model_dir):
+    engine = tidejax.load(model_dir, engine=ENGINE)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=12)
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, TokenEvent) and not seen:
+            lanes = engine.state.sampling
+            seen.append((float(lanes.temperature[0]), int(lanes.top_k[0]), int(lanes.seed[0])))
+
+    engine.scheduler.submit(GenerationRequest(PROMPT, 3, sampling, ignore_eos=True), on_event)
+    engine.scheduler.run_until_idle()
+    assert seen == [(pytest.approx(0.7), 5, 12)]
+    assert float(engine.state.sampling.temperature[0]) == 0.0  # the lane went back to greedy
+
+
+def test_logits_while_serving_runs_on_the_scheduler_thread_and_corrupts_nothing(model_dir):
+    engine = half_exact(model_dir, drain_every=3, half_life=4.0)
+    request = GenerationRequest(PROMPT, 40, ignore_eos=True)
+    alone = []
+    engine.scheduler.submit(request, lambda e: alone.append(e.token_id)
+                            if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    idle_logits = engine.logits(PROMPT[:7])
+
+    engine.scheduler.start()
+    try:
+        done, tokens = threading.Event(), []
+
+        def on_event(event):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            elif isinstance(event, DoneEvent):
+                done.set()
+
+        engine.scheduler.submit(request, on_event)
+        scored = []
+        while not done.is_set() or not scored:
+            scored.append(engine.logits(PROMPT[:7]))  # between the serving thread's steps
+        with pytest.raises(RuntimeError, match="owns the device"):
+            engine.step(decode_rows(engine, [3, 5]), None)
+        assert done.wait(60)
+    finally:
+        engine.scheduler.stop()
+    assert len(scored) > 1
+    assert tokens == alone  # greedy tokens of the decoding request unchanged
+    for logits in scored:
+        np.testing.assert_array_equal(logits, idle_logits)

@@ -1,0 +1,379 @@
+"""Loading: a checkpoint and its profile become a LoadedModel, the model the scheduler runs.
+
+A LoadedModel holds what does not change while serving: the config, the family, the tokenizer,
+the params on the device, the residency planner (runtime/state.py's DecodeState holds the expert
+state itself), the jitted steps (runtime/steps.py) and the host-side shapes of their inputs. It
+turns the scheduler's host views of a step (DecodeRows, PrefillChunk) into the step's array
+inputs. Shapes are static: a prompt chunk is padded to a few bucket sizes, decode always runs all
+lanes, and the block tables are as wide as the step's longest sequence needs (a power of two of
+pages), so attention costs what the sequences hold and each (bucket, width) compiles once. The
+cache is a kv.paged.PagedCache: the family's KV pool, shared by every sequence through its block
+table, and the fixed-size rows each lane keeps (DeepSeek-V4.1's window rings), which a prompt chunk
+reads and writes at its lane.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax import parallel
+from tidejax.config import EngineConfig
+from tidejax.fields import ConfigError, read_json
+from tidejax.kv.paged import PagedCache
+from tidejax.kv.pages import page_bucket, pages_for
+from tidejax.models.loading import ExpertPool
+from tidejax.models.registry import family_for
+from tidejax.pallas.attention import pallas_supports as paged_mla_supports
+from tidejax.pallas.dispatch import choose_impl
+from tidejax.residency.manager import Residency
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.swap import SwapBatch
+from tidejax.runtime.state import DecodeState
+from tidejax.runtime.steps import (DecodeInputs, DecodeRows, PrefillChunk, PrefillInputs, Replay,
+                                   ScoreInputs, StepInputs, Steps)
+from tidejax.text.tokenizer import Tokenizer
+
+log = logging.getLogger("tidejax")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _buckets(limit: int) -> list[int]:
+    sizes, size = [], 16
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+class LoadedModel:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model.path)
+        if not config.model.path or not (model_dir / "config.json").exists():
+            raise ConfigError(f"{config.source}: 'model.path' = {config.model.path!r} is not a "
+                              "checkpoint directory (no config.json)")
+        raw = read_json(model_dir / "config.json")
+        source = str(model_dir / "config.json")
+        self.family = family_for(raw, source)
+        self.cfg = self.family.config_from_hf(raw, source)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_dir = model_dir
+        self.served_name = config.model.served_name or model_dir.name
+        self.dtype = _DTYPES[config.model.dtype]
+        self.lanes = config.engine.lanes
+        self.max_context = config.engine.max_context
+        if self.max_context > self._max_positions():
+            log.warning("%s: engine.max_context %d is above the model's max_position_embeddings; "
+                        "serving %d", config.source, self.max_context, self._max_positions())
+            self.max_context = self._max_positions()
+        self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
+        self.eos_ids = end_of_turn_ids(model_dir, getattr(self.cfg, "eos_token_ids", ()),
+                                       self.tokenizer.eos_id)
+        serve = ServeOptions(
+            miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
+            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
+
+        n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
+        pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype)
+        self.params, self._aux = self.family.load_weights(
+            self.cfg, model_dir, raw, serve, self.dtype, pool.put_row)
+        self.residency = Residency(
+            pool.result(), n_moe, self.family.top_k(self.cfg), config.residency,
+            kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
+            max_tokens=self.max_context)
+        self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
+        self.page_size = config.engine.page_size
+        self.kv_pages = self._pool_pages(config)
+        self.max_pages = pages_for(self.max_context, self.page_size)
+        self.decode_attention = self._decode_attention(config.engine.kernel)
+        log.info("KV pool: %d pages of %d tokens (%.2f GiB), %d bytes a lane beside it",
+                 self.kv_pages, self.page_size,
+                 self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30,
+                 self.lane_bytes())
+        self._prefill_buckets = _buckets(self.prefill_chunk)
+        self.steps = Steps(self.module)
+        self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
+        self._replay_cursor = 0  # the row the next token routes by
+        self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
+        # the `previous` tokens of a step that takes every input from the host (committed to the
+        # device, as a step's output is: one compilation)
+        self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+
+    def initial_state(self) -> DecodeState:
+        """The one DecodeState: a fresh KV cache (committed to the device, as the steps return
+        it: one compile per step, not two), the residency boot state, greedy lanes."""
+        cache = self.new_cache(self.kv_pages, self.lanes)
+        axes = self.family.cache_axes
+        cache = PagedCache(
+            parallel.put(cache.pages, axes(cache.pages)) if axes else parallel.replicated(cache.pages),
+            parallel.replicated(cache.lanes))
+        return DecodeState.create(cache, self.residency.take_state(), self.lanes)
+
+    def new_cache(self, n_pages: int, lanes: int) -> PagedCache:
+        """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""
+        return PagedCache(self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype),
+                          self.family.create_lane_cache(self.cfg, lanes, self.max_context,
+                                                        self.dtype))
+
+    def read_lane_inputs(self, lane: int):
+        """A lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        return self._lane_inputs.read_lane(lane) if self._lane_inputs else None
+
+    def write_lane_inputs(self, lane: int, saved) -> None:
+        """Puts a lane's host-input state read by `read_lane_inputs` into `lane`."""
+        if self._lane_inputs:
+            self._lane_inputs.write_lane(lane, saved)
+
+    def _max_positions(self) -> int:
+        return getattr(self.cfg, "max_position_embeddings", 1 << 30)
+
+    def _decode_attention(self, kernel: str) -> str:
+        """The paged decode attention the steps will trace ("pallas" reads only each lane's own
+        pages, so its block tables can be full width): the kernel's own choice for the shapes
+        of this model's latent cache (MLA), "reference" where the family's decode reads whole
+        block tables."""
+        if not self.family.mla_decode:
+            return "reference"
+
+        def struct(*shape):
+            return jax.ShapeDtypeStruct(shape, self.dtype)
+        latent = struct(1, self.page_size, self.cfg.kv_lora_rank)
+        return choose_impl("paged_mla_decode", kernel, lambda: paged_mla_supports(
+            struct(1, 1, self.cfg.kv_lora_rank), struct(1, 1, self.cfg.qk_rope_head_dim), latent))
+
+    def _pool_pages(self, config: EngineConfig) -> int:
+        """Pages in the KV pool: engine.kv_pool_gib, else engine.kv_pool_tokens, else room for
+        every lane at max_context. The pool must hold one sequence at max_context."""
+        section, size = config.engine, self.page_size
+        if size < 1:
+            raise ConfigError(f"{config.source}: 'engine.page_size' must be at least 1")
+        multiple = self.family.page_multiple(self.cfg)
+        if size % multiple:
+            raise ConfigError(f"{config.source}: 'engine.page_size' = {size} must be a multiple of "
+                              f"{multiple} for {self.family.name} (a page holds whole groups of "
+                              "every compressed KV source)")
+        if section.kv_pool_gib > 0 and self.cache_bytes_per_token() > 0:
+            key = "engine.kv_pool_gib"
+            pages = int(section.kv_pool_gib * 2**30 // (self.cache_bytes_per_token() * size))
+        elif section.kv_pool_tokens > 0:
+            key, pages = "engine.kv_pool_tokens", pages_for(section.kv_pool_tokens, size)
+        else:
+            key, pages = "engine.lanes", pages_for(self.lanes * self.max_context, size)
+        if pages < pages_for(self.max_context, size):
+            raise ConfigError(f"{config.source}: '{key}' gives a KV pool of {pages * size} tokens, "
+                              f"less than one sequence at engine.max_context ({self.max_context})")
+        return pages
+
+    # -- step inputs -----------------------------------------------------------------------
+
+    def chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """(start, ids) of each prefill chunk of a prompt."""
+        return [(start, token_ids[start:start + self.prefill_chunk])
+                for start in range(0, len(token_ids), self.prefill_chunk)]
+
+    def bucket(self, n: int) -> int:
+        """The compiled prefill size that holds a chunk of n tokens."""
+        return next(b for b in self._prefill_buckets if b >= n)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a step can take its input tokens from the previous step's output on the
+        device. Not where the family computes host inputs from the token ids (DeepSeek-V4.1's
+        Engram hashes): then every token must be on the host before its step."""
+        return self._lane_inputs is None
+
+    def step_inputs(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
+                    previous: jax.Array | None, swaps: SwapBatch) -> StepInputs:
+        """The jitted step's inputs (block tables, padded chunk, host inputs, replay rows, the
+        swap batch). A decoding lane's input is previous[lane] (an earlier step's output, still
+        on the device) or, where decode.fresh[lane], decode.tokens[lane] from the host."""
+        if decode is None and prefill is None:
+            raise ValueError("a step needs decoding lanes or a prompt chunk")
+        if previous is None:
+            previous = self._host_only
+            if decode is not None and not decode.fresh.all():
+                raise ValueError("a step without `previous` takes every input from the host")
+        elif not self.pipelined:
+            raise ValueError(f"the {self.family.name} family needs every input token on the host")
+        prefill_in = prefill_host = None
+        if prefill is not None:
+            if not 0 < len(prefill.tokens) <= self.prefill_chunk:
+                raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
+                                 f"got {len(prefill.tokens)}")
+            prefill_in, prefill_host = self._prefill_inputs(prefill, self._prefill_width(prefill))
+        decode_in = decode_host = None
+        if decode is not None:
+            decode_in = DecodeInputs(
+                tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
+                previous=previous, positions=decode.positions.astype(np.int32),
+                active=decode.active.astype(bool),
+                table=self._table(decode.pages, self._decode_width(decode)))
+            if self._lane_inputs:
+                decode_host = self._lane_inputs.rows(decode.tokens[:, None], decode.positions,
+                                                     decode.active[:, None])
+        routed = (prefill_in.tokens.size if prefill is not None else 0) + (
+            self.lanes if decode is not None else 0)
+        return StepInputs(prefill_in, decode_in, prefill_host, decode_host, self._replay_rows(routed),
+                          swaps)
+
+    def warmup_inputs(self, size: int, prefill_width: int | None, decode_width: int,
+                      swaps: SwapBatch) -> StepInputs:
+        """A step of one shape with every token masked out (nothing written, counted or sampled
+        into a lane): a chunk bucket `size` (0: decode only) beside all lanes."""
+        idle = np.zeros(self.lanes, np.int32)
+
+        def table(rows, width):
+            return np.zeros((rows, width), np.int32)
+
+        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self._host_only,
+                              positions=idle, active=np.zeros(self.lanes, bool),
+                              table=table(self.lanes, decode_width))
+        prefill = prefill_host = decode_host = None
+        if size:
+            tokens = np.zeros((1, size), np.int32)
+            prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
+                                    lane=np.int32(0), last=np.int32(0),
+                                    table=table(1, prefill_width))
+        if self._lane_inputs:
+            decode_host = self._lane_inputs.rows(idle[:, None], idle, decode.active[:, None])
+            if prefill is not None:
+                prefill_host = self._lane_inputs.rows(prefill.tokens, [0], prefill.mask, lanes=[0])
+        return StepInputs(prefill, decode, prefill_host, decode_host,
+                          self._replay_rows(size + self.lanes), swaps)
+
+    def warmup_shapes(self, prompt_lengths: list[int] | None) -> set[tuple]:
+        """(chunk size or 0, prefill table width, decode table width) of the steps that prompts
+        of `prompt_lengths` tokens meet (default: one chunk of each size): each chunk beside
+        the lanes, and the decode step at the table width of the prompt's end."""
+        shapes = set()
+        for n in prompt_lengths or self._prefill_buckets:
+            held = [0] * pages_for(min(n + 1, self.max_context), self.page_size)
+            prefill_width = self._prefill_width(PrefillChunk(0, [0], 0, held))
+            decode_width = self._decode_width(DecodeRows(*[None] * 4, pages=[held]))
+            for _, chunk in self.chunks(list(range(n))):
+                shapes.add((self.bucket(len(chunk)), prefill_width, decode_width))
+            shapes.add((0, None, decode_width))
+        return shapes
+
+    def score_inputs(self, token_ids, swaps: SwapBatch) -> tuple[ScoreInputs, int]:
+        """(the scoring forward's inputs, the real length): the length padded to a power of two
+        of at least 16 (few compiles for any length), over a scratch cache of its own (a pool
+        of the sequence's pages in order, one lane's rows)."""
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        n = len(ids)
+        size = max(16, 1 << (n - 1).bit_length())
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :n] = ids
+        n_pages = pages_for(size, self.page_size)
+        cache = self.new_cache(n_pages, 1)
+        table = np.arange(n_pages, dtype=np.int32)[None]
+        mask = (np.arange(size) < n)[None]
+        scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
+        host = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
+        return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table, host,
+                           self._replay_rows(tokens.size), swaps), n
+
+    def _decode_width(self, decode: DecodeRows) -> int:
+        """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
+        longest lane, where attention reads the whole table (the reference); the pool's longest
+        sequence where the paged decode kernel reads each lane's own pages (one compile)."""
+        if self.decode_attention == "pallas":
+            return self.max_pages
+        return page_bucket(max((len(p) for p in decode.pages), default=1), self.max_pages)
+
+    def _prefill_width(self, prefill: PrefillChunk) -> int:
+        """Block-table width of a prompt chunk: its request's pages (reserved for the whole
+        prompt at admission, so every chunk of a prompt compiles once), as a power of two."""
+        return page_bucket(len(prefill.pages), self.max_pages)
+
+    def _table(self, pages: list[list[int]], width: int) -> np.ndarray:
+        """Block tables [rows, width]: each row's pages, padded with page 0 (never read: past each
+        row's length)."""
+        table = np.zeros((len(pages), width), np.int32)
+        for row, held in enumerate(pages):
+            table[row, :len(held)] = held[:width]
+        return table
+
+    def _prefill_inputs(self, prefill: PrefillChunk, width: int):
+        n, size = len(prefill.tokens), self.bucket(len(prefill.tokens))
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :n] = prefill.tokens
+        mask = (np.arange(size) < n)[None]
+        inputs = PrefillInputs(
+            tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
+            mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
+            table=self._table([prefill.pages], width))
+        host = (self._lane_inputs.rows(tokens, [prefill.start], mask, lanes=[prefill.lane])
+                if self._lane_inputs else None)
+        return inputs, host
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        """Prompt tokens a step carries from now on (benchmarks sweep it on one loaded model)."""
+        if not 0 < tokens <= self.max_context:
+            raise ValueError(f"prefill_chunk must be in 1..{self.max_context}, got {tokens}")
+        self.prefill_chunk = tokens
+        self._prefill_buckets = _buckets(tokens)
+
+    def set_routing_replay(self, picks: np.ndarray | None) -> None:
+        """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
+        token in order and cyclically, instead of by the router's own choice; None turns it off.
+        Benchmarks use it to give random-weight models a trained model's routing."""
+        if picks is not None and not self.family.replays:
+            raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
+        if picks is not None:
+            n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
+            picks = np.asarray(picks, np.int32)
+            if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
+                raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
+                                 f"got shape {picks.shape}")
+            picks = parallel.replicated(picks)  # once: steps index it by a cursor
+        self._replay, self._replay_cursor = picks, 0
+
+    def _replay_rows(self, n_tokens: int) -> Replay | None:
+        """The replay of a forward of `n_tokens` tokens (batch-major), which routes by rows
+        cursor, cursor + 1, ... of the picks, cyclically; None without a replay."""
+        if self._replay is None:
+            return None
+        cursor = self._replay_cursor
+        self._replay_cursor = (cursor + n_tokens) % len(self._replay)
+        return Replay(self._replay, np.int32(cursor))
+
+    def cache_bytes_per_token(self) -> int:
+        return self.family.cache_bytes_per_token(self.cfg, self.dtype)
+
+    def lane_bytes(self) -> int:
+        """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings
+        and group buffers; 0 for a family that keeps everything in the pool)."""
+        rows = jax.eval_shape(functools.partial(self.family.create_lane_cache, self.cfg, 1,
+                                                self.max_context, self.dtype))
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(rows))
+
+    def kv_stats(self) -> dict:
+        """The KV cache's size: the pool's pages and bytes, what a dense cache of every lane at
+        max_context would take, and the fixed rows the lanes keep beside the pool."""
+        per_token = self.cache_bytes_per_token()
+        return {"kv_pages": self.kv_pages, "page_size": self.page_size,
+                "kv_tokens": self.kv_pages * self.page_size,
+                "kv_bytes": int(self.kv_pages * self.page_size * per_token),
+                "dense_kv_bytes": int(self.lanes * self.max_context * per_token),
+                "lane_bytes": self.lane_bytes(), "lanes_bytes": self.lanes * self.lane_bytes()}
+
+
+def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """Generation stops at config.json's eos ids, generation_config.json's (where published
+    checkpoints list their end-of-turn tokens) and the tokenizer's eos token."""
+    ids = set(config_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        eos = read_json(generation).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))
+
+

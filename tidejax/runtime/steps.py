@@ -1,0 +1,220 @@
+"""The jitted steps: pure functions over (params, state, inputs), the DecodeState donated.
+
+    step(params, state, StepInputs) -> (tokens [lanes], state, Tallies)
+        residency's swap batch applied at the start (residency.swap.apply_batch); then the
+        prompt chunk, written into the cache (its last real token's sample goes to its lane);
+        then every decoding lane's next token; the counters' Tallies at the end.
+    score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
+        a full forward over a scratch cache of its own; only the expert state changes.
+    read_sequence(cache, pages, lane) / write_sequence(cache, pages, lane, saved): a preempted
+        sequence's pages of the pool and its lane's rows (a PagedCache).
+    The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
+    fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
+    set_lane(sampling, lane, row): one lane's sampling parameters, at admission.
+
+The host views the scheduler fills (DecodeRows, PrefillChunk) become the array inputs here
+(DecodeInputs, PrefillInputs) in runtime/build.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.kv.paged import PagedCache
+from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
+from tidejax.runtime.sampling import LaneSampling, sample
+from tidejax.runtime.state import DecodeState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeInputs:
+    """A step's decoding lanes, as arrays: tokens, fresh, previous, positions, active [lanes];
+    table [lanes, P] block tables."""
+
+    tokens: jax.Array
+    fresh: jax.Array
+    previous: jax.Array
+    positions: jax.Array
+    active: jax.Array
+    table: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInputs:
+    """A step's prompt chunk, as arrays: tokens, positions, mask [1, C]; lane and last (the
+    chunk's last real token) scalars; table [1, P]."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    lane: jax.Array
+    last: jax.Array
+    table: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Replay:
+    """Recorded routing: picks [N, L_moe, k] expert ids (on the device, sent once); the forward's
+    tokens (batch-major) route by rows cursor, cursor + 1, ... of them, cyclically."""
+
+    picks: jax.Array
+    cursor: jax.Array
+
+    def ids(self, b: int, t: int, offset: int = 0):
+        """The picks of a [b, t] forward whose first token takes row cursor + offset:
+        [b, t, L_moe, k]."""
+        rows = (self.cursor + offset + jnp.arange(b * t, dtype=jnp.int32)) % self.picks.shape[0]
+        return self.picks[rows].reshape(b, t, *self.picks.shape[1:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs: the prompt chunk and the decoding lanes (either may be None), the
+    family's host-computed rows for each (None where it has none), the routing replay (None:
+    the routers choose) and residency's swap batch for the step's start. The replay's prefill
+    rows come first, then the decoding lanes'."""
+
+    prefill: PrefillInputs | None
+    decode: DecodeInputs | None
+    prefill_host: object
+    decode_host: object
+    replay: Replay | None
+    swaps: SwapBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ScoreInputs:
+    """A scoring forward: tokens, positions, mask [1, T]; cache: a scratch cache for the
+    sequence alone (a PagedCache: its pages and one lane's rows); table [1, P] its pages in it;
+    host rows,
+    replay and swap batch as in StepInputs."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    cache: PagedCache
+    table: jax.Array
+    host: object
+    replay: Replay | None
+    swaps: SwapBatch
+
+
+@dataclasses.dataclass
+class DecodeRows:
+    """The scheduler's view of a step's decoding lanes (host values, [lanes] each); pages: each
+    lane's KV pages, a lane's list covering its next position."""
+
+    tokens: np.ndarray
+    fresh: np.ndarray
+    positions: np.ndarray
+    active: np.ndarray
+    pages: list[list[int]] | None = None
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """A prompt chunk for `lane`: tokens at positions start..; pages: the request's KV pages,
+    covering the chunk."""
+
+    lane: int
+    tokens: list[int]
+    start: int
+    pages: list[int] | None = None
+
+
+@dataclasses.dataclass
+class Steps:
+    """The jitted functions over one model (a flax module: see models/registry.Family.build)."""
+
+    model: object
+
+    def _forward(self, params, host, tokens, positions, mask, cache, table, experts, routes):
+        """routes: replayed picks [b, t, L_moe, k] or None."""
+        extra = () if host is None else (host,)
+        replay = {} if routes is None else {"replay": routes}  # a family may not take one
+        return self.model.apply({"params": params}, tokens, positions, mask, cache, table,
+                                experts, *extra, **replay)
+
+    def _prefill(self, params, host, chunk: PrefillInputs, cache: PagedCache, experts, routes):
+        """The chunk's logits [1, C, vocab]: it writes the shared pool through its block table
+        and its lane's slice of the per-lane rows."""
+        lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
+        logits, out, experts = self._forward(params, host, chunk.tokens, chunk.positions,
+                                             chunk.mask, PagedCache(cache.pages, lane), chunk.table,
+                                             experts, routes)
+        lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
+                             cache.lanes, out.lanes)
+        return logits, PagedCache(out.pages, lanes), experts
+
+    @functools.cached_property
+    def step(self):
+        def step(params, state: DecodeState, inputs: StepInputs):
+            prefill, decode, replay = inputs.prefill, inputs.decode, inputs.replay
+            cache, sampling = state.cache, state.sampling
+            experts = apply_batch(state.experts, inputs.swaps)
+            out = jnp.zeros(sampling.seed.shape, jnp.int32)
+            offset = 0  # the replay rows the chunk took
+            if prefill is not None:
+                routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
+                offset = prefill.tokens.size
+                logits, cache, experts = self._prefill(params, inputs.prefill_host, prefill,
+                                                       cache, experts, routes)
+                lane_sampling = jax.tree.map(lambda a: a[prefill.lane][None], sampling)
+                last = prefill.last
+                first = sample(logits[:, last], lane_sampling, prefill.positions[:, last] + 1)
+            if decode is not None:
+                tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
+                routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
+                logits, cache, experts = self._forward(
+                    params, inputs.decode_host, tokens[:, None], decode.positions[:, None],
+                    decode.active[:, None], cache, decode.table, experts, routes)
+                out = sample(logits[:, 0], sampling, decode.positions + 1)
+            if prefill is not None:
+                out = out.at[prefill.lane].set(first[0])
+            experts, tallies = finish_batch(experts, inputs.swaps)
+            return out, DecodeState(cache, experts, sampling), tallies
+        return jax.jit(step, donate_argnames=("state",))
+
+    @functools.cached_property
+    def score(self):
+        def score(params, state: DecodeState, inputs: ScoreInputs):
+            experts = apply_batch(state.experts, inputs.swaps)
+            routes = inputs.replay.ids(*inputs.tokens.shape) if inputs.replay is not None else None
+            logits, _, experts = self._forward(params, inputs.host, inputs.tokens, inputs.positions,
+                                               inputs.mask, inputs.cache, inputs.table, experts,
+                                               routes)
+            experts, tallies = finish_batch(experts, inputs.swaps)
+            return logits, state.replace(experts=experts), tallies
+        return jax.jit(score, donate_argnames=("state",))
+
+    @functools.cached_property
+    def read_sequence(self):
+        def read(cache: PagedCache, pages, lane):
+            return PagedCache(jax.tree.map(lambda leaf: leaf[pages], cache.pages),
+                              jax.tree.map(lambda leaf: leaf[lane], cache.lanes))
+        return jax.jit(read)
+
+    @functools.cached_property
+    def write_sequence(self):
+        def write(cache: PagedCache, pages, lane, saved: PagedCache):
+            def put(at):
+                return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype))
+            return PagedCache(jax.tree.map(put(pages), cache.pages, saved.pages),
+                              jax.tree.map(put(lane), cache.lanes, saved.lanes))
+        return jax.jit(write, donate_argnames=("cache",))
+
+    @functools.cached_property
+    def set_lane(self):
+        def set_lane(sampling: LaneSampling, lane, row: LaneSampling):
+            return jax.tree.map(lambda a, r: a.at[lane].set(r[0]), sampling, row)
+        return jax.jit(set_lane, donate_argnames=("sampling",))
