@@ -119,7 +119,7 @@ def test_an_engine_loads_and_generates_through_the_table(model_dir):
     specs = param_specs(engine.cfg, engine.dtype)
     for param, spec in zip(jax.tree.leaves(engine.params), jax.tree.leaves(specs)):
         assert param.sharding == parallel.sharding(spec.axes)
-    assert engine.cache.latent[0].sharding == parallel.sharding(("pages", "page", "kv_lora"))
+    assert engine.cache.pages.latent[0].sharding == parallel.sharding(("pages", "page", "kv_lora"))
     state = engine.residency.state  # as the warm-up steps returned it: on the mesh, in place
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.mesh == mesh
