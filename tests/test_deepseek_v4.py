@@ -200,3 +200,20 @@ def test_bad_checkpoint_fails_at_load_naming_file_and_tensor(tiny, tmp_path, edi
     with pytest.raises(CheckpointError, match=message) as err:
         tidejax.load(edited, engine=ENGINE)
     assert str(edited / "model.safetensors") in str(err.value)
+
+
+def test_routing_replay_reaches_every_layer(tiny):
+    """A replay of experts (0, 1) for every token routes every layer by it, the hash layers too:
+    the demand counters move for those two experts only."""
+    _, _, engine = tiny
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    k = engine.cfg.num_experts_per_tok
+    before = np.asarray(engine.state.experts.counts).copy()
+    engine.set_routing_replay(np.broadcast_to(np.arange(k, dtype=np.int32), (16, n_moe, k)))
+    try:
+        engine.logits(prompt(0)[:16])
+    finally:
+        engine.set_routing_replay(None)
+    delta = np.asarray(engine.state.experts.counts) - before
+    assert delta.shape == (n_moe, n_experts)
+    assert (delta[:, k:] == 0).all() and (delta[:, :k] > 0).all(), delta
