@@ -68,14 +68,23 @@ def test_logits_match_transformers(tiny):
 
 def test_greedy_tokens_match_transformers(tiny):
     _, _, model, engine = tiny
+    assert served_greedy(engine, 20) == transformers_greedy(model, 20)
+
+
+def transformers_greedy(model, n: int) -> list[int]:
+    """transformers' own greedy continuation of PROMPT, n tokens."""
     with torch.no_grad():
-        ref = model.generate(torch.tensor(PROMPT)[None], max_new_tokens=20, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        return model.generate(torch.tensor(PROMPT)[None], max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+
+
+def served_greedy(engine, n: int) -> list[int]:
+    """The engine's greedy continuation of PROMPT through its scheduler, n tokens."""
     tokens = []
-    engine.scheduler.submit(GenerationRequest(list(PROMPT), 20, ignore_eos=True),
+    engine.scheduler.submit(GenerationRequest(list(PROMPT), n, ignore_eos=True),
                             lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
     engine.scheduler.run_until_idle()
-    assert tokens == ref
+    return tokens
 
 
 def test_cached_decode_equals_full_forward(tiny):
@@ -244,14 +253,8 @@ def test_deepseek_v2_routes_as_transformers(topk_method, tmp_path):
     assert (engine.cfg.scoring_func, engine.cfg.norm_topk_prob) == ("softmax", False)
     with torch.no_grad():
         ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-        want = model.generate(torch.tensor(PROMPT)[None], max_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     assert relative_diff(engine.logits(PROMPT), ref) < 1e-4
-    tokens = []
-    engine.scheduler.submit(GenerationRequest(list(PROMPT), 12, ignore_eos=True),
-                            lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
-    engine.scheduler.run_until_idle()
-    assert tokens == want
+    assert served_greedy(engine, 12) == transformers_greedy(model, 12)
 
 
 def test_deepseek_v2_rejects_a_scoring_it_does_not_have(tmp_path):
