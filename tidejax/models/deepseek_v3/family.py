@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from tidejax.models.base import Family
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import MLACache, build
 from tidejax.models.deepseek_v3.weights import expert_dims, load_weights
-from tidejax.models.registry import Family, register
+from tidejax.models.registry import register
 
 register(Family(
     name="deepseek_v3",

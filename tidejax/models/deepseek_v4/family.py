@@ -5,10 +5,11 @@ its page pool holds nothing."""
 
 from __future__ import annotations
 
+from tidejax.models.base import Family
 from tidejax.models.deepseek_v4.config import V4Config
 from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache
 from tidejax.models.deepseek_v4.weights import expert_dims, load_weights
-from tidejax.models.registry import Family, register
+from tidejax.models.registry import register
 
 register(Family(
     name="deepseek_v4",

@@ -5,11 +5,12 @@ group buffers per lane."""
 
 from __future__ import annotations
 
+from tidejax.models.base import Family
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import host_inputs
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import expert_dims, load_weights
-from tidejax.models.registry import Family, register
+from tidejax.models.registry import register
 
 register(Family(
     name="deepseek_v41",
