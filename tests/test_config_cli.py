@@ -5,6 +5,8 @@ it (profile file or command-line argument), profile paths relative to the profil
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,33 @@ def test_fit_into_a_missing_folder_is_one_line(tmp_path, capsys):
     assert err == f"error: --out {out}: No such file or directory\n"
     assert residency_cli.main(["fit", "--history", str(tmp_path / "history.npz"),
                                "--budget", "4", "--out", str(tmp_path / "seed.json")]) == 0
+
+
+CACHED_RUN = """
+import sys
+import jax
+import tidejax
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+engine = tidejax.load("tiny", engine={"compile_cache": sys.argv[1]})
+engine.generate("The tide", max_new_tokens=2)
+print("hits", len(hits))
+"""
+
+
+def test_a_restart_reads_its_compiled_steps_from_the_compile_cache(tmp_path):
+    """engine.compile_cache: the first process writes its compiled steps, the second reads them."""
+    folder = tmp_path / "xla"
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", CACHED_RUN, str(folder)], capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.split("hits")[-1])
+
+    assert run() == 0
+    written = sorted(p.name for p in folder.iterdir())
+    assert written  # the decode and prefill steps at least
+    assert run() >= len(written)
+    assert sorted(p.name for p in folder.iterdir()) == written  # nothing compiled anew

@@ -42,6 +42,7 @@ class EngineSection:
     kv_pool_gib: float = 0.0  # or its size in GiB; both 0: lanes x max_context tokens
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
     trace_dir: str = ""
+    compile_cache: str = ""  # JAX's persistent compilation cache folder ("" = none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +107,8 @@ _RANGES = {
 # settings that name a file or folder: in a profile, relative to the repository root (the
 # profile's parent folder's parent, where configs/ lives); on the command line, to the working
 # directory
-_PATHS = (("model", "path"), ("engine", "trace_dir"), ("residency", "seed_map"),
-          ("residency", "state_dir"))
+_PATHS = (("model", "path"), ("engine", "trace_dir"), ("engine", "compile_cache"),
+          ("residency", "seed_map"), ("residency", "state_dir"))
 
 _SECTIONS = {
     "model": ModelSection,

@@ -40,6 +40,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.engine.compile_cache:
+            use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
         self.scheduler = Scheduler(self.loaded)
         if self.residency.needs_calibration:
@@ -167,6 +169,17 @@ class Engine:
     def kv_stats(self) -> dict:
         """The KV cache's size: the pool's pages and bytes, a dense cache's, the lanes' rows."""
         return self.loaded.kv_stats()
+
+
+def use_compile_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in `folder` (process-wide): a restart with the same
+    model, shapes and jax version reads its compiled steps instead of compiling them again.
+    Every compilation of at least half a second is kept."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("compiled steps cached in %s", folder)
 
 
 def load(model_or_profile: str | Path, trace_dir: str | None = None, **overrides) -> Engine:
