@@ -1,0 +1,67 @@
+"""Cold and warm start: seconds from a fresh process to its first generated tokens, with
+`engine.compile_cache` empty (cold: every step compiled) and then filled by that first run (warm:
+the compiled steps read back), plus the load's share (weights read and placed).
+
+    python bench/start.py MODEL_DIR [--cache DIR] [--set table.key=value ...]
+
+Each run is its own process (`tidejax.load`, then `generate` of 8 tokens); the cache folder is
+emptied before the cold run. The page cache is warm for both (the cold run reads the weights
+first), so the difference is compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+ONE_START = """
+import json, sys, time
+t0 = time.time()
+import tidejax
+from tidejax.config import parse_set
+overrides = {}
+for item in json.loads(sys.argv[3]):
+    for table, values in parse_set(item).items():
+        overrides.setdefault(table, {}).update(values)
+overrides.setdefault("engine", {})["compile_cache"] = sys.argv[2]
+engine = tidejax.load(sys.argv[1], **overrides)
+t1 = time.time()
+engine.generate("The tide", max_new_tokens=8)
+print("RESULT", json.dumps({"load_s": t1 - t0, "ready_s": time.time() - t0}))
+"""
+
+
+def start(model: str, cache: Path, sets: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", ONE_START, model, str(cache), json.dumps(sets)],
+                         capture_output=True, text=True, cwd=REPO)
+    if out.returncode:
+        raise SystemExit(f"error: the start failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.split("RESULT", 1)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="checkpoint directory or profile")
+    parser.add_argument("--cache", help="compile cache folder (default: a temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    args = parser.parse_args()
+    cache = Path(args.cache or tempfile.mkdtemp(prefix="tidejax-xla-"))
+    shutil.rmtree(cache, ignore_errors=True)
+    cold = start(args.model, cache, args.set)
+    warm = start(args.model, cache, args.set)
+    files = sum(1 for _ in cache.iterdir())
+    print("| start | load s | ready s (8 tokens out) |\n| --- | --- | --- |")
+    for name, run in (("cold", cold), ("warm", warm)):
+        print(f"| {name} | {run['load_s']:.1f} | {run['ready_s']:.1f} |")
+    print(f"({files} compiled executables cached in {cache})")
+
+
+if __name__ == "__main__":
+    main()
