@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import tidejax  # noqa: E402
-from bench import roofline, step_overhead, traces  # noqa: E402
+from bench import profile_step, roofline, step_overhead, traces  # noqa: E402
 from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
 
 DEMO = REPO / "models" / "demo"
@@ -163,3 +163,18 @@ def test_step_overhead_on_a_tiny_synthetic_checkpoint(tmp_path, capsys):
         loop, engine, bare, ratio = map(float, row[3:])
         assert loop > 0 and engine > 0 and bare > 0
         assert abs(ratio - loop / bare) < 0.02 * ratio + 0.01
+
+
+def test_profile_step_attributes_a_step_to_its_model_parts(tmp_path, capsys):
+    """bench/profile_step.py traces bare steps of a tiny synthetic and sums the ops by part: the
+    layers' attention and MoE appear with time, and the parts add up to the ops' total."""
+    model = make_synthetic(tmp_path / "tiny")
+    assert profile_step.main([str(model), "--steps", "2", "--resident", "0.5",
+                              "--set", "engine.max_context=128"]) == 0
+    out = capsys.readouterr().out
+    total = float(out.split(" ms of ops")[0].split("] ")[-1])
+    table = out.split("| part |")[1].split("\n\n")[0].splitlines()[2:]
+    parts = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in table}
+    assert any(p.endswith("layers/moe") and ms > 0 for p, ms in parts.items()), parts
+    assert any(p.endswith("layers/attn") and ms > 0 for p, ms in parts.items()), parts
+    assert abs(sum(parts.values()) - total) < 0.01 * total + 0.01

@@ -1,0 +1,138 @@
+"""Where a decode step's device time goes: the jitted step (as bench/step_overhead.py's "bare"
+runs it) traced with the JAX profiler, its kernels summed by the model part that issued them.
+
+    python bench/profile_step.py MODEL_DIR [--steps 16] [--lanes 1] [--resident 1.0,0.65]
+        [--trace en] [--set table.key=value ...]
+
+Per resident share: a fresh engine (bench/step_overhead.py's load), warm-up, then `--steps` bare
+steps under `jax.profiler.trace`. Every op execution the trace holds (events naming an `hlo_op`,
+on the device's streams where there are any, the host's XLA threads on the CPU) is attributed to
+the `op_name` that the compiled step's HLO gives it: flax module paths with the layer index
+dropped (`layers_7/self_attn` -> `layers/self_attn`) and the kernels' named scopes
+(`moe_grouped_pallas`, `paged_mla_decode_pallas`). It prints, per share, ms a step by part (the
+first `--depth` path components, 3 by default) and the costliest ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import gzip
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.roofline import parse_set  # noqa: E402
+from bench.step_overhead import _decode_rows, _first_step, load  # noqa: E402
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", re.M)
+_LAYER = re.compile(r"(layers?)_\d+")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name (the jit and layer indices dropped), from the compiled
+    module's text."""
+    scopes = {}
+    for name, op_name in _OP.findall(hlo_text):
+        path = op_name.split("/")
+        if path and path[0].startswith("jit("):
+            path = path[1:]
+        scopes[name] = _LAYER.sub(r"\1", "/".join(path))
+    return scopes
+
+
+def trace_events(folder: Path) -> list[dict]:
+    """The op executions of the newest trace under `folder`: complete events that name an
+    hlo_op, on the device's processes where there are any, else all (the CPU's XLA threads)."""
+    files = sorted(folder.glob("plugins/profile/*/*.trace.json.gz"))
+    if not files:
+        raise SystemExit(f"error: no trace written under {folder}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    device = [e for e in ops if procs.get(e["pid"], "").startswith("/device:")]
+    return device or ops
+
+
+def summarize(events: list[dict], scopes: dict[str, str], steps: int, depth: int = 2):
+    """(ms a step by part [(part, ms)], ms a step by op [(op, part, count a step, ms)]), each
+    costliest first; a part is the op_name's first `depth` components ('?' where the HLO names
+    none)."""
+    by_part, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in events:
+        op = e["args"]["hlo_op"]
+        part = "/".join(scopes.get(op, "?").split("/")[:depth]) or "?"
+        by_part[part] += e["dur"]
+        by_op[(op, part)] += e["dur"]
+        count[(op, part)] += 1
+    parts = [(part, us / 1e3 / steps) for part, us in by_part.most_common()]
+    ops = [(op, part, count[(op, part)] / steps, us / 1e3 / steps)
+           for (op, part), us in by_op.most_common()]
+    return parts, ops
+
+
+def profile(engine, lanes: int, steps: int, folder: Path):
+    """`steps` bare decode steps of `lanes` lanes under the profiler; returns the trace's events
+    and the step's op scopes."""
+    out = _first_step(engine, lanes)
+    decode = _decode_rows(engine, lanes, False)
+    inputs = engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch())
+    scopes = op_scopes(engine.scheduler.lower(inputs).compile().as_text())
+    for _ in range(2):  # compiled and warm before the trace
+        out, _ = engine.scheduler.dispatch(
+            engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch()))
+    jax.block_until_ready(out)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True, profiler_options=options):
+        for _ in range(steps):
+            out, _ = engine.scheduler.dispatch(
+                engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch()))
+        jax.block_until_ready(out)
+    return trace_events(folder), scopes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="checkpoint directory")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps traced")
+    parser.add_argument("--lanes", type=int, default=1)
+    parser.add_argument("--resident", default="1.0,0.65", help="resident shares, comma-separated")
+    parser.add_argument("--trace", default="en", help="routing trace to replay ('' = the router's own)")
+    parser.add_argument("--depth", type=int, default=3, help="op_name components a part keeps")
+    parser.add_argument("--top", type=int, default=12, help="costliest ops listed")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    args = parser.parse_args(argv)
+    args.lanes = [args.lanes]  # step_overhead's load sizes the engine by the most lanes
+    overrides = parse_set(args.set)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for share in (float(x) for x in args.resident.split(",")):
+            engine = load(args.model, share, args, overrides, Path(tmp))
+            events, scopes = profile(engine, args.lanes[0], args.steps, Path(tmp) / f"trace-{share}")
+            parts, ops = summarize(events, scopes, args.steps, args.depth)
+            total = sum(ms for _, ms in parts)
+            print(f"\n[{share:.0%}, {engine.residency.options.miss_policy}, {args.lanes[0]} lanes] "
+                  f"{total:.3f} ms of ops a step\n\n| part | ms a step | share |\n| --- | --- | --- |")
+            for part, ms in parts:
+                print(f"| {part} | {ms:.3f} | {ms / total:.1%} |")
+            print("\n| op | part | a step | ms a step |\n| --- | --- | --- | --- |")
+            for op, part, n, ms in ops[:args.top]:
+                print(f"| {op} | {part} | {n:g} | {ms:.3f} |")
+            del engine
+            gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
