@@ -13,6 +13,7 @@ import pytest
 
 import tidejax
 from tidejax.residency import manager
+from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows
@@ -75,12 +76,29 @@ def test_the_swap_batch_is_written_in_place_inside_the_step(model_dir):
     rows are written into the donated bank, not into a copy."""
     engine = half_exact(model_dir)
     inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None,
-                                       engine.residency.idle_batch())
+                                       SwapBatch.of([], engine.residency.batch_length))
     lowered = engine.scheduler.lower(inputs)
     assert "while" in lowered.as_text()  # the batch's loop over its swaps
     memory = lowered.compile().memory_analysis()
     bank = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.state.experts.bank))
     assert memory.alias_size_in_bytes >= bank
+
+
+def test_a_step_without_swaps_has_no_swap_loop(model_dir):
+    """Residency hands a step with nothing to swap a batch of length 0, so that step compiles
+    without the loop (whose dynamic trip count the GPU's host would wait to read); one with swaps
+    gets it. Substitute misses add no loop of their own."""
+    engine = half_exact(model_dir, miss_policy="substitute")
+    res = engine.residency
+
+    def lowered(batch):
+        inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None, batch)
+        return engine.scheduler.lower(inputs).as_text()
+
+    assert res.next_batch().slots.shape == (0,)  # nothing queued
+    loops = lowered(res.idle_batch()).count("stablehlo.while")  # the sampler's PRNG has its own
+    assert lowered(SwapBatch.of([(0, 1)], res.batch_length)).count("stablehlo.while") == loops + 1
+    assert engine.scheduler.warmup([4]) == 2 * len(engine.loaded.warmup_shapes([4]))
 
 
 @pytest.mark.parametrize("residency", [{}, {"budget_experts": 8, "miss_policy": "exact"}],

@@ -26,8 +26,9 @@ from tidejax.residency.state import ExpertState, fetch_row, write_row
 class SwapBatch:
     """slots, rows [B] int32: the first `count` (int32 scalar) pairs are written in order (pool row
     rows[i] into bank slot slots[i]) at the step's start; drain (bool scalar): at its end the
-    counters leave in the step's Tallies and restart from zero. B is fixed per engine (0 when every expert is resident), so any count
-    reuses one compilation."""
+    counters leave in the step's Tallies and restart from zero. B is 0 for a batch without swaps
+    (the step then has no swap loop) and the engine's batch_length otherwise, so a step compiles
+    at most twice whatever the count."""
 
     slots: jax.Array
     rows: jax.Array

@@ -495,10 +495,11 @@ class Scheduler:
         masked out (nothing written, counted or sampled into a lane); returns how many."""
         self._own()
         shapes = self.model.warmup_shapes(prompt_lengths)
-        idle = self.model.residency.idle_batch()
+        batches = self.model.residency.warmup_batches()
         for size, prefill_width, decode_width in sorted(shapes, key=str):
-            self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
-        return len(shapes)
+            for idle in batches:
+                self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
+        return len(shapes) * len(batches)
 
     def update_experts(self, fn) -> None:
         """The expert state through `fn(experts) -> experts` between steps: residency's
