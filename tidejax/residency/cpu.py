@@ -59,7 +59,7 @@ def kernel_isa() -> str:
 
 
 def kernel_threads() -> int:
-    """Threads the compiled kernel runs on (the CPUs this process may use); 1 for numpy."""
+    """Threads the compiled kernel runs on (the CPUs this process may use but one); 1 for numpy."""
     return _cpu_kernel.threads() if _cpu_kernel else 1
 
 

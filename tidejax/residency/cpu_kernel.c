@@ -18,7 +18,7 @@
    looks each code up in the 16-entry e2m1 table scaled by the block's e8m0 scale; AVX2: a byte
    shuffle (VPSHUFB) maps the codes to the doubled values -12..12, widened to float32 and scaled.
 
-   Threads: a persistent pool (as many threads as the process may run on) splits each phase into
+   Threads: a persistent pool (one a CPU the process may run on, but one) splits each phase into
    items of one expert's row slice: (1) gate and up rows and the SwiGLU, (2) down rows, (3) the
    weighted sum over D slices. The ISA is chosen at run time (__builtin_cpu_supports).
 */
@@ -342,7 +342,11 @@ static void run_items(void) {
     while ((i = atomic_fetch_add(&pool.next, 1)) < pool.items) pool.fn(pool.arg, i);
 }
 
-#define SPIN_S 3e-4 /* a worker spins this long for the next job before it sleeps */
+/* A worker spins this long for the next job before it sleeps: longer than a decode step's gap
+   between two MoE layers, so the layers of a step never pay for waking threads (a futex wake of
+   an idle vCPU costs ~1 ms in a VM). It yields as it spins, so the threads that drive the device
+   still get a CPU. */
+#define SPIN_S 5e-3
 
 static void *worker(void *unused) {
     (void)unused;
@@ -352,6 +356,7 @@ static void *worker(void *unused) {
         double start = now_s();
         for (int spin = 0; g == seen; spin++) {
             relax();
+            if ((spin & 63) == 63) sched_yield();
             if ((spin & 255) == 255 && now_s() - start > SPIN_S) {
                 pthread_mutex_lock(&pool.mu);
                 while ((g = atomic_load(&pool.gen)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
@@ -376,9 +381,16 @@ static int cpu_count(void) {
     return n > 0 ? (int)n : 1;
 }
 
+/* Threads: one a CPU but one, left to the threads that drive the device and the Python loop (a
+   phase waits for its slowest item, so a worker that loses its CPU to them stalls a phase). */
+static int pool_size(void) {
+    int n = cpu_count();
+    return n > 2 ? n - 1 : n;
+}
+
 static int start_pool(void) {
     if (pool.n) return 0;
-    int n = cpu_count();
+    int n = pool_size();
     for (int i = 1; i < n; i++) {
         pthread_t t;
         if (pthread_create(&t, NULL, worker, NULL) != 0) return -1;
@@ -638,7 +650,7 @@ static PyObject *py_best_isa(PyObject *self, PyObject *unused) {
 
 static PyObject *py_threads(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return PyLong_FromLong(pool.n ? pool.n : cpu_count());
+    return PyLong_FromLong(pool.n ? pool.n : pool_size());
 }
 
 static PyMethodDef METHODS[] = {
@@ -647,7 +659,7 @@ static PyMethodDef METHODS[] = {
      "tokens, weights, swiglu_limit, y) -> distinct experts computed; y [T, D] float32 is "
      "overwritten with the picks' weighted sum"},
     {"best_isa", py_best_isa, METH_NOARGS, "the widest ISA this CPU runs: avx512, avx2 or scalar"},
-    {"threads", py_threads, METH_NOARGS, "the threads moe() runs on (the process's CPUs)"},
+    {"threads", py_threads, METH_NOARGS, "the threads moe() runs on (the process's CPUs but one)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_cpu_kernel",
