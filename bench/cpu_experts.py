@@ -39,8 +39,9 @@ def random_pool(fmt: str, n: int, d: int, inter: int, seed: int = 0) -> dict:
                 "gate_up_scales": r.integers(118, 126, (n, 2 * inter, d // 32), np.uint8),
                 "down_blocks": r.integers(0, 256, (n, d, inter // 32, 16), np.uint8),
                 "down_scales": r.integers(118, 126, (n, d, inter // 32), np.uint8)}
-    return {"gate_up": (r.standard_normal((n, 2 * inter, d), np.float32) * 0.02).astype(ml_dtypes.bfloat16),
-            "down": (r.standard_normal((n, d, inter), np.float32) * 0.02).astype(ml_dtypes.bfloat16)}
+    bf16 = ml_dtypes.bfloat16
+    return {"gate_up": (r.standard_normal((n, 2 * inter, d), np.float32) * 0.02).astype(bf16),
+            "down": (r.standard_normal((n, d, inter), np.float32) * 0.02).astype(bf16)}
 
 
 def host_gbps(pool: dict, experts: int, tokens: int, isa: str | None = None,

@@ -13,19 +13,32 @@ parallel numba MXFP4 GEMV at 6 GB/s, while numpy's BLAS streams a float32 GEMV a
 host side has to be hand-written SIMD code. So the host part is a C extension (cpu_kernel.c,
 built by setuptools from setup.py; no build dependency beyond a C compiler): e2m1 codes looked
 up in a scaled 16-entry table by VPERMPS (AVX-512) or a VPSHUFB byte shuffle (AVX2), float32
-FMAs with float32 activations, one expert row slice a thread on every core, the ISA picked at
-run time, numpy where the extension was not built. A `jax.pure_callback` round trip costs
-~123 us inside a GPU jit, so the device calls the host once per MoE layer per step, with all of
-that layer's missed (token, expert, weight) picks. The host reads the pool's own buffer (the
-pinned_host array every step carries) in place through a view taken at boot: no copy of the
-experts, and no reference that would stop the step from donating (aliasing) that buffer.
+FMAs with float32 activations, one expert row slice a thread on all CPUs but one, the ISA picked
+at run time, numpy where the extension was not built. Measured there (bench/cpu_experts.py,
+bench/RESULTS.md): MXFP4 experts of 5120 x 2304 at one token 57-74 GB/s on AVX-512 (1-6 experts),
+38-48 on AVX2, 11-12 scalar, 0.07 numpy; 26-38 GB/s at 4 tokens an expert (compute bound); bf16
+82-85 GB/s. A `jax.pure_callback` round trip costs ~123 us inside a GPU jit, so the device calls
+the host once per MoE layer per step, with all of that layer's missed (token, expert, weight)
+picks; its workers spin (yielding) 5 ms between jobs, since waking sleeping threads cost a 40-layer
+step 19 ms. Decode at 62.5% resident on the 40-layer V3-family synthetic: 14.9 / 35.1 tok/s at
+1 / 4 lanes, `exact` 15.7 / 34.4; ~1 ms a layer goes outside the kernel (the callback and the
+stream sync it forces). The host reads the pool's own buffer (the pinned_host array every step
+carries) in place through a view taken at boot: no copy of the experts, and no reference that
+would stop the step from donating (aliasing) that buffer.
 
 Accuracy: the host computes each pick in float32 with the same weights as the jnp reference
 (MXFP4 values are exact: an e2m1 code times a power of two), so it differs from all-resident
-only in the order of float32 sums (the dots over D and I, the sigmoid's last bit, and the sum
-of the resident and host parts): per output element at most (D + I + k + 4) * 2**-24 times
-sum_j |w_j| * (|down_j| @ |act_j|), the float32 dot bound; on random experts the largest
-difference seen is ~1e-6 of the output's scale (tests/test_cpu_policy.py).
+only in the order of float32 sums (the dots over D and I, the sigmoid's last bits, the sum of
+the resident and host parts). Each output element of the host part is within
+
+    B = 2**-24 * sum_p |w_p| * ((I + k + 4) * (|down_p| @ |act_p|)
+                               + D * (|down_p| @ (1.1 * |u_p| * G_p + |silu(g_p)| * U_p)))
+
+of the exact value (the float32 dot bound carried through SwiGLU to first order; g_p, u_p the
+gate and up values, G_p, U_p = |gate rows| @ |x|, |up rows| @ |x|, k the token's picks), and the
+device's float32 reference obeys the same bound, so `cpu` and all-resident differ by at most 2B
+plus one rounding of their sum; on random experts the differences are ~1e-6 of the output's
+scale (tests/test_cpu_policy.py checks B against float64).
 """
 
 from __future__ import annotations
