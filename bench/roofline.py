@@ -44,11 +44,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import traces  # noqa: E402
+from bench import cpu_experts, traces  # noqa: E402
 from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds  # noqa: E402
 from tidejax import config  # noqa: E402
 from tidejax.fields import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
+from tidejax.residency import cpu  # noqa: E402
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
@@ -76,6 +77,16 @@ def h2d_gbps(bank: dict, rows: int = 16) -> float:
 
     seconds = median_seconds(lambda: jax.block_until_ready(fetch_all(pool, scratch)), reps=5)
     return rows * row_bytes(bank) / seconds / 1e9
+
+
+def host_kernel_gbps(bank: dict, experts: int) -> float:
+    """GB/s of the `cpu` policy's host kernel over `experts` distinct experts of `bank`'s shapes
+    for one token (bench/cpu_experts.py, from a random pool larger than the caches)."""
+    from tidejax.pallas.bank import bank_dims, bank_format
+
+    _, d, inter = bank_dims(bank)
+    fmt = "mxfp4" if bank_format(bank) == "mxfp4" else "bf16"
+    return cpu_experts.host_gbps(cpu_experts.random_pool(fmt, 4 * experts, d, inter), experts, 1)
 
 
 # -- bytes a step must move ------------------------------------------------------------------------
@@ -113,14 +124,17 @@ class Limit:
 
 
 def step_limit(engine, batch: int, context: float, distinct: float, cold: float, policy: str,
-               swapped_bytes_per_step: float, read: float, h2d: float) -> Limit:
-    """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions."""
+               swapped_bytes_per_step: float, read: float, h2d: float,
+               cpu_gbps: float = 0.0) -> Limit:
+    """The roofline tok/s of a decode step of `batch` lanes at mean `context` positions; under
+    `cpu` the missed experts are streamed by the host kernel at `cpu_gbps` instead of copied."""
     expert = row_bytes(engine.state.experts.bank)
-    missed = cold * distinct if policy == "exact" else 0.0
+    missed = cold * distinct if policy in ("exact", "cpu") else 0.0
     device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
               + (distinct - missed) * expert)
     host = missed * expert + swapped_bytes_per_step
-    seconds = device / (read * 1e9) + host / (h2d * 1e9)
+    seconds = device / (read * 1e9) + swapped_bytes_per_step / (h2d * 1e9) + (
+        missed * expert / (cpu_gbps * 1e9) if policy == "cpu" else missed * expert / (h2d * 1e9))
     return Limit(batch / seconds, device, host)
 
 
@@ -275,7 +289,7 @@ HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | de
 
 
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
-                   read: float, h2d: float, resident: float) -> Row:
+                   read: float, h2d: float, resident: float, cpu_gbps: float = 0.0) -> Row:
     prompts = [prompt_ids(engine, domain, PROMPT_TOKENS, offset=997 * i) for i in range(lanes)]
     before = residency_stats(engine)
     records = drive(engine, prompts, tokens)
@@ -290,7 +304,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     top_k = engine.family.top_k(engine.cfg)
     distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
-                       read, h2d)
+                       read, h2d, cpu_gbps)
     return Row(resident, policy, lanes, lanes / step_s, limit, cold,
                after["copies"] - before["copies"])
 
@@ -353,14 +367,14 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
 
 
 def run_config(engine, picks, resident: float, policy: str, args, read: float,
-               h2d: float) -> list[Row]:
+               h2d: float, cpu_gbps: float = 0.0) -> list[Row]:
     drains = engine.config.residency.drain_every <= args.tokens + PROMPT_TOKENS
     seconds = warm_up(engine, args.domain, PROMPT_TOKENS, max(args.lanes), drains)
     print(f"[{resident:.0%} {policy}] warm-up (compile) {seconds:.1f} s", flush=True)
     rows = []
     for lanes in args.lanes:
         row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, read, h2d,
-                             resident)
+                             resident, cpu_gbps)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
         rows.append(row)
     if args.ttft and policy == "exact":  # the worst case: every miss copied in
@@ -410,6 +424,7 @@ def main(argv=None) -> int:
                for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     read, copy, h2d, rows, memory = hbm_read_gbps(), copy_gbps(), None, [], []
+    cpu_gbps = 0.0  # the host kernel's rate, measured where a configuration runs `cpu`
     with tempfile.TemporaryDirectory() as tmp:
         compile_cache(Path(tmp) / "jax-cache")
         for share, policy in configs:
@@ -420,7 +435,12 @@ def main(argv=None) -> int:
                 print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write); "
                       f"host-to-device {h2d:.1f} GB/s "
                       f"(in-step expert fetch)", flush=True)
-            rows += run_config(engine, picks, share, policy, args, read, h2d)
+            if policy == "cpu" and not cpu_gbps:
+                top_k = engine.family.top_k(engine.cfg)
+                cpu_gbps = host_kernel_gbps(engine.state.experts.bank, top_k)
+                print(f"host kernel {cpu_gbps:.1f} GB/s ({cpu.kernel_isa()}, {top_k} experts a "
+                      "token)", flush=True)
+            rows += run_config(engine, picks, share, policy, args, read, h2d, cpu_gbps)
             memory.append(f"- {share:.0%} {policy}: {memory_line(engine)}")
             print(memory[-1], flush=True)
             del engine
@@ -430,7 +450,9 @@ def main(argv=None) -> int:
                       + ["| " + " | ".join(r.cells()) + " |" for r in rows])
     text = (f"{datetime.date.today()}, jax {jax.__version__} on {jax.devices()[0].device_kind}: "
             f"HBM read {read:.0f} GB/s (the roofline's divisor), device copy {copy:.0f} GB/s, "
-            f"host-to-device {h2d:.1f} GB/s\n\n{table}\n\n"
+            f"host-to-device {h2d:.1f} GB/s"
+            + (f", host kernel {cpu_gbps:.1f} GB/s ({cpu.kernel_isa()})" if cpu_gbps else "")
+            + f"\n\n{table}\n\n"
             "Memory after each configuration's runs (peak: since the process started):\n"
             + "\n".join(memory) + "\n")
     report("roofline.md", text)

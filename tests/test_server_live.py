@@ -135,7 +135,8 @@ def test_chat_stream_and_not(oai, hf_tokenizer):
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens == prompt_len(hf_tokenizer, messages)
     assert whole.usage.completion_tokens == 10
-    assert set(whole.model_extra["x_engine_stats"]) == {"prefill_tps", "decode_tps", "cold_share"}
+    assert set(whole.model_extra["x_engine_stats"]) == {"prefill_tps", "decode_tps", "cold_share",
+                                                         "cpu_picks"}
 
     chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
                                               temperature=0, stream=True,

@@ -50,7 +50,7 @@ class ResidencySection:
     budget_experts: int = 0  # slots in the bank; 0 with budget_gib 0 means all experts resident
     budget_gib: float = 0.0
     geometry: str = "per_layer"  # "per_layer" | "arena"
-    miss_policy: str = "exact"  # "exact" | "substitute" | "ring"
+    miss_policy: str = "exact"  # "exact" | "substitute" | "ring" | "cpu"
     ring_slots: int = 0
     drain_every: int = 64
     half_life: float = 500.0
@@ -73,7 +73,7 @@ class ServerSection:
     max_tokens_limit: int = 4096
 
 
-MISS_POLICIES = ("exact", "substitute", "ring")  # how a pick of a non-resident expert is served
+MISS_POLICIES = ("exact", "substitute", "ring", "cpu")  # how a pick of a non-resident expert is served
 
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),

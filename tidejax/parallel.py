@@ -18,6 +18,7 @@ import functools
 import logging
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 log = logging.getLogger("tidejax")
@@ -89,9 +90,22 @@ def host_sharding(axes, mesh=None) -> NamedSharding:
 def put(tree, axes_tree, mesh=None, memory: str = "device"):
     """device_put of each leaf of `tree` by the logical axes of the matching leaf of `axes_tree`
     (a tuple per leaf: `tree` is a prefix of `axes_tree`); memory "host" puts it where
-    host_sharding says."""
+    host_sharding says, in buffers of its own (see _own)."""
     place = host_sharding if memory == "host" else sharding
-    return jax.device_put(tree, jax.tree.map(lambda _, axes: place(axes, mesh), tree, axes_tree))
+    placed = jax.device_put(tree, jax.tree.map(lambda _, axes: place(axes, mesh), tree, axes_tree))
+    return jax.tree.map(_own, placed, tree) if memory == "host" else placed
+
+
+def _own(placed: jax.Array, source):
+    """`placed` in a buffer of its own where it aliases its numpy `source` (the CPU backend does
+    that for aligned arrays): a step cannot donate memory it does not own, so the first donating
+    step would copy the leaf elsewhere, and a host pool must stay put (tidejax.residency.cpu
+    reads it in place)."""
+    if (isinstance(source, np.ndarray) and source.size and len(placed.addressable_shards) == 1
+            and next(iter(placed.devices())).platform == "cpu"
+            and placed.unsafe_buffer_pointer() == source.ctypes.data):
+        return jax.device_put(placed, placed.sharding, may_alias=False)
+    return placed
 
 
 def replicated(tree, mesh=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tidejax.pallas.bank import bank_dims, dequantized
 from tidejax.pallas.demand import Demand, check_demand, count_demand_reference
@@ -18,10 +19,15 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def swiglu(g, u, swiglu_limit: float):
     """silu(g) * u of the gate and up projections, with g <= L and |u| <= L when swiglu_limit
-    L > 0 (the reference's and the kernels' one definition)."""
+    L > 0 (the reference's and the kernels' one definition; numpy in, numpy out: the host
+    kernel's fallback, tidejax.residency.cpu)."""
+    xp = np if isinstance(g, np.ndarray) else jnp
     if swiglu_limit > 0:
-        g = jnp.minimum(g, swiglu_limit)
-        u = jnp.clip(u, -swiglu_limit, swiglu_limit)
+        g = xp.minimum(g, swiglu_limit)
+        u = xp.clip(u, -swiglu_limit, swiglu_limit)
+    if xp is np:
+        with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as wanted
+            return g * (1 / (1 + np.exp(-g))) * u
     return g * jax.nn.sigmoid(g) * u
 
 

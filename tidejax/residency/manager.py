@@ -33,6 +33,7 @@ import numpy as np
 
 from tidejax.config import ResidencySection
 from tidejax.residency import seedmap
+from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.history import History
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
@@ -70,8 +71,6 @@ class Residency:
         self.n_ring = section.ring_slots if policy == "ring" and not self.all_resident else 0
         self.n_transient = (min(self.n_experts, max_tokens * top_k)
                             if policy == "exact" and not self.all_resident else 0)
-        self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
-                                    count=section.count, all_resident=self.all_resident)
         self.state_dir = Path(section.state_dir) if section.state_dir else None
         self.history = None
         if self.state_dir:
@@ -92,7 +91,11 @@ class Residency:
         # a swap batch's fixed length: a step's share of the queue and of ring copies
         self.batch_length = 0 if self.all_resident else (
             max(1, section.max_swaps_per_step) + self._ring_per_step)
+        self.cpu: CpuExperts | None = None  # the "cpu" policy's host pool (set at boot)
         self._state = self._boot(pool_rows)
+        self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
+                                    count=section.count, all_resident=self.all_resident,
+                                    cpu=self.cpu)
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -132,6 +135,8 @@ class Residency:
                  "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
+        if self.section.miss_policy == "cpu":
+            self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
@@ -335,6 +340,11 @@ class Residency:
         wanted = sum(w for _, w in window)
         return sum(m for m, _ in window) / wanted if wanted else 0.0
 
+    def cpu_picks(self) -> int:
+        """Picks computed on the host CPU since boot (miss policy "cpu"; counted as the callbacks
+        run, so a step still in flight may be missing)."""
+        return self.cpu.picks if self.cpu else 0
+
     def stats(self) -> dict:
         c = self.counters
         last = self._window[-1] if self._window else (0, 0)
@@ -345,6 +355,8 @@ class Residency:
             "cold_share_total": c["misses"] / c["wanted"] if c["wanted"] else 0.0,
             "window_steps": len(self._window),
             "misses": c["misses"],
+            "cpu_picks": self.cpu_picks(),
+            "cpu_kernel": self.cpu.isa if self.cpu else "",  # its path: avx512 | avx2 | ...
             "wanted": c["wanted"],
             "swaps_planned": c["planned"],
             "swaps_applied": c["swaps_applied"],

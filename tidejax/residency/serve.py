@@ -8,6 +8,9 @@ Miss policies (DESIGN.md "Miss policies"):
   yet (with the wanted pick's routing weight); no host read.
 - "ring": inside the step as "substitute"; after the step the residency manager copies the
   heaviest misses into ring slots, routable from the next step.
+- "cpu": the missed picks are computed on the host CPU from the host pool (tidejax.residency.cpu,
+  one callback a layer) while the device computes the resident ones; the two parts are summed
+  in float32; the output equals all-resident within float32 rounding (the bound: cpu.py).
 Demand counters always record the *wanted* picks, resident or not.
 """
 
@@ -22,6 +25,7 @@ from tidejax.config import MISS_POLICIES
 from tidejax.pallas import Demand, moe_grouped
 from tidejax.pallas.dispatch import IMPLS
 from tidejax.pallas.moe import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
+from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 
@@ -34,6 +38,7 @@ class ServeOptions:
     swiglu_limit: float = 0.0
     count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
     all_resident: bool = False  # every expert has a slot: skip the miss machinery
+    cpu: CpuExperts | None = None  # the host pool the "cpu" policy computes misses from
 
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
@@ -49,12 +54,17 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     layer_map = state.rowmap[moe_index]  # [E]
     slots = layer_map[ids]  # [T, k]
     live = token_mask[:, None]  # [T, 1]
+    host = None  # [T, D] float32: the picks computed on the host ("cpu")
     if not options.all_resident:
         miss = live & (slots < 0)  # [T, k]
         if options.count or options.miss_policy == "ring":
             state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
         if options.miss_policy == "exact":
             slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
+        elif options.miss_policy == "cpu":  # the missed slots stay -1: skipped on the device
+            if options.cpu is None:
+                raise ValueError("miss policy 'cpu' needs the host experts (ServeOptions.cpu)")
+            host = options.cpu.serve(moe_index, x, ids, weights, miss, options.swiglu_limit)
         else:
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
     bank = state.bank
@@ -68,12 +78,15 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     demand = None
     if options.count:  # counted inside the grouped kernel
         demand = Demand(state.counts, state.weight_sums, moe_index, ids, weights, token_mask)
-    out = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
-                      impl=options.kernel, demand=demand)
+    # beside host picks the resident part stays float32 until the two are summed
+    out = moe_grouped(x if host is None else x.astype(jnp.float32), bank, slots, weights,
+                      swiglu_limit=options.swiglu_limit, impl=options.kernel, demand=demand)
+    y = out if demand is None else out[0]
+    if host is not None:
+        y = (y + host).astype(x.dtype)
     if demand is None:
-        return out, state
-    y, counts, weight_sums = out
-    return y, state.replace(counts=counts, weight_sums=weight_sums)
+        return y, state
+    return y, state.replace(counts=out[1], weight_sums=out[2])
 
 
 def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):

@@ -92,6 +92,7 @@ class RequestHandle:
         self.admitted_at = 0  # admission order: the newest is preempted first
         self.prefilled = 0  # prompt tokens written to the cache
         self.first_token_at = 0.0
+        self.cpu_picks_at_start = 0  # the engine's host-computed picks when its prefill began
         self.saved: _Saved | None = None  # while preempted
 
     def cancel(self) -> None:
@@ -305,6 +306,7 @@ class Scheduler:
                 continue
             self.pages.grow(handle.id, self._tokens_held(handle))
             handle.started_at = time.perf_counter()
+            handle.cpu_picks_at_start = self.model.residency.cpu_picks()
             self._prefilling = handle
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
@@ -427,6 +429,8 @@ class Scheduler:
             "prefill_tps": prompt / prefill_s if prefill_s > 0 else 0.0,
             "decode_tps": decoded / decode_s if decode_s and decoded else 0.0,
             "cold_share": self.model.residency.window_cold_share(),
+            # picks the host CPU computed (miss policy "cpu") while it ran, beside lanes included
+            "cpu_picks": self.model.residency.cpu_picks() - handle.cpu_picks_at_start,
         }
 
     def _vacate(self, lane: int) -> None:

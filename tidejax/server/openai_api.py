@@ -1,7 +1,7 @@
 """OpenAI routes: /v1/chat/completions, /v1/completions (streaming by server-sent events or
 not). A stream asked for with `stream_options.include_usage` ends with a chunk whose `choices`
 is empty and which carries `usage` and the engine's own `x_engine_stats` (prefill and decode
-tok/s, cold share); every stream ends with `data: [DONE]`."""
+tok/s, cold share, picks computed on the host CPU); every stream ends with `data: [DONE]`."""
 
 from __future__ import annotations
 
