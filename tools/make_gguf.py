@@ -107,6 +107,21 @@ class Piece:
     make: Callable[[CheckpointReader, str], Iterator[np.ndarray]]
 
 
+# checkpoint tensors (names within a layer, or whole) that go over as they are
+DIRECT = {
+    "model.embed_tokens.weight": T.TOKEN_EMBD, "model.norm.weight": T.OUTPUT_NORM,
+    "lm_head.weight": T.OUTPUT, "input_layernorm.weight": T.ATTN_NORM,
+    "post_attention_layernorm.weight": T.FFN_NORM, "self_attn.q_a_proj.weight": T.ATTN_Q_A,
+    "self_attn.q_a_layernorm.weight": T.ATTN_Q_A_NORM, "self_attn.q_b_proj.weight": T.ATTN_Q_B,
+    "self_attn.kv_a_proj_with_mqa.weight": T.ATTN_KV_A_MQA,
+    "self_attn.kv_a_layernorm.weight": T.ATTN_KV_A_NORM, "self_attn.o_proj.weight": T.ATTN_OUT,
+    "mlp.gate_proj.weight": T.FFN_GATE, "mlp.up_proj.weight": T.FFN_UP,
+    "mlp.down_proj.weight": T.FFN_DOWN, "mlp.shared_experts.gate_proj.weight": T.FFN_GATE_SHEXP,
+    "mlp.shared_experts.up_proj.weight": T.FFN_UP_SHEXP,
+    "mlp.shared_experts.down_proj.weight": T.FFN_DOWN_SHEXP,
+}
+
+
 def _as_stored(reader, name):
     yield reader.read(name)
 
@@ -146,35 +161,22 @@ def plan(reader: CheckpointReader, cfg: DeepseekV3Config) -> list[Piece]:
     h, nope, v, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     shapes = {name: t.shape for name, t in reader.tensors.items()}
 
-    def simple(tensor: T, block: int | None, kind: str, shape, suffix="weight"):
-        qtype = {"f32": Q.F32, "bf16": Q.BF16}[kind]
-        return (Out(_name(tensor, block, suffix), tuple(shape), qtype),), (
-            _widened if kind == "f32" else _as_stored)
+    def simple(tensor: T, block: int | None, qtype: Q, shape, suffix="weight"):
+        return ((Out(_name(tensor, block, suffix), tuple(shape), qtype),),
+                _widened if qtype == Q.F32 else _as_stored)
 
     def rule(source: str, block: int | None) -> tuple[tuple[Out, ...], Callable]:
         shape = shapes[source]
         key = source.split(f"model.layers.{block}.", 1)[-1] if block is not None else source
-        wide = "f32" if len(shape) == 1 else "bf16"
-        simple_map = {
-            "model.embed_tokens.weight": T.TOKEN_EMBD, "model.norm.weight": T.OUTPUT_NORM,
-            "lm_head.weight": T.OUTPUT, "input_layernorm.weight": T.ATTN_NORM,
-            "post_attention_layernorm.weight": T.FFN_NORM,
-            "self_attn.q_a_proj.weight": T.ATTN_Q_A, "self_attn.q_a_layernorm.weight": T.ATTN_Q_A_NORM,
-            "self_attn.q_b_proj.weight": T.ATTN_Q_B,
-            "self_attn.kv_a_proj_with_mqa.weight": T.ATTN_KV_A_MQA,
-            "self_attn.kv_a_layernorm.weight": T.ATTN_KV_A_NORM, "self_attn.o_proj.weight": T.ATTN_OUT,
-            "mlp.gate_proj.weight": T.FFN_GATE, "mlp.up_proj.weight": T.FFN_UP,
-            "mlp.down_proj.weight": T.FFN_DOWN,
-            "mlp.shared_experts.gate_proj.weight": T.FFN_GATE_SHEXP,
-            "mlp.shared_experts.up_proj.weight": T.FFN_UP_SHEXP,
-            "mlp.shared_experts.down_proj.weight": T.FFN_DOWN_SHEXP,
-        }
-        if key in simple_map:
-            return simple(simple_map[key], block, wide, shape)
+        if key in DIRECT:  # 1-D tensors (norms) widened to F32, as the converter stores them
+            if len(shape) > 1 and reader.dtype(source) != BF16:
+                raise CheckpointError(f"{reader.file_of(source)}: '{source}' is "
+                                      f"{reader.dtype(source)}: dense weights go over as bf16")
+            return simple(DIRECT[key], block, Q.F32 if len(shape) == 1 else Q.BF16, shape)
         if key == "mlp.gate.weight":  # the router: F32, as llama.cpp's converter keeps it
-            return simple(T.FFN_GATE_INP, block, "f32", shape)
+            return simple(T.FFN_GATE_INP, block, Q.F32, shape)
         if key == "mlp.gate.e_score_correction_bias":
-            return simple(T.FFN_EXP_PROBS_B, block, "f32", shape, suffix="bias")
+            return simple(T.FFN_EXP_PROBS_B, block, Q.F32, shape, suffix="bias")
         if key == "self_attn.kv_b_proj.weight":
             return ((Out(_name(T.ATTN_K_B, block), (h, c, nope), Q.BF16),
                      Out(_name(T.ATTN_V_B, block), (h, v, c), Q.BF16)), _kv_b_split(nope, v, h))
