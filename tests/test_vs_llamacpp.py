@@ -1,6 +1,7 @@
 """bench/vs_llamacpp.py on the CPU: its arguments, the llama.cpp command lines it builds, its
-parsers on llama-bench's and llama-batched-bench's output formats (tests/data/llamacpp), the
-table, and its tidejax half end to end on a tiny synthetic checkpoint."""
+parsers on llama-bench's and llama-batched-bench's own output (tests/data/llamacpp: a CPU build
+on the tiny synthetic's GGUF), the table, and its tidejax half end to end on a tiny synthetic
+checkpoint."""
 
 from __future__ import annotations
 
