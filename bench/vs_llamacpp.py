@@ -241,7 +241,7 @@ def parse_args(argv=None):
     parser.add_argument("--results", type=Path,
                         default=Path(tempfile.gettempdir()) / "vs_llamacpp.json",
                         help="JSON the figures merge into, kept between runs")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds a llama.cpp run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a llama.cpp run")
     parser.add_argument("--domain", default="en", help="held-out text of tidejax's prompts")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="tidejax profile overrides")
