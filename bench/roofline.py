@@ -288,15 +288,22 @@ HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | de
           "host GB/step | cold share | copies | TTFT s |")
 
 
-def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
-                   read: float, h2d: float, resident: float, cpu_gbps: float = 0.0) -> Row:
+def steady_decode(engine, lanes: int, tokens: int, domain: str) -> tuple[list, list]:
+    """Decodes `tokens` on each of `lanes` prompts of PROMPT_TOKENS; returns (every step's record,
+    the steady ones: every lane decoding, past the first two such steps)."""
     prompts = [prompt_ids(engine, domain, PROMPT_TOKENS, offset=997 * i) for i in range(lanes)]
-    before = residency_stats(engine)
     records = drive(engine, prompts, tokens)
-    after = residency_stats(engine)
     steady = [r for r in records if not r.prefill and r.active == lanes][2:]  # past compile/admit
     if not steady:
         raise RuntimeError(f"no full decode steps at {lanes} lanes ({len(records)} steps)")
+    return records, steady
+
+
+def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
+                   read: float, h2d: float, resident: float, cpu_gbps: float = 0.0) -> Row:
+    before = residency_stats(engine)
+    records, steady = steady_decode(engine, lanes, tokens, domain)
+    after = residency_stats(engine)
     step_s = statistics.median(r.seconds for r in steady)
     cold = statistics.mean(r.cold for r in steady)
     moved = (after["bytes_moved"] - before["bytes_moved"]) / len(records)
