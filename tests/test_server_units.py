@@ -203,6 +203,7 @@ def test_health_open_and_loading(loading_server):
 @pytest.mark.parametrize("headers,status", [
     ({}, 401), ({"Authorization": "Bearer nope"}, 401), ({"x-api-key": "nope"}, 401),
     ({"Authorization": KEY}, 401),  # not a Bearer credential
+    ({"x-api-key": b"\xff\xfe"}, 401), ({"Authorization": b"Bearer \xed\xa0\x80"}, 401),  # not UTF-8
     (AUTH, 503), ({"x-api-key": KEY}, 503), ({"Authorization": f"bearer {KEY}"}, 503),
 ])
 def test_auth(loading_server, headers, status):

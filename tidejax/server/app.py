@@ -75,8 +75,8 @@ class Server:
                                 "'x-api-key: KEY'", code="invalid_api_key")
         ok = False
         for key in self.keys:  # every key compared, in constant time each
-            for g in given:
-                ok |= hmac.compare_digest(g.encode(), key)
+            for g in given:  # as sent: aiohttp decodes header bytes with surrogateescape
+                ok |= hmac.compare_digest(g.encode("utf-8", "surrogateescape"), key)
         if not ok:
             raise APIError(401, "invalid API key", code="invalid_api_key")
 
