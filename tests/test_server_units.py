@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -387,6 +388,8 @@ def test_routes_over_an_engine_client(scripted_server):
     metrics = call(url, "/metrics")[1]
     assert "tidejax_queue_waiting 1" in metrics and "tidejax_residency_misses 7" in metrics
     assert "geometry" not in metrics  # labels are not gauges
+    rss = int(re.search(r"^tidejax_process_resident_memory_bytes (\d+)$", metrics, re.M).group(1))
+    assert 2**20 < rss < 2**40
 
 
 def test_requests_the_engine_client_refuses(scripted_server):
