@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jax
 import numpy as np
 import openai
 import pytest
@@ -119,13 +120,17 @@ def served(model_dir):
     server.attach(client)
     faults = FailingStep(engine)
     health = []  # /health as the rebuild starts
+    freed = []  # whether the failed state's buffers (all but its expert rows) were freed
     rebuild = engine.loaded.rebuilt_state
     with serve_app(server) as url:
         def watched(failed):
             health.append(get(url, "/health"))
-            return rebuild(failed)
+            state = rebuild(failed)
+            rest = failed.replace(experts=failed.experts.without_rows())
+            freed.append(all(leaf.is_deleted() for leaf in jax.tree.leaves(rest)))
+            return state
         engine.loaded.rebuilt_state = watched
-        yield {"engine": engine, "url": url, "faults": faults, "health": health}
+        yield {"engine": engine, "url": url, "faults": faults, "health": health, "freed": freed}
     client.stop()
 
 
@@ -165,6 +170,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(served):
     assert SECRET not in json.dumps(events)
     assert status == 200 and queued["usage"]["completion_tokens"] == 8
     assert health[1][1]["status"] == "recovering" and get(url, "/health")[0] == 200
+    assert served["freed"] == [True, True]  # donated by the first step, freed before the second
 
     # the rebuilt state serves as the fresh engine did, its bank as residency's map says
     tokens, done = greedy(engine, PROMPT, 8)

@@ -113,7 +113,12 @@ class LoadedModel:
     def rebuilt_state(self, failed: DecodeState) -> DecodeState:
         """The DecodeState after a failed step: a fresh KV cache and greedy lanes, as at start,
         and the expert state residency rebuilds from `failed`'s expert rows (those no step
-        donates) and its host map."""
+        donates) and its host map. What is left of `failed` but its rows is freed first (a step
+        that failed before donating leaves it whole): the new pool and bank take its place."""
+        rest = failed.replace(experts=failed.experts.without_rows())
+        for leaf in jax.tree.leaves(rest):
+            if not leaf.is_deleted():
+                leaf.delete()
         return self._fresh_state(self.residency.rebuild(failed.experts.rows))
 
     def _fresh_state(self, experts) -> DecodeState:

@@ -473,7 +473,6 @@ class Scheduler:
         is "recovering" meanwhile; should the rebuild fail too, "failed": the queue fails, the
         loop stops and later requests are refused."""
         self.status = "recovering"
-        self.totals["recoveries"] += 1
         self._in_flight = None
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
