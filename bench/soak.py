@@ -23,6 +23,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="default", help="the profile of the server started")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="passed to the server started; repeatable")
-    parser.add_argument("--log", default="soak_server.log", help="the started server's log")
+    parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "tidejax_soak.log"),
+                        help="the started server's log")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=10.0)
