@@ -160,8 +160,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(served):
     streaming = threading.Thread(target=lambda: result.update(a=post(url, {"max_tokens": 40},
                                                                      stream=True)))
     streaming.start()
-    while not engine.scheduler.active:
-        time.sleep(0.01)
+    wait_for(lambda: engine.scheduler.active)
     status, queued = post(url, {"max_tokens": 8})
     streaming.join(60)
     status_a, events = result["a"]
