@@ -130,13 +130,14 @@ def write_profile(path: Path, model_dir: Path, **tables) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: dict | None = None):
-    """`python -m tidejax.server --profile PROFILE` on a free port; yields the base URL once
-    /health says ready; stops the process (and shows its log on failure)."""
+def launch_server(profile: Path, *extra_args: str, timeout: float = 180.0,
+                  env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m tidejax.server --profile PROFILE` on a free port, its log appended to
+    PROFILE.log, and waits until /health says ready: (the process, the base URL). Shows the log
+    when it exits or is not ready in time."""
     port = free_port()
     log_path = profile.with_suffix(".log")
-    with open(log_path, "w") as log_file:
+    with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidejax.server", "--profile", str(profile),
              "--host", "127.0.0.1", "--port", str(port), *extra_args],
@@ -153,16 +154,31 @@ def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: di
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     if json.load(r)["status"] == "ready":
-                        break
+                        return proc, url
             time.sleep(0.2)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    """SIGTERM, then SIGKILL after 20 s; the exit code."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@contextlib.contextmanager
+def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: dict | None = None):
+    """`launch_server` for a `with` block: yields the base URL, stops the process after."""
+    proc, url = launch_server(profile, *extra_args, timeout=timeout, env=env)
+    try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def server_log(profile: Path) -> str:

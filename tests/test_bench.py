@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,12 +104,22 @@ def test_bench_against_a_live_server(tiny_bf16, tmp_path):
             [sys.executable, str(REPO / "bench" / "bench.py"), "--url", url, "--tokens", "12",
              "--runs", "1", "--lanes", "1,2", "--ttft-tokens", "300"],
             check=True, capture_output=True, text=True, timeout=300)
+        soak = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "soak.py"), "--url", url, "--clients", "2",
+             "--minutes", "0.1", "--max-tokens", "12", "--rss-every", "1"],
+            check=True, capture_output=True, text=True, timeout=300).stdout
     rows = [r for r in result.stdout.splitlines() if r.startswith(("| prose", "| code"))]
     assert len(rows) == 8  # 2 prompts x 2 concurrencies, printed live and in the table
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert int(cells[2]) >= 1 and float(cells[3]) > 0 and float(cells[5]) > 0
     assert "TTFT, prompt of" in result.stdout and " s" in result.stdout.splitlines()[-1]
+    # bench/soak.py: two clients for six seconds, every request served, the memory sampled
+    served = re.search(r"2 clients for 0\.\d min: (\d+) requests, 0 errors, (\d+) tokens", soak)
+    assert served and int(served.group(1)) >= 2 and int(served.group(2)) >= 16, soak
+    assert re.search(r"^\| TTFT \| \d", soak, re.M) and re.search(r"^\| total \| \d", soak, re.M)
+    rss = re.search(r"^\| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [+-][\d.]+ \|", soak, re.M)
+    assert rss and 10 < float(rss.group(1)) <= float(rss.group(3)), soak
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="no bundled demo model")

@@ -1,6 +1,7 @@
 """The residency manager: planner, history persistence, seed maps, adaptation on a toy workload."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -302,3 +303,91 @@ def test_arena_follows_a_skewed_domain(tmp_path):
     assert np.mean(shares[-4:]) < np.mean(shares[:4]) / 2, shares
     rows = res.slot_rows[:res.n_resident]
     assert np.isin(rows % E, [4, 5, 6, 7]).mean() > 0.8
+
+
+def test_stats_resume_after_a_restart(tmp_path):
+    res, state = manager(tmp_path, hysteresis=1.0)
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 9)
+    res.flush()
+    res.save()
+    saved = res.stats()
+    assert saved["steps"] == 9 and saved["misses"] > 0 and saved["swaps_applied"] > 0
+    assert saved["hits"] == saved["wanted"] - saved["misses"] > 0
+    again, again_state = manager(tmp_path)
+    counted = ("steps", "misses", "hits", "wanted", "swaps_applied", "swaps_planned", "drains",
+               "bytes_moved")
+    assert {k: again.stats()[k] for k in counted} == {k: saved[k] for k in counted}
+    serve_steps(again, again_state, domain([4, 5, 6, 7]), 4)
+    assert again.stats()["steps"] == 13  # on from the saved count
+
+
+def test_a_bad_or_missing_stats_file_is_one_warning_and_a_fresh_start(tmp_path, caplog):
+    res, state = manager(tmp_path)
+    serve_steps(res, state, NO_BIAS, 4)
+    res.flush()  # the drain read: the history and stats.json saved
+    stats = tmp_path / "state" / "stats.json"
+    for content, problem in [(None, "stats.json is missing"),
+                             (b"{torn", "not a residency stats file (JSONDecodeError"),
+                             (b'{"format": "other/1", "counters": {}}', "format 'other/1'"),
+                             (json.dumps({"format": "tidejax-residency-stats/1",
+                                          "counters": {"steps": -3}}).encode(),
+                              "'counters.steps' = -3 is not a count")]:
+        stats.unlink(missing_ok=True)
+        if content is not None:
+            stats.write_bytes(content)
+        caplog.clear()
+        again, _ = manager(tmp_path)
+        assert again.stats()["steps"] == 0
+        [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert problem in warning.getMessage() and str(stats) in warning.getMessage()
+        assert "\n" not in warning.getMessage()
+        assert content is None or list(stats.parent.glob("stats.json.corrupt-*"))
+
+
+def test_a_failed_save_is_logged_once_a_streak_and_retried(tmp_path, caplog):
+    """A drain's save that fails (here: a file where the state dir should be) never raises; one
+    warning a streak of failures, each drain retries, and a save that works again says so."""
+    caplog.set_level(logging.INFO, logger="tidejax.residency")
+    blocker = tmp_path / "state"
+    blocker.write_text("not a directory")
+    res, state = manager(tmp_path, drain_every=2)
+
+    def warnings():
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    _, state = serve_steps(res, state, NO_BIAS, 8)
+    assert res.save_failing and res.stats()["save_failures"] == 3  # drains at 2, 4, 6
+    [warning] = warnings()
+    assert "could not save" in warning and str(blocker) in warning
+    blocker.unlink()
+    _, state = serve_steps(res, state, NO_BIAS, 2)
+    assert not res.save_failing and (blocker / "history.npz").exists()
+    assert "saved under" in caplog.text and len(warnings()) == 1
+    for f in blocker.iterdir():
+        f.unlink()
+    blocker.rmdir()
+    blocker.write_text("again")
+    serve_steps(res, state, NO_BIAS, 4)
+    assert len(warnings()) == 2 and res.stats()["save_failures"] == 5
+
+
+def test_rebuild_follows_the_host_map(tmp_path):
+    """After a failed step, the expert state is rebuilt from the pool and the host map: its
+    resident slots hold what the map says (swaps handed out included), the ring is emptied in
+    both, the counters start at zero."""
+    res, state = manager(tmp_path, miss_policy="ring", ring_slots=2)
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
+    copies = res.stats()["ring_copies"]
+    res.next_batch()  # handed to a step that then fails: the map holds its copies already
+    assert res.stats()["ring_copies"] > copies and (res.slot_rows[res.n_resident:] >= 0).any()
+    rebuilt = res.rebuild(state.rows)
+    np.testing.assert_array_equal(np.asarray(rebuilt.slot_rows), res.slot_rows)
+    assert (res.slot_rows[res.n_resident:] == -1).all() and res.stats()["rebuilds"] == 1
+    pool = make_pool()
+    for slot, row in enumerate(res.slot_rows[:res.n_resident]):
+        if row >= 0:
+            np.testing.assert_array_equal(np.asarray(rebuilt.bank["down"][slot]), pool["down"][row])
+    rowmap = np.asarray(rebuilt.rowmap).reshape(-1)
+    assert all(rowmap[row] == slot for slot, row in enumerate(res.slot_rows) if row >= 0)
+    assert not np.asarray(rebuilt.counts).any()
+    serve_steps(res, rebuilt, domain([4, 5, 6, 7]), 2)  # and serves on

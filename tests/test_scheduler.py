@@ -82,9 +82,9 @@ def test_pipelined_decode_equals_sequential_greedy(engine, reference):
     # third once both lanes' requests have ended (the first lane frees when its last token is
     # read, a step after it was queued): 1 + 1 + 13 + 1 + 13 = 29.
     assert engine.scheduler.totals["steps"] - steps == 29
-    compiled = engine.loaded.steps.step._cache_size()
+    compiled = engine.loaded.steps.step.jitted._cache_size()
     run(engine, [GenerationRequest(p, 14, ignore_eos=True) for p in PROMPTS])
-    assert engine.loaded.steps.step._cache_size() == compiled  # drains and swaps compile nothing again
+    assert engine.loaded.steps.step.jitted._cache_size() == compiled  # drains and swaps compile nothing again
     if not engine.residency.all_resident:  # misses were fetched and swaps ran mid-stream
         stats = engine.residency.stats()
         assert stats["misses"] > 0 and stats["swaps_applied"] > 0, stats

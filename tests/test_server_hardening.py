@@ -53,11 +53,12 @@ def served(tmp_path_factory):
     assert REGIONS <= names, (sorted(REGIONS - names), server_log(profile)[-2000:])
 
 
-def post(url, path, body=None, raw=None, headers=None, timeout=120):
-    """(status, parsed body) of one POST."""
+def post(url, path, body=None, raw=None, headers=None, timeout=120, auth=None):
+    """(status, parsed body) of one POST; `auth`: the key headers (default: the right Bearer)."""
     data = raw if raw is not None else json.dumps(body).encode()
+    auth = {"Authorization": f"Bearer {KEY}"} if auth is None else auth
     request = urllib.request.Request(url + path, data=data, headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})})
+        "Content-Type": "application/json", **auth, **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -200,9 +201,54 @@ def case_types(rng):
     return path, json.dumps(body), (200, 400, 404, 413)
 
 
+def _near(rng) -> str:
+    """A key that is not KEY: cut, extended, one character changed, or doubled."""
+    i = rng.randrange(len(KEY))
+    return rng.choice([KEY[:i], KEY + rng.choice("x0_"), KEY[:i] + chr(ord(KEY[i]) ^ 1) + KEY[i + 1:],
+                       KEY * 2, KEY.upper()])
+
+
+def case_keys(rng):
+    """The key headers, wrong in every way and right in the forms allowed; returns the headers
+    to send instead of the right Bearer (a fifth element)."""
+    path, body = rng.choice([("/v1/chat/completions", _chat()), ("/v1/messages", _chat()),
+                             ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+                             ("/v1/messages/count_tokens", _chat())])
+    raw = json.dumps(body)
+    kind = rng.choice(["none", "random", "near", "scheme", "bytes", "long", "right", "both"])
+    header = rng.choice(["Authorization", "x-api-key"])
+
+    def value(key):
+        return f"Bearer {key}" if header == "Authorization" else key
+    if kind == "none":
+        return path, raw, (401,), {}
+    if kind == "random":
+        key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789-_. ~!")
+                      for _ in range(rng.randrange(0, 200)))
+        return path, raw, (401,), {header: value(key.strip() + "!")}
+    if kind == "near":
+        return path, raw, (401,), {header: value(_near(rng))}
+    if kind == "scheme":
+        scheme = rng.choice(["Basic", "Token", "Bearer:", "Bearerr", "", "Api-Key"])
+        return path, raw, (401,), {"Authorization": f"{scheme} {KEY}".strip()}
+    if kind == "bytes":  # not UTF-8, UTF-8 beyond ASCII, control characters
+        key = bytes(rng.choice([*range(0x80, 0x100), *range(0x21, 0x7f), 1, 7, 0x7f])
+                    for _ in range(rng.randrange(1, 40)))
+        return path, raw, (400, 401), {header: (b"Bearer " if header == "Authorization" else b"")
+                                        + key}
+    if kind == "long":  # a header past aiohttp's 8,190 bytes: refused before any route
+        return path, raw, (400, 401, 431), {header: value("k" * rng.randrange(8_000, 20_000))}
+    if kind == "right":  # any case of the scheme, spaces around the key
+        scheme = rng.choice(["Bearer", "bearer", "BEARER"])
+        return path, raw, (200,), rng.choice([{"Authorization": f"{scheme}   {KEY}  "},
+                                              {"x-api-key": KEY}])
+    return path, raw, (200,), {"Authorization": f"Bearer {_near(rng)}", "x-api-key": KEY} \
+        if header == "x-api-key" else {"Authorization": f"Bearer {KEY}", "x-api-key": _near(rng)}
+
+
 FUZZ = {"nesting": case_nesting, "surrogate": case_surrogate,
         "template_kwargs": case_template_kwargs, "unsupported": case_unsupported,
-        "caps": case_caps, "types": case_types}
+        "caps": case_caps, "types": case_types, "keys": case_keys}
 CASES = 200
 
 
@@ -211,11 +257,12 @@ def test_fuzz_no_5xx_then_the_same_answer(served, answer, name):
     rng = random.Random(f"tidejax-21-{name}")
     statuses = []
     for _ in range(CASES):
-        path, raw, allowed = FUZZ[name](rng)
-        status, text = post(served["url"], path, raw=raw.encode("utf-8", "surrogatepass"))
+        path, raw, allowed, *auth = FUZZ[name](rng)
+        status, text = post(served["url"], path, raw=raw.encode("utf-8", "surrogatepass"),
+                            auth=auth[0] if auth else None)
         statuses.append(status)
-        assert status in allowed, (path, raw[:300], status, text[:300])
-        if status >= 400:
+        assert status in allowed, (path, raw[:300], auth, status, text[:300])
+        if status >= 400 and text.startswith("{"):  # aiohttp refuses a bad header in plain text
             error = json.loads(text)["error"]
             assert "Traceback" not in error["message"] and "Error:" not in error["message"]
     assert max(statuses) < 500

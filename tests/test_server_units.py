@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -203,6 +204,7 @@ def test_health_open_and_loading(loading_server):
 @pytest.mark.parametrize("headers,status", [
     ({}, 401), ({"Authorization": "Bearer nope"}, 401), ({"x-api-key": "nope"}, 401),
     ({"Authorization": KEY}, 401),  # not a Bearer credential
+    ({"x-api-key": b"\xff\xfe"}, 401), ({"Authorization": b"Bearer \xed\xa0\x80"}, 401),  # not UTF-8
     (AUTH, 503), ({"x-api-key": KEY}, 503), ({"Authorization": f"bearer {KEY}"}, 503),
 ])
 def test_auth(loading_server, headers, status):
@@ -386,6 +388,8 @@ def test_routes_over_an_engine_client(scripted_server):
     metrics = call(url, "/metrics")[1]
     assert "tidejax_queue_waiting 1" in metrics and "tidejax_residency_misses 7" in metrics
     assert "geometry" not in metrics  # labels are not gauges
+    rss = int(re.search(r"^tidejax_process_resident_memory_bytes (\d+)$", metrics, re.M).group(1))
+    assert 2**20 < rss < 2**40
 
 
 def test_requests_the_engine_client_refuses(scripted_server):

@@ -1,18 +1,16 @@
 """Demand history per (MoE layer, expert): counts and routing-weight sums drained from the device,
-decayed by a half-life in steps, persisted atomically (a kill at any moment leaves the last good
-copy; a corrupt file is set aside with a warning)."""
+decayed by a half-life in steps, persisted atomically (residency/persist.py: a kill at any
+moment leaves the last good copy; a corrupt file is set aside with a warning)."""
 
 from __future__ import annotations
 
 import io
-import logging
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("tidejax.residency")
+from tidejax.residency.persist import clear_torn, set_aside, write_atomic
 
 FORMAT = "tidejax-history/1"
 
@@ -40,23 +38,11 @@ class History:
         self.steps += steps
 
     def save(self, path: str | os.PathLike) -> None:
-        """Atomic: a temporary file in the same directory, fsync, os.replace, fsync the directory."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Atomic (persist.write_atomic): a kill at any moment leaves the last good copy."""
         buf = io.BytesIO()
         np.savez(buf, format=np.array(FORMAT), counts=self.counts, weights=self.weights,
                  steps=np.array(self.steps), half_life=np.array(self.half_life))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(path, buf.getvalue())
 
     @staticmethod
     def read(path: str | os.PathLike, half_life: float | None = None) -> "History":
@@ -85,8 +71,7 @@ class History:
         """The saved history at `path` if there is a usable one; a corrupt file or one of another
         shape is renamed aside (`*.corrupt-<time>`) with a warning. None when there is none."""
         path = Path(path)
-        for torn in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
-            torn.unlink(missing_ok=True)
+        clear_torn(path)
         if not path.exists():
             return None
         try:
@@ -96,7 +81,5 @@ class History:
                                  f"{(n_layers, n_experts)}")
             return history
         except ValueError as e:
-            aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-            os.replace(path, aside)
-            log.warning("%s; set aside as %s, starting a fresh history", e, aside)
+            set_aside(path, str(e), "a fresh history")
             return None

@@ -35,6 +35,7 @@ from tidejax.config import ResidencySection
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.history import History
+from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
@@ -73,9 +74,12 @@ class Residency:
                             if policy == "exact" and not self.all_resident else 0)
         self.state_dir = Path(section.state_dir) if section.state_dir else None
         self.history = None
+        self.counters = collections.Counter()
         if self.state_dir:
             self.history = History.resume(self.history_path, n_layers, self.n_experts,
                                           section.half_life)
+            self.counters = resume_stats(self.stats_path, expected=self.history is not None)
+        self.save_failing = False  # whether the last save failed (one warning a streak)
         self.needs_calibration = False
         self.history = self.history or History(n_layers, self.n_experts, section.half_life)
         self.frozen = not section.adapt
@@ -87,7 +91,6 @@ class Residency:
         self._drain = None  # (counts, weight_sums [L_moe, E] on their way to the host, steps)
         self._draining = False  # whether the batch just handed out drains
         self._since_drain = 0
-        self.counters = collections.Counter()
         # a swap batch's fixed length: a step's share of the queue and of ring copies
         self.batch_length = 0 if self.all_resident else (
             max(1, section.max_swaps_per_step) + self._ring_per_step)
@@ -113,6 +116,10 @@ class Residency:
     @property
     def history_path(self) -> Path:
         return self.state_dir / "history.npz"
+
+    @property
+    def stats_path(self) -> Path:
+        return self.state_dir / "stats.json"
 
     def _boot(self, pool_rows: dict) -> ExpertState:
         """The first state: all resident, or the seed map, else the saved history's busiest
@@ -240,8 +247,6 @@ class Residency:
             t0 = time.perf_counter()
             self.history.add(np.asarray(counts), np.asarray(weights), steps)
             self.counters["drains"] += 1
-            if self.state_dir:
-                self.history.save(self.history_path)
             if not self.frozen and not self.all_resident:
                 with jax.profiler.TraceAnnotation("plan"):
                     self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
@@ -249,7 +254,8 @@ class Residency:
                         self.section.hysteresis, self.section.max_swaps_per_layer)]
                 self.counters["planned"] += len(self._queue)
             self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
-        self._log_telemetry()
+            if self.state_dir:
+                self._persist()
 
     # -- swaps -----------------------------------------------------------------------------
 
@@ -315,6 +321,26 @@ class Residency:
             swaps += [Swap(int(s), r, self.version) for s, r in zip(free, sorted(want - have))]
         return self.apply_swaps(state, swaps)
 
+    def rebuild(self, rows: dict) -> ExpertState:
+        """A fresh expert state after a failed step, from `rows` (ExpertState.rows: the host
+        pool, or the bank where every expert is resident, which no step donates) and the host
+        map: each resident slot holds what the map says (the swaps handed to the failed steps
+        included), ring slots start empty, counters at zero. What those steps had on its way to
+        the host (miss tallies, a drain) is dropped."""
+        self._tallies.clear()
+        self._drain, self._draining, self._since_drain = None, False, 0
+        self._ring_rows = self._ring_rows[:0]
+        self.counters["rebuilds"] += 1
+        if self.all_resident:
+            return all_resident_state(rows, self.n_layers)
+        ring = slice(self.n_resident, None)
+        if (self.slot_rows[ring] >= 0).any():
+            self.version += 1
+            self._slot_changed[ring] = self.version
+            self.slot_rows[ring] = -1
+        return build_state(rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
+                           transient=self.n_transient)
+
     # -- control and telemetry -------------------------------------------------------------
 
     def freeze(self) -> None:
@@ -327,11 +353,30 @@ class Residency:
         self.frozen = False
 
     def save(self) -> None:
-        """Persists the demand history (atomically) and writes a telemetry line."""
+        """Persists the demand history and the stats (atomically) and writes a telemetry line;
+        an OSError goes to the caller (a drain's own save only logs it: `_persist`)."""
         if not self.state_dir:
             raise ValueError("[residency] state_dir is not set: nothing to save to")
         self.history.save(self.history_path)
-        self._log_telemetry()
+        save_stats(self.stats_path, self.counters)
+        with open(self.state_dir / "telemetry.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), **self.stats()}) + "\n")
+
+    def _persist(self) -> None:
+        """`save` at a drain, which never fails a step: a failure is logged once a streak (a
+        warning at the first, a line when saving works again) and retried at the next drain."""
+        try:
+            self.save()
+        except OSError as e:
+            self.counters["save_failures"] += 1
+            if not self.save_failing:
+                log.warning("residency: could not save the history and stats under %s (%s); "
+                            "serving goes on, retrying at every drain", self.state_dir, e)
+            self.save_failing = True
+            return
+        if self.save_failing:
+            log.info("residency: saved under %s again", self.state_dir)
+        self.save_failing = False
 
     def window_cold_share(self) -> float:
         """Cold share over the sliding window of recent steps (safe from other threads: the
@@ -355,6 +400,7 @@ class Residency:
             "cold_share_total": c["misses"] / c["wanted"] if c["wanted"] else 0.0,
             "window_steps": len(self._window),
             "misses": c["misses"],
+            "hits": c["wanted"] - c["misses"],
             "cpu_picks": self.cpu_picks(),
             "cpu_kernel": self.cpu.isa if self.cpu else "",  # its path: avx512 | avx2 | ...
             "wanted": c["wanted"],
@@ -367,6 +413,8 @@ class Residency:
             "swap_seconds": c["swap_seconds_x1e6"] / 1e6,  # host time batching swaps
             "drains": c["drains"],
             "drain_seconds": c["drain_seconds_x1e6"] / 1e6,
+            "save_failures": c["save_failures"],
+            "rebuilds": c["rebuilds"],
             "resident": self.n_resident,
             "experts": self.n_layers * self.n_experts,
             "geometry": self.geometry,
@@ -374,10 +422,3 @@ class Residency:
             "frozen": self.frozen,
             "map_version": self.version,
         }
-
-    def _log_telemetry(self) -> None:
-        if not self.state_dir:
-            return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "telemetry.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), **self.stats()}) + "\n")

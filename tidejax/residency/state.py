@@ -49,6 +49,20 @@ class ExpertState:
     def transient_base(self) -> int:
         return self.resident + self.ring
 
+    @property
+    def rows(self) -> dict:
+        """The expert rows no step writes: the host pool, or the bank where every expert is
+        resident (pool None: nothing swaps). The steps take them beside the donated state, so
+        a failed step leaves them whole to rebuild from (Residency.rebuild)."""
+        return self.bank if self.pool is None else self.pool
+
+    def without_rows(self) -> "ExpertState":
+        return self.replace(bank=None) if self.pool is None else self.replace(pool=None)
+
+    def with_rows(self, rows: dict) -> "ExpertState":
+        """The inverse of `without_rows`."""
+        return self.replace(bank=rows) if self.bank is None else self.replace(pool=rows)
+
 
 def _zeros_counters(n_layers: int, n_experts: int):
     z = jnp.zeros((n_layers, n_experts), jnp.float32)

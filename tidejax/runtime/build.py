@@ -107,14 +107,29 @@ class LoadedModel:
         self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
 
     def initial_state(self) -> DecodeState:
-        """The one DecodeState: a fresh KV cache (committed to the device, as the steps return
-        it: one compile per step, not two), the residency boot state, greedy lanes."""
+        """The one DecodeState: a fresh KV cache, the residency boot state, greedy lanes."""
+        return self._fresh_state(self.residency.take_state())
+
+    def rebuilt_state(self, failed: DecodeState) -> DecodeState:
+        """The DecodeState after a failed step: a fresh KV cache and greedy lanes, as at start,
+        and the expert state residency rebuilds from `failed`'s expert rows (those no step
+        donates) and its host map. What is left of `failed` but its rows is freed first (a step
+        that failed before donating leaves it whole): the new pool and bank take its place."""
+        rest = failed.replace(experts=failed.experts.without_rows())
+        for leaf in jax.tree.leaves(rest):
+            if not leaf.is_deleted():
+                leaf.delete()
+        return self._fresh_state(self.residency.rebuild(failed.experts.rows))
+
+    def _fresh_state(self, experts) -> DecodeState:
+        """A zeroed KV cache (committed to the device, as the steps return it: one compile per
+        step, not two) and greedy lanes beside `experts`."""
         cache = self.new_cache(self.kv_pages, self.lanes)
         axes = self.family.cache_axes
         cache = PagedCache(
             parallel.put(cache.pages, axes(cache.pages)) if axes else parallel.replicated(cache.pages),
             parallel.replicated(cache.lanes))
-        return DecodeState.create(cache, self.residency.take_state(), self.lanes)
+        return DecodeState.create(cache, experts, self.lanes)
 
     def new_cache(self, n_pages: int, lanes: int) -> PagedCache:
         """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""

@@ -87,6 +87,7 @@ class LocalEngineClient:
         return LocalRequestStream(self.scheduler, request)
 
     def stats(self) -> EngineStats:
-        return EngineStats(queued=self.scheduler.queued, active=self.scheduler.active,
+        return EngineStats(status=self.scheduler.status, queued=self.scheduler.queued,
+                           active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
                            kv=self.scheduler.kv_stats())

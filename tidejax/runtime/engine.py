@@ -44,6 +44,7 @@ class Engine:
             use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
         self.scheduler = Scheduler(self.loaded)
+        self._closed = False
         if self.residency.needs_calibration:
             self._calibrate()
         self.trace_dir = config.engine.trace_dir
@@ -57,7 +58,22 @@ class Engine:
                      "swap)", self.trace_dir)
 
     def close(self) -> None:
-        """Finishes the profiler trace, if one is being written."""
+        """Where residency.state_dir is set, drains the demand counted since the last drain into
+        the history and saves it and the residency stats; then finishes the profiler trace, if
+        one is being written. The server closes its engine at shutdown (SIGTERM, SIGINT)."""
+        if self._closed:
+            return
+        self._closed = True
+        state_dir = self.residency.state_dir
+        if state_dir:
+            try:
+                self.scheduler.call(lambda: self.scheduler.update_experts(self.residency.drain))
+            except Exception:
+                log.exception("could not drain the demand counters at close")
+            else:
+                if not self.residency.save_failing:
+                    log.info("saved the demand history and the residency stats under %s",
+                             state_dir)
         if self.trace_dir:
             jax.profiler.stop_trace()
             self.trace_dir = ""

@@ -29,6 +29,11 @@ jitted steps over it (runtime/steps.py): the mixed step, scoring, sequence reads
 lanes' sampling updates, and residency's between-step swaps. While its thread runs, any of them
 asked for from another thread (`Engine.logits`) goes through `call`, which runs it on the
 scheduler thread between two iterations; called from elsewhere they raise.
+
+A step that fails (before its buffers were donated or after) fails the requests in the lanes
+with one generic error; `recover` rebuilds the DecodeState (a fresh cache and greedy lanes, the
+expert state from the rows no step donates and residency's host map) while `status` says
+"recovering", and the queue, preempted requests included, is served on.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ class DoneEvent:
 @dataclasses.dataclass(frozen=True)
 class ErrorEvent:
     message: str
+
+
+STEP_FAILED = "the engine's step failed (its log has the details); the engine rebuilt its state"
 
 
 class RequestHandle:
@@ -139,6 +147,7 @@ class Scheduler:
         self._admissions = itertools.count(1)
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
+        self.status = "ready"  # "recovering" while `recover` rebuilds the state; "failed" after
 
     # -- API -------------------------------------------------------------------------------
 
@@ -151,6 +160,8 @@ class Scheduler:
                              f"{self.model.max_context} tokens")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if self.status == "failed":
+            raise RuntimeError("the engine failed and could not rebuild its state")
         if request.sampling.seed is None:  # unseeded requests must not share one random stream
             request = dataclasses.replace(request, sampling=dataclasses.replace(
                 request.sampling, seed=secrets.randbits(31)))
@@ -209,6 +220,9 @@ class Scheduler:
                 future.set_result(fn())
             except Exception as e:  # the caller gets it; serving goes on
                 future.set_exception(e)
+                if self._damaged():
+                    log.error("a call over the decode state failed after donating it: %r", e)
+                    self.recover()
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -226,9 +240,10 @@ class Scheduler:
             if self.running:
                 try:
                     self.step()
-                except Exception as e:  # a failed step must not kill the server
-                    log.exception("step failed")
-                    self._fail_all(f"engine error: {e}")
+                except Exception:  # a failed step must not stop the serving
+                    log.exception("a step failed: the requests in the lanes fail, the decode "
+                                  "state is rebuilt")
+                    self.recover()
 
     def step(self) -> bool:
         """One iteration; returns whether any work remains."""
@@ -279,10 +294,11 @@ class Scheduler:
         held = self.pages.pages_of(handle.id)
         handle.saved = _Saved(self.read_sequence(held, lane), len(held),
                               int(self.positions[lane]), int(self.tokens[lane]))
-        self._vacate(lane)
-        self.totals["preemptions"] += 1
-        with self.wake:
+        with self.wake:  # queued first: should vacating fail, it resumes after `recover`
             self.queue.appendleft(handle)
+        self._release(lane)
+        self.set_sampling(lane, SamplingParams())
+        self.totals["preemptions"] += 1
         log.info("request %d preempted at position %d (%d pages to host memory)", handle.id,
                  handle.saved.position, handle.saved.n_pages)
 
@@ -434,19 +450,49 @@ class Scheduler:
         }
 
     def _vacate(self, lane: int) -> None:
-        """Frees a lane and its request's pages."""
+        """Frees a lane and its request's pages. The lane goes back to greedy first (greedy
+        lanes keep all-greedy steps cheap): should that call fail, the request is still in
+        its lane for `recover` to fail."""
+        self.set_sampling(lane, SamplingParams())
+        self._release(lane)
+
+    def _release(self, lane: int) -> RequestHandle:
+        """Frees a lane and its request's pages; no device call."""
         handle, self.lane_of[lane] = self.lane_of[lane], None
         if handle is self._prefilling:
             self._prefilling = None
         self.pages.release(handle.id)
-        self.set_sampling(lane, SamplingParams())  # greedy lanes keep all-greedy steps cheap
+        return handle
 
-    def _fail_all(self, message: str) -> None:
+    # -- faults ----------------------------------------------------------------------------
+
+    def _damaged(self) -> bool:
+        """Whether a failed call left the state's buffers donated (deleted)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
+
+    def recover(self) -> None:
+        """After a failed step: every lane's request fails (STEP_FAILED), the steps in flight
+        are dropped and the DecodeState is rebuilt (LoadedModel.rebuilt_state); the queue,
+        preempted requests included (their pages are in host memory), is served on. `status`
+        is "recovering" meanwhile; should the rebuild fail too, "failed": the queue fails, the
+        loop stops and later requests are refused."""
+        self.status = "recovering"
+        self._in_flight = None
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
-                self._vacate(lane)
-                handle.on_event(ErrorEvent(message))
-        self._in_flight = None
+                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+        try:
+            self.state = self.model.rebuilt_state(self.state)
+        except Exception:
+            log.exception("rebuilding the decode state failed: the engine stops serving")
+            self.status, self.running = "failed", False
+            with self.wake:
+                failed, self.queue = list(self.queue), collections.deque()
+            for handle in failed:
+                handle.on_event(ErrorEvent(STEP_FAILED))
+            return
+        self.status = "ready"
+        log.info("the decode state is rebuilt; serving on (%d queued)", len(self.queue))
 
     # -- the device: every jitted call over the state ------------------------------------------
 

@@ -1,6 +1,6 @@
 """The jitted steps: pure functions over (params, state, inputs), the DecodeState donated.
 
-    step(params, state, StepInputs) -> (tokens [lanes], state, Tallies)
+    step(params, state, StepInputs) -> (tokens [lanes], state, Tallies)  (a DonatingStep)
         residency's swap batch applied at the start (residency.swap.apply_batch); then the
         prompt chunk, written into the cache (its last real token's sample goes to its lane);
         then every decoding lane's next token; the counters' Tallies at the end.
@@ -132,6 +132,36 @@ class PrefillChunk:
     pages: list[int] | None = None
 
 
+class DonatingStep:
+    """A jitted fn(params, state, inputs) -> (out, state, tallies) with the DecodeState donated
+    but for its expert rows no step writes (ExpertState.rows: the host pool, or the bank where
+    every expert is resident), which go in beside it, not donated, and come back as they went.
+    So a step that fails after its buffers were donated leaves them whole, and the scheduler
+    rebuilds the state from them (Scheduler.recover)."""
+
+    def __init__(self, fn):
+        def apart(params, rows, state: DecodeState, inputs):
+            out, state, tallies = fn(params, _with_rows(state, rows), inputs)
+            return out, state.replace(experts=state.experts.without_rows()), tallies
+        self.jitted = jax.jit(apart, donate_argnames=("state",))
+
+    @staticmethod
+    def _apart(params, state: DecodeState, inputs) -> tuple:
+        return params, state.experts.rows, state.replace(experts=state.experts.without_rows()), inputs
+
+    def __call__(self, params, state: DecodeState, inputs):
+        args = self._apart(params, state, inputs)
+        out, new, tallies = self.jitted(*args)
+        return out, _with_rows(new, args[1]), tallies
+
+    def lower(self, params, state: DecodeState, inputs):
+        return self.jitted.lower(*self._apart(params, state, inputs))
+
+
+def _with_rows(state: DecodeState, rows: dict) -> DecodeState:
+    return state.replace(experts=state.experts.with_rows(rows))
+
+
 @dataclasses.dataclass
 class Steps:
     """The jitted functions over one model (a flax module: see models/registry.Family.build)."""
@@ -183,7 +213,7 @@ class Steps:
                 out = out.at[prefill.lane].set(first[0])
             experts, tallies = finish_batch(experts, inputs.swaps)
             return out, DecodeState(cache, experts, sampling), tallies
-        return jax.jit(step, donate_argnames=("state",))
+        return DonatingStep(step)
 
     @functools.cached_property
     def score(self):
@@ -195,7 +225,7 @@ class Steps:
                                                routes)
             experts, tallies = finish_batch(experts, inputs.swaps)
             return logits, state.replace(experts=experts), tallies
-        return jax.jit(score, donate_argnames=("state",))
+        return DonatingStep(score)
 
     @functools.cached_property
     def read_sequence(self):

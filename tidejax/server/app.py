@@ -75,8 +75,8 @@ class Server:
                                 "'x-api-key: KEY'", code="invalid_api_key")
         ok = False
         for key in self.keys:  # every key compared, in constant time each
-            for g in given:
-                ok |= hmac.compare_digest(g.encode(), key)
+            for g in given:  # as sent: aiohttp decodes header bytes with surrogateescape
+                ok |= hmac.compare_digest(g.encode("utf-8", "surrogateescape"), key)
         if not ok:
             raise APIError(401, "invalid API key", code="invalid_api_key")
 
@@ -200,12 +200,15 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """"loading", then the engine's status: "ready", "recovering" (a failed step's state is
+    being rebuilt; requests queue) or "failed"; 200 only when ready."""
     server = request.app[SERVER]
     body = {"status": server.status, "model": server.name}
     if server.client is not None:
         stats = server.client.stats()
-        body.update(lanes=server.client.info.lanes, active=stats.active, queued=stats.queued)
-    return web.json_response(body, status=200 if server.status == "ready" else 503)
+        body.update(status=stats.status, lanes=server.client.info.lanes, active=stats.active,
+                    queued=stats.queued)
+    return web.json_response(body, status=200 if body["status"] == "ready" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import collections
+import os
 
 from tidejax.server.client import EngineStats
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size now (Linux: /proc/self/statm); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Metrics:
@@ -54,6 +64,10 @@ class Metrics:
                [({}, self.last["cold_share"])])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
+        rss = resident_bytes()
+        if rss is not None:
+            metric("process_resident_memory_bytes", "gauge", "the server's resident memory",
+                   [({}, rss)])
         for prefix, table in (("residency", stats.residency), ("kv", stats.kv)):
             for key, value in sorted(table.items()):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
