@@ -107,3 +107,57 @@ def write_deepseek_v3(path: Path, seed: int = 0, **overrides):
     model.save_pretrained(path)
     write_tokenizer(path, config.vocab_size)
     return model
+
+
+GLM4_MOE_CONFIGS = {
+    # GLM-4.5's attention (q/k norm, q/k/v biases, half the head rotated), one dense layer
+    # first, group-limited routing (4 groups, top 2), GQA with 2 query heads a KV head
+    "qknorm_groups": dict(use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                          first_k_dense_replace=1, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, num_key_value_heads=2),
+    # GLM-4.5-Air's (no q/k norm), no dense layer, plain top-k without renormalization, every
+    # channel rotated, one KV head
+    "no_dense": dict(use_qk_norm=False, attention_bias=True, partial_rotary_factor=1.0,
+                     first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
+                     routed_scaling_factor=1.0, num_key_value_heads=1),
+}
+
+
+def glm4_moe_config(**overrides):
+    from transformers import Glm4MoeConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                num_nextn_predict_layers=0)
+    base.update(overrides)
+    return Glm4MoeConfig(**base)
+
+
+def write_glm4_moe(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny Glm4MoeForCausalLM checkpoint (random, float32) with a tokenizer; returns
+    the torch model (eval mode) for reference outputs."""
+    from transformers import Glm4MoeForCausalLM
+    torch.manual_seed(seed)
+    config = glm4_moe_config(**overrides)
+    model = Glm4MoeForCausalLM(config).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, config.vocab_size)
+    return model
+
+
+def randomize_moe(model) -> None:
+    """Random router biases (so the selection-only bias is exercised), expert weights of std
+    0.1 and, where attention has them, biases and q/k norm weights off their init."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                layer.mlp.experts.gate_up_proj.normal_(0, 0.1)
+                layer.mlp.experts.down_proj.normal_(0, 0.1)
+            for name, param in layer.self_attn.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.1)
