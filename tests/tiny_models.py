@@ -111,13 +111,14 @@ def write_deepseek_v3(path: Path, seed: int = 0, **overrides):
 
 
 GLM4_MOE_CONFIGS = {
-    # GLM-4.5's attention (q/k norm, q/k/v biases, half the head rotated), one dense layer
-    # first, group-limited routing (4 groups, top 2), GQA with 2 query heads a KV head
+    # (two layers each) GLM-4.5's attention (q/k norm, q/k/v biases, half the head rotated),
+    # a dense layer then a MoE layer, group-limited routing (4 groups, top 2), GQA with 2 query
+    # heads a KV head
     "qknorm_groups": dict(use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
                           first_k_dense_replace=1, n_group=4, topk_group=2,
                           routed_scaling_factor=2.5, num_key_value_heads=2),
-    # GLM-4.5-Air's (no q/k norm), no dense layer, plain top-k without renormalization, every
-    # channel rotated, one KV head
+    # GLM-4.5-Air's (no q/k norm), two MoE layers and no dense one, plain top-k without
+    # renormalization, every channel rotated, one KV head
     "no_dense": dict(use_qk_norm=False, attention_bias=True, partial_rotary_factor=1.0,
                      first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
                      routed_scaling_factor=1.0, num_key_value_heads=1),
@@ -127,7 +128,7 @@ GLM4_MOE_CONFIGS = {
 def glm4_moe_config(**overrides):
     from transformers import Glm4MoeConfig
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                 n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
                 max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
                 bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
