@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
 from tidejax.models.glm4_moe.model import build
-from tidejax.models.glm4_moe.weights import expert_dims, load_weights
+from tidejax.models.glm4_moe.weights import load_weights
+from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.gqa import GQAPages
 from tidejax.models.registry import Family, register
 
