@@ -64,8 +64,9 @@ class Glm4MoeConfig:
         if heads % kv_heads:
             raise ConfigError(f"{source}: field 'num_key_value_heads' = {kv_heads} does not "
                               f"divide num_attention_heads = {heads}")
-        factor = (raw.get("rope_parameters") or {}).get(
-            "partial_rotary_factor", f.opt("partial_rotary_factor", 0.5, float))
+        rope_parameters = Fields(raw.get("rope_parameters") or {}, f"{source}: rope_parameters")
+        factor = rope_parameters.opt("partial_rotary_factor",
+                                     f.opt("partial_rotary_factor", 0.5, float), float)
         rotary_dim = int(head_dim * factor)
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' = {factor} gives "
