@@ -20,9 +20,9 @@ from tidejax.models.deepseek_v3.model import MLACache, build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
 from tidejax.residency.serve import ServeOptions
 from declaration import check_declaration, param_paths
-from tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits, deepseek_v3_config, relative_diff,
-                         served_greedy, state_dict, transformers_greedy, write_deepseek_v3,
-                         write_fp8_copies, write_fused_copy)
+from tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits, deepseek_v3_config,
+                         relative_diff, served_greedy, state_dict, transformers_greedy,
+                         write_deepseek_v3, write_fp8_copies, write_fused_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 

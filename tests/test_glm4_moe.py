@@ -118,7 +118,8 @@ def test_layouts_load_the_same_weights(tiny, tmp_path):
     state = state_dict(model)
     n, d = model.config.num_hidden_layers, model.config.hidden_size
     for part in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-        state[f"model.layers.{n}.{part}"] = np.ones((d, 2 * d) if "proj" in part else (d,), np.float32)
+        shape = (d, 2 * d) if "proj" in part else (d,)
+        state[f"model.layers.{n}.{part}"] = np.ones(shape, np.float32)
     save_file(state, str(fused / "model.safetensors"))
     raw = json.loads((fused / "config.json").read_text())
     (fused / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
@@ -204,7 +205,8 @@ def test_synthetic_glm_checkpoint_loads_and_decodes(tmp_path):
     raw = json.loads((out / "config.json").read_text())
     assert (raw["model_type"], raw["first_k_dense_replace"], raw["partial_rotary_factor"]) == (
         "glm4_moe", 1, 0.5)
-    engine = tidejax.load(out, engine={"lanes": 1, "max_context": 64}, model={"experts": "checkpoint"})
+    engine = tidejax.load(out, engine={"lanes": 1, "max_context": 64},
+                          model={"experts": "checkpoint"})
     assert (engine.cfg.rotary_dim, engine.cfg.moe_layers) == (8, (1, 2))
     assert set(engine.state.experts.bank) == {"gate_up_blocks", "gate_up_scales", "down_blocks",
                                               "down_scales"}
