@@ -3,7 +3,7 @@ scaling to a larger (synthetic) model for `Engine.set_routing_replay`.
 
     python bench/traces.py record [--model models/demo] [--tokens 4096] [--out tests/data/traces]
 
-`record` runs the demo model's own forward (tidejax's DeepseekV3 with its trained params) over
+`record` runs the demo model's own forward (tidejax's DeepSeek-V3 with its trained params) over
 windows of each tests/data/heldout/<domain>.txt and keeps, per token and MoE layer, the top-k
 expert ids its router picks (tidejax.models.layers.moe.route on the MoE layer's input, taken with a
 flax method interceptor). Saved as <out>/<domain>.npy: uint8 [tokens, L_moe, k] in the demo's

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,16 +12,17 @@ import torch
 from safetensors.numpy import save_file
 
 import tidejax
-from tidejax.checkpoint import CheckpointError, CheckpointReader, dequantize_fp8_block, quantize_fp8_block
+from tidejax.checkpoint import CheckpointError, CheckpointReader
 from tidejax.fields import ConfigError
-from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.model import MLACache, build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
 from tidejax.residency.serve import ServeOptions
 from declaration import check_declaration, param_paths
-from tiny_models import DEEPSEEK_V3_CONFIGS, deepseek_v3_config, write_deepseek_v3
+from tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits, deepseek_v3_config,
+                         relative_diff, served_greedy, state_dict, transformers_greedy,
+                         write_deepseek_v3, write_fp8_copies, write_fused_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 
@@ -53,10 +53,6 @@ def test_declared_params_are_what_the_model_consumes(name):
         assert len(table.param_names(path)) == 1, path
 
 
-def relative_diff(ours, ref) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def test_logits_match_transformers(tiny):
     name, _, model, engine = tiny
     with torch.no_grad():
@@ -68,45 +64,12 @@ def test_logits_match_transformers(tiny):
 
 def test_greedy_tokens_match_transformers(tiny):
     _, _, model, engine = tiny
-    assert served_greedy(engine, 20) == transformers_greedy(model, 20)
-
-
-def transformers_greedy(model, n: int) -> list[int]:
-    """transformers' own greedy continuation of PROMPT, n tokens."""
-    with torch.no_grad():
-        return model.generate(torch.tensor(PROMPT)[None], max_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-
-
-def served_greedy(engine, n: int) -> list[int]:
-    """The engine's greedy continuation of PROMPT through its scheduler, n tokens."""
-    tokens = []
-    engine.scheduler.submit(GenerationRequest(list(PROMPT), n, ignore_eos=True),
-                            lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
-    engine.scheduler.run_until_idle()
-    return tokens
+    assert served_greedy(engine, PROMPT, 20) == transformers_greedy(model, PROMPT, 20)
 
 
 def test_cached_decode_equals_full_forward(tiny):
-    """Prefill 16 tokens, then feed one token at a time through the paged cache (pages of 4,
-    handed out in shuffled order)."""
     _, _, _, engine = tiny
-    full = engine.logits(PROMPT)
-    cache = PagedCache(engine.family.create_cache(engine.cfg, 16, 4, engine.loaded.dtype))
-    table = jnp.asarray(np.random.RandomState(0).permutation(16)[None].astype(np.int32))
-    state = engine.state.experts
-    apply = jax.jit(engine.loaded.module.apply)
-    params = {"params": engine.loaded.params}
-    tokens = jnp.asarray(PROMPT[None, :16])
-    logits, cache, state = apply(params, tokens, jnp.arange(16)[None], tokens > -1, cache, table,
-                                 state)
-    stepped = [np.asarray(logits[0])]
-    for pos in range(16, len(PROMPT)):
-        token = jnp.asarray(PROMPT[None, pos:pos + 1])
-        logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache,
-                                     table, state)
-        stepped.append(np.asarray(logits[0]))
-    assert relative_diff(np.concatenate(stepped), full) < 1e-5
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
 
 
 def test_sampling_is_seeded_and_batch_independent(tiny):
@@ -118,40 +81,14 @@ def test_sampling_is_seeded_and_batch_independent(tiny):
     assert engine.generate("The tide", **kwargs) == alone
 
 
-def _state_dict(model) -> dict:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-
-
 def test_fused_and_fp8_layouts_load_to_the_same_logits(tiny, tmp_path):
     """transformers 5's in-memory fused experts, and DeepSeek's FP8 blocks, load like the original."""
     name, path, model, engine = tiny
     if name != "qlora_groups":
         pytest.skip("one config is enough for the layouts")
-    state = _state_dict(model)
-    fused = tmp_path / "fused"
-    shutil.copytree(path, fused)
-    (fused / "model.safetensors").unlink()
-    assert any(k.endswith("experts.gate_up_proj") for k in state)
-    save_file(state, str(fused / "model.safetensors"))
+    fused = write_fused_copy(model, path, tmp_path / "fused")
     np.testing.assert_array_equal(tidejax.load(fused).logits(PROMPT), engine.logits(PROMPT))
-
-    # FP8: every 2-D projection weight as e4m3 + weight_scale_inv; the reference checkpoint holds
-    # the same dequantized values in float32, so the two must load to identical logits.
-    fp8, dequant = tmp_path / "fp8", tmp_path / "dequant"
-    for d in (fp8, dequant):
-        shutil.copytree(path, d)
-    per_expert = CheckpointReader(path, progress=False)
-    fp8_tensors, dq_tensors = {}, {}
-    for key in per_expert.names():
-        w = per_expert.read(key)
-        if key.endswith("proj.weight") and w.ndim == 2:
-            q, scale_inv = quantize_fp8_block(w)
-            fp8_tensors[key], fp8_tensors[key + "_scale_inv"] = q, scale_inv
-            dq_tensors[key] = dequantize_fp8_block(q, scale_inv)
-        else:
-            fp8_tensors[key] = dq_tensors[key] = w
-    save_file(fp8_tensors, str(fp8 / "model.safetensors"))
-    save_file(dq_tensors, str(dequant / "model.safetensors"))
+    fp8, dequant = write_fp8_copies(path, tmp_path)
     np.testing.assert_array_equal(tidejax.load(fp8).logits(PROMPT),
                                   tidejax.load(dequant).logits(PROMPT))
 
@@ -223,7 +160,7 @@ def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):
     name, path, model, _ = tiny
     if name != "qlora_groups":
         pytest.skip("one config is enough for the format")
-    state = _state_dict(model)
+    state = state_dict(model)
     packed, dense = dict(state), dict(state)
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         blocks, scales = mxfp4.quantize(state[key])
@@ -254,7 +191,7 @@ def test_deepseek_v2_routes_as_transformers(topk_method, tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
     assert relative_diff(engine.logits(PROMPT), ref) < 1e-4
-    assert served_greedy(engine, 12) == transformers_greedy(model, 12)
+    assert served_greedy(engine, PROMPT, 12) == transformers_greedy(model, PROMPT, 12)
 
 
 def test_deepseek_v2_rejects_a_scoring_it_does_not_have(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TEXT = """The tide comes in and the tide goes out. Experts live in host memory and the busy ones
@@ -107,3 +108,149 @@ def write_deepseek_v3(path: Path, seed: int = 0, **overrides):
     model.save_pretrained(path)
     write_tokenizer(path, config.vocab_size)
     return model
+
+
+GLM4_MOE_CONFIGS = {
+    # (two layers each) GLM-4.5's attention (q/k norm, q/k/v biases, half the head rotated),
+    # a dense layer then a MoE layer, group-limited routing (4 groups, top 2), GQA with 2 query
+    # heads a KV head
+    "qknorm_groups": dict(use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                          first_k_dense_replace=1, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, num_key_value_heads=2),
+    # GLM-4.5-Air's (no q/k norm), two MoE layers and no dense one, plain top-k without
+    # renormalization, every channel rotated, one KV head
+    "no_dense": dict(use_qk_norm=False, attention_bias=True, partial_rotary_factor=1.0,
+                     first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
+                     routed_scaling_factor=1.0, num_key_value_heads=1),
+}
+
+
+def glm4_moe_config(**overrides):
+    from transformers import Glm4MoeConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                num_nextn_predict_layers=0)
+    base.update(overrides)
+    return Glm4MoeConfig(**base)
+
+
+def write_glm4_moe(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny Glm4MoeForCausalLM checkpoint (random, float32) with a tokenizer; returns
+    the torch model (eval mode) for reference outputs."""
+    from transformers import Glm4MoeForCausalLM
+    torch.manual_seed(seed)
+    config = glm4_moe_config(**overrides)
+    model = Glm4MoeForCausalLM(config).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, config.vocab_size)
+    return model
+
+
+def randomize_moe(model) -> None:
+    """Random router biases (so the selection-only bias is exercised), expert weights of std
+    0.1 and, where attention has them, biases and q/k norm weights off their init."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                layer.mlp.experts.gate_up_proj.normal_(0, 0.1)
+                layer.mlp.experts.down_proj.normal_(0, 0.1)
+            for name, param in layer.self_attn.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+
+
+def relative_diff(ours, ref) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def transformers_greedy(model, prompt, n: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt`, n tokens."""
+    with torch.no_grad():
+        return model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def served_greedy(engine, prompt, n: int) -> list[int]:
+    """The engine's greedy continuation of `prompt` through its scheduler, n tokens."""
+    from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+    tokens = []
+    engine.scheduler.submit(GenerationRequest(list(prompt), n, ignore_eos=True),
+                            lambda e: tokens.append(e.token_id) if isinstance(e, TokenEvent) else None)
+    engine.scheduler.run_until_idle()
+    return tokens
+
+
+def cached_decode_logits(engine, prompt, prefill: int):
+    """Logits [len(prompt), vocab] of `prompt` prefilled `prefill` tokens at once, then fed one
+    token at a time through the family's paged cache (16 pages of 4, in shuffled order)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tidejax.kv.paged import PagedCache
+    cache = PagedCache(engine.family.create_cache(engine.cfg, 16, 4, engine.loaded.dtype))
+    table = jnp.asarray(np.random.RandomState(0).permutation(16)[None].astype(np.int32))
+    state = engine.state.experts
+    apply = jax.jit(engine.loaded.module.apply)
+    params = {"params": engine.loaded.params}
+    tokens = jnp.asarray(prompt[None, :prefill])
+    logits, cache, state = apply(params, tokens, jnp.arange(prefill)[None], tokens > -1, cache,
+                                 table, state)
+    stepped = [np.asarray(logits[0])]
+    for pos in range(prefill, len(prompt)):
+        token = jnp.asarray(prompt[None, pos:pos + 1])
+        logits, cache, state = apply(params, token, jnp.full((1, 1), pos), token > -1, cache,
+                                     table, state)
+        stepped.append(np.asarray(logits[0]))
+    return np.concatenate(stepped)
+
+
+def state_dict(model) -> dict:
+    """The torch model's tensors as numpy arrays, as transformers 5 holds them in memory."""
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def write_fused_copy(model, path: Path, out: Path) -> Path:
+    """A copy of checkpoint `path` whose tensors are the model's in-memory ones (transformers 5's
+    fused experts, gate_up_proj [E, 2I, D] and down_proj [E, D, I])."""
+    import shutil
+
+    from safetensors.numpy import save_file
+    state = state_dict(model)
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    shutil.copytree(path, out)
+    (out / "model.safetensors").unlink()
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def write_fp8_copies(path: Path, out: Path) -> tuple[Path, Path]:
+    """Two copies of checkpoint `path` under `out`: "fp8", every 2-D projection weight as e4m3 +
+    weight_scale_inv (128 x 128 blocks, as DeepSeek and GLM publish them), and "dequant", the
+    same values dequantized to float32 (so the two must load to identical logits)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from tidejax.checkpoint import CheckpointReader, dequantize_fp8_block, quantize_fp8_block
+    fp8, dequant = out / "fp8", out / "dequant"
+    for d in (fp8, dequant):
+        shutil.copytree(path, d)
+    per_expert = CheckpointReader(path, progress=False)
+    fp8_tensors, dq_tensors = {}, {}
+    for key in per_expert.names():
+        w = per_expert.read(key)
+        if key.endswith("proj.weight") and w.ndim == 2:
+            q, scale_inv = quantize_fp8_block(w)
+            fp8_tensors[key], fp8_tensors[key + "_scale_inv"] = q, scale_inv
+            dq_tensors[key] = dequantize_fp8_block(q, scale_inv)
+        else:
+            fp8_tensors[key] = dq_tensors[key] = w
+    save_file(fp8_tensors, str(fp8 / "model.safetensors"))
+    save_file(dq_tensors, str(dequant / "model.safetensors"))
+    return fp8, dequant

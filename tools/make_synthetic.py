@@ -16,6 +16,19 @@ are MoE. Routed experts of MoE layer i are stored fused per layer, in the bank's
   model.layers.{i}.mlp.experts.down_proj_blocks    [E, D, I/32, 16] U8, ..._scales [E, D, I/32] U8
 or with `--experts bf16` as transformers 5's fused `gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I].
 
+Shapes of the GLM-4.5 family (model_type glm4_moe: GQA attention with q/k/v biases and half of
+each head rotated, sigmoid-routed MoE with a shared expert), written as the published BF16
+checkpoints are (`self_attn.{q,k,v}_proj.{weight,bias}`, `q_norm` / `k_norm` where the shape
+has them), the routed experts fused per layer as for the V3 family (MXFP4 or `--experts bf16`):
+  glm45-air  GLM-4.5-Air: 46 layers, hidden 4096, 96 heads of 128 over 8 KV heads, 128 routed
+             experts of 1408, 8 a token, one shared expert, dense MLP 10944 in layer 0,
+             routed_scaling 1.0, no q/k norm, rope theta 1e6 on 64 of the 128 channels
+  glm45      GLM-4.5 / 4.6: 92 layers, hidden 5120, 96 heads of 128 over 8 KV heads, 160 experts
+             of 1536, 8 a token, dense MLP 12288 in layers 0-2, routed_scaling 2.5, q/k norm
+  glm-tiny   hidden 64, 4 heads of 16 over 2 KV heads, 16 experts of 32, 4 a token (tests)
+`--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
+shape's own (1 for glm45-air, 3 for glm45). The MTP layer is left out (num_nextn_predict_layers 0).
+
 Shapes of the DeepSeek-V4.1 family (model_type deepseek_v41: mHC streams, latent single-KV
 attention with CSA2 compressed branches and indexers, Engram, sqrtsoftplus MoE), written as the
 published DeepSeek-V4.1-Flash checkpoint is (no `model.` prefix, `head.weight`; composite
@@ -102,6 +115,21 @@ SHAPES = {
                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
 
+GLM_SHAPES = {
+    "glm45-air": dict(hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                      num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                      n_routed_experts=128, num_experts_per_tok=8, routed_scaling_factor=1.0,
+                      use_qk_norm=False, dense_layers=1),
+    "glm45": dict(hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+                  num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                  n_routed_experts=160, num_experts_per_tok=8, routed_scaling_factor=2.5,
+                  use_qk_norm=True, dense_layers=3),
+    "glm-tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5,
+                     use_qk_norm=True, dense_layers=1),
+}
+
 # DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
 DS41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
 DS41_KV_SOURCES = (2, 8, 14, 20)
@@ -140,12 +168,16 @@ E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fn
 ST_DTYPES = {U8: "U8", I8: "I8", BF16: "BF16", F32: "F32", E4M3: "F8_E4M3", E8M0: "F8_E8M0"}
 
 
-def hf_config(shape: str, layers: int, dense_layers: int, vocab_size: int, max_positions: int,
-              special: dict, n_experts: int = 0) -> dict:
-    s = SHAPES[shape] | ({"n_routed_experts": n_experts} if n_experts else {})
+def _check_dense_layers(dense_layers: int, layers: int) -> None:
     if not 0 <= dense_layers < layers:
         raise SystemExit(f"error: --dense-layers {dense_layers} must leave at least one MoE layer "
                          f"of --layers {layers}")
+
+
+def hf_config(shape: str, layers: int, dense_layers: int, vocab_size: int, max_positions: int,
+              special: dict, n_experts: int = 0) -> dict:
+    s = SHAPES[shape] | ({"n_routed_experts": n_experts} if n_experts else {})
+    _check_dense_layers(dense_layers, layers)
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
@@ -215,7 +247,7 @@ def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     q_lora, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     p = f"model.layers.{i}"
-    out = [
+    return [
         (f"{p}.input_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
         (f"{p}.post_attention_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
         (f"{p}.self_attn.q_a_proj.weight", BF16, (q_lora, d), _uniform(d)),
@@ -225,15 +257,21 @@ def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
         (f"{p}.self_attn.kv_a_layernorm.weight", BF16, (c,), _const(1.0, BF16)),
         (f"{p}.self_attn.kv_b_proj.weight", BF16, (h * (nope + v), c), _uniform(c)),
         (f"{p}.self_attn.o_proj.weight", BF16, (d, h * v), _uniform(h * v)),
-    ]
+    ] + mlp_tensors(cfg, i, experts)
+
+
+def mlp_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
+    """Layer i's MLP (V3 and GLM families): dense in the first_k_dense_replace layers, else the
+    router, the shared expert and the routed experts fused (MXFP4 or bf16)."""
+    d, p = cfg["hidden_size"], f"model.layers.{i}"
     if i < cfg["first_k_dense_replace"]:
         inter = cfg["intermediate_size"]
-        return out + [(f"{p}.mlp.gate_proj.weight", BF16, (inter, d), _uniform(d)),
-                      (f"{p}.mlp.up_proj.weight", BF16, (inter, d), _uniform(d)),
-                      (f"{p}.mlp.down_proj.weight", BF16, (d, inter), _uniform(inter))]
+        return [(f"{p}.mlp.gate_proj.weight", BF16, (inter, d), _uniform(d)),
+                (f"{p}.mlp.up_proj.weight", BF16, (inter, d), _uniform(d)),
+                (f"{p}.mlp.down_proj.weight", BF16, (d, inter), _uniform(inter))]
     e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     shared = inter * cfg["n_shared_experts"]
-    out += [(f"{p}.mlp.gate.weight", BF16, (e, d), _uniform(d)),
+    out = [(f"{p}.mlp.gate.weight", BF16, (e, d), _uniform(d)),
             (f"{p}.mlp.gate.e_score_correction_bias", F32, (e,), _const(0.0, F32)),
             (f"{p}.mlp.shared_experts.gate_proj.weight", BF16, (shared, d), _uniform(d)),
             (f"{p}.mlp.shared_experts.up_proj.weight", BF16, (shared, d), _uniform(d)),
@@ -246,6 +284,43 @@ def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
                       (f"{x}.down_proj_scales", U8, (e, d, inter // 32), _scales(inter))]
     return out + [(f"{x}.gate_up_proj", BF16, (e, 2 * inter, d), _uniform(d)),
                   (f"{x}.down_proj", BF16, (e, d, inter), _uniform(inter))]
+
+
+def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+               max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """A config.json as zai-org publishes GLM-4.5's (rope_theta and partial_rotary_factor at the
+    top level), cut to `layers` layers."""
+    s = dict(GLM_SHAPES[shape]) | ({"n_routed_experts": n_experts} if n_experts else {})
+    shape_dense = s.pop("dense_layers")
+    dense_layers = shape_dense if dense_layers is None else dense_layers
+    _check_dense_layers(dense_layers, layers)
+    return {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
+        "first_k_dense_replace": dense_layers, "n_shared_experts": 1, "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "initializer_range": 0.02,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
+        **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
+    }
+
+
+def glm_layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
+    d, h, g, k = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                  cfg["head_dim"])
+    a = f"model.layers.{i}.self_attn"
+    out = [(f"model.layers.{i}.input_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
+           (f"model.layers.{i}.post_attention_layernorm.weight", BF16, (d,), _const(1.0, BF16))]
+    for proj, rows in (("q_proj", h * k), ("k_proj", g * k), ("v_proj", g * k)):
+        out += [(f"{a}.{proj}.weight", BF16, (rows, d), _uniform(d)),
+                (f"{a}.{proj}.bias", BF16, (rows,), _const(0.0, BF16))]
+    out.append((f"{a}.o_proj.weight", BF16, (d, h * k), _uniform(h * k)))
+    if cfg["use_qk_norm"]:
+        out += [(f"{a}.q_norm.weight", BF16, (k,), _const(1.0, BF16)),
+                (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16))]
+    return out + mlp_tensors(cfg, i, experts)
 
 
 def top_tensors(cfg: dict) -> list[tuple]:
@@ -481,22 +556,25 @@ def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], token
     return progress.total
 
 
-# flags of one family's shapes, with their defaults
+# flags of one family's shapes, with their defaults (GLM's --dense-layers: the shape's own)
 V3_FLAGS = {"dense_layers": 1, "experts": "mxfp4", "max_positions": 16384}
+GLM_FLAGS = {"dense_layers": None, "experts": "mxfp4", "max_positions": 16384}
 DS41_FLAGS = {"engram_gib": None}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
-    parser.add_argument("--shape", choices=sorted(SHAPES | DS41_SHAPES), default="v41-flash")
+    parser.add_argument("--shape", choices=sorted(SHAPES | GLM_SHAPES | DS41_SHAPES),
+                        default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--n-experts", type=int, default=0,
                         help="routed experts per layer (default: the shape's)")
-    parser.add_argument("--dense-layers", type=int, help="leading dense-MLP layers (V3 family; 1)")
-    parser.add_argument("--experts", choices=("mxfp4", "bf16"), help="V3 family (mxfp4)")
-    parser.add_argument("--max-positions", type=int, help="V3 family (16384)")
+    parser.add_argument("--dense-layers", type=int,
+                        help="leading dense-MLP layers (V3 family: 1; GLM: the shape's)")
+    parser.add_argument("--experts", choices=("mxfp4", "bf16"), help="V3 and GLM families (mxfp4)")
+    parser.add_argument("--max-positions", type=int, help="V3 and GLM families (16384)")
     parser.add_argument("--engram-gib", type=float,
                         help="GiB of each Engram table (V4.1 family; ds41-flash: 4, real: 94.4)")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
@@ -506,8 +584,8 @@ def main(argv=None) -> int:
                         help="processes filling and writing the shards")
     args = parser.parse_args(argv)
     shape, layers = ("tiny", 3) if args.tiny else (args.shape, args.layers)
-    flags, other = (DS41_FLAGS, V3_FLAGS) if shape in DS41_SHAPES else (V3_FLAGS, DS41_FLAGS)
-    for name in other:
+    flags = DS41_FLAGS if shape in DS41_SHAPES else GLM_FLAGS if shape in GLM_SHAPES else V3_FLAGS
+    for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
         if getattr(args, name) is not None:
             raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
     for name, default in flags.items():
@@ -525,13 +603,15 @@ def main(argv=None) -> int:
                 f"{t['n_routed_experts']} FP4 experts, Engram tables of "
                 f"{t['engram_num_embeddings']} rows")
     else:
-        cfg = hf_config(shape, layers, args.dense_layers, backend.get_vocab_size(),
-                        args.max_positions, special, args.n_experts)
+        glm = shape in GLM_SHAPES
+        cfg = (glm_config if glm else hf_config)(
+            shape, layers, args.dense_layers, backend.get_vocab_size(), args.max_positions,
+            special, args.n_experts)
+        layer = glm_layer_tensors if glm else layer_tensors
         shards = [("model-top.safetensors", top_tensors(cfg))] + [
-            (f"model-layer{i:03d}.safetensors", layer_tensors(cfg, i, args.experts))
-            for i in range(layers)]
-        what = (f"{layers} layers ({layers - args.dense_layers} MoE x {cfg['n_routed_experts']} "
-                f"experts, {args.experts})")
+            (f"model-layer{i:03d}.safetensors", layer(cfg, i, args.experts)) for i in range(layers)]
+        what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
+                f"{cfg['n_routed_experts']} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
     print(f"{args.out}: {shape}, {what}, vocab {backend.get_vocab_size()}, "
           f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")

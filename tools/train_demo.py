@@ -12,7 +12,7 @@ balancing), prints the loss curve, evaluates the held-out loss per domain and ex
 Hugging Face checkpoint directory (config.json, model.safetensors, generation_config.json and
 the tokenizer files).
 
-The forward is tidejax.models.deepseek_v3.model.DeepseekV3 with every expert resident and the jnp
+The forward is tidejax.models.deepseek_v3.model.build's with every expert resident and the jnp
 reference kernel (differentiable), so the model that is trained is the model that is served.
 """
 
@@ -155,7 +155,7 @@ class Trainer:
         from tidejax.kv.paged import PagedCache
         from tidejax.models.base import init
         from tidejax.models.deepseek_v3.config import DeepseekV3Config
-        from tidejax.models.deepseek_v3.model import DeepseekV3, MLACache
+        from tidejax.models.deepseek_v3.model import MLACache, build
         from tidejax.models.deepseek_v3.weights import expert_specs, param_specs
         from tidejax.residency.serve import ServeOptions
         from tidejax.residency.state import all_resident_state
@@ -163,7 +163,8 @@ class Trainer:
         self.jax, self.jnp = jax, jnp
         self.cfg = cfg = DeepseekV3Config.from_hf(raw_cfg, "train_demo config")
         self.seq = seq
-        self.model = DeepseekV3(cfg, ServeOptions(kernel="reference", all_resident=True, count=True))
+        self.model = build(cfg, ServeOptions(kernel="reference", all_resident=True, count=True),
+                           jnp.float32)
         self.n_moe = len(cfg.moe_layers)
         # a KV pool of one page of `seq` tokens a row, and its block table [b, 1]
         self._cache = lambda b: (PagedCache(MLACache.create(cfg, b, seq, jnp.float32)),

@@ -74,3 +74,51 @@ def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, posit
         return out[:, None].astype(q_latent.dtype)
     return paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, positions,
                              scale=float(scale), impl=impl)
+
+
+KEY_BLOCK = 512  # keys the GQA attention attends a loop step (whole pages; at least one page)
+
+
+def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
+    """Grouped-query attention over each row's pages (jnp; no GPU kernel yet): q [b, t, h, k];
+    k_pages, v_pages [n_pages, page_size, g, k] (g KV heads, each serving h / g query heads);
+    block_table [b, P]; positions [b, t] (a query sees positions <= its own) -> out [b, t, h, k]
+    in the queries' dtype.
+
+    Flash attention: KEY_BLOCK keys at a time gathered page by page from the table, a running max
+    and sum in float32 (HIGHEST precision dots); the loop stops at the block holding the last
+    query's position, so a step costs the keys its rows hold, never the pool or max_context."""
+    b, t, h, dk = q.shape
+    _, page_size, g, dv = v_pages.shape
+    if h % g or k_pages.shape[:3] != v_pages.shape[:3] or k_pages.shape[3] != dk:
+        raise ValueError(f"gqa_attention: q {q.shape}, k_pages {k_pages.shape} and v_pages "
+                         f"{v_pages.shape} do not fit (heads a multiple of the KV heads)")
+    f32 = jnp.float32
+    per_block = max(1, KEY_BLOCK // page_size)  # pages a key block holds
+    keys = per_block * page_size
+    width = block_table.shape[1]
+    table = jnp.pad(block_table, ((0, 0), (0, -width % per_block)))  # padding: page 0, masked
+    n_blocks = jnp.clip(jnp.max(positions) // keys + 1, 0, table.shape[1] // per_block)
+    qg = q.astype(f32).reshape(b, t, g, h // g, dk)  # [b, t, g, r, k]: query heads by KV head
+
+    def attend_block(i, carry):
+        top, total, acc = carry  # [b, g, r, t], [b, g, r, t], [b, t, g, r, v]
+        pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
+        k = k_pages[pages].reshape(b, keys, g, dk).astype(f32)  # [b, s, g, k]
+        v = v_pages[pages].reshape(b, keys, g, dv).astype(f32)
+        scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+        visible = i * keys + jnp.arange(keys)[None, None, :] <= positions[:, :, None]  # [b, t, s]
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+        probs = jnp.exp(scores - new_top[..., None])
+        keep = jnp.exp(top - new_top)
+        acc = acc * jnp.moveaxis(keep, 3, 1)[..., None] + jnp.einsum(
+            "bgrts,bsgv->btgrv", probs, v, precision=jax.lax.Precision.HIGHEST)
+        return new_top, total * keep + jnp.sum(probs, axis=-1), acc
+
+    start = (jnp.full((b, g, h // g, t), -1e30, f32), jnp.zeros((b, g, h // g, t), f32),
+             jnp.zeros((b, t, g, h // g, dv), f32))
+    _, total, acc = jax.lax.fori_loop(0, n_blocks, attend_block, start)
+    total = jnp.moveaxis(total, 3, 1)[..., None]  # [b, t, g, r, 1]
+    out = acc / jnp.where(total > 0, total, 1.0)
+    return out.reshape(b, t, h, dv).astype(q.dtype)

@@ -16,6 +16,7 @@ FAMILY_MODULES = {
     "kimi_k2": "tidejax.models.deepseek_v3.family",
     "deepseek_v41": "tidejax.models.deepseek_v41.family",
     "deepseek_v4": "tidejax.models.deepseek_v4.family",
+    "glm4_moe": "tidejax.models.glm4_moe.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -98,7 +98,8 @@ class Server:
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
         max_new = model.budget(len(prompt_ids), chat.options)
-        parser = OutputParser(model.info.tool_format if chat.tools else None, in_reasoning)
+        parser = OutputParser(model.info.tool_format if chat.tools else None, in_reasoning,
+                              chat.tools)
         return self.generation(prefix, prompt_ids, chat.options, max_new), parser
 
 

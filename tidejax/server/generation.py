@@ -37,8 +37,10 @@ class ServedModel:
         if info.chat_template is None:
             log.warning("%s has no chat template; /v1/chat/completions and /v1/messages are "
                         "unavailable", info.name)
+        format_tokens = info.tool_format.tokens if info.tool_format else ()
         keep = frozenset(i for i, text in info.tokenizer.special_tokens.items()
-                         if any(word in text.lower() for word in ("tool", "think")))
+                         if any(word in text.lower() for word in ("tool", "think"))
+                         or text in format_tokens)
         return ServedModel(info, max_tokens_limit, keep)
 
     @property

@@ -31,24 +31,41 @@ def _json_object(text: str) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
+def parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
+    """OpenAI function tools -> {tool name: {argument: its JSON schema}}."""
+    schemas = {}
+    for tool in tools or ():
+        function = tool.get("function") or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        if isinstance(function.get("name"), str) and isinstance(properties, dict):
+            schemas[function["name"]] = properties
+    return schemas
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolFormat:
     """One way of writing tool calls. `start` opens the tool-call section in the output;
     `template_marker` identifies the format in a chat template; `arguments_as_dict` says whether
-    the template reads an assistant tool call's arguments as a mapping (else as a JSON string)."""
+    the template reads an assistant tool call's arguments as a mapping (else as a JSON string);
+    `tokens`: the control tokens a call holds besides those naming a tool (the text the parser
+    reads keeps them). `parse_call(body, schemas)` reads one call; `schemas`
+    (`parameter_schemas` of the request's tools) types arguments a format writes untyped."""
 
     name: str
     start: str
     template_marker: str
     call_pattern: re.Pattern  # group 1: one call's body
-    parse_call: Callable[[str], ToolCall | None]
+    parse_call: Callable[[str, dict[str, dict]], ToolCall | None]
     arguments_as_dict: bool
+    tokens: tuple[str, ...] = ()
 
-    def parse(self, section: str) -> list[ToolCall] | None:
-        """The calls in a tool-call section, or None when any call in it is malformed."""
+    def parse(self, section: str, tools: list[dict] | None = None) -> list[ToolCall] | None:
+        """The calls in a tool-call section (arguments typed by the request's `tools` where the
+        format needs it), or None when any call in it is malformed."""
+        schemas = parameter_schemas(tools)
         calls = []
         for match in self.call_pattern.finditer(section):
-            call = self.parse_call(match.group(1))
+            call = self.parse_call(match.group(1), schemas)
             if call is None:
                 return None
             calls.append(call)
@@ -66,19 +83,35 @@ def _call_deepseek_v3(body: str) -> ToolCall | None:
     return ToolCall(name.strip(), args) if args is not None and name.strip() else None
 
 
-def _call_glm(body: str) -> ToolCall | None:
-    # "NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>..." (V raw for strings, JSON otherwise)
-    name = body.split("<arg_key>", 1)[0].strip()
-    if not name:
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _call_glm(body: str, schemas: dict[str, dict]) -> ToolCall | None:
+    # "NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...": GLM's templates write V as is
+    # for a string and as JSON otherwise, so V stays text where the tool's schema says string,
+    # else it is parsed as JSON where it parses
+    name, sep, rest = body.partition("<arg_key>")
+    name, rest = name.strip(), sep + rest
+    if not name or _GLM_ARGUMENT.sub("", rest).strip():  # no name, or a broken argument
         return None
+    properties = schemas.get(name, {})
     arguments = {}
-    for key, value in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
-                                 body, re.S):
+    for key, value in _GLM_ARGUMENT.findall(rest):
+        key = key.strip()
+        if _is_string(properties.get(key)):
+            arguments[key] = value
+            continue
         try:
-            arguments[key.strip()] = json.loads(value)
+            arguments[key] = json.loads(value)
         except json.JSONDecodeError:
-            arguments[key.strip()] = value
+            arguments[key] = value
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _is_string(schema) -> bool:
+    """Whether a JSON schema's type is string (or a list of types that holds string)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
 def _call_kimi_k2(body: str) -> ToolCall | None:
@@ -114,18 +147,19 @@ def _call_hermes(body: str) -> ToolCall | None:
 DEEPSEEK_V3 = ToolFormat(
     name="deepseek_v3", start="<｜tool▁calls▁begin｜>", template_marker="tool▁calls▁begin",
     call_pattern=re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.S),
-    parse_call=_call_deepseek_v3, arguments_as_dict=False)
+    parse_call=lambda body, _: _call_deepseek_v3(body), arguments_as_dict=False)
 GLM = ToolFormat(
     name="glm", start="<tool_call>", template_marker="<arg_key>",
     call_pattern=re.compile(r"<tool_call>(.*?)</tool_call>", re.S), parse_call=_call_glm,
-    arguments_as_dict=True)
+    arguments_as_dict=True, tokens=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
 KIMI_K2 = ToolFormat(
     name="kimi_k2", start="<|tool_calls_section_begin|>", template_marker="<|tool_call_begin|>",
     call_pattern=re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.S),
-    parse_call=_call_kimi_k2, arguments_as_dict=False)
+    parse_call=lambda body, _: _call_kimi_k2(body), arguments_as_dict=False)
 HERMES = ToolFormat(
     name="hermes", start="<tool_call>", template_marker="<tool_call>",
-    call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S), parse_call=_call_hermes,
+    call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S),
+    parse_call=lambda body, _: _call_hermes(body),
     arguments_as_dict=True)
 
 # most specific template marker first: GLM's templates also contain "<tool_call>"
@@ -144,8 +178,10 @@ class OutputParser:
     """Splits generated text into ("reasoning" | "content", text) pieces as it arrives; the
     tool-call section (from the format's start marker on) is held and parsed by `finish()`."""
 
-    def __init__(self, tool_format: ToolFormat | None, in_reasoning: bool = False):
+    def __init__(self, tool_format: ToolFormat | None, in_reasoning: bool = False,
+                 tools: list[dict] | None = None):
         self.tool_format = tool_format
+        self.tools = tools  # the request's tools: they type the arguments of some formats
         self.mode = "reasoning" if in_reasoning else "content"
         self.pending = ""
         self.tool_text = ""
@@ -189,7 +225,7 @@ class OutputParser:
         parse is content)."""
         out = [(self.mode, self.pending)] if self.pending and self.mode != "tools" else []
         if self.tool_text:
-            self.tool_calls = self.tool_format.parse(self.tool_text) or []
+            self.tool_calls = self.tool_format.parse(self.tool_text, self.tools) or []
             if not self.tool_calls:
                 out.append(("content", self.tool_text))
         self.pending = self.tool_text = ""

@@ -3,79 +3,39 @@ fills them; loading, test init and memory estimates come from these declarations
 
 from __future__ import annotations
 
-from tidejax.checkpoint import Experts, Rule, Table
-from tidejax.models.base import ParamSpec
+from tidejax.checkpoint import Rule, Table
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import router_spec
+from tidejax.models.layers.decoder import LAYER, decoder_expert_specs, decoder_specs, decoder_table
 from tidejax.models.layers.mla import mla_specs
-from tidejax.models.layers.mlp import swiglu_specs
-from tidejax.models.layers.moe import moe_specs, routed_expert_specs
-from tidejax.models.layers.norm import norm_specs
 from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 
 
 def param_specs(cfg: DeepseekV3Config, dtype) -> dict:
     """The dense params (everything but the routed experts) as ParamSpecs."""
-    d = cfg.hidden_size
-    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
-             "norm": norm_specs(d, "embed", dtype)}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
-    for i in range(cfg.num_layers):
-        layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": mla_specs(cfg, dtype),
-                 "post_attn_norm": norm_specs(d, "embed", dtype)}
-        if i in cfg.moe_layers:
-            layer["moe"] = moe_specs(router_spec(cfg), d, cfg.shared_intermediate_size, dtype)
-        else:
-            layer["mlp"] = swiglu_specs(d, cfg.intermediate_size, dtype)
-        specs[f"layers_{i}"] = layer
-    return specs
+    return decoder_specs(cfg, router_spec(cfg), mla_specs(cfg, dtype), dtype)
 
 
 def expert_specs(cfg: DeepseekV3Config, dtype) -> dict:
     """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
-    n_moe, n_experts, hidden, inter = expert_dims(cfg)
-    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
+    return decoder_expert_specs(cfg, dtype)
 
 
-_LAYER = "model.layers.{i}"
-_EXPERTS = r"{layer:model\.layers\.[0-9]+\.mlp}.experts"
-RULES = (
-    Rule("model.embed_tokens.weight", "embed"),
-    Rule("model.norm.weight", "norm.weight"),
-    Rule("lm_head.weight", "lm_head"),
-    Rule(f"{_LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
-    Rule(f"{_LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
-    Rule(f"{_LAYER}.self_attn.{{proj:q_proj|q_a_proj|q_b_proj|o_proj}}.weight",
+ATTENTION_RULES = (
+    Rule(f"{LAYER}.self_attn.{{proj:q_proj|q_a_proj|q_b_proj|o_proj}}.weight",
          "layers_{i}.attn.{proj}.weight"),
-    Rule(f"{_LAYER}.self_attn.q_a_layernorm.weight", "layers_{i}.attn.q_a_norm.weight"),
-    Rule(f"{_LAYER}.self_attn.kv_a_proj_with_mqa.weight", "layers_{i}.attn.kv_a_proj.weight"),
-    Rule(f"{_LAYER}.self_attn.kv_a_layernorm.weight", "layers_{i}.attn.kv_a_norm.weight"),
-    Rule(f"{_LAYER}.self_attn.kv_b_proj.weight", "layers_{i}.attn.kv_b_proj"),
-    Rule(f"{_LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
-    Rule(f"{_LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
-    Rule(f"{_LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
-    Rule(f"{_LAYER}.mlp.shared_experts.{{proj:gate|up|down}}_proj.weight",
-         "layers_{i}.moe.shared.{proj}_proj.weight"),
-    # routed experts: published per-expert tensors (FP8 pairs allowed), transformers 5's fused
-    # [E, ...] tensors, or fused MXFP4 blocks and scales (the reader pairs those into one tensor)
-    Experts(_EXPERTS + ".{expert}.{part:gate|up|down}_proj.weight"),
-    Experts(_EXPERTS + ".{part:gate_up|down}_proj"),
+    Rule(f"{LAYER}.self_attn.q_a_layernorm.weight", "layers_{i}.attn.q_a_norm.weight"),
+    Rule(f"{LAYER}.self_attn.kv_a_proj_with_mqa.weight", "layers_{i}.attn.kv_a_proj.weight"),
+    Rule(f"{LAYER}.self_attn.kv_a_layernorm.weight", "layers_{i}.attn.kv_a_norm.weight"),
+    Rule(f"{LAYER}.self_attn.kv_b_proj.weight", "layers_{i}.attn.kv_b_proj"),
 )
 
 
 def checkpoint_table(cfg: DeepseekV3Config) -> Table:
-    """Hugging Face tensor names -> the declared params and the routed-expert rows. Ignored: the
-    multi-token-prediction layers after the last decoder layer and the rotary caches some
-    exports include."""
-    mtp = tuple(f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
-    return Table(RULES, ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
-                 expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
-
-
-def expert_dims(cfg: DeepseekV3Config) -> tuple[int, int, int, int]:
-    return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    """Hugging Face tensor names -> the declared params and the routed-expert rows (the MTP
+    layers and rotary caches ignored: layers/decoder.py)."""
+    return decoder_table(cfg, ATTENTION_RULES)
 
 
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,

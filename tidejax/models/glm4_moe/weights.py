@@ -1,0 +1,44 @@
+"""GLM-4.5 params, declared (the tree the flax model consumes), and the checkpoint table that fills
+them from the published layout (per-expert tensors, BF16 or FP8 with 128 x 128 block scales) or
+the one transformers 5 holds in memory (fused experts)."""
+
+from __future__ import annotations
+
+from tidejax.checkpoint import Rule, Table
+from tidejax.models.glm4_moe.config import Glm4MoeConfig
+from tidejax.models.glm4_moe.model import router_spec
+from tidejax.models.layers.decoder import LAYER, decoder_expert_specs, decoder_specs, decoder_table
+from tidejax.models.layers.gqa import gqa_specs
+from tidejax.models.loading import load_by_table
+from tidejax.residency.serve import ServeOptions
+
+
+def param_specs(cfg: Glm4MoeConfig, dtype) -> dict:
+    """The dense params (everything but the routed experts) as ParamSpecs."""
+    return decoder_specs(cfg, router_spec(cfg), gqa_specs(cfg, dtype), dtype)
+
+
+def expert_specs(cfg: Glm4MoeConfig, dtype) -> dict:
+    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
+    return decoder_expert_specs(cfg, dtype)
+
+
+ATTENTION_RULES = (
+    Rule(f"{LAYER}.self_attn.{{proj:q_proj|k_proj|v_proj|o_proj}}.{{kind:weight|bias}}",
+         "layers_{i}.attn.{proj}.{kind}"),
+    Rule(f"{LAYER}.self_attn.{{norm:q_norm|k_norm}}.weight", "layers_{i}.attn.{norm}.weight"),
+)
+
+
+def checkpoint_table(cfg: Glm4MoeConfig) -> Table:
+    """Hugging Face tensor names -> the declared params and the routed-expert rows (the MTP
+    layer, kept for speculative decoding by a later change, and rotary caches ignored:
+    layers/decoder.py)."""
+    return decoder_table(cfg, ATTENTION_RULES)
+
+
+def load_weights(cfg: Glm4MoeConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,
+                 put_row):
+    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
+                           expert_specs(cfg, dtype), put_row)
+    return params, None

@@ -1,0 +1,162 @@
+"""The decoder stack the DeepSeek-V3-shaped families share (DeepSeek-V3 with MLA, GLM-4.5 with
+GQA): embed; per layer RMSNorm, attention over the paged pool, residual, RMSNorm, a dense SwiGLU
+(the first layers) or the MoE layer, residual; final RMSNorm; lm_head (or the tied embedding).
+Also its declared params and the Hugging Face names of every tensor but attention's.
+
+The family gives the attention: a factory `attention(name) -> module` whose call is
+(x, positions, cos, sin, *layer_pages, slots, block_table) -> (out, *layer_pages), where
+layer_pages are its layer's leaves of the pool (one per field of the pool's dataclass, each
+field a tuple over layers). The config is read by field name: vocab_size, hidden_size,
+num_layers, intermediate_size, moe_layers, shared_intermediate_size, n_routed_experts,
+moe_intermediate_size, rms_norm_eps, rope, tie_word_embeddings, num_mtp_layers.
+
+`Decoder.__call__(tokens, positions, token_mask, cache, block_table, experts)` is the one
+forward used for prefill chunks, decode steps and full-sequence scoring: each layer writes the
+chunk's keys into the row's pages at their positions first, then every query attends to its
+row's positions <= its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from tidejax.checkpoint import Experts, Rule, Table
+from tidejax.kv import paged
+from tidejax.kv.paged import PagedCache
+from tidejax.models.base import ParamSpec
+from tidejax.models.layers.linear import HIGHEST
+from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
+from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
+from tidejax.models.layers.norm import RMSNorm, norm_specs
+from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import ExpertState
+
+
+class DecoderLayer(nn.Module):
+    cfg: Any
+    layer: int
+    router: RouterSpec
+    attention: Callable[[str], nn.Module]
+    serve: ServeOptions
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, token_mask, cos, sin, pages: tuple, slots, block_table,
+                 experts, replay=None):
+        cfg, dt = self.cfg, self.dtype
+        attn, *pages = self.attention("attn")(
+            RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin, *pages,
+            slots, block_table)
+        x = x + attn
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
+        if self.layer in cfg.moe_layers:
+            y, experts = MoE(self.router, cfg.moe_layers.index(self.layer),
+                             cfg.shared_intermediate_size, self.serve, dt,
+                             name="moe")(h, token_mask, experts, replay=replay)
+        else:
+            y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
+        return x + y, tuple(pages), experts
+
+
+class Decoder(nn.Module):
+    cfg: Any
+    router: RouterSpec
+    attention: Callable[[str], nn.Module]
+    serve: ServeOptions
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
+                 experts: ExpertState, replay=None):
+        """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); cache: the
+        pool (the family's dataclass of per-layer tuples; nothing per lane); block_table [b, P]
+        int32: each row's pages in the pool; replay [b, t, L_moe, k]: recorded picks to route by
+        (None: the routers choose) -> logits [b, t, vocab] float32, cache, experts."""
+        cfg, dt = self.cfg, self.dtype
+        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
+        x = jnp.take(embed, tokens, axis=0)
+        inv_freq, attention_factor = rope_frequencies(cfg.rope)
+        cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
+        fields = [f.name for f in dataclasses.fields(cache.pages)]
+        layers = list(zip(*(getattr(cache.pages, name) for name in fields)))  # [L] of leaf tuples
+        n_pages, page_size = layers[0][0].shape[:2]
+        slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
+        for i in range(cfg.num_layers):
+            x, layers[i], experts = DecoderLayer(
+                cfg, i, self.router, self.attention, self.serve, dt, name=f"layers_{i}")(
+                x, positions, token_mask, cos, sin, layers[i], slots, block_table, experts, replay)
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            head = embed
+        else:
+            head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
+        logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), head.astype(jnp.float32),
+                            precision=HIGHEST)
+        pages = cache.pages.replace(**{name: tuple(layer[j] for layer in layers)
+                                       for j, name in enumerate(fields)})
+        return logits, PagedCache(pages), experts
+
+
+def decoder_specs(cfg, router: RouterSpec, attention_specs: dict, dtype) -> dict:
+    """The Decoder's declared params (everything but the routed experts), with `attention_specs`
+    the params of one layer's attention."""
+    d = cfg.hidden_size
+    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+             "norm": norm_specs(d, "embed", dtype)}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
+    for i in range(cfg.num_layers):
+        layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": attention_specs,
+                 "post_attn_norm": norm_specs(d, "embed", dtype)}
+        if i in cfg.moe_layers:
+            layer["moe"] = moe_specs(router, d, cfg.shared_intermediate_size, dtype)
+        else:
+            layer["mlp"] = swiglu_specs(d, cfg.intermediate_size, dtype)
+        specs[f"layers_{i}"] = layer
+    return specs
+
+
+def expert_dims(cfg) -> tuple[int, int, int, int]:
+    """(MoE layers, experts per layer, hidden, expert intermediate)."""
+    return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+
+def decoder_expert_specs(cfg, dtype) -> dict:
+    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
+    n_moe, n_experts, hidden, inter = expert_dims(cfg)
+    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
+
+
+LAYER = "model.layers.{i}"  # a decoder layer's Hugging Face prefix (field i)
+_EXPERTS = r"{layer:model\.layers\.[0-9]+\.mlp}.experts"
+DECODER_RULES = (
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.norm.weight", "norm.weight"),
+    Rule("lm_head.weight", "lm_head"),
+    Rule(f"{LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
+    Rule(f"{LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
+    Rule(f"{LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
+    Rule(f"{LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
+    Rule(f"{LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
+    Rule(f"{LAYER}.mlp.shared_experts.{{proj:gate|up|down}}_proj.weight",
+         "layers_{i}.moe.shared.{proj}_proj.weight"),
+    # routed experts: published per-expert tensors (FP8 pairs allowed), transformers 5's fused
+    # [E, ...] tensors, or fused MXFP4 blocks and scales (the reader pairs those into one tensor)
+    Experts(_EXPERTS + ".{expert}.{part:gate|up|down}_proj.weight"),
+    Experts(_EXPERTS + ".{part:gate_up|down}_proj"),
+)
+
+
+def decoder_table(cfg, attention_rules: tuple) -> Table:
+    """Hugging Face tensor names -> the declared params and the routed-expert rows, with the
+    family's `attention_rules`. Ignored: the multi-token-prediction layers after the last
+    decoder layer and the rotary caches some exports include."""
+    mtp = tuple(f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
+    return Table(DECODER_RULES + attention_rules, ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
+                 expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])

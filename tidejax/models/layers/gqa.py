@@ -1,0 +1,90 @@
+"""Grouped-query attention (GLM-4.5 and the Llama-shaped families) on the paged pool: q, k, v
+projections (with biases where the config says), RMSNorm of each query and key head (q/k norm)
+where it says, rotary on the first `rotary_dim` channels of each head (partial rotary,
+rotate-half), keys and values cached per KV head.
+
+The config is read by field name (hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
+attention_bias, use_qk_norm, rms_norm_eps), so any family whose config has them uses this layer.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax.numpy as jnp
+
+from tidejax.kv import paged
+from tidejax.models.layers.linear import Linear, linear_specs
+from tidejax.models.layers.norm import RMSNorm, norm_specs
+from tidejax.models.layers.rope import apply_rope
+
+
+@flax.struct.dataclass
+class GQAPages:
+    """The paged KV pool, per layer: k and v [n_pages, page_size, kv heads, head_dim] (keys
+    rotated), shared by every sequence through block tables."""
+
+    k: tuple
+    v: tuple
+
+    @staticmethod
+    def create(cfg, n_pages: int, page_size: int, dtype) -> "GQAPages":
+        def pool():
+            return tuple(jnp.zeros((n_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
+                         for _ in range(cfg.num_layers))
+        return GQAPages(k=pool(), v=pool())
+
+    def axes(self) -> "GQAPages":
+        """The logical axes of each pool leaf (tidejax.parallel): KV heads on "heads"."""
+        leaf = ("pages", "page", "heads", None)
+        return GQAPages(k=tuple(leaf for _ in self.k), v=tuple(leaf for _ in self.v))
+
+    @staticmethod
+    def bytes_per_token(cfg, dtype) -> int:
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def gqa_specs(cfg, dtype) -> dict:
+    """GQAttention's declared params (the config fields of the module docstring)."""
+    d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    bias = cfg.attention_bias
+    specs = {"q_proj": linear_specs(h * k, d, ("heads", "embed"), dtype, bias),
+             "k_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
+             "v_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
+             "o_proj": linear_specs(d, h * k, ("embed", "heads"), dtype)}
+    if cfg.use_qk_norm:
+        specs |= {"q_norm": norm_specs(k, None, dtype), "k_norm": norm_specs(k, None, dtype)}
+    return specs
+
+
+class GQAttention(nn.Module):
+    cfg: object  # a config with the fields the module docstring names
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, cos, sin, k_pages, v_pages, slots, block_table):
+        """x [b, t, d]; cos, sin [b, t, rotary_dim / 2]; k_pages, v_pages [n_pages, page_size,
+        g, k]: this layer's KV pool; slots [b, t]: where each token's keys go
+        (tidejax.kv.paged.token_slots); block_table [b, P]: each row's pages
+        -> (out [b, t, d], k_pages, v_pages)."""
+        cfg, dt = self.cfg, self.dtype
+        b, t, _ = x.shape
+        h, g, k, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
+        q = Linear(h * k, dt, cfg.attention_bias, name="q_proj")(x).reshape(b, t, h, k)
+        key = Linear(g * k, dt, cfg.attention_bias, name="k_proj")(x).reshape(b, t, g, k)
+        value = Linear(g * k, dt, cfg.attention_bias, name="v_proj")(x).reshape(b, t, g, k)
+        if cfg.use_qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
+            key = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(key)
+
+        def rotate(heads):  # the first r channels of each head; the rest pass as they are
+            return jnp.concatenate(
+                [apply_rope(heads[..., :r], cos, sin, interleaved=False), heads[..., r:]], -1)
+
+        q, key = rotate(q), rotate(key)
+        k_pages = paged.write(k_pages, key, slots)
+        v_pages = paged.write(v_pages, value, slots)
+        out = paged.gqa_attention(q, k_pages, v_pages, block_table, positions,
+                                  scale=k ** -0.5)
+        out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
+        return out, k_pages, v_pages
