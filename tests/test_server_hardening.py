@@ -158,7 +158,7 @@ def case_unsupported(rng):
     route = rng.choice(["chat", "completion"])
     names = rng.sample(sorted(UNSUPPORTED[route]), rng.randrange(1, 4))
     asked = {n: rng.choice([0.7, 2, -1.5, True, "high", {"7": 5}, [3]]) for n in names}
-    asked = {n: v for n, v in asked.items() if v not in UNSUPPORTED[route][n]} or {"min_p": 0.3}
+    asked = {n: v for n, v in asked.items() if v not in UNSUPPORTED[route][n]} or {"best_of": 3}
     if route == "chat":
         return "/v1/chat/completions", json.dumps(_chat(**asked)), (400,)
     return "/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1,
