@@ -283,6 +283,21 @@ def test_models_retrieve(oai, claude):
         claude.models.retrieve("claude-x")
 
 
+def test_reasoning_fields_need_a_thinking_control(oai, claude):
+    """The demo's template has no thinking control: reasoning_effort and Anthropic's thinking
+    get a 400 naming the field, not a silent no-op."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="'reasoning_effort': the chat template of "
+                                                     "'demo' has no thinking control") as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                    reasoning_effort="low")
+    assert e.value.body["param"] == "reasoning_effort"
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+        with pytest.raises(anthropic.BadRequestError, match="'thinking': the chat template"):
+            claude.messages.create(model=MODEL, max_tokens=2, messages=messages,
+                                   thinking=thinking)
+
+
 def test_include_usage(oai):
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                 temperature=0, stream=True)

@@ -52,12 +52,20 @@ def _chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
 
 
 def _completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+    """The legacy shape; where alternatives print alike (pieces of a UTF-8 character), the
+    likelier one's logprob stands for the text."""
     def text(token: int) -> str:
         return tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+    def top(entry: TokenLogprob) -> dict:
+        out = {}
+        for token, logprob in entry.top:
+            out.setdefault(text(token), logprob)
+        return out
+
     return {"tokens": [text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": [e.offset for e in entries]}
+            "top_logprobs": [top(e) for e in entries], "text_offset": [e.offset for e in entries]}
 
 
 async def _ended(source):
