@@ -34,7 +34,7 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (OpenAI's limit)
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each token (OpenAI's limit)
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties (OpenAI's range)
 BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value (OpenAI's range)
-LOGPROB_FLOOR = -9999.0  # reported for a token that cannot be drawn (OpenAI's figure; JSON has no -inf)
+LOGPROB_FLOOR = -9999.0  # for a token that cannot be drawn (OpenAI's figure; JSON has no -inf)
 
 
 class SamplingError(ValueError):

@@ -463,8 +463,9 @@ class Scheduler:
         """Queues one step with residency's next swap batch and returns its Sampled (tokens
         [lanes] and their logprobs) on the device, not waiting for them: each decoding lane's
         next token and, where `prefill` is given, the token sampled after its chunk at
-        prefill.lane (its request's first token when the chunk ends the prompt). A decoding lane's input is previous[lane] (an earlier step's
-        output, still on the device) or, where decode.fresh[lane], decode.tokens[lane]."""
+        prefill.lane (its request's first token when the chunk ends the prompt). A decoding
+        lane's input is previous[lane] (an earlier step's output, still on the device) or, where
+        decode.fresh[lane], decode.tokens[lane]."""
         residency = self.model.residency
         inputs = self.model.step_inputs(decode, prefill, previous, residency.next_batch())
         with jax.profiler.TraceAnnotation("decode" if prefill is None else "prefill"):
@@ -534,8 +535,10 @@ class Scheduler:
         host-input state of `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
         rows, host = saved
-        self.state = self.model.steps.write_sequence(
-            self.state, np.asarray(pages, np.int32), np.int32(lane), rows)
+        cache, sampling = self.model.steps.write_sequence(
+            self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
+            rows)
+        self.state = self.state.replace(cache=cache, sampling=sampling)
         self.model.write_lane_inputs(lane, host)
 
 

@@ -8,9 +8,9 @@
         [lanes] and their log-probabilities.
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
-    read_sequence(state, pages, lane) / write_sequence(state, pages, lane, saved): a preempted
-        sequence's pages of the pool, its lane's rows and its lane's token counts (a
-        SavedSequence).
+    read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
+        pool, its lane's rows and its lane's token counts; write_sequence(cache, sampling, pages,
+        lane, saved) -> (cache, sampling) puts them back (at any lane).
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
     set_lane(sampling, lane, row): one lane's sampling parameters, its token counts cleared, at
@@ -227,16 +227,15 @@ class Steps:
 
     @functools.cached_property
     def write_sequence(self):
-        def write(state: DecodeState, pages, lane, saved: SavedSequence):
+        def write(cache: PagedCache, sampling: LaneSampling, pages, lane, saved: SavedSequence):
             def put(at):
                 return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype))
-            cache, sampling = state.cache, state.sampling
             cache = PagedCache(jax.tree.map(put(pages), cache.pages, saved.cache.pages),
                                jax.tree.map(put(lane), cache.lanes, saved.cache.lanes))
-            sampling = dataclasses.replace(sampling, counts=sampling.counts.at[lane].set(saved.counts),
-                                           seen=sampling.seen.at[lane].set(saved.seen))
-            return state.replace(cache=cache, sampling=sampling)
-        return jax.jit(write, donate_argnames=("state",))
+            counts = sampling.counts.at[lane].set(saved.counts)
+            seen = sampling.seen.at[lane].set(saved.seen)
+            return cache, dataclasses.replace(sampling, counts=counts, seen=seen)
+        return jax.jit(write, donate_argnames=("cache", "sampling"))
 
     @functools.cached_property
     def set_lane(self):

@@ -232,7 +232,8 @@ def _include_usage(body: Fields, stream: bool) -> bool:
 
 
 def _options(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, ...],
-             logprobs: tuple[int | None, str] = (None, "logprobs"), n: int = 1) -> GenerationOptions:
+             logprobs: tuple[int | None, str] = (None, "logprobs"),
+             n: int = 1) -> GenerationOptions:
     """The generation fields every route shares; `logprobs` (the top logprobs asked for, and the
     field that asked) and `n` come from the OpenAI routes."""
     top_k = body.get("top_k", int, 0)
