@@ -403,6 +403,40 @@ def test_routes_over_an_engine_client(scripted_server):
     assert "geometry" not in metrics  # labels are not gauges
 
 
+def test_choices_sampling_and_thinking_reach_the_engine(scripted_server, tokenizer_dir):
+    """`n` choices are requests of their own (choice i seeded seed + i); logit_bias, penalties
+    and logprobs ride in their SamplingParams; the reasoning fields set the template's
+    enable_thinking and Anthropic's budget becomes the sampler's, ended by `</think>`."""
+    url, client = scripted_server
+    tokenizer = Tokenizer(tokenizer_dir)
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 3,
+        "max_tokens": 4, "logit_bias": {"7": 2.5}, "frequency_penalty": 0.5, "logprobs": True,
+        "top_logprobs": 4})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    first, second = client.requests[-2:]
+    assert (first.sampling.seed, second.sampling.seed) == (3, 4)
+    assert first.sampling == SamplingParams(1.0, seed=3, logit_bias={7: 2.5},
+                                            frequency_penalty=0.5, logprobs=4)
+    assert body["usage"]["completion_tokens"] == 8
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+        "logit_bias": {str(tokenizer.vocab_size): 1}})
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+    think = tokenizer.token_id("<think>")
+    for effort, opened in (("high", True), ("none", False)):
+        status, _ = call(url, "/v1/chat/completions", {
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "reasoning_effort": effort})
+        assert status == 200 and (client.requests[-1].prompt_ids[-1] == think) == opened
+    status, _ = call(url, "/v1/messages", {
+        "model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 3}})
+    sampling = client.requests[-1].sampling
+    assert status == 200 and client.requests[-1].prompt_ids[-1] == think
+    assert (sampling.thinking_budget, sampling.thinking_end) == (3, tokenizer.token_id("</think>"))
+
+
 def test_requests_the_engine_client_refuses(scripted_server):
     url, _ = scripted_server
     status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": [5] * 500})

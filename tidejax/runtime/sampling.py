@@ -148,7 +148,7 @@ class LaneParams:
             frequency=column("frequency_penalty", np.float32),
             repetition=column("repetition_penalty", np.float32), bias_ids=bias_ids, bias=bias,
             logprobs=np.array([p.logprobs is not None for p in params]),
-            thinking_budget=column("thinking_budget", np.int32),
+            thinking_budget=np.array([min(p.thinking_budget, 1 << 30) for p in params], np.int32),
             thinking_end=np.array([max(p.thinking_end, 0) for p in params], np.int32))
 
 

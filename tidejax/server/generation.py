@@ -213,6 +213,7 @@ class Generation:
             out = logprobs[:]
             logprobs.clear()
             return out
+
         try:
             stream = self.client.submit(self.request)
         except ValueError as e:  # the engine refuses a request it cannot run
