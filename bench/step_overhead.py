@@ -101,7 +101,8 @@ def bare_ms(engine, lanes: int, steps: int) -> float:
     idle = engine.residency.idle_batch()
     start = time.perf_counter()
     for _ in range(steps):
-        out, _ = engine.scheduler.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
+        sampled, _ = engine.scheduler.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
+        out = sampled.tokens
     jax.block_until_ready(out)
     return (time.perf_counter() - start) * 1e3 / steps
 

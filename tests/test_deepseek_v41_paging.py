@@ -74,7 +74,7 @@ def test_preempted_requests_resume_exactly(engine):
 def test_a_saved_sequence_goes_back_into_any_lane(engine):
     """read_sequence / write_sequence: lane 1's rows, pages and Engram history into lane 0."""
     saved = engine.read_sequence([2, 3], 1)
-    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(saved[0].lanes))
+    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(saved[0].cache.lanes))
     engine.write_sequence([0, 1], 0, saved)
     again = engine.read_sequence([0, 1], 0)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(again)):

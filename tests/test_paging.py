@@ -63,11 +63,13 @@ def test_page_table_hands_out_and_takes_back():
 
 def test_preempted_requests_resume_exactly(model_dir, reference):
     """Two lanes, a pool of 12 pages of 8 tokens: two requests growing to 60 and 49 positions
-    need 15, so the newest is preempted (its pages to host memory) and resumes where it was;
-    greedy and sampled tokens are those of an unpreempted run."""
+    need 15, so the newest is preempted (its pages and its lane's token counts to host memory)
+    and resumes where it was; greedy and sampled tokens (penalized by the counts) are those of an
+    unpreempted run."""
     small = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 96, "page_size": 8,
                                             "kv_pool_tokens": 96})
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, presence_penalty=1.0,
+                             frequency_penalty=0.5, repetition_penalty=1.3)
     requests = [GenerationRequest(PROMPTS[0], 40, ignore_eos=True),
                 GenerationRequest(PROMPTS[1], 40, sampled, ignore_eos=True)]
     events = collect(small, requests)

@@ -159,7 +159,7 @@ def case_unsupported(rng):
     route = rng.choice(["chat", "completion"])
     names = rng.sample(sorted(UNSUPPORTED[route]), rng.randrange(1, 4))
     asked = {n: rng.choice([0.7, 2, -1.5, True, "high", {"7": 5}, [3]]) for n in names}
-    asked = {n: v for n, v in asked.items() if v not in UNSUPPORTED[route][n]} or {"min_p": 0.3}
+    asked = {n: v for n, v in asked.items() if v not in UNSUPPORTED[route][n]} or {"best_of": 3}
     if route == "chat":
         return "/v1/chat/completions", json.dumps(_chat(**asked)), (400,)
     return "/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1,
@@ -328,6 +328,21 @@ def test_models_retrieve(oai, claude):
     assert [m.id for m in claude.models.list()] == [MODEL]
     with pytest.raises(anthropic.NotFoundError):
         claude.models.retrieve("claude-x")
+
+
+def test_reasoning_fields_need_a_thinking_control(oai, claude):
+    """The demo's template has no thinking control: reasoning_effort and Anthropic's thinking
+    get a 400 naming the field, not a silent no-op."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="'reasoning_effort': the chat template of "
+                                                     "'demo' has no thinking control") as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                    reasoning_effort="low")
+    assert e.value.body["param"] == "reasoning_effort"
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+        with pytest.raises(anthropic.BadRequestError, match="'thinking': the chat template"):
+            claude.messages.create(model=MODEL, max_tokens=2, messages=messages,
+                                   thinking=thinking)
 
 
 def test_include_usage(oai):

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import anthropic
+import numpy as np
 import openai
 import pytest
 
@@ -84,10 +85,15 @@ def test_models_and_health(served, oai):
     assert health["status"] == "ready" and health["lanes"] == LANES
 
 
-def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer):
-    import torch
+@pytest.fixture(scope="module")
+def hf_model(served):
     from transformers import DeepseekV3ForCausalLM
-    model = DeepseekV3ForCausalLM.from_pretrained(served["model_dir"]).eval()
+    return DeepseekV3ForCausalLM.from_pretrained(served["model_dir"]).eval()
+
+
+def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer, hf_model):
+    import torch
+    model = hf_model
     ids = hf_tokenizer("The tide comes in and", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
@@ -413,3 +419,130 @@ def test_bad_input_then_success(served, oai, claude):
     assert re.search(r"tidejax_kv_pages_in_use \d+", metrics)  # the shared KV pool
     assert re.search(r"tidejax_kv_preemptions \d+", metrics)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters, logprobs and n through the openai client, against transformers' logits
+
+
+def hf_greedy(model, ids: list[int], n: int, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy tokens over transformers' logits with the penalties applied in numpy (repetition
+    over the prompt and the output, transformers' way; presence and frequency over the output,
+    OpenAI's), and each token's log-probability under them."""
+    import torch
+    counts = np.zeros(model.config.vocab_size)
+    tokens, logprobs = [], []
+    for _ in range(n):
+        with torch.no_grad():
+            x = model(torch.tensor([ids + tokens])).logits[0, -1].double().numpy()
+        seen = np.isin(np.arange(len(x)), ids + tokens)
+        x = np.where(seen, np.where(x > 0, x / repetition, x * repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        tokens.append(int(np.argmax(x)))
+        logprobs.append(float(logp[tokens[-1]]))
+        counts[tokens[-1]] += 1
+    return tokens, logprobs
+
+
+def test_penalties_and_logit_bias_change_the_output_as_numpy_predicts(oai, hf_tokenizer, hf_model):
+    ids = hf_tokenizer("The tide comes in and", add_special_tokens=False)["input_ids"]
+    plain = hf_greedy(hf_model, ids, 10)[0]
+    want = hf_greedy(hf_model, ids, 10, presence=-2.0, frequency=1.5, repetition=0.05)[0]
+    assert want != plain  # the penalties change this output
+    got = oai.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
+                                 presence_penalty=-2.0, frequency_penalty=1.5,
+                                 extra_body={"repetition_penalty": 0.05})
+    assert got.choices[0].text == hf_tokenizer.decode(want)
+    forced = hf_tokenizer.convert_tokens_to_ids("ide")
+    got = oai.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                 logit_bias={str(forced): 100})
+    assert got.choices[0].text == hf_tokenizer.decode([forced] * 4)
+    with pytest.raises(openai.BadRequestError, match="'logit_bias' has token id 99999"):
+        oai.completions.create(model="tiny", prompt=ids, max_tokens=4, logit_bias={"99999": 1})
+    with pytest.raises(openai.BadRequestError, match="'presence_penalty' = 3.0 is out of range"):
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                    presence_penalty=3)
+
+
+def test_logprobs_in_openai_shapes(oai, hf_tokenizer, hf_model):
+    ids = hf_tokenizer("The tide comes in and", add_special_tokens=False)["input_ids"]
+    tokens, logprobs = hf_greedy(hf_model, ids, 6)
+    got = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                 logprobs=3).choices[0]
+    lp = got.logprobs
+    assert lp.tokens == [hf_tokenizer.decode([t]) for t in tokens]
+    np.testing.assert_allclose(lp.token_logprobs, logprobs, atol=1e-3)
+    # greedy: the token is the best; two alternatives may print alike (a cut UTF-8 character)
+    assert all(1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best, abs=1e-6)
+               for top, best in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] <= len(got.text)
+    streamed = list(oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                           logprobs=3, stream=True))
+    assert [t for c in streamed if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+    messages = [{"role": "user", "content": "Tell me about the tide."}]
+    whole = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 2 for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == \
+        whole.message.content  # the exact bytes, even of a cut character
+    assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6) and
+               e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+    chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                              temperature=0, logprobs=True, top_logprobs=2,
+                                              stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    np.testing.assert_allclose([e.logprob for e in streamed], [e.logprob for e in content],
+                               atol=1e-5)
+    plain = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices(oai):
+    messages = [{"role": "user", "content": "Tell me about the tide."}]
+    sampled = dict(model="tiny", messages=messages, max_tokens=6, temperature=1.0)
+    both = oai.chat.completions.create(n=2, seed=5, **sampled)
+    assert [c.index for c in both.choices] == [0, 1]
+    alone = [oai.chat.completions.create(seed=seed, **sampled).choices[0].message.content
+             for seed in (5, 6)]  # choice i samples with seed + i
+    assert [c.message.content for c in both.choices] == alone
+    assert both.usage.completion_tokens == 12
+    chunks = list(oai.chat.completions.create(n=2, seed=5, stream=True, **sampled))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert [texts[0], texts[1]] == alone
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
+    completions = oai.completions.create(model="tiny", prompt="The tide", max_tokens=4, n=3,
+                                         temperature=0)
+    assert len({c.text for c in completions.choices}) == 1 and len(completions.choices) == 3
+
+
+def test_reasoning_fields_map_to_the_template_switch(oai, claude):
+    """This template reads enable_thinking: reasoning_effort and Anthropic's thinking set it;
+    budget_tokens ends the reasoning with </think> after that many tokens."""
+    messages = [{"role": "user", "content": "Think first."}]
+    high = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                       temperature=0, reasoning_effort="high").choices[0].message
+    assert high.content is None and high.model_extra["reasoning_content"]
+    off = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                      temperature=0, reasoning_effort="none").choices[0].message
+    assert off.content and "reasoning_content" not in (off.model_extra or {})
+    with pytest.raises(openai.BadRequestError, match="both set the thinking control"):
+        oai.chat.completions.create(model="tiny", messages=messages, reasoning_effort="low",
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    cut = claude.messages.create(model="tiny", max_tokens=8, messages=messages,
+                                 thinking={"type": "enabled", "budget_tokens": 2},
+                                 extra_body=GREEDY)
+    assert [b.type for b in cut.content] == ["thinking", "text"]
+    assert high.model_extra["reasoning_content"].startswith(cut.content[0].thinking)
+    assert cut.content[0].thinking and cut.usage.output_tokens == 8
+    off = claude.messages.create(model="tiny", max_tokens=5, messages=messages,
+                                 thinking={"type": "disabled"}, extra_body=GREEDY)
+    assert [b.type for b in off.content] == ["text"]

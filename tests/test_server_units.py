@@ -226,7 +226,8 @@ BAD_CHAT = [
     ({**CHAT, "top_p": 0}, "'top_p' = 0.0 is out of range"),
     ({**CHAT, "max_tokens": 0}, "'max_tokens' = 0 should be at least 1"),
     ({**CHAT, "max_tokens": True}, "'max_tokens' should be an integer"),
-    ({**CHAT, "n": 2}, "'n' = 2"),
+    ({**CHAT, "n": 9}, "'n' = 9 is out of range [1, 8]"),
+    ({**CHAT, "n": 0}, "'n' = 0 is out of range"),
     ({**CHAT, "stream": "yes"}, "'stream' should be a boolean"),
     ({**CHAT, "stop": [1]}, "'stop' should be a string or an array"),
     ({"messages": CHAT["messages"]}, "'model' is required"),
@@ -240,16 +241,20 @@ BAD_CHAT = [
      "'messages[0].tool_call_id' is required"),
     ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "'tool_choice'"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "'response_format.type'"),
-    ({**CHAT, "logprobs": True}, "not supported by this server: 'logprobs' = true"),
-    ({**CHAT, "presence_penalty": 0.5, "min_p": 0.1, "logit_bias": {"5": 3}, "n": 1},
-     "not supported by this server: 'presence_penalty' = 0.5, 'min_p' = 0.1, 'logit_bias' = "
-     "{\"5\": 3} (leave them out)"),
-    ({**CHAT, "frequency_penalty": 1}, "'frequency_penalty' = 1"),
-    ({**CHAT, "repetition_penalty": 1.2}, "'repetition_penalty' = 1.2"),
-    ({**CHAT, "reasoning_effort": "low"}, "'reasoning_effort' = \"low\""),
-    ({**CHAT, "top_logprobs": 2}, "'top_logprobs' = 2"),
+    ({**CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs' = true"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "'top_logprobs' = 21 is out of range [0, 20]"),
+    ({**CHAT, "logprobs": 1}, "'logprobs' should be a boolean"),
+    ({**CHAT, "presence_penalty": 2.5}, "'presence_penalty' = 2.5 is out of range [-2.0, 2.0]"),
+    ({**CHAT, "frequency_penalty": -3}, "'frequency_penalty' = -3.0 is out of range"),
+    ({**CHAT, "repetition_penalty": 0}, "'repetition_penalty' should be above 0"),
+    ({**CHAT, "min_p": 1.5}, "'min_p' = 1.5 is out of range [0.0, 1.0]"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "'logit_bias.5' = 101.0 is out of range [-100.0, 100.0]"),
+    ({**CHAT, "logit_bias": {"x": 1}}, "'logit_bias' key \"x\" should be a token id"),
+    ({**CHAT, "logit_bias": {"5": "a"}}, "'logit_bias.5' should be a number"),
+    ({**CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, "'logit_bias' has 301 entries"),
+    ({**CHAT, "reasoning_effort": "max"}, "'reasoning_effort' = \"max\" should be one of"),
     ({**CHAT, "parallel_tool_calls": False}, "'parallel_tool_calls' = false"),
-    ({**CHAT, "presence_penalty": False}, "'presence_penalty' = false"),  # not the number 0
+    ({**CHAT, "presence_penalty": False}, "'presence_penalty' should be a number"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "'stream_options' is only allowed"),
     ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}},
      "'stream_options.include_usage' should be a boolean"),
@@ -276,9 +281,12 @@ def test_bad_chat_requests(loading_server, body, message):
 
 def test_neutral_values_of_unsupported_parameters_pass(loading_server):
     """Values that ask for nothing (OpenAI's defaults) are no reason to refuse: the request goes
-    on to the next check (here: the model is loading)."""
-    body = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "logprobs": False,
-            "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0, "parallel_tool_calls": True,
+    on to the next check (here: the model is loading), as do the sampling parameters in range."""
+    body = {**CHAT, "best_of": 1, "use_beam_search": False, "min_tokens": 0,
+            "stop_token_ids": [], "parallel_tool_calls": True, "modalities": ["text"],
+            "presence_penalty": 0.5, "frequency_penalty": -1, "n": 3, "logprobs": True,
+            "top_logprobs": 20, "logit_bias": {"5": -100}, "min_p": 0.1,
+            "repetition_penalty": 1.2, "reasoning_effort": "low",
             "stream": True, "stream_options": {"include_usage": True}}
     assert call(loading_server, "/v1/chat/completions", body, AUTH)[0] == 503
 
@@ -324,6 +332,11 @@ BAD_MESSAGES = [
      "'messages[0].content[0].type' = 'tool_use' is not supported in a user message"),
     ({**CHAT, "max_tokens": 5, "mcp_servers": [{"url": "x"}]}, "'mcp_servers'"),
     ({**CHAT, "max_tokens": 5, "stop_sequences": ["x"] * 17}, "'stop_sequences' has 17"),
+    ({**CHAT, "max_tokens": 5, "thinking": {"type": "enabled"}},
+     "'thinking.budget_tokens' is required"),
+    ({**CHAT, "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 0}},
+     "'thinking.budget_tokens' = 0 should be at least 1"),
+    ({**CHAT, "max_tokens": 5, "thinking": {"type": "adaptive"}}, "'thinking.type' = \"adaptive\""),
 ]
 
 
@@ -337,7 +350,9 @@ def test_bad_anthropic_requests(loading_server, body, message):
 def test_bad_completion_requests(loading_server):
     for body, message in [({"model": "tiny"}, "'prompt' is required"),
                           ({"model": "tiny", "prompt": [1.5]}, "'prompt' should be a string"),
-                          ({"model": "tiny", "prompt": "x", "logprobs": 3}, "'logprobs' = 3"),
+                          ({"model": "tiny", "prompt": "x", "logprobs": 21},
+                           "'logprobs' = 21 is out of range [0, 20]"),
+                          ({"model": "tiny", "prompt": "x", "n": 9}, "'n' = 9"),
                           ({"model": "tiny", "prompt": "x", "echo": True}, "'echo' = true"),
                           ({"model": "tiny", "prompt": "x", "best_of": 2}, "'best_of' = 2")]:
         status, got = call(loading_server, "/v1/completions", body, AUTH)
@@ -390,6 +405,40 @@ def test_routes_over_an_engine_client(scripted_server):
     assert "geometry" not in metrics  # labels are not gauges
     rss = int(re.search(r"^tidejax_process_resident_memory_bytes (\d+)$", metrics, re.M).group(1))
     assert 2**20 < rss < 2**40
+
+
+def test_choices_sampling_and_thinking_reach_the_engine(scripted_server, tokenizer_dir):
+    """`n` choices are requests of their own (choice i seeded seed + i); logit_bias, penalties
+    and logprobs ride in their SamplingParams; the reasoning fields set the template's
+    enable_thinking and Anthropic's budget becomes the sampler's, ended by `</think>`."""
+    url, client = scripted_server
+    tokenizer = Tokenizer(tokenizer_dir)
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 3,
+        "max_tokens": 4, "logit_bias": {"7": 2.5}, "frequency_penalty": 0.5, "logprobs": True,
+        "top_logprobs": 4})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    first, second = client.requests[-2:]
+    assert (first.sampling.seed, second.sampling.seed) == (3, 4)
+    assert first.sampling == SamplingParams(1.0, seed=3, logit_bias={7: 2.5},
+                                            frequency_penalty=0.5, logprobs=4)
+    assert body["usage"]["completion_tokens"] == 8
+    status, body = call(url, "/v1/chat/completions", {
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+        "logit_bias": {str(tokenizer.vocab_size): 1}})
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+    think = tokenizer.token_id("<think>")
+    for effort, opened in (("high", True), ("none", False)):
+        status, _ = call(url, "/v1/chat/completions", {
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "reasoning_effort": effort})
+        assert status == 200 and (client.requests[-1].prompt_ids[-1] == think) == opened
+    status, _ = call(url, "/v1/messages", {
+        "model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 3}})
+    sampling = client.requests[-1].sampling
+    assert status == 200 and client.requests[-1].prompt_ids[-1] == think
+    assert (sampling.thinking_budget, sampling.thinking_end) == (3, tokenizer.token_id("</think>"))
 
 
 def test_requests_the_engine_client_refuses(scripted_server):

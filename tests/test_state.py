@@ -126,13 +126,13 @@ def test_lane_sampling_is_set_at_admission_not_sent_each_step(model_dir):
 
     def on_event(event):
         if isinstance(event, TokenEvent) and not seen:
-            lanes = engine.state.sampling
+            lanes = engine.state.sampling.params
             seen.append((float(lanes.temperature[0]), int(lanes.top_k[0]), int(lanes.seed[0])))
 
     engine.scheduler.submit(GenerationRequest(PROMPT, 3, sampling, ignore_eos=True), on_event)
     engine.scheduler.run_until_idle()
     assert seen == [(pytest.approx(0.7), 5, 12)]
-    assert float(engine.state.sampling.temperature[0]) == 0.0  # the lane went back to greedy
+    assert float(engine.state.sampling.params.temperature[0]) == 0.0  # the lane went back to greedy
 
 
 def test_logits_while_serving_runs_on_the_scheduler_thread_and_corrupts_nothing(model_dir):

@@ -129,7 +129,12 @@ class LoadedModel:
         cache = PagedCache(
             parallel.put(cache.pages, axes(cache.pages)) if axes else parallel.replicated(cache.pages),
             parallel.replicated(cache.lanes))
-        return DecodeState.create(cache, experts, self.lanes)
+        return DecodeState.create(cache, experts, self.lanes, self.vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: token ids a request may name are below it."""
+        return self.cfg.vocab_size
 
     def new_cache(self, n_pages: int, lanes: int) -> PagedCache:
         """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""

@@ -131,7 +131,7 @@ class Engine:
     def step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
              previous: jax.Array | None = None) -> jax.Array:
         """One step queued by the scheduler (Scheduler.run_step); tokens [lanes] on the device."""
-        return self.scheduler.run_step(decode, prefill, previous)
+        return self.scheduler.run_step(decode, prefill, previous).tokens
 
     def read_sequence(self, pages: list[int], lane: int) -> tuple:
         """A sequence's pages of the pool, its lane's rows and host-input state, in host memory
@@ -165,15 +165,16 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: list[str] | tuple[str, ...] = (), on_text=None):
+    def generate(self, prompts, max_new_tokens: int = 128,
+                 stop: list[str] | tuple[str, ...] = (), on_text=None, **sampling):
         """Generates for a prompt (str), a chat (list of message dicts), or a list of either;
-        returns a str or a list of str to match. `on_text(i, text)` streams pieces as they come."""
+        returns a str or a list of str to match. `on_text(i, text)` streams pieces as they come.
+        `sampling`: the fields of one SamplingParams (temperature, top_p, top_k, seed, min_p,
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias {id: bias}), for
+        every prompt; logprobs are the server's (this returns text)."""
         from tidejax.runtime.generate import generate
         return generate(self, prompts, max_new_tokens=max_new_tokens,
-                        sampling=SamplingParams(temperature, top_p, top_k, seed), stop=tuple(stop),
-                        on_text=on_text)
+                        sampling=SamplingParams(**sampling), stop=tuple(stop), on_text=on_text)
 
     def cache_bytes_per_token(self) -> int:
         return self.loaded.cache_bytes_per_token()

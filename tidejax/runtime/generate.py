@@ -15,6 +15,8 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
              stop: tuple[str, ...] = (), on_text=None):
     if engine.scheduler.thread is not None:
         raise RuntimeError("generate() while the scheduler thread serves: use the server API")
+    if sampling.logprobs is not None:
+        raise ValueError("generate() returns text: ask the server for logprobs")
     single = isinstance(prompts, str) or _is_chat(prompts)
     items = [prompts] if single else list(prompts)
     outputs = [""] * len(items)

@@ -52,7 +52,7 @@ import numpy as np
 
 from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
 
 log = logging.getLogger("tidejax")
@@ -70,6 +70,8 @@ class GenerationRequest:
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
     token_id: int
+    logprob: float | None = None  # where the request asked for logprobs: the token's
+    top: tuple[tuple[int, float], ...] = ()  # and its request's top (token id, logprob), best first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,7 @@ class _Saved:
 class _Step:
     """A queued step whose tokens have not been read yet."""
 
-    tokens: object  # jax.Array [lanes]: each lane's next token, on the device
+    sampled: Sampled  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
     positions: np.ndarray  # [lanes] the position of each lane's next token
 
@@ -160,6 +162,7 @@ class Scheduler:
                              f"{self.model.max_context} tokens")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        request.sampling.check_vocab(self.model.vocab_size)
         if self.status == "failed":
             raise RuntimeError("the engine failed and could not rebuild its state")
         if request.sampling.seed is None:  # unseeded requests must not share one random stream
@@ -376,8 +379,7 @@ class Scheduler:
         pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
                  for lane, h in enumerate(handles)]
         decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active, pages)
-        tokens = self.run_step(decode, chunk, previous.tokens if previous else None)
-        tokens.copy_to_host_async()  # on its way as soon as the step ends
+        sampled = self.run_step(decode, chunk, previous.sampled.tokens if previous else None)
         self.positions[active] += 1
         self.totals["steps"] += 1
         produced = np.where(active, self.positions, 0)
@@ -385,7 +387,9 @@ class Scheduler:
             handles[chunk.lane] = self._prefilling  # its first token comes with this step
             self.positions[chunk.lane] = produced[chunk.lane] = chunk.start + len(chunk.tokens)
             self._prefilling = None
-        return _Step(tokens, handles, produced)
+        for leaf in jax.tree.leaves(sampled) if _logprobs_wanted(handles) else [sampled.tokens]:
+            leaf.copy_to_host_async()  # on its way as soon as the step ends
+        return _Step(sampled, handles, produced)
 
     def _next_chunk(self) -> PrefillChunk | None:
         """The next prompt chunk of the prefilling request (marked written), or None."""
@@ -400,13 +404,16 @@ class Scheduler:
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
         their lanes: not to one finished, cancelled or replaced since the step was queued."""
-        tokens = np.asarray(step.tokens)
+        tokens = np.asarray(step.sampled.tokens)
+        sampled = jax.device_get(step.sampled) if _logprobs_wanted(step.handles) else None
         for lane, handle in enumerate(step.handles):
             if handle is not None and self.lane_of[lane] is handle:
-                self._emit(lane, int(tokens[lane]), step.positions[lane])
+                self._emit(lane, int(tokens[lane]), step.positions[lane],
+                           _logprobs(sampled, lane, handle.request.sampling.logprobs))
 
-    def _emit(self, lane: int, token: int, position: int) -> None:
-        """Delivers `token` (at `position`) for the request in `lane`, or ends it."""
+    def _emit(self, lane: int, token: int, position: int, logprobs: dict) -> None:
+        """Delivers `token` (at `position`, with its TokenEvent `logprobs` fields) for the
+        request in `lane`, or ends it."""
         handle = self.lane_of[lane]
         request = handle.request
         if not handle.first_token_at:
@@ -417,7 +424,7 @@ class Scheduler:
             return
         handle.generated += 1
         self.totals["generated_tokens"] += 1
-        handle.on_event(TokenEvent(token))
+        handle.on_event(TokenEvent(token, **logprobs))
         self.tokens[lane] = token
         if self._ends_by_length(handle, handle.generated, position):
             self._finish(lane, "length")
@@ -502,27 +509,28 @@ class Scheduler:
             raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
 
     def run_step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
-                 previous: jax.Array | None = None) -> jax.Array:
-        """Queues one step with residency's next swap batch and returns its tokens [lanes] on the
-        device, not waiting for them: each decoding lane's next token and, where `prefill` is
-        given, the token sampled after its chunk at prefill.lane (its request's first token when
-        the chunk ends the prompt). A decoding lane's input is previous[lane] (an earlier step's
-        output, still on the device) or, where decode.fresh[lane], decode.tokens[lane]."""
+                 previous: jax.Array | None = None) -> Sampled:
+        """Queues one step with residency's next swap batch and returns its Sampled (tokens
+        [lanes] and their logprobs) on the device, not waiting for them: each decoding lane's
+        next token and, where `prefill` is given, the token sampled after its chunk at
+        prefill.lane (its request's first token when the chunk ends the prompt). A decoding
+        lane's input is previous[lane] (an earlier step's output, still on the device) or, where
+        decode.fresh[lane], decode.tokens[lane]."""
         residency = self.model.residency
         inputs = self.model.step_inputs(decode, prefill, previous, residency.next_batch())
         with jax.profiler.TraceAnnotation("decode" if prefill is None else "prefill"):
-            tokens, tallies = self.dispatch(inputs)
+            sampled, tallies = self.dispatch(inputs)
         real = (len(prefill.tokens) if prefill is not None else 0) + (
             int(decode.active.sum()) if decode is not None else 0)
         residency.after_step(tallies, real)
-        return tokens
+        return sampled
 
     def dispatch(self, inputs) -> tuple:
-        """The jitted step alone over the state (donated): (tokens, Tallies). `run_step` is the
+        """The jitted step alone over the state (donated): (Sampled, Tallies). `run_step` is the
         serving path; benchmarks time this one bare."""
         self._own()
-        tokens, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
-        return tokens, tallies
+        sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        return sampled, tallies
 
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
@@ -558,18 +566,19 @@ class Scheduler:
         self.state = self.state.replace(experts=fn(self.state.experts))
 
     def set_sampling(self, lane: int, params: SamplingParams) -> None:
-        """A lane's sampling parameters, set in the state (at admission; benchmarks)."""
+        """A lane's sampling parameters, set in the state, its token counts cleared (at
+        admission; benchmarks)."""
         self._own()
         self.state = self.state.replace(sampling=self.model.steps.set_lane(
-            self.state.sampling, np.int32(lane), LaneSampling.of([params])))
+            self.state.sampling, np.int32(lane), LaneParams.of([params])))
 
     def read_sequence(self, pages: list[int], lane: int) -> tuple:
         """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
-        pool and its lane's rows (a PagedCache of numpy leaves [n, rows, ...] and [...]), and
-        its lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        pool, its lane's rows and token counts (a steps.SavedSequence of numpy leaves), and its
+        lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
         self._own()
         rows = jax.device_get(self.model.steps.read_sequence(
-            self.state.cache, np.asarray(pages, np.int32), np.int32(lane)))
+            self.state, np.asarray(pages, np.int32), np.int32(lane)))
         return rows, self.model.read_lane_inputs(lane)
 
     def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
@@ -577,6 +586,22 @@ class Scheduler:
         host-input state of `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
         rows, host = saved
-        self.state = self.state.replace(cache=self.model.steps.write_sequence(
-            self.state.cache, np.asarray(pages, np.int32), np.int32(lane), rows))
+        cache, sampling = self.model.steps.write_sequence(
+            self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
+            rows)
+        self.state = self.state.replace(cache=cache, sampling=sampling)
         self.model.write_lane_inputs(lane, host)
+
+
+def _logprobs_wanted(handles) -> bool:
+    return any(h is not None and h.request.sampling.logprobs is not None for h in handles)
+
+
+def _logprobs(sampled: Sampled | None, lane: int, top: int | None) -> dict:
+    """A lane's TokenEvent logprob fields from a step's Sampled on the host ({} where its
+    request asked for none)."""
+    if top is None:
+        return {}
+    return {"logprob": float(sampled.logprob[lane]),
+            "top": tuple(zip(sampled.top_ids[lane, :top].tolist(),
+                             sampled.top_logprobs[lane, :top].tolist()))}

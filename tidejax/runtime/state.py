@@ -3,8 +3,9 @@
     cache     the KV cache, a kv.paged.PagedCache: the shared page pool and each lane's fixed
               rows (DeepSeek-V4.1's window rings; DeepSeek-V4's whole cache)
     experts   the residency ExpertState: bank, rowmap, demand counters, host pool
-    sampling  LaneSampling [lanes]: each lane's sampling parameters, set when a request is
-              admitted or resumed (steps.Steps.set_lane), not sent with every step
+    sampling  LaneSampling: each lane's sampling parameters [lanes], set when a request is
+              admitted or resumed (steps.Steps.set_lane), not sent with every step, and its
+              request's token counts [lanes, vocab] (for the penalties), updated in the step
 
 The scheduler holds the one DecodeState and is the only caller of the steps (runtime/steps.py)
 that take it and return it updated in place.
@@ -19,7 +20,7 @@ import jax
 from tidejax import parallel
 from tidejax.kv.paged import PagedCache
 from tidejax.residency.state import ExpertState
-from tidejax.runtime.sampling import LaneSampling, SamplingParams
+from tidejax.runtime.sampling import LaneSampling
 
 
 @jax.tree_util.register_dataclass
@@ -30,11 +31,10 @@ class DecodeState:
     sampling: LaneSampling
 
     @staticmethod
-    def create(cache: PagedCache, experts: ExpertState, lanes: int) -> "DecodeState":
+    def create(cache: PagedCache, experts: ExpertState, lanes: int, vocab: int) -> "DecodeState":
         """`cache` and `experts` already placed; every lane greedy until a request is admitted.
         The sampling arrays are committed to the device, as the steps return them (one compile)."""
-        return DecodeState(cache, experts,
-                           parallel.replicated(LaneSampling.of([SamplingParams()] * lanes)))
+        return DecodeState(cache, experts, parallel.replicated(LaneSampling.create(lanes, vocab)))
 
     def replace(self, **fields) -> "DecodeState":
         return dataclasses.replace(self, **fields)

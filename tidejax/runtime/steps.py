@@ -1,16 +1,20 @@
 """The jitted steps: pure functions over (params, state, inputs), the DecodeState donated.
 
-    step(params, state, StepInputs) -> (tokens [lanes], state, Tallies)  (a DonatingStep)
+    step(params, state, StepInputs) -> (Sampled, state, Tallies)  (a DonatingStep)
         residency's swap batch applied at the start (residency.swap.apply_batch); then the
-        prompt chunk, written into the cache (its last real token's sample goes to its lane);
-        then every decoding lane's next token; the counters' Tallies at the end.
+        prompt chunk, written into the cache and marked seen in its lane's token counts (its
+        last real token's sample goes to its lane); then every decoding lane's next token, its
+        input token counted first; the counters' Tallies at the end. Sampled holds the tokens
+        [lanes] and their log-probabilities.
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
-    read_sequence(cache, pages, lane) / write_sequence(cache, pages, lane, saved): a preempted
-        sequence's pages of the pool and its lane's rows (a PagedCache).
+    read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
+        pool, its lane's rows and its lane's token counts; write_sequence(cache, sampling, pages,
+        lane, saved) -> (cache, sampling) puts them back (at any lane).
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
-    set_lane(sampling, lane, row): one lane's sampling parameters, at admission.
+    set_lane(sampling, lane, row): one lane's sampling parameters, its token counts cleared, at
+        admission.
 
 The host views the scheduler fills (DecodeRows, PrefillChunk) become the array inputs here
 (DecodeInputs, PrefillInputs) in runtime/build.py.
@@ -27,7 +31,7 @@ import numpy as np
 
 from tidejax.kv.paged import PagedCache
 from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
-from tidejax.runtime.sampling import LaneSampling, sample
+from tidejax.runtime.sampling import LaneParams, LaneSampling, sample
 from tidejax.runtime.state import DecodeState
 
 
@@ -162,6 +166,17 @@ def _with_rows(state: DecodeState, rows: dict) -> DecodeState:
     return state.replace(experts=state.experts.with_rows(rows))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SavedSequence:
+    """What a preempted sequence keeps of the state: its pages of the pool and its lane's rows
+    (a PagedCache), its lane's token counts [vocab] int32 and seen [vocab] bool."""
+
+    cache: PagedCache
+    counts: jax.Array
+    seen: jax.Array
+
+
 @dataclasses.dataclass
 class Steps:
     """The jitted functions over one model (a flax module: see models/registry.Family.build)."""
@@ -192,25 +207,29 @@ class Steps:
             prefill, decode, replay = inputs.prefill, inputs.decode, inputs.replay
             cache, sampling = state.cache, state.sampling
             experts = apply_batch(state.experts, inputs.swaps)
-            out = jnp.zeros(sampling.seed.shape, jnp.int32)
+            lanes = sampling.counts.shape[0]
             offset = 0  # the replay rows the chunk took
             if prefill is not None:
                 routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
                 offset = prefill.tokens.size
                 logits, cache, experts = self._prefill(params, inputs.prefill_host, prefill,
                                                        cache, experts, routes)
-                lane_sampling = jax.tree.map(lambda a: a[prefill.lane][None], sampling)
+                sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
                 last = prefill.last
-                first = sample(logits[:, last], lane_sampling, prefill.positions[:, last] + 1)
+                first = sample(logits[:, last], sampling.lane(prefill.lane),
+                               prefill.positions[:, last] + 1)
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
+                sampling = sampling.generated(tokens, decode.active)
                 routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
                 logits, cache, experts = self._forward(
                     params, inputs.decode_host, tokens[:, None], decode.positions[:, None],
                     decode.active[:, None], cache, decode.table, experts, routes)
                 out = sample(logits[:, 0], sampling, decode.positions + 1)
+            else:
+                out = jax.tree.map(lambda a: jnp.zeros((lanes, *a.shape[1:]), a.dtype), first)
             if prefill is not None:
-                out = out.at[prefill.lane].set(first[0])
+                out = out.at(prefill.lane, first)
             experts, tallies = finish_batch(experts, inputs.swaps)
             return out, DecodeState(cache, experts, sampling), tallies
         return DonatingStep(step)
@@ -229,22 +248,27 @@ class Steps:
 
     @functools.cached_property
     def read_sequence(self):
-        def read(cache: PagedCache, pages, lane):
-            return PagedCache(jax.tree.map(lambda leaf: leaf[pages], cache.pages),
-                              jax.tree.map(lambda leaf: leaf[lane], cache.lanes))
+        def read(state: DecodeState, pages, lane):
+            cache, sampling = state.cache, state.sampling
+            return SavedSequence(PagedCache(jax.tree.map(lambda leaf: leaf[pages], cache.pages),
+                                            jax.tree.map(lambda leaf: leaf[lane], cache.lanes)),
+                                 sampling.counts[lane], sampling.seen[lane])
         return jax.jit(read)
 
     @functools.cached_property
     def write_sequence(self):
-        def write(cache: PagedCache, pages, lane, saved: PagedCache):
+        def write(cache: PagedCache, sampling: LaneSampling, pages, lane, saved: SavedSequence):
             def put(at):
                 return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype))
-            return PagedCache(jax.tree.map(put(pages), cache.pages, saved.pages),
-                              jax.tree.map(put(lane), cache.lanes, saved.lanes))
-        return jax.jit(write, donate_argnames=("cache",))
+            cache = PagedCache(jax.tree.map(put(pages), cache.pages, saved.cache.pages),
+                               jax.tree.map(put(lane), cache.lanes, saved.cache.lanes))
+            counts = sampling.counts.at[lane].set(saved.counts)
+            seen = sampling.seen.at[lane].set(saved.seen)
+            return cache, dataclasses.replace(sampling, counts=counts, seen=seen)
+        return jax.jit(write, donate_argnames=("cache", "sampling"))
 
     @functools.cached_property
     def set_lane(self):
-        def set_lane(sampling: LaneSampling, lane, row: LaneSampling):
-            return jax.tree.map(lambda a, r: a.at[lane].set(r[0]), sampling, row)
+        def set_lane(sampling: LaneSampling, lane, row: LaneParams):
+            return sampling.set_lane(lane, row)
         return jax.jit(set_lane, donate_argnames=("sampling",))

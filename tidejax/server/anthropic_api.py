@@ -54,7 +54,7 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
             blocks[-1][field] += text
 
         async with contextlib.aclosing(output_pieces(gen, parser)) as output:
-            async for kind, piece in output:
+            async for kind, piece, _ in output:
                 add(kind, piece)
         calls = parser.tool_calls
         blocks += [_tool_use(c) for c in calls]
@@ -112,7 +112,7 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
 
     try:
         async with contextlib.aclosing(output_pieces(gen, parser)) as output:
-            async for kind, text in output:
+            async for kind, text, _ in output:
                 await piece(kind, text)
         await tail(parser.tool_calls)
     except Exception as e:

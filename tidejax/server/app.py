@@ -88,19 +88,25 @@ class Server:
                                 f"{self.model.name!r})", param="model", code="model_not_found")
         return self.model
 
-    def generation(self, prefix: str, prompt_ids: list[int], options: GenerationOptions,
-                   max_new: int) -> Generation:
-        return Generation(self.client, self.metrics, self.model, new_id(prefix), prompt_ids,
-                          options, max_new)
+    def generations(self, prefix: str, prompt_ids: list[int], options: GenerationOptions,
+                    max_new: int) -> list[Generation]:
+        """The request's `n` choices, one Generation each under one id."""
+        request_id = new_id(prefix)
+        return [Generation(self.client, self.metrics, self.model, request_id, prompt_ids, options,
+                           max_new, index) for index in range(options.n)]
 
-    def chat_generation(self, chat: ChatInput, prefix: str) -> tuple[Generation, OutputParser]:
-        """The generation and output parser of a chat request (on a worker thread)."""
+    def chat_generations(self, chat: ChatInput,
+                         prefix: str) -> tuple[list[Generation], list[OutputParser]]:
+        """The generations and output parsers of a chat request's choices (on a worker
+        thread)."""
         model = self.ready_model(chat.model)
         prompt_ids, in_reasoning = model.chat_prompt(chat)
-        max_new = model.budget(len(prompt_ids), chat.options)
-        parser = OutputParser(model.info.tool_format if chat.tools else None, in_reasoning,
-                              chat.tools)
-        return self.generation(prefix, prompt_ids, chat.options, max_new), parser
+        options = model.options(chat.options, chat.thinking)
+        max_new = model.budget(len(prompt_ids), options)
+        tool_format = model.info.tool_format if chat.tools else None
+        return (self.generations(prefix, prompt_ids, options, max_new),
+                [OutputParser(tool_format, in_reasoning, chat.tools)
+                 for _ in range(options.n)])
 
 
 SERVER = web.AppKey("server", Server)
@@ -124,15 +130,16 @@ async def api_middleware(request: web.Request, handler):
 
 def _chat(server: Server, raw: bytes, parse, prefix: str):
     chat = parse(parse_json(raw))
-    return (chat, *server.chat_generation(chat, prefix))
+    return (chat, *server.chat_generations(chat, prefix))
 
 
 def _completion(server: Server, raw: bytes):
     body = parse_completion(parse_json(raw))
     model = server.ready_model(body.model)
     prompt_ids = model.completion_prompt(body.prompt)
-    max_new = model.budget(len(prompt_ids), body.options)
-    return body, server.generation("cmpl-", prompt_ids, body.options, max_new)
+    options = model.options(body.options, None)
+    max_new = model.budget(len(prompt_ids), options)
+    return body, server.generations("cmpl-", prompt_ids, options, max_new)
 
 
 def _count(server: Server, raw: bytes) -> int:
@@ -142,21 +149,22 @@ def _count(server: Server, raw: bytes) -> int:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, gen, parser = await server.off_loop(_chat, server, await request.read(), parse_chat,
-                                              "chatcmpl-")
-    return await openai_api.chat_completion(request, gen, parser, chat.stream, chat.include_usage)
+    chat, gens, parsers = await server.off_loop(_chat, server, await request.read(), parse_chat,
+                                                "chatcmpl-")
+    return await openai_api.chat_completion(request, gens, parsers, chat.stream,
+                                            chat.include_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    body, gen = await server.off_loop(_completion, server, await request.read())
-    return await openai_api.completion(request, gen, body.stream, body.include_usage)
+    body, gens = await server.off_loop(_completion, server, await request.read())
+    return await openai_api.completion(request, gens, body.stream, body.include_usage)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, gen, parser = await server.off_loop(_chat, server, await request.read(),
-                                              parse_messages, "msg_")
+    chat, [gen], [parser] = await server.off_loop(_chat, server, await request.read(),
+                                                  parse_messages, "msg_")
     return await anthropic_api.message(request, gen, parser, chat.stream)
 
 

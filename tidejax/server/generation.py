@@ -1,9 +1,18 @@
 """What every generating route shares: the served model (the engine's info and the server's
-limits), the prompt and token budget checks, and one request's run from token events to text
-with stop strings applied, its log line and its metrics."""
+limits), the prompt, token budget and thinking checks, one choice's run from token events to
+text with stop strings applied (and its logprobs), its log line and its metrics, and the choices
+of one request merged as they come.
+
+A request's reasoning field (OpenAI `reasoning_effort`, Anthropic `thinking`) is mapped onto the
+chat template's own thinking control, the variables it reads: `reasoning_effort` takes the
+effort as given; a switch (`enable_thinking`, `thinking`) is set on, or off for the efforts
+"none" and "minimal" and for Anthropic's "disabled". A template with neither gets a 400 naming
+the field. Anthropic's `budget_tokens` becomes the sampler's thinking budget: after that many
+tokens without a `</think>`, the next token is `</think>` (runtime/sampling.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -11,15 +20,19 @@ import logging
 import time
 import uuid
 
+from tidejax.runtime.sampling import SamplingError
 from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
 from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import ChatInput, GenerationOptions
-from tidejax.text.toolcalls import OutputParser, starts_in_reasoning
+from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking
+from tidejax.text.toolcalls import THINK_CLOSE, OutputParser, starts_in_reasoning
 
 log = logging.getLogger("tidejax.server")
+
+EFFORT_VARIABLE = "reasoning_effort"  # a template variable taking OpenAI's effort as is
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # template booleans that turn reasoning on
 
 
 def new_id(prefix: str) -> str:
@@ -56,12 +69,52 @@ class ServedModel:
         messages = chat.messages
         if tool_format is not None and tool_format.arguments_as_dict:
             messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
+        kwargs = {**chat.template_kwargs, **self._thinking_kwargs(chat)}
         try:
-            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools,
-                                                        **chat.template_kwargs)
+            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools, **kwargs)
         except TemplateRenderError as e:
             raise APIError(400, str(e), param="messages") from None
         return ids, starts_in_reasoning(text)
+
+    def _thinking_kwargs(self, chat: ChatInput) -> dict:
+        """The template kwargs that carry the request's reasoning field (the module docstring
+        says how); a 400 naming the field where the template has no thinking control."""
+        thinking = chat.thinking
+        if thinking is None:
+            return {}
+        variables = self.info.chat_template.variables
+        if thinking.effort is not None and EFFORT_VARIABLE in variables:
+            kwargs = {EFFORT_VARIABLE: thinking.effort}
+        else:
+            kwargs = {name: thinking.enabled for name in THINKING_SWITCHES if name in variables}
+        if not kwargs:
+            controls = ", ".join((EFFORT_VARIABLE, *THINKING_SWITCHES))
+            raise APIError(400, f"'{thinking.param}': the chat template of {self.name!r} has no "
+                                f"thinking control (it reads none of {controls})",
+                           param=thinking.param)
+        for name in kwargs:
+            if name in chat.template_kwargs:
+                raise APIError(400, f"'{thinking.param}' and 'chat_template_kwargs.{name}' both "
+                                    "set the thinking control: send one", param=thinking.param)
+        return kwargs
+
+    def options(self, options: GenerationOptions, thinking: Thinking | None) -> GenerationOptions:
+        """The options with the thinking budget as the sampler's, every token id checked against
+        the vocabulary."""
+        sampling = options.sampling
+        if thinking is not None and thinking.budget:
+            end = self.info.tokenizer.token_id(THINK_CLOSE)
+            if end is None:
+                raise APIError(400, f"'thinking.budget_tokens': {self.name!r} has no single "
+                                    f"{THINK_CLOSE} token to end its reasoning with",
+                               param="thinking.budget_tokens")
+            sampling = dataclasses.replace(sampling, thinking_budget=thinking.budget,
+                                           thinking_end=end)
+        try:
+            sampling.check_vocab(self.info.tokenizer.vocab_size)
+        except SamplingError as e:
+            raise APIError(400, str(e), param=e.field) from None
+        return dataclasses.replace(options, sampling=sampling)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -112,17 +165,33 @@ def _arguments_as_dicts(message: dict, i: int) -> dict:
     return {**message, "tool_calls": calls}
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and its request's top alternatives (token id,
+    logprob), best first; `offset`: characters of the choice's text before this token's."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    offset: int
+
+
 class Generation:
-    """One request on the engine. `async for text in gen.texts()` yields detokenized text with
-    stop strings cut; afterwards `finish_reason`, `prompt_tokens`, `completion_tokens` and
-    `engine_stats` are set. Leaving the loop early (client gone) cancels the request."""
+    """One choice of a request on the engine. `async for text, logprobs in gen.texts()` yields
+    detokenized text with stop strings cut, and the TokenLogprobs of the tokens since the last
+    text (empty unless asked for); afterwards `finish_reason`, `prompt_tokens`,
+    `completion_tokens` and `engine_stats` are set. Leaving the loop early (client gone) cancels
+    the request. Choice `index` > 0 of a seeded request samples with seed + index."""
 
     def __init__(self, client: EngineClient, metrics: Metrics, model: ServedModel,
                  request_id: str, prompt_ids: list[int], options: GenerationOptions,
-                 max_new_tokens: int):
+                 max_new_tokens: int, index: int = 0):
         self.client, self.metrics, self.model = client, metrics, model
-        self.id = request_id
-        self.request = GenerationRequest(prompt_ids, max_new_tokens, options.sampling,
+        self.id, self.index = request_id, index
+        sampling = options.sampling
+        if index and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) & 0x7FFFFFFF)
+        self.request = GenerationRequest(prompt_ids, max_new_tokens, sampling,
                                          ignore_eos=options.ignore_eos)
         self.stop = options.stop
         self.finish_reason = "cancelled"
@@ -141,6 +210,13 @@ class Generation:
         stops = StopMatcher(self.stop)
         started = time.perf_counter()
         raw, released = "", 0  # detokenized text, and how much of it went out
+        logprobs: list[TokenLogprob] = []  # since the last text went out
+
+        def taken() -> list[TokenLogprob]:
+            out = logprobs[:]
+            logprobs.clear()
+            return out
+
         try:
             stream = self.client.submit(self.request)
         except ValueError as e:  # the engine refuses a request it cannot run
@@ -161,12 +237,15 @@ class Generation:
                 if isinstance(event, TokenEvent):
                     self.completion_tokens += 1
                     if not stops.stopped:  # else: tokens made before the cancel took effect
+                        if event.logprob is not None:
+                            logprobs.append(TokenLogprob(event.token_id, event.logprob,
+                                                         event.top, len(raw)))
                         if text := release(detok.push(event.token_id)):
-                            yield text
+                            yield text, taken()
                 elif isinstance(event, DoneEvent):
                     tail = "" if stops.stopped else release(detok.flush())
-                    if tail := tail + stops.flush():
-                        yield tail
+                    if (tail := tail + stops.flush()) or logprobs:
+                        yield tail, taken()
                     self.finish_reason = "stop" if stops.stopped else event.finish_reason
                     self.stats = event.stats
                     self.completion_tokens = event.stats.get("completion_tokens",
@@ -191,12 +270,50 @@ class Generation:
 
 
 async def output_pieces(gen: Generation, parser: OutputParser):
-    """The generation's text split by `parser` into ("reasoning" | "content", text) pieces as
-    they come; afterwards `parser.tool_calls` holds the tool calls. Use under
-    contextlib.aclosing so that a handler that stops early cancels the request."""
+    """The generation's text split by `parser` into ("reasoning" | "content", text, logprobs)
+    pieces as they come, a text's TokenLogprobs with its first piece (with an empty content
+    piece where the text gave none); afterwards `parser.tool_calls` holds the tool calls. Use
+    under contextlib.aclosing so that a handler that stops early cancels the request."""
     async with contextlib.aclosing(gen.texts()) as texts:
-        async for text in texts:
-            for piece in parser.feed(text):
-                yield piece
-    for piece in parser.finish():
-        yield piece
+        async for text, logprobs in texts:
+            for kind, piece in parser.feed(text):
+                yield kind, piece, logprobs
+                logprobs = []
+            if logprobs:
+                yield "content", "", logprobs
+    for kind, piece in parser.finish():
+        yield kind, piece, []
+
+
+async def merged(sources: list):
+    """(i, item) from the async generators `sources` as their items come (the choices of one
+    request); closing it early closes them all (their requests cancelled). An exception in one
+    ends the whole."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, source) -> None:
+        try:
+            async for item in source:
+                await queue.put((i, item))
+            await queue.put((i, end))
+        except Exception as e:  # handed to the reader, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, source)) for i, source in enumerate(sources)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for source in sources:
+            await source.aclose()

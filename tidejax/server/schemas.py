@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.sampling import SamplingError, SamplingParams
 from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -19,6 +19,10 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128
 MAX_STOP = 16  # stop sequences
 MAX_STOP_CHARS = 256  # characters of one stop sequence
+MAX_N = 8  # choices of one request (`n`), each a lane of its own
+
+# OpenAI's reasoning_effort values; "none" and "minimal" turn a thinking switch off
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 # chat_template_kwargs the server passes itself (or the template's own special tokens)
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt",
@@ -27,31 +31,42 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_pr
 # Parameters this server does not implement: each one's values that ask for nothing (what the
 # server does anyway). Any other value is refused with a 400 naming every such parameter.
 _SAMPLING_NEUTRAL = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "min_p": (0,), "logit_bias": ({},), "n": (1,), "best_of": (1,), "use_beam_search": (False,),
-    "length_penalty": (1,), "min_tokens": (0,), "stop_token_ids": ([],),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
+    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,), "min_tokens": (0,),
+    "stop_token_ids": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (),
 }
 UNSUPPORTED = {
-    "chat": {**_SAMPLING_NEUTRAL, "logprobs": (False,), "top_logprobs": (0,),
-             "reasoning_effort": (), "parallel_tool_calls": (True,), "prediction": (),
+    "chat": {**_SAMPLING_NEUTRAL, "parallel_tool_calls": (True,), "prediction": (),
              "audio": (), "modalities": (["text"],), "web_search_options": ()},
-    "completion": {**_SAMPLING_NEUTRAL, "logprobs": (), "echo": (False,), "suffix": ("",)},
+    "completion": {**_SAMPLING_NEUTRAL, "echo": (False,), "suffix": ("",)},
     "messages": {"mcp_servers": ([],), "container": ()},
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationOptions:
-    """A request's generation fields: the engine's sampling as is, plus the token budget and the
-    stop strings the server applies."""
+    """A request's generation fields: the engine's sampling as is, plus the token budget, the
+    stop strings the server applies and the number of choices."""
 
     sampling: SamplingParams
     max_tokens: int | None  # None: up to the context or the server's limit
     max_tokens_param: str = "max_tokens"  # the request field that set it, for error messages
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    n: int = 1  # independent choices of the same prompt, each a request of its own
+    logprobs_param: str = "logprobs"  # the request field that asked for the top logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Thinking:
+    """What a request asks of the model's reasoning, mapped onto the chat template's thinking
+    control by the server (generation.ServedModel): on or off, OpenAI's effort, Anthropic's
+    budget of reasoning tokens (0: none); `param` names the field that asked."""
+
+    enabled: bool
+    param: str
+    effort: str | None = None
+    budget: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,7 @@ class ChatInput:
     options: GenerationOptions
     stream: bool
     include_usage: bool = False  # a stream's last chunk carries the usage (OpenAI stream_options)
+    thinking: Thinking | None = None  # None: the template's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,17 +231,90 @@ def _include_usage(body: Fields, stream: bool) -> bool:
     return Fields(options, "stream_options.").get("include_usage", bool, False)
 
 
-def _options(body: Fields, max_tokens: tuple[int | None, str],
-             stop: tuple[str, ...]) -> GenerationOptions:
+def _options(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, ...],
+             logprobs: tuple[int | None, str] = (None, "logprobs"),
+             n: int = 1) -> GenerationOptions:
+    """The generation fields every route shares; `logprobs` (the top logprobs asked for, and the
+    field that asked) and `n` come from the OpenAI routes."""
     top_k = body.get("top_k", int, 0)
     if top_k < -1:
         raise APIError(400, f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
                        param="top_k")
-    sampling = SamplingParams(temperature=body.number("temperature", 1.0, 0.0, 2.0),
-                              top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-                              top_k=max(top_k, 0), seed=body.get("seed", int))
+    fields = {"logprobs": logprobs[1]}  # SamplingParams' field -> the request's
+    try:
+        sampling = SamplingParams(
+            temperature=body.number("temperature", 1.0, 0.0, 2.0),
+            top_p=body.number("top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
+            seed=body.get("seed", int), min_p=body.get("min_p", float, 0.0),
+            presence_penalty=body.get("presence_penalty", float, 0.0),
+            frequency_penalty=body.get("frequency_penalty", float, 0.0),
+            repetition_penalty=body.get("repetition_penalty", float, 1.0),
+            logit_bias=_logit_bias(body), logprobs=logprobs[0])
+    except SamplingError as e:
+        name = fields.get(e.field, e.field)
+        raise APIError(400, str(e).replace(f"'{e.field}'", f"'{name}'", 1), param=name) from None
     return GenerationOptions(sampling, max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
-                             stop=stop, ignore_eos=body.get("ignore_eos", bool, False))
+                             stop=stop, ignore_eos=body.get("ignore_eos", bool, False), n=n,
+                             logprobs_param=logprobs[1])
+
+
+def _logit_bias(body: Fields) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token id (a string of digits) -> bias."""
+    raw = body.get("logit_bias", dict, {})
+    entries = Fields(raw, "logit_bias.")
+    bias = {}
+    for key in raw:
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"'logit_bias' key {json.dumps(key)[:40]} should be a token id",
+                           param="logit_bias")
+        bias[int(key)] = entries.get(key, float, required=True)
+    return bias
+
+
+def _n(body: Fields) -> int:
+    n = body.get("n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' = {n} is out of range [1, {MAX_N}]", param="n")
+    return n
+
+
+def _chat_logprobs(body: Fields) -> tuple[int | None, str]:
+    """Chat's logprobs (a boolean) and top_logprobs (0..20, with logprobs only)."""
+    top = body.get("top_logprobs", int)
+    if not body.get("logprobs", bool, False):
+        if top:
+            raise APIError(400, "'top_logprobs' needs 'logprobs' = true", param="top_logprobs")
+        return None, "top_logprobs"
+    return (top or 0), "top_logprobs"
+
+
+def _reasoning_effort(body: Fields) -> Thinking | None:
+    effort = body.get("reasoning_effort", str)
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"'reasoning_effort' = {json.dumps(effort)[:40]} should be one of "
+                            f"{', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+    return Thinking(effort not in ("none", "minimal"), "reasoning_effort", effort=effort)
+
+
+def _anthropic_thinking(body: Fields) -> Thinking | None:
+    """Anthropic's thinking: {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}."""
+    raw = body.get("thinking", dict)
+    if raw is None:
+        return None
+    thinking = Fields(raw, "thinking.")
+    kind = thinking.get("type", str, required=True)
+    if kind == "disabled":
+        return Thinking(False, "thinking")
+    if kind != "enabled":
+        raise APIError(400, f"'thinking.type' = {json.dumps(kind)[:40]} should be enabled or "
+                            "disabled", param="thinking.type")
+    budget = thinking.get("budget_tokens", int, required=True)
+    if budget < 1:
+        raise APIError(400, f"'thinking.budget_tokens' = {budget} should be at least 1",
+                       param="thinking.budget_tokens")
+    return Thinking(True, "thinking", budget=budget)
 
 
 def _text_content(content: Any, param: str, parts_type: str = "text") -> str:
@@ -324,8 +413,9 @@ def parse_chat(body: Fields) -> ChatInput:
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
         tools=_openai_tools(body), template_kwargs=kwargs,
         options=_options(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
-                         _stop(body, "stop")),
-        stream=stream, include_usage=_include_usage(body, stream))
+                         _stop(body, "stop"), _chat_logprobs(body), _n(body)),
+        stream=stream, include_usage=_include_usage(body, stream),
+        thinking=_reasoning_effort(body))
 
 
 def parse_completion(body: Fields) -> CompletionInput:
@@ -340,7 +430,8 @@ def parse_completion(body: Fields) -> CompletionInput:
     stream = body.get("stream", bool, False)
     return CompletionInput(
         model=body.get("model", str, required=True), prompt=prompt,
-        options=_options(body, _max_tokens(body, "max_tokens"), _stop(body, "stop")),
+        options=_options(body, _max_tokens(body, "max_tokens"), _stop(body, "stop"),
+                         (body.get("logprobs", int), "logprobs"), _n(body)),
         stream=stream, include_usage=_include_usage(body, stream))
 
 
@@ -420,13 +511,10 @@ def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
     """A Messages request; `count_only` (POST /v1/messages/count_tokens) needs no max_tokens."""
     refuse_unsupported(body, "messages")
     messages = _messages(body)
-    thinking = Fields(body.get("thinking", dict, {}), "thinking.").get("type", str)
-    kwargs = {} if thinking is None else {"thinking": thinking == "enabled",
-                                          "enable_thinking": thinking == "enabled"}
     return ChatInput(
         model=body.get("model", str, required=True),
         messages=_anthropic_messages(body.get("system", (str, list)), messages),
-        tools=_anthropic_tools(body), template_kwargs=kwargs,
+        tools=_anthropic_tools(body), template_kwargs=_template_kwargs(body),
         options=_options(body, _max_tokens(body, "max_tokens", required=not count_only),
                          _stop(body, "stop_sequences")),
-        stream=body.get("stream", bool, False))
+        stream=body.get("stream", bool, False), thinking=_anthropic_thinking(body))

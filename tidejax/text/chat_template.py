@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -54,14 +55,22 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
+    """The template and the variables it reads that it does not set itself (what a caller may
+    pass: messages, tools, enable_thinking, ...)."""
+    env = _environment()
+    variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+    return env.from_string(source), frozenset(variables - set(env.globals))
 
 
 def token_text(value) -> str | None:
@@ -72,7 +81,8 @@ def token_text(value) -> str | None:
 
 
 class ChatTemplate:
-    """A checkpoint's chat template and the special tokens it may refer to."""
+    """A checkpoint's chat template and the special tokens it may refer to; `variables`: the
+    names it reads and does not set itself (where the server finds its thinking control)."""
 
     SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -82,7 +92,7 @@ class ChatTemplate:
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
         try:
-            self._template = _compile(source)
+            self._template, self.variables = _compile(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateRenderError(f"{origin}: chat template does not parse: {e}") from None
 

@@ -37,6 +37,9 @@ class _TokenizersFile:
                         if t.special}
         self.vocab_size = self.model.get_vocab_size()
         self.sorts_tools = False
+        self._added = {i: t.content for i, t in self.model.get_added_tokens_decoder().items()}
+        decoder = json.loads(self.model.to_str()).get("decoder") or {}
+        self._byte_level = "ByteLevel" in json.dumps(decoder)
 
     def encode(self, texts: list[str], controls: bool) -> list[list[int]]:
         """Each text's ids, special-token text as control tokens (`controls`) or as text; no
@@ -55,6 +58,34 @@ class _TokenizersFile:
 
     def token_id(self, text: str) -> int | None:
         return self.model.token_to_id(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A byte-level vocabulary's token is its bytes through GPT-2's byte -> character map;
+        an added token, or any other vocabulary's, is its decoded text."""
+        piece = self.model.id_to_token(token)
+        if token not in self._added and self._byte_level and piece is not None:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        return self.model.decode([token], skip_special_tokens=False).encode("utf-8")
+
+
+def _byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (the inverse map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_chars()
 
 
 # Moonshot's tokenization_kimi.py (TikTokenTokenizer): the split pattern, the special ids that
@@ -176,6 +207,11 @@ class _TiktokenFile:
         except KeyError:
             return None
 
+    def token_bytes(self, token: int) -> bytes:
+        if token in self.special:
+            return self.special[token].encode("utf-8")
+        return self.encoding.decode_single_token_bytes(token)
+
 
 def _sorted_keys(value):
     if isinstance(value, dict):
@@ -233,6 +269,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes (a piece of a UTF-8 character where the token is one): what
+        logprobs report beside its text."""
+        return self.backend.token_bytes(token)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **template_kwargs) -> list[int]:
