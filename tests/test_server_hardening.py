@@ -9,6 +9,7 @@ trace's named regions read back from the trace file."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -249,7 +250,7 @@ def case_keys(rng):
 FUZZ = {"nesting": case_nesting, "surrogate": case_surrogate,
         "template_kwargs": case_template_kwargs, "unsupported": case_unsupported,
         "caps": case_caps, "types": case_types, "keys": case_keys}
-CASES = 200
+CASES = int(os.environ.get("TIDEJAX_FUZZ_CASES", "200"))  # a class; 1500 for the 10,500-case run
 
 
 @pytest.mark.parametrize("name", sorted(FUZZ))
