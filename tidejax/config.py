@@ -81,7 +81,7 @@ class ServerSection:
 
 
 MISS_POLICIES = ("exact", "substitute", "ring", "cpu", "auto")  # how a non-resident pick is served
-AUTO_KEYS = ("exact_weight", "exact_budget", "max_approx_share")  # [residency] keys only "auto" reads
+AUTO_KEYS = ("exact_weight", "exact_budget", "max_approx_share")  # [residency] keys of "auto" alone
 
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),

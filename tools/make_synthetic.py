@@ -3,7 +3,7 @@
     python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
     python tools/make_synthetic.py OUT_DIR --tiny
     python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4]
-    python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 40 --n-experts 16 --router-skew
+    python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,

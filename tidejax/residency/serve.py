@@ -67,27 +67,28 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     if not options.all_resident:
         policy = options.miss_policy
         miss = live & (slots < 0)  # [T, k]
-        approx = miss  # [T, k]: the misses served approximately
+        shares = weight_shares(weights)  # [T, k]
+        approx = None  # [T, k]: the misses served approximately (substituted)
         if policy == "exact":
             slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
-            approx = None
         elif policy in ("cpu", "auto"):  # the host's slots stay -1: skipped on the device
             if options.cpu is None:
-                raise ValueError(f"miss policy {policy!r} needs the host experts (ServeOptions.cpu)")
-            on_host, approx = miss, None
+                raise ValueError(f"miss policy {policy!r} needs the host experts "
+                                 "(ServeOptions.cpu)")
+            on_host = miss
             if policy == "auto":
-                on_host, state = _exact_picks(miss, weight_shares(weights), state,
-                                              options.exact_budget)
+                on_host, state = _exact_picks(miss, shares, state, options.exact_budget)
                 approx = miss & ~on_host
                 slots = _substitute(ids, approx, slots, choice_scores, layer_map)
             host = options.cpu.serve(moe_index, x, ids, weights, on_host, options.swiglu_limit)
         else:
+            approx = miss
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
         if options.count or policy == "ring":  # the step's tallies
             state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
             if approx is not None:
-                shares = jnp.where(approx, weight_shares(weights), 0.0)
-                state = state.replace(approx=state.approx.at[moe_index, ids].add(shares))
+                state = state.replace(approx=state.approx.at[moe_index, ids].add(
+                    jnp.where(approx, shares, 0.0)))
     bank = state.bank
     if options.all_resident and jax.default_backend() != "gpu":
         # The reference scans every slot; under the identity map this layer's experts are one
@@ -130,7 +131,8 @@ def _exact_picks(miss, shares, state: ExpertState, budget: int):
     if budget:
         flat = jnp.where(exact, shares, -1.0).reshape(-1)
         order = jnp.argsort(-flat, stable=True)  # heaviest first
-        rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+        rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(
+            jnp.arange(flat.size, dtype=jnp.int32))
         exact = exact & (rank < budget - state.exact_used).reshape(exact.shape)
         state = state.replace(exact_used=state.exact_used + exact.sum(dtype=jnp.int32))
     return exact, state

@@ -134,7 +134,9 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class Steps:
-    """The jitted functions over one model (a flax module: see models/registry.Family.build)."""
+    """The jitted functions over one model (a flax module: see models/registry.Family.build).
+    `step` and `score` keep unused inputs (keep_unused), so every leaf of the donated state is
+    donated, also those a step overwrites unread (the `auto` policy's threshold and count)."""
 
     model: object
 
@@ -183,7 +185,7 @@ class Steps:
                 out = out.at[prefill.lane].set(first[0])
             experts, tallies = finish_batch(experts, inputs.swaps)
             return out, DecodeState(cache, experts, sampling), tallies
-        return jax.jit(step, donate_argnames=("state",))
+        return jax.jit(step, donate_argnames=("state",), keep_unused=True)
 
     @functools.cached_property
     def score(self):
@@ -195,7 +197,7 @@ class Steps:
                                                routes)
             experts, tallies = finish_batch(experts, inputs.swaps)
             return logits, state.replace(experts=experts), tallies
-        return jax.jit(score, donate_argnames=("state",))
+        return jax.jit(score, donate_argnames=("state",), keep_unused=True)
 
     @functools.cached_property
     def read_sequence(self):
