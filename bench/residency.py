@@ -35,7 +35,7 @@ import numpy as np
 from tidejax.config import ResidencySection
 from tidejax.residency import Residency, ServeOptions, serve_routed
 from tidejax.residency.planner import Swap
-from tidejax.residency.state import ExpertState
+from tidejax.residency.state import ExpertState, zero_counters
 from tidejax.residency.swap import SwapBatch, apply_now
 
 
@@ -190,7 +190,6 @@ def counting_rows(quick: bool) -> list:
     router = (jax.random.normal(key, (n_moe, e, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
     xs = [jax.random.normal(jax.random.fold_in(key, j), (4, d), jnp.float32).astype(jnp.bfloat16)
           for j in range(8)]
-    zeros = lambda: jnp.zeros((n_moe, e), jnp.float32)
     blocks, per = (2, 3) if quick else (10, 40)
     rows = []
     for label, resident in (("all resident", n_moe * e), ("half resident, substitute", n_moe * e // 2)):
@@ -199,8 +198,8 @@ def counting_rows(quick: bool) -> list:
         rowmap = np.full(n_moe * e, -1, np.int32)
         rowmap[keep] = np.arange(resident)
         state = ExpertState(bank=bank, rowmap=jnp.asarray(rowmap.reshape(n_moe, e)),
-                            slot_rows=jnp.asarray(keep.astype(np.int32)), counts=zeros(),
-                            weight_sums=zeros(), misses=zeros(), pool=None, resident=resident)
+                            slot_rows=jnp.asarray(keep.astype(np.int32)), pool=None,
+                            resident=resident, **zero_counters(n_moe, e))
         full = resident == n_moe * e
         on = ServeOptions(miss_policy="substitute", kernel="auto", count=True, all_resident=full)
         off = ServeOptions(miss_policy="substitute", kernel="auto", count=False, all_resident=full)

@@ -40,7 +40,7 @@ def synthetic(out: Path, *args: str) -> Path:
 def written(tmp_path_factory):
     """(checkpoint dir, its CheckpointReader, GGUFReader of its GGUF, (ours, GGUF) tensor bytes)."""
     root = tmp_path_factory.mktemp("gguf")
-    model = synthetic(root / "tiny")
+    model = synthetic(root / "tiny", "--router-skew")  # correction biases that are not all 0
     totals = make_gguf.write(model, root / "tiny.gguf", progress=False)
     return (model, CheckpointReader(model, progress=False),
             gguf.GGUFReader(root / "tiny.gguf"), totals)
@@ -136,8 +136,10 @@ def test_dense_tensors_bit_equal_and_kv_b_split_per_head(written):
                                   ckpt.read("model.layers.1.self_attn.q_b_proj.weight").view(np.uint16))
     np.testing.assert_array_equal(values("blk.2.ffn_gate_inp.weight"),
                                   ckpt.read("model.layers.2.mlp.gate.weight").astype(np.float32))
-    np.testing.assert_array_equal(values("blk.1.exp_probs_b.bias"),
-                                  ckpt.read("model.layers.1.mlp.gate.e_score_correction_bias"))
+    for i in (1, 2):  # the routers' correction biases (--router-skew: 5 of 16 above 0)
+        bias = ckpt.read(f"model.layers.{i}.mlp.gate.e_score_correction_bias")
+        assert np.count_nonzero(bias) == 5
+        np.testing.assert_array_equal(values(f"blk.{i}.exp_probs_b.bias"), bias)
     for i in range(3):
         kv_b = ckpt.read(f"model.layers.{i}.self_attn.kv_b_proj.weight")  # [H * (NOPE + V), KV_LORA]
         k_b, v_b = values(f"blk.{i}.attn_k_b.weight"), values(f"blk.{i}.attn_v_b.weight")

@@ -138,7 +138,7 @@ def test_swap_is_in_place():
     bank_bytes = sum(a.nbytes for a in jax.tree.leaves(state.bank))
     row_bytes = bank_bytes // state.n_slots
     lowered = apply_now.lower(state, SwapBatch(np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
-                                               np.int32(3), np.bool_(False)))
+                                               np.int32(3), np.bool_(False), np.float32(0.2)))
     mem = lowered.compile().memory_analysis()
     assert mem.alias_size_in_bytes >= bank_bytes
     assert mem.temp_size_in_bytes <= 4 * row_bytes + 4096

@@ -354,7 +354,8 @@ def test_include_usage(oai):
     asked = list(oai.chat.completions.create(**chat, stream_options={"include_usage": True}))
     assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == 3
     assert set(asked[-1].model_extra["x_engine_stats"]) == {"prefill_tps", "decode_tps",
-                                                            "cold_share", "cpu_picks"}
+                                                            "cold_share", "cpu_picks",
+                                                            "approx_weight_share"}
     completion = dict(model=MODEL, prompt="The tide", max_tokens=3, temperature=0, stream=True)
     assert all(c.usage is None for c in oai.completions.create(**completion))
     last = list(oai.completions.create(**completion, stream_options={"include_usage": True}))[-1]

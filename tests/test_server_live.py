@@ -113,6 +113,7 @@ def test_completion_matches_transformers_greedy(served, oai, hf_tokenizer, hf_mo
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     stats = chunks[-1].model_extra["x_engine_stats"]
     assert stats["decode_tps"] > 0 and 0 < stats["cold_share"] < 1  # misses served exactly
+    assert stats["approx_weight_share"] == 0.0  # none approximately
 
 
 def test_stop_strings(oai, claude):
@@ -142,7 +143,7 @@ def test_chat_stream_and_not(oai, hf_tokenizer):
     assert whole.usage.prompt_tokens == prompt_len(hf_tokenizer, messages)
     assert whole.usage.completion_tokens == 10
     assert set(whole.model_extra["x_engine_stats"]) == {"prefill_tps", "decode_tps", "cold_share",
-                                                         "cpu_picks"}
+                                                         "cpu_picks", "approx_weight_share"}
 
     chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
                                               temperature=0, stream=True,

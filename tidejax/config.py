@@ -50,8 +50,15 @@ class ResidencySection:
     budget_experts: int = 0  # slots in the bank; 0 with budget_gib 0 means all experts resident
     budget_gib: float = 0.0
     geometry: str = "per_layer"  # "per_layer" | "arena"
-    miss_policy: str = "exact"  # "exact" | "substitute" | "ring" | "cpu"
+    miss_policy: str = "exact"  # "exact" | "substitute" | "ring" | "cpu" | "auto"
     ring_slots: int = 0
+    # "auto" only: a miss carrying at least exact_weight of its token's routing weight is computed
+    # on the host, at most exact_budget such picks a step (0: no cap), the rest substituted; the
+    # threshold drops while a step's approximately served share of routing weight exceeds
+    # max_approx_share (1: never)
+    exact_weight: float = 0.2
+    exact_budget: int = 0
+    max_approx_share: float = 1.0
     drain_every: int = 64
     half_life: float = 500.0
     hysteresis: float = 1.5
@@ -73,7 +80,8 @@ class ServerSection:
     max_tokens_limit: int = 4096
 
 
-MISS_POLICIES = ("exact", "substitute", "ring", "cpu")  # how a pick of a non-resident expert is served
+MISS_POLICIES = ("exact", "substitute", "ring", "cpu", "auto")  # how a non-resident pick is served
+AUTO_KEYS = ("exact_weight", "exact_budget", "max_approx_share")  # [residency] keys of "auto" alone
 
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),
@@ -99,6 +107,9 @@ _RANGES = {
     ("residency", "hysteresis"): (1, None, False),
     ("residency", "max_swaps_per_layer"): (0, None, False),
     ("residency", "max_swaps_per_step"): (0, None, False),
+    ("residency", "exact_weight"): (0, None, False),
+    ("residency", "exact_budget"): (0, None, False),
+    ("residency", "max_approx_share"): (0, 1, False),
     ("server", "port"): (1, 65535, False),
     ("server", "max_body_bytes"): (1, None, False),
     ("server", "max_tokens_limit"): (1, None, False),
@@ -153,6 +164,7 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown table [{sorted(unknown)[0]}] "
                               f"(known: {', '.join(_SECTIONS)})")
+        _check_auto_keys(source, sections["residency"])
         return EngineConfig(**sections, source=source if base.source == "<defaults>" else base.source)
 
     @staticmethod
@@ -211,6 +223,19 @@ def _coerce(source: str, key: str, value: Any, default: Any) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{source}: '{key}' should be {kind.__name__}, got {value!r}")
     return value
+
+
+def _check_auto_keys(source: str, section: ResidencySection) -> None:
+    """The keys only miss_policy "auto" reads, set under another policy, fail: a key accepted and
+    then ignored would hide a mistake."""
+    if section.miss_policy == "auto":
+        return
+    defaults = ResidencySection()
+    for key in AUTO_KEYS:
+        value = getattr(section, key)
+        if value != getattr(defaults, key):
+            raise ConfigError(f"{source}: 'residency.{key}' = {value!r} is read by miss_policy "
+                              f"'auto' only (miss_policy is {section.miss_policy!r})")
 
 
 def _check(source: str, table: str, key: str, value: Any) -> None:

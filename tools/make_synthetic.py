@@ -3,6 +3,7 @@
     python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
     python tools/make_synthetic.py OUT_DIR --tiny
     python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4]
+    python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,
@@ -62,6 +63,19 @@ layers and the vision tower are left out (num_nextn_predict_layers 0). `--engram
 Engram table (rows follow from the hash layout's primes, as in the real model: 94.4 GiB a table,
 prime start 16,000,000); the default, 4 GiB for ds41-flash, suits a 128 GiB host.
 
+--router-skew (both families) writes the routers' correction biases (`e_score_correction_bias`,
+V4.1's `ffn.gate.bias`; selection only, never the weights) so that the 30% most picked of each
+MoE layer's experts take about 70% of its picks, the same in tidejax and in llama.cpp (the GGUF
+writer copies them as exp_probs_b). A fixed rule, not tuned to a measurement: round(0.3 E) experts
+a layer, drawn per layer from --seed, get one bias b and the rest 0, where b is solved once
+(bisection) so that they take 0.7 of the picks of independent N(0, s^2) logits through tidejax's
+router (route, over an identity weight), s = sqrt(hidden * E[w^2]) the logit scale the synthetic
+router weights give on unit-RMS hidden states. config.json records it (tidejax_synthetic
+.router_skew). Every run then measures and prints the share the most picked 30% of each layer's
+experts take on 4,096 random unit-RMS hidden states through the written routers (with the skew
+about 0.69-0.71; without it 0.33 for --tiny, 0.36-0.41 for ds41-tiny, the random router rows'
+own spread; on the tiny model's real forward over held-out text 0.46-0.49 without, 0.69-0.71 with).
+
 Values: dense weights with std about 1/sqrt(fan_in) (bf16, or e4m3 codes over 4 octaves with e8m0
 block scales), norms 1; MXFP4 / FP4 codes uniform random bytes with e8m0 scales sized so a
 projection keeps unit variance. The tokenizer (and so the vocabulary) is the bundled demo
@@ -72,6 +86,7 @@ expert row), with a progress line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -81,6 +96,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -88,6 +104,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes  # noqa: E402
+from tidejax.models.layers.moe import RouterSpec, route  # noqa: E402
 
 E2M1_MEAN_SQUARE = 8.5625  # mean of v**2 over the 16 e2m1 codes
 
@@ -205,6 +222,10 @@ def fill(filler: tuple, rng, shape: tuple) -> np.ndarray:
     """
     kind, param = filler
     n = math.prod(shape)
+    if kind == "values_f32":  # given values, all of them
+        if len(param) != n:
+            raise ValueError(f"filler of {len(param)} values for a tensor of shape {shape}")
+        return np.asarray(param, np.float32).reshape(shape)
     if kind == "const_bf16":
         return np.full(shape, param, BF16)
     if kind == "const_f32":
@@ -217,13 +238,24 @@ def fill(filler: tuple, rng, shape: tuple) -> np.ndarray:
     if kind == "scales":
         center = 127 + round(-0.5 * math.log2(param))
         return (center - 1 + bits % 3).astype(np.uint8).reshape(shape)
-    if kind in ("bf16", "f32"):  # E[v^2] = 0.774 * 4**(e0 - 127) over the 4 octaves below e0
-        e0 = 127 + round(-0.5 * math.log2(0.774 * param))
+    if kind in ("bf16", "f32"):
+        e0 = _top_exponent(param)
         words = rng.bit_generator.random_raw((n + 3) // 4).view(np.uint16)[:n]
         exponent = (e0 - ((words >> 7) & 3)).astype(np.uint16) << 7
         out = ((words & 0x807F) | exponent).view(BF16).reshape(shape)
         return out if kind == "bf16" else out.astype(np.float32)
     raise ValueError(f"unknown filler {filler}")
+
+
+def _top_exponent(fan_in: int) -> int:
+    """The biased exponent e0 of a "bf16" / "f32" filler: values spread over the 4 octaves below
+    2**(e0 - 127), so their mean square (uniform_mean_square) is about 1 / fan_in."""
+    return 127 + round(-0.5 * math.log2(0.774 * fan_in))
+
+
+def uniform_mean_square(fan_in: int) -> float:
+    """E[v^2] of a "bf16" / "f32" filler's values: 0.774 * 4**(e0 - 127)."""
+    return 0.774 * 4.0 ** (_top_exponent(fan_in) - 127)
 
 
 def _uniform(fan_in: int, dtype=BF16) -> tuple:
@@ -242,7 +274,7 @@ def _scales(fan_in: int, mean_square: float = E2M1_MEAN_SQUARE) -> tuple:
     return ("scales", fan_in * mean_square)
 
 
-def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
+def layer_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None) -> list[tuple]:
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     q_lora, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
@@ -257,12 +289,13 @@ def layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
         (f"{p}.self_attn.kv_a_layernorm.weight", BF16, (c,), _const(1.0, BF16)),
         (f"{p}.self_attn.kv_b_proj.weight", BF16, (h * (nope + v), c), _uniform(c)),
         (f"{p}.self_attn.o_proj.weight", BF16, (d, h * v), _uniform(h * v)),
-    ] + mlp_tensors(cfg, i, experts)
+    ] + mlp_tensors(cfg, i, experts, skew)
 
 
-def mlp_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
+def mlp_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None) -> list[tuple]:
     """Layer i's MLP (V3 and GLM families): dense in the first_k_dense_replace layers, else the
-    router, the shared expert and the routed experts fused (MXFP4 or bf16)."""
+    router (its correction bias from `skew`, else 0), the shared expert and the routed experts
+    fused (MXFP4 or bf16)."""
     d, p = cfg["hidden_size"], f"model.layers.{i}"
     if i < cfg["first_k_dense_replace"]:
         inter = cfg["intermediate_size"]
@@ -272,10 +305,11 @@ def mlp_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
     e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     shared = inter * cfg["n_shared_experts"]
     out = [(f"{p}.mlp.gate.weight", BF16, (e, d), _uniform(d)),
-            (f"{p}.mlp.gate.e_score_correction_bias", F32, (e,), _const(0.0, F32)),
-            (f"{p}.mlp.shared_experts.gate_proj.weight", BF16, (shared, d), _uniform(d)),
-            (f"{p}.mlp.shared_experts.up_proj.weight", BF16, (shared, d), _uniform(d)),
-            (f"{p}.mlp.shared_experts.down_proj.weight", BF16, (d, shared), _uniform(shared))]
+           (f"{p}.mlp.gate.e_score_correction_bias", F32, (e,),
+            skew.layer_bias(i, e) if skew else _const(0.0, F32)),
+           (f"{p}.mlp.shared_experts.gate_proj.weight", BF16, (shared, d), _uniform(d)),
+           (f"{p}.mlp.shared_experts.up_proj.weight", BF16, (shared, d), _uniform(d)),
+           (f"{p}.mlp.shared_experts.down_proj.weight", BF16, (d, shared), _uniform(shared))]
     x = f"{p}.mlp.experts"
     if experts == "mxfp4":
         return out + [(f"{x}.gate_up_proj_blocks", U8, (e, 2 * inter, d // 32, 16), _codes),
@@ -307,7 +341,8 @@ def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: in
     }
 
 
-def glm_layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
+def glm_layer_tensors(cfg: dict, i: int, experts: str,
+                      skew: RouterSkew | None = None) -> list[tuple]:
     d, h, g, k = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                   cfg["head_dim"])
     a = f"model.layers.{i}.self_attn"
@@ -320,7 +355,7 @@ def glm_layer_tensors(cfg: dict, i: int, experts: str) -> list[tuple]:
     if cfg["use_qk_norm"]:
         out += [(f"{a}.q_norm.weight", BF16, (k,), _const(1.0, BF16)),
                 (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16))]
-    return out + mlp_tensors(cfg, i, experts)
+    return out + mlp_tensors(cfg, i, experts, skew)
 
 
 def top_tensors(cfg: dict) -> list[tuple]:
@@ -399,8 +434,8 @@ def _fp4(name: str, out: int, inn: int) -> list[tuple]:
             (f"{name}.scale", E8M0, (out, inn // 32), _scales(inn))]
 
 
-def ds41_layer_tensors(t: dict, i: int) -> list[tuple]:
-    """Layer i's tensors, from the text config `t`."""
+def ds41_layer_tensors(t: dict, i: int, skew: RouterSkew | None = None) -> list[tuple]:
+    """Layer i's tensors, from the text config `t`; the router's bias from `skew` (else 0)."""
     d, h, k, hc = t["hidden_size"], t["num_attention_heads"], t["head_dim"], t["hc_mult"]
     q_lora, groups, o_lora = t["q_lora_rank"], t["o_groups"], t["o_lora_rank"]
     p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
@@ -428,7 +463,7 @@ def ds41_layer_tensors(t: dict, i: int) -> list[tuple]:
                     _ones(f"{a}.indexer.k_norm.weight", width)]
     e, inter = t["n_routed_experts"], t["moe_intermediate_size"]
     out += [(f"{f}.gate.weight", BF16, (e, d), _uniform(d)),
-            (f"{f}.gate.bias", F32, (e,), _const(0.0, F32)),
+            (f"{f}.gate.bias", F32, (e,), skew.layer_bias(i, e) if skew else _const(0.0, F32)),
             (f"{f}.gate.bias_vl", F32, (e,), _const(0.0, F32))]
     for x in range(e):
         out += [*_fp4(f"{f}.experts.{x}.w1", inter, d), *_fp4(f"{f}.experts.{x}.w2", d, inter),
@@ -452,6 +487,126 @@ def ds41_top_tensors(t: dict) -> list[tuple]:
     return [("embed.weight", BF16, (v, d), _uniform(1)), _ones("norm.weight", d),
             ("head.weight", BF16, (v, d), _uniform(d))] + [
         (name, BF16, (d,), _uniform(1)) for name in ("image_start", "image_end", "image_newline")]
+
+
+# -- a skewed router (--router-skew) ---------------------------------------------------------------
+
+HOT_FRACTION, HOT_SHARE = 0.3, 0.7  # --router-skew: that part of a layer's experts takes that share
+SKEW_SAMPLES = 8192  # rows of logits the bias is solved on
+MEASURE_TOKENS = 4096  # random hidden states the written routers' picks are measured on
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSkew:
+    """Correction biases for every MoE layer: `hot` experts of the layer (drawn per layer from
+    `seed`) get `bias`, the others 0; the router picks by score + bias, weighs by score alone."""
+
+    hot: int
+    bias: float
+    seed: int
+
+    def layer_bias(self, layer: int, n_experts: int) -> tuple:
+        """The layer's bias [n_experts] as a filler."""
+        out = np.zeros(n_experts, np.float32)
+        out[np.random.default_rng((self.seed, layer)).choice(n_experts, self.hot,
+                                                              replace=False)] = self.bias
+        return ("values_f32", tuple(out.tolist()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Routers:
+    """A checkpoint's routers as tidejax reads them: the family's RouterSpec, the MoE layers,
+    the router weight and bias tensor names (format with the layer) and the hidden size."""
+
+    spec: RouterSpec
+    layers: tuple[int, ...]
+    weight: str
+    bias: str
+    hidden: int
+
+
+def routers_of(cfg: dict) -> Routers:
+    if cfg["model_type"] == "deepseek_v41":
+        from tidejax.models.deepseek_v41.config import V41Config
+        from tidejax.models.deepseek_v41.model import router_spec
+        c = V41Config.from_hf(cfg)
+        return Routers(router_spec(c), tuple(range(c.num_layers)), "layers.{}.ffn.gate.weight",
+                       "layers.{}.ffn.gate.bias", c.hidden_size)
+    if cfg["model_type"] == "glm4_moe":
+        from tidejax.models.glm4_moe.config import Glm4MoeConfig as Config
+        from tidejax.models.glm4_moe.model import router_spec
+    else:
+        from tidejax.models.deepseek_v3.config import DeepseekV3Config as Config
+        from tidejax.models.deepseek_v3.model import router_spec
+    c = Config.from_hf(cfg)
+    return Routers(router_spec(c), tuple(c.moe_layers), "model.layers.{}.mlp.gate.weight",
+                   "model.layers.{}.mlp.gate.e_score_correction_bias", c.hidden_size)
+
+
+_route = jax.jit(route, static_argnames="spec")
+
+
+def hot_bias(spec: RouterSpec, logit_std: float, hot: int, share: float = HOT_SHARE) -> float:
+    """The bias for which `hot` of a layer's experts take `share` of its picks, solved once by
+    bisection on SKEW_SAMPLES rows of independent N(0, logit_std**2) logits (what a synthetic
+    router gives on unit-RMS hidden states) through the router's own selection (tidejax's route
+    over an identity weight: scores, temperature, groups, top-k)."""
+    if not spec.use_bias:
+        raise SystemExit("error: --router-skew: this router has no correction bias (noaux_tc)")
+    e = spec.n_experts
+    logits = np.random.default_rng(0).standard_normal((SKEW_SAMPLES, e)).astype(np.float32)
+    logits *= logit_std
+    eye = np.eye(e, dtype=np.float32)
+
+    def taken(bias: float) -> float:
+        ids = _route(logits, eye, np.where(np.arange(e) < hot, bias, 0.0).astype(np.float32),
+                     spec=spec)[0]
+        return float(np.mean(np.asarray(ids) < hot))
+
+    low, high = 0.0, 1.0
+    while taken(high) < share:
+        low, high = high, 2 * high
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if taken(mid) < share else (low, mid)
+    return (low + high) / 2
+
+
+def router_skew(cfg: dict, seed: int) -> RouterSkew:
+    """--router-skew for the config `cfg` (a V3-family or V4.1 config.json): the hot experts'
+    bias from the logits the synthetic router weights give (std sqrt(hidden * E[w^2]) on
+    unit-RMS hidden states)."""
+    routers = routers_of(cfg)
+    hot = round(HOT_FRACTION * routers.spec.n_experts)
+    logit_std = math.sqrt(routers.hidden * uniform_mean_square(routers.hidden))
+    return RouterSkew(hot, hot_bias(routers.spec, logit_std, hot), seed)
+
+
+def measure_picks(model: Path, tokens: int = MEASURE_TOKENS, seed: int = 0
+                  ) -> tuple[int, int, list[float]]:
+    """(H, E, each MoE layer's share of picks taken by its H most picked experts), H the
+    HOT_FRACTION of its E experts, for `tokens` random unit-RMS hidden states through each
+    router as written (its weight and bias, through tidejax's route)."""
+    from tidejax.checkpoint.safetensors_io import SafetensorsFile
+
+    cfg = json.loads((model / "config.json").read_text())
+    routers = routers_of(cfg)
+    weight_map = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def read(name: str) -> np.ndarray:
+        return np.asarray(SafetensorsFile(model / weight_map[name]).view(name), np.float32)
+
+    e = routers.spec.n_experts
+    hot = round(HOT_FRACTION * e)
+    x = np.random.default_rng(seed).standard_normal((tokens, routers.hidden)).astype(np.float32)
+    x /= np.sqrt(np.mean(x * x, axis=-1, keepdims=True))  # as the RMSNorm before the router
+    shares = []
+    for i in routers.layers:
+        ids = _route(x, read(routers.weight.format(i)), read(routers.bias.format(i)),
+                     spec=routers.spec)[0]
+        counts = np.sort(np.bincount(np.asarray(ids).reshape(-1), minlength=e))[::-1]
+        shares.append(float(counts[:hot].sum() / counts.sum()))
+    return hot, e, shares
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -541,7 +696,9 @@ def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], token
             for job in shard_jobs(out / file, tensors, (seed, k))]
     progress = Progress(sum(math.prod(job[4]) * job[3].itemsize for job in jobs))
     if workers > 1:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        # spawned: --router-skew has started JAX's threads here, and a fork of a multithreaded
+        # process can deadlock
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
             for n in pool.imap_unordered(run_job, jobs):
                 progress.add(n)
     else:
@@ -579,6 +736,9 @@ def main(argv=None) -> int:
                         help="GiB of each Engram table (V4.1 family; ds41-flash: 4, real: 94.4)")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
+    parser.add_argument("--router-skew", action="store_true",
+                        help=f"bias each MoE layer's router so that {HOT_FRACTION:.0%} of its "
+                             f"experts take about {HOT_SHARE:.0%} of the picks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes filling and writing the shards")
@@ -596,25 +756,38 @@ def main(argv=None) -> int:
     if shape in DS41_SHAPES:
         cfg = ds41_config(shape, layers, backend.get_vocab_size(), special,
                           compressed_token_map(backend), args.n_experts, args.engram_gib)
+    else:
+        cfg = (glm_config if shape in GLM_SHAPES else hf_config)(
+            shape, layers, args.dense_layers, backend.get_vocab_size(), args.max_positions,
+            special, args.n_experts)
+    skew = router_skew(cfg, args.seed) if args.router_skew else None
+    if skew:
+        cfg["tidejax_synthetic"]["router_skew"] = {
+            **dataclasses.asdict(skew), "hot_fraction": HOT_FRACTION, "target_share": HOT_SHARE}
+    if shape in DS41_SHAPES:
         t = cfg["text_config"]
         shards = [("model-top.safetensors", ds41_top_tensors(t))] + [
-            (f"model-layer{i:03d}.safetensors", ds41_layer_tensors(t, i)) for i in range(layers)]
+            (f"model-layer{i:03d}.safetensors", ds41_layer_tensors(t, i, skew))
+            for i in range(layers)]
         what = (f"{layers} layers (of the 40: {cfg['tidejax_synthetic']['layers_of_40']}) x "
                 f"{t['n_routed_experts']} FP4 experts, Engram tables of "
                 f"{t['engram_num_embeddings']} rows")
     else:
-        glm = shape in GLM_SHAPES
-        cfg = (glm_config if glm else hf_config)(
-            shape, layers, args.dense_layers, backend.get_vocab_size(), args.max_positions,
-            special, args.n_experts)
-        layer = glm_layer_tensors if glm else layer_tensors
+        layer = glm_layer_tensors if shape in GLM_SHAPES else layer_tensors
         shards = [("model-top.safetensors", top_tensors(cfg))] + [
-            (f"model-layer{i:03d}.safetensors", layer(cfg, i, args.experts)) for i in range(layers)]
+            (f"model-layer{i:03d}.safetensors", layer(cfg, i, args.experts, skew))
+            for i in range(layers)]
         what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
                 f"{cfg['n_routed_experts']} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
     print(f"{args.out}: {shape}, {what}, vocab {backend.get_vocab_size()}, "
           f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
+    hot, e, shares = measure_picks(args.out, seed=args.seed)
+    print(f"router picks: the {hot} most picked of each MoE layer's {e} experts take "
+          f"{np.mean(shares):.3f} of the picks (per layer {min(shares):.3f} to "
+          f"{max(shares):.3f}; {MEASURE_TOKENS} random unit-RMS hidden states)"
+          + (f"; --router-skew: {hot} experts a layer biased +{skew.bias:.4f} for a share of "
+             f"{HOT_SHARE}" if skew else ""))
     return 0
 
 

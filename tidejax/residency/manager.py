@@ -86,11 +86,16 @@ class Residency:
         self._queue: list[Swap] = []
         self._ring_rows = np.zeros(0, np.int64)  # the last read tally's heaviest misses
         self._ring_next = 0
-        self._window = collections.deque(maxlen=window)  # (missed, wanted) per step
+        # per step: (misses, wanted picks, approximately served weight, routed weight)
+        self._window = collections.deque(maxlen=window)
         self._tallies = collections.deque()  # (misses [L_moe, E] on its way to the host, tokens)
         self._drain = None  # (counts, weight_sums [L_moe, E] on their way to the host, steps)
         self._draining = False  # whether the batch just handed out drains
         self._since_drain = 0
+        # the routing weight served approximately (substituted) and all routed weight, in
+        # serve.weight_shares (one a token and MoE layer), since boot
+        self.approx_weight = self.routed_weight = 0.0
+        self.exact_weight = section.exact_weight  # "auto"'s threshold now (max_approx_share)
         # a swap batch's fixed length: a step's share of the queue and of ring copies
         self.batch_length = 0 if self.all_resident else (
             max(1, section.max_swaps_per_step) + self._ring_per_step)
@@ -98,7 +103,7 @@ class Residency:
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
                                     count=section.count, all_resident=self.all_resident,
-                                    cpu=self.cpu)
+                                    cpu=self.cpu, exact_budget=section.exact_budget)
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -142,7 +147,7 @@ class Residency:
                  "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
-        if self.section.miss_policy == "cpu":
+        if self.section.miss_policy in ("cpu", "auto"):
             self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             transient=self.n_transient)
@@ -170,11 +175,12 @@ class Residency:
         pairs = self._accept(ring, "ring_copies") + self._accept(queued, "swaps_applied")
         # the drain_every-th step since the last drain drains at its end
         self._draining = self.options.count and self._since_drain + 1 >= self.section.drain_every
-        return SwapBatch.of(pairs, self.batch_length if pairs else 0, self._draining)
+        return SwapBatch.of(pairs, self.batch_length if pairs else 0, self._draining,
+                            self.exact_weight)
 
     def idle_batch(self) -> SwapBatch:
         """A batch that changes nothing (warm-up, lowering): no swaps, no drain."""
-        return SwapBatch.of([], 0)
+        return SwapBatch.of([], 0, exact_weight=self.exact_weight)
 
     def warmup_batches(self) -> list[SwapBatch]:
         """One idle batch of each length a step meets: 0 (most steps) and, where experts can
@@ -182,7 +188,8 @@ class Residency:
         the GPU a loop of dynamic trip count makes the host wait for the device to read it, and
         the next step's launches stop overlapping this one's (40-layer V3-family synthetic at
         65% resident: 15.4 ms a bare step with the loop in every step, 8.8 ms of kernels)."""
-        return [self.idle_batch()] + ([SwapBatch.of([], self.batch_length)]
+        return [self.idle_batch()] + ([SwapBatch.of([], self.batch_length,
+                                                    exact_weight=self.exact_weight)]
                                       if self.batch_length else [])
 
     def after_step(self, tallies: Tallies, tokens: int) -> None:
@@ -199,7 +206,8 @@ class Residency:
             self._draining = False
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
             tallies.misses.copy_to_host_async()
-            self._tallies.append((tallies.misses, tokens))
+            tallies.approx.copy_to_host_async()
+            self._tallies.append((tallies.misses, tallies.approx, tokens))
             self._read_tallies(keep=1)
 
     def flush(self) -> None:
@@ -208,18 +216,35 @@ class Residency:
         self._finish_drain()
 
     def _read_tallies(self, keep: int) -> None:
-        """Reads all but the newest `keep` step tallies into the cold share (and the ring)."""
+        """Reads all but the newest `keep` step tallies into the cold share and the approximate
+        share (and the ring; "auto"'s threshold)."""
         while len(self._tallies) > keep:
-            misses, tokens = self._tallies.popleft()
+            misses, approx, tokens = self._tallies.popleft()
             new = np.asarray(misses, np.float64)  # [L_moe, E] the step's misses
-            wanted = tokens * self.top_k * self.n_layers
-            self._window.append((new.sum(), wanted))
+            wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
+            approx_weight = float(np.asarray(approx, np.float64).sum())
+            self._window.append((new.sum(), wanted, approx_weight, routed))
             self.counters["misses"] += int(new.sum())
             self.counters["wanted"] += wanted
+            self.approx_weight += approx_weight
+            self.routed_weight += routed
+            if self.options.miss_policy == "auto" and routed:
+                self._follow_cap(approx_weight / routed)
             if self.options.miss_policy == "ring" and not self.frozen:
                 flat = new.reshape(-1)
                 heavy = np.argsort(-flat, kind="stable")[:self._ring_per_step]
                 self._ring_rows = heavy[flat[heavy] > 0]  # the newest tally's, for the next batch
+
+    def _follow_cap(self, share: float) -> None:
+        """"auto"'s threshold after a step whose approximately served share of routing weight was
+        `share`: 10% lower after a step above max_approx_share, 10% higher (up to exact_weight)
+        after one at or below it, so the share settles at about the cap. A threshold below
+        exact_weight moves more misses to the host (within exact_budget)."""
+        if share > self.section.max_approx_share:
+            self.exact_weight *= 0.9
+            self.counters["threshold_lowered"] += 1
+        else:
+            self.exact_weight = min(self.section.exact_weight, self.exact_weight / 0.9)
 
     def drain(self, state: ExpertState) -> ExpertState:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans;
@@ -379,11 +404,24 @@ class Residency:
         self.save_failing = False
 
     def window_cold_share(self) -> float:
-        """Cold share over the sliding window of recent steps (safe from other threads: the
-        window is copied in one step before it is read)."""
+        """Cold share over the sliding window of recent steps."""
+        return self._window_share(0, 1)
+
+    def window_approx_share(self) -> float:
+        """The share of routing weight served approximately over the window of recent steps."""
+        return self._window_share(2, 3)
+
+    def _window_share(self, part: int, whole: int) -> float:
+        """sum of field `part` / sum of field `whole` over the window (safe from other threads:
+        the window is copied in one step before it is read)."""
         window = tuple(self._window)
-        wanted = sum(w for _, w in window)
-        return sum(m for m, _ in window) / wanted if wanted else 0.0
+        total = sum(w[whole] for w in window)
+        return sum(w[part] for w in window) / total if total else 0.0
+
+    def approx_tally(self) -> tuple[float, float]:
+        """(routing weight served approximately, all routing weight) since boot, in
+        weight_shares (one a token and MoE layer); tallies read so far (a step lags)."""
+        return self.approx_weight, self.routed_weight
 
     def cpu_picks(self) -> int:
         """Picks computed on the host CPU since boot (miss policy "cpu"; counted as the callbacks
@@ -392,7 +430,7 @@ class Residency:
 
     def stats(self) -> dict:
         c = self.counters
-        last = self._window[-1] if self._window else (0, 0)
+        last = self._window[-1] if self._window else (0, 0, 0.0, 0)
         return {
             "steps": c["steps"],
             "cold_share_step": last[0] / last[1] if last[1] else 0.0,
@@ -402,6 +440,13 @@ class Residency:
             "misses": c["misses"],
             "hits": c["wanted"] - c["misses"],
             "cpu_picks": self.cpu_picks(),
+            # routing weight served approximately (substituted) / all routed weight
+            "approx_weight_share_step": last[2] / last[3] if last[3] else 0.0,
+            "approx_weight_share_window": self.window_approx_share(),
+            "approx_weight_share_total": (self.approx_weight / self.routed_weight
+                                          if self.routed_weight else 0.0),
+            "exact_weight": self.exact_weight,  # "auto"'s threshold now
+            "threshold_lowered": c["threshold_lowered"],
             "cpu_kernel": self.cpu.isa if self.cpu else "",  # its path: avx512 | avx2 | ...
             "wanted": c["wanted"],
             "swaps_planned": c["planned"],

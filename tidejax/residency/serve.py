@@ -11,7 +11,12 @@ Miss policies (DESIGN.md "Miss policies"):
 - "cpu": the missed picks are computed on the host CPU from the host pool (tidejax.residency.cpu,
   one callback a layer) while the device computes the resident ones; the two parts are summed
   in float32; the output equals all-resident within float32 rounding (the bound: cpu.py).
-Demand counters always record the *wanted* picks, resident or not.
+- "auto": by weight. A missed pick carrying at least the step's `exact_weight` of its token's
+  routing weight (weight_shares) is computed on the host as under "cpu", the heaviest first while
+  the step's `exact_budget` of such picks lasts (the layers in order); the other misses are
+  substituted as under "substitute".
+Demand counters always record the *wanted* picks, resident or not; the step tallies its misses
+and, for the picks it substituted, their routing weight shares (`ExpertState.approx`).
 """
 
 from __future__ import annotations
@@ -38,13 +43,17 @@ class ServeOptions:
     swiglu_limit: float = 0.0
     count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
     all_resident: bool = False  # every expert has a slot: skip the miss machinery
-    cpu: CpuExperts | None = None  # the host pool the "cpu" policy computes misses from
+    cpu: CpuExperts | None = None  # the host pool "cpu" and "auto" compute misses from
+    exact_budget: int = 0  # "auto": picks computed on the host a step at most (0: no cap)
 
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"miss_policy={self.miss_policy!r}, expected one of {MISS_POLICIES}")
         if self.kernel not in IMPLS:
             raise ValueError(f"kernel={self.kernel!r}, expected one of {IMPLS}")
+        if self.exact_budget < 0 or (self.exact_budget and self.miss_policy != "auto"):
+            raise ValueError(f"exact_budget={self.exact_budget}: a cap of miss policy 'auto' "
+                             "(at least 0)")
 
 
 def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, state: ExpertState,
@@ -54,19 +63,32 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     layer_map = state.rowmap[moe_index]  # [E]
     slots = layer_map[ids]  # [T, k]
     live = token_mask[:, None]  # [T, 1]
-    host = None  # [T, D] float32: the picks computed on the host ("cpu")
+    host = None  # [T, D] float32: the picks computed on the host ("cpu", "auto")
     if not options.all_resident:
+        policy = options.miss_policy
         miss = live & (slots < 0)  # [T, k]
-        if options.count or options.miss_policy == "ring":
-            state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
-        if options.miss_policy == "exact":
+        shares = weight_shares(weights)  # [T, k]
+        approx = None  # [T, k]: the misses served approximately (substituted)
+        if policy == "exact":
             slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
-        elif options.miss_policy == "cpu":  # the missed slots stay -1: skipped on the device
+        elif policy in ("cpu", "auto"):  # the host's slots stay -1: skipped on the device
             if options.cpu is None:
-                raise ValueError("miss policy 'cpu' needs the host experts (ServeOptions.cpu)")
-            host = options.cpu.serve(moe_index, x, ids, weights, miss, options.swiglu_limit)
+                raise ValueError(f"miss policy {policy!r} needs the host experts "
+                                 "(ServeOptions.cpu)")
+            on_host = miss
+            if policy == "auto":
+                on_host, state = _exact_picks(miss, shares, state, options.exact_budget)
+                approx = miss & ~on_host
+                slots = _substitute(ids, approx, slots, choice_scores, layer_map)
+            host = options.cpu.serve(moe_index, x, ids, weights, on_host, options.swiglu_limit)
         else:
+            approx = miss
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
+        if options.count or policy == "ring":  # the step's tallies
+            state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
+            if approx is not None:
+                state = state.replace(approx=state.approx.at[moe_index, ids].add(
+                    jnp.where(approx, shares, 0.0)))
     bank = state.bank
     if options.all_resident and jax.default_backend() != "gpu":
         # The reference scans every slot; under the identity map this layer's experts are one
@@ -87,6 +109,33 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     if demand is None:
         return y, state
     return y, state.replace(counts=out[1], weight_sums=out[2])
+
+
+def weight_shares(weights):
+    """weights [T, k] -> [T, k] float32: each pick's share of its token's routing weight, the
+    router's weight over the sum of the token's k weights. "auto"'s exact_weight and the
+    approximate share are in these units for every family: DeepSeek-V3 / V4 / V4.1 normalize
+    their top-k weights (norm_topk_prob) and then scale them (routed_scaling_factor), which the
+    share undoes; DeepSeek-V2's softmax without norm_topk_prob gives top-k probabilities that sum
+    below 1, and the share is each one's part of that sum."""
+    w = weights.astype(jnp.float32)
+    total = w.sum(-1, keepdims=True)
+    return jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def _exact_picks(miss, shares, state: ExpertState, budget: int):
+    """"auto": the misses carrying at least the step's exact_weight of their token's routing
+    weight, the heaviest first while the step's budget of host picks lasts (0: no cap) ->
+    ([T, k] bool, state with the step's exact_used counted)."""
+    exact = miss & (shares >= state.exact_weight)
+    if budget:
+        flat = jnp.where(exact, shares, -1.0).reshape(-1)
+        order = jnp.argsort(-flat, stable=True)  # heaviest first
+        rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(
+            jnp.arange(flat.size, dtype=jnp.int32))
+        exact = exact & (rank < budget - state.exact_used).reshape(exact.shape)
+        state = state.replace(exact_used=state.exact_used + exact.sum(dtype=jnp.int32))
+    return exact, state
 
 
 def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):

@@ -32,6 +32,10 @@ class ExpertState:
     counts: jax.Array  # [L_moe, E] float32: wanted picks since the last drain
     weight_sums: jax.Array  # [L_moe, E] float32: routing weight of those picks
     misses: jax.Array  # [L_moe, E] float32: wanted picks served by a miss in the last step
+    approx: jax.Array  # [L_moe, E] float32: those served approximately (substituted), each by
+    # its share of its token's routing weight (serve.weight_shares), in the last step
+    exact_weight: jax.Array  # float32 scalar: "auto"'s threshold for this step (its SwapBatch's)
+    exact_used: jax.Array  # int32 scalar: "auto"'s picks computed on the host so far this step
     pool: dict | None  # leaves [L_moe * E, ...], pinned host memory where the backend has it
     resident: int = struct.field(pytree_node=False, default=0)
     ring: int = struct.field(pytree_node=False, default=0)
@@ -64,9 +68,14 @@ class ExpertState:
         return self.replace(bank=rows) if self.bank is None else self.replace(pool=rows)
 
 
-def _zeros_counters(n_layers: int, n_experts: int):
+COUNTERS = ("counts", "weight_sums", "misses", "approx", "exact_weight", "exact_used")
+
+
+def zero_counters(n_layers: int, n_experts: int) -> dict:
+    """The counters and the step's tallies, all zero (COUNTERS)."""
     z = jnp.zeros((n_layers, n_experts), jnp.float32)
-    return z, z.copy(), z.copy()
+    return dict(counts=z, weight_sums=z.copy(), misses=z.copy(), approx=z.copy(),
+                exact_weight=jnp.zeros((), jnp.float32), exact_used=jnp.zeros((), jnp.int32))
 
 
 def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
@@ -80,20 +89,18 @@ def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
         raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
     n_experts = n_rows // n_layers
     rowmap = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_layers, n_experts)
-    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
     state = ExpertState(bank=pool, rowmap=rowmap, slot_rows=jnp.arange(n_rows, dtype=jnp.int32),
-                        counts=counts, weight_sums=weight_sums, misses=misses, pool=None,
-                        resident=n_rows)
+                        pool=None, resident=n_rows, **zero_counters(n_layers, n_experts))
     # committed to the device, as the steps return it: the first step compiles once, not twice
     return _placed(state)
 
 
 def _placed(state: ExpertState) -> ExpertState:
     """The bank put by its logical axes, the map and counters replicated; the pool stays put."""
-    maps = parallel.replicated((state.rowmap, state.slot_rows, state.counts, state.weight_sums,
-                                state.misses))
-    return state.replace(bank=parallel.put(state.bank, expert_axes(state.bank)), rowmap=maps[0],
-                         slot_rows=maps[1], counts=maps[2], weight_sums=maps[3], misses=maps[4])
+    names = ("rowmap", "slot_rows") + COUNTERS
+    maps = parallel.replicated(tuple(getattr(state, name) for name in names))
+    return state.replace(bank=parallel.put(state.bank, expert_axes(state.bank)),
+                         **dict(zip(names, maps)))
 
 
 def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
@@ -118,12 +125,10 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     rowmap = np.full(n_rows, -1, np.int32)
     rowmap[held] = np.nonzero(slot_rows >= 0)[0]
     bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
-    counts, weight_sums, misses = _zeros_counters(n_layers, n_experts)
     # committed to the device, as the steps return it: the first step compiles once, not twice
     return _placed(ExpertState(bank=bank, rowmap=rowmap.reshape(n_layers, n_experts),
-                               slot_rows=all_rows, counts=counts, weight_sums=weight_sums,
-                               misses=misses, pool=pool, resident=resident, ring=ring,
-                               transient=transient))
+                               slot_rows=all_rows, pool=pool, resident=resident, ring=ring,
+                               transient=transient, **zero_counters(n_layers, n_experts)))
 
 
 def fetch_row(pool: dict, row) -> dict:

@@ -26,33 +26,38 @@ from tidejax.residency.state import ExpertState, fetch_row, write_row
 class SwapBatch:
     """slots, rows [B] int32: the first `count` (int32 scalar) pairs are written in order (pool row
     rows[i] into bank slot slots[i]) at the step's start; drain (bool scalar): at its end the
-    counters leave in the step's Tallies and restart from zero. B is 0 for a batch without swaps
-    (the step then has no swap loop) and the engine's batch_length otherwise, so a step compiles
-    at most twice whatever the count."""
+    counters leave in the step's Tallies and restart from zero; exact_weight (float32 scalar):
+    miss policy "auto"'s threshold for the step. B is 0 for a batch without swaps (the step then
+    has no swap loop) and the engine's batch_length otherwise, so a step compiles at most twice
+    whatever the count."""
 
     slots: jax.Array
     rows: jax.Array
     count: jax.Array
     drain: jax.Array
+    exact_weight: jax.Array
 
     @staticmethod
-    def of(pairs: list[tuple[int, int]], length: int, drain: bool = False) -> "SwapBatch":
+    def of(pairs: list[tuple[int, int]], length: int, drain: bool = False,
+           exact_weight: float = 0.0) -> "SwapBatch":
         if len(pairs) > length:
             raise ValueError(f"{len(pairs)} swaps do not fit a batch of {length}")
         slots, rows = np.zeros(length, np.int32), np.zeros(length, np.int32)
         for i, (slot, row) in enumerate(pairs):
             slots[i], rows[i] = slot, row
-        return SwapBatch(slots, rows, np.int32(len(pairs)), np.bool_(drain))
+        return SwapBatch(slots, rows, np.int32(len(pairs)), np.bool_(drain),
+                         np.float32(exact_weight))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Tallies:
     """What a step hands back to residency: misses [L_moe, E] (the step's wanted picks served by a
-    miss); counts, weight_sums [L_moe, E] (the counters through the step, read where its batch
-    drained)."""
+    miss); approx [L_moe, E] (the routing weight shares of those served approximately); counts,
+    weight_sums [L_moe, E] (the counters through the step, read where its batch drained)."""
 
     misses: jax.Array
+    approx: jax.Array
     counts: jax.Array
     weight_sums: jax.Array
 
@@ -81,21 +86,22 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
 
 
 def apply_batch(state: ExpertState, batch: SwapBatch) -> ExpertState:
-    """A step's start (traced inside it): the batch's swaps."""
+    """A step's start (traced inside it): the batch's swaps and threshold."""
     if batch.slots.shape[0]:  # static: an all-resident engine's batches are empty
         state = swap_rows(state, batch.slots, batch.rows, batch.count)
-    return state
+    return state.replace(exact_weight=batch.exact_weight)
 
 
 def finish_batch(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
-    """A step's end (traced inside it): its Tallies (the miss tally and the counters including
-    this step); the miss tally restarts from zero for the next step, and the counters too where
-    the batch drains."""
+    """A step's end (traced inside it): its Tallies (the miss tallies and the counters including
+    this step); the tallies restart from zero for the next step, and the counters too where the
+    batch drains."""
     zeros = jnp.zeros_like(state.counts)
-    out = Tallies(state.misses, state.counts, state.weight_sums)
+    out = Tallies(state.misses, state.approx, state.counts, state.weight_sums)
     return state.replace(counts=jnp.where(batch.drain, zeros, state.counts),
                          weight_sums=jnp.where(batch.drain, zeros, state.weight_sums),
-                         misses=zeros), out
+                         misses=zeros, approx=zeros,
+                         exact_used=jnp.zeros_like(state.exact_used)), out
 
 
 @functools.partial(jax.jit, donate_argnums=0)

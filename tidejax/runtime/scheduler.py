@@ -103,6 +103,7 @@ class RequestHandle:
         self.prefilled = 0  # prompt tokens written to the cache
         self.first_token_at = 0.0
         self.cpu_picks_at_start = 0  # the engine's host-computed picks when its prefill began
+        self.approx_at_start = (0.0, 0.0)  # and its residency.approx_tally()
         self.saved: _Saved | None = None  # while preempted
 
     def cancel(self) -> None:
@@ -128,6 +129,12 @@ class _Step:
     sampled: Sampled  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
     positions: np.ndarray  # [lanes] the position of each lane's next token
+
+
+def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
+    """(part, whole) tallies now and at a start -> part / whole over what came between."""
+    whole = now[1] - start[1]
+    return (now[0] - start[0]) / whole if whole > 0 else 0.0
 
 
 class Scheduler:
@@ -326,6 +333,7 @@ class Scheduler:
             self.pages.grow(handle.id, self._tokens_held(handle))
             handle.started_at = time.perf_counter()
             handle.cpu_picks_at_start = self.model.residency.cpu_picks()
+            handle.approx_at_start = self.model.residency.approx_tally()
             self._prefilling = handle
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
@@ -454,6 +462,9 @@ class Scheduler:
             "cold_share": self.model.residency.window_cold_share(),
             # picks the host CPU computed (miss policy "cpu") while it ran, beside lanes included
             "cpu_picks": self.model.residency.cpu_picks() - handle.cpu_picks_at_start,
+            # the share of routing weight served approximately over the same steps
+            "approx_weight_share": _share_since(self.model.residency.approx_tally(),
+                                                handle.approx_at_start),
         }
 
     def _vacate(self, lane: int) -> None:

@@ -147,7 +147,7 @@ class DonatingStep:
         def apart(params, rows, state: DecodeState, inputs):
             out, state, tallies = fn(params, _with_rows(state, rows), inputs)
             return out, state.replace(experts=state.experts.without_rows()), tallies
-        self.jitted = jax.jit(apart, donate_argnames=("state",))
+        self.jitted = jax.jit(apart, donate_argnames=("state",), keep_unused=True)
 
     @staticmethod
     def _apart(params, state: DecodeState, inputs) -> tuple:
@@ -179,7 +179,10 @@ class SavedSequence:
 
 @dataclasses.dataclass
 class Steps:
-    """The jitted functions over one model (a flax module: see models/registry.Family.build)."""
+    """The jitted functions over one model (a flax module: see models/registry.Family.build).
+    `step` and `score` (DonatingSteps) keep unused inputs (keep_unused), so every leaf of the
+    donated state is donated, also those a step overwrites unread (the `auto` policy's threshold
+    and count)."""
 
     model: object
 

@@ -203,7 +203,8 @@ class Generation:
     @property
     def engine_stats(self) -> dict:
         return {k: self.stats.get(k, 0.0)
-                for k in ("prefill_tps", "decode_tps", "cold_share", "cpu_picks")}
+                for k in ("prefill_tps", "decode_tps", "cold_share", "cpu_picks",
+                          "approx_weight_share")}
 
     async def texts(self):
         detok = IncrementalDetokenizer(self.model.info.tokenizer, keep=self.model.keep_special)
