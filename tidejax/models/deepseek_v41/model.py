@@ -140,6 +140,7 @@ class Indexer(nn.Module):
 
     cfg: V41Config
     layer: int
+    kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
 
     def setup(self):
         cfg = self.cfg
@@ -154,27 +155,19 @@ class Indexer(nn.Module):
         k = rope_tail(self.k_norm(self.wk(latent)), cos, sin)
         return fake_quant_fp4(k, 32, e4m3_scale=False)
 
-    def __call__(self, x, q_res, keys, positions, cos, sin, candidates):
-        """-> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask [b, t, G] or
-        the one given)."""
+    def __call__(self, x, q_res, key_pages, block_table, positions, cos, sin, candidates):
+        """key_pages [n_pages, rows, i_k]: the KV source's indexer keys in the pool, read through
+        block_table [b, P] -> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask
+        [b, t, P * rows] or the one given)."""
         cfg = self.cfg
         b, t, _ = x.shape
         ratio = cfg.compress_ratios[self.layer]
         q = self.wq_b(q_res).reshape(b, t, cfg.index_heads, cfg.index_head_dim)
         q = fake_quant_fp4(rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
         w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5  # [b, t, i]
-        keys = keys.astype(F32)
-
-        def add_head(acc, head):  # one index head at a time: [b, t, G], never [b, t, i, G]
-            q_h, w_h = head
-            s = jnp.einsum("btk,bgk->btg", q_h, keys, precision=HIGHEST)
-            return acc + w_h[..., None] * (jax.nn.relu(s) * cfg.index_head_dim ** -0.5), None
-
-        scores, _ = jax.lax.scan(add_head, jnp.zeros((b, t, keys.shape[1]), F32),
-                                 (jnp.moveaxis(q, 2, 0), jnp.moveaxis(w, 2, 0)))
         visible_count = (positions + 1) // ratio  # [b, t]
-        g = keys.shape[1]
-        scores = jnp.where(jnp.arange(g)[None, None] < visible_count[..., None], scores, -jnp.inf)
+        scores = paged.index_scores(q, w, key_pages, block_table, visible_count,
+                                    scale=cfg.index_head_dim ** -0.5, impl=self.kernel)
         if self.layer == cfg.candidate_source:
             candidates = jax.vmap(candidate_blocks, (0, 0, None, None))(
                 scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
@@ -187,14 +180,16 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     cfg: V41Config
     layer: int
+    kernel: str = "auto"  # the indexer's decode scores kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, positions, n_valid, window, shared, src_cache, block_table):
         """x [b, t, d] (normed) -> y [b, t, d], window ring, shared (the group state published by
-        KV / index sources for the layers that follow: each row's entries and index keys gathered
-        from its pages [b, P * page_size // r, ...], the selection as top-k ids + valid flags,
-        the candidate mask), src_cache (this layer's KV-source pools and group buffers, updated,
-        if it is a source); block_table [b, P] each row's pages."""
+        KV / index sources for the layers that follow: the source's entry and index-key pools
+        [n_pages, page_size // r, ...], the selection as top-k ids + valid flags, the candidate
+        mask), src_cache (this layer's KV-source pools and group buffers, updated, if it is a
+        source); block_table [b, P] each row's pages. Only the selected entries are read from
+        the pool, by id through the table."""
         cfg, layer = self.cfg, self.layer
         b, t, _ = x.shape
         h, k = cfg.num_heads, cfg.head_dim
@@ -218,7 +213,7 @@ class Attention(nn.Module):
             shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache,
                                                  block_table)
             ids, valid = shared["selection"]
-            picked = jax.vmap(lambda e, i: e[i])(shared["entries"].astype(F32), ids)  # [b, t, j, k]
+            picked = paged.gather_rows(shared["entries"], block_table, ids).astype(F32)  # [b, t, j, k]
             extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
             logits = jnp.concatenate(
                 [logits, jnp.where(valid[:, None], extra * k ** -0.5, -jnp.inf)], -1)
@@ -238,7 +233,8 @@ class Attention(nn.Module):
         cfg, layer = self.cfg, self.layer
         ratio = cfg.compress_ratios[layer]
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        indexer = Indexer(cfg, layer, name="indexer") if layer in cfg.index_sources else None
+        indexer = (Indexer(cfg, layer, self.kernel, name="indexer")
+                   if layer in cfg.index_sources else None)
         if layer in cfg.kv_sources:
             entries, index_keys, buf_kv, buf_gate = src_cache
             latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
@@ -251,14 +247,12 @@ class Attention(nn.Module):
             rotated = fake_quant_fp4(rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
             entries = paged.write(entries, rotated, slots)
             src_cache = (entries, index_keys, buf_kv, buf_gate)
-            shared = {"entries": paged.gather(entries, block_table),
-                      "index_keys": (None if index_keys is None
-                                     else paged.gather(index_keys, block_table)),
+            shared = {"entries": entries, "index_keys": index_keys,
                       "candidates": shared.get("candidates")}
         if indexer is not None:
             cos, sin = rope_cos_sin(positions, inv_freq)
-            ids, valid, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
-                                             shared.get("candidates"))
+            ids, valid, candidates = indexer(x, q_res, shared["index_keys"], block_table,
+                                             positions, cos, sin, shared.get("candidates"))
             shared = {**shared, "selection": (ids, valid), "candidates": candidates}
         return shared, src_cache
 
@@ -311,7 +305,7 @@ class DecoderLayer(nn.Module):
             streams = Engram(cfg, name="engram")(streams, rows)
         pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(hc_collapse(streams, pre))
-        y, window, shared, src_cache = Attention(cfg, self.layer, name="attn")(
+        y, window, shared, src_cache = Attention(cfg, self.layer, self.serve.kernel, name="attn")(
             x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
@@ -365,7 +359,7 @@ class DeepseekV41(nn.Module):
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)
             if i in cfg.index_sources:  # dense [b, t, G] masks, for parity checks only
-                g = shared["entries"].shape[1]
+                g = block_table.shape[1] * shared["entries"].shape[1]  # P * rows
                 self.sow("intermediates", f"selection_{i}",
                          jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
