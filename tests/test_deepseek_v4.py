@@ -105,6 +105,21 @@ def test_declared_params_are_what_the_model_consumes(name):
         assert names and not names[0].startswith("model."), path
 
 
+def test_dense_params_follow_the_model_dtype():
+    """In a bfloat16 model the dense params are bfloat16, but what transformers keeps in float32
+    (`_keep_in_fp32_modules_strict`: norms, mHC and the hyper head, sinks, position biases) and
+    the routers."""
+    from declaration import check_dense_dtypes
+
+    def keeps(path):
+        return ("_hc_" in path[0] or path[0].startswith("hc_head_") or "norm" in "".join(path)
+                or path[-1] in ("sinks", "position_bias", "gate_weight", "gate_bias"))
+
+    for name in CONFIGS:
+        check_dense_dtypes(param_specs(V4Config.from_hf(hf_config(name).to_dict()), jnp.bfloat16),
+                           keeps)
+
+
 def test_served_family_and_cache(tiny):
     _, _, engine = tiny
     cfg = engine.cfg

@@ -100,14 +100,15 @@ class Pooler(nn.Module):
     rate: int
     width: int
     overlap: bool
+    dtype: jnp.dtype = F32  # of the projections (the bias and the norm stay float32)
 
     @nn.compact
     def __call__(self, x, positions, n_valid, store, ring_kv, ring_gate):
         """x [b, t, d] -> store [b, G, width] with the completed entries written, rings."""
         c = self.width * (2 if self.overlap else 1)
-        kv = Linear(c, name="kv_proj")(x).astype(F32)
+        kv = Linear(c, self.dtype, name="kv_proj")(x).astype(F32)
         bias = self.param("position_bias", nn.initializers.zeros, (self.rate, c), F32)
-        gate = Linear(c, name="gate_proj")(x).astype(F32)
+        gate = Linear(c, self.dtype, name="gate_proj")(x).astype(F32)
         start = positions[:, 0]
         latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None, None, None))(
             kv, gate, ring_kv, ring_gate, start, n_valid, self.rate, bias, self.overlap)
@@ -122,6 +123,7 @@ class Pooler(nn.Module):
 class Attention(nn.Module):
     cfg: V4Config
     layer: int
+    dtype: jnp.dtype = F32  # of the projections (the norms and sinks stay float32)
 
     @nn.compact
     def __call__(self, x, positions, n_valid, window, state):
@@ -133,15 +135,16 @@ class Attention(nn.Module):
         kind, rate = cfg.layer_types[self.layer], cfg.rate(self.layer)
         inv_freq, _ = rope_frequencies(cfg.main_rope if kind == SLIDING else cfg.compress_rope)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        q_res = RMSNorm(cfg.rms_norm_eps, name="q_a_norm")(Linear(cfg.q_lora_rank, name="q_a_proj")(x))
-        q = Linear(h * k, name="q_b_proj")(q_res).reshape(b, t, h, k).astype(F32)
+        dt = self.dtype
+        q_res = RMSNorm(cfg.rms_norm_eps, name="q_a_norm")(Linear(cfg.q_lora_rank, dt, name="q_a_proj")(x))
+        q = Linear(h * k, dt, name="q_b_proj")(q_res).reshape(b, t, h, k).astype(F32)
         q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + cfg.rms_norm_eps)
         q = rope_tail(q, cos, sin)
-        kv = rope_tail(RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="kv_proj")(x)),
+        kv = rope_tail(RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, dt, name="kv_proj")(x)),
                            cos, sin).astype(F32)
         keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
         if kind != SLIDING:
-            comp = _Compressor(cfg, rate, kind == CSA, name="compressor")
+            comp = _Compressor(cfg, rate, kind == CSA, dt, name="compressor")
             entries, ring_kv, ring_gate = comp.main(x, positions, n_valid, *state[:3])
             visible = jnp.arange(entries.shape[1])[None, None] < ((positions + 1) // rate)[..., None]
             if kind == CSA:
@@ -159,8 +162,8 @@ class Attention(nn.Module):
         out = jnp.einsum("bhts,bsk->bthk", probs, keys, precision=HIGHEST)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
         wo_a = self.param("o_a_proj", nn.initializers.normal(0.02),
-                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
-        y = Linear(cfg.hidden_size, name="o_b_proj")(grouped_low_rank(out, wo_a, cfg.o_groups))
+                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), dt)
+        y = Linear(cfg.hidden_size, dt, name="o_b_proj")(grouped_low_rank(out, wo_a, cfg.o_groups))
         return y, window, state
 
 
@@ -168,12 +171,13 @@ class _Compressor(nn.Module):
     cfg: V4Config
     rate: int
     overlap: bool
+    dtype: jnp.dtype = F32  # of the projections
 
     def setup(self):
         cfg = self.cfg
-        self.main = Pooler(cfg, self.rate, cfg.head_dim, self.overlap)
+        self.main = Pooler(cfg, self.rate, cfg.head_dim, self.overlap, self.dtype)
         if self.overlap:
-            self.indexer = Indexer(cfg, self.rate)
+            self.indexer = Indexer(cfg, self.rate, self.dtype)
 
 
 class Indexer(nn.Module):
@@ -181,20 +185,22 @@ class Indexer(nn.Module):
 
     cfg: V4Config
     rate: int
+    dtype: jnp.dtype = F32  # of the projections
 
     @nn.compact
     def __call__(self, x, q_res, positions, n_valid, visible, keys, ring_kv, ring_gate):
         """-> scores [b, t, G] (-inf where invisible), (keys, ring_kv, ring_gate) updated."""
         cfg = self.cfg
         b, t, _ = x.shape
-        keys, ring_kv, ring_gate = Pooler(cfg, self.rate, cfg.index_head_dim, True, name="keys")(
+        keys, ring_kv, ring_gate = Pooler(cfg, self.rate, cfg.index_head_dim, True, self.dtype,
+                                          name="keys")(
             x, positions, n_valid, keys, ring_kv, ring_gate)
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        q = Linear(cfg.index_heads * cfg.index_head_dim, name="q_b_proj")(q_res)
+        q = Linear(cfg.index_heads * cfg.index_head_dim, self.dtype, name="q_b_proj")(q_res)
         q = rope_tail(q.reshape(b, t, cfg.index_heads, cfg.index_head_dim), cos, sin).astype(F32)
         s = jax.nn.relu(jnp.einsum("btik,bgk->btig", q, keys, precision=HIGHEST)) * cfg.index_head_dim ** -0.5
-        w = Linear(cfg.index_heads, name="weights_proj")(x).astype(F32) * cfg.index_heads ** -0.5
+        w = Linear(cfg.index_heads, self.dtype, name="weights_proj")(x).astype(F32) * cfg.index_heads ** -0.5
         scores = jnp.einsum("btig,bti->btg", s, w, precision=HIGHEST)
         return jnp.where(visible, scores, -jnp.inf), (keys, ring_kv, ring_gate)
 
@@ -212,7 +218,8 @@ def router_spec(cfg: V4Config, layer: int) -> RouterSpec:
 class DeepseekV4(nn.Module):
     cfg: V4Config
     serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
-    dtype: jnp.dtype = F32  # of embed and lm_head
+    dtype: jnp.dtype = F32  # of the dense params but the norms, mHC, sinks, position biases and
+    # routers (float32, as the reference keeps them)
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, paged: PagedCache, block_table,
@@ -241,14 +248,14 @@ class DeepseekV4(nn.Module):
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
                 hc_collapse(streams, pre))
             state = tuple(p for p in parts[i] if p is not None)
-            y, windows[i], state = Attention(cfg, i, name=f"layers_{i}_self_attn")(
+            y, windows[i], state = Attention(cfg, i, self.dtype, name=f"layers_{i}_self_attn")(
                 x, positions, n_valid, windows[i], state)
             parts[i] = list(state) + [None] * (6 - len(state))
             streams = hc_expand(y, streams, post, comb)
             pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_ffn_hc", n, d), **mix)
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
                 hc_collapse(streams, pre))
-            y, experts = MoE(router_spec(cfg, i), i, cfg.moe_intermediate_size, self.serve, F32,
+            y, experts = MoE(router_spec(cfg, i), i, cfg.moe_intermediate_size, self.serve, self.dtype,
                              act_dtype=F32, name=f"layers_{i}_mlp")(x, token_mask, experts, tokens,
                                                                     replay=replay)
             streams = hc_expand(y, streams, post, comb)

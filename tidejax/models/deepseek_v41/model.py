@@ -118,15 +118,16 @@ class Compressor(nn.Module):
 
     cfg: V41Config
     ratio: int
+    dtype: jnp.dtype = F32  # of its params
 
     @nn.compact
     def __call__(self, x, positions, n_valid, buf_kv, buf_gate):
         cfg = self.cfg
-        norm = RMSNorm(cfg.rms_norm_eps, name="norm")
-        kv = Linear(cfg.head_dim, name="wkv")(x)
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")
+        kv = Linear(cfg.head_dim, self.dtype, name="wkv")(x)
         if self.ratio == 1:  # every token is its own group
             return norm(kv), positions, jnp.arange(x.shape[1])[None] < n_valid[:, None], None, None
-        gate = Linear(cfg.head_dim, name="wgate")(x)
+        gate = Linear(cfg.head_dim, self.dtype, name="wgate")(x)
         start = positions[:, 0]
         latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None))(
             kv, gate, buf_kv, buf_gate, start, n_valid, self.ratio)
@@ -141,14 +142,15 @@ class Indexer(nn.Module):
     cfg: V41Config
     layer: int
     kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
+    dtype: jnp.dtype = F32  # of its params
 
     def setup(self):
-        cfg = self.cfg
-        self.wq_b = Linear(cfg.index_heads * cfg.index_head_dim)
-        self.weights_proj = Linear(cfg.index_heads)
+        cfg, dt = self.cfg, self.dtype
+        self.wq_b = Linear(cfg.index_heads * cfg.index_head_dim, dt)
+        self.weights_proj = Linear(cfg.index_heads, dt)
         if cfg.owns_index_keys(self.layer):
-            self.wk = Linear(cfg.index_head_dim)
-            self.k_norm = RMSNorm(cfg.rms_norm_eps)
+            self.wk = Linear(cfg.index_head_dim, dt)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, dt)
 
     def keys(self, latent, cos, sin):
         """Indexer keys of new compressed latents [b, n, k] -> [b, n, i_k] (rotated, FP4)."""
@@ -181,6 +183,7 @@ class Attention(nn.Module):
     cfg: V41Config
     layer: int
     kernel: str = "auto"  # the indexer's decode scores kernel: "auto" | "pallas" | "reference"
+    dtype: jnp.dtype = F32  # of its params but the sink (float32)
 
     @nn.compact
     def __call__(self, x, positions, n_valid, window, shared, src_cache, block_table):
@@ -190,7 +193,7 @@ class Attention(nn.Module):
         mask), src_cache (this layer's KV-source pools and group buffers, updated, if it is a
         source); block_table [b, P] each row's pages. Only the selected entries are read from
         the pool, by id through the table."""
-        cfg, layer = self.cfg, self.layer
+        cfg, layer, dt = self.cfg, self.layer, self.dtype
         b, t, _ = x.shape
         h, k = cfg.num_heads, cfg.head_dim
         ratio = cfg.compress_ratios[layer]
@@ -198,10 +201,11 @@ class Attention(nn.Module):
         inv_freq, _ = rope_frequencies(rope)
         cos, sin = rope_cos_sin(positions, inv_freq)
 
-        q_res = RMSNorm(cfg.rms_norm_eps, name="q_norm")(Linear(cfg.q_lora_rank, name="wq_a")(x))
-        q = Linear(h * k, name="wq_b")(q_res).reshape(b, t, h, k)
+        q_res = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(
+            Linear(cfg.q_lora_rank, dt, name="wq_a")(x))
+        q = Linear(h * k, dt, name="wq_b")(q_res).reshape(b, t, h, k)
         q = rope_tail(q, cos, sin)
-        kv = RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="wkv")(x))
+        kv = RMSNorm(cfg.rms_norm_eps, dt, name="kv_norm")(Linear(k, dt, name="wkv")(x))
         kv = fake_quant_fp8(rope_tail(kv, cos, sin), 32)
 
         keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
@@ -225,19 +229,20 @@ class Attention(nn.Module):
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
         wo_a = self.param("wo_a", nn.initializers.normal(0.02),
-                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
-        y = Linear(cfg.hidden_size, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
+                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), dt)
+        y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
         return y, window, shared, src_cache
 
     def _compressed(self, x, q_res, positions, n_valid, shared, src_cache, block_table):
         cfg, layer = self.cfg, self.layer
         ratio = cfg.compress_ratios[layer]
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        indexer = (Indexer(cfg, layer, self.kernel, name="indexer")
+        indexer = (Indexer(cfg, layer, self.kernel, self.dtype, name="indexer")
                    if layer in cfg.index_sources else None)
         if layer in cfg.kv_sources:
             entries, index_keys, buf_kv, buf_gate = src_cache
-            latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
+            latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, self.dtype,
+                                                                   name="compressor")(
                 x, positions, n_valid, buf_kv, buf_gate)
             cos_g, sin_g = rope_cos_sin(group * ratio, inv_freq)
             # entry g of a row goes to row g % (page_size // r) of its page g // (page_size // r)
@@ -271,16 +276,17 @@ class Engram(nn.Module):
     """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e] come from the host."""
 
     cfg: V41Config
+    dtype: jnp.dtype = F32  # of its params (the gate is computed in float32)
 
     @nn.compact
     def __call__(self, streams, rows):
-        cfg = self.cfg
+        cfg, dt = self.cfg, self.dtype
         b, t, n, d = streams.shape
-        kv = Linear(d * (n + 1), name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
+        kv = Linear(d * (n + 1), dt, name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
         key = kv[..., :n * d].astype(F32).reshape(b, t, n, d)
         value = kv[..., n * d:].astype(F32)
-        q_w = self.param("q_weight", nn.initializers.ones, (n, d), F32)
-        k_w = self.param("k_weight", nn.initializers.ones, (n, d), F32)
+        q_w = self.param("q_weight", nn.initializers.ones, (n, d), dt).astype(F32)
+        k_w = self.param("k_weight", nn.initializers.ones, (n, d), dt).astype(F32)
         hs = streams.astype(F32)
         eps = cfg.rms_norm_eps
         rstd = (jax.lax.rsqrt(jnp.mean(hs * hs, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps))
@@ -293,25 +299,26 @@ class DecoderLayer(nn.Module):
     cfg: V41Config
     layer: int
     serve: ServeOptions
+    dtype: jnp.dtype = F32  # of its params but mHC's and the router's (float32)
 
     @nn.compact
     def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
                  block_table, rows, experts, replay=None):
-        cfg = self.cfg
+        cfg, dt = self.cfg, self.dtype
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
 
         if rows is not None:
-            streams = Engram(cfg, name="engram")(streams, rows)
+            streams = Engram(cfg, dt, name="engram")(streams, rows)
         pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(hc_collapse(streams, pre))
-        y, window, shared, src_cache = Attention(cfg, self.layer, self.serve.kernel, name="attn")(
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(hc_collapse(streams, pre))
+        y, window, shared, src_cache = Attention(cfg, self.layer, self.serve.kernel, dt, name="attn")(
             x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(hc_collapse(streams, pre_a))
-        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, F32,
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="ffn_norm")(hc_collapse(streams, pre_a))
+        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, dt,
                          act_dtype=F32, name="ffn")(x, token_mask, experts, replay=replay)
         streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
@@ -320,7 +327,7 @@ class DecoderLayer(nn.Module):
 class DeepseekV41(nn.Module):
     cfg: V41Config
     serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
-    dtype: jnp.dtype = F32
+    dtype: jnp.dtype = F32  # of the dense params but mHC's, the sinks and the routers (float32)
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
@@ -351,7 +358,7 @@ class DeepseekV41(nn.Module):
             rows = (engram_rows[:, :, cfg.engram_layers.index(i)]
                     if i in cfg.engram_layers else None)
             streams, pre, windows[i], shared, src_cache, experts = DecoderLayer(
-                cfg, i, self.serve, name=f"layers_{i}")(
+                cfg, i, self.serve, self.dtype, name=f"layers_{i}")(
                 streams, pre, positions, token_mask, n_valid, windows[i], shared,
                 None if src is None else tuple(sources[src]), block_table, rows, experts,
                 replay)
@@ -362,7 +369,7 @@ class DeepseekV41(nn.Module):
                 g = block_table.shape[1] * shared["entries"].shape[1]  # P * rows
                 self.sow("intermediates", f"selection_{i}",
                          jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
-        x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
