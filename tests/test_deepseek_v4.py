@@ -1,8 +1,9 @@
 """DeepSeek-V4 against transformers' implementation on tiny random checkpoints written here, served
 by the engine (tidejax.load: declared params, the checkpoint table, routed experts through
-residency, a cache row per lane): every attention kind (sliding, CSA with its overlapping
-compressors and indexer, HCA), hash routing, clamped SwiGLU, mHC with the hyper head, YaRN on the
-compress RoPE (or not)."""
+residency, compressed entries and indexer keys in the KV page pool, rings per lane): every
+attention kind (sliding, CSA with its overlapping compressors and indexer, HCA), hash routing,
+clamped SwiGLU, mHC with the hyper head, YaRN on the compress RoPE (or not); preempted requests
+resume exactly."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import tidejax  # noqa: E402
 from tidejax.checkpoint import CheckpointError  # noqa: E402
 from tidejax.kv.paged import PagedCache  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
-from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache  # noqa: E402
+from tidejax.models.deepseek_v4.model import DeepseekV4, V4Lanes, V4Pages  # noqa: E402
 from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
 from tidejax.residency.serve import ServeOptions  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
@@ -97,7 +98,8 @@ def test_declared_params_are_what_the_model_consumes(name):
     declared = check_declaration(
         lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
         lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
-        (tokens, tokens, tokens > -1, PagedCache((), V4Cache.create(cfg, 1, 32)),
+        (tokens, tokens, tokens > -1,
+         PagedCache(V4Pages.create(cfg, 1, cfg.page_multiple), V4Lanes.create(cfg, 1)),
          jnp.zeros((1, 1), jnp.int32)))
     table = checkpoint_table(cfg)
     for path in param_paths(declared):
@@ -121,14 +123,23 @@ def test_dense_params_follow_the_model_dtype():
 
 
 def test_served_family_and_cache(tiny):
+    """The pool holds the entries of the two CSA layers (with their index keys) and the two HCA
+    layers (float32), one per rate positions; a lane keeps its window rings and the compressors'
+    rings, whatever max_context."""
     _, _, engine = tiny
     cfg = engine.cfg
-    assert engine.family.name == "deepseek_v4" and engine.cache_bytes_per_token() == 0
-    # its whole cache is per lane: entries of the CSA layers (with their index keys) and of the
-    # HCA layers (float32) sized for max_context, beside the window rings
-    csa, hca = cfg.csa_rate, cfg.hca_rate
-    growing = 4 * (2 * (cfg.head_dim + cfg.index_head_dim) / csa + 2 * cfg.head_dim / hca)
-    assert engine.lane_bytes() >= growing * engine.max_context
+    csa, hca, k, ik = cfg.csa_rate, cfg.hca_rate, cfg.head_dim, cfg.index_head_dim
+    assert engine.family.name == "deepseek_v4"
+    assert engine.cache_bytes_per_token() == 4 * (2 * (k + ik) / csa + 2 * k / hca)
+    rings = 2 * (2 * csa) * (2 * k) * 2 + 2 * hca * k * 2 + 2 * (2 * csa) * (2 * ik) * 2
+    assert engine.lane_bytes() == 4 * (5 * (cfg.sliding_window - 1) * k + rings)
+    pages = engine.state.cache.pages
+    for i in range(cfg.num_layers):
+        for leaf in (pages.entries[i], pages.index_keys[i]):
+            if leaf is not None:
+                assert leaf.shape[:2] == (engine.loaded.kv_pages, engine.loaded.page_size // cfg.rate(i))
+    assert [leaf is not None for leaf in pages.entries] == [False] + [True] * 4
+    assert [leaf is not None for leaf in pages.index_keys] == [False, True, False, True, False]
 
 
 def test_logits_match_transformers(tiny):
@@ -143,14 +154,16 @@ def test_logits_match_transformers(tiny):
 
 def test_prefill_then_decode_equals_full_forward(tiny):
     """Prefill 11 (CSA and HCA windows left part full), then one token at a time through the
-    lane cache: the same logits as one forward (which matches transformers above)."""
+    pages (handed out of order) and the lane rings: the same logits as one forward (which matches
+    transformers above)."""
     _, _, engine = tiny
     ids = prompt(4)
     want = engine.logits(ids)
     step = jax.jit(engine.loaded.module.apply)
     params, state = {"params": engine.loaded.params}, engine.state.experts
-    cache, got = PagedCache((), V4Cache.create(engine.cfg, 1, 40)), []
-    table = jnp.zeros((1, 1), jnp.int32)
+    n_pages = -(-40 // engine.loaded.page_size)
+    cache, got = engine.loaded.new_cache(n_pages + 2, 1), []
+    table = jnp.arange(n_pages, 0, -1, dtype=jnp.int32)[None]  # pages out of order, page 0 unused
     for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
         pos = jnp.arange(lo, hi, dtype=jnp.int32)[None]
         logits, cache, state = step(params, jnp.asarray(ids[None, lo:hi]), pos, pos >= 0, cache,
@@ -176,6 +189,30 @@ def test_greedy_tokens_match_transformers(tiny):
     assert outputs[0] == want and len(outputs[1]) == 12
     stop = next((i for i, t in enumerate(want) if t in engine.eos_ids), len(want))
     assert engine.generate(text, max_new_tokens=12) == engine.tokenizer.decode(want[:stop])
+
+
+@pytest.mark.parametrize("tiny", ["plain_hc2"], indirect=True)
+def test_preempted_requests_resume_exactly(tiny):
+    """Three lanes, a pool of 8 pages of 16 tokens: requests growing to 40, 46 and 52 positions
+    need 10 pages, so the newest is preempted (its pages, its lane's window and compressor rings
+    to host memory) and resumes in whatever lane frees; every request's greedy tokens are those
+    of full forwards."""
+    path, _, engine = tiny
+    small = tidejax.load(path, engine={**ENGINE, "lanes": 3, "page_size": 16, "kv_pool_tokens": 128})
+    prompts, new = [prompt(7, 20), prompt(8, 30), prompt(9, 40)], [20, 16, 12]
+    out = [[] for _ in prompts]
+    for i, (ids, n) in enumerate(zip(prompts, new)):
+        small.scheduler.submit(
+            GenerationRequest(ids.tolist(), n, ignore_eos=True),
+            lambda e, i=i: out[i].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    small.scheduler.run_until_idle()
+    stats = small.scheduler.kv_stats()
+    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0, stats
+    for ids, n, got in zip(prompts, new, out):
+        want = []
+        while len(want) < n:
+            want.append(int(np.argmax(engine.logits(np.concatenate([ids, want]).astype(np.int32))[-1])))
+        assert got == want
 
 
 def test_half_resident_exact_equals_all_resident(tiny):

@@ -31,7 +31,7 @@ from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
-from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
+from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
                                                  window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
@@ -210,22 +210,14 @@ class Attention(nn.Module):
 
         keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
 
-        qf, keys = q.astype(F32), keys.astype(F32)
-        logits = jnp.einsum("bthk,bsk->bhts", qf, keys, precision=HIGHEST)
-        logits = jnp.where(mask[:, None], logits * k ** -0.5, -jnp.inf)
-        if ratio:  # plus the selected compressed entries of the KV group, gathered per query
+        picked = valid = None
+        if ratio:  # plus the selected compressed entries of the KV group, read by id per query
             shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache,
                                                  block_table)
             ids, valid = shared["selection"]
             picked = paged.gather_rows(shared["entries"], block_table, ids).astype(F32)  # [b, t, j, k]
-            extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
-            logits = jnp.concatenate(
-                [logits, jnp.where(valid[:, None], extra * k ** -0.5, -jnp.inf)], -1)
-        probs = softmax_with_sink(logits, self.param("attn_sink", nn.initializers.zeros, (h,), F32))
-        n_window = keys.shape[1]
-        out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
-        if ratio:
-            out = out + jnp.einsum("bhtj,btjk->bthk", probs[..., n_window:], picked, precision=HIGHEST)
+        sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
+        out = attend_with_sink(q.astype(F32), keys.astype(F32), mask, sink, picked, valid)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
         wo_a = self.param("wo_a", nn.initializers.normal(0.02),

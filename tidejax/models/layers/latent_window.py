@@ -76,6 +76,29 @@ def softmax_with_sink(logits, sink):
     return jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
 
 
+def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
+    """Latent attention of q [b, t, h, k] over the window keys [b, s, k] (= values; mask [b, t, s])
+    and a compressed branch's entries (None: none): per query, extra [b, t, j, k] (the entries an
+    indexer picked), or shared by the chunk's queries, extra [b, g, k]; extra_mask [b, t, j | g].
+    Logits scaled by k**-0.5, one softmax over both and the sink -> out [b, t, h, k]. Float32
+    operands give float32 (HIGHEST precision dots)."""
+    scale = q.shape[-1] ** -0.5
+    per_query = extra is not None and extra.ndim == 4
+    logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST)
+    logits = jnp.where(mask[:, None], logits * scale, -jnp.inf)
+    if extra is not None:
+        e = jnp.einsum("bthk,btjk->bhtj" if per_query else "bthk,bjk->bhtj", q, extra,
+                       precision=HIGHEST)
+        logits = jnp.concatenate([logits, jnp.where(extra_mask[:, None], e * scale, -jnp.inf)], -1)
+    probs = softmax_with_sink(logits, sink)
+    n_window = keys.shape[1]
+    out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
+    if extra is not None:
+        out = out + jnp.einsum("bhtj,btjk->bthk" if per_query else "bhtj,bjk->bthk",
+                               probs[..., n_window:], extra, precision=HIGHEST)
+    return out
+
+
 def grouped_low_rank(out, wo_a, groups: int):
     """out [b, t, h, k] -> [b, t, groups * rank]: the heads split into `groups`, each projected by
     its own block of wo_a [groups * rank, h * k / groups] (the output's first, low-rank half)."""
