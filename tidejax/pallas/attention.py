@@ -136,9 +136,12 @@ def _dot_t(a, b):
 
 def dot_terms(q, dtype) -> tuple:
     """A query as dot operands of the pool's dtype: one term, or for a float32 query over a bf16
-    pool two bf16 terms (its rounding and the rest: ~16 mantissa bits kept)."""
+    pool two bf16 terms (its rounding and the rest: ~16 mantissa bits kept). The rounding is a
+    reduce_precision: XLA:GPU drops a float32 -> bf16 -> float32 round trip (excess precision is
+    allowed there), which would leave the rest zero."""
     if dtype == jnp.bfloat16 and q.dtype == jnp.float32:
-        return q.astype(dtype), (q - q.astype(dtype).astype(jnp.float32)).astype(dtype)
+        high = jax.lax.reduce_precision(q, exponent_bits=8, mantissa_bits=7)  # exact in bf16
+        return high.astype(dtype), (q - high).astype(dtype)
     return (q.astype(dtype),)
 
 
