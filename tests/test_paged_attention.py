@@ -27,17 +27,25 @@ def rng():
     return np.random.default_rng(seed)
 
 
-def make_case(rng, *, b, h, c, r, ps, n_table, lengths, pool_dtype, q_dtype, spare_pages=5):
-    """Random queries and a pool whose pages are handed out shuffled; table entries past a
-    sequence's pages hold random (valid) page ids. -> (args, pool as float64 numpy)."""
-    held = [-(-length // ps) for length in lengths]
+def shuffled_table(rng, held, n_table, spare_pages):
+    """A pool of sum(held) + spare_pages pages handed out shuffled: row i's first held[i] table
+    entries are its own pages, the rest random (valid) page ids -> (table [rows, n_table],
+    n_pages)."""
     n_pages = sum(held) + spare_pages
     order = rng.permutation(n_pages)
-    table = rng.integers(0, n_pages, (b, n_table)).astype(np.int32)
+    table = rng.integers(0, n_pages, (len(held), n_table)).astype(np.int32)
     used = 0
     for i, k in enumerate(held):
         table[i, :k] = order[used:used + k]
         used += k
+    return table, n_pages
+
+
+def make_case(rng, *, b, h, c, r, ps, n_table, lengths, pool_dtype, q_dtype, spare_pages=5):
+    """Random queries and a pool whose pages are handed out shuffled; table entries past a
+    sequence's pages hold random (valid) page ids. -> (args, pool as float64 numpy)."""
+    table, n_pages = shuffled_table(rng, [-(-length // ps) for length in lengths], n_table,
+                                    spare_pages)
     latent = jnp.asarray(rng.standard_normal((n_pages, ps, c)), pool_dtype)
     rope = jnp.asarray(rng.standard_normal((n_pages, ps, r)), pool_dtype)
     q = jnp.asarray(rng.standard_normal((b, h, c)) / np.sqrt(c), q_dtype)
@@ -343,14 +351,8 @@ def make_index_case(rng, *, counts, heads, k, rows, n_table, pool_dtype, q_dtype
     table random valid pages), queries [b, t] -> (args, as float64 numpy)."""
     counts = np.asarray(counts, np.int32)
     b, t = counts.shape
-    held = [-(-int(c.max()) // rows) for c in counts]
-    n_pages = sum(held) + spare_pages
-    order = rng.permutation(n_pages)
-    table = rng.integers(0, n_pages, (b, n_table)).astype(np.int32)
-    used = 0
-    for i, n in enumerate(held):
-        table[i, :n] = order[used:used + n]
-        used += n
+    table, n_pages = shuffled_table(rng, [-(-int(c.max()) // rows) for c in counts], n_table,
+                                    spare_pages)
     keys = jnp.asarray(rng.standard_normal((n_pages, rows, k)), pool_dtype)
     q = jnp.asarray(rng.standard_normal((b, t, heads, k)), q_dtype)
     w = jnp.asarray(rng.standard_normal((b, t, heads)), jnp.float32)
