@@ -40,23 +40,24 @@ CONFIGS = {
 ENGINE = {"lanes": 2, "max_context": 64, "prefill_chunk": 16, "kernel": "reference"}
 
 
-def hf_config(name):
+def hf_config(name, layers: int = 5):
+    """The first `layers` of: sliding, CSA, HCA, CSA, HCA (the first two hash-routed)."""
     kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-             "compressed_sparse_attention", "heavily_compressed_attention"]
+             "compressed_sparse_attention", "heavily_compressed_attention"][:layers]
     return transformers.DeepseekV4Config(
-        vocab_size=VOCAB, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        vocab_size=VOCAB, moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16,
         index_n_heads=16, index_head_dim=32,  # many heads: ReLU all-zero ties at top-k are rare
         partial_rotary_factor=0.25, layer_types=kinds,
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, **CONFIGS[name])
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"][:layers],
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, **CONFIGS[name])
 
 
-def write_tiny(path, name, seed):
+def write_tiny(path, name, seed, layers: int = 5):
     """A DeepseekV4ForCausalLM checkpoint (random, float32; save_pretrained) and a tokenizer;
     returns the torch model (eval mode) for reference outputs."""
     torch.manual_seed(seed)
-    cfg = hf_config(name)
+    cfg = hf_config(name, layers)
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
     with torch.no_grad():  # every parameter random and O(1) in effect (the defaults zero many)
         for pname, p in model.named_parameters():
@@ -191,15 +192,15 @@ def test_greedy_tokens_match_transformers(tiny):
     assert engine.generate(text, max_new_tokens=12) == engine.tokenizer.decode(want[:stop])
 
 
-@pytest.mark.parametrize("tiny", ["plain_hc2"], indirect=True)
-def test_preempted_requests_resume_exactly(tiny):
-    """Three lanes, a pool of 8 pages of 16 tokens: requests growing to 40, 46 and 52 positions
-    need 10 pages, so the newest is preempted (its pages, its lane's window and compressor rings
-    to host memory) and resumes in whatever lane frees; every request's greedy tokens are those
-    of full forwards."""
-    path, _, engine = tiny
-    small = tidejax.load(path, engine={**ENGINE, "lanes": 3, "page_size": 16, "kv_pool_tokens": 128})
-    prompts, new = [prompt(7, 20), prompt(8, 30), prompt(9, 40)], [20, 16, 12]
+def test_preempted_requests_resume_exactly(tmp_path):
+    """Three layers (sliding, CSA, HCA: small compiles), three lanes, a pool of 4 pages of 16
+    tokens: requests growing to 26, 28 and 30 positions need 6 pages, so the newest is preempted
+    (its pages, its lane's window and compressor rings to host memory) and resumes in whatever
+    lane frees; every request's greedy tokens are those of full forwards."""
+    write_tiny(tmp_path, "plain_hc2", seed=3, layers=3)
+    small = tidejax.load(tmp_path, engine={**ENGINE, "lanes": 3, "page_size": 16,
+                                           "kv_pool_tokens": 64})
+    prompts, new = [prompt(7, 10), prompt(8, 12), prompt(9, 14)], [16, 16, 16]
     out = [[] for _ in prompts]
     for i, (ids, n) in enumerate(zip(prompts, new)):
         small.scheduler.submit(
@@ -211,7 +212,7 @@ def test_preempted_requests_resume_exactly(tiny):
     for ids, n, got in zip(prompts, new, out):
         want = []
         while len(want) < n:
-            want.append(int(np.argmax(engine.logits(np.concatenate([ids, want]).astype(np.int32))[-1])))
+            want.append(int(np.argmax(small.logits(np.concatenate([ids, want]).astype(np.int32))[-1])))
         assert got == want
 
 
