@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from tidejax.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, top_k_select
 from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
                                                  window_keys)
