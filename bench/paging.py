@@ -2,15 +2,15 @@
 and what a long prompt's arrival does to a lane that is decoding.
 
     python bench/paging.py MODEL_DIR [--contexts 4096,131072] [--lanes 1,4] [--tokens 64]
-        [--prompt 8192] [--chunks 256,512,2048] [--trace en] [--set table.key=value ...]
+        [--prompt 8192] [--chunks 256,512,2048 | ""] [--trace en] [--set table.key=value ...]
 
 Per max_context (a fresh `tidejax.load`, every expert resident, routing replayed from --trace):
 decode tok/s at each lane count (lanes / median step over --tokens steps, 16-token prompts) and
 the KV pool's bytes beside the dense per-lane layout's (lanes x max_context). Then, on the last
-engine, per prefill chunk size: the --prompt-token prompt's TTFT on an idle engine, and again
-while one lane decodes: the decoding lane's gaps between tokens while the prompt is admitted
-(median and largest), the mixed steps (median and longest), and the prompt's TTFT. Prints a
-markdown table and writes it to $OUT/paging.md when $OUT is set.
+engine, per prefill chunk size (none with --chunks ""): the --prompt-token prompt's TTFT on an
+idle engine, and again while one lane decodes: the decoding lane's gaps between tokens while the
+prompt is admitted (median and largest), the mixed steps (median and longest), and the prompt's
+TTFT. Prints a markdown table and writes it to $OUT/paging.md when $OUT is set.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     args = parser.parse_args(argv)
     args.lanes = [int(x) for x in args.lanes.split(",")]
-    chunks = [int(x) for x in args.chunks.split(",")]
+    chunks = [int(x) for x in args.chunks.split(",") if x]  # none: decode tok/s only
     overrides = parse_set(args.set)
     # the arriving prompt needs a lane beside the decoding one
     overrides.setdefault("engine", {}).setdefault("lanes", max(max(args.lanes), 2))

@@ -58,3 +58,17 @@ def edited_copy(src: Path, out: Path, edit) -> Path:
     edit(tensors)
     save_file(tensors, out / "model.safetensors")
     return out
+
+
+def check_dense_dtypes(specs, keeps_float32) -> None:
+    """Dense params declared for a bfloat16 model: bfloat16, but the leaves whose path (a tuple
+    of names) `keeps_float32` says stay float32 (what the reference keeps in float32) and integer
+    tables; and some of each."""
+    dtypes = {tuple(k.key for k in path): jnp.dtype(spec.dtype) for path, spec
+              in jax.tree_util.tree_flatten_with_path(specs)[0]}
+    for path, dtype in dtypes.items():
+        if jnp.issubdtype(dtype, jnp.integer):
+            continue
+        want = jnp.float32 if keeps_float32(path) else jnp.bfloat16
+        assert dtype == want, (path, dtype)
+    assert {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)} <= set(dtypes.values())

@@ -1,8 +1,9 @@
 """DeepSeek-V4 against transformers' implementation on tiny random checkpoints written here, served
 by the engine (tidejax.load: declared params, the checkpoint table, routed experts through
-residency, a cache row per lane): every attention kind (sliding, CSA with its overlapping
-compressors and indexer, HCA), hash routing, clamped SwiGLU, mHC with the hyper head, YaRN on the
-compress RoPE (or not)."""
+residency, compressed entries and indexer keys in the KV page pool, rings per lane): every
+attention kind (sliding, CSA with its overlapping compressors and indexer, HCA), hash routing,
+clamped SwiGLU, mHC with the hyper head, YaRN on the compress RoPE (or not); preempted requests
+resume exactly."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import tidejax  # noqa: E402
 from tidejax.checkpoint import CheckpointError  # noqa: E402
 from tidejax.kv.paged import PagedCache  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
-from tidejax.models.deepseek_v4.model import DeepseekV4, V4Cache  # noqa: E402
+from tidejax.models.deepseek_v4.model import DeepseekV4, V4Lanes, V4Pages  # noqa: E402
 from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
 from tidejax.residency.serve import ServeOptions  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
@@ -39,23 +40,24 @@ CONFIGS = {
 ENGINE = {"lanes": 2, "max_context": 64, "prefill_chunk": 16, "kernel": "reference"}
 
 
-def hf_config(name):
+def hf_config(name, layers: int = 5):
+    """The first `layers` of: sliding, CSA, HCA, CSA, HCA (the first two hash-routed)."""
     kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-             "compressed_sparse_attention", "heavily_compressed_attention"]
+             "compressed_sparse_attention", "heavily_compressed_attention"][:layers]
     return transformers.DeepseekV4Config(
-        vocab_size=VOCAB, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        vocab_size=VOCAB, moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16,
         index_n_heads=16, index_head_dim=32,  # many heads: ReLU all-zero ties at top-k are rare
         partial_rotary_factor=0.25, layer_types=kinds,
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, **CONFIGS[name])
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"][:layers],
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, **CONFIGS[name])
 
 
-def write_tiny(path, name, seed):
+def write_tiny(path, name, seed, layers: int = 5):
     """A DeepseekV4ForCausalLM checkpoint (random, float32; save_pretrained) and a tokenizer;
     returns the torch model (eval mode) for reference outputs."""
     torch.manual_seed(seed)
-    cfg = hf_config(name)
+    cfg = hf_config(name, layers)
     model = transformers.DeepseekV4ForCausalLM(cfg).eval()
     with torch.no_grad():  # every parameter random and O(1) in effect (the defaults zero many)
         for pname, p in model.named_parameters():
@@ -97,7 +99,8 @@ def test_declared_params_are_what_the_model_consumes(name):
     declared = check_declaration(
         lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
         lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
-        (tokens, tokens, tokens > -1, PagedCache((), V4Cache.create(cfg, 1, 32)),
+        (tokens, tokens, tokens > -1,
+         PagedCache(V4Pages.create(cfg, 1, cfg.page_multiple), V4Lanes.create(cfg, 1)),
          jnp.zeros((1, 1), jnp.int32)))
     table = checkpoint_table(cfg)
     for path in param_paths(declared):
@@ -105,15 +108,39 @@ def test_declared_params_are_what_the_model_consumes(name):
         assert names and not names[0].startswith("model."), path
 
 
+def test_dense_params_follow_the_model_dtype():
+    """In a bfloat16 model the dense params are bfloat16, but what transformers keeps in float32
+    (`_keep_in_fp32_modules_strict`: norms, mHC and the hyper head, sinks, position biases) and
+    the routers."""
+    from declaration import check_dense_dtypes
+
+    def keeps(path):
+        return ("_hc_" in path[0] or path[0].startswith("hc_head_") or "norm" in "".join(path)
+                or path[-1] in ("sinks", "position_bias", "gate_weight", "gate_bias"))
+
+    for name in CONFIGS:
+        check_dense_dtypes(param_specs(V4Config.from_hf(hf_config(name).to_dict()), jnp.bfloat16),
+                           keeps)
+
+
 def test_served_family_and_cache(tiny):
+    """The pool holds the entries of the two CSA layers (with their index keys) and the two HCA
+    layers (float32), one per rate positions; a lane keeps its window rings and the compressors'
+    rings, whatever max_context."""
     _, _, engine = tiny
     cfg = engine.cfg
-    assert engine.family.name == "deepseek_v4" and engine.cache_bytes_per_token() == 0
-    # its whole cache is per lane: entries of the CSA layers (with their index keys) and of the
-    # HCA layers (float32) sized for max_context, beside the window rings
-    csa, hca = cfg.csa_rate, cfg.hca_rate
-    growing = 4 * (2 * (cfg.head_dim + cfg.index_head_dim) / csa + 2 * cfg.head_dim / hca)
-    assert engine.lane_bytes() >= growing * engine.max_context
+    csa, hca, k, ik = cfg.csa_rate, cfg.hca_rate, cfg.head_dim, cfg.index_head_dim
+    assert engine.family.name == "deepseek_v4"
+    assert engine.cache_bytes_per_token() == 4 * (2 * (k + ik) / csa + 2 * k / hca)
+    rings = 2 * (2 * csa) * (2 * k) * 2 + 2 * hca * k * 2 + 2 * (2 * csa) * (2 * ik) * 2
+    assert engine.lane_bytes() == 4 * (5 * (cfg.sliding_window - 1) * k + rings)
+    pages = engine.state.cache.pages
+    for i in range(cfg.num_layers):
+        for leaf in (pages.entries[i], pages.index_keys[i]):
+            if leaf is not None:
+                assert leaf.shape[:2] == (engine.loaded.kv_pages, engine.loaded.page_size // cfg.rate(i))
+    assert [leaf is not None for leaf in pages.entries] == [False] + [True] * 4
+    assert [leaf is not None for leaf in pages.index_keys] == [False, True, False, True, False]
 
 
 def test_logits_match_transformers(tiny):
@@ -128,14 +155,16 @@ def test_logits_match_transformers(tiny):
 
 def test_prefill_then_decode_equals_full_forward(tiny):
     """Prefill 11 (CSA and HCA windows left part full), then one token at a time through the
-    lane cache: the same logits as one forward (which matches transformers above)."""
+    pages (handed out of order) and the lane rings: the same logits as one forward (which matches
+    transformers above)."""
     _, _, engine = tiny
     ids = prompt(4)
     want = engine.logits(ids)
     step = jax.jit(engine.loaded.module.apply)
     params, state = {"params": engine.loaded.params}, engine.state.experts
-    cache, got = PagedCache((), V4Cache.create(engine.cfg, 1, 40)), []
-    table = jnp.zeros((1, 1), jnp.int32)
+    n_pages = -(-40 // engine.loaded.page_size)
+    cache, got = engine.loaded.new_cache(n_pages + 2, 1), []
+    table = jnp.arange(n_pages, 0, -1, dtype=jnp.int32)[None]  # pages out of order, page 0 unused
     for lo, hi in [(0, 11)] + [(p, p + 1) for p in range(11, 40)]:
         pos = jnp.arange(lo, hi, dtype=jnp.int32)[None]
         logits, cache, state = step(params, jnp.asarray(ids[None, lo:hi]), pos, pos >= 0, cache,
@@ -161,6 +190,30 @@ def test_greedy_tokens_match_transformers(tiny):
     assert outputs[0] == want and len(outputs[1]) == 12
     stop = next((i for i, t in enumerate(want) if t in engine.eos_ids), len(want))
     assert engine.generate(text, max_new_tokens=12) == engine.tokenizer.decode(want[:stop])
+
+
+def test_preempted_requests_resume_exactly(tmp_path):
+    """Three layers (sliding, CSA, HCA: small compiles), three lanes, a pool of 4 pages of 16
+    tokens: requests growing to 26, 28 and 30 positions need 6 pages, so the newest is preempted
+    (its pages, its lane's window and compressor rings to host memory) and resumes in whatever
+    lane frees; every request's greedy tokens are those of full forwards."""
+    write_tiny(tmp_path, "plain_hc2", seed=3, layers=3)
+    small = tidejax.load(tmp_path, engine={**ENGINE, "lanes": 3, "page_size": 16,
+                                           "kv_pool_tokens": 64})
+    prompts, new = [prompt(7, 10), prompt(8, 12), prompt(9, 14)], [16, 16, 16]
+    out = [[] for _ in prompts]
+    for i, (ids, n) in enumerate(zip(prompts, new)):
+        small.scheduler.submit(
+            GenerationRequest(ids.tolist(), n, ignore_eos=True),
+            lambda e, i=i: out[i].append(e.token_id) if isinstance(e, TokenEvent) else None)
+    small.scheduler.run_until_idle()
+    stats = small.scheduler.kv_stats()
+    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0, stats
+    for ids, n, got in zip(prompts, new, out):
+        want = []
+        while len(want) < n:
+            want.append(int(np.argmax(small.logits(np.concatenate([ids, want]).astype(np.int32))[-1])))
+        assert got == want
 
 
 def test_half_resident_exact_equals_all_resident(tiny):

@@ -174,6 +174,22 @@ def test_declared_params_are_what_the_model_consumes(name):
         assert names and all(not n.startswith("model.") for n in names), path
 
 
+def test_dense_params_follow_the_model_dtype():
+    """In a bfloat16 model the dense params are bfloat16, but what the reference keeps in float32
+    (ARCHITECTURE.md, parameter dtypes): the mHC params, the attention sinks, the routers."""
+    import jax.numpy as jnp
+
+    from declaration import check_dense_dtypes
+    from tidejax.models.deepseek_v41.weights import param_specs
+
+    def keeps(path):
+        return path[-1].startswith(("hc_attn_", "hc_ffn_")) or path[-1] in (
+            "attn_sink", "gate_weight", "gate_bias")
+
+    for name in MODELS:
+        check_dense_dtypes(param_specs(V41Config.from_file(GOLDEN / name), jnp.bfloat16), keeps)
+
+
 def test_cache_memory_per_token():
     from tidejax.models.deepseek_v41.model import V41Pages
 

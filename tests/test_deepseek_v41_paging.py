@@ -83,8 +83,10 @@ def test_a_saved_sequence_goes_back_into_any_lane(engine):
 
 def test_decode_cost_does_not_grow_with_max_context(tmp_path):
     """Same position, max_context 1,024 against 16,384 (one pool size): the same cost within 5%
-    (the entries and indexer keys are read through the lane's block table); position 4,000 costs
-    more than position 20, so the measure sees the compressed attention and the indexer."""
+    (the indexer keys are scored and the picked entries read through the lane's block table);
+    position 8,000 costs more than position 20, so the measure sees the compressed attention and
+    the indexer (only the top-k entries are read, so the bytes grow less than the row's copy
+    did: 4,000 positions added less than a fifth)."""
     model = tmp_path / "tiny_a"
     shutil.copytree(GOLDEN, model)
     raw = json.loads((model / "config.json").read_text())
@@ -98,7 +100,7 @@ def test_decode_cost_does_not_grow_with_max_context(tmp_path):
         costs[max_context] = decode_cost(engine, 20)
     for short, long in zip(costs[1024], costs[16384]):
         assert abs(long - short) <= 0.05 * short, costs
-    far = decode_cost(engine, 4000)
+    far = decode_cost(engine, 8000)
     assert far[0] > 1.4 * costs[16384][0] and far[1] > 1.2 * costs[16384][1], (far, costs)
 
 

@@ -27,17 +27,25 @@ def rng():
     return np.random.default_rng(seed)
 
 
-def make_case(rng, *, b, h, c, r, ps, n_table, lengths, pool_dtype, q_dtype, spare_pages=5):
-    """Random queries and a pool whose pages are handed out shuffled; table entries past a
-    sequence's pages hold random (valid) page ids. -> (args, pool as float64 numpy)."""
-    held = [-(-length // ps) for length in lengths]
+def shuffled_table(rng, held, n_table, spare_pages):
+    """A pool of sum(held) + spare_pages pages handed out shuffled: row i's first held[i] table
+    entries are its own pages, the rest random (valid) page ids -> (table [rows, n_table],
+    n_pages)."""
     n_pages = sum(held) + spare_pages
     order = rng.permutation(n_pages)
-    table = rng.integers(0, n_pages, (b, n_table)).astype(np.int32)
+    table = rng.integers(0, n_pages, (len(held), n_table)).astype(np.int32)
     used = 0
     for i, k in enumerate(held):
         table[i, :k] = order[used:used + k]
         used += k
+    return table, n_pages
+
+
+def make_case(rng, *, b, h, c, r, ps, n_table, lengths, pool_dtype, q_dtype, spare_pages=5):
+    """Random queries and a pool whose pages are handed out shuffled; table entries past a
+    sequence's pages hold random (valid) page ids. -> (args, pool as float64 numpy)."""
+    table, n_pages = shuffled_table(rng, [-(-length // ps) for length in lengths], n_table,
+                                    spare_pages)
     latent = jnp.asarray(rng.standard_normal((n_pages, ps, c)), pool_dtype)
     rope = jnp.asarray(rng.standard_normal((n_pages, ps, r)), pool_dtype)
     q = jnp.asarray(rng.standard_normal((b, h, c)) / np.sqrt(c), q_dtype)
@@ -327,4 +335,167 @@ def test_prefill_kernel_lowers_to_triton_for_cuda(t, pool_dtype, q_dtype, tile):
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         shape((1, t, h, c), q_dtype), shape((1, t, h, r), q_dtype), shape((n_pages, ps, c), pool_dtype),
         shape((n_pages, ps, r), pool_dtype), shape((1, n_table), jnp.int32), shape((1, t), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+# ---- the lightning indexer's scores over paged keys (DeepSeek-V4.1) -----------------------------
+
+from tidejax.kv import paged  # noqa: E402
+from tidejax.pallas import paged_index_scores, paged_index_scores_reference  # noqa: E402
+from tidejax.pallas.index_scores import paged_index_scores_pallas  # noqa: E402
+from tidejax.pallas.index_scores import pallas_supports as index_supports  # noqa: E402
+
+
+def make_index_case(rng, *, counts, heads, k, rows, n_table, pool_dtype, q_dtype, spare_pages=3):
+    """Rows holding the pages their largest count needs (shuffled page ids; the rest of each
+    table random valid pages), queries [b, t] -> (args, as float64 numpy)."""
+    counts = np.asarray(counts, np.int32)
+    b, t = counts.shape
+    table, n_pages = shuffled_table(rng, [-(-int(c.max()) // rows) for c in counts], n_table,
+                                    spare_pages)
+    keys = jnp.asarray(rng.standard_normal((n_pages, rows, k)), pool_dtype)
+    q = jnp.asarray(rng.standard_normal((b, t, heads, k)), q_dtype)
+    w = jnp.asarray(rng.standard_normal((b, t, heads)), jnp.float32)
+    args = (q, w, keys, jnp.asarray(table), jnp.asarray(counts))
+    return args, tuple(np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in args[:3])
+
+
+def numpy_index_scores(q, w, keys, table, counts, scale):
+    """Float64, one query at a time: its visible entries gathered row by row."""
+    b, t = counts.shape
+    rows = keys.shape[1]
+    out = np.full((b, t, table.shape[1] * rows), -np.inf)
+    for i in range(b):
+        for j in range(t):
+            g = np.arange(counts[i, j])
+            k = keys[table[i, g // rows], g % rows]  # [count, k]
+            out[i, j, g] = (w[i, j] @ np.maximum(q[i, j] @ k.T, 0.0)) * scale
+    return out
+
+
+def check_scores(got, want, tol):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape and got.dtype == np.float64
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))  # -inf exactly past counts
+    live = np.isfinite(want)
+    assert np.abs(got[live] - want[live]).max() <= tol * np.abs(want[live]).max()
+
+
+# Decode rows over a table of 6 pages of `rows` entries: none, one entry, a partial page, whole
+# pages, the full table; and two queries a row of different counts (a chunk).
+def index_counts(rows, n_table=6):
+    return [[0], [1], [rows + 3], [3 * rows], [n_table * rows]]
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_index_scores_reference_matches_float64(rng, pool_dtype):
+    rows = 8
+    for counts in ([[6 * rows - 1, 6 * rows], [rows, 2 * rows + 1], [0, 5]], index_counts(rows)):
+        args, f64 = make_index_case(rng, counts=counts, heads=3, k=32, rows=rows, n_table=6,
+                                    pool_dtype=pool_dtype, q_dtype=jnp.float32)
+        want = numpy_index_scores(*f64, np.asarray(args[3]), np.asarray(args[4]), SCALE)
+        got = jax.jit(paged_index_scores_reference, static_argnames="scale")(*args, scale=SCALE)
+        assert got.dtype == jnp.float32
+        check_scores(got, want, 1e-6)
+    assert np.isneginf(np.asarray(got[0, 0])).all()  # a query that sees nothing
+
+
+# (pool dtype, query dtype, tolerance): float32 dots; bf16 dots (float32 queries as two terms)
+INDEX_DTYPES = [(jnp.float32, jnp.float32, 1e-5), (jnp.bfloat16, jnp.float32, 1e-4),
+                (jnp.bfloat16, jnp.bfloat16, 1e-5)]
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype,tol", INDEX_DTYPES)
+@pytest.mark.parametrize("rows,tile,heads", [(8, (16, 4, 1), 3), (32, (16, 4, 1), 20),
+                                             (16, None, 8)])
+def test_index_scores_kernel_interpret_matches_reference(rng, pool_dtype, q_dtype, tol, rows, tile,
+                                                         heads):
+    """Blocks of two small pages gathered row by row (rows 8, bk 16), half a page (rows 32), the
+    default tile over pages of 16 (blocks of 64: past the table's end, padded); fewer heads than
+    a dot's 16 rows and more (padded to 32); rows of length 0 all -inf."""
+    args, f64 = make_index_case(rng, counts=index_counts(rows), heads=heads, k=32, rows=rows,
+                                n_table=6, pool_dtype=pool_dtype, q_dtype=q_dtype)
+    want = np.asarray(paged_index_scores_reference(*args, scale=SCALE), np.float64)
+    got = paged_index_scores_pallas(*args, scale=SCALE, interpret=True, tile=tile)
+    assert got.dtype == jnp.float32
+    check_scores(got, want, tol)
+    assert np.isneginf(np.asarray(got[0])).all()
+    if pool_dtype == jnp.float32:
+        check_scores(got, numpy_index_scores(*f64, np.asarray(args[3]), np.asarray(args[4]),
+                                             SCALE), tol)
+
+
+def test_index_scores_kernel_takes_a_chunk(rng):
+    """impl="pallas" runs a prompt chunk's queries too (each with its own count)."""
+    args, _ = make_index_case(rng, counts=[[0, 3, 9], [8, 16, 17]], heads=4, k=16, rows=8,
+                              n_table=3, pool_dtype=jnp.float32, q_dtype=jnp.float32)
+    want = np.asarray(paged_index_scores_reference(*args, scale=SCALE), np.float64)
+    check_scores(paged_index_scores_pallas(*args, scale=SCALE, interpret=True, tile=(16, 4, 1)),
+                 want, 1e-5)
+
+
+def test_index_scores_dispatch_and_shapes(rng):
+    """"pallas" runs the kernel, "reference" the jnp path; "auto" the kernel only on a GPU and
+    only for decode (t = 1); shapes it does not take fall back under "auto", are named under
+    "pallas"; bad shapes are named."""
+    args, _ = make_index_case(rng, counts=[[3], [9]], heads=4, k=16, rows=8, n_table=2,
+                              pool_dtype=jnp.bfloat16, q_dtype=jnp.float32)
+    run = lambda impl: (lambda *a: paged_index_scores(*a, scale=SCALE, impl=impl))
+    assert _has_pallas_call(run("pallas"), *args)
+    assert not _has_pallas_call(run("reference"), *args)
+    assert _has_pallas_call(run("auto"), *args) == (jax.default_backend() == "gpu")
+    chunk, _ = make_index_case(rng, counts=[[3, 4]], heads=4, k=16, rows=8, n_table=2,
+                               pool_dtype=jnp.bfloat16, q_dtype=jnp.float32)
+    assert not _has_pallas_call(run("auto"), *chunk)
+    shape = jax.ShapeDtypeStruct
+    assert index_supports(shape((1, 1, 4, 32), jnp.float32), shape((4, 8, 32), jnp.bfloat16))
+    assert not index_supports(shape((1, 1, 4, 48), jnp.float32), shape((4, 8, 48), jnp.bfloat16))
+    assert not index_supports(shape((1, 1, 4, 32), jnp.float32), shape((4, 6, 32), jnp.bfloat16))
+    odd = (np.zeros((1, 1, 4, 48), np.float32), np.zeros((1, 1, 4), np.float32),
+           np.zeros((3, 4, 48), np.float32), np.zeros((1, 2), np.int32), np.ones((1, 1), np.int32))
+    with pytest.raises(ValueError, match="shapes the kernel does not take"):
+        paged_index_scores(*odd, scale=SCALE, impl="pallas")
+    assert paged_index_scores(*odd, scale=SCALE).shape == (1, 1, 8)  # auto: the reference
+    with pytest.raises(ValueError, match=r"weights has shape \(1, 1, 3\), expected \(1, 1, 4\)"):
+        paged_index_scores(odd[0], odd[1][..., :3], *odd[2:], scale=SCALE)
+    with pytest.raises(ValueError, match="block_table has shape"):
+        paged_index_scores(*odd[:3], odd[3][0], odd[4], scale=SCALE)
+
+
+def test_index_scores_reference_reads_only_the_table_pages():
+    """Its buffers follow the table, not the pool (as the MLA reference's)."""
+    shape = jax.ShapeDtypeStruct
+    q, w = shape((2, 1, 4, 32), jnp.float32), shape((2, 1, 4), jnp.float32)
+    table, counts = shape((2, 6), jnp.int32), shape((2, 1), jnp.int32)
+    temp = []
+    for n_pages in (16, 65536):
+        compiled = jax.jit(paged_index_scores_reference, static_argnames="scale").lower(
+            q, w, shape((n_pages, 8, 32), jnp.bfloat16), table, counts, scale=SCALE).compile()
+        temp.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temp[0] == temp[1]
+
+
+def test_gather_rows_reads_entries_by_id(rng):
+    """paged.gather_rows: entry g of a row from page table[row, g // rows], row g % rows."""
+    pool = jnp.asarray(rng.standard_normal((7, 4, 3)), jnp.float32)
+    table = jnp.asarray(rng.permutation(7)[:6].reshape(2, 3), jnp.int32)
+    ids = jnp.asarray(rng.integers(0, 12, (2, 5, 2)), jnp.int32)
+    got = paged.gather_rows(pool, table, ids)
+    want = jax.vmap(lambda rows, i: rows[i])(paged.gather(pool, table), ids)
+    assert got.shape == (2, 5, 2, 3)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("rows,tile", [(64, None), (32, None), (64, (128, 4, 2))])
+def test_index_scores_kernel_lowers_to_triton_for_cuda(rows, tile):
+    """The lowering at DeepSeek-V4.1-Flash shapes (32 index heads of 128, bf16 keys; pages of 64
+    tokens: 64 entries of a ratio-1 source, 32 of a ratio-2 one; a table of 2,048 pages)."""
+    from jax import export
+
+    shape = jax.ShapeDtypeStruct
+    kernel = jax.jit(lambda *a: paged_index_scores_pallas(*a, scale=SCALE, tile=tile))
+    exported = export.export(kernel, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        shape((4, 1, 32, 128), jnp.float32), shape((4, 1, 32), jnp.float32),
+        shape((4096, rows, 128), jnp.bfloat16), shape((4, 2048), jnp.int32), shape((4, 1), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tidejax.pallas import paged_mla_decode, paged_mla_prefill
+from tidejax.pallas import paged_index_scores, paged_mla_decode, paged_mla_prefill
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +59,26 @@ def gather(pool, block_table):
     0.. in order."""
     pages = pool[block_table]  # [b, P, page_size, ...]
     return pages.reshape(pages.shape[0], -1, *pool.shape[2:])
+
+
+def gather_rows(pool, block_table, ids):
+    """pool [n_pages, rows, ...], block_table [b, P], ids [b, ...] entry ids of each row (entry
+    g in page block_table[row, g // rows], row g % rows) -> [b, ..., ...]: only the entries asked
+    for (DeepSeek-V4.1's top-k picks), never a copy of the row's pages."""
+    rows = pool.shape[1]
+    flat = ids.reshape(ids.shape[0], -1)
+    page = jnp.take_along_axis(block_table, jnp.clip(flat // rows, 0, block_table.shape[1] - 1),
+                               axis=1)
+    return pool[page, flat % rows].reshape(*ids.shape, *pool.shape[2:])
+
+
+def index_scores(q, weights, key_pages, block_table, counts, *, scale: float, impl: str = "auto"):
+    """A lightning indexer's scores of a chunk's queries over their rows' paged keys: q [b, t, i,
+    k], weights [b, t, i], key_pages [n_pages, rows, k], counts [b, t] (the entries 0.. each
+    query sees) -> [b, t, P * rows] float32, -inf past each count. Decode steps go to the paged
+    kernel, `impl` permitting (pallas.paged_index_scores)."""
+    return paged_index_scores(q, weights, key_pages, block_table, counts, scale=float(scale),
+                              impl=impl)
 
 
 def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,

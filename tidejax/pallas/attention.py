@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tidejax.pallas.dispatch import choose_impl
+from tidejax.pallas.dispatch import dispatch
 
 HIGHEST = jax.lax.Precision.HIGHEST
 POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -134,12 +134,23 @@ def _dot_t(a, b):
                                preferred_element_type=jnp.float32)
 
 
+def dot_terms(q, dtype) -> tuple:
+    """A query as dot operands of the pool's dtype: one term, or for a float32 query over a bf16
+    pool two bf16 terms (its rounding and the rest: ~16 mantissa bits kept). The rounding is a
+    reduce_precision: XLA:GPU drops a float32 -> bf16 -> float32 round trip (excess precision is
+    allowed there), which would leave the rest zero."""
+    if dtype == jnp.bfloat16 and q.dtype == jnp.float32:
+        high = jax.lax.reduce_precision(q, exponent_bits=8, mantissa_bits=7)  # exact in bf16
+        return high.astype(dtype), (q - high).astype(dtype)
+    return (q.astype(dtype),)
+
+
 def _query_terms(q_latent, q_rope, dtype):
     """Queries as dot operands of the pool's dtype -> (q_latent terms, q_rope terms): one term
-    each, or for float32 queries over a bf16 pool two bf16 terms (the rounding and the rest)."""
+    each, or where either query is float32 over a bf16 pool two bf16 terms each."""
     if dtype == jnp.bfloat16 and jnp.float32 in (q_latent.dtype, q_rope.dtype):
-        split = lambda q: (q.astype(dtype), (q.astype(jnp.float32) - q.astype(dtype)).astype(dtype))
-        return split(q_latent), split(q_rope)
+        f32 = jnp.float32
+        return dot_terms(q_latent.astype(f32), dtype), dot_terms(q_rope.astype(f32), dtype)
     return (q_latent.astype(dtype),), (q_rope.astype(dtype),)
 
 
@@ -271,13 +282,10 @@ def paged_mla_decode(q_latent, q_rope, latent_pages, rope_pages, block_table, le
 
 
 def _dispatch(op, reference, kernel, args, scale, impl):
-    """Runs `op` on the implementation `choose_impl` picks (the kernel where `pallas_supports`
-    the shapes), under a named scope; args start (q_latent, q_rope, latent_pages)."""
-    impl = choose_impl(op, impl, fits=lambda: pallas_supports(*args[:3]))
-    with jax.named_scope(f"{op}_{impl}"):
-        if impl == "reference":
-            return reference(*args, scale=scale)
-        return kernel(*args, scale=float(scale), interpret=jax.default_backend() != "gpu")
+    """Runs `op` on the implementation `dispatch` picks (the kernel where `pallas_supports` the
+    shapes); args start (q_latent, q_rope, latent_pages)."""
+    return dispatch(op, impl, lambda: pallas_supports(*args[:3]), reference, kernel, *args,
+                    scale=float(scale))
 
 
 # ---- prefill: a prompt chunk's queries over their rows' pages ------------------------------------

@@ -27,3 +27,13 @@ def choose_impl(op: str, impl: str, fits=None) -> str:
         _logged.add((op, impl))
         log.info("%s: using the %s implementation (%s)", op, impl, why)
     return impl
+
+
+def dispatch(op: str, impl: str, fits, reference, kernel, *args, **kwargs):
+    """Runs `op` on the implementation `choose_impl(op, impl, fits)` picks, under a named scope:
+    reference(*args, **kwargs), or kernel(*args, **kwargs, interpret=True off the GPU)."""
+    impl = choose_impl(op, impl, fits)
+    with jax.named_scope(f"{op}_{impl}"):
+        if impl == "reference":
+            return reference(*args, **kwargs)
+        return kernel(*args, **kwargs, interpret=jax.default_backend() != "gpu")

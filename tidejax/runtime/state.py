@@ -1,7 +1,7 @@
 """DecodeState: everything a step changes on the device, as one pytree donated into every step.
 
     cache     the KV cache, a kv.paged.PagedCache: the shared page pool and each lane's fixed
-              rows (DeepSeek-V4.1's window rings; DeepSeek-V4's whole cache)
+              rows (DeepSeek-V4.1's and V4's window rings)
     experts   the residency ExpertState: bank, rowmap, demand counters, host pool
     sampling  LaneSampling: each lane's sampling parameters [lanes], set when a request is
               admitted or resumed (steps.Steps.set_lane), not sent with every step, and its

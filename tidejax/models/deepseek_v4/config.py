@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from tidejax.fields import ConfigError, Fields
 from tidejax.models.layers.rope import RopeConfig
@@ -46,6 +47,12 @@ class V4Config:
 
     def rate(self, layer: int) -> int:
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]
+
+    @property
+    def page_multiple(self) -> int:
+        """A KV page must hold whole entries of every compressed layer: page_size is a multiple
+        of this (the least common multiple of their rates; 128 for the published HCA layers)."""
+        return math.lcm(1, *(self.rate(i) for i in range(self.num_layers) if self.rate(i)))
 
     @staticmethod
     def from_hf(raw: dict, source: str = "config.json") -> "V4Config":

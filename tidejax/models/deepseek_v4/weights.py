@@ -24,12 +24,12 @@ from tidejax.residency.serve import ServeOptions
 F32 = jnp.float32
 
 
-def _pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool) -> dict:
+def _pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool, dtype) -> dict:
     """model.Pooler's params: `rate` tokens pooled into one entry of `width` (CSA: overlapping
     windows, so twice the projections)."""
     c, d = width * (2 if overlap else 1), cfg.hidden_size
-    return {"kv_proj": linear_specs(c, d, (None, "embed"), F32),
-            "gate_proj": linear_specs(c, d, (None, "embed"), F32),
+    return {"kv_proj": linear_specs(c, d, (None, "embed"), dtype),
+            "gate_proj": linear_specs(c, d, (None, "embed"), dtype),
             "position_bias": ParamSpec((rate, c), F32, (None, None), init="zeros"),
             "kv_norm": norm_specs(width, None, F32)}
 
@@ -39,24 +39,26 @@ _ATTN_NAMES = {"q_a": "q_a_proj", "q_norm": "q_a_norm", "q_b": "q_b_proj", "kv":
                "kv_norm": "kv_norm", "sink": "sinks", "o_a": "o_a_proj", "o_b": "o_b_proj"}
 
 
-def _attn_specs(cfg: V4Config, layer: int) -> dict:
+def _attn_specs(cfg: V4Config, layer: int, dtype) -> dict:
     d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    specs = attention_specs(cfg, _ATTN_NAMES)
+    specs = attention_specs(cfg, _ATTN_NAMES, dtype, F32)
     rate, csa = cfg.rate(layer), cfg.layer_types[layer] == CSA
     if rate:
-        specs["compressor"] = {"main": _pooler_specs(cfg, rate, k, csa)}
+        specs["compressor"] = {"main": _pooler_specs(cfg, rate, k, csa, dtype)}
         if csa:
             ik, ih = cfg.index_head_dim, cfg.index_heads
             specs["compressor"]["indexer"] = {
-                "keys": _pooler_specs(cfg, rate, ik, True),
-                "q_b_proj": linear_specs(ih * ik, q, (None, "q_lora"), F32),
-                "weights_proj": linear_specs(ih, d, (None, "embed"), F32)}
+                "keys": _pooler_specs(cfg, rate, ik, True, dtype),
+                "q_b_proj": linear_specs(ih * ik, q, (None, "q_lora"), dtype),
+                "weights_proj": linear_specs(ih, d, (None, "embed"), dtype)}
     return specs
 
 
 def param_specs(cfg: V4Config, dtype) -> dict:
-    """The dense params (everything but the routed experts) as ParamSpecs: embed and lm_head in
-    `dtype`, the rest float32, as the model declares them."""
+    """The dense params (everything but the routed experts) as ParamSpecs, in `dtype` but for
+    what the reference keeps float32 (transformers' `_keep_in_fp32_modules_strict`): the norms,
+    the mHC params and hyper head, the sinks, the compressors' position biases; and the routers
+    (float32 in every family)."""
     d, n = cfg.hidden_size, cfg.hc_mult
     specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
              "norm": norm_specs(d, "embed", F32), **mhc_specs("hc_head", n, d, head=True)}
@@ -65,10 +67,10 @@ def param_specs(cfg: V4Config, dtype) -> dict:
     for i in range(cfg.num_layers):
         specs |= {**mhc_specs(f"layers_{i}_attn_hc", n, d), **mhc_specs(f"layers_{i}_ffn_hc", n, d),
                   f"layers_{i}_input_layernorm": norm_specs(d, "embed", F32),
-                  f"layers_{i}_self_attn": _attn_specs(cfg, i),
+                  f"layers_{i}_self_attn": _attn_specs(cfg, i, dtype),
                   f"layers_{i}_post_attention_layernorm": norm_specs(d, "embed", F32),
                   f"layers_{i}_mlp": moe_specs(router_spec(cfg, i), d, cfg.moe_intermediate_size,
-                                               F32)}
+                                               dtype)}
     return specs
 
 

@@ -31,7 +31,7 @@ from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
-from tidejax.models.layers.latent_window import (grouped_low_rank, ring_update, softmax_with_sink,
+from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
                                                  window_keys)
 from tidejax.models.layers.linear import HIGHEST, Linear
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
@@ -118,15 +118,16 @@ class Compressor(nn.Module):
 
     cfg: V41Config
     ratio: int
+    dtype: jnp.dtype = F32  # of its params
 
     @nn.compact
     def __call__(self, x, positions, n_valid, buf_kv, buf_gate):
         cfg = self.cfg
-        norm = RMSNorm(cfg.rms_norm_eps, name="norm")
-        kv = Linear(cfg.head_dim, name="wkv")(x)
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")
+        kv = Linear(cfg.head_dim, self.dtype, name="wkv")(x)
         if self.ratio == 1:  # every token is its own group
             return norm(kv), positions, jnp.arange(x.shape[1])[None] < n_valid[:, None], None, None
-        gate = Linear(cfg.head_dim, name="wgate")(x)
+        gate = Linear(cfg.head_dim, self.dtype, name="wgate")(x)
         start = positions[:, 0]
         latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None))(
             kv, gate, buf_kv, buf_gate, start, n_valid, self.ratio)
@@ -140,41 +141,35 @@ class Indexer(nn.Module):
 
     cfg: V41Config
     layer: int
+    kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
+    dtype: jnp.dtype = F32  # of its params
 
     def setup(self):
-        cfg = self.cfg
-        self.wq_b = Linear(cfg.index_heads * cfg.index_head_dim)
-        self.weights_proj = Linear(cfg.index_heads)
+        cfg, dt = self.cfg, self.dtype
+        self.wq_b = Linear(cfg.index_heads * cfg.index_head_dim, dt)
+        self.weights_proj = Linear(cfg.index_heads, dt)
         if cfg.owns_index_keys(self.layer):
-            self.wk = Linear(cfg.index_head_dim)
-            self.k_norm = RMSNorm(cfg.rms_norm_eps)
+            self.wk = Linear(cfg.index_head_dim, dt)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, dt)
 
     def keys(self, latent, cos, sin):
         """Indexer keys of new compressed latents [b, n, k] -> [b, n, i_k] (rotated, FP4)."""
         k = rope_tail(self.k_norm(self.wk(latent)), cos, sin)
         return fake_quant_fp4(k, 32, e4m3_scale=False)
 
-    def __call__(self, x, q_res, keys, positions, cos, sin, candidates):
-        """-> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask [b, t, G] or
-        the one given)."""
+    def __call__(self, x, q_res, key_pages, block_table, positions, cos, sin, candidates):
+        """key_pages [n_pages, rows, i_k]: the KV source's indexer keys in the pool, read through
+        block_table [b, P] -> (selected ids [b, t, k] int32, valid [b, t, k] bool, candidate mask
+        [b, t, P * rows] or the one given)."""
         cfg = self.cfg
         b, t, _ = x.shape
         ratio = cfg.compress_ratios[self.layer]
         q = self.wq_b(q_res).reshape(b, t, cfg.index_heads, cfg.index_head_dim)
         q = fake_quant_fp4(rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
         w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5  # [b, t, i]
-        keys = keys.astype(F32)
-
-        def add_head(acc, head):  # one index head at a time: [b, t, G], never [b, t, i, G]
-            q_h, w_h = head
-            s = jnp.einsum("btk,bgk->btg", q_h, keys, precision=HIGHEST)
-            return acc + w_h[..., None] * (jax.nn.relu(s) * cfg.index_head_dim ** -0.5), None
-
-        scores, _ = jax.lax.scan(add_head, jnp.zeros((b, t, keys.shape[1]), F32),
-                                 (jnp.moveaxis(q, 2, 0), jnp.moveaxis(w, 2, 0)))
         visible_count = (positions + 1) // ratio  # [b, t]
-        g = keys.shape[1]
-        scores = jnp.where(jnp.arange(g)[None, None] < visible_count[..., None], scores, -jnp.inf)
+        scores = paged.index_scores(q, w, key_pages, block_table, visible_count,
+                                    scale=cfg.index_head_dim ** -0.5, impl=self.kernel)
         if self.layer == cfg.candidate_source:
             candidates = jax.vmap(candidate_blocks, (0, 0, None, None))(
                 scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
@@ -187,15 +182,18 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     cfg: V41Config
     layer: int
+    kernel: str = "auto"  # the indexer's decode scores kernel: "auto" | "pallas" | "reference"
+    dtype: jnp.dtype = F32  # of its params but the sink (float32)
 
     @nn.compact
     def __call__(self, x, positions, n_valid, window, shared, src_cache, block_table):
         """x [b, t, d] (normed) -> y [b, t, d], window ring, shared (the group state published by
-        KV / index sources for the layers that follow: each row's entries and index keys gathered
-        from its pages [b, P * page_size // r, ...], the selection as top-k ids + valid flags,
-        the candidate mask), src_cache (this layer's KV-source pools and group buffers, updated,
-        if it is a source); block_table [b, P] each row's pages."""
-        cfg, layer = self.cfg, self.layer
+        KV / index sources for the layers that follow: the source's entry and index-key pools
+        [n_pages, page_size // r, ...], the selection as top-k ids + valid flags, the candidate
+        mask), src_cache (this layer's KV-source pools and group buffers, updated, if it is a
+        source); block_table [b, P] each row's pages. Only the selected entries are read from
+        the pool, by id through the table."""
+        cfg, layer, dt = self.cfg, self.layer, self.dtype
         b, t, _ = x.shape
         h, k = cfg.num_heads, cfg.head_dim
         ratio = cfg.compress_ratios[layer]
@@ -203,45 +201,40 @@ class Attention(nn.Module):
         inv_freq, _ = rope_frequencies(rope)
         cos, sin = rope_cos_sin(positions, inv_freq)
 
-        q_res = RMSNorm(cfg.rms_norm_eps, name="q_norm")(Linear(cfg.q_lora_rank, name="wq_a")(x))
-        q = Linear(h * k, name="wq_b")(q_res).reshape(b, t, h, k)
+        q_res = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(
+            Linear(cfg.q_lora_rank, dt, name="wq_a")(x))
+        q = Linear(h * k, dt, name="wq_b")(q_res).reshape(b, t, h, k)
         q = rope_tail(q, cos, sin)
-        kv = RMSNorm(cfg.rms_norm_eps, name="kv_norm")(Linear(k, name="wkv")(x))
+        kv = RMSNorm(cfg.rms_norm_eps, dt, name="kv_norm")(Linear(k, dt, name="wkv")(x))
         kv = fake_quant_fp8(rope_tail(kv, cos, sin), 32)
 
         keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
 
-        qf, keys = q.astype(F32), keys.astype(F32)
-        logits = jnp.einsum("bthk,bsk->bhts", qf, keys, precision=HIGHEST)
-        logits = jnp.where(mask[:, None], logits * k ** -0.5, -jnp.inf)
-        if ratio:  # plus the selected compressed entries of the KV group, gathered per query
+        picked = valid = None
+        if ratio:  # plus the selected compressed entries of the KV group, read by id per query
             shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache,
                                                  block_table)
             ids, valid = shared["selection"]
-            picked = jax.vmap(lambda e, i: e[i])(shared["entries"].astype(F32), ids)  # [b, t, j, k]
-            extra = jnp.einsum("bthk,btjk->bhtj", qf, picked, precision=HIGHEST)
-            logits = jnp.concatenate(
-                [logits, jnp.where(valid[:, None], extra * k ** -0.5, -jnp.inf)], -1)
-        probs = softmax_with_sink(logits, self.param("attn_sink", nn.initializers.zeros, (h,), F32))
-        n_window = keys.shape[1]
-        out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
-        if ratio:
-            out = out + jnp.einsum("bhtj,btjk->bthk", probs[..., n_window:], picked, precision=HIGHEST)
+            picked = paged.gather_rows(shared["entries"], block_table, ids).astype(F32)  # [b, t, j, k]
+        sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
+        out = attend_with_sink(q.astype(F32), keys.astype(F32), mask, sink, picked, valid)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
         wo_a = self.param("wo_a", nn.initializers.normal(0.02),
-                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), F32)
-        y = Linear(cfg.hidden_size, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
+                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), dt)
+        y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
         return y, window, shared, src_cache
 
     def _compressed(self, x, q_res, positions, n_valid, shared, src_cache, block_table):
         cfg, layer = self.cfg, self.layer
         ratio = cfg.compress_ratios[layer]
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        indexer = Indexer(cfg, layer, name="indexer") if layer in cfg.index_sources else None
+        indexer = (Indexer(cfg, layer, self.kernel, self.dtype, name="indexer")
+                   if layer in cfg.index_sources else None)
         if layer in cfg.kv_sources:
             entries, index_keys, buf_kv, buf_gate = src_cache
-            latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, name="compressor")(
+            latent, group, complete, buf_kv, buf_gate = Compressor(cfg, ratio, self.dtype,
+                                                                   name="compressor")(
                 x, positions, n_valid, buf_kv, buf_gate)
             cos_g, sin_g = rope_cos_sin(group * ratio, inv_freq)
             # entry g of a row goes to row g % (page_size // r) of its page g // (page_size // r)
@@ -251,14 +244,12 @@ class Attention(nn.Module):
             rotated = fake_quant_fp4(rope_tail(latent, cos_g, sin_g), 16, e4m3_scale=True)
             entries = paged.write(entries, rotated, slots)
             src_cache = (entries, index_keys, buf_kv, buf_gate)
-            shared = {"entries": paged.gather(entries, block_table),
-                      "index_keys": (None if index_keys is None
-                                     else paged.gather(index_keys, block_table)),
+            shared = {"entries": entries, "index_keys": index_keys,
                       "candidates": shared.get("candidates")}
         if indexer is not None:
             cos, sin = rope_cos_sin(positions, inv_freq)
-            ids, valid, candidates = indexer(x, q_res, shared["index_keys"], positions, cos, sin,
-                                             shared.get("candidates"))
+            ids, valid, candidates = indexer(x, q_res, shared["index_keys"], block_table,
+                                             positions, cos, sin, shared.get("candidates"))
             shared = {**shared, "selection": (ids, valid), "candidates": candidates}
         return shared, src_cache
 
@@ -277,16 +268,17 @@ class Engram(nn.Module):
     """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e] come from the host."""
 
     cfg: V41Config
+    dtype: jnp.dtype = F32  # of its params (the gate is computed in float32)
 
     @nn.compact
     def __call__(self, streams, rows):
-        cfg = self.cfg
+        cfg, dt = self.cfg, self.dtype
         b, t, n, d = streams.shape
-        kv = Linear(d * (n + 1), name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
+        kv = Linear(d * (n + 1), dt, name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
         key = kv[..., :n * d].astype(F32).reshape(b, t, n, d)
         value = kv[..., n * d:].astype(F32)
-        q_w = self.param("q_weight", nn.initializers.ones, (n, d), F32)
-        k_w = self.param("k_weight", nn.initializers.ones, (n, d), F32)
+        q_w = self.param("q_weight", nn.initializers.ones, (n, d), dt).astype(F32)
+        k_w = self.param("k_weight", nn.initializers.ones, (n, d), dt).astype(F32)
         hs = streams.astype(F32)
         eps = cfg.rms_norm_eps
         rstd = (jax.lax.rsqrt(jnp.mean(hs * hs, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps))
@@ -299,25 +291,26 @@ class DecoderLayer(nn.Module):
     cfg: V41Config
     layer: int
     serve: ServeOptions
+    dtype: jnp.dtype = F32  # of its params but mHC's and the router's (float32)
 
     @nn.compact
     def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
                  block_table, rows, experts, replay=None):
-        cfg = self.cfg
+        cfg, dt = self.cfg, self.dtype
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
         n, d = cfg.hc_mult, cfg.hidden_size
 
         if rows is not None:
-            streams = Engram(cfg, name="engram")(streams, rows)
+            streams = Engram(cfg, dt, name="engram")(streams, rows)
         pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="attn_norm")(hc_collapse(streams, pre))
-        y, window, shared, src_cache = Attention(cfg, self.layer, name="attn")(
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(hc_collapse(streams, pre))
+        y, window, shared, src_cache = Attention(cfg, self.layer, self.serve.kernel, dt, name="attn")(
             x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, name="ffn_norm")(hc_collapse(streams, pre_a))
-        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, F32,
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="ffn_norm")(hc_collapse(streams, pre_a))
+        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, dt,
                          act_dtype=F32, name="ffn")(x, token_mask, experts, replay=replay)
         streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
@@ -326,7 +319,7 @@ class DecoderLayer(nn.Module):
 class DeepseekV41(nn.Module):
     cfg: V41Config
     serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
-    dtype: jnp.dtype = F32
+    dtype: jnp.dtype = F32  # of the dense params but mHC's, the sinks and the routers (float32)
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
@@ -357,7 +350,7 @@ class DeepseekV41(nn.Module):
             rows = (engram_rows[:, :, cfg.engram_layers.index(i)]
                     if i in cfg.engram_layers else None)
             streams, pre, windows[i], shared, src_cache, experts = DecoderLayer(
-                cfg, i, self.serve, name=f"layers_{i}")(
+                cfg, i, self.serve, self.dtype, name=f"layers_{i}")(
                 streams, pre, positions, token_mask, n_valid, windows[i], shared,
                 None if src is None else tuple(sources[src]), block_table, rows, experts,
                 replay)
@@ -365,10 +358,10 @@ class DeepseekV41(nn.Module):
                 sources[src] = list(src_cache)
             self.sow("intermediates", "streams", streams)
             if i in cfg.index_sources:  # dense [b, t, G] masks, for parity checks only
-                g = shared["entries"].shape[1]
+                g = block_table.shape[1] * shared["entries"].shape[1]  # P * rows
                 self.sow("intermediates", f"selection_{i}",
                          jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
-        x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)

@@ -47,44 +47,45 @@ _ATTN_NAMES = {"q_a": "wq_a", "q_norm": "q_norm", "q_b": "wq_b", "kv": "wkv", "k
                "sink": "attn_sink", "o_a": "wo_a", "o_b": "wo_b"}
 
 
-def _attn_specs(cfg: V41Config, layer: int) -> dict:
+def _attn_specs(cfg: V41Config, layer: int, dtype) -> dict:
     d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    specs = attention_specs(cfg, _ATTN_NAMES)
+    specs = attention_specs(cfg, _ATTN_NAMES, dtype, dtype)
     ratio = cfg.compress_ratios[layer]
     if ratio and layer in cfg.kv_sources:
-        specs["compressor"] = {"wkv": linear_specs(k, d, (None, "embed"), F32),
-                               "norm": norm_specs(k, None, F32)}
+        specs["compressor"] = {"wkv": linear_specs(k, d, (None, "embed"), dtype),
+                               "norm": norm_specs(k, None, dtype)}
         if ratio > 1:
-            specs["compressor"]["wgate"] = linear_specs(k, d, (None, "embed"), F32)
+            specs["compressor"]["wgate"] = linear_specs(k, d, (None, "embed"), dtype)
     if ratio and layer in cfg.index_sources:
         ik = cfg.index_head_dim
-        specs["indexer"] = {"wq_b": linear_specs(cfg.index_heads * ik, q, (None, "q_lora"), F32),
-                            "weights_proj": linear_specs(cfg.index_heads, d, (None, "embed"), F32)}
+        specs["indexer"] = {"wq_b": linear_specs(cfg.index_heads * ik, q, (None, "q_lora"), dtype),
+                            "weights_proj": linear_specs(cfg.index_heads, d, (None, "embed"), dtype)}
         if cfg.owns_index_keys(layer):
-            specs["indexer"] |= {"wk": linear_specs(ik, k, (None, None), F32),
-                                 "k_norm": norm_specs(ik, None, F32)}
+            specs["indexer"] |= {"wk": linear_specs(ik, k, (None, None), dtype),
+                                 "k_norm": norm_specs(ik, None, dtype)}
     return specs
 
 
 def param_specs(cfg: V41Config, dtype) -> dict:
-    """The dense params (everything but the routed experts and the Engram tables) as ParamSpecs:
-    embed and lm_head in `dtype`, the rest float32, as the model declares them."""
+    """The dense params (everything but the routed experts and the Engram tables) as ParamSpecs,
+    in `dtype` but for what the reference keeps float32 (ARCHITECTURE.md's parameter dtypes):
+    the mHC params, the attention sinks and the routers (weights and correction biases)."""
     d, n = cfg.hidden_size, cfg.hc_mult
     specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
-             "norm": norm_specs(d, "embed", F32)}
+             "norm": norm_specs(d, "embed", dtype)}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
     for i in range(cfg.num_layers):
-        layer = {"attn_norm": norm_specs(d, "embed", F32), "attn": _attn_specs(cfg, i),
-                 "ffn_norm": norm_specs(d, "embed", F32),
-                 "ffn": moe_specs(router_spec(cfg), d, cfg.moe_intermediate_size, F32),
+        layer = {"attn_norm": norm_specs(d, "embed", dtype), "attn": _attn_specs(cfg, i, dtype),
+                 "ffn_norm": norm_specs(d, "embed", dtype),
+                 "ffn": moe_specs(router_spec(cfg), d, cfg.moe_intermediate_size, dtype),
                  **mhc_specs("hc_attn", n, d), **mhc_specs("hc_ffn", n, d)}
         if i in cfg.engram_layers:
             layer["engram"] = {
                 "wkv": linear_specs(d * (n + 1), cfg.engram_cols * cfg.engram_head_dim,
-                                    (None, None), F32),
-                "q_weight": ParamSpec((n, d), F32, (None, "embed"), init="ones"),
-                "k_weight": ParamSpec((n, d), F32, (None, "embed"), init="ones")}
+                                    (None, None), dtype),
+                "q_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones"),
+                "k_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones")}
         specs[f"layers_{i}"] = layer
     return specs
 
@@ -160,7 +161,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     """Reads config.json, the safetensors checkpoint and (with Engram layers) tokenizer.json of a
     folder, through the checkpoint table.
 
-    dtype: of embed and lm_head (the model's dtype). put_row(layer * E + expert, row): where the
+    dtype: the model's, of the dense params (param_specs). put_row(layer * E + expert, row): where the
     routed experts go (a host pool, for residency); without it they are stacked into an
     all-resident expert state (`V41Checkpoint.experts`), which only suits models that fit."""
     model_dir = Path(model_dir)

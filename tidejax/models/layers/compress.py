@@ -1,5 +1,5 @@
 """Compressed KV branches (DeepSeek-V4 CSA / HCA, V4.1 CSA2): softmax-gated pooling of groups of
-tokens into compressed entries, the entry store, and the indexer's selection of which entries a
+tokens into compressed entries and the indexer's selection of which entries a
 query attends (two-level top-k).
 
 Position logic is for ONE sequence whose chunk covers positions start..start+t-1 (the first
@@ -46,12 +46,6 @@ def pool_groups(kv, gate, ring_kv, ring_gate, start, n_valid, ratio: int, bias=N
     latent = jnp.sum(jax.nn.softmax(gate_m.astype(F32), 1) * kv_m.astype(F32), 1)
     complete = group * ratio + ratio - 1 <= start + n_valid - 1
     return latent, group, complete
-
-
-def scatter_rows(store, rows, at, keep):
-    """store [b, G, c] <- rows [b, n, c] at entry ids at [b, n] where keep; others dropped."""
-    at = jnp.where(keep, at, store.shape[1])
-    return store.at[jnp.arange(store.shape[0])[:, None], at].set(rows.astype(store.dtype), mode="drop")
 
 
 def candidate_blocks(scores, newest, block: int, keep: int):

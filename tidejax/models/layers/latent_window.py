@@ -20,20 +20,21 @@ F32 = jnp.float32
 PARTS = ("q_a", "q_norm", "q_b", "kv", "kv_norm", "sink", "o_a", "o_b")
 
 
-def attention_specs(cfg, names: dict[str, str]) -> dict:
-    """The declared params (float32) of latent single-KV attention with a low-rank query and a
-    grouped low-rank output, under the family's `names` of PARTS. The config is read by field
-    name: hidden_size, num_heads, head_dim, q_lora_rank, o_groups, o_lora_rank."""
+def attention_specs(cfg, names: dict[str, str], dtype, norm_dtype) -> dict:
+    """The declared params of latent single-KV attention with a low-rank query and a grouped
+    low-rank output, under the family's `names` of PARTS: projections in `dtype`, the norms in
+    `norm_dtype`, the sinks float32. The config is read by field name: hidden_size, num_heads,
+    head_dim, q_lora_rank, o_groups, o_lora_rank."""
     d, h, k, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     rank = cfg.o_groups * cfg.o_lora_rank
-    specs = {"q_a": linear_specs(q, d, ("q_lora", "embed"), F32),
-             "q_norm": norm_specs(q, "q_lora", F32),
-             "q_b": linear_specs(h * k, q, ("heads", "q_lora"), F32),
-             "kv": linear_specs(k, d, (None, "embed"), F32),  # one KV head: never split
-             "kv_norm": norm_specs(k, None, F32),
+    specs = {"q_a": linear_specs(q, d, ("q_lora", "embed"), dtype),
+             "q_norm": norm_specs(q, "q_lora", norm_dtype),
+             "q_b": linear_specs(h * k, q, ("heads", "q_lora"), dtype),
+             "kv": linear_specs(k, d, (None, "embed"), dtype),  # one KV head: never split
+             "kv_norm": norm_specs(k, None, norm_dtype),
              "sink": ParamSpec((h,), F32, ("heads",), init="zeros"),
-             "o_a": ParamSpec((rank, h * k // cfg.o_groups), F32, (None, None)),
-             "o_b": linear_specs(d, rank, ("embed", None), F32)}
+             "o_a": ParamSpec((rank, h * k // cfg.o_groups), dtype, (None, None)),
+             "o_b": linear_specs(d, rank, ("embed", None), dtype)}
     return {names[part]: specs[part] for part in PARTS}
 
 
@@ -73,6 +74,29 @@ def softmax_with_sink(logits, sink):
     b, h, t, _ = logits.shape
     sink = jnp.broadcast_to(sink[None, :, None, None], (b, h, t, 1))
     return jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+
+
+def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
+    """Latent attention of q [b, t, h, k] over the window keys [b, s, k] (= values; mask [b, t, s])
+    and a compressed branch's entries (None: none): per query, extra [b, t, j, k] (the entries an
+    indexer picked), or shared by the chunk's queries, extra [b, g, k]; extra_mask [b, t, j | g].
+    Logits scaled by k**-0.5, one softmax over both and the sink -> out [b, t, h, k]. Float32
+    operands give float32 (HIGHEST precision dots)."""
+    scale = q.shape[-1] ** -0.5
+    per_query = extra is not None and extra.ndim == 4
+    logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST)
+    logits = jnp.where(mask[:, None], logits * scale, -jnp.inf)
+    if extra is not None:
+        e = jnp.einsum("bthk,btjk->bhtj" if per_query else "bthk,bjk->bhtj", q, extra,
+                       precision=HIGHEST)
+        logits = jnp.concatenate([logits, jnp.where(extra_mask[:, None], e * scale, -jnp.inf)], -1)
+    probs = softmax_with_sink(logits, sink)
+    n_window = keys.shape[1]
+    out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
+    if extra is not None:
+        out = out + jnp.einsum("bhtj,btjk->bthk" if per_query else "bhtj,bjk->bthk",
+                               probs[..., n_window:], extra, precision=HIGHEST)
+    return out
 
 
 def grouped_low_rank(out, wo_a, groups: int):
