@@ -84,21 +84,25 @@ def summarize(events: list[dict], scopes: dict[str, str], steps: int, depth: int
 def profile(engine, lanes: int, steps: int, folder: Path):
     """`steps` bare decode steps of `lanes` lanes under the profiler; returns the trace's events
     and the step's op scopes."""
-    out = _first_step(engine, lanes)
+    tokens = _first_step(engine, lanes)
     decode = _decode_rows(engine, lanes, False)
-    inputs = engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch())
-    scopes = op_scopes(engine.scheduler.lower(inputs).compile().as_text())
-    for _ in range(2):  # compiled and warm before the trace
-        out, _ = engine.scheduler.dispatch(
-            engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch()))
-    jax.block_until_ready(out)
+
+    def inputs():
+        return engine.loaded.step_inputs(decode, None, tokens, engine.residency.idle_batch())
+
+    def run(n: int):
+        nonlocal tokens
+        for _ in range(n):
+            sampled, _ = engine.scheduler.dispatch(inputs())
+            tokens = sampled.tokens
+        jax.block_until_ready(tokens)
+
+    scopes = op_scopes(engine.scheduler.lower(inputs()).compile().as_text())
+    run(2)  # compiled and warm before the trace
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with jax.profiler.trace(str(folder), create_perfetto_trace=True, profiler_options=options):
-        for _ in range(steps):
-            out, _ = engine.scheduler.dispatch(
-                engine.loaded.step_inputs(decode, None, out, engine.residency.idle_batch()))
-        jax.block_until_ready(out)
+        run(steps)
     return trace_events(folder), scopes
 
 
