@@ -37,6 +37,17 @@ class RouterSpec:
     hash_vocab: int = 0  # > 0: a fixed token -> experts table picks (DeepSeek-V4's hash layers)
 
 
+def noaux_router(cfg) -> RouterSpec:
+    """DeepSeek-V3's noaux_tc routing as GLM-4.5 and GLM-5 have it (transformers'
+    Glm4MoeTopkRouter, GlmMoeDsaTopkRouter): sigmoid scores; the correction bias shifts the
+    choice; groups ranked by the sum of their top-2 biased scores. Reads n_routed_experts,
+    num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor."""
+    return RouterSpec(
+        n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+        n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum", use_bias=True,
+        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
+
+
 def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) -> dict:
     """MoE's declared params: the router (float32, as the references keep it), shared experts."""
     e = router.n_experts
