@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,7 @@ from tiny_models import (GLM_MOE_DSA_CONFIGS, cached_decode_logits, glm_moe_dsa_
                          write_fp8_copies, write_fused_copy, write_glm_moe_dsa)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", params=sorted(GLM_MOE_DSA_CONFIGS))
@@ -47,7 +51,8 @@ def test_declared_params_are_what_the_model_consumes():
     """In the config with every kind of param (an indexer layer and a shared one, a dense layer,
     MoE layers): model.init's tree, one checkpoint name a param, and the dtypes of a bfloat16
     model (float32 routers and indexer weights, as transformers keeps them)."""
-    cfg = GlmMoeDsaConfig.from_hf(glm_moe_dsa_config(**GLM_MOE_DSA_CONFIGS["topk_below"]).to_dict())
+    raw = glm_moe_dsa_config(**GLM_MOE_DSA_CONFIGS["topk_below"]).to_dict()
+    cfg = GlmMoeDsaConfig.from_hf(raw)
     assert (cfg.index_layers, cfg.moe_layers) == ((0,), (1,))
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", all_resident=True)
@@ -56,7 +61,7 @@ def test_declared_params_are_what_the_model_consumes():
         lambda dtype: expert_specs(cfg, dtype), len(cfg.moe_layers),
         (tokens, tokens, tokens > -1, PagedCache(DSAPages.create(cfg, 1, 4, jnp.float32)),
          tokens[:, :1]))
-    assert "indexer" in declared["layers_0"]["attn"] and "indexer" not in declared["layers_1"]["attn"]
+    assert ["indexer" in declared[f"layers_{i}"]["attn"] for i in (0, 1)] == [True, False]
     table = checkpoint_table(cfg)
     for path in param_paths(declared):
         assert len(table.param_names(path)) == 1, path
@@ -192,7 +197,8 @@ def test_sparse_mla_attention_reads_only_the_picked_entries():
         for g in ids[row][valid[row]]:
             picked[table[row, g // ps], g % ps] = True
     latent[~picked], rope[~picked] = np.nan, np.nan
-    q_latent, q_rope = rng.randn(b, t, h, c).astype(np.float32), rng.randn(b, t, h, r).astype(np.float32)
+    q_latent = rng.randn(b, t, h, c).astype(np.float32)
+    q_rope = rng.randn(b, t, h, r).astype(np.float32)
     out = np.asarray(sparse_mla_attention(*map(jnp.asarray, (q_latent, q_rope, latent, rope,
                                                              table, ids, valid)), scale=0.4))
     for row in range(b):
@@ -207,6 +213,21 @@ def test_sparse_mla_attention_reads_only_the_picked_entries():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             want = (p / p.sum(-1, keepdims=True)) @ lat
             np.testing.assert_allclose(out[row, i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_synthetic_glm5_checkpoint_loads_and_decodes(tmp_path):
+    """tools/make_synthetic.py's GLM-5 shapes: the config.json transformers writes, the published
+    tensor names (MLA and the indexer), the shape's own dense layer, MXFP4 experts."""
+    out = tmp_path / "glm5"
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
+                    "--shape", "glm5-tiny", "--layers", "2", "--workers", "1"],
+                   check=True, capture_output=True)
+    engine = tidejax.load(out, engine={"lanes": 1, "max_context": 64},
+                          model={"experts": "checkpoint"})
+    assert (engine.cfg.index_layers, engine.cfg.moe_layers, engine.cfg.index_topk) == (
+        (0, 1), (1,), 16)
+    logits = engine.logits(engine.tokenizer.encode("The tide comes in and the tide goes out."))
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 3  # unit-scale activations
 
 
 @pytest.mark.parametrize("field, value, message", [

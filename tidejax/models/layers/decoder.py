@@ -8,9 +8,10 @@ The family gives the attention: a factory `attention(name, layer) -> module` who
 layer_pages are its layer's leaves of the pool (one per field of the pool's dataclass, each
 field a tuple over layers). With `carries`, the call also takes the previous layer's carry
 after block_table (None before the first layer) and returns its own after the pages: GLM-5's
-DSA top-k selection, which its "shared" layers reuse. The config is read by field name: vocab_size, hidden_size,
-num_layers, intermediate_size, moe_layers, shared_intermediate_size, n_routed_experts,
-moe_intermediate_size, rms_norm_eps, rope, tie_word_embeddings, num_mtp_layers.
+DSA top-k selection, which its "shared" layers reuse. The config is read by field name:
+vocab_size, hidden_size, num_layers, intermediate_size, moe_layers, shared_intermediate_size,
+n_routed_experts, moe_intermediate_size, rms_norm_eps, rope, tie_word_embeddings,
+num_mtp_layers.
 
 `Decoder.__call__(tokens, positions, token_mask, cache, block_table, experts)` is the one
 forward used for prefill chunks, decode steps and full-sequence scoring: each layer writes the

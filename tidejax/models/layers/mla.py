@@ -44,7 +44,8 @@ class MLACache:
 
     @staticmethod
     def bytes_per_token(cfg, dtype) -> int:
-        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize
+        return (cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                * jnp.dtype(dtype).itemsize)
 
 
 def mla_specs(cfg, dtype) -> dict:
@@ -129,7 +130,8 @@ MLA_RULES = (
     Rule("model.layers.{i}.self_attn.{proj:q_proj|q_a_proj|q_b_proj|o_proj}.weight",
          "layers_{i}.attn.{proj}.weight"),
     Rule("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers_{i}.attn.q_a_norm.weight"),
-    Rule("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers_{i}.attn.kv_a_proj.weight"),
+    Rule("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+         "layers_{i}.attn.kv_a_proj.weight"),
     Rule("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers_{i}.attn.kv_a_norm.weight"),
     Rule("model.layers.{i}.self_attn.kv_b_proj.weight", "layers_{i}.attn.kv_b_proj"),
 )
