@@ -32,8 +32,8 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
 from declaration import check_declaration, check_dense_dtypes, param_paths
-from tiny_models import (GLM_MOE_DSA_CONFIGS, cached_decode_logits, glm_moe_dsa_config,
-                         relative_diff, served_greedy, state_dict, transformers_greedy,
+from tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights, cached_decode_logits,
+                         glm_moe_dsa_config, relative_diff, served_greedy, transformers_greedy,
                          write_fp8_copies, write_fused_copy, write_glm_moe_dsa)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
@@ -118,13 +118,6 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.residency.stats()["resident"] == n_moe * n_experts // 2
     np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
     assert half.residency.stats()["misses"] > 0
-
-
-def assert_same_weights(a, b) -> None:
-    for x, y in ((a.loaded.params, b.loaded.params), (a.state.experts.bank, b.state.experts.bank)):
-        assert jax.tree.structure(x) == jax.tree.structure(y)
-        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
-            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):

@@ -203,6 +203,15 @@ def randomize_moe(model) -> None:
                     param.normal_(1.0 if "norm" in name else 0.0, 0.1)
 
 
+def assert_same_weights(a, b) -> None:
+    """Two engines hold identical dense params and routed experts (so compute identical logits)."""
+    import jax
+    for x, y in ((a.loaded.params, b.loaded.params), (a.state.experts.bank, b.state.experts.bank)):
+        assert jax.tree.structure(x) == jax.tree.structure(y)
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
 def relative_diff(ours, ref) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 

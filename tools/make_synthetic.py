@@ -343,14 +343,22 @@ def mlp_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None)
                   (f"{x}.down_proj", BF16, (e, d, inter), _uniform(inter))]
 
 
+def _glm_shape(shape: dict, layers: int, dense_layers: int | None,
+               n_experts: int) -> tuple[dict, int]:
+    """A GLM shape's fields (--n-experts applied) and its dense layers (--dense-layers, else the
+    shape's own), checked against `layers`."""
+    s = dict(shape) | ({"n_routed_experts": n_experts} if n_experts else {})
+    shape_dense = s.pop("dense_layers")
+    dense_layers = shape_dense if dense_layers is None else dense_layers
+    _check_dense_layers(dense_layers, layers)
+    return s, dense_layers
+
+
 def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
                max_positions: int, special: dict, n_experts: int = 0) -> dict:
     """A config.json as zai-org publishes GLM-4.5's (rope_theta and partial_rotary_factor at the
     top level), cut to `layers` layers."""
-    s = dict(GLM_SHAPES[shape]) | ({"n_routed_experts": n_experts} if n_experts else {})
-    shape_dense = s.pop("dense_layers")
-    dense_layers = shape_dense if dense_layers is None else dense_layers
-    _check_dense_layers(dense_layers, layers)
+    s, dense_layers = _glm_shape(GLM_SHAPES[shape], layers, dense_layers, n_experts)
     return {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
         "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
@@ -385,10 +393,7 @@ def glm5_config(shape: str, layers: int, dense_layers: int | None, vocab_size: i
                 max_positions: int, special: dict, n_experts: int = 0) -> dict:
     """A config.json as transformers' GlmMoeDsaConfig writes GLM-5's (an indexer in every
     layer), cut to `layers` layers."""
-    s = dict(GLM5_SHAPES[shape]) | ({"n_routed_experts": n_experts} if n_experts else {})
-    shape_dense = s.pop("dense_layers")
-    dense_layers = shape_dense if dense_layers is None else dense_layers
-    _check_dense_layers(dense_layers, layers)
+    s, dense_layers = _glm_shape(GLM5_SHAPES[shape], layers, dense_layers, n_experts)
     return {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
         "vocab_size": vocab_size, "num_hidden_layers": layers, **s,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from tidejax.fields import ConfigError, Fields
+from tidejax.models.layers.moe import read_groups
 from tidejax.models.layers.rope import RopeConfig
 
 
@@ -80,13 +81,7 @@ class GlmMoeDsaConfig:
                 raise ConfigError(f"{source}: field '{field}' = {raw[field]!r} is not supported "
                                   f"(GLM-5 has {value!r})")
         n_routed = f.req("n_routed_experts")
-        n_group, topk_group = f.opt("n_group", 1) or 1, f.opt("topk_group", 1) or 1
-        if n_routed % n_group or (n_group > 1 and n_routed // n_group < 2):
-            raise ConfigError(f"{source}: field 'n_group' = {n_group} must divide "
-                              f"n_routed_experts = {n_routed} into groups of at least 2")
-        if not 1 <= topk_group <= n_group:
-            raise ConfigError(f"{source}: field 'topk_group' = {topk_group} must be in 1..n_group "
-                              f"({n_group})")
+        n_group, topk_group = read_groups(f, n_routed)
         rope_dim = f.req("qk_rope_head_dim")
         index_head_dim = f.opt("index_head_dim", 128)
         if index_head_dim < rope_dim:
