@@ -168,14 +168,14 @@ def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
         k = k_pages[pages].reshape(b, keys, g, dk).astype(f32)  # [b, s, g, k]
         v = v_pages[pages].reshape(b, keys, g, dv).astype(f32)
-        scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+        scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=HIGHEST) * scale
         visible = i * keys + jnp.arange(keys)[None, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
         probs = jnp.exp(scores - new_top[..., None])
         keep = jnp.exp(top - new_top)
         acc = acc * jnp.moveaxis(keep, 3, 1)[..., None] + jnp.einsum(
-            "bgrts,bsgv->btgrv", probs, v, precision=jax.lax.Precision.HIGHEST)
+            "bgrts,bsgv->btgrv", probs, v, precision=HIGHEST)
         return new_top, total * keep + jnp.sum(probs, axis=-1), acc
 
     start = (jnp.full((b, g, h // g, t), -1e30, f32), jnp.zeros((b, g, h // g, t), f32),
