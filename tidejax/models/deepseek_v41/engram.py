@@ -172,14 +172,18 @@ class EngramTables:
         return self.products_hi.shape[-1] - 1
 
     @staticmethod
-    def place(layout: EngramLayout, tables) -> "EngramTables":
-        """`tables`: per layer the checkpoint's [rows, e] array or (e4m3 values, scales) pair."""
+    def place(layout: EngramLayout, tables, vocab_size: int) -> "EngramTables":
+        """`tables`: per layer the checkpoint's [rows, e] array or (e4m3 values, scales) pair.
+        Ids of the model's vocabulary past the tokenizer's (a synthetic's `--vocab` rows) hash
+        as the pad id."""
         if layout.primes.max() >= 2**31 or sum(int(t.shape[0]) for t in _values(tables)) >= 2**31:
             raise ValueError("Engram primes and table rows must be below 2**31 (int32 row ids)")
         compressed = np.arange(int(layout.token_map.max()) + 1, dtype=np.int64)
         products = compressed[:, None, None] * layout.multipliers[None]  # fits int64 (bounded)
         halves = products.view(np.uint32).reshape(*products.shape, 2)  # little endian: lo, hi
-        device = parallel.replicated((layout.token_map.astype(np.int32), halves[..., 1].copy(),
+        token_map = np.full(max(vocab_size, len(layout.token_map)), layout.pad_id, np.int32)
+        token_map[:len(layout.token_map)] = layout.token_map
+        device = parallel.replicated((token_map, halves[..., 1].copy(),
                                       halves[..., 0].copy(), layout.primes.astype(np.uint32),
                                       layout.offsets.astype(np.int32)))
         host = tuple({"values": t[0], "scales": t[1]} if isinstance(t, tuple) else {"values": t}

@@ -179,7 +179,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     experts = None if pool is None else all_resident_state(pool.result(), n_moe)
     tables = [tables[f"layers_{i}"] for i in cfg.engram_layers]
     return V41Checkpoint(cfg, {"params": params}, experts, tables, layout,
-                         EngramTables.place(layout, tables) if layout else None)
+                         EngramTables.place(layout, tables, cfg.vocab_size) if layout else None)
 
 
 def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayout:
