@@ -101,7 +101,7 @@ class Family:
         [n_pages, rows, ...] shared by all sequences through one block table each
     create_lane_cache(cfg, lanes, max_context, dtype) -> the rows each decode lane keeps for a
         sequence of up to max_context (PagedCache.lanes, leaves [lanes, ...]: DeepSeek-V4.1's
-        window rings, DeepSeek-V4's window and compressor rings), or None: none
+        window rings and Engram look-back, DeepSeek-V4's window and compressor rings), or None
     page_multiple(cfg) -> what engine.page_size must be a multiple of (DeepSeek-V4.1: its
         compress ratios, so that a page holds whole groups)
     mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
