@@ -2,7 +2,7 @@
 
     python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
     python tools/make_synthetic.py OUT_DIR --tiny
-    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4]
+    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
     python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
@@ -65,8 +65,8 @@ config.json with `text_config` and `quantization_config`):
               (in brackets there), and from public write-ups of the published config and tensor
               headers: Engram at layers 1 and 14 with rows of 256, hc_mult 4, 32 x 32 FP8
               blocks, I8 expert codes, which tensors stay BF16 / F32. Assumed: gate_temp 1.0;
-              the vocabulary is the demo tokenizer's 4,096 ids, not 129,280, so embed and head
-              are 32x smaller than the real 1.3 GB each.
+              the vocabulary is the demo tokenizer's 4,096 ids unless `--vocab 129280` gives
+              embed and head the real 129,280 rows (1.3 GB each).
   ds41-tiny   the same layout at hidden 64, 8 experts of 32 (tests)
 `--layers N` keeps N of the 40 layers, first those of DS41_KEEP (one of each kind: Engram,
 ratio-2 KV source, ratio-1 KV and candidate source, Reindex, Reuse), then the rest in order,
@@ -90,8 +90,9 @@ own spread; on the tiny model's real forward over held-out text 0.46-0.49 withou
 
 Values: dense weights with std about 1/sqrt(fan_in) (bf16, or e4m3 codes over 4 octaves with e8m0
 block scales), norms 1; MXFP4 / FP4 codes uniform random bytes with e8m0 scales sized so a
-projection keeps unit variance. The tokenizer (and so the vocabulary) is the bundled demo
-model's, so prompts work. One shard per layer, written as it is generated (memory stays at one
+projection keeps unit variance. The tokenizer is the bundled demo model's, so prompts work; the
+vocabulary is its ids, or `--vocab N` (at least the tokenizer's) rows of random embeddings and
+head, the ids past the tokenizer's never in a prompt (the Engram hashes take them as the pad id). One shard per layer, written as it is generated (memory stays at one
 expert row), with a progress line.
 """
 
@@ -802,6 +803,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-positions", type=int, help="V3, GLM and GLM-5 families (16384)")
     parser.add_argument("--engram-gib", type=float,
                         help="GiB of each Engram table (V4.1 family; ds41-flash: 4, real: 94.4)")
+    parser.add_argument("--vocab", type=int,
+                        help="rows of the embeddings and head (default: the tokenizer's ids)")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
     parser.add_argument("--router-skew", action="store_true",
@@ -822,14 +825,18 @@ def main(argv=None) -> int:
             setattr(args, name, default)
     start = time.perf_counter()
     backend, special = read_tokenizer(args.tokenizer)
+    vocab = backend.get_vocab_size() if args.vocab is None else args.vocab
+    if vocab < backend.get_vocab_size():
+        raise SystemExit(f"error: --vocab {vocab} is below the tokenizer's "
+                         f"{backend.get_vocab_size()} ids")
     if shape in DS41_SHAPES:
-        cfg = ds41_config(shape, layers, backend.get_vocab_size(), special,
-                          compressed_token_map(backend), args.n_experts, args.engram_gib)
+        cfg = ds41_config(shape, layers, vocab, special, compressed_token_map(backend),
+                          args.n_experts, args.engram_gib)
     else:
         make = glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES \
             else hf_config
-        cfg = make(shape, layers, args.dense_layers, backend.get_vocab_size(), args.max_positions,
-                   special, args.n_experts)
+        cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
+                   args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None
     if skew:
         cfg["tidejax_synthetic"]["router_skew"] = {
@@ -851,7 +858,7 @@ def main(argv=None) -> int:
         what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
                 f"{cfg['n_routed_experts']} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
-    print(f"{args.out}: {shape}, {what}, vocab {backend.get_vocab_size()}, "
+    print(f"{args.out}: {shape}, {what}, vocab {vocab}, "
           f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
     hot, e, shares = measure_picks(args.out, seed=args.seed)
     print(f"router picks: the {hot} most picked of each MoE layer's {e} experts take "
