@@ -136,7 +136,7 @@ class Residency:
             wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts)
             source = self.section.seed_map
         elif self.history.steps:
-            wanted = fit_rows(self.history.counts, self.n_resident, self.geometry)
+            wanted = fit_rows(self.history.demand, self.n_resident, self.geometry)
             source = "the saved demand history"
         else:
             wanted, source = np.zeros(0, np.int32), "the first slots (no map, no history)"
@@ -268,7 +268,7 @@ class Residency:
             if not self.frozen and not self.all_resident:
                 with jax.profiler.TraceAnnotation("plan"):
                     self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
-                        self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
+                        self.history.demand, self.slot_rows[:self.n_resident], self.geometry,
                         self.section.hysteresis, self.section.max_swaps_per_layer)]
                 self.counters["planned"] += len(self._queue)
             self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
@@ -320,7 +320,7 @@ class Residency:
         frozen, self.frozen = self.frozen, True  # drain without planning
         state = self.drain(state)
         self.frozen = frozen
-        target = place(fit_rows(self.history.counts, self.n_resident, self.geometry),
+        target = place(fit_rows(self.history.demand, self.n_resident, self.geometry),
                        self.n_resident, self.n_layers, self.n_experts, self.geometry)
         self.needs_calibration = False
         return self.move_to(state, target)
