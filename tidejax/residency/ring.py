@@ -34,11 +34,13 @@ def start(state: ExpertState, on) -> ExpertState:
     fetched (`on`: bool scalar, residency not frozen)."""
     if not state.ring_rows.shape[0]:  # static: no ring
         return state
-    state = _write_staged(state, on)
+    with jax.named_scope("ring_write"):
+        state = _write_staged(state, on)
     rows = jnp.where(on, state.ring_rows, state.ring_staged_rows)  # [R]
-    fetched = [fetch_row(state.pool, jnp.maximum(rows[i], 0)) for i in range(rows.shape[0])]
-    return state.replace(ring_staged=jax.tree.map(lambda *r: jnp.stack(r), *fetched),
-                         ring_staged_rows=rows)
+    with jax.named_scope("ring_fetch"):  # the name a profile finds the copies by
+        fetched = [fetch_row(state.pool, jnp.maximum(rows[i], 0)) for i in range(rows.shape[0])]
+        staged = jax.tree.map(lambda *r: jnp.stack(r), *fetched)
+    return state.replace(ring_staged=staged, ring_staged_rows=rows)
 
 
 def choose(state: ExpertState, on) -> ExpertState:
