@@ -111,7 +111,7 @@ class Residency:
         return state
 
     @property
-    def ring_copies(self) -> int:
+    def ring_per_step(self) -> int:
         """Rows a step copies into ring slots at most (residency/ring.py)."""
         return min(self.n_ring, max(1, self.section.max_swaps_per_step)) if self.n_ring else 0
 
@@ -149,7 +149,7 @@ class Residency:
         if self.section.miss_policy in ("cpu", "auto"):
             self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
-                            ring_copies=self.ring_copies, transient=self.n_transient)
+                            ring_copies=self.ring_per_step, transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
         self.version = 0
         self._slot_changed = np.zeros(len(self.slot_rows), np.int64)  # map version of last change
@@ -349,7 +349,7 @@ class Residency:
         if self.all_resident:
             return all_resident_state(rows, self.n_layers)
         return build_state(rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
-                           ring_copies=self.ring_copies, transient=self.n_transient)
+                           ring_copies=self.ring_per_step, transient=self.n_transient)
 
     # -- control and telemetry -------------------------------------------------------------
 
