@@ -17,13 +17,14 @@ REF = dict(kernel="reference")
 NO_BIAS = jnp.zeros(E, jnp.float32)
 
 
-def half_state(pool_np, geometry="per_layer", transient=E, ring=0, seed=0):
+def half_state(pool_np, geometry="per_layer", transient=E, ring=0, seed=0, ring_copies=0):
     """Half the experts resident, chosen at random (per layer or across the arena)."""
     r = np.random.default_rng(seed)
     rows = r.permutation(L * E) if geometry == "arena" else np.concatenate(
         [layer * E + r.permutation(E) for layer in range(L)])
     slot_rows = place(rows, L * E // 2, L, E, geometry)
-    return build_state(host_pool(pool_np), L, slot_rows, ring=ring, transient=transient)
+    return build_state(host_pool(pool_np), L, slot_rows, ring=ring, ring_copies=ring_copies,
+                       transient=transient)
 
 
 def run(state, x, options, bias=NO_BIAS, mask=None):
@@ -133,15 +134,19 @@ def test_counting_off_leaves_counters_alone():
     assert float(state.counts.sum()) == 0 and float(state.misses.sum()) == 0
 
 
-def test_swap_is_in_place():
-    state = half_state(make_pool("mxfp4"))
+@pytest.mark.parametrize("ring", [0, 2])
+def test_swap_is_in_place(ring):
+    """Swaps and ring copies write the donated bank in place: temporaries of a few rows (the
+    ring's fetched rows among them), never a copy of the bank."""
+    state = half_state(make_pool("mxfp4"), ring=ring, ring_copies=ring)
     bank_bytes = sum(a.nbytes for a in jax.tree.leaves(state.bank))
     row_bytes = bank_bytes // state.n_slots
     lowered = apply_now.lower(state, SwapBatch(np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
-                                               np.int32(3), np.bool_(False), np.float32(0.2)))
+                                               np.int32(3), np.bool_(False), np.float32(0.2),
+                                               np.bool_(True)))
     mem = lowered.compile().memory_analysis()
     assert mem.alias_size_in_bytes >= bank_bytes
-    assert mem.temp_size_in_bytes <= 4 * row_bytes + 4096
+    assert mem.temp_size_in_bytes <= (4 + 2 * ring) * row_bytes + 4096
 
 
 def test_swap_campaign_then_restore_is_lossless():

@@ -17,7 +17,7 @@ from tidejax.config import ResidencySection
 from tidejax.residency import Residency
 from tidejax.residency.__main__ import main as residency_cli
 from tidejax.residency.history import History
-from tidejax.residency.planner import Swap, place, plan
+from tidejax.residency.planner import Swap, fit_rows, place, plan
 from tidejax.residency.pool import budget_slots
 
 
@@ -186,15 +186,21 @@ def test_reseed_after_calibration(tmp_path):
                             res.options)
     state = res.reseed(state)
     assert not res.needs_calibration
-    hot = np.asarray(state.slot_rows)[:res.n_resident].reshape(L, -1) % E
-    assert (np.isin(hot, [4, 5, 6, 7]).sum(axis=1) >= 3).all()
+    resident = np.asarray(state.slot_rows)[:res.n_resident]
+    # the calibration's heaviest experts by routing weight, most of them the domain's
+    assert sorted(resident) == sorted(fit_rows(res.history.demand, res.n_resident, "per_layer"))
+    assert np.isin(resident % E, [4, 5, 6, 7]).sum() >= 2 * L
 
 
 def test_ring_copies_heavy_misses(tmp_path):
+    """A step's misses are fetched by the next step and written at the start of the one after,
+    which routes to them (ring hits), as the step tallies say."""
     res, state = manager(tmp_path, miss_policy="ring", ring_slots=2, adapt=True)
-    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
+    _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 5)
+    res.flush()
     s = res.stats()
-    assert s["ring_copies"] > 0
+    assert s["ring_copies"] > 0 and s["ring_hits"] > 0
+    assert s["bytes_moved"] >= s["ring_copies"] * res.row_bytes
     ring = np.asarray(state.slot_rows)[res.n_resident:]
     assert (ring >= 0).all() and np.isin(ring % E, [4, 5, 6, 7]).all()
 
@@ -257,7 +263,7 @@ def test_fit_cli_errors_name_the_file(tmp_path, capsys):
 
 def test_plan_applied_at_most_max_swaps_per_step(tmp_path):
     res, state = manager(tmp_path, max_swaps_per_step=4, max_swaps_per_layer=2, drain_every=100)
-    res.history.counts[:, 4:] = 50.0  # every layer wants experts 4..7; experts 0..3 are resident
+    res.history.weights[:, 4:] = 50.0  # every layer wants experts 4..7; 0..3 are resident
     state = res.drain(state)
     assert res.stats()["swaps_queued"] == 2 * L  # the per-layer cap
     applied = []
@@ -373,16 +379,19 @@ def test_a_failed_save_is_logged_once_a_streak_and_retried(tmp_path, caplog):
 
 def test_rebuild_follows_the_host_map(tmp_path):
     """After a failed step, the expert state is rebuilt from the pool and the host map: its
-    resident slots hold what the map says (swaps handed out included), the ring is emptied in
-    both, the counters start at zero."""
+    resident slots hold what the map says (swaps handed out included), the device's ring is
+    emptied with nothing left to copy, the counters start at zero."""
     res, state = manager(tmp_path, miss_policy="ring", ring_slots=2)
     _, state = serve_steps(res, state, domain([4, 5, 6, 7]), 3)
-    copies = res.stats()["ring_copies"]
-    res.next_batch()  # handed to a step that then fails: the map holds its copies already
-    assert res.stats()["ring_copies"] > copies and (res.slot_rows[res.n_resident:] >= 0).any()
+    assert (np.asarray(state.slot_rows)[res.n_resident:res.n_resident + 2] >= 0).all()
+    cold = next(r for r in range(E) if r not in res.slot_rows[:res.n_resident])  # layer 0's
+    res._queue = [Swap(slot=0, row=cold, version=res.version)]
+    batch = res.next_batch()  # handed to a step that then fails: the map holds its swap already
+    assert int(batch.count) == 1 and res.slot_rows[0] == cold
     rebuilt = res.rebuild(state.rows)
     np.testing.assert_array_equal(np.asarray(rebuilt.slot_rows), res.slot_rows)
     assert (res.slot_rows[res.n_resident:] == -1).all() and res.stats()["rebuilds"] == 1
+    assert (np.asarray(rebuilt.ring_rows) == -1).all()
     pool = make_pool()
     for slot, row in enumerate(res.slot_rows[:res.n_resident]):
         if row >= 0:
@@ -391,3 +400,58 @@ def test_rebuild_follows_the_host_map(tmp_path):
     assert all(rowmap[row] == slot for slot, row in enumerate(res.slot_rows) if row >= 0)
     assert not np.asarray(rebuilt.counts).any()
     serve_steps(res, rebuilt, domain([4, 5, 6, 7]), 2)  # and serves on
+
+
+def test_the_planner_follows_routing_weight_not_counts(tmp_path):
+    """Expert 4 is picked often and lightly, expert 5 seldom and heavily: the 1.5x rule compares
+    routing weight, so 5 comes in and 4 does not (by counts it would be the other way)."""
+    res, state = manager(tmp_path, drain_every=100, max_swaps_per_layer=2)
+    assert (res.slot_rows[:res.n_resident].reshape(L, -1) % E == np.arange(4)).all()
+    res.history.counts[:, :4], res.history.weights[:, :4] = 50.0, 4.0  # the resident ones
+    res.history.counts[:, 4], res.history.weights[:, 4] = 100.0, 5.0  # < 1.5 x 4
+    res.history.counts[:, 5], res.history.weights[:, 5] = 10.0, 8.0  # >= 1.5 x 4
+    res.drain(state)
+    assert sorted(s.row % E for s in res._queue) == [5] * L
+
+
+def test_seed_fit_follows_routing_weight(tmp_path, capsys):
+    history = History(2, 4)
+    history.add([[9, 1, 1, 0], [0, 9, 1, 1]], [[0.5, 3.0, 2.0, 0.0], [0.0, 0.1, 1.0, 2.0]], 10)
+    history.save(tmp_path / "history.npz")
+    out = tmp_path / "seed.json"
+    assert residency_cli(["fit", "--history", str(tmp_path / "history.npz"), "--budget", "4",
+                          "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == [1, 2, 7, 6]  # by weight, busiest first
+    assert "covering 93.0% of the history's demand" in capsys.readouterr().out
+
+
+def old_history(path, counts, weights=None):
+    """A history as a count-only writer saved it: the format's fields, no (or zero) weights."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {} if weights is None else {"weights": weights}
+    with open(path, "wb") as f:
+        np.savez(f, format=np.array("tidejax-history/1"), counts=counts, steps=np.array(40),
+                 half_life=np.array(8.0), **extra)
+
+
+@pytest.mark.parametrize("weights", [None, "zeros"])
+def test_a_count_only_history_loads_and_migrates_at_its_first_drain(tmp_path, weights):
+    counts = np.zeros((L, E))
+    counts[:, 4:] = [[8.0, 6.0, 4.0, 2.0]]
+    path = tmp_path / "state" / "history.npz"
+    old_history(path, counts, None if weights is None else np.zeros_like(counts))
+    res, state = manager(tmp_path, drain_every=1000, adapt=False)
+    history = res.history
+    assert history.from_counts and history.steps == 40
+    np.testing.assert_array_equal(history.demand, counts)  # ranks by its counts until a drain
+    assert (res.slot_rows[:res.n_resident].reshape(L, -1) % E == [4, 5, 6, 7]).all()
+    res.save()
+    assert History.read(path).from_counts  # still pending after a save
+    new_counts, new_weights = np.full((L, E), 2.0), np.full((L, E), 0.5)  # 0.25 a pick
+    history.add(new_counts, new_weights, 8)  # one half-life
+    assert not history.from_counts
+    np.testing.assert_allclose(history.weights, counts * 0.25 * 0.5 + new_weights)
+    res.save()
+    again = History.read(path)
+    assert not again.from_counts
+    np.testing.assert_allclose(again.weights, history.weights)

@@ -49,7 +49,7 @@ def test_the_step_applies_the_planned_swaps_and_no_other_call_does(model_dir, mo
     boot = np.asarray(engine.state.experts.slot_rows).copy()
     # every layer wants its cold experts: the drain's plan queues swaps for the next steps
     cold = ~np.isin(np.arange(res.n_layers * res.n_experts), boot[:res.n_resident])
-    res.history.counts[:] = np.where(cold, 50.0, 0.0).reshape(res.history.counts.shape)
+    res.history.weights[:] = np.where(cold, 50.0, 0.0).reshape(res.history.shape)  # the demand
     engine.scheduler.update_experts(res.drain)
     assert 2 < res.stats()["swaps_queued"] <= 4
     applied = res.stats()["swaps_applied"]  # by the calibration's reseed, between steps

@@ -30,11 +30,11 @@ def main(argv=None) -> int:
         print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     n_layers, n_experts = history.shape
-    total = history.counts.sum()
-    kept = history.counts.reshape(-1)[seed["rows"]].sum()
+    total = history.demand.sum()
+    kept = history.demand.reshape(-1)[seed["rows"]].sum()
     share = kept / total if total else 0.0
     print(f"{args.out}: {len(seed['rows'])} of {n_layers * n_experts} experts ({args.geometry}), "
-          f"covering {share:.1%} of the history's demand")
+          f"covering {share:.1%} of the history's demand (routing weight)")
     return 0
 
 

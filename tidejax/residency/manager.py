@@ -6,7 +6,7 @@ Engine contract (one thread drives the steps):
     residency = Residency(pool_rows, n_layers, top_k, config.residency, kernel=..., max_tokens=...)
     experts = residency.take_state()          # the boot state, once: the caller owns it
     options = residency.options               # the MoE layers' static ServeOptions
-    each jitted step:  batch = residency.next_batch()          # swaps, ring copies, drain
+    each jitted step:  batch = residency.next_batch()          # swaps, drain, ring on or off
                        outputs, experts, tallies = step(params, experts, batch, ...)  [donated;
                        the step applies the batch at its start: swap.apply_batch]
                        residency.after_step(tallies, n)        # n = real tokens in that step
@@ -16,8 +16,9 @@ Engine contract (one thread drives the steps):
 
 after_step never waits for the device: a step's miss tally and a drain's counters start their way
 to the host (copy_to_host_async) and are read at the next after_step, while the step queued
-after them runs. So the cold share, the ring's copies and the plan lag one step; flush() reads
-whatever is still on its way.
+after them runs. So the cold share and the plan lag one step; flush() reads whatever is still on
+its way. The ring's copies never wait for the host: the steps choose and copy them
+(residency/ring.py), and their tallies only count them.
 """
 
 from __future__ import annotations
@@ -84,8 +85,6 @@ class Residency:
         self.history = self.history or History(n_layers, self.n_experts, section.half_life)
         self.frozen = not section.adapt
         self._queue: list[Swap] = []
-        self._ring_rows = np.zeros(0, np.int64)  # the last read tally's heaviest misses
-        self._ring_next = 0
         # per step: (misses, wanted picks, approximately served weight, routed weight)
         self._window = collections.deque(maxlen=window)
         self._tallies = collections.deque()  # (misses [L_moe, E] on its way to the host, tokens)
@@ -96,9 +95,8 @@ class Residency:
         # serve.weight_shares (one a token and MoE layer), since boot
         self.approx_weight = self.routed_weight = 0.0
         self.exact_weight = section.exact_weight  # "auto"'s threshold now (max_approx_share)
-        # a swap batch's fixed length: a step's share of the queue and of ring copies
-        self.batch_length = 0 if self.all_resident else (
-            max(1, section.max_swaps_per_step) + self._ring_per_step)
+        # a swap batch's fixed length: a step's share of the queue
+        self.batch_length = 0 if self.all_resident else max(1, section.max_swaps_per_step)
         self.cpu: CpuExperts | None = None  # the "cpu" policy's host pool (set at boot)
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
@@ -113,8 +111,9 @@ class Residency:
         return state
 
     @property
-    def _ring_per_step(self) -> int:
-        return min(self.n_ring, self.section.max_swaps_per_step) if self.n_ring else 0
+    def ring_per_step(self) -> int:
+        """Rows a step copies into ring slots at most (residency/ring.py)."""
+        return min(self.n_ring, max(1, self.section.max_swaps_per_step)) if self.n_ring else 0
 
     # -- boot ------------------------------------------------------------------------------
 
@@ -137,7 +136,7 @@ class Residency:
             wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts)
             source = self.section.seed_map
         elif self.history.steps:
-            wanted = fit_rows(self.history.counts, self.n_resident, self.geometry)
+            wanted = fit_rows(self.history.demand, self.n_resident, self.geometry)
             source = "the saved demand history"
         else:
             wanted, source = np.zeros(0, np.int32), "the first slots (no map, no history)"
@@ -150,7 +149,7 @@ class Residency:
         if self.section.miss_policy in ("cpu", "auto"):
             self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
-                            transient=self.n_transient)
+                            ring_copies=self.ring_per_step, transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
         self.version = 0
         self._slot_changed = np.zeros(len(self.slot_rows), np.int64)  # map version of last change
@@ -160,26 +159,20 @@ class Residency:
     # -- between steps ---------------------------------------------------------------------
 
     def next_batch(self) -> SwapBatch:
-        """The batch the next step applies at its start: ring copies of the last tally's heaviest
-        misses (oldest ring entry first), then up to max_swaps_per_step queued swaps, each checked
-        against the map (stale ones rejected); and whether it drains (every drain_every steps). From here the
-        host map holds them as applied: the step that takes the batch applies them."""
-        ring = []
-        for row in self._ring_rows:
-            ring.append(Swap(slot=self.n_resident + self._ring_next, row=int(row),
-                             version=self.version))
-            self._ring_next = (self._ring_next + 1) % self.n_ring
-        self._ring_rows = self._ring_rows[:0]
+        """The batch the next step applies at its start: up to max_swaps_per_step queued swaps,
+        each checked against the map (stale ones rejected); whether it drains (every drain_every
+        steps); whether the ring copies (not frozen). From here the host map holds the swaps as
+        applied: the step that takes the batch applies them."""
         n = self.section.max_swaps_per_step
         queued, self._queue = self._queue[:n], self._queue[n:]
-        pairs = self._accept(ring, "ring_copies") + self._accept(queued, "swaps_applied")
+        pairs = self._accept(queued, "swaps_applied")
         # the drain_every-th step since the last drain drains at its end
         self._draining = self.options.count and self._since_drain + 1 >= self.section.drain_every
         return SwapBatch.of(pairs, self.batch_length if pairs else 0, self._draining,
-                            self.exact_weight)
+                            self.exact_weight, ring=not self.frozen)
 
     def idle_batch(self) -> SwapBatch:
-        """A batch that changes nothing (warm-up, lowering): no swaps, no drain."""
+        """A batch that changes nothing (warm-up, lowering): no swaps, no drain, no ring copy."""
         return SwapBatch.of([], 0, exact_weight=self.exact_weight)
 
     def warmup_batches(self) -> list[SwapBatch]:
@@ -194,8 +187,8 @@ class Residency:
 
     def after_step(self, tallies: Tallies, tokens: int) -> None:
         """Per step, without waiting for the device: the step's miss tally starts for the host and
-        the previous step's is read (cold share; the ring picks its heaviest misses for the next
-        batch); where the step's batch drained, its counters start for the host, and the history
+        the previous step's is read (cold share, ring hits and copies); where the step's batch
+        drained, its counters start for the host, and the history
         update, persisting and planning follow at the next call. `tokens` = real tokens the step
         sent through each MoE layer."""
         self.counters["steps"] += 1
@@ -205,9 +198,9 @@ class Residency:
             self._start_drain(tallies)
             self._draining = False
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
-            tallies.misses.copy_to_host_async()
-            tallies.approx.copy_to_host_async()
-            self._tallies.append((tallies.misses, tallies.approx, tokens))
+            for tally in (tallies.misses, tallies.approx, tallies.ring_hits, tallies.ring_copies):
+                tally.copy_to_host_async()
+            self._tallies.append((tallies, tokens))
             self._read_tallies(keep=1)
 
     def flush(self) -> None:
@@ -216,13 +209,17 @@ class Residency:
         self._finish_drain()
 
     def _read_tallies(self, keep: int) -> None:
-        """Reads all but the newest `keep` step tallies into the cold share and the approximate
-        share (and the ring; "auto"'s threshold)."""
+        """Reads all but the newest `keep` step tallies into the cold share, the approximate
+        share and the ring's counts ("auto"'s threshold)."""
         while len(self._tallies) > keep:
-            misses, approx, tokens = self._tallies.popleft()
-            new = np.asarray(misses, np.float64)  # [L_moe, E] the step's misses
+            tallies, tokens = self._tallies.popleft()
+            new = np.asarray(tallies.misses, np.float64)  # [L_moe, E] the step's misses
             wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
-            approx_weight = float(np.asarray(approx, np.float64).sum())
+            approx_weight = float(np.asarray(tallies.approx, np.float64).sum())
+            copies = int(tallies.ring_copies)
+            self.counters["ring_hits"] += int(tallies.ring_hits)
+            self.counters["ring_copies"] += copies
+            self.counters["bytes_moved"] += copies * self.row_bytes
             self._window.append((new.sum(), wanted, approx_weight, routed))
             self.counters["misses"] += int(new.sum())
             self.counters["wanted"] += wanted
@@ -230,10 +227,6 @@ class Residency:
             self.routed_weight += routed
             if self.options.miss_policy == "auto" and routed:
                 self._follow_cap(approx_weight / routed)
-            if self.options.miss_policy == "ring" and not self.frozen:
-                flat = new.reshape(-1)
-                heavy = np.argsort(-flat, kind="stable")[:self._ring_per_step]
-                self._ring_rows = heavy[flat[heavy] > 0]  # the newest tally's, for the next batch
 
     def _follow_cap(self, share: float) -> None:
         """"auto"'s threshold after a step whose approximately served share of routing weight was
@@ -275,7 +268,7 @@ class Residency:
             if not self.frozen and not self.all_resident:
                 with jax.profiler.TraceAnnotation("plan"):
                     self._queue = [Swap(s.slot, s.row, self.version) for s in plan(
-                        self.history.counts, self.slot_rows[:self.n_resident], self.geometry,
+                        self.history.demand, self.slot_rows[:self.n_resident], self.geometry,
                         self.section.hysteresis, self.section.max_swaps_per_layer)]
                 self.counters["planned"] += len(self._queue)
             self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
@@ -287,7 +280,8 @@ class Residency:
     def _accept(self, swaps: list[Swap], kind: str) -> list[tuple[int, int]]:
         """The (slot, row) pairs of `swaps` that still apply, with the host map updated as if
         they were applied: a swap is stale (rejected, counted) if its slot moved since its plan
-        or its row became resident meanwhile."""
+        or its row became resident meanwhile. (A row in a ring slot leaves it on the device:
+        swap._swap.)"""
         if not swaps:
             return []
         with jax.profiler.TraceAnnotation("swap"):
@@ -299,9 +293,6 @@ class Residency:
                     self.counters["swaps_rejected"] += 1
                     continue
                 self.version += 1
-                for other in np.nonzero(self.slot_rows == swap.row)[0]:  # e.g. the row's ring slot
-                    self.slot_rows[other] = -1
-                    self._slot_changed[other] = self.version
                 self.slot_rows[swap.slot] = swap.row
                 self._slot_changed[swap.slot] = self.version
                 accepted.append((swap.slot, swap.row))
@@ -329,7 +320,7 @@ class Residency:
         frozen, self.frozen = self.frozen, True  # drain without planning
         state = self.drain(state)
         self.frozen = frozen
-        target = place(fit_rows(self.history.counts, self.n_resident, self.geometry),
+        target = place(fit_rows(self.history.demand, self.n_resident, self.geometry),
                        self.n_resident, self.n_layers, self.n_experts, self.geometry)
         self.needs_calibration = False
         return self.move_to(state, target)
@@ -350,21 +341,15 @@ class Residency:
         """A fresh expert state after a failed step, from `rows` (ExpertState.rows: the host
         pool, or the bank where every expert is resident, which no step donates) and the host
         map: each resident slot holds what the map says (the swaps handed to the failed steps
-        included), ring slots start empty, counters at zero. What those steps had on its way to
-        the host (miss tallies, a drain) is dropped."""
+        included), ring slots start empty with nothing to copy, counters at zero. What those
+        steps had on its way to the host (miss tallies, a drain) is dropped."""
         self._tallies.clear()
         self._drain, self._draining, self._since_drain = None, False, 0
-        self._ring_rows = self._ring_rows[:0]
         self.counters["rebuilds"] += 1
         if self.all_resident:
             return all_resident_state(rows, self.n_layers)
-        ring = slice(self.n_resident, None)
-        if (self.slot_rows[ring] >= 0).any():
-            self.version += 1
-            self._slot_changed[ring] = self.version
-            self.slot_rows[ring] = -1
         return build_state(rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
-                           transient=self.n_transient)
+                           ring_copies=self.ring_per_step, transient=self.n_transient)
 
     # -- control and telemetry -------------------------------------------------------------
 
@@ -372,7 +357,6 @@ class Residency:
         """Stops adaptation (planner, queued swaps, ring copies); counting goes on."""
         self.frozen = True
         self._queue.clear()
-        self._ring_rows = self._ring_rows[:0]
 
     def unfreeze(self) -> None:
         self.frozen = False
@@ -452,7 +436,8 @@ class Residency:
             "swaps_planned": c["planned"],
             "swaps_applied": c["swaps_applied"],
             "swaps_rejected": c["swaps_rejected"],
-            "ring_copies": c["ring_copies"],
+            "ring_copies": c["ring_copies"],  # rows the steps copied into ring slots
+            "ring_hits": c["ring_hits"],  # wanted picks served from ring slots
             "swaps_queued": len(self._queue),
             "bytes_moved": c["bytes_moved"],
             "swap_seconds": c["swap_seconds_x1e6"] / 1e6,  # host time batching swaps

@@ -1,4 +1,5 @@
-"""Seed maps: the resident set fitted to a budget from a demand history, loaded at boot.
+"""Seed maps: the resident set fitted to a budget from a demand history (its routing-weight
+demand: history.py), loaded at boot.
 
 File (JSON): {"format": "tidejax-seed-map/1", "geometry", "n_layers", "n_experts", "budget",
 "rows": [pool rows, busiest first within each layer / the arena]}; pool row = layer * E + expert.
@@ -26,7 +27,7 @@ def fit(history: History, budget: int, geometry: str = "per_layer") -> dict:
     if geometry == "per_layer" and budget < n_layers:
         raise ValueError(f"budget {budget} gives no slot to some of the {n_layers} layers")
     return {"format": FORMAT, "geometry": geometry, "n_layers": n_layers, "n_experts": n_experts,
-            "budget": budget, "rows": fit_rows(history.counts, budget, geometry).tolist()}
+            "budget": budget, "rows": fit_rows(history.demand, budget, geometry).tolist()}
 
 
 def write(seed: dict, path: str | os.PathLike) -> None:

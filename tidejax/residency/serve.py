@@ -6,8 +6,9 @@ Miss policies (DESIGN.md "Miss policies"):
   slots inside the step; the output equals all-resident.
 - "substitute": a missing pick goes to the token's best-scoring resident expert it has not picked
   yet (with the wanted pick's routing weight); no host read.
-- "ring": inside the step as "substitute"; after the step the residency manager copies the
-  heaviest misses into ring slots, routable from the next step.
+- "ring": inside the step as "substitute"; the step's heaviest misses by routing weight are
+  copied into ring slots by the next step, overlapped with its compute (residency/ring.py), and
+  routable from the step after.
 - "cpu": the missed picks are computed on the host CPU from the host pool (tidejax.residency.cpu,
   one callback a layer) while the device computes the resident ones; the two parts are summed
   in float32; the output equals all-resident within float32 rounding (the bound: cpu.py).
@@ -85,6 +86,9 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
             approx = miss
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
         if options.count or policy == "ring":  # the step's tallies
+            if policy == "ring":
+                ring = ~miss & live & (slots >= state.resident) & (slots < state.transient_base)
+                state = state.replace(ring_hits=state.ring_hits + ring.sum(dtype=jnp.float32))
             state = state.replace(misses=state.misses.at[moe_index, ids].add(miss.astype(jnp.float32)))
             if approx is not None:
                 state = state.replace(approx=state.approx.at[moe_index, ids].add(

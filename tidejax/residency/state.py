@@ -4,7 +4,8 @@ counters, and the host pool of every routed expert.
 Bank rows (slots) come in three regions, all one array so the grouped kernel sees one bank:
 
     [0, resident)                      resident slots: the planner's map (per layer or an arena)
-    [resident, resident + ring)        ring slots: recent heavy misses (miss policy "ring")
+    [resident, resident + ring)        ring slots: recent heavy misses (miss policy "ring"), the
+                                       device's own: the steps choose and copy them (swap.py)
     [resident + ring, ... + transient) transient slots: missing rows fetched inside a step ("exact")
 
 The rowmap points at resident or ring slots only; transient slots are scratch, rewritten by every
@@ -36,7 +37,14 @@ class ExpertState:
     # its share of its token's routing weight (serve.weight_shares), in the last step
     exact_weight: jax.Array  # float32 scalar: "auto"'s threshold for this step (its SwapBatch's)
     exact_used: jax.Array  # int32 scalar: "auto"'s picks computed on the host so far this step
+    ring_hits: jax.Array  # float32 scalar: wanted picks served from ring slots in the last step
+    ring_copied: jax.Array  # int32 scalar: rows the last step copied into ring slots
+    ring_rows: jax.Array  # [R] int32: pool rows the next step fetches for the ring (-1: none)
+    ring_staged_rows: jax.Array  # [R] int32: the pool rows of ring_staged (-1: none)
+    ring_next: jax.Array  # int32 scalar: the ring slot (0 .. ring - 1) the next copy takes
     pool: dict | None  # leaves [L_moe * E, ...], pinned host memory where the backend has it
+    ring_staged: dict | None = None  # leaves [R, ...] on the device: rows the last step fetched,
+    # which the next writes into ring slots (residency/ring.py)
     resident: int = struct.field(pytree_node=False, default=0)
     ring: int = struct.field(pytree_node=False, default=0)
     transient: int = struct.field(pytree_node=False, default=0)
@@ -68,14 +76,20 @@ class ExpertState:
         return self.replace(bank=rows) if self.bank is None else self.replace(pool=rows)
 
 
-COUNTERS = ("counts", "weight_sums", "misses", "approx", "exact_weight", "exact_used")
+COUNTERS = ("counts", "weight_sums", "misses", "approx", "exact_weight", "exact_used",
+            "ring_hits", "ring_copied", "ring_rows", "ring_staged_rows", "ring_next")
 
 
-def zero_counters(n_layers: int, n_experts: int) -> dict:
-    """The counters and the step's tallies, all zero (COUNTERS)."""
+def zero_counters(n_layers: int, n_experts: int, ring_copies: int = 0) -> dict:
+    """The counters and the step's tallies, all zero (COUNTERS), and a ring with nothing to copy:
+    `ring_copies` rows a step at most."""
     z = jnp.zeros((n_layers, n_experts), jnp.float32)
     return dict(counts=z, weight_sums=z.copy(), misses=z.copy(), approx=z.copy(),
-                exact_weight=jnp.zeros((), jnp.float32), exact_used=jnp.zeros((), jnp.int32))
+                exact_weight=jnp.zeros((), jnp.float32), exact_used=jnp.zeros((), jnp.int32),
+                ring_hits=jnp.zeros((), jnp.float32), ring_copied=jnp.zeros((), jnp.int32),
+                ring_rows=jnp.full(ring_copies, -1, jnp.int32),
+                ring_staged_rows=jnp.full(ring_copies, -1, jnp.int32),
+                ring_next=jnp.zeros((), jnp.int32))
 
 
 def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
@@ -96,16 +110,21 @@ def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
 
 
 def _placed(state: ExpertState) -> ExpertState:
-    """The bank put by its logical axes, the map and counters replicated; the pool stays put."""
+    """The bank and the ring's staged rows put by their logical axes, the map and counters
+    replicated; the pool stays put."""
     names = ("rowmap", "slot_rows") + COUNTERS
     maps = parallel.replicated(tuple(getattr(state, name) for name in names))
+    staged = state.ring_staged
     return state.replace(bank=parallel.put(state.bank, expert_axes(state.bank)),
+                         ring_staged=None if staged is None else parallel.put(
+                             staged, expert_axes(staged)),
                          **dict(zip(names, maps)))
 
 
 def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
-                transient: int = 0) -> ExpertState:
-    """A state whose resident slots hold the pool rows `slot_rows` [resident] (-1 = empty slot).
+                ring_copies: int = 0, transient: int = 0) -> ExpertState:
+    """A state whose resident slots hold the pool rows `slot_rows` [resident] (-1 = empty slot);
+    `ring` slots of which a step refills up to `ring_copies`.
 
     `pool` must already be placed (see tidejax.residency.pool.host_pool); the bank is filled from it
     on the device, ring and transient slots start empty (zeros).
@@ -114,6 +133,8 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     if n_rows % n_layers:
         raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
     n_experts = n_rows // n_layers
+    if not 0 <= ring_copies <= ring:
+        raise ValueError(f"ring_copies={ring_copies}: a step copies at most the {ring} ring slots")
     slot_rows = np.asarray(slot_rows, np.int32)
     resident = len(slot_rows)
     held = slot_rows[slot_rows >= 0]
@@ -125,10 +146,14 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     rowmap = np.full(n_rows, -1, np.int32)
     rowmap[held] = np.nonzero(slot_rows >= 0)[0]
     bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
+    staged = (jax.tree.map(lambda leaf: np.zeros((ring_copies,) + leaf.shape[1:], leaf.dtype), pool)
+              if ring_copies else None)
     # committed to the device, as the steps return it: the first step compiles once, not twice
     return _placed(ExpertState(bank=bank, rowmap=rowmap.reshape(n_layers, n_experts),
-                               slot_rows=all_rows, pool=pool, resident=resident, ring=ring,
-                               transient=transient, **zero_counters(n_layers, n_experts)))
+                               slot_rows=all_rows, pool=pool, ring_staged=staged,
+                               resident=resident, ring=ring,
+                               transient=transient,
+                               **zero_counters(n_layers, n_experts, ring_copies)))
 
 
 def fetch_row(pool: dict, row) -> dict:

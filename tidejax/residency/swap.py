@@ -1,11 +1,12 @@
 """Swap batches: what residency hands to the next step, and how a step applies it.
 
-`Residency.next_batch()` returns a `SwapBatch` of a fixed length (swaps and ring copies, already
-checked against the host mirror of the map, and whether to drain the counters); the next jitted
-step calls `apply_batch` on the expert state at its start, so expert rows move from the host pool
-into bank slots in place inside the step that needs them, not in calls of their own, and
-`finish_batch` at its end, which returns the step's `Tallies` (its miss tally and the counters)
-and, on a drain, restarts the counters from zero.
+`Residency.next_batch()` returns a `SwapBatch` of a fixed length (swaps already checked against
+the host mirror of the map, whether to drain the counters, whether the ring copies); the next
+jitted step calls `apply_batch` on the expert state at its start, so expert rows move from the
+host pool into bank slots in place inside the step that needs them, not in calls of their own,
+and the ring's copies start (residency/ring.py); and `finish_batch` at its end, which chooses the
+ring's next rows, returns the step's `Tallies` (its miss tally and the counters) and, on a
+drain, restarts the counters from zero.
 Between steps (boot, calibration, tools) `apply_now` runs the same function alone.
 """
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.residency import ring
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
 
@@ -36,17 +38,18 @@ class SwapBatch:
     count: jax.Array
     drain: jax.Array
     exact_weight: jax.Array
+    ring: jax.Array
 
     @staticmethod
     def of(pairs: list[tuple[int, int]], length: int, drain: bool = False,
-           exact_weight: float = 0.0) -> "SwapBatch":
+           exact_weight: float = 0.0, ring: bool = False) -> "SwapBatch":
         if len(pairs) > length:
             raise ValueError(f"{len(pairs)} swaps do not fit a batch of {length}")
         slots, rows = np.zeros(length, np.int32), np.zeros(length, np.int32)
         for i, (slot, row) in enumerate(pairs):
             slots[i], rows[i] = slot, row
         return SwapBatch(slots, rows, np.int32(len(pairs)), np.bool_(drain),
-                         np.float32(exact_weight))
+                         np.float32(exact_weight), np.bool_(ring))
 
 
 @jax.tree_util.register_dataclass
@@ -54,12 +57,16 @@ class SwapBatch:
 class Tallies:
     """What a step hands back to residency: misses [L_moe, E] (the step's wanted picks served by a
     miss); approx [L_moe, E] (the routing weight shares of those served approximately); counts,
-    weight_sums [L_moe, E] (the counters through the step, read where its batch drained)."""
+    weight_sums [L_moe, E] (the counters through the step, read where its batch drained);
+    ring_hits (float32 scalar: wanted picks served from ring slots), ring_copies (int32 scalar:
+    rows written into ring slots)."""
 
     misses: jax.Array
     approx: jax.Array
     counts: jax.Array
     weight_sums: jax.Array
+    ring_hits: jax.Array
+    ring_copies: jax.Array
 
 
 def _swap(pool, maps, slot, row):
@@ -86,22 +93,27 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
 
 
 def apply_batch(state: ExpertState, batch: SwapBatch) -> ExpertState:
-    """A step's start (traced inside it): the batch's swaps and threshold."""
+    """A step's start (traced inside it): the batch's swaps and threshold, then the ring's
+    copies (ring.start: the rows fetched by the step before written, the next ones fetched)."""
     if batch.slots.shape[0]:  # static: an all-resident engine's batches are empty
         state = swap_rows(state, batch.slots, batch.rows, batch.count)
-    return state.replace(exact_weight=batch.exact_weight)
+    return ring.start(state.replace(exact_weight=batch.exact_weight), batch.ring)
 
 
 def finish_batch(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
-    """A step's end (traced inside it): its Tallies (the miss tallies and the counters including
-    this step); the tallies restart from zero for the next step, and the counters too where the
-    batch drains."""
+    """A step's end (traced inside it): the ring's next rows chosen (ring.choose); its Tallies
+    (the miss tallies and the counters including this step); the tallies restart from zero for
+    the next step, and the counters too where the batch drains."""
+    state = ring.choose(state, batch.ring)
     zeros = jnp.zeros_like(state.counts)
-    out = Tallies(state.misses, state.approx, state.counts, state.weight_sums)
+    out = Tallies(state.misses, state.approx, state.counts, state.weight_sums, state.ring_hits,
+                  state.ring_copied)
     return state.replace(counts=jnp.where(batch.drain, zeros, state.counts),
                          weight_sums=jnp.where(batch.drain, zeros, state.weight_sums),
                          misses=zeros, approx=zeros,
-                         exact_used=jnp.zeros_like(state.exact_used)), out
+                         exact_used=jnp.zeros_like(state.exact_used),
+                         ring_hits=jnp.zeros_like(state.ring_hits),
+                         ring_copied=jnp.zeros_like(state.ring_copied)), out
 
 
 @functools.partial(jax.jit, donate_argnums=0)

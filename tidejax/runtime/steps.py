@@ -1,7 +1,8 @@
 """The jitted steps: pure functions over (params, state, inputs), the DecodeState donated.
 
     step(params, state, StepInputs) -> (Sampled, state, Tallies)  (a DonatingStep)
-        residency's swap batch applied at the start (residency.swap.apply_batch); then the
+        residency's swap batch applied at the start (residency.swap.apply_batch, which also
+        starts the ring's copies: residency/ring.py); then the
         prompt chunk, written into the cache and marked seen in its lane's token counts (its
         last real token's sample goes to its lane); then every decoding lane's next token, its
         input token counted first; the counters' Tallies at the end. Sampled holds the tokens
