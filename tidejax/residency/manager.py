@@ -148,7 +148,7 @@ class Residency:
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
         if self.section.miss_policy in ("cpu", "auto"):
-            self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
+            self.cpu = CpuExperts(pool, self.n_experts)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()

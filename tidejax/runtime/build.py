@@ -32,6 +32,7 @@ from tidejax.models.registry import family_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.dispatch import choose_impl
 from tidejax.residency.manager import Residency
+from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.state import DecodeState
@@ -81,7 +82,7 @@ class LoadedModel:
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
         n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
-        pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype)
+        pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype, place=host_pool)
         self.params, self._aux = self.family.load_weights(
             self.cfg, model_dir, raw, serve, self.dtype, pool.put_row)
         self.residency = Residency(
