@@ -101,12 +101,12 @@ class CheckpointReader:
         plain ones; a stored part of a pair (the scales, the blocks) reads raw."""
         tensor = self._tensor(name)
         if tensor.format == "fp8":
-            weight, scales = (self._view(p) for p in tensor.parts)
+            weight, scales = (self._read(p) for p in tensor.parts)
             out = dequantize_fp8_block(weight, scales_to_float32(scales), self.block_of(name))
         elif tensor.format == "mxfp4":
-            out = mxfp4.dequantize(*self._mxfp4_views(tensor))
+            out = mxfp4.dequantize(*self._mxfp4_arrays(tensor))
         else:
-            out = np.array(self._view(name))
+            out = self._read(name)
         self.done(tensor)
         return out
 
@@ -130,27 +130,28 @@ class CheckpointReader:
         tensor = self._tensor(name)
         if tensor.format != "mxfp4":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is {tensor.format}, not MXFP4")
-        out = tuple(np.array(v) for v in self._mxfp4_views(tensor))
+        out = self._mxfp4_arrays(tensor)
         self.done(tensor)
         return out
 
     def read_row(self, name: str, row: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """Leading-axis row `row` of tensor `name`, as stored, a read-only view of the file (no
-        copy: the caller copies it where it goes), so a stacked [E, ...] tensor is never copied
-        whole: an array for a plain tensor, (blocks, scales) for an mxfp4 one. Not for fp8
-        tensors (their scale blocks span rows). Safe from several threads; the tensor counts as
-        done on the progress bar when all its rows have been read."""
+        """Leading-axis row `row` of tensor `name` as stored, a fresh array, so a stacked [E, ...]
+        tensor is never copied whole: an array for a plain tensor, (blocks, scales) for an mxfp4
+        one. Not for fp8 tensors (their scale blocks span rows). Safe from several threads; the
+        tensor counts as done on the progress bar when all its rows have been read."""
         tensor = self._tensor(name)
         if tensor.format == "fp8":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is FP8 block-scaled; "
                                   f"read it whole")
-        views = self._mxfp4_views(tensor) if tensor.format == "mxfp4" else (self._view(name),)
-        n, nbytes = views[0].shape[0], self._nbytes(tensor)
+        n = self.shape(tensor.parts[0])[0]
         with self._rows_lock:
             left = self._rows_left[name] = self._rows_left.get(name, n) - 1
-        self.progress.advance(len(tensor.parts) if left == 0 else 0, nbytes // n)
-        rows = tuple(v[row] for v in views)
-        return rows if tensor.format == "mxfp4" else rows[0]
+        if tensor.format == "mxfp4":
+            out = self._mxfp4_arrays(tensor, row)
+        else:
+            out = self._read(name, row)
+        self.progress.advance(len(tensor.parts) if left == 0 else 0, self._nbytes(tensor) // n)
+        return out
 
     def done(self, tensor: Tensor) -> None:
         """Count `tensor` as done on the progress line (read, or ignored unread)."""
@@ -172,6 +173,9 @@ class CheckpointReader:
     def _view(self, name: str) -> np.ndarray:
         return self._file(name).view(name)
 
+    def _read(self, name: str, row: int | None = None) -> np.ndarray:
+        return self._file(name).read(name, row)
+
     def _tensor(self, name: str) -> Tensor:
         tensor = self.tensors.get(name)
         if tensor is None:  # a stored part of a pair, read raw
@@ -181,8 +185,10 @@ class CheckpointReader:
     def _nbytes(self, tensor: Tensor) -> int:
         return sum(self._info(p).nbytes for p in tensor.parts)
 
-    def _mxfp4_views(self, tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
-        codes, scales = (self._view(p) for p in tensor.parts)
+    def _mxfp4_arrays(self, tensor: Tensor, row: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks uint8 [..., G, 16], scales uint8 [..., G]) of an mxfp4 tensor (or its row)."""
+        codes, scales = (self._read(p, row) for p in tensor.parts)
         blocks = codes.view(np.uint8).reshape(*scales.shape, mxfp4.BLOCK // 2)
         return blocks, scales.view(np.uint8)
 

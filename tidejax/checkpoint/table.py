@@ -33,8 +33,7 @@ a layer that is not a MoE layer, an expert past the count). Ignore patterns win 
 (e.g. the multi-token-prediction layers after the last decoder layer). Then each param is read,
 cast to its declared dtype and put, and the experts emitted row by row as
 put_row(moe_layer * E + expert, {"gate_up": [2I, D] (gate rows, then up), "down": [D, I]}) as
-stored (FP8 as float32; read-only views of the file where stored plain and whole: put_row copies
-them where they go) or, for MXFP4 experts, {"gate_up_blocks", "gate_up_scales", "down_blocks",
+stored (FP8 as float32) or, for MXFP4 experts, {"gate_up_blocks", "gate_up_scales", "down_blocks",
 "down_scales"}. Tensors are read in READ_WORKERS threads: put and put_row are called from them,
 in no particular order.
 """
@@ -372,8 +371,6 @@ class _Plan:
                     parts[part] = self.reader.read_row(tensor.name, e)
                 elif tensor.format == "mxfp4":
                     parts[part] = self.reader.read_mxfp4(tensor.name)
-                elif tensor.format == "plain":  # as stored: put_row copies it where it goes
-                    parts[part] = self.reader.keep(tensor.name)
                 else:
                     parts[part] = self.reader.read(tensor.name)
             put_row(row, _expert_row(parts))
