@@ -3,7 +3,6 @@ first and filled in place, so loading holds it once; what it loads is the checkp
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from bench import load as load_bench
 from checkpoint_fixtures import to_numpy
 from tidejax.fields import read_json
 from tidejax.models.deepseek_v3.weights import checkpoint_table
@@ -22,33 +22,6 @@ from tidejax.runtime.build import load_weights
 from tiny_models import write_deepseek_v3
 
 REPO = Path(__file__).resolve().parent.parent
-
-# A fresh process: RSS high-water mark over the load alone, after imports, the runtime's start
-# and a first host buffer (its probe compiles); every read is a pread, so no file page is mapped.
-PEAK = """
-import json, resource, sys
-from pathlib import Path
-import jax, numpy as np
-from tidejax import parallel
-from tidejax.fields import read_json
-from tidejax.models.registry import family_for
-from tidejax.residency.pool import host_pool
-from tidejax.residency.serve import ServeOptions
-from tidejax.runtime.build import load_weights
-model_dir = Path(sys.argv[1])
-raw = read_json(model_dir / "config.json")
-family = family_for(raw, "config.json")
-cfg = family.config_from_hf(raw, "config.json")
-serve = ServeOptions(swiglu_limit=float(family.swiglu_limit(cfg)))
-small = host_pool({"gate_up": np.ones((2, 4, 8), np.float32), "down": np.ones((2, 8, 2), np.float32)})
-parallel.host_buffer(small["down"])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-params, aux, pool = load_weights(family, cfg, model_dir, raw, serve, np.float32, "checkpoint")
-jax.block_until_ready((params, pool))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT", json.dumps({"grown": peak - before, "pool": sum(a.nbytes for a in jax.tree.leaves(pool)),
-      "memory": sorted({a.sharding.memory_kind for a in jax.tree.leaves(pool)})}))
-"""
 
 
 def _load(model_dir: Path):
@@ -68,17 +41,14 @@ def _flat(tree, prefix=()):
 
 def test_loading_holds_the_pool_once(tmp_path):
     """200 MB of float32 experts (2 MoE layers x 128) and ~6 MB of dense params: the process
-    grows by at most 1.2x the pool while loading (filling a numpy pool and then placing it held
-    2x; memory-mapped reads counted the file's pages on top)."""
+    grows by at most 1.2x the pool while loading (bench/load.py, a fresh process: 1.12 here;
+    filling a numpy pool and then placing it grew by 2.08x, the memory-mapped reads' file pages
+    counted on top)."""
     write_deepseek_v3(tmp_path, hidden_size=128, moe_intermediate_size=512, n_routed_experts=128,
                       num_hidden_layers=3, first_k_dense_replace=1)
-    out = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path)], capture_output=True,
-                         text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                                   "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.split("RESULT", 1)[1])
+    result = load_bench.measure(tmp_path, env={"JAX_PLATFORMS": "cpu"})
     assert result["pool"] == 2 * 128 * 3 * 128 * 512 * 4
-    assert result["memory"] == ["pinned_host"]
+    assert result["pool_memory"] == ["pinned_host"]
     assert result["grown"] <= 1.2 * result["pool"], result
 
 
