@@ -43,7 +43,6 @@ scale (tests/test_cpu_policy.py checks B against float64).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
