@@ -49,7 +49,8 @@ class Residency:
     def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
                  *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
                  window: int = 64):
-        """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert);
+        """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
+        numpy, or already placed in host memory, as runtime.build.load_weights gives them);
         max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
         slots: min(E, max_tokens * top_k))."""
         self.section = section
