@@ -380,8 +380,8 @@ class _Plan:
 
 
 def _in_threads(fn: Callable, items) -> Iterator:
-    """fn over items in READ_WORKERS threads, results in order: numpy's copies and casts and the
-    page faults of the memory-mapped files release the GIL, so the reads run in parallel."""
+    """fn over items in READ_WORKERS threads, results in order: the preads and numpy's copies
+    and casts release the GIL, so the reads run in parallel."""
     with concurrent.futures.ThreadPoolExecutor(READ_WORKERS, "tidejax-load") as pool:
         yield from pool.map(fn, items)
 
