@@ -119,7 +119,9 @@ def host_buffer(leaf: jax.Array) -> np.ndarray:
     if len(leaf.addressable_shards) != 1 or len(leaf.sharding.device_set) != 1:
         raise ValueError(f"a host buffer is read in place on one device; this leaf is sharded "
                          f"over {len(leaf.sharding.device_set)}")
-    if leaf.sharding.memory_kind not in ("pinned_host", "unpinned_host", None) or not leaf.size:
+    on_cpu = next(iter(leaf.devices())).platform == "cpu"  # there every memory is the host's
+    if not leaf.size or not (on_cpu or leaf.sharding.memory_kind in ("pinned_host",
+                                                                      "unpinned_host")):
         raise ValueError(f"no host buffer: the leaf is in {leaf.sharding.memory_kind} memory")
     leaf.block_until_ready()  # the put is asynchronous: its bytes may still be on their way
     try:
