@@ -71,9 +71,8 @@ def reads_in_place_through_steps(steps: int = 3) -> str:
 
     from tidejax.residency.pool import host_pool
 
-    source = random_pool("mxfp4", 4, 256, 128)
-    pool = host_pool(source)
-    experts = cpu.CpuExperts(pool, 4, source)
+    pool = host_pool(random_pool("mxfp4", 4, 256, 128))
+    experts = cpu.CpuExperts(pool, 4)
     before = experts.reads_in_place(pool)
     step = jax.jit(lambda pool, n: (pool, n + 1), donate_argnums=0)
     n = 0

@@ -6,7 +6,9 @@ the compiled steps read back), plus the load's share (weights read and placed).
 
 Each run is its own process (`tidejax.load`, then `generate` of 8 tokens); the cache folder is
 emptied before the cold run. The page cache is warm for both (the cold run reads the weights
-first), so the difference is compilation.
+first), so the difference is compilation. A second table sums jax.monitoring's duration events
+of each run: tracing, lowering to MLIR, XLA's compile (on a cache hit: the executable loaded) and
+the cache's read.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 ONE_START = """
-import json, sys, time
+import collections, json, sys, time
 t0 = time.time()
+from jax import monitoring
+spent = collections.defaultdict(lambda: [0.0, 0])
+def count(event, seconds, **_):
+    spent[event][0] += seconds
+    spent[event][1] += 1
+monitoring.register_event_duration_secs_listener(count)
 import tidejax
 from tidejax.config import parse_set
 overrides = {}
@@ -34,8 +42,14 @@ overrides.setdefault("engine", {})["compile_cache"] = sys.argv[2]
 engine = tidejax.load(sys.argv[1], **overrides)
 t1 = time.time()
 engine.generate("The tide", max_new_tokens=8)
-print("RESULT", json.dumps({"load_s": t1 - t0, "ready_s": time.time() - t0}))
+print("RESULT", json.dumps({"load_s": t1 - t0, "ready_s": time.time() - t0, "spent": spent}))
 """
+
+# jax.monitoring's duration events: where a start's compile-side seconds go
+EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
+          "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+          "compile": "/jax/core/compile/backend_compile_duration",
+          "cache read": "/jax/compilation_cache/cache_retrieval_time_sec"}
 
 
 def start(model: str, cache: Path, sets: list[str]) -> dict:
@@ -60,7 +74,13 @@ def main() -> None:
     print("| start | load s | ready s (8 tokens out) |\n| --- | --- | --- |")
     for name, run in (("cold", cold), ("warm", warm)):
         print(f"| {name} | {run['load_s']:.1f} | {run['ready_s']:.1f} |")
-    print(f"({files} compiled executables cached in {cache})")
+    print(f"({files} compiled executables cached in {cache})\n")
+    print("| start | " + " | ".join(f"{name} s (calls)" for name in EVENTS) + " |")
+    print("| --- |" + " --- |" * len(EVENTS))
+    for name, run in (("cold", cold), ("warm", warm)):
+        cells = [run["spent"].get(event, [0.0, 0]) for event in EVENTS.values()]
+        print(f"| {name} | " + " | ".join(f"{s:.1f} ({n})" for s, n in cells) + " |")
+    print("(compile: XLA's, or the cache's executable loaded, on a cache hit)")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ the functions here are the only place anything is put on a device. One device is
     put(params, axes_tree)                              # device_put leaf by leaf
     replicated(counters)                                # leaves without a declaration
     put(pool, pool_axes, memory="host")                 # pinned_host where the backend has it
+    host_buffer(pool["down"])                           # numpy over a host leaf's own bytes
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 
@@ -106,6 +108,45 @@ def _own(placed: jax.Array, source):
             and placed.unsafe_buffer_pointer() == source.ctypes.data):
         return jax.device_put(placed, placed.sharding, may_alias=False)
     return placed
+
+
+def host_buffer(leaf: jax.Array) -> np.ndarray:
+    """A writable numpy view of the bytes of `leaf`, a single-device array in host memory (put
+    with memory "host"), in place: no copy, and no reference held on the buffer (valid while
+    `leaf` lives). The loader fills a host pool through it and the `cpu` miss policy reads one.
+    Checked by a probe: bytes written through the view must be what jax reads of the leaf's first
+    and last row. ValueError where the backend gives no such view."""
+    if len(leaf.addressable_shards) != 1 or len(leaf.sharding.device_set) != 1:
+        raise ValueError(f"a host buffer is read in place on one device; this leaf is sharded "
+                         f"over {len(leaf.sharding.device_set)}")
+    on_cpu = next(iter(leaf.devices())).platform == "cpu"  # there every memory is the host's
+    if not leaf.size or not (on_cpu or leaf.sharding.memory_kind in ("pinned_host",
+                                                                      "unpinned_host")):
+        raise ValueError(f"no host buffer: the leaf is in {leaf.sharding.memory_kind} memory")
+    leaf.block_until_ready()  # the put is asynchronous: its bytes may still be on their way
+    try:
+        buffer = (ctypes.c_char * leaf.nbytes).from_address(leaf.unsafe_buffer_pointer())
+    except Exception as e:  # noqa: BLE001 (a backend without raw host pointers)
+        raise ValueError(f"no host buffer: {e}") from None
+    view = np.frombuffer(buffer, leaf.dtype).reshape(leaf.shape)
+    ends = [0, leaf.shape[0] - 1] if leaf.ndim else []
+    saved = [view[i].copy() for i in ends]
+    try:
+        for i in ends:  # a probe of distinct bytes in each end row
+            view[i].reshape(-1).view(np.uint8)[:] = (
+                np.arange(view[i].nbytes) * 7 + 1 + i).astype(np.uint8)
+        if not all(np.array_equal(np.asarray(_read_row(leaf, i)).view(np.uint8),
+                                  view[i].view(np.uint8)) for i in ends):
+            raise ValueError("no host buffer: its bytes are not laid out as jax reads them")
+    finally:
+        for i, row in zip(ends, saved):
+            view[i] = row
+    return view
+
+
+@jax.jit
+def _read_row(leaf: jax.Array, i) -> jax.Array:
+    return to_device(jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False))
 
 
 def replicated(tree, mesh=None):

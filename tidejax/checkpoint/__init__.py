@@ -14,7 +14,7 @@ this package reads, maps and checks.
 layouts) on the headers before any data is read (see table.py); the reader checks each file's
 header, the index and every FP8 / MXFP4 pair at open (see reader.py). Every error is one
 `CheckpointError` (a ValueError) naming the file and the tensor. `reader.read(name)`,
-`read_rows(name)` and `read_mxfp4(name)` give single tensors; one progress bar (tensors and
+`read_row(name, row)` and `read_mxfp4(name)` give single tensors; one progress bar (tensors and
 bytes) goes to stderr unless `progress=False`.
 """
 

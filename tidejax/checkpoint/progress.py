@@ -1,9 +1,11 @@
-"""A progress bar on stderr (no dependency): items and bytes done over total. On a terminal
-one line is rewritten in place; in a log (not a tty) a line is written every 10 seconds."""
+"""A progress bar on stderr (no dependency): items and bytes done over total, and the rate. On a
+terminal one line is rewritten in place; in a log (not a tty) a line is written every 10 seconds.
+Thread-safe: the loaders advance it from their reading threads."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -22,24 +24,30 @@ class Progress:
         self.items = self.nbytes = 0
         self.start = self._shown = time.monotonic()
         self.closed = False
+        self._lock = threading.Lock()
 
     def advance(self, items: int = 0, nbytes: int = 0) -> None:
-        self.items += items
-        self.nbytes += nbytes
-        if self.items >= self.total_items:
-            self.close()
-            return
-        now = time.monotonic()
-        if now - self._shown >= self.every_s:
-            self._shown = now
-            self._show(final=False)
+        with self._lock:
+            self.items += items
+            self.nbytes += nbytes
+            if self.items >= self.total_items:
+                self._close()
+                return
+            now = time.monotonic()
+            if now - self._shown >= self.every_s:
+                self._shown = now
+                self._show(now, final=False)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._show(final=True)
+            self._show(time.monotonic(), final=True)
 
-    def _show(self, final: bool) -> None:
+    def _show(self, now: float, final: bool) -> None:
         if not self.enabled:
             return
         gb = 1e-9
@@ -47,7 +55,7 @@ class Progress:
         bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
         line = (f"{self.label} [{bar}] {self.items}/{self.total_items} tensors, "
                 f"{self.nbytes * gb:.2f}/{self.total_bytes * gb:.2f} GB, "
-                f"{time.monotonic() - self.start:.0f} s")
+                f"{now - self.start:.0f} s, {self.nbytes * gb / max(now - self.start, 1e-9):.2f} GB/s")
         if self.tty:
             self.stream.write("\r" + line + ("\n" if final else ""))
         else:

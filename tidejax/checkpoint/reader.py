@@ -12,7 +12,7 @@ Stored tensors that make one logical tensor (`Tensor.parts`: the data first, the
   mxfp4 `X_blocks` uint8 [..., G, 16] + `X_scales` e8m0 [..., G] (gpt-oss layout): tensor `X`
         [..., G * 32]; or `X.weight` uint8 / int8 [..., n / 2] (two e2m1 codes a byte, low nibble
         first) + `X.scale` e8m0 [..., n / 32] (DeepSeek-V4.1's FP4 experts): tensor `X.weight`
-        [..., n]. Reads as float32, or as (blocks, scales) with `read_mxfp4` / `read_rows`.
+        [..., n]. Reads as float32, or as (blocks, scales) with `read_mxfp4` / `read_row`.
   plain every other stored tensor, as stored.
 """
 
@@ -22,7 +22,8 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -73,6 +74,8 @@ class CheckpointReader:
         infos = [self._info(n) for n in self._where]
         self.progress = Progress(label, len(infos), sum(i.nbytes for i in infos),
                                  enabled=progress)
+        self._rows_lock = threading.Lock()
+        self._rows_left: dict[str, int] = {}  # rows of each tensor read_row has not given yet
 
     # -- what is there (stored tensors) ----------------------------------------------------
     def names(self) -> list[str]:
@@ -98,12 +101,12 @@ class CheckpointReader:
         plain ones; a stored part of a pair (the scales, the blocks) reads raw."""
         tensor = self._tensor(name)
         if tensor.format == "fp8":
-            weight, scales = (self._view(p) for p in tensor.parts)
+            weight, scales = (self._read(p) for p in tensor.parts)
             out = dequantize_fp8_block(weight, scales_to_float32(scales), self.block_of(name))
         elif tensor.format == "mxfp4":
-            out = mxfp4.dequantize(*self._mxfp4_views(tensor))
+            out = mxfp4.dequantize(*self._mxfp4_arrays(tensor))
         else:
-            out = np.array(self._view(name))
+            out = self._read(name)
         self.done(tensor)
         return out
 
@@ -127,24 +130,28 @@ class CheckpointReader:
         tensor = self._tensor(name)
         if tensor.format != "mxfp4":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is {tensor.format}, not MXFP4")
-        out = tuple(np.array(v) for v in self._mxfp4_views(tensor))
+        out = self._mxfp4_arrays(tensor)
         self.done(tensor)
         return out
 
-    def read_rows(self, name: str) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
-        """Tensor `name` one leading-axis row at a time (fresh arrays), so a stacked [E, ...]
-        tensor is never copied whole: arrays for plain tensors, (blocks, scales) for mxfp4 ones.
-        Not for fp8 tensors (their scale blocks span rows)."""
+    def read_row(self, name: str, row: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Leading-axis row `row` of tensor `name` as stored, a fresh array, so a stacked [E, ...]
+        tensor is never copied whole: an array for a plain tensor, (blocks, scales) for an mxfp4
+        one. Not for fp8 tensors (their scale blocks span rows). Safe from several threads; the
+        tensor counts as done on the progress bar when all its rows have been read."""
         tensor = self._tensor(name)
         if tensor.format == "fp8":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is FP8 block-scaled; "
                                   f"read it whole")
-        views = self._mxfp4_views(tensor) if tensor.format == "mxfp4" else (self._view(name),)
-        n, nbytes = views[0].shape[0], self._nbytes(tensor)
-        for i in range(n):
-            rows = tuple(np.array(v[i]) for v in views)
-            self.progress.advance(len(tensor.parts) if i == n - 1 else 0, nbytes // n)
-            yield rows if tensor.format == "mxfp4" else rows[0]
+        n = self.shape(tensor.parts[0])[0]
+        with self._rows_lock:
+            left = self._rows_left[name] = self._rows_left.get(name, n) - 1
+        if tensor.format == "mxfp4":
+            out = self._mxfp4_arrays(tensor, row)
+        else:
+            out = self._read(name, row)
+        self.progress.advance(len(tensor.parts) if left == 0 else 0, self._nbytes(tensor) // n)
+        return out
 
     def done(self, tensor: Tensor) -> None:
         """Count `tensor` as done on the progress line (read, or ignored unread)."""
@@ -166,6 +173,9 @@ class CheckpointReader:
     def _view(self, name: str) -> np.ndarray:
         return self._file(name).view(name)
 
+    def _read(self, name: str, row: int | None = None) -> np.ndarray:
+        return self._file(name).read(name, row)
+
     def _tensor(self, name: str) -> Tensor:
         tensor = self.tensors.get(name)
         if tensor is None:  # a stored part of a pair, read raw
@@ -175,8 +185,10 @@ class CheckpointReader:
     def _nbytes(self, tensor: Tensor) -> int:
         return sum(self._info(p).nbytes for p in tensor.parts)
 
-    def _mxfp4_views(self, tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
-        codes, scales = (self._view(p) for p in tensor.parts)
+    def _mxfp4_arrays(self, tensor: Tensor, row: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks uint8 [..., G, 16], scales uint8 [..., G]) of an mxfp4 tensor (or its row)."""
+        codes, scales = (self._read(p, row) for p in tensor.parts)
         blocks = codes.view(np.uint8).reshape(*scales.shape, mxfp4.BLOCK // 2)
         return blocks, scales.view(np.uint8)
 

@@ -1,5 +1,7 @@
 """One safetensors file, read lazily: the header is parsed and checked at open, tensor bytes
-are memory-mapped and copied out one tensor (or one row) at a time.
+are read by pread into the caller's array, one tensor (or one row) at a time, from any number of
+threads (the GIL is released while the kernel copies; a file cut short after open is an error
+naming the tensor, not a SIGBUS), or memory-mapped as stored (`view`).
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data;
@@ -67,6 +69,28 @@ class SafetensorsFile:
         self.path = Path(path)
         self.tensors: dict[str, TensorInfo] = _read_header(self.path)
         self._mmap: np.memmap | None = None
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    def read(self, name: str, row: int | None = None) -> np.ndarray:
+        """Tensor `name` (or its leading-axis row `row`) as a fresh array, read by pread."""
+        info = self.tensors[name]
+        shape, begin = info.shape, info.begin
+        if row is not None:
+            shape = info.shape[1:]
+            begin += row * (info.nbytes // info.shape[0])
+        out = np.empty(shape, info.dtype)
+        buffer, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while done < out.nbytes:
+            n = os.preadv(self._fd, [buffer[done:]], begin + done)
+            if n == 0:
+                raise _fail(self.path, f"truncated: tensor '{name}' ends at byte {info.end}, "
+                                       f"the file now ends at {begin + done}")
+            done += n
+        return out
 
     def view(self, name: str) -> np.ndarray:
         """A read-only, file-backed view of tensor `name` (no copy)."""

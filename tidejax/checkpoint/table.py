@@ -30,16 +30,19 @@ part), shape (the logical shape, after the rule's transform, against the declara
 (a declared param or expert part that no tensor fills, named by the tensor the table expects),
 and the routed experts' layouts (both layouts for one expert, MXFP4 mixed with dense in a layer,
 a layer that is not a MoE layer, an expert past the count). Ignore patterns win over the rules
-(e.g. the multi-token-prediction layers after the last decoder layer). Then the params are read
-one tensor at a time, cast to their declared dtype, and the experts emitted row by row as
+(e.g. the multi-token-prediction layers after the last decoder layer). Then each param is read,
+cast to its declared dtype and put, and the experts emitted row by row as
 put_row(moe_layer * E + expert, {"gate_up": [2I, D] (gate rows, then up), "down": [D, I]}) as
-stored (FP8 as float32) or, for MXFP4 experts, {"gate_up_blocks", "gate_up_scales",
-"down_blocks", "down_scales"}.
+stored (FP8 as float32) or, for MXFP4 experts, {"gate_up_blocks", "gate_up_scales", "down_blocks",
+"down_scales"}. Tensors are read in READ_WORKERS threads: put and put_row are called from them,
+in no particular order.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -53,6 +56,7 @@ ParamPath = tuple  # keys of nested dicts, e.g. ("layers_3", "attn", "q_a_proj",
 EXPERT_PARTS = ("gate", "up", "gate_up", "down")
 _FIELD = re.compile(r"\{(\w+)(?::([^{}]*))?\}")
 _SHOWN = 20  # problems listed in one error
+READ_WORKERS = min(16, os.cpu_count() or 1)  # threads reading tensors (see _in_threads)
 
 
 class Pattern:
@@ -343,32 +347,43 @@ class _Plan:
         return " or ".join(n for n in names if n) or "(no rule of the table gives it)"
 
     def read_params(self, put) -> dict:
-        out: dict = {}
-        for path, (tensor, rule) in self.params.items():
+        def one(path: ParamPath):
+            tensor, rule = self.params[path]
             if path in self.host:
-                _set(out, path, self.reader.keep(tensor.name))
-                continue
+                return self.reader.keep(tensor.name)
             a = self.reader.read(tensor.name)
             if rule.transform is not None:
                 a = rule.transform.apply(a)
             a = a.astype(np.dtype(self.specs[path].dtype), copy=False)
-            _set(out, path, put(path, a) if put is not None else a)
+            return put(path, a) if put is not None else a
+
+        out: dict = {}
+        for path, value in zip(self.params, _in_threads(one, self.params)):
+            _set(out, path, value)
         return out
 
     def read_experts(self, put_row) -> None:
-        for m in range(len(self.table.expert_layers)):
-            fused_rows: dict[str, Iterator] = {}  # one row of each stacked tensor per expert
-            for e in range(self.n_experts):
-                parts = {}
-                for part, (tensor, fused) in self.rows[(m, e)].items():
-                    if fused:
-                        rows = fused_rows.setdefault(tensor.name, self.reader.read_rows(tensor.name))
-                        parts[part] = next(rows)
-                    elif tensor.format == "mxfp4":
-                        parts[part] = self.reader.read_mxfp4(tensor.name)
-                    else:
-                        parts[part] = self.reader.read(tensor.name)
-                put_row(m * self.n_experts + e, _expert_row(parts))
+        def one(row: int) -> None:
+            m, e = divmod(row, self.n_experts)
+            parts = {}
+            for part, (tensor, fused) in self.rows[(m, e)].items():
+                if fused:
+                    parts[part] = self.reader.read_row(tensor.name, e)
+                elif tensor.format == "mxfp4":
+                    parts[part] = self.reader.read_mxfp4(tensor.name)
+                else:
+                    parts[part] = self.reader.read(tensor.name)
+            put_row(row, _expert_row(parts))
+
+        for _ in _in_threads(one, range(len(self.table.expert_layers) * self.n_experts)):
+            pass
+
+
+def _in_threads(fn: Callable, items) -> Iterator:
+    """fn over items in READ_WORKERS threads, results in order: the preads and numpy's copies
+    and casts release the GIL, so the reads run in parallel."""
+    with concurrent.futures.ThreadPoolExecutor(READ_WORKERS, "tidejax-load") as pool:
+        yield from pool.map(fn, items)
 
 
 def _set(tree: dict, path: ParamPath, value) -> None:

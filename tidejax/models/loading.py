@@ -1,15 +1,19 @@
 """Loading a family's weights: dense params onto the device (placed by their logical axes),
 routed experts into a host pool.
 
-`ExpertPool` receives each routed expert as a row (`put_row(layer * E + expert, row)`) in the
-format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4 blocks and scales) and stores it
-in the format the profile asks for, allocating on the first row: no second copy of the experts is
-ever held. `load_by_table` loads a family's declared params by its checkpoint table.
+`ExpertPool` receives each routed expert as a row (`put_row(layer * E + expert, row)`, from the
+loader's reading threads) in the format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4
+blocks and scales) and stores it in the format the profile asks for, allocating on the first row:
+no second copy of the experts is ever held. Given `place` (tidejax.residency.pool.host_pool), the
+pool is placed in host memory first, zeroed, and each row is written into the placed buffer
+through tidejax.parallel.host_buffer: the pool is never held twice, not even while it is placed.
+`load_by_table` loads a family's declared params by its checkpoint table.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +28,38 @@ log = logging.getLogger(__name__)
 
 
 class ExpertPool:
-    """held_as: "checkpoint" (as stored; dense rows in `dtype`), "bf16" or "mxfp4"."""
+    """held_as: "checkpoint" (as stored; dense rows in `dtype`), "bf16" or "mxfp4". place: a
+    dict of arrays [rows, ...] -> the same placed in host memory (None: the pool stays numpy)."""
 
-    def __init__(self, rows: int, held_as: str, dtype):
+    def __init__(self, rows: int, held_as: str, dtype, place=None):
         self.rows, self.held_as, self.dtype = rows, held_as, np.dtype(dtype)
-        self.pool: dict | None = None
+        self.place = place
+        self.pool: dict | None = None  # the numpy pool, or the placed one
+        self._views: dict | None = None  # numpy arrays the rows are written into
+        self._lock = threading.Lock()
         self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
 
     def put_row(self, row: int, arrays: dict) -> None:
         arrays = self._convert(arrays)
-        if self.pool is None:
-            self.pool = {k: np.empty((self.rows, *np.shape(v)), np.asarray(v).dtype)
-                         for k, v in arrays.items()}
+        with self._lock:
+            if self._views is None:
+                self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
         for k, v in arrays.items():
-            self.pool[k][row] = v
+            self._views[k][row] = v
+
+    def _allocate(self, rows: dict) -> None:
+        """The pool, of `rows` {name: (row shape, dtype)}: placed zeros written in place, else
+        numpy arrays placed at `result` (twice the experts' bytes while placed, logged)."""
+        pool = {k: np.zeros((self.rows, *shape), dtype) for k, (shape, dtype) in rows.items()}
+        self.pool = self._views = pool
+        if self.place is not None:
+            placed = self.place(pool)
+            try:
+                self._views = {k: parallel.host_buffer(v) for k, v in placed.items()}
+                self.pool = placed
+            except ValueError as e:
+                log.warning("the expert pool is filled in numpy, then placed: it is held twice "
+                            "while placed (%s)", e)
 
     def _convert(self, arrays: dict) -> dict:
         packed = "gate_up_blocks" in arrays
@@ -61,8 +83,11 @@ class ExpertPool:
         return {k: np.asarray(v).astype(dtype, copy=False) for k, v in arrays.items()}
 
     def result(self) -> dict:
+        """The pool: placed where `place` was given, else numpy."""
         if self.pool is None:
             raise ConfigError("the checkpoint holds no routed experts")
+        if self.place is not None and self.pool is self._views:  # no host buffer: placed now
+            self.pool = self._views = self.place(self.pool)
         return self.pool
 
 

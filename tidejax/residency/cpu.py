@@ -2,7 +2,7 @@
 host pool, while the device computes the resident picks; serve_routed sums the two parts on the
 device.
 
-    experts = CpuExperts(pool, n_experts, source)     # at boot: the placed pool, read in place
+    experts = CpuExperts(pool, n_experts)             # at boot: the placed pool, read in place
     y_host = experts.serve(moe_index, x, ids, weights, miss, swiglu_limit)   # inside the jit
     moe_host(views, x, rows, tokens, weights, swiglu_limit, isa)   # the host computation alone
 
@@ -43,7 +43,6 @@ scale (tests/test_cpu_policy.py checks B against float64).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
@@ -51,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.pallas.bank import bank_dims, bank_format, dequantized
 from tidejax.pallas.moe import swiglu
 
@@ -139,38 +139,28 @@ def _moe_numpy(views, x, rows, tokens, weights, swiglu_limit, y):
     return y
 
 
-def host_view(leaf: jax.Array, source: np.ndarray) -> np.ndarray:
+def host_view(leaf: jax.Array) -> np.ndarray:
     """A read-only numpy view of a single-device jax array in host memory, in place (no copy, no
-    reference held on its buffer), checked against `source`, the host array it was put from;
-    `source` itself where the buffer cannot be read in place (logged: the pool is then held
-    twice in host memory)."""
-    if len(leaf.sharding.device_set) != 1:
-        raise ValueError("the cpu miss policy reads a host pool on one device; this one is "
-                         f"sharded over {len(leaf.sharding.device_set)}")
-    leaf.block_until_ready()  # the put is asynchronous: its bytes may still be on their way
+    reference held on its buffer: tidejax.parallel.host_buffer); a copy where the buffer cannot
+    be read in place (logged: the pool is then held twice in host memory)."""
     try:
-        buffer = (ctypes.c_char * leaf.nbytes).from_address(leaf.unsafe_buffer_pointer())
-        view = np.frombuffer(buffer, leaf.dtype).reshape(leaf.shape)
-        if (leaf.shape[0] and np.array_equal(view[0], source[0])
-                and np.array_equal(view[-1], source[-1])):
-            return view
-        reason = "its bytes are not laid out as the source's"
-    except Exception as e:  # noqa: BLE001 (a backend without raw host pointers)
-        reason = str(e)
-    log.warning("residency: the cpu policy keeps its own copy of the host pool (%s)", reason)
-    return source
+        view = parallel.host_buffer(leaf)
+    except ValueError as e:
+        log.warning("residency: the cpu policy keeps its own copy of the host pool (%s)", e)
+        return np.asarray(leaf)
+    view.flags.writeable = False
+    return view
 
 
 class CpuExperts:
     """The host pool as the host kernel reads it and the count of picks it computed.
 
-    pool: the placed host pool (bank-format dict of jax arrays [L_moe * E, ...]); source: the
-    host arrays it was put from (checked against the views, never kept when they match)."""
+    pool: the placed host pool (bank-format dict of jax arrays [L_moe * E, ...])."""
 
-    def __init__(self, pool: dict, n_experts: int, source: dict, isa: str | None = None):
+    def __init__(self, pool: dict, n_experts: int, isa: str | None = None):
         bank_dims(pool)  # checks the format
         self.n_experts = n_experts
-        self.views = {k: host_view(pool[k], source[k]) for k in pool}
+        self.views = {k: host_view(pool[k]) for k in pool}
         self.isa = isa or kernel_isa()
         self.picks = 0  # picks computed on the host since boot
         log.info("residency: misses computed on the host CPU (%s path, %d threads)", self.isa,

@@ -50,7 +50,8 @@ class Residency:
     def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
                  *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
                  window: int = 64):
-        """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert);
+        """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
+        numpy, or already placed in host memory, as runtime.build.load_weights gives them);
         max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
         slots: min(E, max_tokens * top_k))."""
         self.section = section
@@ -147,7 +148,7 @@ class Residency:
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
         if self.section.miss_policy in ("cpu", "auto"):
-            self.cpu = CpuExperts(pool, self.n_experts, pool_rows)
+            self.cpu = CpuExperts(pool, self.n_experts)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             ring_copies=self.ring_per_step, transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()

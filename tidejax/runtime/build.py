@@ -32,6 +32,7 @@ from tidejax.models.registry import family_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.dispatch import choose_impl
 from tidejax.residency.manager import Residency
+from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.state import DecodeState
@@ -80,12 +81,11 @@ class LoadedModel:
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
-        n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
-        pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype)
-        self.params, self._aux = self.family.load_weights(
-            self.cfg, model_dir, raw, serve, self.dtype, pool.put_row)
+        self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
+                                                    self.dtype, config.model.experts)
         self.residency = Residency(
-            pool.result(), n_moe, self.family.top_k(self.cfg), config.residency,
+            pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
+            config.residency,
             kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
             max_tokens=self.max_context)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
@@ -352,6 +352,17 @@ class LoadedModel:
                 "kv_bytes": int(self.kv_pages * self.page_size * per_token),
                 "dense_kv_bytes": int(self.lanes * self.max_context * per_token),
                 "lane_bytes": self.lane_bytes(), "lanes_bytes": self.lanes * self.lane_bytes()}
+
+
+def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, dtype,
+                 held_as: str) -> tuple[dict, object, dict]:
+    """(dense params on the device, the family's aux, the routed experts' pool in host memory):
+    the pool is placed first and filled in place as the rows are read, so it is never held twice
+    (models.loading.ExpertPool with residency.pool.host_pool)."""
+    n_moe, n_experts = family.expert_dims(cfg)[:2]
+    pool = ExpertPool(n_moe * n_experts, held_as, dtype, place=host_pool)
+    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, pool.put_row)
+    return params, aux, pool.result()
 
 
 def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:
