@@ -30,6 +30,7 @@ from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
+from tidejax.pallas.bank import interleave_gate_up
 from tidejax.pallas.dispatch import choose_impl
 from tidejax.residency.manager import Residency
 from tidejax.residency.serve import ServeOptions
@@ -61,6 +62,7 @@ class LoadedModel:
                               "checkpoint directory (no config.json)")
         raw = read_json(model_dir / "config.json")
         source = str(model_dir / "config.json")
+        self.mesh = self._mesh(config)
         self.family = family_for(raw, source)
         self.cfg = self.family.config_from_hf(raw, source)
         self.tokenizer = Tokenizer(model_dir)
@@ -83,7 +85,7 @@ class LoadedModel:
         n_moe, n_experts = self.family.expert_dims(self.cfg)[:2]
         pool = ExpertPool(n_moe * n_experts, config.model.experts, self.dtype)
         self.params, self._aux = self.family.load_weights(
-            self.cfg, model_dir, raw, serve, self.dtype, pool.put_row)
+            self.cfg, model_dir, raw, serve, self.dtype, self._rows_into(pool))
         self.residency = Residency(
             pool.result(), n_moe, self.family.top_k(self.cfg), config.residency,
             kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
@@ -105,6 +107,30 @@ class LoadedModel:
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
         self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+
+    @staticmethod
+    def _mesh(config: EngineConfig):
+        """The process's mesh, 1 x distributed.tensor_parallel (tidejax.parallel.use_mesh)."""
+        try:
+            mesh = parallel.use_mesh(config.distributed.tensor_parallel)
+        except ValueError as e:
+            raise ConfigError(f"{config.source}: {e}") from None
+        policy = config.residency.miss_policy
+        if parallel.tensor_size(mesh) > 1 and policy in ("cpu", "auto"):
+            raise ConfigError(f"{config.source}: 'residency.miss_policy' = {policy!r} computes "
+                              "misses on the host from the whole pool: not served on a mesh that "
+                              f"splits 'tensor' {parallel.tensor_size(mesh)} ways "
+                              "(distributed.tensor_parallel)")
+        return mesh
+
+    @staticmethod
+    def _rows_into(pool: ExpertPool):
+        """The put_row that loading calls: the pool's, each row's gate_up interleaved first
+        where the mesh splits "tensor" (tidejax.pallas.bank)."""
+        tensor = parallel.tensor_size()
+        if tensor == 1:
+            return pool.put_row
+        return lambda row, arrays: pool.put_row(row, interleave_gate_up(arrays, tensor))
 
     def initial_state(self) -> DecodeState:
         """The one DecodeState: a fresh KV cache, the residency boot state, greedy lanes."""
