@@ -106,7 +106,7 @@ class LoadedModel:
         self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
-        self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+        self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
 
     @staticmethod
     def _mesh(config: EngineConfig):
@@ -243,7 +243,7 @@ class LoadedModel:
         if decode is None and prefill is None:
             raise ValueError("a step needs decoding lanes or a prompt chunk")
         if previous is None:
-            previous = self._host_only
+            previous = self.host_only
             if decode is not None and not decode.fresh.all():
                 raise ValueError("a step without `previous` takes every input from the host")
         elif not self.pipelined:
@@ -278,7 +278,7 @@ class LoadedModel:
         def table(rows, width):
             return np.zeros((rows, width), np.int32)
 
-        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self._host_only,
+        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self.host_only,
                               positions=idle, active=np.zeros(self.lanes, bool),
                               table=table(self.lanes, decode_width))
         prefill = prefill_host = decode_host = None

@@ -38,12 +38,13 @@ class Engine:
     `generate` runs the scheduler on the caller's thread when none does, and `logits` runs on
     the scheduler thread when it serves (between two steps), on the caller's otherwise."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, channel=None):
+        """channel: process 0's channel to its peers (tidejax.distributed.start), None alone."""
         self.config = config
         if config.engine.compile_cache:
             use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
-        self.scheduler = Scheduler(self.loaded)
+        self.scheduler = Scheduler(self.loaded, channel)
         self._closed = False
         if self.residency.needs_calibration:
             self._calibrate()

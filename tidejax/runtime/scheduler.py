@@ -52,6 +52,7 @@ import numpy as np
 
 from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.replica import Replicas
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
 
@@ -138,9 +139,12 @@ def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
 
 
 class Scheduler:
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, channel=None):
+        """channel: process 0's tidejax.distributed channel to its peers, which replay every
+        call over the state (tidejax.runtime.replica); None in one process."""
         self.model = model
         self.state = model.initial_state()  # the one DecodeState, donated into every step
+        self.replicas = Replicas(channel, model) if channel is not None else None
         lanes = model.lanes
         self.lane_of: list[RequestHandle | None] = [None] * lanes
         self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
@@ -209,6 +213,9 @@ class Scheduler:
             self.thread = None
         while self._calls:
             self._calls.popleft()[1].set_exception(RuntimeError("the scheduler stopped"))
+        if self.replicas is not None:
+            self.replicas.stop()
+            self.replicas = None
 
     def call(self, fn):
         """fn() on the device's owner: on the scheduler thread between two iterations while it
@@ -496,6 +503,10 @@ class Scheduler:
         loop stops and later requests are refused."""
         self.status = "recovering"
         self._in_flight = None
+        if self.replicas is not None:  # the peers' states are not rebuilt with it
+            log.error("a step failed across processes: the engine stops serving")
+            self._fail_all()
+            return
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
                 self._release(lane).on_event(ErrorEvent(STEP_FAILED))
@@ -503,14 +514,21 @@ class Scheduler:
             self.state = self.model.rebuilt_state(self.state)
         except Exception:
             log.exception("rebuilding the decode state failed: the engine stops serving")
-            self.status, self.running = "failed", False
-            with self.wake:
-                failed, self.queue = list(self.queue), collections.deque()
-            for handle in failed:
-                handle.on_event(ErrorEvent(STEP_FAILED))
+            self._fail_all()
             return
         self.status = "ready"
         log.info("the decode state is rebuilt; serving on (%d queued)", len(self.queue))
+
+    def _fail_all(self) -> None:
+        """Status "failed": the loop stops, the queue fails, later requests are refused."""
+        for lane, handle in enumerate(self.lane_of):
+            if handle is not None:
+                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+        self.status, self.running = "failed", False
+        with self.wake:
+            failed, self.queue = list(self.queue), collections.deque()
+        for handle in failed:
+            handle.on_event(ErrorEvent(STEP_FAILED))
 
     # -- the device: every jitted call over the state ------------------------------------------
 
@@ -540,7 +558,11 @@ class Scheduler:
         """The jitted step alone over the state (donated): (Sampled, Tallies). `run_step` is the
         serving path; benchmarks time this one bare."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send_step(inputs)
         sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        if self.replicas is not None:
+            self.replicas.last_tokens = sampled.tokens
         return sampled, tallies
 
     def lower(self, inputs):
@@ -553,11 +575,19 @@ class Scheduler:
         self._own()
         residency = self.model.residency
         inputs, n = self.model.score_inputs(token_ids, residency.next_batch())
-        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
+        logits, tallies = self.score_with(inputs)
         residency.after_step(tallies, n)
-        logits = np.asarray(logits[0, :n], np.float32)
+        logits = np.asarray(logits, np.float32)[0, :n]  # whole on every device: read here
         residency.flush()
         return logits
+
+    def score_with(self, inputs) -> tuple:
+        """The jitted scoring forward alone over the state: (logits, Tallies)."""
+        self._own()
+        if self.replicas is not None:
+            self.replicas.send("score", inputs)
+        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
+        return logits, tallies
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> int:
         """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
@@ -572,7 +602,8 @@ class Scheduler:
 
     def update_experts(self, fn) -> None:
         """The expert state through `fn(experts) -> experts` between steps: residency's
-        between-step operations (reseed, drain, move_to, apply_swaps)."""
+        between-step operations (reseed, drain, move_to, apply_swaps). Across processes only
+        residency's reach the peers: each batch they apply, as it applies (Residency.on_apply)."""
         self._own()
         self.state = self.state.replace(experts=fn(self.state.experts))
 
@@ -580,6 +611,8 @@ class Scheduler:
         """A lane's sampling parameters, set in the state, its token counts cleared (at
         admission; benchmarks)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("set_lane", lane, params)
         self.state = self.state.replace(sampling=self.model.steps.set_lane(
             self.state.sampling, np.int32(lane), LaneParams.of([params])))
 
@@ -588,6 +621,8 @@ class Scheduler:
         pool, its lane's rows and token counts (a steps.SavedSequence of numpy leaves), and its
         lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("read", pages, lane)
         rows = jax.device_get(self.model.steps.read_sequence(
             self.state, np.asarray(pages, np.int32), np.int32(lane)))
         return rows, self.model.read_lane_inputs(lane)
@@ -596,6 +631,8 @@ class Scheduler:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows and
         host-input state of `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("write", pages, lane, saved)
         rows, host = saved
         cache, sampling = self.model.steps.write_sequence(
             self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
