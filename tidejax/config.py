@@ -272,18 +272,12 @@ def _check_auto_keys(source: str, section: ResidencySection) -> None:
 
 
 def _check_distributed(source: str, section: DistributedSection) -> None:
-    """What one [distributed] key cannot say alone: process_id below num_processes, a
-    coordinator "host:port" for several processes."""
-    if section.process_id >= section.num_processes:
-        raise ConfigError(f"{source}: 'distributed.process_id' = {section.process_id} should be "
-                          f"below distributed.num_processes ({section.num_processes})")
+    """distributed.coordinator is "host:port" where given (what the keys say together is
+    checked at start: tidejax.distributed.check)."""
     host, colon, port = section.coordinator.rpartition(":")
-    if section.coordinator and not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+    if section.coordinator and not (colon and host and port.isdigit() and 0 < int(port) < 65535):
         raise ConfigError(f"{source}: 'distributed.coordinator' = {section.coordinator!r} should "
-                          "be host:port")
-    if section.num_processes > 1 and not section.coordinator:
-        raise ConfigError(f"{source}: 'distributed.coordinator' (host:port of process 0) is "
-                          f"needed for distributed.num_processes = {section.num_processes}")
+                          "be host:port (port below 65535: the channel takes the next one)")
 
 
 def _check(source: str, table: str, key: str, value: Any) -> None:

@@ -19,8 +19,21 @@ from tidejax.distributed.channel import Follower, Leader
 from tidejax.fields import ConfigError
 
 
+def check(config: EngineConfig) -> None:
+    """What the [distributed] keys say together (after every --set and variable): process_id
+    below num_processes, a coordinator for several processes."""
+    section = config.distributed
+    if section.process_id >= section.num_processes:
+        raise ConfigError(f"{config.source}: 'distributed.process_id' = {section.process_id} "
+                          f"should be below distributed.num_processes ({section.num_processes})")
+    if section.num_processes > 1 and not section.coordinator:
+        raise ConfigError(f"{config.source}: 'distributed.coordinator' (host:port of process 0) "
+                          f"is needed for distributed.num_processes = {section.num_processes}")
+
+
 def start(config: EngineConfig) -> Leader | Follower | None:
     """Joins this process to its peers (see above); None where the profile has one process."""
+    check(config)
     section = config.distributed
     if section.num_processes == 1:
         return None

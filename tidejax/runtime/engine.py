@@ -61,7 +61,8 @@ class Engine:
     def close(self) -> None:
         """Where residency.state_dir is set, drains the demand counted since the last drain into
         the history and saves it and the residency stats; then finishes the profiler trace, if
-        one is being written. The server closes its engine at shutdown (SIGTERM, SIGINT)."""
+        one is being written; last, the peers of process 0 stop. The server closes its engine at
+        shutdown (SIGTERM, SIGINT)."""
         if self._closed:
             return
         self._closed = True
@@ -78,6 +79,7 @@ class Engine:
         if self.trace_dir:
             jax.profiler.stop_trace()
             self.trace_dir = ""
+        self.scheduler.dismiss_peers()
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""

@@ -66,6 +66,7 @@ class Replicas:
         self.send("step", inputs)
 
     def stop(self) -> None:
+        self.model.residency.on_apply = None
         self.send("stop")
         self.channel.close()
 

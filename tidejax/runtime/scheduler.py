@@ -213,6 +213,9 @@ class Scheduler:
             self.thread = None
         while self._calls:
             self._calls.popleft()[1].set_exception(RuntimeError("the scheduler stopped"))
+
+    def dismiss_peers(self) -> None:
+        """Tells the peers replaying this scheduler's calls to stop (Engine.close, last)."""
         if self.replicas is not None:
             self.replicas.stop()
             self.replicas = None

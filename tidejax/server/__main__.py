@@ -73,11 +73,12 @@ async def serve(config: EngineConfig) -> None:
              server.name, config.model.path)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     client = None
     try:
-        channel = await loop.run_in_executor(None, distributed.start, config)  # its peers, if any
+        # its peers, if any; first: jax.distributed takes SIGTERM for its preemption notifier
+        channel = await loop.run_in_executor(None, distributed.start, config)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         # the engine traces from here on
         client = LocalEngineClient(await loop.run_in_executor(None, Engine, config, channel))
         await client.start()
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         config = load_config(args)
+        distributed.check(config)
         if config.distributed.process_id > 0:
             follow(config, distributed.start(config))
         else:
