@@ -50,7 +50,7 @@ def test_one_device_keeps_one_code_path():
     """On a 1x1 mesh the kernel seams are the functions themselves (no shard_map)."""
     def fn(x):
         return (x,)
-    assert parallel.over_tensor(fn, (None,), (True,)) is fn
+    assert parallel.over_tensor(fn, (None,), ("sum",)) is fn
     assert parallel.tensor_size() == 1
 
 
@@ -80,11 +80,12 @@ FOUR_DEVICES = textwrap.dedent("""
     except ConfigError as e:
         cpu_refused = str(e)
     one, one_tokens = run(1)
+    one_text = one.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
     four, four_tokens = run(4, budget_experts=72, miss_policy="exact")
     params = four.loaded.params["layers_1"]["attn"]
     experts = four.state.experts
     print(json.dumps({
-        "one": one_tokens, "four": four_tokens,
+        "one": one_tokens, "four": four_tokens, "one_text": one_text,
         "mesh": dict(parallel.default_mesh().shape),
         "q_b_proj": list(params["q_b_proj"]["weight"].sharding.spec),
         "o_proj": list(params["o_proj"]["weight"].sharding.spec),
@@ -101,16 +102,22 @@ FOUR_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device():
-    """Heads and every intermediate split 4 ways (MLA's latent pages whole); half the experts
-    resident under `exact`, swapping, on the split bank and host pool: the greedy tokens of
-    one device, all resident, and no more compilations."""
+@pytest.fixture(scope="module")
+def four_devices() -> dict:
+    """FOUR_DEVICES's report: one device's greedy tokens (and text) beside a 4-device mesh's."""
     out = subprocess.run(
         [sys.executable, "-c", FOUR_DEVICES, str(DEMO), json.dumps(ENGINE), PROMPT,
          str(NEW_TOKENS)], capture_output=True, text=True, cwd=REPO, timeout=600,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-4000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_devices):
+    """Heads and every intermediate split 4 ways (MLA's latent pages whole); half the experts
+    resident under `exact`, swapping, on the split bank and host pool: the greedy tokens of
+    one device, all resident, and no more compilations."""
+    got = four_devices
     assert got["mesh"] == {"data": 1, "tensor": 4}
     assert got["q_b_proj"] == ["tensor"]  # [heads, q_lora]
     assert got["o_proj"] == [None, "tensor"]  # [embed, heads]
@@ -154,7 +161,7 @@ def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120):
         "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s})
 
 
-def test_two_processes_serve_as_one(tmp_path):
+def test_two_processes_serve_as_one(tmp_path, four_devices):
     """Process 0 serves HTTP and schedules, process 1 replays its steps; the mesh splits the
     demo model two ways over the processes (gloo): the openai client's greedy text is one
     process's. SIGTERM on process 0 stops both."""
@@ -176,8 +183,7 @@ def test_two_processes_serve_as_one(tmp_path):
         peer.kill()
     log = (tmp_path / "pair-peer.log").read_text()
     assert "process 1 follows process 0" in log and "process 0 stopped" in log
-    engine = tidejax.load(DEMO, engine=ENGINE)
-    assert engine.generate(PROMPT, max_new_tokens=NEW_TOKENS) == text
+    assert text == four_devices["one_text"]  # one process, one device
 
 
 def _refused(profile, *peer_sets: str) -> tuple[str, str]:

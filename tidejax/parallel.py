@@ -143,26 +143,26 @@ def replicated(tree, mesh=None):
     return jax.device_put(tree, NamedSharding(mesh or default_mesh(), PartitionSpec()))
 
 
-def over_tensor(fn, in_axes: tuple, summed: tuple, mesh=None):
+def over_tensor(fn, in_axes: tuple, out_axes: tuple, mesh=None):
     """`fn` on each device's shards where the mesh splits "tensor" (shard_map; a Pallas kernel
     cannot be partitioned by XLA), else `fn` itself: one code path. in_axes: per argument, the
-    logical axes of its leaves (a pytree prefix of tuples) or None (whole on every device);
-    `fn` returns a tuple, and summed[i] says whether output i is a partial sum over "tensor"
-    (psum'd) or the same on every device (returned as it is)."""
+    logical axes of its leaves (a pytree prefix of tuples) or None (whole on every device).
+    `fn` returns a tuple; out_axes: per output, "sum" (a partial sum over "tensor": psum'd),
+    None (the same on every device) or its logical axes (each device's shard of it)."""
     mesh = mesh or default_mesh()
     if tensor_size(mesh) == 1:
         return fn
 
     def local(*args):
-        return tuple(jax.lax.psum(out, "tensor") if add else out
-                     for out, add in zip(fn(*args), summed, strict=True))
+        return tuple(jax.lax.psum(out, "tensor") if axes == "sum" else out
+                     for out, axes in zip(fn(*args), out_axes, strict=True))
 
     def specs(axes):
-        if axes is None:
+        if axes is None or axes == "sum":
             return PartitionSpec()
         return jax.tree.map(lambda a: _on(mesh, a), axes, is_leaf=lambda a: isinstance(a, tuple))
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs(a) for a in in_axes),
-                         out_specs=tuple(PartitionSpec() for _ in summed), check_vma=False)
+                         out_specs=tuple(specs(a) for a in out_axes), check_vma=False)
 
 
 def to_device(x):

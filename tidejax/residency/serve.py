@@ -124,7 +124,7 @@ def _grouped(moe_index: int, x, bank, slots, ids, weights, token_mask, state: Ex
                           impl=options.kernel, demand=demand)
         return (out, None) if demand is None else (out[0], out[1:])
 
-    return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, (True, False))(
+    return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, ("sum", None))(
         x, bank, slots, ids, weights, token_mask, counters)
 
 
