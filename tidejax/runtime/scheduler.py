@@ -506,13 +506,13 @@ class Scheduler:
         loop stops and later requests are refused."""
         self.status = "recovering"
         self._in_flight = None
+        for lane, handle in enumerate(self.lane_of):
+            if handle is not None:
+                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
         if self.replicas is not None:  # the peers' states are not rebuilt with it
             log.error("a step failed across processes: the engine stops serving")
             self._fail_all()
             return
-        for lane, handle in enumerate(self.lane_of):
-            if handle is not None:
-                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
         try:
             self.state = self.model.rebuilt_state(self.state)
         except Exception:
@@ -524,9 +524,6 @@ class Scheduler:
 
     def _fail_all(self) -> None:
         """Status "failed": the loop stops, the queue fails, later requests are refused."""
-        for lane, handle in enumerate(self.lane_of):
-            if handle is not None:
-                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
         self.status, self.running = "failed", False
         with self.wake:
             failed, self.queue = list(self.queue), collections.deque()
@@ -588,7 +585,7 @@ class Scheduler:
         """The jitted scoring forward alone over the state: (logits, Tallies)."""
         self._own()
         if self.replicas is not None:
-            self.replicas.send("score", inputs)
+            self.replicas.send("score", jax.device_get(inputs))  # its scratch cache to the host
         logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
         return logits, tallies
 
