@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import urllib.request
 
 import numpy as np
 import pytest
@@ -156,17 +157,19 @@ def _peer(profile, *sets: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120):
+def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, **tables):
     return write_profile(path, model_dir, engine=ENGINE, distributed={
-        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s})
+        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s}, **tables)
 
 
 def test_two_processes_serve_as_one(tmp_path, four_devices):
     """Process 0 serves HTTP and schedules, process 1 replays its steps; the mesh splits the
-    demo model two ways over the processes (gloo): the openai client's greedy text is one
-    process's. SIGTERM on process 0 stops both."""
+    demo model two ways over the processes (gloo), half its experts resident under `exact`
+    (calibrated at boot: a scoring forward, then the swaps of a reseed, replayed): the openai
+    client's greedy text is one process's, all resident. SIGTERM on process 0 stops both."""
     import openai
-    profile = _pair_profile(tmp_path / "pair.toml")
+    profile = _pair_profile(tmp_path / "pair.toml",
+                            residency={"budget_experts": 72, "miss_policy": "exact"})
     peer = _peer(profile)
     try:
         proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
@@ -176,6 +179,11 @@ def test_two_processes_serve_as_one(tmp_path, four_devices):
                                               max_tokens=NEW_TOKENS, temperature=0)
             text = reply.choices[0].text
             assert reply.usage.completion_tokens == NEW_TOKENS
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                metrics = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                               if line.startswith("tidejax_residency_"))
+            assert float(metrics["tidejax_residency_swaps_applied"]) > 0
+            assert float(metrics["tidejax_residency_misses"]) > 0
         finally:
             assert stop_server(proc) == 0
         assert peer.wait(timeout=60) == 0
