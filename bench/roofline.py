@@ -16,7 +16,7 @@ with both bandwidths measured in the same run: a jitted `a + 1` over 1 GiB (byte
 and the residency's own in-step fetch (a data-dependent row of a pinned_host pool written into a
 device bank) of expert-sized rows. Distinct experts per step come from the replayed routing
 trace (bench/traces.py) when there is one; otherwise batch x top-k per layer (an upper bound).
-DeepSeek-V4.1's Engram rows are gathered on the host each step and are not in the byte count.
+DeepSeek-V4.1's Engram rows (read from host memory inside the step) are not in the byte count.
 
 Each configuration (resident share x miss policy) is a fresh `tidejax.load`; at a share below 1 it
 boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed trace, and

@@ -16,8 +16,9 @@ from tidejax.checkpoint import CheckpointError, CheckpointReader
 from tidejax.fields import ConfigError
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
-from tidejax.models.deepseek_v3.model import MLACache, build
+from tidejax.models.deepseek_v3.model import build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
+from tidejax.models.layers.mla import MLACache
 from tidejax.residency.serve import ServeOptions
 from declaration import check_declaration, param_paths
 from tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits, deepseek_v3_config,

@@ -13,8 +13,8 @@ import pytest
 
 from tidejax.fields import ConfigError
 from tidejax.models.deepseek_v41.config import V41Config
-from v41_runner import Sequence, engram_rows, greedy, new_cache, new_hashers, step_fn
-from tidejax.models.deepseek_v41.engram import EngramHasher
+from v41_runner import Sequence, greedy, new_cache, step_fn
+from tidejax.models.deepseek_v41.engram import hash_ids
 from tidejax.models.deepseek_v41.weights import load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41"
@@ -45,12 +45,11 @@ def full_forward(name):
     ids = golden(name, "input_ids.npy")
     t = ids.shape[1]
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
     model = DeepseekV41(ck.cfg, ServeOptions(kernel=KERNEL, swiglu_limit=ck.cfg.swiglu_limit,
                                              all_resident=True))
-    (logits, _, _), inter = jax.jit(lambda params, cache, table, rows, experts: model.apply(
-        params, jnp.asarray(ids), pos, pos >= 0, cache, table, experts, rows,
-        mutable=["intermediates"]))(ck.params, *new_cache(ck.cfg, 1, t), rows, ck.experts)
+    (logits, _, _), inter = jax.jit(lambda params, cache, table, engram, experts: model.apply(
+        params, jnp.asarray(ids), pos, pos >= 0, cache, table, experts, engram,
+        mutable=["intermediates"]))(ck.params, *new_cache(ck.cfg, 1, t), ck.engram, ck.experts)
     inter = inter["intermediates"]
     streams = np.stack([np.asarray(s[0]) for s in inter["streams"]])
     selections = {k.split("_")[1]: np.asarray(v[0][0]) for k, v in inter.items()
@@ -60,13 +59,30 @@ def full_forward(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_engram_hash_ids(name):
+    """The numpy reference (int64) and the step's hashing (uint32 pairs) give the golden ids,
+    the step's one shot and chunked as prefill then decode feed it (its look-back through the
+    lane's ring), padding after a chunk's real tokens changing nothing."""
+    import jax
+
     ck = checkpoint(name)
-    assert np.array_equal(ck.engram_layout.token_map, golden(name, "engram_token_map.npy"))
+    layout = ck.engram_layout
+    assert np.array_equal(layout.token_map, golden(name, "engram_token_map.npy"))
     ids = golden(name, "input_ids.npy")[0]
     want = golden(name, "engram_hash_ids.npy")
-    assert np.array_equal(EngramHasher(ck.engram_layout)(ids, 0), want)
-    hasher = EngramHasher(ck.engram_layout)  # chunked, as prefill then decode feeds it
-    got = [hasher(ids[:17], 0)] + [hasher(ids[p:p + 1], p) for p in range(17, len(ids))]
+    assert np.array_equal(layout.hash_ids(layout.token_map[ids], np.arange(len(ids))), want)
+    step = jax.jit(hash_ids)
+    ring = np.zeros((1, ck.engram.window), np.int32)
+
+    def run(start, chunk, pad=0):
+        nonlocal ring
+        tokens = np.concatenate([chunk, np.zeros(pad, chunk.dtype)])[None].astype(np.int32)
+        positions = start + np.arange(tokens.shape[1], dtype=np.int32)[None]
+        got, ring = step(ck.engram, tokens, positions, positions < start + len(chunk), ring)
+        return np.asarray(got[0, :len(chunk)])
+
+    assert np.array_equal(run(0, ids), want)
+    ring = np.full((1, ck.engram.window), 7, np.int32)  # stale ids a lane's last request left
+    got = [run(0, ids[:17], pad=15)] + [run(p, ids[p:p + 1]) for p in range(17, len(ids))]
     assert np.array_equal(np.concatenate(got), want)
 
 
@@ -123,22 +139,19 @@ def test_batched_lanes():
     ids = golden("tiny_b", "input_ids.npy")[0]
     want = golden("tiny_b", "logits.npy")
     cache, table = new_cache(ck.cfg, 2, 64)  # the two rows' pages interleaved in one pool
-    hashers = new_hashers(ck, 2)
     step = step_fn(ck.cfg, KERNEL)
     tokens = np.tile(ids[:8], (2, 1)).astype(np.int32)
     mask = np.ones((2, 8), bool)
     mask[0, 5:] = False  # row 0 prefills 5 tokens (a padded chunk), row 1 prefills 8
     positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
-    rows = engram_rows(ck, hashers, tokens, [0, 0], mask)
-    first, cache, _ = step(ck.params, cache, table, tokens, positions, mask, rows, ck.experts)
+    first, cache, _ = step(ck.params, cache, table, tokens, positions, mask, ck.engram, ck.experts)
     np.testing.assert_allclose(np.asarray(first[0, :5]), want[:5], atol=1e-4)
     np.testing.assert_allclose(np.asarray(first[1]), want[:8], atol=1e-4)
     at = [5, 8]
     for _ in range(3):
         nxt = ids[at][:, None].astype(np.int32)
-        rows = engram_rows(ck, hashers, nxt, at)
         out, cache, _ = step(ck.params, cache, table, nxt, np.array(at, np.int32)[:, None],
-                          np.ones((2, 1), bool), rows, ck.experts)
+                          np.ones((2, 1), bool), ck.engram, ck.experts)
         np.testing.assert_allclose(np.asarray(out[:, 0]), want[at], atol=1e-4)
         at = [a + 1 for a in at]
 
@@ -159,15 +172,13 @@ def test_declared_params_are_what_the_model_consumes(name):
 
     cfg = V41Config.from_file(GOLDEN / name)
     tokens = jnp.zeros((1, 4), jnp.int32)
-    rows = (jnp.zeros((1, 4, len(cfg.engram_layers), cfg.engram_cols, cfg.engram_head_dim))
-            if cfg.engram_layers else None)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
     declared = check_declaration(
         lambda dtype: DeepseekV41(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
         lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
         (tokens, tokens, tokens > -1,
          PagedCache(V41Pages.create(cfg, 1, cfg.page_multiple), V41Lanes.create(cfg, 1)),
-         jnp.zeros((1, 1), jnp.int32)), (rows,))
+         jnp.zeros((1, 1), jnp.int32)), (checkpoint(name).engram,))
     table = checkpoint_table(cfg)
     for path in param_paths({**declared, **host_specs(cfg)}):
         names = table.param_names(path)

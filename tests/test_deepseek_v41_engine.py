@@ -32,7 +32,11 @@ def test_logits_and_half_resident_exact(engine):
 
 
 def test_greedy_through_lanes_equals_golden(engine):
-    """Prefill in 16-token chunks, then decode on 2 lanes with another request beside it."""
+    """Prefill in 16-token chunks, then decode on 2 lanes with another request beside it,
+    pipelined: each iteration leaves its step in flight (queued before the previous one's
+    tokens were read, its input tokens and Engram hashes taken on the device), and the tokens
+    are the golden greedy ones, which tests/test_deepseek_v41.py gets by feeding every token
+    from the host."""
     ids = np.load(GOLDEN / "input_ids.npy")[0]
     greedy = np.load(GOLDEN / "greedy.npy").tolist()
     outputs = {0: [], 1: []}
@@ -40,7 +44,10 @@ def test_greedy_through_lanes_equals_golden(engine):
         engine.scheduler.submit(
             GenerationRequest(prompt.tolist(), len(greedy), ignore_eos=True),
             lambda e, lane=lane: outputs[lane].append(e.token_id) if isinstance(e, TokenEvent) else None)
-    engine.scheduler.run_until_idle()
+    in_flight = []
+    while engine.scheduler.step():
+        in_flight.append(engine.scheduler._in_flight is not None)
+    assert sum(in_flight) >= len(greedy), in_flight
     assert outputs[0] == greedy
     assert len(outputs[1]) == len(greedy)
 

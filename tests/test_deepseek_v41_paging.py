@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 on the paged KV pool (tiny_a: a ratio-2 and a ratio-1 KV source, both indexed):
 greedy tokens through small pages and a small pool equal full forwards; a pool too small for
-every request preempts, and the preempted request (its pages and its lane's window rings and
-group buffers saved to host memory) resumes with the tokens of an unpreempted run; a decode
+every request preempts, and the preempted request (its pages and its lane's window rings, group
+buffers and Engram look-back saved to host memory) resumes with the tokens of an unpreempted run; a decode
 step costs what the lane holds, not max_context; the pool's sizing and stats."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_lanes_of_different_lengths_equal_full_forwards(engine):
 
 def test_preempted_requests_resume_exactly(engine):
     """Requests growing to 50, 39 and 60 positions need 6 pages of the pool's 4: the newest is
-    preempted (its pages, its lane's rings, buffers and Engram history to host memory) and
+    preempted (its pages, its lane's rings, buffers and Engram look-back to host memory) and
     resumes in whatever lane frees; every request's greedy tokens are those of full forwards."""
     prompts, new = [IDS[:20], IDS[30:39], IDS[24:64]], [30, 30, 20]
     before = engine.scheduler.kv_stats()["preemptions"]
@@ -72,9 +72,10 @@ def test_preempted_requests_resume_exactly(engine):
 
 
 def test_a_saved_sequence_goes_back_into_any_lane(engine):
-    """read_sequence / write_sequence: lane 1's rows, pages and Engram history into lane 0."""
+    """read_sequence / write_sequence: lane 1's rows, pages and Engram look-back into lane 0."""
     saved = engine.read_sequence([2, 3], 1)
-    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(saved[0].cache.lanes))
+    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(saved.cache.lanes))
+    assert np.abs(saved.cache.lanes.engram).sum() > 0
     engine.write_sequence([0, 1], 0, saved)
     again = engine.read_sequence([0, 1], 0)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(again)):
@@ -106,9 +107,9 @@ def test_decode_cost_does_not_grow_with_max_context(tmp_path):
 
 def test_pool_sizing_and_stats():
     """tiny_a in float32: 384 pool bytes a token (entries + indexer keys: (32 + 32) / 2 for the
-    ratio-2 source, 32 + 32 for the ratio-1 one); a lane keeps 6 window rings of 7 x 32 and the
-    ratio-2 source's two buffers of 2 x 32 beside the pool."""
-    per_token, lane = 4 * ((32 + 32) / 2 + 32 + 32), 4 * (6 * 7 * 32 + 2 * 2 * 32)
+    ratio-2 source, 32 + 32 for the ratio-1 one); a lane keeps 6 window rings of 7 x 32, the
+    ratio-2 source's two buffers of 2 x 32 and the Engram look-back of 3 ids beside the pool."""
+    per_token, lane = 4 * ((32 + 32) / 2 + 32 + 32), 4 * (6 * 7 * 32 + 2 * 2 * 32 + 3)
     engine = tidejax.load(GOLDEN, engine={"lanes": 2, "max_context": 64, "page_size": 16,
                                           "kv_pool_gib": 10 * 16 * per_token / 2**30})
     stats = engine.scheduler.kv_stats()

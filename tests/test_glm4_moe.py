@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -32,8 +31,8 @@ from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
 from declaration import check_declaration, param_paths
 from server_fixtures import serve_app, write_chain
-from tiny_models import (GLM4_MOE_CONFIGS, TEXT, cached_decode_logits, glm4_moe_config,
-                         randomize_moe, relative_diff, served_greedy, state_dict,
+from tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights, cached_decode_logits,
+                         glm4_moe_config, randomize_moe, relative_diff, served_greedy, state_dict,
                          transformers_greedy, write_fp8_copies, write_fused_copy, write_glm4_moe)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
@@ -88,14 +87,6 @@ def test_greedy_tokens_match_transformers(tiny):
 def test_cached_decode_equals_full_forward(tiny):
     _, _, _, engine = tiny
     assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
-
-
-def assert_same_weights(a, b) -> None:
-    """Two engines hold identical dense params and routed experts (so compute identical logits)."""
-    for x, y in ((a.loaded.params, b.loaded.params), (a.state.experts.bank, b.state.experts.bank)):
-        assert jax.tree.structure(x) == jax.tree.structure(y)
-        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
-            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):

@@ -1,6 +1,7 @@
 """A synthetic DeepSeek-V4.1 checkpoint (tools/make_synthetic.py --shape ds41-tiny) in the published
 layout: the loader takes every tensor of it (FP8 at the config's 32 x 32 blocks, FP4 experts,
-FP8 Engram tables), and the engine decodes it and replays recorded routing."""
+FP8 Engram tables; `--vocab` rows of embeddings and head past the demo tokenizer's 4,096 ids),
+and the engine decodes it and replays recorded routing."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fn
 def ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds41") / "tiny"
     subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
-                    "--shape", "ds41-tiny", "--layers", "5", "--workers", "2"],
+                    "--shape", "ds41-tiny", "--layers", "5", "--workers", "2", "--vocab", "4160"],
                    check=True, capture_output=True)
     return out
 
@@ -56,6 +57,8 @@ def test_written_in_the_published_layout(ckpt):
         [0, 2, 2, 1, 1], [1, 2, 3], [1, 2, 3, 4], 3, [0, 2])
     found = tensors(ckpt)
     assert not any(name.startswith("model.") for name in found) and "head.weight" in found
+    assert t["vocab_size"] == 4160 and found["embed.weight"].shape == (4160, t["hidden_size"])
+    assert found["head.weight"].shape == (4160, t["hidden_size"])
     d, i = t["hidden_size"], t["moe_intermediate_size"]
     wq_b = found["layers.1.attn.wq_b.weight"]
     assert wq_b.dtype == E4M3 and found["layers.1.attn.wq_b.scale"].dtype == E8M0

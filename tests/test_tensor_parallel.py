@@ -239,7 +239,7 @@ def test_a_peer_without_process_0_fails_in_time(tmp_path):
 def test_the_distributed_table_is_checked_naming_the_key():
     config = EngineConfig()
     assert config.distributed.num_processes == 1 and config.distributed.tensor_parallel == 0
-    with pytest.raises(ConfigError, match="'distributed.coordinator' = 'nohost' should be host:port"):
+    with pytest.raises(ConfigError, match="'distributed.coordinator' = 'nohost' should be"):
         config.with_overrides(parse_set("distributed.coordinator=nohost"))
     with pytest.raises(ConfigError, match="'distributed.num_processes' = 0 should be at least 1"):
         config.with_overrides(parse_set("distributed.num_processes=0"))

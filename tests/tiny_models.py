@@ -151,6 +151,44 @@ def write_glm4_moe(path: Path, seed: int = 0, **overrides):
     return model
 
 
+GLM_MOE_DSA_CONFIGS = {
+    # DSA top-k (8) below the 32-token prompt, the second layer reusing the first's pick
+    # ("shared"), a dense layer then a MoE layer, group-limited routing (4 groups, top 2)
+    "topk_below": dict(index_topk=8, index_topk_pattern="FS", first_k_dense_replace=1,
+                       n_group=4, topk_group=2, num_hidden_layers=2),
+    # DSA top-k (64) above the context, an indexer in every layer, no dense layer, plain top-k
+    # without renormalization
+    "topk_above": dict(index_topk=64, index_topk_pattern="FF", first_k_dense_replace=0,
+                       n_group=1, topk_group=1, norm_topk_prob=False, num_hidden_layers=2),
+}
+
+
+def glm_moe_dsa_config(**overrides):
+    from transformers import GlmMoeDsaConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=8, num_experts_per_tok=3, kv_lora_rank=16, q_lora_rank=24,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_head_dim=16,
+                index_n_heads=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    base.update(overrides)
+    return GlmMoeDsaConfig(**base)
+
+
+def write_glm_moe_dsa(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny GlmMoeDsaForCausalLM checkpoint (random, float32) with a tokenizer; returns
+    the torch model (eval mode) for reference outputs."""
+    from transformers import GlmMoeDsaForCausalLM
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(glm_moe_dsa_config(**overrides)).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model
+
+
 def randomize_moe(model) -> None:
     """Random router biases (so the selection-only bias is exercised), expert weights of std
     0.1 and, where attention has them, biases and q/k norm weights off their init."""
@@ -163,6 +201,15 @@ def randomize_moe(model) -> None:
             for name, param in layer.self_attn.named_parameters():
                 if name.endswith("bias") or "norm" in name:
                     param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+
+
+def assert_same_weights(a, b) -> None:
+    """Two engines hold identical dense params and routed experts (so compute identical logits)."""
+    import jax
+    for x, y in ((a.loaded.params, b.loaded.params), (a.state.experts.bank, b.state.experts.bank)):
+        assert jax.tree.structure(x) == jax.tree.structure(y)
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def relative_diff(ours, ref) -> float:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.models.deepseek_v41.config import V41Config
-from tidejax.models.deepseek_v41.engram import engram_rows, new_hashers
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import V41Checkpoint
@@ -35,14 +34,15 @@ def new_cache(cfg: V41Config, rows: int, max_len: int, dtype=jnp.float32):
 @functools.lru_cache(maxsize=None)
 def step_fn(cfg: V41Config, kernel: str = "auto"):
     """jit(params, cache, table [b, P], tokens [b, t], positions [b, t], token_mask [b, t],
-    engram_rows, experts) -> (logits [b, t, vocab] float32, cache, experts); the cache is
+    engram (the checkpoint's EngramTables), experts) -> (logits [b, t, vocab] float32, cache,
+    experts); the cache is
     donated. Every expert is resident here (the engine serves budgets through
     tidejax.residency)."""
     model = DeepseekV41(cfg, ServeOptions(kernel=kernel, swiglu_limit=cfg.swiglu_limit,
                                           all_resident=True))
 
-    def step(params, cache, table, tokens, positions, token_mask, rows, experts):
-        return model.apply(params, tokens, positions, token_mask, cache, table, experts, rows)
+    def step(params, cache, table, tokens, positions, token_mask, engram, experts):
+        return model.apply(params, tokens, positions, token_mask, cache, table, experts, engram)
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -54,9 +54,8 @@ def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarra
     ids = np.asarray(token_ids, np.int32)[None]
     t = ids.shape[1]
     positions = np.arange(t, dtype=np.int32)[None]
-    rows = engram_rows(ck, new_hashers(ck, 1), ids, [0])
     logits, _, _ = step_fn(ck.cfg, kernel)(ck.params, *new_cache(ck.cfg, 1, t), ids, positions,
-                                           np.ones_like(ids, bool), rows, ck.experts)
+                                           np.ones_like(ids, bool), ck.engram, ck.experts)
     return np.asarray(logits[0])
 
 
@@ -67,16 +66,14 @@ class Sequence:
                  cache_dtype=jnp.float32):
         self.ck, self.step = ck, step_fn(ck.cfg, kernel)
         self.cache, self.table = new_cache(ck.cfg, 1, max_len, cache_dtype)
-        self.hashers = new_hashers(ck, 1)
         self.length = 0
 
     def feed(self, token_ids) -> np.ndarray:
         """Appends ids [t]; returns their logits [t, vocab]."""
         ids = np.asarray(token_ids, np.int32)[None]
         positions = self.length + np.arange(ids.shape[1], dtype=np.int32)[None]
-        rows = engram_rows(self.ck, self.hashers, ids, [self.length])
         logits, self.cache, _ = self.step(self.ck.params, self.cache, self.table, ids, positions,
-                                          np.ones_like(ids, bool), rows, self.ck.experts)
+                                          np.ones_like(ids, bool), self.ck.engram, self.ck.experts)
         self.length += ids.shape[1]
         return np.asarray(logits[0])
 

@@ -83,7 +83,9 @@ build() {
         cpu) flags=(-DGGML_CUDA=OFF) ;;
         *) die "build kind '$kind': cuda or cpu" ;;
     esac
-    cmake -S "$src" -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    local generator="Unix Makefiles"  # Ninja where the machine has it
+    command -v ninja > /dev/null && generator=Ninja
+    cmake -S "$src" -B "$out" -G "$generator" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF "${flags[@]}" "$@"
     cmake --build "$out" --target llama-bench llama-batched-bench -j "${JOBS:-$(nproc)}"

@@ -2,7 +2,7 @@
 
     python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
     python tools/make_synthetic.py OUT_DIR --tiny
-    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4]
+    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
     python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
@@ -30,6 +30,18 @@ has them), the routed experts fused per layer as for the V3 family (MXFP4 or `--
 `--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
 shape's own (1 for glm45-air, 3 for glm45). The MTP layer is left out (num_nextn_predict_layers 0).
 
+Shapes of the GLM-5 family (model_type glm_moe_dsa: MLA with DeepSeek Sparse Attention, a
+lightning indexer a layer, sigmoid-routed MoE with a shared expert), written as the published BF16
+checkpoint is (MLA's `self_attn.*` as DeepSeek-V3's, the indexer's `self_attn.indexer.{wq_b, wk,
+k_norm, weights_proj}`), the routed experts fused per layer as for the V3 family:
+  glm5       GLM-5: 78 layers, hidden 6144, 64 heads (q_lora 2048, kv_lora 512, nope 192, rope 64,
+             v 256), an indexer in every layer (32 heads of 128, top-2048), 256 experts of 2048,
+             8 a token, one shared expert, dense MLP 12288 in layers 0-2, routed_scaling 2.5,
+             rope theta 1e6 (transformers' GlmMoeDsaConfig defaults; positions by --max-positions)
+  glm5-tiny  hidden 64, 4 heads, indexer 4 heads of 16 (top-16), 16 experts of 32 (tests)
+`--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
+shape's own (3 for glm5, 1 for glm5-tiny); the MTP layer is left out (num_nextn_predict_layers 0).
+
 Shapes of the DeepSeek-V4.1 family (model_type deepseek_v41: mHC streams, latent single-KV
 attention with CSA2 compressed branches and indexers, Engram, sqrtsoftplus MoE), written as the
 published DeepSeek-V4.1-Flash checkpoint is (no `model.` prefix, `head.weight`; composite
@@ -53,8 +65,8 @@ config.json with `text_config` and `quantization_config`):
               (in brackets there), and from public write-ups of the published config and tensor
               headers: Engram at layers 1 and 14 with rows of 256, hc_mult 4, 32 x 32 FP8
               blocks, I8 expert codes, which tensors stay BF16 / F32. Assumed: gate_temp 1.0;
-              the vocabulary is the demo tokenizer's 4,096 ids, not 129,280, so embed and head
-              are 32x smaller than the real 1.3 GB each.
+              the vocabulary is the demo tokenizer's 4,096 ids unless `--vocab 129280` gives
+              embed and head the real 129,280 rows (1.3 GB each).
   ds41-tiny   the same layout at hidden 64, 8 experts of 32 (tests)
 `--layers N` keeps N of the 40 layers, first those of DS41_KEEP (one of each kind: Engram,
 ratio-2 KV source, ratio-1 KV and candidate source, Reindex, Reuse), then the rest in order,
@@ -78,8 +90,9 @@ own spread; on the tiny model's real forward over held-out text 0.46-0.49 withou
 
 Values: dense weights with std about 1/sqrt(fan_in) (bf16, or e4m3 codes over 4 octaves with e8m0
 block scales), norms 1; MXFP4 / FP4 codes uniform random bytes with e8m0 scales sized so a
-projection keeps unit variance. The tokenizer (and so the vocabulary) is the bundled demo
-model's, so prompts work. One shard per layer, written as it is generated (memory stays at one
+projection keeps unit variance. The tokenizer is the bundled demo model's, so prompts work; the
+vocabulary is its ids, or `--vocab N` (at least the tokenizer's) rows of random embeddings and
+head, the ids past the tokenizer's never in a prompt (the Engram hashes take them as the pad id). One shard per layer, written as it is generated (memory stays at one
 expert row), with a progress line.
 """
 
@@ -145,6 +158,17 @@ GLM_SHAPES = {
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5,
                      use_qk_norm=True, dense_layers=1),
+}
+
+GLM5_SHAPES = {
+    "glm5": dict(hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+                 num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+                 qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+                 index_topk=2048, n_routed_experts=256, num_experts_per_tok=8, dense_layers=3),
+    "glm5-tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16,
+                      index_topk=16, n_routed_experts=16, num_experts_per_tok=4, dense_layers=1),
 }
 
 # DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
@@ -320,14 +344,22 @@ def mlp_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None)
                   (f"{x}.down_proj", BF16, (e, d, inter), _uniform(inter))]
 
 
+def _glm_shape(shape: dict, layers: int, dense_layers: int | None,
+               n_experts: int) -> tuple[dict, int]:
+    """A GLM shape's fields (--n-experts applied) and its dense layers (--dense-layers, else the
+    shape's own), checked against `layers`."""
+    s = dict(shape) | ({"n_routed_experts": n_experts} if n_experts else {})
+    shape_dense = s.pop("dense_layers")
+    dense_layers = shape_dense if dense_layers is None else dense_layers
+    _check_dense_layers(dense_layers, layers)
+    return s, dense_layers
+
+
 def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
                max_positions: int, special: dict, n_experts: int = 0) -> dict:
     """A config.json as zai-org publishes GLM-4.5's (rope_theta and partial_rotary_factor at the
     top level), cut to `layers` layers."""
-    s = dict(GLM_SHAPES[shape]) | ({"n_routed_experts": n_experts} if n_experts else {})
-    shape_dense = s.pop("dense_layers")
-    dense_layers = shape_dense if dense_layers is None else dense_layers
-    _check_dense_layers(dense_layers, layers)
+    s, dense_layers = _glm_shape(GLM_SHAPES[shape], layers, dense_layers, n_experts)
     return {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
         "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
@@ -356,6 +388,38 @@ def glm_layer_tensors(cfg: dict, i: int, experts: str,
         out += [(f"{a}.q_norm.weight", BF16, (k,), _const(1.0, BF16)),
                 (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16))]
     return out + mlp_tensors(cfg, i, experts, skew)
+
+
+def glm5_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+                max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """A config.json as transformers' GlmMoeDsaConfig writes GLM-5's (an indexer in every
+    layer), cut to `layers` layers."""
+    s, dense_layers = _glm_shape(GLM5_SHAPES[shape], layers, dense_layers, n_experts)
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
+        "num_key_value_heads": s["num_attention_heads"], "first_k_dense_replace": dense_layers,
+        "indexer_types": ["full"] * layers, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "attention_bias": False, "rms_norm_eps": 1e-5, "initializer_range": 0.02,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
+        **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
+    }
+
+
+def glm5_layer_tensors(cfg: dict, i: int, experts: str,
+                       skew: RouterSkew | None = None) -> list[tuple]:
+    """Layer i: MLA and the MLP as the V3 family's, and the DSA indexer."""
+    d, n, k = cfg["hidden_size"], cfg["index_n_heads"], cfg["index_head_dim"]
+    a = f"model.layers.{i}.self_attn.indexer"
+    return layer_tensors(cfg, i, experts, skew) + [
+        (f"{a}.wq_b.weight", BF16, (n * k, cfg["q_lora_rank"]), _uniform(cfg["q_lora_rank"])),
+        (f"{a}.wk.weight", BF16, (k, d), _uniform(d)),
+        (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16)),
+        (f"{a}.k_norm.bias", BF16, (k,), _const(0.0, BF16)),
+        (f"{a}.weights_proj.weight", BF16, (n, d), _uniform(d))]
 
 
 def top_tensors(cfg: dict) -> list[tuple]:
@@ -535,6 +599,9 @@ def routers_of(cfg: dict) -> Routers:
     if cfg["model_type"] == "glm4_moe":
         from tidejax.models.glm4_moe.config import Glm4MoeConfig as Config
         from tidejax.models.glm4_moe.model import router_spec
+    elif cfg["model_type"] == "glm_moe_dsa":
+        from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig as Config
+        from tidejax.models.layers.moe import noaux_router as router_spec
     else:
         from tidejax.models.deepseek_v3.config import DeepseekV3Config as Config
         from tidejax.models.deepseek_v3.model import router_spec
@@ -722,18 +789,22 @@ DS41_FLAGS = {"engram_gib": None}
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
-    parser.add_argument("--shape", choices=sorted(SHAPES | GLM_SHAPES | DS41_SHAPES),
+    parser.add_argument("--shape",
+                        choices=sorted(SHAPES | GLM_SHAPES | GLM5_SHAPES | DS41_SHAPES),
                         default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--n-experts", type=int, default=0,
                         help="routed experts per layer (default: the shape's)")
     parser.add_argument("--dense-layers", type=int,
-                        help="leading dense-MLP layers (V3 family: 1; GLM: the shape's)")
-    parser.add_argument("--experts", choices=("mxfp4", "bf16"), help="V3 and GLM families (mxfp4)")
-    parser.add_argument("--max-positions", type=int, help="V3 and GLM families (16384)")
+                        help="leading dense-MLP layers (V3 family: 1; GLM, GLM-5: the shape's)")
+    parser.add_argument("--experts", choices=("mxfp4", "bf16"),
+                        help="V3, GLM and GLM-5 families (mxfp4)")
+    parser.add_argument("--max-positions", type=int, help="V3, GLM and GLM-5 families (16384)")
     parser.add_argument("--engram-gib", type=float,
                         help="GiB of each Engram table (V4.1 family; ds41-flash: 4, real: 94.4)")
+    parser.add_argument("--vocab", type=int,
+                        help="rows of the embeddings and head (default: the tokenizer's ids)")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
     parser.add_argument("--router-skew", action="store_true",
@@ -744,7 +815,8 @@ def main(argv=None) -> int:
                         help="processes filling and writing the shards")
     args = parser.parse_args(argv)
     shape, layers = ("tiny", 3) if args.tiny else (args.shape, args.layers)
-    flags = DS41_FLAGS if shape in DS41_SHAPES else GLM_FLAGS if shape in GLM_SHAPES else V3_FLAGS
+    flags = (DS41_FLAGS if shape in DS41_SHAPES
+             else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES else V3_FLAGS)
     for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
         if getattr(args, name) is not None:
             raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
@@ -753,13 +825,18 @@ def main(argv=None) -> int:
             setattr(args, name, default)
     start = time.perf_counter()
     backend, special = read_tokenizer(args.tokenizer)
+    vocab = backend.get_vocab_size() if args.vocab is None else args.vocab
+    if vocab < backend.get_vocab_size():
+        raise SystemExit(f"error: --vocab {vocab} is below the tokenizer's "
+                         f"{backend.get_vocab_size()} ids")
     if shape in DS41_SHAPES:
-        cfg = ds41_config(shape, layers, backend.get_vocab_size(), special,
-                          compressed_token_map(backend), args.n_experts, args.engram_gib)
+        cfg = ds41_config(shape, layers, vocab, special, compressed_token_map(backend),
+                          args.n_experts, args.engram_gib)
     else:
-        cfg = (glm_config if shape in GLM_SHAPES else hf_config)(
-            shape, layers, args.dense_layers, backend.get_vocab_size(), args.max_positions,
-            special, args.n_experts)
+        make = glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES \
+            else hf_config
+        cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
+                   args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None
     if skew:
         cfg["tidejax_synthetic"]["router_skew"] = {
@@ -773,14 +850,15 @@ def main(argv=None) -> int:
                 f"{t['n_routed_experts']} FP4 experts, Engram tables of "
                 f"{t['engram_num_embeddings']} rows")
     else:
-        layer = glm_layer_tensors if shape in GLM_SHAPES else layer_tensors
+        layer = (glm_layer_tensors if shape in GLM_SHAPES else glm5_layer_tensors
+                 if shape in GLM5_SHAPES else layer_tensors)
         shards = [("model-top.safetensors", top_tensors(cfg))] + [
             (f"model-layer{i:03d}.safetensors", layer(cfg, i, args.experts, skew))
             for i in range(layers)]
         what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
                 f"{cfg['n_routed_experts']} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
-    print(f"{args.out}: {shape}, {what}, vocab {backend.get_vocab_size()}, "
+    print(f"{args.out}: {shape}, {what}, vocab {vocab}, "
           f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
     hot, e, shares = measure_picks(args.out, seed=args.seed)
     print(f"router picks: the {hot} most picked of each MoE layer's {e} experts take "

@@ -155,8 +155,9 @@ class Trainer:
         from tidejax.kv.paged import PagedCache
         from tidejax.models.base import init
         from tidejax.models.deepseek_v3.config import DeepseekV3Config
-        from tidejax.models.deepseek_v3.model import MLACache, build
+        from tidejax.models.deepseek_v3.model import build
         from tidejax.models.deepseek_v3.weights import expert_specs, param_specs
+        from tidejax.models.layers.mla import MLACache
         from tidejax.residency.serve import ServeOptions
         from tidejax.residency.state import all_resident_state
 

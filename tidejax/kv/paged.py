@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from tidejax import parallel
 from tidejax.pallas import paged_index_scores, paged_mla_decode, paged_mla_prefill
 
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -103,6 +105,46 @@ def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, posit
         q_latent, q_rope, latent_pages, rope_pages, block_table, positions)[0]
 
 
+QUERY_BLOCK = 64  # queries whose selected entries sparse_mla_attention gathers at once
+
+
+def sparse_mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, ids, valid, *,
+                         scale: float):
+    """MLA over the entries each query selected (DSA; jnp): q_latent [b, t, h, c], q_rope
+    [b, t, h, r]; ids, valid [b, t, k]: each query's entry ids and which of them count -> the
+    attended latent [b, t, h, c] in the queries' dtype (zeros for a query with none).
+
+    Only the selected entries are read from the pool, by id through the table (gather_rows),
+    QUERY_BLOCK queries at a time: a step costs t x k entries, never the row's pages."""
+    b, t, h, c = q_latent.shape
+    f32 = jnp.float32
+
+    def attend(block):  # [b, n, ...] queries, ids and valid of one block
+        ql, qr, bid, ok = block
+        latent = gather_rows(latent_pages, block_table, bid).astype(f32)  # [b, n, k, c]
+        rope = gather_rows(rope_pages, block_table, bid).astype(f32)  # [b, n, k, r]
+        scores = (jnp.einsum("bnhc,bnkc->bnhk", ql.astype(f32), latent, precision=HIGHEST)
+                  + jnp.einsum("bnhr,bnkr->bnhk", qr.astype(f32), rope, precision=HIGHEST))
+        scores = jnp.where(ok[:, :, None], scores * scale, -jnp.inf)
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+        total = jnp.sum(probs, axis=-1, keepdims=True)
+        probs = probs / jnp.where(total > 0, total, 1.0)
+        return jnp.einsum("bnhk,bnkc->bnhc", probs, latent, precision=HIGHEST)
+
+    n = -(-t // QUERY_BLOCK)
+    pad = n * QUERY_BLOCK - t if n > 1 else 0
+    blocks = [jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+              for a in (q_latent, q_rope, ids, valid)]
+    if n > 1:  # [n, b, QUERY_BLOCK, ...] through lax.map
+        split = [jnp.moveaxis(a.reshape(b, n, QUERY_BLOCK, *a.shape[2:]), 1, 0) for a in blocks]
+        out = jax.lax.map(attend, tuple(split))
+        out = jnp.moveaxis(out, 0, 1).reshape(b, n * QUERY_BLOCK, h, c)[:, :t]
+    else:
+        out = attend(tuple(blocks))
+    return out.astype(q_latent.dtype)
+
+
 KEY_BLOCK = 512  # keys the GQA attention attends a loop step (whole pages; at least one page)
 
 
@@ -133,14 +175,14 @@ def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
         pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
         k = k_pages[pages].reshape(b, keys, g, dk).astype(f32)  # [b, s, g, k]
         v = v_pages[pages].reshape(b, keys, g, dv).astype(f32)
-        scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+        scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=HIGHEST) * scale
         visible = i * keys + jnp.arange(keys)[None, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
         probs = jnp.exp(scores - new_top[..., None])
         keep = jnp.exp(top - new_top)
         acc = acc * jnp.moveaxis(keep, 3, 1)[..., None] + jnp.einsum(
-            "bgrts,bsgv->btgrv", probs, v, precision=jax.lax.Precision.HIGHEST)
+            "bgrts,bsgv->btgrv", probs, v, precision=HIGHEST)
         return new_top, total * keep + jnp.sum(probs, axis=-1), acc
 
     start = (jnp.full((b, g, h // g, t), -1e30, f32), jnp.zeros((b, g, h // g, t), f32),

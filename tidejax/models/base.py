@@ -89,7 +89,7 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, block_table, experts[, host_inputs], replay=None)
+        (tokens, positions, token_mask, cache, block_table, experts[, tables], replay=None)
         -> (logits [b, t, vocab] float32, cache, experts), the cache a kv.paged.PagedCache and
         block_table [b, P] each row's pages in its pool; replay [b, t, L_moe, k]: recorded picks
         the MoE layers route by instead of their routers' choice (passed only when given)
@@ -101,7 +101,7 @@ class Family:
         [n_pages, rows, ...] shared by all sequences through one block table each
     create_lane_cache(cfg, lanes, max_context, dtype) -> the rows each decode lane keeps for a
         sequence of up to max_context (PagedCache.lanes, leaves [lanes, ...]: DeepSeek-V4.1's
-        window rings, DeepSeek-V4's window and compressor rings), or None: none
+        window rings and Engram look-back, DeepSeek-V4's window and compressor rings), or None
     page_multiple(cfg) -> what engine.page_size must be a multiple of (DeepSeek-V4.1: its
         compress ratios, so that a page holds whole groups)
     mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
@@ -110,10 +110,9 @@ class Family:
     cache_axes(pages) -> the logical axes of each pool leaf (a tuple per leaf, the pool's
         structure), or None: the pool is placed replicated (tidejax.parallel); the lane rows are
         always replicated
-    host_inputs(cfg, aux, batch) -> an object whose rows(tokens [b, t], starts [b], mask [b, t],
-        lanes) gives the step's host-computed inputs (DeepSeek-V4.1's Engram rows), and whose
-        read_lane(lane) / write_lane(lane, saved) save and restore a lane's host state across a
-        preemption; or None
+    step_tables(cfg, aux) -> arrays placed at load that every forward takes after `experts` (the
+        same ones each step: DeepSeek-V4.1's Engram hash maps and its tables in host memory), or
+        None: the forward takes none
     replays: whether build's forward takes `replay` (False: the family cannot replay recorded
         routing, and Engine.set_routing_replay refuses)
     """
@@ -132,5 +131,5 @@ class Family:
     mla_decode: bool = False
     replays: bool = True
     cache_axes: Callable | None = None
-    host_inputs: Callable = lambda cfg, aux, batch: None
+    step_tables: Callable = lambda cfg, aux: None
     swiglu_limit: Callable = lambda cfg: 0.0

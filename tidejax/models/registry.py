@@ -17,6 +17,7 @@ FAMILY_MODULES = {
     "deepseek_v41": "tidejax.models.deepseek_v41.family",
     "deepseek_v4": "tidejax.models.deepseek_v4.family",
     "glm4_moe": "tidejax.models.glm4_moe.family",
+    "glm_moe_dsa": "tidejax.models.glm_moe_dsa.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -103,7 +103,7 @@ class LoadedModel:
         self.steps = Steps(self.module)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
-        self._lane_inputs = self.family.host_inputs(self.cfg, self._aux, self.lanes)
+        self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
         self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
@@ -168,15 +168,6 @@ class LoadedModel:
                           self.family.create_lane_cache(self.cfg, lanes, self.max_context,
                                                         self.dtype))
 
-    def read_lane_inputs(self, lane: int):
-        """A lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
-        return self._lane_inputs.read_lane(lane) if self._lane_inputs else None
-
-    def write_lane_inputs(self, lane: int, saved) -> None:
-        """Puts a lane's host-input state read by `read_lane_inputs` into `lane`."""
-        if self._lane_inputs:
-            self._lane_inputs.write_lane(lane, saved)
-
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
 
@@ -228,17 +219,10 @@ class LoadedModel:
         """The compiled prefill size that holds a chunk of n tokens."""
         return next(b for b in self._prefill_buckets if b >= n)
 
-    @property
-    def pipelined(self) -> bool:
-        """Whether a step can take its input tokens from the previous step's output on the
-        device. Not where the family computes host inputs from the token ids (DeepSeek-V4.1's
-        Engram hashes): then every token must be on the host before its step."""
-        return self._lane_inputs is None
-
     def step_inputs(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
                     previous: jax.Array | None, swaps: SwapBatch) -> StepInputs:
-        """The jitted step's inputs (block tables, padded chunk, host inputs, replay rows, the
-        swap batch). A decoding lane's input is previous[lane] (an earlier step's output, still
+        """The jitted step's inputs (block tables, padded chunk, the family's step tables, replay
+        rows, the swap batch). A decoding lane's input is previous[lane] (an earlier step's output, still
         on the device) or, where decode.fresh[lane], decode.tokens[lane] from the host."""
         if decode is None and prefill is None:
             raise ValueError("a step needs decoding lanes or a prompt chunk")
@@ -246,28 +230,22 @@ class LoadedModel:
             previous = self.host_only
             if decode is not None and not decode.fresh.all():
                 raise ValueError("a step without `previous` takes every input from the host")
-        elif not self.pipelined:
-            raise ValueError(f"the {self.family.name} family needs every input token on the host")
-        prefill_in = prefill_host = None
+        prefill_in = None
         if prefill is not None:
             if not 0 < len(prefill.tokens) <= self.prefill_chunk:
                 raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
                                  f"got {len(prefill.tokens)}")
-            prefill_in, prefill_host = self._prefill_inputs(prefill, self._prefill_width(prefill))
-        decode_in = decode_host = None
+            prefill_in = self._prefill_inputs(prefill, self._prefill_width(prefill))
+        decode_in = None
         if decode is not None:
             decode_in = DecodeInputs(
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
                 active=decode.active.astype(bool),
                 table=self._table(decode.pages, self._decode_width(decode)))
-            if self._lane_inputs:
-                decode_host = self._lane_inputs.rows(decode.tokens[:, None], decode.positions,
-                                                     decode.active[:, None])
         routed = (prefill_in.tokens.size if prefill is not None else 0) + (
             self.lanes if decode is not None else 0)
-        return StepInputs(prefill_in, decode_in, prefill_host, decode_host, self._replay_rows(routed),
-                          swaps)
+        return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
 
     def warmup_inputs(self, size: int, prefill_width: int | None, decode_width: int,
                       swaps: SwapBatch) -> StepInputs:
@@ -281,18 +259,14 @@ class LoadedModel:
         decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self.host_only,
                               positions=idle, active=np.zeros(self.lanes, bool),
                               table=table(self.lanes, decode_width))
-        prefill = prefill_host = decode_host = None
+        prefill = None
         if size:
             tokens = np.zeros((1, size), np.int32)
             prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                     lane=np.int32(0), last=np.int32(0),
                                     table=table(1, prefill_width))
-        if self._lane_inputs:
-            decode_host = self._lane_inputs.rows(idle[:, None], idle, decode.active[:, None])
-            if prefill is not None:
-                prefill_host = self._lane_inputs.rows(prefill.tokens, [0], prefill.mask, lanes=[0])
-        return StepInputs(prefill, decode, prefill_host, decode_host,
-                          self._replay_rows(size + self.lanes), swaps)
+        return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
+                          swaps)
 
     def warmup_shapes(self, prompt_lengths: list[int] | None) -> set[tuple]:
         """(chunk size or 0, prefill table width, decode table width) of the steps that prompts
@@ -321,10 +295,8 @@ class LoadedModel:
         cache = self.new_cache(n_pages, 1)
         table = np.arange(n_pages, dtype=np.int32)[None]
         mask = (np.arange(size) < n)[None]
-        scoring_inputs = self.family.host_inputs(self.cfg, self._aux, 1)
-        host = scoring_inputs.rows(tokens, [0], mask) if scoring_inputs else None
-        return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table, host,
-                           self._replay_rows(tokens.size), swaps), n
+        return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table,
+                           self.step_tables, self._replay_rows(tokens.size), swaps), n
 
     def _decode_width(self, decode: DecodeRows) -> int:
         """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
@@ -352,13 +324,10 @@ class LoadedModel:
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = prefill.tokens
         mask = (np.arange(size) < n)[None]
-        inputs = PrefillInputs(
+        return PrefillInputs(
             tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
             mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
             table=self._table([prefill.pages], width))
-        host = (self._lane_inputs.rows(tokens, [prefill.start], mask, lanes=[prefill.lane])
-                if self._lane_inputs else None)
-        return inputs, host
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens a step carries from now on (benchmarks sweep it on one loaded model)."""
@@ -395,8 +364,8 @@ class LoadedModel:
         return self.family.cache_bytes_per_token(self.cfg, self.dtype)
 
     def lane_bytes(self) -> int:
-        """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings
-        and group buffers; 0 for a family that keeps everything in the pool)."""
+        """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings,
+        group buffers and Engram look-back; 0 for a family that keeps everything in the pool)."""
         rows = jax.eval_shape(functools.partial(self.family.create_lane_cache, self.cfg, 1,
                                                 self.max_context, self.dtype))
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(rows))

@@ -136,12 +136,12 @@ class Engine:
         """One step queued by the scheduler (Scheduler.run_step); tokens [lanes] on the device."""
         return self.scheduler.run_step(decode, prefill, previous).tokens
 
-    def read_sequence(self, pages: list[int], lane: int) -> tuple:
-        """A sequence's pages of the pool, its lane's rows and host-input state, in host memory
+    def read_sequence(self, pages: list[int], lane: int):
+        """A sequence's pages of the pool, its lane's rows and token counts, in host memory
         (what preemption saves: Scheduler.read_sequence)."""
         return self.scheduler.call(lambda: self.scheduler.read_sequence(pages, lane))
 
-    def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
+    def write_sequence(self, pages: list[int], lane: int, saved) -> None:
         """Puts what `read_sequence` read back at `pages` and `lane` (Scheduler.write_sequence)."""
         self.scheduler.call(lambda: self.scheduler.write_sequence(pages, lane, saved))
 

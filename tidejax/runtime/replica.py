@@ -9,8 +9,9 @@ Scheduler of its own that never schedules. A message is (kind, args):
 
     ("step", StepInputs)           Scheduler.dispatch; a decoding lane's `previous` tokens are
                                    named ("last": the previous step's output, "host": none),
-                                   as each process holds its own copy of them
-    ("score", ScoreInputs)         Scheduler.score_with
+                                   as each process holds its own copy of them, and the family's
+                                   step tables left out (each process has its own)
+    ("score", ScoreInputs)         Scheduler.score_with (on the host, the step tables left out)
     ("set_lane", lane, params)     Scheduler.set_sampling
     ("read", pages, lane)          Scheduler.read_sequence (its result is process 0's)
     ("write", pages, lane, saved)  Scheduler.write_sequence, with what process 0 read
@@ -27,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
 import numpy as np
 
 from tidejax.config import EngineConfig
 from tidejax.residency.swap import apply_now
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.steps import StepInputs
+from tidejax.runtime.steps import ScoreInputs, StepInputs
 
 log = logging.getLogger("tidejax")
 
@@ -52,6 +54,7 @@ class Replicas:
 
     def send_step(self, inputs: StepInputs) -> None:
         """The step's inputs, its `previous` tokens named (see above)."""
+        inputs = self._without_tables(inputs)
         decode = inputs.decode
         if decode is not None:
             if decode.previous is self.model.host_only:
@@ -64,6 +67,14 @@ class Replicas:
         if inputs.replay is not None:
             raise ValueError("routing replay is not served across processes")
         self.send("step", inputs)
+
+    def send_score(self, inputs: ScoreInputs) -> None:
+        self.send("score", jax.device_get(self._without_tables(inputs)))  # its scratch cache
+
+    def _without_tables(self, inputs):
+        if inputs.tables is not self.model.step_tables:
+            raise ValueError("a step's tables must be the model's")
+        return dataclasses.replace(inputs, tables=None)
 
     def stop(self) -> None:
         self.model.residency.on_apply = None
@@ -97,10 +108,11 @@ def follow(config: EngineConfig, channel) -> None:
                 previous = model.host_only if inputs.decode.previous == "host" else last_tokens
                 inputs = dataclasses.replace(
                     inputs, decode=dataclasses.replace(inputs.decode, previous=previous))
-            sampled, _ = scheduler.dispatch(inputs)
+            sampled, _ = scheduler.dispatch(dataclasses.replace(inputs, tables=model.step_tables))
             last_tokens = sampled.tokens
         elif kind == "score":
-            scheduler.score_with(*args)
+            (inputs,) = args
+            scheduler.score_with(dataclasses.replace(inputs, tables=model.step_tables))
         elif kind == "set_lane":
             scheduler.set_sampling(*args)
         elif kind == "read":

@@ -12,12 +12,10 @@ request like the others. One step is always in flight: the device runs step N+1 
 delivers step N's tokens, and step N+1 takes its input tokens from step N's output on the device
 (a lane resumed since takes its token from the host). A stop token is seen one step late: the
 step already queued for that lane computes a token nobody receives, at a position its next
-request overwrites. Length limits are known ahead, so no step runs past them. Families that need
-every token on the host before the next step (`LoadedModel.pipelined` False) read each step right
-after queueing it.
+request overwrites. Length limits are known ahead, so no step runs past them.
 
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
-and its lane's fixed rows (DeepSeek-V4.1's window rings) are copied to host memory and it waits
+and its lane's fixed rows (DeepSeek-V4.1's window rings and Engram look-back) are copied to host memory and it waits
 at the head of the queue, to resume where it was (same positions, same token, same sampling keys),
 in whatever lane is free, once pages are free again.
 
@@ -54,7 +52,7 @@ from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.replica import Replicas
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
-from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
 
 log = logging.getLogger("tidejax")
 
@@ -115,9 +113,9 @@ class RequestHandle:
 @dataclasses.dataclass
 class _Saved:
     """A preempted request's place: what Scheduler.read_sequence saved (its KV pages, its lane's
-    rows and host-input state, in host memory), the position and host token of its next step."""
+    rows and token counts, in host memory), the position and host token of its next step."""
 
-    pages: object
+    pages: SavedSequence
     n_pages: int
     position: int
     token: int
@@ -273,9 +271,6 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
             self._deliver(previous)  # waits for it; the step just queued keeps the device busy
-        if self._in_flight is not None and not self.model.pipelined:
-            self._deliver(self._in_flight)
-            self._in_flight = None
         return bool(self.active or self.queue or self._in_flight)
 
     def _release_cancelled(self) -> None:
@@ -585,7 +580,7 @@ class Scheduler:
         """The jitted scoring forward alone over the state: (logits, Tallies)."""
         self._own()
         if self.replicas is not None:
-            self.replicas.send("score", jax.device_get(inputs))  # its scratch cache to the host
+            self.replicas.send_score(inputs)
         logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
         return logits, tallies
 
@@ -616,29 +611,26 @@ class Scheduler:
         self.state = self.state.replace(sampling=self.model.steps.set_lane(
             self.state.sampling, np.int32(lane), LaneParams.of([params])))
 
-    def read_sequence(self, pages: list[int], lane: int) -> tuple:
+    def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:
         """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
-        pool, its lane's rows and token counts (a steps.SavedSequence of numpy leaves), and its
-        lane's host-input state (DeepSeek-V4.1's Engram history; None without one)."""
+        pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts (a
+        steps.SavedSequence of numpy leaves)."""
         self._own()
         if self.replicas is not None:
             self.replicas.send("read", pages, lane)
-        rows = jax.device_get(self.model.steps.read_sequence(
+        return jax.device_get(self.model.steps.read_sequence(
             self.state, np.asarray(pages, np.int32), np.int32(lane)))
-        return rows, self.model.read_lane_inputs(lane)
 
-    def write_sequence(self, pages: list[int], lane: int, saved: tuple) -> None:
-        """Puts what `read_sequence` read back: into the pool at `pages` and into the rows and
-        host-input state of `lane` (any lane: not necessarily the one it was read from)."""
+    def write_sequence(self, pages: list[int], lane: int, saved: SavedSequence) -> None:
+        """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
+        `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
         if self.replicas is not None:
             self.replicas.send("write", pages, lane, saved)
-        rows, host = saved
         cache, sampling = self.model.steps.write_sequence(
             self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
-            rows)
+            saved)
         self.state = self.state.replace(cache=cache, sampling=sampling)
-        self.model.write_lane_inputs(lane, host)
 
 
 def _logprobs_wanted(handles) -> bool:

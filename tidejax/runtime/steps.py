@@ -83,14 +83,13 @@ class Replay:
 @dataclasses.dataclass
 class StepInputs:
     """One step's inputs: the prompt chunk and the decoding lanes (either may be None), the
-    family's host-computed rows for each (None where it has none), the routing replay (None:
-    the routers choose) and residency's swap batch for the step's start. The replay's prefill
-    rows come first, then the decoding lanes'."""
+    family's step tables (Family.step_tables: the same arrays every step; None where it has
+    none), the routing replay (None: the routers choose) and residency's swap batch for the
+    step's start. The replay's prefill rows come first, then the decoding lanes'."""
 
     prefill: PrefillInputs | None
     decode: DecodeInputs | None
-    prefill_host: object
-    decode_host: object
+    tables: object
     replay: Replay | None
     swaps: SwapBatch
 
@@ -100,15 +99,14 @@ class StepInputs:
 class ScoreInputs:
     """A scoring forward: tokens, positions, mask [1, T]; cache: a scratch cache for the
     sequence alone (a PagedCache: its pages and one lane's rows); table [1, P] its pages in it;
-    host rows,
-    replay and swap batch as in StepInputs."""
+    step tables, replay and swap batch as in StepInputs."""
 
     tokens: jax.Array
     positions: jax.Array
     mask: jax.Array
     cache: PagedCache
     table: jax.Array
-    host: object
+    tables: object
     replay: Replay | None
     swaps: SwapBatch
 
@@ -186,18 +184,19 @@ class Steps:
 
     model: object
 
-    def _forward(self, params, host, tokens, positions, mask, cache, table, experts, routes):
-        """routes: replayed picks [b, t, L_moe, k] or None."""
-        extra = () if host is None else (host,)
+    def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes):
+        """tables: the family's step tables or None; routes: replayed picks [b, t, L_moe, k] or
+        None."""
+        extra = () if tables is None else (tables,)
         replay = {} if routes is None else {"replay": routes}  # a family may not take one
         return self.model.apply({"params": params}, tokens, positions, mask, cache, table,
                                 experts, *extra, **replay)
 
-    def _prefill(self, params, host, chunk: PrefillInputs, cache: PagedCache, experts, routes):
+    def _prefill(self, params, tables, chunk: PrefillInputs, cache: PagedCache, experts, routes):
         """The chunk's logits [1, C, vocab]: it writes the shared pool through its block table
         and its lane's slice of the per-lane rows."""
         lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
-        logits, out, experts = self._forward(params, host, chunk.tokens, chunk.positions,
+        logits, out, experts = self._forward(params, tables, chunk.tokens, chunk.positions,
                                              chunk.mask, PagedCache(cache.pages, lane), chunk.table,
                                              experts, routes)
         lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
@@ -215,7 +214,7 @@ class Steps:
             if prefill is not None:
                 routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
                 offset = prefill.tokens.size
-                logits, cache, experts = self._prefill(params, inputs.prefill_host, prefill,
+                logits, cache, experts = self._prefill(params, inputs.tables, prefill,
                                                        cache, experts, routes)
                 sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
                 last = prefill.last
@@ -226,7 +225,7 @@ class Steps:
                 sampling = sampling.generated(tokens, decode.active)
                 routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
                 logits, cache, experts = self._forward(
-                    params, inputs.decode_host, tokens[:, None], decode.positions[:, None],
+                    params, inputs.tables, tokens[:, None], decode.positions[:, None],
                     decode.active[:, None], cache, decode.table, experts, routes)
                 out = sample(logits[:, 0], sampling, decode.positions + 1)
             else:
@@ -242,7 +241,7 @@ class Steps:
         def score(params, state: DecodeState, inputs: ScoreInputs):
             experts = apply_batch(state.experts, inputs.swaps)
             routes = inputs.replay.ids(*inputs.tokens.shape) if inputs.replay is not None else None
-            logits, _, experts = self._forward(params, inputs.host, inputs.tokens, inputs.positions,
+            logits, _, experts = self._forward(params, inputs.tables, inputs.tokens, inputs.positions,
                                                inputs.mask, inputs.cache, inputs.table, experts,
                                                routes)
             experts, tallies = finish_batch(experts, inputs.swaps)

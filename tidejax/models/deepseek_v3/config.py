@@ -62,6 +62,11 @@ class DeepseekV3Config:
                      if i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0)
 
     @property
+    def latent_norm_eps(self) -> float:
+        """MLA's q_a and kv_a norms: rms_norm_eps, as the published configs' (1e-6) give them."""
+        return self.rms_norm_eps
+
+    @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5 * self.rope.softmax_mscale
 

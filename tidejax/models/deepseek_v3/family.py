@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from tidejax.models.base import Family
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
-from tidejax.models.deepseek_v3.model import MLACache, build
+from tidejax.models.deepseek_v3.model import build
 from tidejax.models.deepseek_v3.weights import load_weights
 from tidejax.models.layers.decoder import expert_dims
+from tidejax.models.layers.mla import MLACache
 from tidejax.models.registry import register
 
 register(Family(

@@ -5,40 +5,11 @@ shared experts, dense MLPs in the first_k_dense_replace layers, on the shared de
 
 from __future__ import annotations
 
-import flax.struct
-import jax.numpy as jnp
-
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.layers.decoder import Decoder
 from tidejax.models.layers.mla import MLAttention
 from tidejax.models.layers.moe import RouterSpec
 from tidejax.residency.serve import ServeOptions
-
-
-@flax.struct.dataclass
-class MLACache:
-    """The paged KV pool, per layer: latent [n_pages, page_size, c] (normalized kv latent) and
-    rope_k [n_pages, page_size, r] (rotated key), shared by every sequence through block tables."""
-
-    latent: tuple
-    rope_k: tuple
-
-    @staticmethod
-    def create(cfg: DeepseekV3Config, n_pages: int, page_size: int, dtype) -> "MLACache":
-        return MLACache(
-            latent=tuple(jnp.zeros((n_pages, page_size, cfg.kv_lora_rank), dtype)
-                         for _ in range(cfg.num_layers)),
-            rope_k=tuple(jnp.zeros((n_pages, page_size, cfg.qk_rope_head_dim), dtype)
-                         for _ in range(cfg.num_layers)))
-
-    def axes(self) -> "MLACache":
-        """The logical axes of each pool leaf (tidejax.parallel)."""
-        return MLACache(latent=tuple(("pages", "page", "kv_lora") for _ in self.latent),
-                        rope_k=tuple(("pages", "page", "rope") for _ in self.rope_k))
-
-    @staticmethod
-    def bytes_per_token(cfg: DeepseekV3Config, dtype) -> int:
-        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(dtype).itemsize
 
 
 def router_spec(cfg: DeepseekV3Config) -> RouterSpec:
@@ -55,5 +26,6 @@ def router_spec(cfg: DeepseekV3Config) -> RouterSpec:
 
 def build(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> Decoder:
     """The shared decoder stack (layers/decoder.py) with MLA attention."""
-    return Decoder(cfg, router_spec(cfg), lambda name: MLAttention(cfg, dtype, serve.kernel, name=name),
+    return Decoder(cfg, router_spec(cfg),
+                   lambda name, layer: MLAttention(cfg, dtype, serve.kernel, name=name),
                    serve, dtype)

@@ -1,11 +1,16 @@
-"""Engram n-gram memory, host side (DeepSeek-V4.1).
+"""Engram n-gram memory (DeepSeek-V4.1): the hash layout, the hashing inside the step and the
+rows read from the tables in host memory.
 
-The Engram hash ids depend only on token ids, so the host computes them ahead of each step and
-gathers the table rows there; the tables (about 94 GiB each in the released model) stay in host
-memory, memory-mapped, and never reach the accelerator. The device side (the gate that writes a
-looked-up row into the residual streams) lives in model.py. `EngramInputs` is the family's
-`host_inputs`: one EngramHasher per lane (addressed by position) hashes the step's tokens and the
-rows are gathered from the host tables before the step runs.
+The hash ids depend only on token ids, so the step computes them on the device from the tokens
+it already holds (a step's input tokens are the previous step's output: the decode stays
+pipelined). Each lane keeps the compressed ids of its last max_ngram - 1 positions (V41Lanes'
+`engram` ring, saved and restored with the lane's rows on preemption), so a chunk that starts
+mid-sequence sees the same look-back as a one-shot prefill. The tables (about 94 GiB each in the
+released model) stay in host memory: the step reads the rows its ids name one at a time, as an
+exact miss reads an expert's row (residency.state.fetch_row), and never copies a table whole.
+`EngramLayout.hash_ids` (numpy, int64) is the reference `hash_ids` (jnp, int64 arithmetic in
+uint32 pairs: no x64) is checked against. The gate that writes a row into the residual streams
+lives in model.py.
 
 Hashing, as the reference defines it:
 - token map: each tokenizer id is decoded alone and normalized (NFKC, NFD, strip accents,
@@ -21,9 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-DEAD = -1  # a masked position in the history: n-grams never span it
+from tidejax import parallel
+from tidejax.residency.state import fetch_row, write_row
+
+DEAD = -1  # a masked position in the reference's history: n-grams never span it
 
 
 def _is_prime(n: int) -> bool:
@@ -139,86 +149,108 @@ class EngramLayout:
         return np.concatenate(cols, -1) + self.offsets[None]
 
 
-class EngramHasher:
-    """Per-sequence hashing across prefill and decode: keeps the compressed-id history by absolute
-    position, so a chunk that starts mid-sequence sees the same look-back as a one-shot prefill."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EngramTables:
+    """What the step needs to hash and look up, placed once at load: the token map [vocab] and
+    each compressed id's products with the layers' multipliers, as (hi, lo) uint32 halves of the
+    int64 [compressed, layers, max_ngram], the primes [layers, max_ngram - 1, heads] and column
+    offsets [layers, cols] on the device; the tables, one {"values": [rows, e]} (float) or
+    {"values": e4m3 [rows, e], "scales": [rows, e / 32]} per Engram layer, in host memory."""
 
-    def __init__(self, layout: EngramLayout):
-        self.layout = layout
-        self.history = np.full(0, DEAD, np.int64)
+    token_map: jax.Array
+    products_hi: jax.Array
+    products_lo: jax.Array
+    primes: jax.Array
+    offsets: jax.Array
+    tables: tuple
+    pad_id: int = dataclasses.field(metadata=dict(static=True))
 
-    def __call__(self, token_ids, start: int, live=None) -> np.ndarray:
-        """token_ids [S] at positions start..start+S-1; live [S] bool (False = dead) ->
-        row ids [S, layers, cols]."""
-        ids = np.asarray(token_ids, np.int64)
-        positions = start + np.arange(len(ids))
-        end = start + len(ids)
-        if len(self.history) < end:
-            grown = np.full(max(end, 2 * len(self.history)), DEAD, np.int64)
-            grown[:len(self.history)] = self.history
-            self.history = grown
-        compressed = self.layout.token_map[ids]
-        if live is not None:
-            compressed = np.where(np.asarray(live, bool), compressed, DEAD)
-        self.history[positions] = compressed
-        return self.layout.hash_ids(self.history, positions)
+    @property
+    def window(self) -> int:
+        """Look-back positions a lane keeps (max_ngram - 1)."""
+        return self.products_hi.shape[-1] - 1
 
-
-def gather_rows(tables, hash_ids: np.ndarray) -> np.ndarray:
-    """tables: one [rows, head_dim] array (or memory map) per Engram layer, float rows or
-    (fp8 values, e8m0-style scales per 32 channels) pairs; hash_ids [..., layers, cols] ->
-    float32 [..., layers, cols, head_dim]."""
-    out = []
-    for layer, table in enumerate(tables):
-        ids = hash_ids[..., layer, :]
-        if isinstance(table, tuple):
-            values, scales = table
-            rows = values[ids].astype(np.float32)
-            block = rows.shape[-1] // scales.shape[-1]
-            rows = rows.reshape(*rows.shape[:-1], -1, block) * scales[ids].astype(np.float32)[..., None]
-            out.append(rows.reshape(*ids.shape, -1))
-        else:
-            out.append(np.asarray(table[ids], np.float32))
-    return np.stack(out, axis=-3)
-
-
-def engram_rows(ck, hashers: list[EngramHasher], tokens: np.ndarray, starts,
-                token_mask: np.ndarray | None = None):
-    """Host side of Engram for a loaded checkpoint `ck` (weights.V41Checkpoint): tokens [b, t] at
-    positions starts[r].. -> float32 [b, t, engram layers, cols, e] table rows (None for a model
-    without Engram)."""
-    if not ck.cfg.engram_layers:
-        return None
-    ids = np.stack([h(row, int(s), None if token_mask is None else token_mask[r])
-                    for r, (h, row, s) in enumerate(zip(hashers, np.asarray(tokens), starts))])
-    return gather_rows(ck.engram_tables, ids)
+    @staticmethod
+    def place(layout: EngramLayout, tables, vocab_size: int) -> "EngramTables":
+        """`tables`: per layer the checkpoint's [rows, e] array or (e4m3 values, scales) pair.
+        Ids of the model's vocabulary past the tokenizer's (a synthetic's `--vocab` rows) hash
+        as the pad id."""
+        if layout.primes.max() >= 2**31 or sum(int(t.shape[0]) for t in _values(tables)) >= 2**31:
+            raise ValueError("Engram primes and table rows must be below 2**31 (int32 row ids)")
+        compressed = np.arange(int(layout.token_map.max()) + 1, dtype=np.int64)
+        products = compressed[:, None, None] * layout.multipliers[None]  # fits int64 (bounded)
+        halves = products.view(np.uint32).reshape(*products.shape, 2)  # little endian: lo, hi
+        token_map = np.full(max(vocab_size, len(layout.token_map)), layout.pad_id, np.int32)
+        token_map[:len(layout.token_map)] = layout.token_map
+        device = parallel.replicated((token_map, halves[..., 1].copy(),
+                                      halves[..., 0].copy(), layout.primes.astype(np.uint32),
+                                      layout.offsets.astype(np.int32)))
+        host = tuple({"values": t[0], "scales": t[1]} if isinstance(t, tuple) else {"values": t}
+                     for t in tables)
+        host = parallel.put(host, jax.tree.map(lambda _: (None, None), host), memory="host")
+        return EngramTables(*device, host, layout.pad_id)
 
 
-def new_hashers(ck, batch: int) -> list[EngramHasher]:
-    return [EngramHasher(ck.engram_layout) for _ in range(batch)] if ck.engram_layout else []
+def _values(tables):
+    return [t[0] if isinstance(t, tuple) else t for t in tables]
 
 
-class EngramInputs:
-    """The Engram rows of a step, from one hasher per row of the batch (a lane or a sequence)."""
-
-    def __init__(self, checkpoint, batch: int):
-        self.checkpoint = checkpoint
-        self.hashers = new_hashers(checkpoint, batch)
-
-    def rows(self, tokens: np.ndarray, starts, mask: np.ndarray, lanes=None):
-        """tokens [b, t] at positions starts[r].. (mask: real tokens); lanes: which hasher serves
-        each row (default: row r -> hasher r)."""
-        hashers = self.hashers if lanes is None else [self.hashers[i] for i in lanes]
-        return engram_rows(self.checkpoint, hashers, tokens, starts, mask)
-
-    def read_lane(self, lane: int) -> np.ndarray:
-        """What a preempted sequence keeps of its lane's hasher: the compressed-id history."""
-        return self.hashers[lane].history.copy()
-
-    def write_lane(self, lane: int, history: np.ndarray) -> None:
-        """Gives `lane`'s hasher a history read by `read_lane` (a resumed sequence's look-back)."""
-        self.hashers[lane].history = history.copy()
+def _mod(hi, lo, p):
+    """(hi * 2**32 + lo) mod p for uint32 arrays and primes p < 2**31: the high word's
+    remainder, then the low word's bits shifted in one at a time (2r + 1 < 2**32)."""
+    r = hi % p
+    for bit in range(31, -1, -1):
+        r = (r << 1) | ((lo >> bit) & 1)
+        r = jnp.where(r >= p, r - p, r)
+    return r
 
 
-def host_inputs(cfg, checkpoint, batch: int):
-    return EngramInputs(checkpoint, batch) if cfg.engram_layers else None
+def hash_ids(eng: EngramTables, tokens, positions, mask, history):
+    """tokens, positions, mask [b, t] (a row's chunk contiguous from positions[:, 0], its real
+    tokens first); history [b, W] the compressed ids of each row's positions before the chunk
+    (slot = position mod W, W = max_ngram - 1) -> (row ids [b, t, layers, cols] int32, offsets
+    included, as EngramLayout.hash_ids gives them; the history after the chunk's real tokens)."""
+    w, t = eng.window, tokens.shape[1]
+    start = positions[:, :1]
+    past = jnp.take_along_axis(history, (start - w + jnp.arange(w)) % w, 1)  # positions start-w..
+    seq = jnp.concatenate([past, eng.token_map[tokens]], 1)  # [b, w + t]: index i = start - w + i
+    j = jnp.arange(t)
+    cols = []
+    for shift in range(w + 1):  # a look-back before position 0 takes the pad id
+        ids = jnp.where(positions >= shift, seq[:, w + j - shift], eng.pad_id)
+        hi, lo = eng.products_hi[ids, :, shift], eng.products_lo[ids, :, shift]  # [b, t, layers]
+        if shift == 0:
+            rolling = hi, lo
+            continue
+        rolling = rolling[0] ^ hi, rolling[1] ^ lo
+        cols.append(_mod(rolling[0][..., None], rolling[1][..., None], eng.primes[:, shift - 1]))
+    row_ids = jnp.concatenate(cols, -1).astype(jnp.int32) + eng.offsets
+    end = start[:, 0] + jnp.sum(mask, 1)  # one past the last real position
+    last = jax.vmap(lambda s, n: jax.lax.dynamic_slice(s, (n,), (w,)))(seq, end - start[:, 0])
+    history = jnp.take_along_axis(last, (jnp.arange(w) - end[:, None] + w) % w, 1)
+    return row_ids, history
+
+
+def gather_rows(eng: EngramTables, ids):
+    """ids [b, t, layers, cols] -> float32 rows [b, t, layers, cols, e], read from the tables in
+    host memory one row of every layer at a time (fetch_row), then dequantized on the device
+    (e4m3 values times their scale per block of e / scales channels)."""
+    b, t, layers, c = ids.shape
+    flat = ids.transpose(2, 0, 1, 3).reshape(layers, -1)  # [layers, m]
+    out = tuple(jax.tree.map(lambda leaf: jnp.zeros((flat.shape[1], *leaf.shape[1:]), leaf.dtype),
+                             table) for table in eng.tables)
+
+    def body(i, out):
+        return tuple(write_row(o, i, fetch_row(table, flat[layer, i]))
+                     for layer, (o, table) in enumerate(zip(out, eng.tables)))
+
+    out = jax.lax.fori_loop(0, flat.shape[1], body, out)
+    rows = []
+    for got in out:
+        values = got["values"].astype(jnp.float32)
+        if "scales" in got:
+            scales = got["scales"].astype(jnp.float32)
+            values = (values.reshape(*scales.shape, -1) * scales[..., None]).reshape(values.shape)
+        rows.append(values.reshape(b, t, c, -1))
+    return jnp.stack(rows, 2)

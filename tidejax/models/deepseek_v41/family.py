@@ -1,13 +1,12 @@
 """DeepSeek-V4.1 (and its published checkpoints) as an engine family: routed experts into the
-residency pool, Engram tables kept in host memory and their rows computed on the host per step
-(engram.EngramInputs); compressed entries and indexer keys in the shared KV pool, window rings and
-group buffers per lane."""
+residency pool, Engram tables in host memory, hashed and read inside the step (engram.py, so the
+decode is pipelined); compressed entries and indexer keys in the shared KV pool, window rings,
+group buffers and the Engram look-back per lane."""
 
 from __future__ import annotations
 
 from tidejax.models.base import Family
 from tidejax.models.deepseek_v41.config import V41Config
-from tidejax.models.deepseek_v41.engram import host_inputs
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import expert_dims, load_weights
 from tidejax.models.registry import register
@@ -25,6 +24,6 @@ register(Family(
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V41Pages.bytes_per_token,
     cache_axes=V41Pages.axes,
-    host_inputs=host_inputs,
+    step_tables=lambda cfg, checkpoint: checkpoint.engram,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))

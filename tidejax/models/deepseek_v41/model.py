@@ -2,13 +2,14 @@
 with a sliding window, CSA2 compressed branches shared across layers with indexers, Engram
 n-gram memory, and a sqrtsoftplus-routed MoE (the shared layers.moe.MoE).
 
-`DeepseekV41.__call__(tokens, positions, token_mask, cache, block_table, experts, engram_rows)`
+`DeepseekV41.__call__(tokens, positions, token_mask, cache, block_table, experts, engram)`
 is the one forward for prefill chunks, decode steps and full-sequence scoring (a full forward is a
 prefill into an empty cache, which is also how the reference computes its logits). A row's chunk
 must be contiguous (positions start..start+t-1) with its real tokens first (token_mask a prefix).
 The cache is a kv.paged.PagedCache: the compressed entries and indexer keys in the shared page
 pool (V41Pages, read through each row's block table, so the attention and the indexer cost what
-the row holds), the window rings and group buffers per row (V41Lanes).
+the row holds), the window rings, group buffers and Engram look-back per row (V41Lanes). The
+Engram rows are hashed and read inside the forward (engram.py) from the tokens it is given.
 
 Semantics follow the reference's cached path (ARCHITECTURE.md in the V4.1 goldens): the window
 KV is FP8 fake-quantized; a KV source pools its tokens into compressed entries (FP4) and indexer
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.config import V41Config
+from tidejax.models.deepseek_v41.engram import EngramTables, gather_rows, hash_ids
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
 from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
@@ -90,7 +92,9 @@ class V41Pages:
 class V41Lanes:
     """The fixed-size cache rows of each decode lane: window per layer [lanes, W-1, k] (the last
     W-1 window keys = values, slot = position mod W-1); buf_kv, buf_gate per KV source with r > 1,
-    [lanes, r, k]: projections of a group still filling (None for r = 1).
+    [lanes, r, k]: projections of a group still filling (None for r = 1); engram [lanes,
+    max_ngram - 1] int32: the compressed ids of the lane's last positions, the Engram hashes'
+    look-back (slot = position mod max_ngram - 1; None without Engram layers).
 
     The window keys, entries and indexer keys are FP8 / FP4 fake-quantized values, exact in
     bfloat16, so a bfloat16 cache gives the same results at half the memory; the group buffers
@@ -99,6 +103,7 @@ class V41Lanes:
     window: tuple
     buf_kv: tuple
     buf_gate: tuple
+    engram: jax.Array | None
 
     @staticmethod
     def create(cfg: V41Config, lanes: int, dtype=F32) -> "V41Lanes":
@@ -110,7 +115,9 @@ class V41Lanes:
             window=tuple(jnp.zeros((lanes, cfg.sliding_window - 1, cfg.head_dim), dtype)
                          for _ in range(cfg.num_layers)),
             buf_kv=tuple(buffer(s) for s in cfg.kv_sources),
-            buf_gate=tuple(buffer(s) for s in cfg.kv_sources))
+            buf_gate=tuple(buffer(s) for s in cfg.kv_sources),
+            engram=(jnp.zeros((lanes, cfg.engram_max_ngram - 1), jnp.int32)
+                    if cfg.engram_layers else None))
 
 
 class Compressor(nn.Module):
@@ -265,7 +272,8 @@ def router_spec(cfg: V41Config) -> RouterSpec:
 
 
 class Engram(nn.Module):
-    """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e] come from the host."""
+    """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e]: the layer's table
+    rows (engram.gather_rows)."""
 
     cfg: V41Config
     dtype: jnp.dtype = F32  # of its params (the gate is computed in float32)
@@ -323,13 +331,12 @@ class DeepseekV41(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, engram_rows=None, replay=None):
+                 experts: ExpertState, engram: EngramTables | None = None, replay=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
         cache: V41Pages (the shared pool) and V41Lanes (one row per batch row); block_table
         [b, P] int32: each row's pages in the pool;
         experts: the residency state (every layer is a MoE layer, rowmap row = layer);
-        engram_rows [b, t, n_engram_layers, cols, e] float32 from the host (None without Engram
-        layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose)
+        engram: the Engram hash maps and tables (None without Engram layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose)
         -> (logits [b, t, vocab] float32, cache, experts).
 
         Sows "streams" (each layer's output streams) and "selection" (each index source's
@@ -342,6 +349,10 @@ class DeepseekV41(nn.Module):
         streams = jnp.broadcast_to(x[:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, t, cfg.hc_mult), F32).at[..., 0].set(1.0)
         pages, lanes = cache.pages, cache.lanes
+        engram_rows, history = None, lanes.engram
+        if cfg.engram_layers:
+            ids, history = hash_ids(engram, tokens, positions, token_mask, lanes.engram)
+            engram_rows = gather_rows(engram, ids)  # [b, t, n_engram_layers, cols, e] float32
         windows = list(lanes.window)
         sources = [list(z) for z in zip(pages.entries, pages.index_keys, lanes.buf_kv, lanes.buf_gate)]
         shared: dict = {}
@@ -366,5 +377,6 @@ class DeepseekV41(nn.Module):
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
         logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
-        cache = PagedCache(V41Pages(entries, index_keys), V41Lanes(tuple(windows), buf_kv, buf_gate))
+        cache = PagedCache(V41Pages(entries, index_keys),
+                           V41Lanes(tuple(windows), buf_kv, buf_gate, history))
         return logits, cache, experts

@@ -12,8 +12,9 @@ ones (no `model.` prefix, `head.weight` for the output head). Formats (Checkpoin
   byte, low nibble first) + `.scale` e8m0 (or uint8 exponents) [out, in/32]: kept as an MXFP4 bank
   {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"};
 - Engram tables: `engram.embed.weight` float8_e4m3fn + `engram.embed.scale` per 32 channels,
-  kept memory-mapped as (values, scales) and dequantized row by row when gathered (float tables
-  as they are; their `.scale`, if any, is unused, as in the reference).
+  read as (values, scales) and put in host memory as they are (engram.EngramTables), the rows a
+  step names dequantized on the device (float tables as they are; their `.scale`, if any, is
+  unused, as in the reference).
 Every check (unmapped, unfilled, duplicate, shape, scales) runs on the headers before any data
 is read; a problem is one CheckpointError naming the file and the tensor.
 """
@@ -29,7 +30,7 @@ from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.fields import ConfigError, read_json
 from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
-from tidejax.models.deepseek_v41.engram import EngramLayout, compressed_token_map
+from tidejax.models.deepseek_v41.engram import EngramLayout, EngramTables, compressed_token_map
 from tidejax.models.deepseek_v41.model import router_spec
 from tidejax.models.layers.latent_window import attention_specs
 from tidejax.models.layers.linear import linear_specs
@@ -155,6 +156,7 @@ class V41Checkpoint:
     experts: ExpertState | None  # every expert resident (None when put_row took the rows)
     engram_tables: list  # per Engram layer: [rows, e] as stored or (e4m3 values, float32 scales)
     engram_layout: EngramLayout | None
+    engram: EngramTables | None  # the tables in host memory and the hash maps, for the forward
 
 
 def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Checkpoint:
@@ -175,8 +177,9 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     tables = params.pop("engram", {})
     layout = engram_layout(cfg, model_dir, tokenizer) if cfg.engram_layers else None
     experts = None if pool is None else all_resident_state(pool.result(), n_moe)
-    return V41Checkpoint(cfg, {"params": params}, experts,
-                         [tables[f"layers_{i}"] for i in cfg.engram_layers], layout)
+    tables = [tables[f"layers_{i}"] for i in cfg.engram_layers]
+    return V41Checkpoint(cfg, {"params": params}, experts, tables, layout,
+                         EngramTables.place(layout, tables, cfg.vocab_size) if layout else None)
 
 
 def engram_layout(cfg: V41Config, model_dir: Path, tokenizer=None) -> EngramLayout:
@@ -201,7 +204,7 @@ def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
 
 def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
     """The family's loader: (dense params, placed by their declared axes; the checkpoint as the
-    host-side aux: Engram tables and layout)."""
+    aux: its `engram` is what every step's forward takes beside the params)."""
     checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
     return checkpoint.params["params"], checkpoint
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from tidejax.fields import ConfigError, Fields
+from tidejax.models.layers.moe import read_groups
 from tidejax.models.layers.rope import RopeConfig
 
 
@@ -73,13 +74,7 @@ class Glm4MoeConfig:
                               f"{rotary_dim} rotary channels of head_dim {head_dim} (need an even "
                               "number, at least 2)")
         n_routed = f.req("n_routed_experts")
-        n_group, topk_group = f.opt("n_group", 1) or 1, f.opt("topk_group", 1) or 1
-        if n_routed % n_group or (n_group > 1 and n_routed // n_group < 2):
-            raise ConfigError(f"{source}: field 'n_group' = {n_group} must divide "
-                              f"n_routed_experts = {n_routed} into groups of at least 2")
-        if not 1 <= topk_group <= n_group:
-            raise ConfigError(f"{source}: field 'topk_group' = {topk_group} must be in 1..n_group "
-                              f"({n_group})")
+        n_group, topk_group = read_groups(f, n_routed)
         act = f.opt("hidden_act", "silu", str)
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (silu)")

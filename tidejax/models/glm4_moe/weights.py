@@ -15,7 +15,7 @@ from tidejax.residency.serve import ServeOptions
 
 def param_specs(cfg: Glm4MoeConfig, dtype) -> dict:
     """The dense params (everything but the routed experts) as ParamSpecs."""
-    return decoder_specs(cfg, router_spec(cfg), gqa_specs(cfg, dtype), dtype)
+    return decoder_specs(cfg, router_spec(cfg), lambda layer: gqa_specs(cfg, dtype), dtype)
 
 
 def expert_specs(cfg: Glm4MoeConfig, dtype) -> dict:

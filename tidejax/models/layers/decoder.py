@@ -1,14 +1,18 @@
 """The decoder stack the DeepSeek-V3-shaped families share (DeepSeek-V3 with MLA, GLM-4.5 with
-GQA): embed; per layer RMSNorm, attention over the paged pool, residual, RMSNorm, a dense SwiGLU
-(the first layers) or the MoE layer, residual; final RMSNorm; lm_head (or the tied embedding).
+GQA, GLM-5 with DSA): embed; per layer RMSNorm, attention over the paged pool, residual,
+RMSNorm, a dense SwiGLU (the first layers) or the MoE layer, residual; final RMSNorm; lm_head
+(or the tied embedding).
 Also its declared params and the Hugging Face names of every tensor but attention's.
 
-The family gives the attention: a factory `attention(name) -> module` whose call is
+The family gives the attention: a factory `attention(name, layer) -> module` whose call is
 (x, positions, cos, sin, *layer_pages, slots, block_table) -> (out, *layer_pages), where
 layer_pages are its layer's leaves of the pool (one per field of the pool's dataclass, each
-field a tuple over layers). The config is read by field name: vocab_size, hidden_size,
-num_layers, intermediate_size, moe_layers, shared_intermediate_size, n_routed_experts,
-moe_intermediate_size, rms_norm_eps, rope, tie_word_embeddings, num_mtp_layers.
+field a tuple over layers). With `carries`, the call also takes the previous layer's carry
+after block_table (None before the first layer) and returns its own after the pages: GLM-5's
+DSA top-k selection, which its "shared" layers reuse. The config is read by field name:
+vocab_size, hidden_size, num_layers, intermediate_size, moe_layers, shared_intermediate_size,
+n_routed_experts, moe_intermediate_size, rms_norm_eps, rope, tie_word_embeddings,
+num_mtp_layers.
 
 `Decoder.__call__(tokens, positions, token_mask, cache, block_table, experts)` is the one
 forward used for prefill chunks, decode steps and full-sequence scoring: each layer writes the
@@ -42,17 +46,20 @@ class DecoderLayer(nn.Module):
     cfg: Any
     layer: int
     router: RouterSpec
-    attention: Callable[[str], nn.Module]
+    attention: Callable[[str, int], nn.Module]
     serve: ServeOptions
     dtype: jnp.dtype
+    carries: bool = False
 
     @nn.compact
     def __call__(self, x, positions, token_mask, cos, sin, pages: tuple, slots, block_table,
-                 experts, replay=None):
+                 experts, replay=None, carry=None):
         cfg, dt = self.cfg, self.dtype
-        attn, *pages = self.attention("attn")(
+        attn, *pages = self.attention("attn", self.layer)(
             RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin, *pages,
-            slots, block_table)
+            slots, block_table, *((carry,) if self.carries else ()))
+        if self.carries:
+            *pages, carry = pages
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
         if self.layer in cfg.moe_layers:
@@ -61,15 +68,16 @@ class DecoderLayer(nn.Module):
                              name="moe")(h, token_mask, experts, replay=replay)
         else:
             y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
-        return x + y, tuple(pages), experts
+        return x + y, tuple(pages), experts, carry
 
 
 class Decoder(nn.Module):
     cfg: Any
     router: RouterSpec
-    attention: Callable[[str], nn.Module]
+    attention: Callable[[str, int], nn.Module]
     serve: ServeOptions
     dtype: jnp.dtype = jnp.float32
+    carries: bool = False  # the attention threads a carry from layer to layer (module docstring)
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
@@ -87,10 +95,12 @@ class Decoder(nn.Module):
         layers = list(zip(*(getattr(cache.pages, name) for name in fields)))  # [L] of leaf tuples
         n_pages, page_size = layers[0][0].shape[:2]
         slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
+        carry = None
         for i in range(cfg.num_layers):
-            x, layers[i], experts = DecoderLayer(
-                cfg, i, self.router, self.attention, self.serve, dt, name=f"layers_{i}")(
-                x, positions, token_mask, cos, sin, layers[i], slots, block_table, experts, replay)
+            x, layers[i], experts, carry = DecoderLayer(
+                cfg, i, self.router, self.attention, self.serve, dt, self.carries,
+                name=f"layers_{i}")(x, positions, token_mask, cos, sin, layers[i], slots,
+                                    block_table, experts, replay, carry)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
         if cfg.tie_word_embeddings:
             head = embed
@@ -103,16 +113,16 @@ class Decoder(nn.Module):
         return logits, PagedCache(pages), experts
 
 
-def decoder_specs(cfg, router: RouterSpec, attention_specs: dict, dtype) -> dict:
-    """The Decoder's declared params (everything but the routed experts), with `attention_specs`
-    the params of one layer's attention."""
+def decoder_specs(cfg, router: RouterSpec, attention_specs: Callable[[int], dict], dtype) -> dict:
+    """The Decoder's declared params (everything but the routed experts), with
+    `attention_specs(layer)` the params of that layer's attention."""
     d = cfg.hidden_size
     specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
              "norm": norm_specs(d, "embed", dtype)}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
     for i in range(cfg.num_layers):
-        layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": attention_specs,
+        layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": attention_specs(i),
                  "post_attn_norm": norm_specs(d, "embed", dtype)}
         if i in cfg.moe_layers:
             layer["moe"] = moe_specs(router, d, cfg.shared_intermediate_size, dtype)
@@ -134,29 +144,42 @@ def decoder_expert_specs(cfg, dtype) -> dict:
 
 
 LAYER = "model.layers.{i}"  # a decoder layer's Hugging Face prefix (field i)
-_EXPERTS = r"{layer:model\.layers\.[0-9]+\.mlp}.experts"
-DECODER_RULES = (
-    Rule("model.embed_tokens.weight", "embed"),
-    Rule("model.norm.weight", "norm.weight"),
-    Rule("lm_head.weight", "lm_head"),
-    Rule(f"{LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
-    Rule(f"{LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
-    Rule(f"{LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
-    Rule(f"{LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
-    Rule(f"{LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
-    Rule(f"{LAYER}.mlp.shared_experts.{{proj:gate|up|down}}_proj.weight",
-         "layers_{i}.moe.shared.{proj}_proj.weight"),
-    # routed experts: published per-expert tensors (FP8 pairs allowed), transformers 5's fused
-    # [E, ...] tensors, or fused MXFP4 blocks and scales (the reader pairs those into one tensor)
-    Experts(_EXPERTS + ".{expert}.{part:gate|up|down}_proj.weight"),
-    Experts(_EXPERTS + ".{part:gate_up|down}_proj"),
-)
 
 
-def decoder_table(cfg, attention_rules: tuple) -> Table:
+def decoder_rules(cfg) -> tuple:
+    """The rules of every tensor but attention's (an MTP layer's too, into the paths
+    `layers_{i}` with i its checkpoint index, where the family declares them)."""
+    mtp = "|".join(str(cfg.num_layers + j) for j in range(cfg.num_mtp_layers))
+    # the routed experts of the decoder layers, not of the MTP layers after them
+    layer = r"model\.layers\." + (f"(?!(?:{mtp})\\.)" if mtp else "") + r"[0-9]+\.mlp"
+    experts = "{layer:" + layer + "}.experts"
+    return (
+        Rule("model.embed_tokens.weight", "embed"),
+        Rule("model.norm.weight", "norm.weight"),
+        Rule("lm_head.weight", "lm_head"),
+        Rule(f"{LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
+        Rule(f"{LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
+        Rule(f"{LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
+        Rule(f"{LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
+        Rule(f"{LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
+        Rule(f"{LAYER}.mlp.shared_experts.{{proj:gate|up|down}}_proj.weight",
+             "layers_{i}.moe.shared.{proj}_proj.weight"),
+        # routed experts: published per-expert tensors (FP8 pairs allowed), transformers 5's fused
+        # [E, ...] tensors, or fused MXFP4 blocks and scales (the reader pairs those into one
+        # tensor)
+        Experts(experts + ".{expert}.{part:gate|up|down}_proj.weight"),
+        Experts(experts + ".{part:gate_up|down}_proj"),
+    )
+
+
+def decoder_table(cfg, attention_rules: tuple, mtp_rules: tuple | None = None) -> Table:
     """Hugging Face tensor names -> the declared params and the routed-expert rows, with the
-    family's `attention_rules`. Ignored: the multi-token-prediction layers after the last
-    decoder layer and the rotary caches some exports include."""
-    mtp = tuple(f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
-    return Table(DECODER_RULES + attention_rules, ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
+    family's `attention_rules`. The multi-token-prediction layers after the last decoder layer
+    are ignored where `mtp_rules` is None; otherwise the decoder's and attention's rules fill
+    their declared paths `layers_{i}` too, and `mtp_rules` the rest of them (their own glue and
+    routed experts). Also ignored: the rotary caches some exports include."""
+    mtp = () if mtp_rules is not None else tuple(
+        f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
+    return Table(decoder_rules(cfg) + attention_rules + (mtp_rules or ()),
+                 ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
                  expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.fields import ConfigError, Fields
 from tidejax.models.base import ParamSpec
 from tidejax.models.layers.linear import HIGHEST, dense_init
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
@@ -35,6 +36,30 @@ class RouterSpec:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     hash_vocab: int = 0  # > 0: a fixed token -> experts table picks (DeepSeek-V4's hash layers)
+
+
+def read_groups(f: Fields, n_routed: int) -> tuple[int, int]:
+    """(n_group, topk_group) of a config.json (`f`), checked: groups of at least 2 experts
+    dividing n_routed, topk_group in 1..n_group; absent or 0 means 1."""
+    n_group, topk_group = f.opt("n_group", 1) or 1, f.opt("topk_group", 1) or 1
+    if n_routed % n_group or (n_group > 1 and n_routed // n_group < 2):
+        raise ConfigError(f"{f.source}: field 'n_group' = {n_group} must divide "
+                          f"n_routed_experts = {n_routed} into groups of at least 2")
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"{f.source}: field 'topk_group' = {topk_group} must be in 1..n_group "
+                          f"({n_group})")
+    return n_group, topk_group
+
+
+def noaux_router(cfg) -> RouterSpec:
+    """DeepSeek-V3's noaux_tc routing as GLM-4.5 and GLM-5 have it (transformers'
+    Glm4MoeTopkRouter, GlmMoeDsaTopkRouter): sigmoid scores; the correction bias shifts the
+    choice; groups ranked by the sum of their top-2 biased scores. Reads n_routed_experts,
+    num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor."""
+    return RouterSpec(
+        n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+        n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2_sum", use_bias=True,
+        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
 
 
 def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) -> dict:

@@ -1,4 +1,4 @@
-"""RMSNorm."""
+"""RMSNorm, and LayerNorm (GLM-5's indexer keys)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,27 @@ def rms_normalize(x, eps: float):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return x32.astype(x.dtype)
+
+
+def layer_norm_specs(dim: int, axis: str | None, dtype) -> dict:
+    """LayerNorm's declared params: {"weight": [dim]} (ones), {"bias": [dim]} (zeros)."""
+    return {"weight": ParamSpec((dim,), dtype, (axis,), init="ones"),
+            "bias": ParamSpec((dim,), dtype, (axis,), init="zeros")}
+
+
+class LayerNorm(nn.Module):
+    """Mean and variance over the last axis in float32 (torch.nn.LayerNorm), then weight and
+    bias."""
+
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        b = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        x32 = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True)
+                                       + self.eps)
+        return (x32 * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)

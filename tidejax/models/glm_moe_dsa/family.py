@@ -1,0 +1,27 @@
+"""GLM-5 as an engine family."""
+
+from __future__ import annotations
+
+from tidejax.models.base import Family
+from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
+from tidejax.models.glm_moe_dsa.model import build
+from tidejax.models.glm_moe_dsa.weights import load_weights
+from tidejax.models.layers.decoder import expert_dims
+from tidejax.models.layers.dsa import DSAPages
+from tidejax.models.registry import register
+
+register(Family(
+    name="glm_moe_dsa",
+    model_types=("glm_moe_dsa",),
+    config_from_hf=GlmMoeDsaConfig.from_hf,
+    build=build,
+    load_weights=load_weights,
+    expert_dims=expert_dims,
+    top_k=lambda cfg: cfg.num_experts_per_tok,
+    # decode tables are sized by the longest lane's pages (mla_decode False), so the indexer's
+    # top-k reads what the rows hold; MLA still decodes through the paged kernel where the
+    # bucket is within index_topk (layers/dsa.py)
+    create_cache=DSAPages.create,
+    cache_axes=DSAPages.axes,
+    cache_bytes_per_token=DSAPages.bytes_per_token,
+))
