@@ -7,6 +7,8 @@ swap batches and drains. Before each call over the state it sends the call's hos
 (`Replicas.send`); each peer's `follow` loop receives them and makes the same call through a
 Scheduler of its own that never schedules. A message is (kind, args):
 
+    ("boot", slot_rows)            first: process 0's boot map, which a peer takes where its own
+                                   differs (its residency history is not process 0's)
     ("step", StepInputs)           Scheduler.dispatch; a decoding lane's `previous` tokens are
                                    named ("last": the previous step's output, "host": none),
                                    as each process holds its own copy of them, and the family's
@@ -19,7 +21,7 @@ Scheduler of its own that never schedules. A message is (kind, args):
     ("stop",)
 
 Residency is decided once, on process 0: the peers' own Residency only boots (the same boot
-map: "boot" comes first) and never plans. The counters are replicated device values (the
+map) and never plans. The counters are replicated device values (the
 MoE layer counts the same picks on every device), so process 0 reads them whole.
 """
 
