@@ -80,6 +80,22 @@ class ServerSection:
     max_tokens_limit: int = 4096
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Several processes as one model (tidejax.distributed); each key also from the environment
+    (DISTRIBUTED_ENV), which a --set overrides."""
+
+    coordinator: str = ""  # "host:port" of process 0's coordination service ("" = one process)
+    num_processes: int = 1
+    process_id: int = 0
+    tensor_parallel: int = 0  # the mesh's "tensor" axis: 0 = every device (of every process)
+    timeout_s: int = 120  # how long a process waits for its peers at start
+
+
+# [distributed] key -> the environment variable it is also read from
+DISTRIBUTED_ENV = {"coordinator": "TIDEJAX_COORDINATOR", "num_processes": "TIDEJAX_NUM_PROCESSES",
+                   "process_id": "TIDEJAX_PROCESS_ID"}
+
 MISS_POLICIES = ("exact", "substitute", "ring", "cpu", "auto")  # how a non-resident pick is served
 AUTO_KEYS = ("exact_weight", "exact_budget", "max_approx_share")  # [residency] keys of "auto" alone
 
@@ -113,6 +129,10 @@ _RANGES = {
     ("server", "port"): (1, 65535, False),
     ("server", "max_body_bytes"): (1, None, False),
     ("server", "max_tokens_limit"): (1, None, False),
+    ("distributed", "num_processes"): (1, None, False),
+    ("distributed", "process_id"): (0, None, False),
+    ("distributed", "tensor_parallel"): (0, None, False),
+    ("distributed", "timeout_s"): (1, None, False),
 }
 
 # settings that name a file or folder: in a profile, relative to the repository root (the
@@ -126,6 +146,7 @@ _SECTIONS = {
     "engine": EngineSection,
     "residency": ResidencySection,
     "server": ServerSection,
+    "distributed": DistributedSection,
 }
 
 
@@ -137,6 +158,7 @@ class EngineConfig:
     engine: EngineSection = EngineSection()
     residency: ResidencySection = ResidencySection()
     server: ServerSection = ServerSection()
+    distributed: DistributedSection = DistributedSection()
     source: str = "<defaults>"
 
     @staticmethod
@@ -165,6 +187,7 @@ class EngineConfig:
             raise ConfigError(f"{source}: unknown table [{sorted(unknown)[0]}] "
                               f"(known: {', '.join(_SECTIONS)})")
         _check_auto_keys(source, sections["residency"])
+        _check_distributed(source, sections["distributed"])
         return EngineConfig(**sections, source=source if base.source == "<defaults>" else base.source)
 
     @staticmethod
@@ -185,6 +208,16 @@ class EngineConfig:
                                               **{key: str((root / value).resolve())})
                 config = dataclasses.replace(config, **{table: section})
         return config
+
+    def with_environment(self, environ=os.environ) -> "EngineConfig":
+        """The [distributed] keys set in the environment (DISTRIBUTED_ENV) on top of this
+        profile, each value read as a --set value is."""
+        given = {key: toml_value(environ[name]) for key, name in DISTRIBUTED_ENV.items()
+                 if environ.get(name, "") != ""}
+        if not given:
+            return self
+        names = ", ".join(DISTRIBUTED_ENV[key] for key in given)
+        return self.with_overrides({"distributed": given}, source=f"{self.source} + {names}")
 
     def with_overrides(self, overrides: dict, source: str | None = None) -> "EngineConfig":
         """`overrides` on top of this profile; errors name `source` (default: the profile)."""
@@ -236,6 +269,15 @@ def _check_auto_keys(source: str, section: ResidencySection) -> None:
         if value != getattr(defaults, key):
             raise ConfigError(f"{source}: 'residency.{key}' = {value!r} is read by miss_policy "
                               f"'auto' only (miss_policy is {section.miss_policy!r})")
+
+
+def _check_distributed(source: str, section: DistributedSection) -> None:
+    """distributed.coordinator is "host:port" where given (what the keys say together is
+    checked at start: tidejax.distributed.check)."""
+    host, colon, port = section.coordinator.rpartition(":")
+    if section.coordinator and not (colon and host and port.isdigit() and 0 < int(port) < 65535):
+        raise ConfigError(f"{source}: 'distributed.coordinator' = {section.coordinator!r} should "
+                          "be host:port (port below 65535: the channel takes the next one)")
 
 
 def _check(source: str, table: str, key: str, value: Any) -> None:

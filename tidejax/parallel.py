@@ -2,9 +2,12 @@
 
 Every param, KV page, bank and pool leaf names the logical axis of each dimension
 (tidejax.models.base.AXES); `RULES` maps those names to the mesh's ("data", "tensor") axes, and
-the functions here are the only place anything is put on a device. One device is a 1x1 mesh.
+the functions here are the only place anything is put on a device. One device is a 1x1 mesh;
+`use_mesh(tensor)` (at load, from [distributed] tensor_parallel) makes the process's mesh 1 x
+tensor, over every process's devices where jax.distributed is initialized.
 
     mesh = make_mesh()                                  # 1x1 on the first device
+    use_mesh(4)                                         # every later placement on a 1x4 mesh
     spec(("heads", "embed"))                            # P("tensor", None): the table
     sharding(("heads", "embed"))                        # NamedSharding(mesh, P()) on a 1x1 mesh
     put(params, axes_tree)                              # device_put leaf by leaf
@@ -35,6 +38,8 @@ RULES: dict[str, str | None] = {
     "rope": None, "ffw": "tensor", "experts": None, "slots": None, "pages": None, "page": None,
 }
 
+_mesh: jax.sharding.Mesh | None = None  # the process's mesh (use_mesh); None: 1x1
+
 
 def make_mesh(data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
     """A (data, tensor) mesh over the first data * tensor devices present."""
@@ -47,9 +52,33 @@ def make_mesh(data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
 
 
 @functools.cache
-def default_mesh() -> jax.sharding.Mesh:
-    """The mesh every placement uses unless given one: 1x1 (tensor parallelism not yet served)."""
+def _one_device() -> jax.sharding.Mesh:
     return make_mesh()
+
+
+def default_mesh() -> jax.sharding.Mesh:
+    """The mesh every placement uses unless given one: use_mesh's, else 1x1."""
+    return _mesh or _one_device()
+
+
+def use_mesh(tensor: int) -> jax.sharding.Mesh:
+    """Makes a 1 x `tensor` mesh the process's (0: every device, of every process). A mesh of
+    several processes must hold every device: each process runs the same steps on its shards."""
+    global _mesh
+    devices = len(jax.devices())
+    tensor = tensor or devices
+    if tensor > devices:
+        raise ValueError(f"distributed.tensor_parallel = {tensor}: only {devices} devices present")
+    if jax.process_count() > 1 and tensor != devices:
+        raise ValueError(f"distributed.tensor_parallel = {tensor}: a mesh over "
+                         f"{jax.process_count()} processes must hold all {devices} devices")
+    _mesh = None if tensor == 1 else make_mesh(tensor=tensor)
+    return default_mesh()
+
+
+def tensor_size(mesh=None) -> int:
+    """How many ways "tensor" splits (1: no tensor parallelism)."""
+    return (mesh or default_mesh()).shape["tensor"]
 
 
 def spec(axes) -> PartitionSpec:
@@ -153,6 +182,28 @@ def replicated(tree, mesh=None):
     """device_put of every leaf whole on every device (counters, rowmaps, tokens: leaves without
     a declaration), committed as a step's outputs are."""
     return jax.device_put(tree, NamedSharding(mesh or default_mesh(), PartitionSpec()))
+
+
+def over_tensor(fn, in_axes: tuple, out_axes: tuple, mesh=None):
+    """`fn` on each device's shards where the mesh splits "tensor" (shard_map; a Pallas kernel
+    cannot be partitioned by XLA), else `fn` itself: one code path. in_axes: per argument, the
+    logical axes of its leaves (a pytree prefix of tuples) or None (whole on every device).
+    `fn` returns a tuple; out_axes: per output, "sum" (a partial sum over "tensor": psum'd),
+    None (the same on every device) or its logical axes (each device's shard of it)."""
+    mesh = mesh or default_mesh()
+    if tensor_size(mesh) == 1:
+        return fn
+
+    def local(*args):
+        return tuple(jax.lax.psum(out, "tensor") if axes == "sum" else out
+                     for out, axes in zip(fn(*args), out_axes, strict=True))
+
+    def specs(axes):
+        if axes is None or axes == "sum":
+            return PartitionSpec()
+        return jax.tree.map(lambda a: _on(mesh, a), axes, is_leaf=lambda a: isinstance(a, tuple))
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs(a) for a in in_axes),
+                         out_specs=tuple(specs(a) for a in out_axes), check_vma=False)
 
 
 def to_device(x):

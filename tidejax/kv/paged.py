@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tidejax import parallel
 from tidejax.pallas import paged_index_scores, paged_mla_decode, paged_mla_prefill
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -89,13 +90,19 @@ def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, posit
     q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
     latent [b, t, h, c] in the queries' dtype. Decode (t = 1) goes to the paged decode kernel,
     a prompt chunk to the paged prefill kernel (`impl` picks each kernel or its reference: the
-    pages a row holds, no more)."""
-    if q_latent.shape[1] == 1:
-        out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
-                               block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
-        return out[:, None].astype(q_latent.dtype)
-    return paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, positions,
-                             scale=float(scale), impl=impl)
+    pages a row holds, no more). Where the mesh splits "tensor", each device attends its heads
+    over the whole pages (parallel.over_tensor: the kernels see one device's shard)."""
+    def attend(q_latent, q_rope, latent_pages, rope_pages, block_table, positions):
+        if q_latent.shape[1] == 1:
+            out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
+                                   block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
+            return (out[:, None].astype(q_latent.dtype),)
+        return (paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table,
+                                  positions, scale=float(scale), impl=impl),)
+
+    heads = (None, None, "heads", None)  # [b, t, h, c]
+    return parallel.over_tensor(attend, (heads, heads, None, None, None, None), (heads,))(
+        q_latent, q_rope, latent_pages, rope_pages, block_table, positions)[0]
 
 
 QUERY_BLOCK = 64  # queries whose selected entries sparse_mla_attention gathers at once

@@ -9,14 +9,13 @@ host pool; D is "embed"; 2I and I are "ffw", which the sharding table splits ove
 
 Tensor parallelism and gate_up: a split of the 2I rows into T contiguous blocks must give each
 device the gate rows AND the up rows of the same I/T intermediate units, so its swiglu and its
-slice of down ([N, D, I/T]) need nothing from another device. Today's layout (all gate rows, then
-all up rows) does not: for T = 2 one device would hold every gate row and the other every up row.
-The layout that split needs is gate and up interleaved by tensor block,
-[N, T, 2, I/T, D] flattened to [N, 2I, D] (block t = gate rows t*I/T.. then up rows t*I/T..;
-T = 1 is today's layout), or row by row ([N, I, 2, D]: right for any T). The change lives where
-rows enter the pool (tidejax.models.loading.ExpertPool) and where the kernels split h into gate
-and up (jnp.split(h, 2) in tidejax.pallas.moe and the grouped kernel); the kernels keep today's
-layout until a mesh with tensor > 1 is served.
+slice of down ([N, D, I/T]) need nothing from another device. So rows enter the pool
+(tidejax.runtime.build, before tidejax.models.loading.ExpertPool) interleaved by tensor block (`interleave_gate_up`):
+[N, T, 2, I/T, D] flattened to [N, 2I, D], block t = gate rows t*I/T.. then up rows t*I/T..
+(T = 1 is the checkpoint's layout). Each device's shard is then a bank of today's layout (its
+gate rows, then its up rows), which the kernels and references take as they are: with T > 1
+they run only on shards (tidejax.parallel.over_tensor in tidejax.residency.serve), never on the
+whole interleaved bank.
 """
 
 from __future__ import annotations
@@ -36,6 +35,23 @@ def expert_axes(bank, rows: str = "slots") -> dict:
     by_name = {"gate_up": gate_up, "down": down, "gate_up_blocks": gate_up + (None,),
                "gate_up_scales": gate_up, "down_blocks": down + (None,), "down_scales": down}
     return {name: by_name[name] for name in bank}
+
+
+def interleave_gate_up(row: dict, tensor: int) -> dict:
+    """One expert row (leaves without the N axis: gate_up [2I, ...], down [D, ...]) with its
+    gate_up rows interleaved by `tensor` blocks (see above); down is split along I as it is."""
+    bank_format(row)  # checks the keys
+    out = dict(row)
+    for name in ("gate_up", "gate_up_blocks", "gate_up_scales"):
+        if name in row:
+            leaf = row[name]
+            two_i = leaf.shape[0]
+            if two_i % (2 * tensor):
+                raise ValueError(f"expert '{name}' has {two_i // 2} intermediate rows, not a "
+                                 f"multiple of distributed.tensor_parallel = {tensor}")
+            blocks = leaf.reshape(2, tensor, two_i // (2 * tensor), *leaf.shape[1:])
+            out[name] = blocks.swapaxes(0, 1).reshape(leaf.shape)
+    return out
 
 
 def bank_format(bank) -> str:

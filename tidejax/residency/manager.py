@@ -99,6 +99,9 @@ class Residency:
         # a swap batch's fixed length: a step's share of the queue
         self.batch_length = 0 if self.all_resident else max(1, section.max_swaps_per_step)
         self.cpu: CpuExperts | None = None  # the "cpu" policy's host pool (set at boot)
+        # called with each batch applied between steps, before it runs (the scheduler of process
+        # 0 sends it to its peers: tidejax.runtime.replica)
+        self.on_apply = None
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
                                     count=section.count, all_resident=self.all_resident,
@@ -244,7 +247,7 @@ class Residency:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans;
         now, waiting for the device."""
         self.flush()
-        state, tallies = apply_now(state, SwapBatch.of([], 0, drain=True))
+        state, tallies = self._apply_now(state, SwapBatch.of([], 0, drain=True))
         self._start_drain(tallies)
         self._finish_drain()
         return state
@@ -309,9 +312,14 @@ class Residency:
             raise ValueError("every expert is resident: there is nothing to swap")
         pairs = self._accept(swaps, "swaps_applied")
         for start in range(0, len(pairs), self.batch_length):
-            state, _ = apply_now(state, SwapBatch.of(pairs[start:start + self.batch_length],
-                                                     self.batch_length))
+            state, _ = self._apply_now(state, SwapBatch.of(pairs[start:start + self.batch_length],
+                                                           self.batch_length))
         return state
+
+    def _apply_now(self, state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
+        if self.on_apply is not None:
+            self.on_apply(batch)
+        return apply_now(state, batch)
 
     def reseed(self, state: ExpertState) -> ExpertState:
         """Drains the counters (e.g. of a calibration prefill) and moves the whole resident set to

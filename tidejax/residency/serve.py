@@ -27,8 +27,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tidejax import parallel
 from tidejax.config import MISS_POLICIES
 from tidejax.pallas import Demand, moe_grouped
+from tidejax.pallas.bank import expert_axes
 from tidejax.pallas.dispatch import IMPLS
 from tidejax.pallas.moe import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
 from tidejax.residency.cpu import CpuExperts
@@ -101,18 +103,33 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
         bank = jax.tree.map(lambda a: a[moe_index * e:(moe_index + 1) * e], bank)
         slots = slots - moe_index * e
     slots = jnp.where(live, slots, -1)
-    demand = None
-    if options.count:  # counted inside the grouped kernel
-        demand = Demand(state.counts, state.weight_sums, moe_index, ids, weights, token_mask)
     # beside host picks the resident part stays float32 until the two are summed
-    out = moe_grouped(x if host is None else x.astype(jnp.float32), bank, slots, weights,
-                      swiglu_limit=options.swiglu_limit, impl=options.kernel, demand=demand)
-    y = out if demand is None else out[0]
+    y, counts = _grouped(moe_index, x if host is None else x.astype(jnp.float32), bank, slots,
+                         ids, weights, token_mask, state, options)
     if host is not None:
         y = (y + host).astype(x.dtype)
-    if demand is None:
+    if counts is None:
         return y, state
-    return y, state.replace(counts=out[1], weight_sums=out[2])
+    return y, state.replace(counts=counts[0], weight_sums=counts[1])
+
+
+def _grouped(moe_index: int, x, bank, slots, ids, weights, token_mask, state: ExpertState,
+             options: ServeOptions):
+    """The grouped kernel over the bank, counting the wanted picks where options.count: (y [T, D],
+    (counts, weight_sums) or None). Where the mesh splits "tensor" it runs on each device's
+    slice of every expert's intermediate (parallel.over_tensor), its y summed over the devices;
+    the counts are of the same picks everywhere."""
+    counters = (state.counts, state.weight_sums) if options.count else None
+
+    def local(x, bank, slots, ids, weights, token_mask, counters):
+        demand = None if counters is None else Demand(*counters, moe_index, ids, weights,
+                                                      token_mask)
+        out = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
+                          impl=options.kernel, demand=demand)
+        return (out, None) if demand is None else (out[0], out[1:])
+
+    return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, ("sum", None))(
+        x, bank, slots, ids, weights, token_mask, counters)
 
 
 def weight_shares(weights):

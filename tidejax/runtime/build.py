@@ -30,6 +30,7 @@ from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
+from tidejax.pallas.bank import interleave_gate_up
 from tidejax.pallas.dispatch import choose_impl
 from tidejax.residency.manager import Residency
 from tidejax.residency.pool import host_pool
@@ -62,6 +63,7 @@ class LoadedModel:
                               "checkpoint directory (no config.json)")
         raw = read_json(model_dir / "config.json")
         source = str(model_dir / "config.json")
+        self.mesh = self._mesh(config)
         self.family = family_for(raw, source)
         self.cfg = self.family.config_from_hf(raw, source)
         self.tokenizer = Tokenizer(model_dir)
@@ -101,10 +103,25 @@ class LoadedModel:
         self.steps = Steps(self.module)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
-        self._tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
+        self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
-        self._host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+        self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+
+    @staticmethod
+    def _mesh(config: EngineConfig):
+        """The process's mesh, 1 x distributed.tensor_parallel (tidejax.parallel.use_mesh)."""
+        try:
+            mesh = parallel.use_mesh(config.distributed.tensor_parallel)
+        except ValueError as e:
+            raise ConfigError(f"{config.source}: {e}") from None
+        policy = config.residency.miss_policy
+        if parallel.tensor_size(mesh) > 1 and policy in ("cpu", "auto"):
+            raise ConfigError(f"{config.source}: 'residency.miss_policy' = {policy!r} computes "
+                              "misses on the host from the whole pool: not served on a mesh that "
+                              f"splits 'tensor' {parallel.tensor_size(mesh)} ways "
+                              "(distributed.tensor_parallel)")
+        return mesh
 
     def initial_state(self) -> DecodeState:
         """The one DecodeState: a fresh KV cache, the residency boot state, greedy lanes."""
@@ -201,7 +218,7 @@ class LoadedModel:
         if decode is None and prefill is None:
             raise ValueError("a step needs decoding lanes or a prompt chunk")
         if previous is None:
-            previous = self._host_only
+            previous = self.host_only
             if decode is not None and not decode.fresh.all():
                 raise ValueError("a step without `previous` takes every input from the host")
         prefill_in = None
@@ -219,7 +236,7 @@ class LoadedModel:
                 table=self._table(decode.pages, self._decode_width(decode)))
         routed = (prefill_in.tokens.size if prefill is not None else 0) + (
             self.lanes if decode is not None else 0)
-        return StepInputs(prefill_in, decode_in, self._tables, self._replay_rows(routed), swaps)
+        return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
 
     def warmup_inputs(self, size: int, prefill_width: int | None, decode_width: int,
                       swaps: SwapBatch) -> StepInputs:
@@ -230,7 +247,7 @@ class LoadedModel:
         def table(rows, width):
             return np.zeros((rows, width), np.int32)
 
-        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self._host_only,
+        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self.host_only,
                               positions=idle, active=np.zeros(self.lanes, bool),
                               table=table(self.lanes, decode_width))
         prefill = None
@@ -239,7 +256,8 @@ class LoadedModel:
             prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                     lane=np.int32(0), last=np.int32(0),
                                     table=table(1, prefill_width))
-        return StepInputs(prefill, decode, self._tables, self._replay_rows(size + self.lanes), swaps)
+        return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
+                          swaps)
 
     def warmup_shapes(self, prompt_lengths: list[int] | None) -> set[tuple]:
         """(chunk size or 0, prefill table width, decode table width) of the steps that prompts
@@ -269,7 +287,7 @@ class LoadedModel:
         table = np.arange(n_pages, dtype=np.int32)[None]
         mask = (np.arange(size) < n)[None]
         return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table,
-                           self._tables, self._replay_rows(tokens.size), swaps), n
+                           self.step_tables, self._replay_rows(tokens.size), swaps), n
 
     def _decode_width(self, decode: DecodeRows) -> int:
         """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
@@ -361,8 +379,17 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     (models.loading.ExpertPool with residency.pool.host_pool)."""
     n_moe, n_experts = family.expert_dims(cfg)[:2]
     pool = ExpertPool(n_moe * n_experts, held_as, dtype, place=host_pool)
-    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, pool.put_row)
+    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, _rows_into(pool))
     return params, aux, pool.result()
+
+
+def _rows_into(pool: ExpertPool):
+    """The put_row that loading calls: the pool's, each row's gate_up interleaved first where
+    the mesh splits "tensor" (tidejax.pallas.bank)."""
+    tensor = parallel.tensor_size()
+    if tensor == 1:
+        return pool.put_row
+    return lambda row, arrays: pool.put_row(row, interleave_gate_up(arrays, tensor))
 
 
 def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:

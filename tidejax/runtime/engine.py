@@ -38,12 +38,13 @@ class Engine:
     `generate` runs the scheduler on the caller's thread when none does, and `logits` runs on
     the scheduler thread when it serves (between two steps), on the caller's otherwise."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, channel=None):
+        """channel: process 0's channel to its peers (tidejax.distributed.start), None alone."""
         self.config = config
         if config.engine.compile_cache:
             use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
-        self.scheduler = Scheduler(self.loaded)
+        self.scheduler = Scheduler(self.loaded, channel)
         self._closed = False
         if self.residency.needs_calibration:
             self._calibrate()
@@ -60,7 +61,8 @@ class Engine:
     def close(self) -> None:
         """Where residency.state_dir is set, drains the demand counted since the last drain into
         the history and saves it and the residency stats; then finishes the profiler trace, if
-        one is being written. The server closes its engine at shutdown (SIGTERM, SIGINT)."""
+        one is being written; last, the peers of process 0 stop. The server closes its engine at
+        shutdown (SIGTERM, SIGINT)."""
         if self._closed:
             return
         self._closed = True
@@ -77,6 +79,7 @@ class Engine:
         if self.trace_dir:
             jax.profiler.stop_trace()
             self.trace_dir = ""
+        self.scheduler.dismiss_peers()
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""

@@ -50,6 +50,7 @@ import numpy as np
 
 from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.replica import Replicas
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
 
@@ -136,9 +137,12 @@ def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
 
 
 class Scheduler:
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, channel=None):
+        """channel: process 0's tidejax.distributed channel to its peers, which replay every
+        call over the state (tidejax.runtime.replica); None in one process."""
         self.model = model
         self.state = model.initial_state()  # the one DecodeState, donated into every step
+        self.replicas = Replicas(channel, model) if channel is not None else None
         lanes = model.lanes
         self.lane_of: list[RequestHandle | None] = [None] * lanes
         self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
@@ -207,6 +211,12 @@ class Scheduler:
             self.thread = None
         while self._calls:
             self._calls.popleft()[1].set_exception(RuntimeError("the scheduler stopped"))
+
+    def dismiss_peers(self) -> None:
+        """Tells the peers replaying this scheduler's calls to stop (Engine.close, last)."""
+        if self.replicas is not None:
+            self.replicas.stop()
+            self.replicas = None
 
     def call(self, fn):
         """fn() on the device's owner: on the scheduler thread between two iterations while it
@@ -494,18 +504,26 @@ class Scheduler:
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
                 self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+        if self.replicas is not None:  # the peers' states are not rebuilt with it
+            log.error("a step failed across processes: the engine stops serving")
+            self._fail_all()
+            return
         try:
             self.state = self.model.rebuilt_state(self.state)
         except Exception:
             log.exception("rebuilding the decode state failed: the engine stops serving")
-            self.status, self.running = "failed", False
-            with self.wake:
-                failed, self.queue = list(self.queue), collections.deque()
-            for handle in failed:
-                handle.on_event(ErrorEvent(STEP_FAILED))
+            self._fail_all()
             return
         self.status = "ready"
         log.info("the decode state is rebuilt; serving on (%d queued)", len(self.queue))
+
+    def _fail_all(self) -> None:
+        """Status "failed": the loop stops, the queue fails, later requests are refused."""
+        self.status, self.running = "failed", False
+        with self.wake:
+            failed, self.queue = list(self.queue), collections.deque()
+        for handle in failed:
+            handle.on_event(ErrorEvent(STEP_FAILED))
 
     # -- the device: every jitted call over the state ------------------------------------------
 
@@ -535,7 +553,11 @@ class Scheduler:
         """The jitted step alone over the state (donated): (Sampled, Tallies). `run_step` is the
         serving path; benchmarks time this one bare."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send_step(inputs)
         sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        if self.replicas is not None:
+            self.replicas.last_tokens = sampled.tokens
         return sampled, tallies
 
     def lower(self, inputs):
@@ -548,11 +570,19 @@ class Scheduler:
         self._own()
         residency = self.model.residency
         inputs, n = self.model.score_inputs(token_ids, residency.next_batch())
-        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
+        logits, tallies = self.score_with(inputs)
         residency.after_step(tallies, n)
-        logits = np.asarray(logits[0, :n], np.float32)
+        logits = np.asarray(logits, np.float32)[0, :n]  # whole on every device: read here
         residency.flush()
         return logits
+
+    def score_with(self, inputs) -> tuple:
+        """The jitted scoring forward alone over the state: (logits, Tallies)."""
+        self._own()
+        if self.replicas is not None:
+            self.replicas.send_score(inputs)
+        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
+        return logits, tallies
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> int:
         """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
@@ -567,7 +597,8 @@ class Scheduler:
 
     def update_experts(self, fn) -> None:
         """The expert state through `fn(experts) -> experts` between steps: residency's
-        between-step operations (reseed, drain, move_to, apply_swaps)."""
+        between-step operations (reseed, drain, move_to, apply_swaps). Across processes only
+        residency's reach the peers: each batch they apply, as it applies (Residency.on_apply)."""
         self._own()
         self.state = self.state.replace(experts=fn(self.state.experts))
 
@@ -575,6 +606,8 @@ class Scheduler:
         """A lane's sampling parameters, set in the state, its token counts cleared (at
         admission; benchmarks)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("set_lane", lane, params)
         self.state = self.state.replace(sampling=self.model.steps.set_lane(
             self.state.sampling, np.int32(lane), LaneParams.of([params])))
 
@@ -583,6 +616,8 @@ class Scheduler:
         pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts (a
         steps.SavedSequence of numpy leaves)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("read", pages, lane)
         return jax.device_get(self.model.steps.read_sequence(
             self.state, np.asarray(pages, np.int32), np.int32(lane)))
 
@@ -590,6 +625,8 @@ class Scheduler:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
         `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
+        if self.replicas is not None:
+            self.replicas.send("write", pages, lane, saved)
         cache, sampling = self.model.steps.write_sequence(
             self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
             saved)

@@ -3,6 +3,11 @@
 
 Start-up order: bind the socket (so /health answers "loading" at once), load the weights (with
 progress), compile the warm-up shapes, then report ready.
+
+Several processes ([distributed] num_processes > 1, one per box): process 0 binds the socket,
+waits for its peers (tidejax.distributed.start: the boot guard, jax.distributed) and serves;
+every other process binds nothing, joins, loads the same model and replays process 0's steps
+(tidejax.runtime.replica.follow) until process 0 stops.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from pathlib import Path
 
 from aiohttp import web
 
+from tidejax import distributed
 from tidejax.checkpoint.safetensors_io import CheckpointError
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.fields import ConfigError
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
+from tidejax.runtime.replica import follow
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")
@@ -28,9 +35,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
-    """The profile, then each --set, --host, --port and --trace-dir on top; an error names the
-    argument that gave the value (or the profile file)."""
-    config = EngineConfig.from_toml(resolve_profile(args.profile))
+    """The profile, the [distributed] environment (TIDEJAX_*), then each --set, --host, --port
+    and --trace-dir on top; an error names the argument that gave the value (or the profile
+    file, or the variable)."""
+    config = EngineConfig.from_toml(resolve_profile(args.profile)).with_environment()
     for item in args.set:
         config = config.with_overrides(parse_set(item), source=f"--set {item}")
     for flag, table, key, value in (("--host", "server", "host", args.host),
@@ -65,12 +73,14 @@ async def serve(config: EngineConfig) -> None:
              server.name, config.model.path)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     client = None
     try:
+        # its peers, if any; first: jax.distributed takes SIGTERM for its preemption notifier
+        channel = await loop.run_in_executor(None, distributed.start, config)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         # the engine traces from here on
-        client = LocalEngineClient(await loop.run_in_executor(None, Engine, config))
+        client = LocalEngineClient(await loop.run_in_executor(None, Engine, config, channel))
         await client.start()
         server.attach(client)
         context = client.info.max_context
@@ -120,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         config = load_config(args)
-        asyncio.run(serve(config))
+        distributed.check(config)
+        if config.distributed.process_id > 0:
+            follow(config, distributed.start(config))
+        else:
+            asyncio.run(serve(config))
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,261 @@
+"""Tensor parallelism (tidejax.parallel's mesh, tidejax.distributed, tidejax.runtime.replica):
+the gate_up layout a split needs; a 4-device CPU mesh in one process (the sharding table: heads,
+intermediates, bank and pool split; greedy tokens and `exact` swaps as on one device); two
+processes on loopback serving the demo model as one (openai client on process 0, tokens as one
+process's); the boot guard refusing a differing setting or checkpoint, naming it; the
+[distributed] table's checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax import distributed, parallel
+from tidejax.config import EngineConfig, parse_set
+from tidejax.fields import ConfigError
+from tidejax.pallas.bank import interleave_gate_up
+from server_fixtures import REPO, free_port, launch_server, stop_server, write_profile
+
+DEMO = REPO / "models" / "demo"
+ENGINE = {"lanes": 2, "max_context": 32, "page_size": 32, "prefill_chunk": 16}
+PROMPT = "The quick brown fox"
+NEW_TOKENS = 6
+
+
+def test_gate_up_interleaved_by_tensor_block_keeps_each_shard_gate_then_up():
+    """Each of T contiguous blocks of the interleaved rows is one device's bank row in the
+    checkpoint's layout: its I/T gate rows, then the same units' up rows."""
+    inter, t = 8, 2
+    gate, up = np.arange(inter)[:, None] * [1, 1], 100 + np.arange(inter)[:, None] * [1, 1]
+    row = {"gate_up": np.concatenate([gate, up]), "down": np.zeros((2, inter))}
+    out = interleave_gate_up(row, t)["gate_up"]
+    for block, shard in enumerate(np.split(out, t)):
+        units = slice(block * inter // t, (block + 1) * inter // t)
+        np.testing.assert_array_equal(shard, np.concatenate([gate[units], up[units]]))
+    np.testing.assert_array_equal(interleave_gate_up(row, 1)["gate_up"], row["gate_up"])
+    with pytest.raises(ValueError, match="not a multiple of distributed.tensor_parallel = 3"):
+        interleave_gate_up(row, 3)
+
+
+def test_one_device_keeps_one_code_path():
+    """On a 1x1 mesh the kernel seams are the functions themselves (no shard_map)."""
+    def fn(x):
+        return (x,)
+    assert parallel.over_tensor(fn, (None,), ("sum",)) is fn
+    assert parallel.tensor_size() == 1
+
+
+FOUR_DEVICES = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import tidejax
+    from tidejax import parallel
+    from tidejax.fields import ConfigError
+    from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+
+    def run(tensor, **residency):
+        engine = tidejax.load(sys.argv[1], engine=json.loads(sys.argv[2]), residency=residency,
+                              distributed={"tensor_parallel": tensor})
+        ids = engine.tokenizer.encode(sys.argv[3])
+        events = [[], []]
+        for lane, prompt in enumerate((ids, ids[1:])):
+            engine.scheduler.submit(GenerationRequest(prompt, int(sys.argv[4]), ignore_eos=True),
+                                    events[lane].append)
+        engine.scheduler.run_until_idle()
+        tokens = [[e.token_id for e in lane if isinstance(e, TokenEvent)] for lane in events]
+        return engine, tokens
+
+    try:
+        run(4, budget_experts=72, miss_policy="cpu")
+    except ConfigError as e:
+        cpu_refused = str(e)
+    one, one_tokens = run(1)
+    one_text = one.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
+    four, four_tokens = run(4, budget_experts=72, miss_policy="exact")
+    params = four.loaded.params["layers_1"]["attn"]
+    experts = four.state.experts
+    print(json.dumps({
+        "one": one_tokens, "four": four_tokens, "one_text": one_text,
+        "mesh": dict(parallel.default_mesh().shape),
+        "q_b_proj": list(params["q_b_proj"]["weight"].sharding.spec),
+        "o_proj": list(params["o_proj"]["weight"].sharding.spec),
+        "bank": list(experts.bank["gate_up"].sharding.spec),
+        "pool": list(experts.pool["gate_up"].sharding.spec),
+        "pool_memory": experts.pool["gate_up"].sharding.memory_kind,
+        "latent": list(four.state.cache.pages.latent[0].sharding.spec),
+        "stats": {k: int(v) for k, v in four.residency.stats().items()
+                  if k in ("misses", "swaps_applied", "resident", "experts")},
+        "cpu_refused": cpu_refused,
+        "compiles": [one.loaded.steps.step.jitted._cache_size(),
+                     four.loaded.steps.step.jitted._cache_size()],
+    }))
+""")
+
+
+@pytest.fixture(scope="module")
+def four_devices() -> dict:
+    """FOUR_DEVICES's report: one device's greedy tokens (and text) beside a 4-device mesh's."""
+    out = subprocess.run(
+        [sys.executable, "-c", FOUR_DEVICES, str(DEMO), json.dumps(ENGINE), PROMPT,
+         str(NEW_TOKENS)], capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_devices):
+    """Heads and every intermediate split 4 ways (MLA's latent pages whole); half the experts
+    resident under `exact`, swapping, on the split bank and host pool: the greedy tokens of
+    one device, all resident, and no more compilations."""
+    got = four_devices
+    assert got["mesh"] == {"data": 1, "tensor": 4}
+    assert got["q_b_proj"] == ["tensor"]  # [heads, q_lora]
+    assert got["o_proj"] == [None, "tensor"]  # [embed, heads]
+    assert got["bank"] == got["pool"] == [None, "tensor"]  # [N, 2I, D]
+    assert got["pool_memory"] == parallel.host_memory_kind() or got["pool_memory"] == "device"
+    assert got["latent"] == []
+    stats = got["stats"]
+    assert stats["resident"] * 2 == stats["experts"] and stats["misses"] > 0
+    assert stats["swaps_applied"] > 0
+    assert got["four"] == got["one"] and len(got["one"][0]) == NEW_TOKENS
+    assert got["compiles"][1] == got["compiles"][0]
+    assert "'residency.miss_policy' = 'cpu' computes misses on the host" in got["cpu_refused"]
+
+
+def _coordinator() -> str:
+    """A loopback host:port whose next port (the channel's) is free too."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError("no two free neighbouring ports")
+
+
+def _peer(profile, *sets: str) -> subprocess.Popen:
+    """Process 1 of the profile's pair, `sets` on top; its log beside the profile."""
+    args = [a for s in sets for a in ("--set", s)]
+    log = open(profile.with_name(profile.stem + "-peer.log"), "w")
+    return subprocess.Popen([sys.executable, "-m", "tidejax.server", "--profile", str(profile),
+                             "--set", "distributed.process_id=1", *args], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, **tables):
+    return write_profile(path, model_dir, engine=ENGINE, distributed={
+        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s}, **tables)
+
+
+def test_two_processes_serve_as_one(tmp_path, four_devices):
+    """Process 0 serves HTTP and schedules, process 1 replays its steps; the mesh splits the
+    demo model two ways over the processes (gloo), half its experts resident under `exact`
+    (calibrated at boot: a scoring forward, then the swaps of a reseed, replayed): the openai
+    client's greedy text is one process's, all resident. SIGTERM on process 0 stops both."""
+    import openai
+    profile = _pair_profile(tmp_path / "pair.toml",
+                            residency={"budget_experts": 72, "miss_policy": "exact"})
+    peer = _peer(profile)
+    try:
+        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
+            reply = client.completions.create(model="tiny", prompt=PROMPT,
+                                              max_tokens=NEW_TOKENS, temperature=0)
+            text = reply.choices[0].text
+            assert reply.usage.completion_tokens == NEW_TOKENS
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                metrics = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                               if line.startswith("tidejax_residency_"))
+            assert float(metrics["tidejax_residency_swaps_applied"]) > 0
+            assert float(metrics["tidejax_residency_misses"]) > 0
+        finally:
+            assert stop_server(proc) == 0
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+    log = (tmp_path / "pair-peer.log").read_text()
+    assert "process 1 follows process 0" in log and "process 0 stopped" in log
+    assert text == four_devices["one_text"]  # one process, one device
+
+
+def _refused(profile, *peer_sets: str) -> tuple[str, str]:
+    """Both processes' error output where the boot guard refuses the pair."""
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "tidejax.server", "--profile", str(profile),
+         "--set", "distributed.process_id=1", *[a for s in peer_sets for a in ("--set", s)]],
+        cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    leader = subprocess.run(
+        [sys.executable, "-m", "tidejax.server", "--profile", str(profile), "--port",
+         str(free_port())],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    _, peer_err = peer.communicate(timeout=120)
+    assert leader.returncode == peer.returncode == 2, (leader.stderr[-2000:], peer_err[-2000:])
+    return leader.stderr, peer_err
+
+
+def test_the_boot_guard_names_the_setting_that_differs(tmp_path):
+    leader, peer = _refused(_pair_profile(tmp_path / "guard.toml"), "residency.budget_experts=72")
+    for err in (leader, peer):
+        assert "process 1 differs from process 0 in residency.budget_experts" in err
+
+
+def test_the_boot_guard_names_the_checkpoint_file_that_differs(tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(DEMO, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    leader, peer = _refused(_pair_profile(tmp_path / "ckpt.toml"), f"model.path={other}")
+    for err in (leader, peer):
+        assert "checkpoint file config.json" in err and "model.path" in err
+        assert "model-00001-of-00002.safetensors" not in err  # the same tensors
+
+
+def test_a_peer_without_process_0_fails_in_time(tmp_path):
+    profile = _pair_profile(tmp_path / "alone.toml", timeout_s=2)
+    out = subprocess.run([sys.executable, "-m", "tidejax.server", "--profile", str(profile),
+                          "--set", "distributed.process_id=1"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2
+    assert "process 0 did not come up" in out.stderr and "distributed.timeout_s = 2" in out.stderr
+
+
+def test_the_distributed_table_is_checked_naming_the_key():
+    config = EngineConfig()
+    assert config.distributed.num_processes == 1 and config.distributed.tensor_parallel == 0
+    with pytest.raises(ConfigError, match="'distributed.coordinator' = 'nohost' should be"):
+        config.with_overrides(parse_set("distributed.coordinator=nohost"))
+    with pytest.raises(ConfigError, match="'distributed.num_processes' = 0 should be at least 1"):
+        config.with_overrides(parse_set("distributed.num_processes=0"))
+    two = config.with_overrides({"distributed": {"num_processes": 2}})
+    with pytest.raises(ConfigError, match="'distributed.coordinator' .* is needed"):
+        distributed.check(two)
+    with pytest.raises(ConfigError, match="'distributed.process_id' = 2 should be below"):
+        distributed.check(two.with_overrides({"distributed": {"process_id": 2,
+                                                              "coordinator": "h:1"}}))
+    env = {"TIDEJAX_COORDINATOR": "10.0.0.1:7000", "TIDEJAX_NUM_PROCESSES": "2",
+           "TIDEJAX_PROCESS_ID": "1"}
+    section = config.with_environment(env).distributed
+    assert (section.coordinator, section.num_processes, section.process_id) == (
+        "10.0.0.1:7000", 2, 1)
+    with pytest.raises(ConfigError, match="TIDEJAX_PROCESS_ID.*'distributed.process_id' should be "
+                                          "int, got 'one'"):
+        config.with_environment({"TIDEJAX_PROCESS_ID": "one"})
+    with pytest.raises(ConfigError, match="distributed.tensor_parallel = 2: only 1 devices"):
+        tidejax.load(DEMO, engine=ENGINE, distributed={"tensor_parallel": 2})

@@ -1,0 +1,55 @@
+"""Several processes as one model: start-up ([distributed]), the boot guard and the channel.
+
+    start(config) -> None (one process) | channel.Leader (process 0) | channel.Follower
+
+At start, before anything touches a device: the peers connect to process 0's channel and pass
+the boot guard (guard.py: the same profile, checkpoint and versions, or a ConfigError naming
+what differs), then `jax.distributed.initialize` joins them (CPU collectives through gloo), so
+jax.devices() lists every process's devices and tidejax.parallel's mesh spans them. Process 0
+serves HTTP and schedules; the others replay its calls (tidejax.runtime.replica).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from tidejax.config import EngineConfig
+from tidejax.distributed import guard
+from tidejax.distributed.channel import Follower, Leader
+from tidejax.fields import ConfigError
+
+
+def check(config: EngineConfig) -> None:
+    """What the [distributed] keys say together (after every --set and variable): process_id
+    below num_processes, a coordinator for several processes."""
+    section = config.distributed
+    if section.process_id >= section.num_processes:
+        raise ConfigError(f"{config.source}: 'distributed.process_id' = {section.process_id} "
+                          f"should be below distributed.num_processes ({section.num_processes})")
+    if section.num_processes > 1 and not section.coordinator:
+        raise ConfigError(f"{config.source}: 'distributed.coordinator' (host:port of process 0) "
+                          f"is needed for distributed.num_processes = {section.num_processes}")
+
+
+def start(config: EngineConfig) -> Leader | Follower | None:
+    """Joins this process to its peers (see above); None where the profile has one process."""
+    check(config)
+    section = config.distributed
+    if section.num_processes == 1:
+        return None
+    ours = guard.fingerprint(config)
+    if section.process_id == 0:
+        channel = Leader(section, ours, guard.differences)
+    else:
+        channel = Follower(section, ours)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(section.coordinator, section.num_processes,
+                                   section.process_id, initialization_timeout=section.timeout_s)
+    except Exception as e:  # jax raises several kinds (RuntimeError, XlaRuntimeError)
+        channel.close()
+        raise ConfigError(f"{config.source}: jax.distributed.initialize at "
+                          f"distributed.coordinator = {section.coordinator} failed for process "
+                          f"{section.process_id} of {section.num_processes} within "
+                          f"distributed.timeout_s = {section.timeout_s} s: {e}") from None
+    return channel

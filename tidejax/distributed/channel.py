@@ -1,0 +1,134 @@
+"""The channel from process 0 to its peers: one TCP connection each, ordered messages.
+
+Process 0 listens on the coordinator's host at the coordinator's port + 1; every peer connects
+at start, sends its boot-guard fingerprint and receives process 0's verdict; from then on
+process 0 sends, and the peers receive, one message per call over the decode state
+(tidejax.runtime.replica). Why a socket and not jax's distributed key-value store: the store's
+Python client is private API (jax._src.distributed) that changed between jax releases, every
+message would be a named key kept in the coordinator until deleted, and the peers need the
+messages in order, one after the other: a stream is that. Messages are pickled: the channel
+joins the processes of one deployment, which trust each other (bind it to a private network).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import time
+
+from tidejax.config import DistributedSection
+from tidejax.fields import ConfigError
+
+_LENGTH = struct.Struct("<Q")
+
+
+def channel_address(section: DistributedSection) -> tuple[str, int]:
+    """(host, port) of process 0's channel: the coordinator's host, its port + 1."""
+    host, _, port = section.coordinator.rpartition(":")
+    return host, int(port) + 1
+
+
+def _send(sock: socket.socket, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _receive_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("process 0 closed the channel")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(sock: socket.socket):
+    (n,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
+    return pickle.loads(_receive_exactly(sock, n))
+
+
+class Leader:
+    """Process 0's end: its peers' connections, in process order."""
+
+    def __init__(self, section: DistributedSection, fingerprint: dict, compare):
+        """Waits distributed.timeout_s for every peer; `compare(ours, theirs)` lists the fields
+        a peer's fingerprint differs in. Any difference: every peer is told, then ConfigError."""
+        host, port = channel_address(section)
+        server = socket.create_server((host, port))
+        server.settimeout(section.timeout_s)
+        peers: dict[int, socket.socket] = {}
+        wrong: dict[int, list[str]] = {}
+        deadline = time.monotonic() + section.timeout_s
+        try:
+            while len(peers) < section.num_processes - 1:
+                server.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    sock, _ = server.accept()
+                except TimeoutError:
+                    missing = sorted(set(range(1, section.num_processes)) - set(peers))
+                    raise ConfigError(
+                        f"distributed: process(es) {missing} did not connect to {host}:{port} "
+                        f"within distributed.timeout_s = {section.timeout_s} s") from None
+                sock.settimeout(section.timeout_s)
+                process_id, theirs = _receive(sock)
+                peers[process_id] = sock
+                differ = compare(fingerprint, theirs)
+                if differ:
+                    wrong[process_id] = differ
+        finally:
+            server.close()
+        verdict = _verdict(wrong)
+        for sock in peers.values():
+            sock.settimeout(None)
+            _send(sock, verdict)
+        if verdict:
+            raise ConfigError(verdict)
+        self.peers = [peers[i] for i in sorted(peers)]
+
+    def send(self, message) -> None:
+        for sock in self.peers:
+            _send(sock, message)
+
+    def close(self) -> None:
+        for sock in self.peers:
+            sock.close()
+
+
+class Follower:
+    """A peer's end: connects to process 0 (retrying until distributed.timeout_s), passes the
+    boot guard, then receives process 0's messages in order."""
+
+    def __init__(self, section: DistributedSection, fingerprint: dict):
+        address = channel_address(section)
+        deadline = time.monotonic() + section.timeout_s
+        while True:
+            try:
+                self.sock = socket.create_connection(address, timeout=section.timeout_s)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"distributed: process 0 did not come up at {address[0]}:{address[1]} "
+                        f"within distributed.timeout_s = {section.timeout_s} s") from None
+                time.sleep(0.2)
+        _send(self.sock, (section.process_id, fingerprint))
+        verdict = _receive(self.sock)
+        if verdict:
+            raise ConfigError(verdict)
+        self.sock.settimeout(None)
+
+    def receive(self):
+        return _receive(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _verdict(wrong: dict[int, list[str]]) -> str:
+    """The boot guard's refusal naming each process and field that differs ("" = none)."""
+    return "; ".join(f"distributed: process {i} differs from process 0 in {', '.join(fields)}"
+                     for i, fields in sorted(wrong.items())) + (
+        " (the same profile and checkpoint are needed on every process)" if wrong else "")
