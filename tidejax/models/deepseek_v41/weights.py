@@ -206,9 +206,10 @@ def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
     return cfg.num_layers, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
-def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
+def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row,
+                 dense_format: str = "float"):
     """The family's loader: (dense params, placed by their declared axes; the checkpoint as the
     aux: its `engram` is what every step's forward takes beside the params)."""
-    checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
+    checkpoint = load(model_dir, dtype=dtype, put_row=put_row, dense_format=dense_format)
     return checkpoint.params["params"], checkpoint
 
