@@ -107,3 +107,37 @@ def test_fp8_needs_a_checkpoint_storing_fp8(published, tmp_path):
         load(published / "fp8", dense_format="fp16")
     with pytest.raises(ConfigError, match=r"'model.dense_format' = 'fp16' is not one of"):
         EngineConfig.from_dict({"model": {"dense_format": "fp16"}})
+
+
+def test_fp8_declaration_is_what_loads(published):
+    """The FP8 declaration (the checkpoint decides which Linears are FP8, so model.init cannot
+    trace it; declaration.check_declaration covers the float one) is the loaded tree, and its
+    bytes (the load's memory estimate) are the loaded params' and below the float ones'."""
+    from tidejax.checkpoint import CheckpointReader
+    from tidejax.checkpoint.fp8 import config_block
+    from tidejax.fields import read_json
+    from tidejax.models.base import nbytes
+    from tidejax.models.deepseek_v41.config import V41Config
+    from tidejax.models.deepseek_v41.weights import checkpoint_table, param_specs
+    from tidejax.models.loading import fp8_specs, stored_fp8
+
+    raw = read_json(published / "fp8" / "config.json")
+    cfg = V41Config.from_hf(raw, "config.json")
+    table = checkpoint_table(cfg)
+    reader = CheckpointReader(published / "fp8", fp8_block=config_block(raw),
+                              fp8_blocks=table.fp8_blocks, progress=False)
+    floats = param_specs(cfg, jnp.float32)
+    declared = fp8_specs(floats, stored_fp8(reader, table), reader)
+    loaded = load(published / "fp8", dense_format="fp8").params["params"]
+    assert jax.tree.map(lambda s: (s.shape, np.dtype(s.dtype)), declared) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), loaded)
+    assert nbytes(declared) == _bytes(loaded) < 0.8 * nbytes(floats)
+
+
+def test_fp8_is_refused_for_a_family_without_it(tmp_path):
+    import tidejax
+    from tiny_models import write_deepseek_v3
+
+    write_deepseek_v3(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.dense_format = 'fp8': the deepseek_v3 family"):
+        tidejax.load(tmp_path, model={"dense_format": "fp8"})
