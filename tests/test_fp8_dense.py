@@ -6,14 +6,12 @@ load (the goldens' tolerance) in fewer device bytes."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from tidejax.checkpoint.fp8 import dequantize_fp8_block, scales_on_dividing_block
 from tidejax.config import EngineConfig
@@ -21,7 +19,7 @@ from tidejax.fields import ConfigError
 from tidejax.fp8_dense import fp8_block_matmul
 from tidejax.models.deepseek_v41.weights import load
 from declaration import edited_copy
-from test_deepseek_v41_formats import GOLDEN, fp8_blocks, write_published
+from test_deepseek_v41_formats import GOLDEN, fp8_blocks, published  # noqa: F401 (a fixture)
 from v41_runner import full_logits
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -59,17 +57,6 @@ def test_scales_on_the_dividing_block_dequantize_the_same():
     assert fine.shape == (5, 3)
     assert np.array_equal(dequantize_fp8_block(q, fine, (64, 64)),
                           dequantize_fp8_block(q, scales.astype(np.float32), (128, 128)))
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v41fp8")
-    exact = write_published(root / "fp8")
-    (root / "float").mkdir()
-    save_file(exact, root / "float" / "model.safetensors")
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(GOLDEN / f, root / "float" / f)
-    return root
 
 
 def _bytes(tree) -> int:
