@@ -26,7 +26,8 @@ def fp8_block_matmul_reference(x, w, scales, block: tuple[int, int]):
     """Dequantize w by its block scales in float32, then the dot in x's dtype, accumulated in
     float32."""
     (out, inn), (bo, bi) = w.shape, block
-    full = w.astype(F32).reshape(out // bo, bo, inn // bi, bi) * scales.astype(F32)[:, None, :, None]
+    blocks = w.astype(F32).reshape(out // bo, bo, inn // bi, bi)
+    full = blocks * scales.astype(F32)[:, None, :, None]
     y = jnp.einsum("...i,oi->...o", x, full.reshape(out, inn).astype(x.dtype),
                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
     return y.astype(x.dtype)
