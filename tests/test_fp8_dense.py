@@ -128,3 +128,28 @@ def test_fp8_is_refused_for_a_family_without_it(tmp_path):
     write_deepseek_v3(tmp_path)
     with pytest.raises(ConfigError, match=r"model.dense_format = 'fp8': the deepseek_v3 family"):
         tidejax.load(tmp_path, model={"dense_format": "fp8"})
+
+
+def test_fp8_declared_weight_stored_float_names_the_tensor(published, monkeypatch):
+    """The table's own check (a caller declaring FP8 itself): a float tensor for an FP8-declared
+    weight is found on the headers."""
+    from declaration import forbid_data_reads
+    from tidejax.checkpoint import CheckpointError, CheckpointReader
+    from tidejax.checkpoint import load as load_table
+    from tidejax.fields import read_json
+    from tidejax.models.base import abstract
+    from tidejax.models.deepseek_v41.config import V41Config
+    from tidejax.models.deepseek_v41.weights import checkpoint_table, host_specs, param_specs
+    from tidejax.models.loading import fp8_specs, stored_fp8
+
+    cfg = V41Config.from_hf(read_json(published / "fp8" / "config.json"), "config.json")
+    table = checkpoint_table(cfg)
+    fp8_reader = CheckpointReader(published / "fp8", fp8_blocks=table.fp8_blocks, progress=False)
+    declared = fp8_specs(param_specs(cfg, jnp.float32), stored_fp8(fp8_reader, table), fp8_reader)
+    forbid_data_reads(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.attn.wq_a.weight' is "
+                                              r"stored plain, but params \('layers_0', 'attn', "
+                                              r"'wq_a', 'weight'\) are declared FP8"):
+        load_table(CheckpointReader(published / "float", fp8_blocks=table.fp8_blocks,
+                                    progress=False), table,
+                   abstract(declared), host=abstract(host_specs(cfg)))
