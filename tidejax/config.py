@@ -30,6 +30,8 @@ class ModelSection:
     served_name: str = ""
     dtype: str = "float32"  # "bfloat16" | "float32": dense weights and activations
     experts: str = "checkpoint"  # "checkpoint" | "bf16" | "mxfp4": how routed experts are held
+    # "float" | "fp8": dense projections stored FP8 kept so on the device (DeepSeek-V4.1 only)
+    dense_format: str = "float"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,7 @@ AUTO_KEYS = ("exact_weight", "exact_budget", "max_approx_share")  # [residency] 
 _CHOICES = {
     ("model", "dtype"): ("bfloat16", "float32"),
     ("model", "experts"): ("checkpoint", "bf16", "mxfp4"),
+    ("model", "dense_format"): ("float", "fp8"),
     ("engine", "kernel"): IMPLS,
     ("residency", "geometry"): ("per_layer", "arena"),
     ("residency", "miss_policy"): MISS_POLICIES,

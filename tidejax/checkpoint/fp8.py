@@ -90,3 +90,18 @@ def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = BLOCK
     full = np.repeat(np.repeat(scale_inv, bo, axis=0), bi, axis=1)[:w.shape[0], :w.shape[1]]
     q = np.clip(w / full, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q, scale_inv
+
+
+def dividing_block(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """The largest block dividing both `block` and `shape`: scales repeated onto it hold the
+    same values, and its edge blocks are whole (the block is then shape / scale shape)."""
+    return (math.gcd(shape[0], block[0]), math.gcd(shape[1], block[1]))
+
+
+def scales_on_dividing_block(scales: np.ndarray, shape: tuple[int, int],
+                             block: tuple[int, int]) -> np.ndarray:
+    """Scales [ceil(out/bo), ceil(in/bi)] of `block` repeated onto dividing_block(shape, block):
+    [out / do, in / di], the same scale at every element."""
+    (do, di), (bo, bi) = dividing_block(shape, block), block
+    rows = np.repeat(scales, bo // do, axis=0)[:shape[0] // do]
+    return np.ascontiguousarray(np.repeat(rows, bi // di, axis=1)[:, :shape[1] // di])

@@ -47,11 +47,14 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
+from tidejax.checkpoint import fp8
 from tidejax.checkpoint.reader import CheckpointReader, Tensor
 from tidejax.checkpoint.safetensors_io import CheckpointError
 
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 ParamPath = tuple  # keys of nested dicts, e.g. ("layers_3", "attn", "q_a_proj", "weight")
 EXPERT_PARTS = ("gate", "up", "gate_up", "down")
 _FIELD = re.compile(r"\{(\w+)(?::([^{}]*))?\}")
@@ -169,7 +172,9 @@ def load(reader: CheckpointReader, table: Table, params: Mapping, experts: Mappi
     experts: {"gate_up": [rows, 2I, D], "down": [rows, D, I]} likewise, rows = len(expert_layers)
     * experts a layer, emitted through `put_row`; host: leaves kept as stored (reader.keep).
     Returns the params as nested dicts of put(path, array) (default: the numpy array) in each
-    param's declared dtype, with the host leaves beside them."""
+    param's declared dtype, with the host leaves beside them. A weight declared float8_e4m3fn is
+    put as stored (memory-mapped) with its float32 scales at the sibling "scale", on
+    fp8.dividing_block (its block is then shape / scale shape)."""
     plan = _Plan(reader, table, params, experts, host or {})
     out = plan.read_params(put)
     if experts is not None:
@@ -200,6 +205,9 @@ class _Plan:
         if set(self.specs) & set(self.host):
             raise ValueError(f"checkpoint table: params and host leaves share paths "
                              f"{sorted(set(self.specs) & set(self.host))[:3]}")
+        # an FP8 weight declared as stored (float8_e4m3fn) -> its scales' path, filled with it
+        self.scale_of = {path: (*path[:-1], "scale") for path, spec in self.specs.items()
+                         if np.dtype(spec.dtype) == _E4M3}
         self.specs.update(self.host)
         self.params: dict[ParamPath, tuple[Tensor, Rule]] = {}
         self.rows: dict[tuple[int, int], dict[str, tuple[Tensor, bool]]] = {}  # (m, e) -> parts
@@ -265,7 +273,7 @@ class _Plan:
             self._problem(name, f"tensors '{self.params[path][0].name}' and '{name}' both fill "
                                 f"params {path}")
             return
-        if rule.transform is not None and path in self.host:
+        if rule.transform is not None and (path in self.host or path in self.scale_of):
             raise ValueError(f"checkpoint table: rule {rule} transforms a leaf kept as stored")
         shape = rule.transform.shape(tensor.shape) if rule.transform else tensor.shape
         if tuple(shape) != tuple(spec.shape):
@@ -274,7 +282,27 @@ class _Plan:
             self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}{how}, params "
                                 f"{path} expects {list(spec.shape)}")
             return
+        if path in self.scale_of and not self._fp8_fits(tensor, path):
+            return
         self.params[path] = (tensor, rule)
+
+    def _fp8_fits(self, tensor: Tensor, path: ParamPath) -> bool:
+        """An FP8-declared weight needs an FP8 tensor whose scales, on the dividing block, have
+        the declared scales' shape."""
+        name, scale_path = tensor.name, self.scale_of[path]
+        self.tried.update((path, scale_path))
+        if tensor.format != "fp8":
+            self._problem(name, f"tensor '{name}' is stored {tensor.format}, but params {path} "
+                                f"are declared FP8 as stored (model.dense_format = 'fp8')")
+            return False
+        block = fp8.dividing_block(tensor.shape, self.reader.block_of(name))
+        want = tuple(d // b for d, b in zip(tensor.shape, block))
+        if want != tuple(self.specs[scale_path].shape):
+            self._problem(name, f"tensor '{name}' has FP8 scales {list(want)} on block "
+                                f"{list(block)}, params {scale_path} expect "
+                                f"{list(self.specs[scale_path].shape)}")
+            return False
+        return True
 
     def _expert(self, tensor: Tensor, rule: Experts, part_pattern, fields, duplicates) -> None:
         name, layer, part = tensor.name, fields["layer"], part_pattern.format(fields)
@@ -305,8 +333,9 @@ class _Plan:
                 row[part] = (tensor, fused)
 
     def _check_unfilled(self) -> None:
+        filled_scales = {self.scale_of[p] for p in self.params if p in self.scale_of}
         for path in self.specs:
-            if path not in self.params and path not in self.tried:
+            if path not in self.params and path not in self.tried and path not in filled_scales:
                 names = self.table.param_names(path)
                 what = (f"missing tensor {_quoted(names)} (needed for params {path})" if names
                         else f"no rule of the table fills params {path}")
@@ -347,19 +376,27 @@ class _Plan:
         return " or ".join(n for n in names if n) or "(no rule of the table gives it)"
 
     def read_params(self, put) -> dict:
-        def one(path: ParamPath):
+        put = put or (lambda path, a: a)
+
+        def one(path: ParamPath) -> list[tuple[ParamPath, Any]]:
             tensor, rule = self.params[path]
             if path in self.host:
-                return self.reader.keep(tensor.name)
+                return [(path, self.reader.keep(tensor.name))]
+            if path in self.scale_of:  # FP8 as stored: values and scales on the dividing block
+                values, scales = self.reader.keep(tensor.name)
+                scales = fp8.scales_on_dividing_block(scales, values.shape,
+                                                      self.reader.block_of(tensor.name))
+                return [(path, put(path, values)),
+                        (self.scale_of[path], put(self.scale_of[path], scales))]
             a = self.reader.read(tensor.name)
             if rule.transform is not None:
                 a = rule.transform.apply(a)
-            a = a.astype(np.dtype(self.specs[path].dtype), copy=False)
-            return put(path, a) if put is not None else a
+            return [(path, put(path, a.astype(np.dtype(self.specs[path].dtype), copy=False)))]
 
         out: dict = {}
-        for path, value in zip(self.params, _in_threads(one, self.params)):
-            _set(out, path, value)
+        for leaves in _in_threads(one, self.params):
+            for path, value in leaves:
+                _set(out, path, value)
         return out
 
     def read_experts(self, put_row) -> None:

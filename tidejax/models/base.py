@@ -115,6 +115,8 @@ class Family:
         None: the forward takes none
     replays: whether build's forward takes `replay` (False: the family cannot replay recorded
         routing, and Engine.set_routing_replay refuses)
+    dense_fp8: whether load_weights takes dense_format="fp8" (the profile's model.dense_format:
+        dense projections kept FP8 as stored, models.loading.fp8_specs)
     """
 
     name: str
@@ -133,3 +135,4 @@ class Family:
     cache_axes: Callable | None = None
     step_tables: Callable = lambda cfg, aux: None
     swiglu_limit: Callable = lambda cfg: 0.0
+    dense_fp8: bool = False

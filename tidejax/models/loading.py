@@ -7,7 +7,8 @@ blocks and scales) and stores it in the format the profile asks for, allocating 
 no second copy of the experts is ever held. Given `place` (tidejax.residency.pool.host_pool), the
 pool is placed in host memory first, zeroed, and each row is written into the placed buffer
 through tidejax.parallel.host_buffer: the pool is never held twice, not even while it is placed.
-`load_by_table` loads a family's declared params by its checkpoint table.
+`load_by_table` loads a family's declared params by its checkpoint table; with dense_format "fp8"
+the Linear weights the checkpoint stores FP8 are declared and kept as stored (fp8_specs).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from tidejax import parallel
-from tidejax.checkpoint import CheckpointReader, Table, fp8, load, mxfp4
+from tidejax.checkpoint import CheckpointReader, Rule, Table, fp8, load, mxfp4
 from tidejax.fields import ConfigError
-from tidejax.models.base import abstract, nbytes
+from tidejax.models.base import ParamSpec, abstract, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +93,27 @@ class ExpertPool:
         return self.pool
 
 
+DENSE_FORMATS = ("float", "fp8")
+
+
 def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
-                  expert_specs: dict, put_row, host_specs: dict | None = None) -> dict:
+                  expert_specs: dict, put_row, host_specs: dict | None = None,
+                  dense_format: str = "float") -> dict:
     """Dense params (declared by `param_specs`: onto the device in their declared dtypes, placed
     by their declared logical axes through tidejax.parallel) and routed experts (rows of
     `expert_specs`, through `put_row`) by the family's checkpoint table, after every name and
     shape is checked against the headers. `host_specs`: tensors kept on the host as stored
-    (memory-mapped), returned beside the params."""
+    (memory-mapped), returned beside the params. dense_format "fp8": the Linear weights stored
+    FP8 are declared as stored (fp8_specs) and kept so on the device."""
     reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config),
                               fp8_blocks=table.fp8_blocks)
+    if dense_format not in DENSE_FORMATS:
+        raise ConfigError(f"model.dense_format = {dense_format!r}: expected one of {DENSE_FORMATS}")
+    if dense_format == "fp8":
+        param_specs = fp8_specs(param_specs, stored_fp8(reader, table), reader)
+        if not any(np.dtype(s.dtype) == _E4M3 for s in jax.tree.leaves(param_specs)):
+            raise ConfigError(f"model.dense_format = 'fp8': {model_dir} stores no dense "
+                              f"projection in FP8 (use 'float')")
     host_specs = host_specs or {}
     log.info("%s: %.2f GB of dense params, %.2f GB of routed experts, %.2f GB kept on the host "
              "(as declared)", model_dir, nbytes(param_specs) / 1e9, nbytes(expert_specs) / 1e9,
@@ -107,6 +121,41 @@ def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
     return load(reader, table, abstract(param_specs), abstract(expert_specs),
                 put=lambda path, array: parallel.put(array, _spec_at(param_specs, path).axes),
                 put_row=put_row, host=abstract(host_specs))
+
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def stored_fp8(reader: CheckpointReader, table: Table) -> dict[tuple, str]:
+    """Param path -> the FP8 tensor (a weight with block scales) that a rule of `table` maps
+    there, from the headers."""
+    out = {}
+    for name, tensor in reader.tensors.items():
+        hits = [] if table.ignores(name) else table.matches(name)
+        if tensor.format == "fp8" and len(hits) == 1 and isinstance(hits[0][0], Rule):
+            out[tuple(hits[0][1].format(hits[0][2]).split("."))] = name
+    return out
+
+
+def fp8_specs(specs: dict, stored: dict[tuple, str], reader: CheckpointReader,
+              prefix: tuple = ()) -> dict:
+    """`specs` with every Linear ({"weight": [out, in]} alone) whose weight `stored` names
+    declared as stored: {"weight": float8_e4m3fn, "scale": float32 on fp8.dividing_block}."""
+    out = {}
+    for key, spec in specs.items():
+        path = (*prefix, key)
+        if not isinstance(spec, dict):
+            out[key] = spec
+            continue
+        name, weight = stored.get((*path, "weight")), spec.get("weight")
+        if name is not None and set(spec) == {"weight"} and len(weight.shape) == 2:
+            block = fp8.dividing_block(weight.shape, reader.block_of(name))
+            out[key] = {"weight": ParamSpec(weight.shape, _E4M3, weight.axes),
+                        "scale": ParamSpec([d // b for d, b in zip(weight.shape, block)],
+                                           jnp.float32, (None, None), init="ones")}
+        else:
+            out[key] = fp8_specs(spec, stored, reader, path)
+    return out
 
 
 def _spec_at(specs: dict, path: tuple):

@@ -84,7 +84,8 @@ class LoadedModel:
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
-                                                    self.dtype, config.model.experts)
+                                                    self.dtype, config.model.experts,
+                                                    config.model.dense_format)
         self.residency = Residency(
             pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
             config.residency,
@@ -373,13 +374,21 @@ class LoadedModel:
 
 
 def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, dtype,
-                 held_as: str) -> tuple[dict, object, dict]:
+                 held_as: str, dense_format: str = "float") -> tuple[dict, object, dict]:
     """(dense params on the device, the family's aux, the routed experts' pool in host memory):
     the pool is placed first and filled in place as the rows are read, so it is never held twice
-    (models.loading.ExpertPool with residency.pool.host_pool)."""
+    (models.loading.ExpertPool with residency.pool.host_pool). dense_format "fp8" (only for a
+    family with Family.dense_fp8): the projections stored FP8 stay FP8 on the device."""
     n_moe, n_experts = family.expert_dims(cfg)[:2]
+    fmt = {}
+    if dense_format != "float":
+        if not family.dense_fp8:
+            raise ConfigError(f"model.dense_format = {dense_format!r}: the {family.name} family "
+                              f"keeps its dense weights float (use 'float')")
+        fmt = {"dense_format": dense_format}
     pool = ExpertPool(n_moe * n_experts, held_as, dtype, place=host_pool)
-    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, _rows_into(pool))
+    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, _rows_into(pool),
+                                      **fmt)
     return params, aux, pool.result()
 
 

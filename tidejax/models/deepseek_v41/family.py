@@ -26,4 +26,5 @@ register(Family(
     cache_axes=V41Pages.axes,
     step_tables=lambda cfg, checkpoint: checkpoint.engram,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
+    dense_fp8=True,
 ))

@@ -159,13 +159,17 @@ class V41Checkpoint:
     engram: EngramTables | None  # the tables in host memory and the hash maps, for the forward
 
 
-def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Checkpoint:
+def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None,
+         dense_format: str = "float") -> V41Checkpoint:
     """Reads config.json, the safetensors checkpoint and (with Engram layers) tokenizer.json of a
     folder, through the checkpoint table.
 
     dtype: the model's, of the dense params (param_specs). put_row(layer * E + expert, row): where the
     routed experts go (a host pool, for residency); without it they are stacked into an
-    all-resident expert state (`V41Checkpoint.experts`), which only suits models that fit."""
+    all-resident expert state (`V41Checkpoint.experts`), which only suits models that fit.
+    dense_format "fp8": the projections stored FP8 (wq_a, wq_b, wkv, wo_b, the compressors',
+    indexers' and Engram's, the shared experts') stay FP8 on the device (loading.fp8_specs);
+    wo_a (a grouped einsum, not a Linear) is dequantized."""
     model_dir = Path(model_dir)
     raw = read_json(model_dir / "config.json")
     cfg = V41Config.from_hf(raw, str(model_dir / "config.json"))
@@ -173,7 +177,7 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None) -> V41Ch
     pool = None if put_row is not None else ExpertPool(n_moe * n_experts, "checkpoint", F32)
     params = load_by_table(model_dir, raw, checkpoint_table(cfg), param_specs(cfg, dtype),
                            expert_specs(cfg, F32), put_row or pool.put_row,
-                           host_specs=host_specs(cfg))
+                           host_specs=host_specs(cfg), dense_format=dense_format)
     tables = params.pop("engram", {})
     layout = engram_layout(cfg, model_dir, tokenizer) if cfg.engram_layers else None
     experts = None if pool is None else all_resident_state(pool.result(), n_moe)
@@ -202,9 +206,10 @@ def expert_dims(cfg: V41Config) -> tuple[int, int, int, int]:
     return cfg.num_layers, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
-def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row):
+def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_row,
+                 dense_format: str = "float"):
     """The family's loader: (dense params, placed by their declared axes; the checkpoint as the
     aux: its `engram` is what every step's forward takes beside the params)."""
-    checkpoint = load(model_dir, dtype=dtype, put_row=put_row)
+    checkpoint = load(model_dir, dtype=dtype, put_row=put_row, dense_format=dense_format)
     return checkpoint.params["params"], checkpoint
 

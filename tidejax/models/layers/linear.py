@@ -1,4 +1,5 @@
-"""The dense projection as Hugging Face stores it, and the matmul precision the models use."""
+"""The dense projection as Hugging Face stores it (float, or FP8 values with block scales kept
+as stored), and the matmul precision the models use."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax.fp8_dense import fp8_block_matmul
 from tidejax.models.base import ParamSpec
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -25,7 +27,9 @@ def linear_specs(out: int, inn: int, axes: tuple[str, str], dtype, bias: bool = 
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b) with W stored [out, in] as in Hugging Face checkpoints."""
+    """y = x @ W^T (+ b) with W stored [out, in] as in Hugging Face checkpoints. Params declared
+    FP8 (a "scale" beside the "weight": models.loading.fp8_specs) compute through
+    fp8_block_matmul, the block read from the shapes."""
 
     features: int
     dtype: jnp.dtype = jnp.float32
@@ -34,7 +38,12 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         w = self.param("weight", dense_init(), (self.features, x.shape[-1]), self.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)
+        if self.has_variable("params", "scale"):
+            scales = self.get_variable("params", "scale")
+            block = (w.shape[0] // scales.shape[0], w.shape[1] // scales.shape[1])
+            y = fp8_block_matmul(x, w, scales, block)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(y.dtype)
         return y
