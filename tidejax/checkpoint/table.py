@@ -376,27 +376,30 @@ class _Plan:
         return " or ".join(n for n in names if n) or "(no rule of the table gives it)"
 
     def read_params(self, put) -> dict:
+        """Every param read in threads and `put` in the table's order, here, in this thread: a
+        put over a mesh that spans processes is a collective, which every process must issue in
+        the same order."""
         put = put or (lambda path, a: a)
 
-        def one(path: ParamPath) -> list[tuple[ParamPath, Any]]:
+        def one(path: ParamPath) -> list[tuple[ParamPath, Any, bool]]:
+            """(path, array, whether it goes through put) of each leaf the param fills."""
             tensor, rule = self.params[path]
             if path in self.host:
-                return [(path, self.reader.keep(tensor.name))]
+                return [(path, self.reader.keep(tensor.name), False)]
             if path in self.scale_of:  # FP8 as stored: values and scales on the dividing block
                 values, scales = self.reader.keep(tensor.name)
                 scales = fp8.scales_on_dividing_block(scales, values.shape,
                                                       self.reader.block_of(tensor.name))
-                return [(path, put(path, values)),
-                        (self.scale_of[path], put(self.scale_of[path], scales))]
+                return [(path, values, True), (self.scale_of[path], scales, True)]
             a = self.reader.read(tensor.name)
             if rule.transform is not None:
                 a = rule.transform.apply(a)
-            return [(path, put(path, a.astype(np.dtype(self.specs[path].dtype), copy=False)))]
+            return [(path, a.astype(np.dtype(self.specs[path].dtype), copy=False), True)]
 
         out: dict = {}
         for leaves in _in_threads(one, self.params):
-            for path, value in leaves:
-                _set(out, path, value)
+            for path, value, placed in leaves:
+                _set(out, path, put(path, value) if placed else value)
         return out
 
     def read_experts(self, put_row) -> None:
