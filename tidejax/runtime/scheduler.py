@@ -16,8 +16,8 @@ request overwrites. Length limits are known ahead, so no step runs past them.
 
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
 and its lane's fixed rows (DeepSeek-V4.1's window rings and Engram look-back) are copied to host
-memory and it waits at the head of the queue, to resume where it was (same positions, same token, same sampling keys),
-in whatever lane is free, once pages are free again.
+memory and it waits at the head of the queue, to resume where it was (same positions, same
+token, same sampling keys), in whatever lane is free, once pages are free again.
 
 Events go to each request's `on_event` callback from the scheduler thread (the server turns them
 into asyncio queue items with loop.call_soon_threadsafe).
