@@ -3,7 +3,7 @@ GB/s of expert bytes (MXFP4 codes and scales, or bf16 values) a layer's missed p
 over distinct experts x tokens a step, per ISA path.
 
     python3 bench/cpu_experts.py [--hidden 5120] [--intermediate 2304] [--experts 1,3,6]
-        [--tokens 1,4,16] [--formats mxfp4,bf16] [--isas best|all] [--pool 24]
+        [--tokens 1,4,16] [--formats mxfp4,bf16] [--isas best|all] [--pool 24] [--calls-only]
 
 Expert shapes default to the V3-family synthetic's and DeepSeek-V4.1-Flash's (hidden 5120,
 intermediate 2304: 18.9 MB an MXFP4 expert). The pool holds `--pool` random experts (more bytes
@@ -83,6 +83,56 @@ def reads_in_place_through_steps(steps: int = 3) -> str:
            f"{experts.reads_in_place(pool)}"
 
 
+def call_cost(layers: int = 40, picks: int = 1, d: int = 5120, inter: int = 2304,
+              reps: int = 5) -> list[str]:
+    """The host kernel called from a jitted chain of `layers` dependent calls on the default
+    device (one a MoE layer, each reading the previous layer's output), through the custom call
+    and through jax.pure_callback: ms a call and the largest difference from moe_host."""
+    import jax
+    import jax.numpy as jnp
+
+    from tidejax.residency.pool import host_pool
+
+    pool = host_pool(random_pool("mxfp4", layers, d, inter))
+    r = np.random.default_rng(2)
+    x = jnp.asarray(r.standard_normal((1, d), np.float32))
+    ids = jnp.asarray(r.integers(0, 1, (1, max(picks, 1))), jnp.int32)
+    weights = jnp.full(ids.shape, 0.5, jnp.float32)
+    miss = jnp.arange(ids.shape[1])[None] < picks
+    lines = []
+    for via in ("custom_call", "callback"):
+        experts = cpu.CpuExperts(pool, 1, via=via)
+
+        def chain(x, ids, weights, miss):
+            outs = []
+            for layer in range(layers):
+                y = experts.serve(layer, x, ids, weights, miss, 0.0)
+                outs.append(y)
+                x = x + 1e-3 * y
+            return jnp.stack(outs)
+
+        run = jax.jit(chain)
+        ys = np.asarray(run(x, ids, weights, miss))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run(x, ids, weights, miss).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        views = experts.views
+        xs = np.asarray(x)
+        err = 0.0
+        for layer in range(layers):  # the same chain on the host
+            t, k = np.nonzero(np.asarray(miss))
+            want = cpu.moe_host(views, xs, layer + np.asarray(ids)[t, k], t,
+                                np.asarray(weights)[t, k])
+            err = max(err, float(np.abs(ys[layer] - want).max() / (np.abs(want).max() + 1e-30)))
+            xs = xs + 1e-3 * want
+        how = f"custom call on {experts.platform}" if experts.handle is not None else "pure_callback"
+        lines.append(f"| {how} | {layers} | {picks} | {statistics.median(times) / layers * 1e3:.3f} | "
+                     f"{err:.1e} |")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=5120)
@@ -92,7 +142,19 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default="mxfp4,bf16")
     parser.add_argument("--isas", default="best", help="best, or all (every compiled path)")
     parser.add_argument("--pool", type=int, default=24, help="random experts in the pool")
+    parser.add_argument("--calls-only", action="store_true",
+                        help="only the table of a call's cost from inside a jit")
     args = parser.parse_args(argv)
+    calls = ["", f"Called from a jit on {jax_backend()} ({args.hidden} x {args.intermediate}, one "
+             "token): ms a call, relative difference from moe_host", "",
+             "| call | layers | picks | ms a call | difference |", "| --- | --- | --- | --- | --- |"]
+    for picks in (0, 1):
+        calls += call_cost(picks=picks, d=args.hidden, inter=args.intermediate)
+        print("\n".join(calls), flush=True)
+    if args.calls_only:
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "cpu_experts.md").write_text("\n".join(calls) + "\n")
+        return 0
     isas = [cpu.kernel_isa()] if args.isas == "best" else [
         i for i in cpu.available_isas() if i != "numpy"]
     lines = [f"host kernel: best path {cpu.kernel_isa()}, {cpu.kernel_threads()} threads, "
@@ -117,8 +179,13 @@ def main(argv=None) -> int:
         print(lines[-1], flush=True)
         del pool
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "cpu_experts.md").write_text("\n".join(lines) + "\n")
+        Path(os.environ["OUT"], "cpu_experts.md").write_text("\n".join(lines + calls) + "\n")
     return 0
+
+
+def jax_backend() -> str:
+    import jax
+    return f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
 
 
 if __name__ == "__main__":

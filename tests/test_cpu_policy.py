@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -107,6 +108,35 @@ def test_host_kernel_refuses_bad_picks():
         cpu.moe_host(pool, x[:, :32], np.array([0]), np.array([0]), np.ones(1, np.float32))
     with pytest.raises(ValueError, match="isa='avx9'"):
         cpu.moe_host(pool, x, np.array([0]), np.array([0]), np.ones(1, np.float32), isa="avx9")
+
+
+def test_the_custom_call_computes_the_misses_inside_the_jit():
+    """Where the extension is built (CI builds it with jaxlib's FFI headers) the step calls the
+    kernel as an XLA custom call, not through pure_callback, and counts its picks in C."""
+    if cpu.kernel_isa() == "numpy":
+        pytest.skip("the extension is not built")
+    assert cpu.ffi_platform() == "cpu"
+    pool, exact = _pool("mxfp4", 2 * 4, 64, 32, seed=3)
+    placed = host_pool(pool)  # the views hold no reference: the pool must outlive the calls
+    experts = cpu.CpuExperts(placed, n_experts=4)
+    assert experts.handle is not None
+    r = np.random.default_rng(4)
+    x = r.standard_normal((3, 64)).astype(np.float32)
+    ids = np.array([[0, 3], [1, 2], [3, 1]], np.int32)
+    weights = r.random((3, 2)).astype(np.float32)
+    miss = np.array([[True, False], [True, True], [False, True]])
+    serve = jax.jit(lambda *a: experts.serve(1, *a, swiglu_limit=0.0))
+    assert cpu.FFI_TARGET in serve.lower(x, ids, weights, miss).as_text()
+    assert "callback" not in serve.lower(x, ids, weights, miss).as_text()
+    tokens_, ks = np.nonzero(miss)
+    rows = 4 + ids[tokens_, ks]
+    want, bound = _reference(exact, x, rows, tokens_, weights[tokens_, ks], 0.0)
+    got = np.asarray(serve(x, ids, weights, miss))
+    assert np.all(np.abs(got - want) <= bound)
+    assert experts.picks == miss.sum()
+    bad = np.array([[7, 0], [0, 0], [0, 0]], np.int32)  # expert 7 of a 4-expert layer
+    with pytest.raises(Exception, match="outside the pool"):
+        np.asarray(serve(x, bad, weights, miss))
 
 
 # -- the policy in a jitted step ------------------------------------------------------------------

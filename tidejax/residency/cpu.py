@@ -22,7 +22,9 @@ the host once per MoE layer per step, with all of that layer's missed (token, ex
 picks; its workers spin (yielding) 5 ms between jobs, since waking sleeping threads cost a 40-layer
 step 19 ms. Decode at 62.5% resident on the 40-layer V3-family synthetic: 14.9 / 35.1 tok/s at
 1 / 4 lanes, `exact` 15.7 / 34.4; ~1 ms a layer goes outside the kernel (the callback and the
-stream sync it forces). The host reads the pool's own buffer (the pinned_host array every step
+stream sync it forces). On the CPU backend the step calls the kernel as an XLA custom call
+instead (cpu_ffi.cc: no Python in the step, 0.008 ms a call against pure_callback's 0.32 on
+this repository's 2-core CI machine); on a GPU it still goes through pure_callback. The host reads the pool's own buffer (the pinned_host array every step
 carries) in place through a view taken at boot: no copy of the experts, and no reference that
 would stop the step from donating (aliasing) that buffer.
 
@@ -105,20 +107,22 @@ def moe_host(views: dict, x: np.ndarray, rows: np.ndarray, tokens: np.ndarray,
         return y
     if isa == "numpy":
         return _moe_numpy(views, x, rows, tokens, weights, swiglu_limit, y)
-    fmt = bank_format(views)
-    if fmt == "mxfp4":
-        kind = "mxfp4"
-        leaves = (views["gate_up_blocks"], views["gate_up_scales"], views["down_blocks"],
-                  views["down_scales"])
-    else:
-        kind = np.dtype(views["gate_up"].dtype).name
-        if kind not in _KINDS:
-            raise ValueError(f"moe_host: dense experts of {kind}; the kernel takes float32 or "
-                             "bfloat16")
-        leaves = (_as_bits(views["gate_up"]), None, _as_bits(views["down"]), None)
+    kind, leaves = _kernel_leaves(views)
     _cpu_kernel.moe(ISAS.index(isa), _KINDS[kind], n, d, inter, x.shape[0], rows.size,
                     *leaves, x, rows, tokens, weights, float(swiglu_limit), y)
     return y
+
+
+def _kernel_leaves(views: dict) -> tuple[str, tuple]:
+    """The kernel's kind name and its four leaves (gate_up, gate_up_scales, down, down_scales;
+    the scales None for dense experts) of a bank-format dict of numpy arrays."""
+    if bank_format(views) == "mxfp4":
+        return "mxfp4", (views["gate_up_blocks"], views["gate_up_scales"], views["down_blocks"],
+                         views["down_scales"])
+    kind = np.dtype(views["gate_up"].dtype).name
+    if kind not in _KINDS:
+        raise ValueError(f"cpu kernel: dense experts of {kind}; it takes float32 or bfloat16")
+    return kind, (_as_bits(views["gate_up"]), None, _as_bits(views["down"]), None)
 
 
 def _as_bits(a: np.ndarray) -> np.ndarray:
@@ -152,19 +156,58 @@ def host_view(leaf: jax.Array) -> np.ndarray:
     return view
 
 
+FFI_TARGET = "tidejax_cpu_misses"  # the custom call of cpu_ffi.cc
+_ffi_platforms: set[str] = set()  # the platforms it is registered for in this process
+
+
+def ffi_platform() -> str | None:
+    """"cpu" where the custom call serves this process's default backend (registering it on
+    first use): the CPU, with the extension built against XLA's FFI headers; None elsewhere
+    (on a GPU the step calls the kernel through jax.pure_callback: cpu_ffi.cc says why)."""
+    handler = _cpu_kernel.ffi_handler() if _cpu_kernel else None
+    if handler is None or jax.default_backend() != "cpu":
+        return None
+    if "cpu" not in _ffi_platforms:
+        jax.ffi.register_ffi_target(FFI_TARGET, handler, platform="cpu")
+        _ffi_platforms.add("cpu")
+    return "cpu"
+
+
 class CpuExperts:
     """The host pool as the host kernel reads it and the count of picks it computed.
 
-    pool: the placed host pool (bank-format dict of jax arrays [L_moe * E, ...])."""
+    pool: the placed host pool (bank-format dict of jax arrays [L_moe * E, ...]). Where the
+    custom call is built (ffi_platform()) the step calls the kernel through it; otherwise (the
+    numpy path, or no handler for the backend) through jax.pure_callback."""
 
-    def __init__(self, pool: dict, n_experts: int, isa: str | None = None):
-        bank_dims(pool)  # checks the format
+    def __init__(self, pool: dict, n_experts: int, isa: str | None = None,
+                 via: str = "custom_call"):
+        """via: "custom_call" (where built, else the callback) or "callback" (jax.pure_callback,
+        to compare the two: bench/cpu_experts.py)."""
+        if via not in ("custom_call", "callback"):
+            raise ValueError(f"via={via!r}, expected 'custom_call' or 'callback'")
+        n, d, inter = bank_dims(pool)  # checks the format
         self.n_experts = n_experts
         self.views = {k: host_view(pool[k]) for k in pool}
         self.isa = isa or kernel_isa()
-        self.picks = 0  # picks computed on the host since boot
-        log.info("residency: misses computed on the host CPU (%s path, %d threads)", self.isa,
-                 kernel_threads() if self.isa != "numpy" else 1)
+        self._callback_picks = 0  # picks computed through pure_callback
+        self.handle = None  # the registered pool the custom call reads
+        self.platform = ffi_platform() if self.isa != "numpy" and via == "custom_call" else None
+        if self.platform is not None:
+            kind, leaves = _kernel_leaves(self.views)
+            self.handle = _cpu_kernel.set_pool(ISAS.index(self.isa), _KINDS[kind], n, n_experts,
+                                               d, inter, *leaves)
+        log.info("residency: misses computed on the host CPU (%s path, %d threads, %s)", self.isa,
+                 kernel_threads() if self.isa != "numpy" else 1,
+                 f"an XLA custom call on {self.platform}" if self.handle is not None
+                 else "jax.pure_callback")
+
+    @property
+    def picks(self) -> int:
+        """Picks computed on the host since boot."""
+        if self.handle is None:
+            return self._callback_picks
+        return _cpu_kernel.pool_picks(self.handle)
 
     def reads_in_place(self, pool: dict) -> bool:
         """Whether every view is the buffer of `pool`'s leaf (the state's pool now)."""
@@ -172,15 +215,20 @@ class CpuExperts:
 
     def serve(self, moe_index: int, x, ids, weights, miss, swiglu_limit: float):
         """Inside the jit: x [T, D], ids / weights [T, k], miss [T, k] bool -> y [T, D] float32,
-        the weighted sum of the missed picks, computed on the host in one callback."""
+        the weighted sum of the missed picks, computed on the host in one call."""
+        args = (x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), miss)
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        if self.handle is not None:
+            return jax.ffi.ffi_call(FFI_TARGET, out)(
+                *args, pool=np.int64(self.handle), moe_index=np.int64(moe_index),
+                swiglu_limit=np.float32(swiglu_limit))
         host = functools.partial(self._host, moe_index, float(swiglu_limit))
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                                 x.astype(jnp.float32), ids, weights.astype(jnp.float32), miss)
+        return jax.pure_callback(host, out, *args)
 
     def _host(self, moe_index, swiglu_limit, x, ids, weights, miss):
         tokens, ks = np.nonzero(np.asarray(miss))
         rows = moe_index * self.n_experts + np.asarray(ids)[tokens, ks].astype(np.int64)
         y = moe_host(self.views, x, rows, tokens, np.asarray(weights)[tokens, ks], swiglu_limit,
                      self.isa)
-        self.picks += rows.size
+        self._callback_picks += rows.size
         return y

@@ -36,7 +36,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <stdio.h>
 #include <unistd.h>
+
+#include "cpu_kernel.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -546,6 +549,94 @@ static void run_work(Work *w) {
     parallel_for(sum_item, w, (int)((w->d + RC - 1) / RC));
 }
 
+/* The buffers of one call around run_work, the thread pool started on first use: 0, or an index
+   into MOE_ERRORS. */
+static const char *MOE_ERRORS[] = {"", "moe: out of memory", "moe: could not start the worker threads"};
+
+static int moe_run(Work *w) {
+    int64_t p = w->n_picks;
+    w->order = malloc(sizeof(int64_t) * (p + 1));
+    w->ustart = malloc(sizeof(int64_t) * (p + 2));
+    w->act = malloc(sizeof(float) * (p * w->inter + 1));
+    w->out = malloc(sizeof(float) * (p * w->d + 1));
+    w->xp = w->mx ? malloc(sizeof(float) * (w->t * w->d + 1)) : NULL;
+    int err = 0;
+    if (!w->order || !w->ustart || !w->act || !w->out || (w->mx && !w->xp)) {
+        err = 1;
+    } else {
+        pthread_mutex_lock(&call_mu);
+        if (start_pool() != 0) err = 2;
+        else run_work(w);
+        pthread_mutex_unlock(&call_mu);
+    }
+    free(w->order), free(w->ustart), free(w->act), free(w->out), free(w->xp);
+    return err;
+}
+
+/* ---- the host pools the XLA FFI handlers read (cpu_ffi.cc, cpu_kernel.h) ---------------------- */
+
+#define TJ_MAX_POOLS 64 /* engines a process builds over its life */
+
+struct tj_pool {
+    int isa;
+    int64_t n_rows, n_experts, d, inter;
+    Mat gu, dn;
+    int64_t picks; /* computed since registration (atomic) */
+};
+
+static tj_pool POOLS[TJ_MAX_POOLS];
+static atomic_int n_pools;
+
+tj_pool *tj_pool_get(int64_t handle) {
+    return handle >= 0 && handle < atomic_load(&n_pools) ? &POOLS[handle] : NULL;
+}
+
+int tj_pool_moe(tj_pool *pool_, const float *x, int64_t t, int64_t d, const int32_t *ids,
+                const float *weights, const uint8_t *miss, int64_t k, int64_t moe_index,
+                float limit, float *y, char *err, size_t err_len) {
+    if (d != pool_->d) {
+        snprintf(err, err_len, "moe: x has %lld columns, the pool's experts take %lld",
+                 (long long)d, (long long)pool_->d);
+        return -1;
+    }
+    int64_t n_picks = 0;
+    for (int64_t i = 0; i < t * k; i++) n_picks += miss[i] != 0;
+    Work w = {.gu = pool_->gu, .dn = pool_->dn, .d = pool_->d, .inter = pool_->inter,
+              .limit = limit, .mx = pool_->gu.kind == KIND_MXFP4,
+              .dot = DOT_ROWS_BY_ISA[pool_->isa], .n_picks = (int)n_picks, .x = x, .y = y, .t = t};
+    int64_t *picks = malloc(sizeof(int64_t) * (2 * n_picks + 1));
+    float *pick_weights = malloc(sizeof(float) * (n_picks + 1));
+    if (!picks || !pick_weights) {
+        free(picks), free(pick_weights);
+        snprintf(err, err_len, "%s", MOE_ERRORS[1]);
+        return -1;
+    }
+    int64_t *rows = picks, *tokens = picks + n_picks, p = 0;
+    for (int64_t i = 0; i < t * k; i++) { /* token-major, as numpy.nonzero orders them */
+        if (!miss[i]) continue;
+        rows[p] = moe_index * pool_->n_experts + ids[i];
+        tokens[p] = i / k;
+        pick_weights[p] = weights[i];
+        if (ids[i] < 0 || ids[i] >= pool_->n_experts || rows[p] >= pool_->n_rows) {
+            snprintf(err, err_len, "moe: pick of expert %d in MoE layer %lld is outside the pool",
+                     ids[i], (long long)moe_index);
+            free(picks), free(pick_weights);
+            return -1;
+        }
+        p++;
+    }
+    w.rows = rows, w.tokens = tokens, w.weights = pick_weights;
+    int status = n_picks ? moe_run(&w) : 0;
+    if (!n_picks) memset(y, 0, sizeof(float) * t * pool_->d);
+    free(picks), free(pick_weights);
+    if (status) {
+        snprintf(err, err_len, "%s", MOE_ERRORS[status]);
+        return -1;
+    }
+    __atomic_fetch_add(&pool_->picks, n_picks, __ATOMIC_RELAXED);
+    return 0;
+}
+
 /* ---- Python ------------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -571,6 +662,43 @@ static void *get(Buffers *b, PyObject *obj, const char *name, Py_ssize_t want, i
     return v->buf;
 }
 
+/* A pool's leaves (buffers of exactly their bytes) checked into `out`; -1 with an exception set.
+   The views are released by the caller's release_all: the pool is read through raw pointers. */
+static int pool_from_args(Buffers *b, tj_pool *out, const char *fn, int isa, int kind,
+                          long long n_rows, long long n_experts, long long d, long long inter,
+                          PyObject *gu, PyObject *gus, PyObject *dn, PyObject *dns) {
+    if (isa < 0 || isa > 2 || !DOT_ROWS_BY_ISA[isa] || isa > best_isa()) {
+        PyErr_Format(PyExc_ValueError, "%s: isa %d is not available on this CPU", fn, isa);
+        return -1;
+    }
+    if (kind < 0 || kind > 2) {
+        PyErr_Format(PyExc_ValueError, "%s: kind %d is unknown", fn, kind);
+        return -1;
+    }
+    if (kind == KIND_MXFP4 && (d % 32 || inter % 32)) {
+        PyErr_Format(PyExc_ValueError, "%s: MXFP4 needs D and I multiples of 32", fn);
+        return -1;
+    }
+    if (d <= 0 || inter <= 0 || n_rows <= 0 || n_experts <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: bad dimensions", fn);
+        return -1;
+    }
+    Py_ssize_t esize = kind == KIND_F32 ? 4 : 2;
+    Py_ssize_t gu_bytes = kind == KIND_MXFP4 ? n_rows * 2 * inter * d / 2 : n_rows * 2 * inter * d * esize;
+    Py_ssize_t dn_bytes = kind == KIND_MXFP4 ? n_rows * d * inter / 2 : n_rows * d * inter * esize;
+    *out = (tj_pool){.isa = isa, .n_rows = n_rows, .n_experts = n_experts, .d = d, .inter = inter};
+    out->gu = (Mat){kind, get(b, gu, "gate_up", gu_bytes, 0), NULL, 2 * inter, d};
+    if (!out->gu.data) return -1;
+    out->dn = (Mat){kind, get(b, dn, "down", dn_bytes, 0), NULL, d, inter};
+    if (!out->dn.data) return -1;
+    if (kind == KIND_MXFP4) {
+        if (!(out->gu.scales = get(b, gus, "gate_up_scales", n_rows * 2 * inter * d / 32, 0)))
+            return -1;
+        if (!(out->dn.scales = get(b, dns, "down_scales", n_rows * d * inter / 32, 0))) return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_moe(PyObject *self, PyObject *args) {
     (void)self;
     int isa, kind;
@@ -580,27 +708,14 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiLLLLLOOOOOOOOfO", &isa, &kind, &n_rows, &d, &inter, &t,
                           &n_picks, &gu, &gus, &dn, &dns, &x, &rows, &tokens, &weights, &limit, &y))
         return NULL;
-    if (isa < 0 || isa > 2 || !DOT_ROWS_BY_ISA[isa] || isa > best_isa())
-        return PyErr_Format(PyExc_ValueError, "moe: isa %d is not available on this CPU", isa);
-    if (kind < 0 || kind > 2) return PyErr_Format(PyExc_ValueError, "moe: kind %d is unknown", kind);
-    if (kind == KIND_MXFP4 && (d % 32 || inter % 32))
-        return PyErr_Format(PyExc_ValueError, "moe: MXFP4 needs D and I multiples of 32");
-    if (d <= 0 || inter <= 0 || t < 0 || n_picks < 0 || n_rows <= 0)
-        return PyErr_Format(PyExc_ValueError, "moe: bad dimensions");
+    if (t < 0 || n_picks < 0) return PyErr_Format(PyExc_ValueError, "moe: bad dimensions");
     Buffers b = {.n = 0};
-    Work w = {.d = d, .inter = inter, .limit = limit, .mx = kind == KIND_MXFP4,
-              .dot = DOT_ROWS_BY_ISA[isa], .n_picks = (int)n_picks, .t = t};
-    Py_ssize_t esize = kind == KIND_F32 ? 4 : 2;
-    Py_ssize_t gu_bytes = kind == KIND_MXFP4 ? n_rows * 2 * inter * d / 2 : n_rows * 2 * inter * d * esize;
-    Py_ssize_t dn_bytes = kind == KIND_MXFP4 ? n_rows * d * inter / 2 : n_rows * d * inter * esize;
-    w.gu = (Mat){kind, get(&b, gu, "gate_up", gu_bytes, 0), NULL, 2 * inter, d};
-    if (!w.gu.data) goto fail;
-    w.dn = (Mat){kind, get(&b, dn, "down", dn_bytes, 0), NULL, d, inter};
-    if (!w.dn.data) goto fail;
-    if (kind == KIND_MXFP4) {
-        if (!(w.gu.scales = get(&b, gus, "gate_up_scales", n_rows * 2 * inter * d / 32, 0))) goto fail;
-        if (!(w.dn.scales = get(&b, dns, "down_scales", n_rows * d * inter / 32, 0))) goto fail;
-    }
+    tj_pool pool_;
+    if (pool_from_args(&b, &pool_, "moe", isa, kind, n_rows, 1, d, inter, gu, gus, dn, dns))
+        goto fail;
+    Work w = {.gu = pool_.gu, .dn = pool_.dn, .d = d, .inter = inter, .limit = limit,
+              .mx = kind == KIND_MXFP4, .dot = DOT_ROWS_BY_ISA[isa], .n_picks = (int)n_picks,
+              .t = t};
     if (!(w.x = get(&b, x, "x", t * d * 4, 0))) goto fail;
     if (!(w.rows = get(&b, rows, "rows", n_picks * 8, 0))) goto fail;
     if (!(w.tokens = get(&b, tokens, "tokens", n_picks * 8, 0))) goto fail;
@@ -613,35 +728,62 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
             goto fail;
         }
     }
-    w.order = malloc(sizeof(int64_t) * (n_picks + 1));
-    w.ustart = malloc(sizeof(int64_t) * (n_picks + 2));
-    w.act = malloc(sizeof(float) * (n_picks * inter + 1));
-    w.out = malloc(sizeof(float) * (n_picks * d + 1));
-    w.xp = w.mx ? malloc(sizeof(float) * (t * d + 1)) : NULL;
-    if (!w.order || !w.ustart || !w.act || !w.out || (w.mx && !w.xp)) {
-        PyErr_NoMemory();
-        goto fail_free;
-    }
-    int started;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&call_mu);
-    started = start_pool();
-    if (started == 0) run_work(&w);
-    pthread_mutex_unlock(&call_mu);
+    err = moe_run(&w);
     Py_END_ALLOW_THREADS
-    if (started != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "moe: could not start the worker threads");
-        goto fail_free;
-    }
-    free(w.order), free(w.ustart), free(w.act), free(w.out), free(w.xp);
     release_all(&b);
+    if (err) {
+        PyErr_SetString(PyExc_RuntimeError, MOE_ERRORS[err]);
+        return NULL;
+    }
     return PyLong_FromLong(w.n_experts);
-fail_free:
-    free(w.order), free(w.ustart), free(w.act), free(w.out), free(w.xp);
 fail:
     release_all(&b);
     return NULL;
 }
+
+/* set_pool: the pool's leaves registered for the FFI handlers, read in place (the caller keeps
+   them alive and unmoved for as long as a compiled step names the handle). */
+static PyObject *py_set_pool(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, kind;
+    long long n_rows, n_experts, d, inter;
+    PyObject *gu, *gus, *dn, *dns;
+    if (!PyArg_ParseTuple(args, "iiLLLLOOOO", &isa, &kind, &n_rows, &n_experts, &d, &inter, &gu,
+                          &gus, &dn, &dns))
+        return NULL;
+    int handle = atomic_load(&n_pools);
+    if (handle >= TJ_MAX_POOLS)
+        return PyErr_Format(PyExc_RuntimeError, "set_pool: more than %d pools", TJ_MAX_POOLS);
+    Buffers b = {.n = 0};
+    int bad = pool_from_args(&b, &POOLS[handle], "set_pool", isa, kind, n_rows, n_experts, d,
+                             inter, gu, gus, dn, dns);
+    release_all(&b);
+    if (bad) return NULL;
+    atomic_store(&n_pools, handle + 1);
+    return PyLong_FromLong(handle);
+}
+
+static PyObject *py_pool_picks(PyObject *self, PyObject *args) {
+    (void)self;
+    long long handle;
+    if (!PyArg_ParseTuple(args, "L", &handle)) return NULL;
+    tj_pool *pool_ = tj_pool_get(handle);
+    if (!pool_) return PyErr_Format(PyExc_ValueError, "pool_picks: no pool %lld", handle);
+    return PyLong_FromLongLong(__atomic_load_n(&pool_->picks, __ATOMIC_RELAXED));
+}
+
+/* The CPU platform's XLA FFI handler as a capsule, or None where it is not built. */
+static PyObject *py_ffi_handler(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    if (!TJ_FFI_CPU_HANDLER) Py_RETURN_NONE;
+    return PyCapsule_New(TJ_FFI_CPU_HANDLER, NULL, NULL);
+}
+
+#ifdef TJ_NO_FFI /* built without XLA's FFI headers (setup.py): no handler */
+void *const TJ_FFI_CPU_HANDLER = NULL;
+#endif
 
 static PyObject *py_best_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
@@ -658,6 +800,12 @@ static PyMethodDef METHODS[] = {
      "moe(isa, kind, n_rows, D, I, T, P, gate_up, gate_up_scales, down, down_scales, x, rows, "
      "tokens, weights, swiglu_limit, y) -> distinct experts computed; y [T, D] float32 is "
      "overwritten with the picks' weighted sum"},
+    {"set_pool", py_set_pool, METH_VARARGS,
+     "set_pool(isa, kind, n_rows, n_experts, D, I, gate_up, gate_up_scales, down, down_scales) "
+     "-> the handle the FFI handlers take (the buffers are read in place, later)"},
+    {"pool_picks", py_pool_picks, METH_VARARGS, "pool_picks(handle) -> picks computed from it"},
+    {"ffi_handler", py_ffi_handler, METH_NOARGS,
+     "the CPU platform's XLA FFI handler (a capsule), or None where built without XLA's headers"},
     {"best_isa", py_best_isa, METH_NOARGS, "the widest ISA this CPU runs: avx512, avx2 or scalar"},
     {"threads", py_threads, METH_NOARGS, "the threads moe() runs on (the process's CPUs but one)"},
     {NULL, NULL, 0, NULL}};
