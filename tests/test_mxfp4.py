@@ -1,6 +1,5 @@
 """MXFP4 format: the e2m1 table from the spec's bit layout, round trips, transformers' decoding."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +12,6 @@ from checkpoint_fixtures import save_checkpoint
 from tidejax.checkpoint import CheckpointReader, mxfp4
 
 
-@pytest.fixture
-def rng():
-    seed = time.time_ns() % 2**32
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return np.random.default_rng(seed)
 
 
 def spec_value(code: int) -> float:

@@ -4,8 +4,6 @@ references and float64, the dispatch, and the Triton lowering at DeepSeek-V3 sha
 
 Random inputs come from a seed that each test prints; TIDEJAX_TEST_SEED replays one."""
 
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +18,6 @@ from tidejax.pallas.attention import (choose_splits, paged_mla_decode_pallas, pa
 SCALE = 0.3
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("TIDEJAX_TEST_SEED", time.time_ns() % 2**32))
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return np.random.default_rng(seed)
 
 
 def shuffled_table(rng, held, n_table, spare_pages):

@@ -1,7 +1,6 @@
 """Kernels (Pallas interpret mode on CPU) and their jnp references against float64 numpy."""
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +12,6 @@ from tidejax.pallas import Demand, moe_grouped, moe_grouped_reference
 from tidejax.pallas.moe_kernel import TILES, choose_tile, moe_grouped_pallas
 
 
-@pytest.fixture
-def rng():
-    seed = time.time_ns() % 2**32
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return np.random.default_rng(seed)
 
 
 def make_bank(rng, fmt, n, d, i):
