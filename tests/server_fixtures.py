@@ -131,16 +131,18 @@ def write_profile(path: Path, model_dir: Path, **tables) -> Path:
 
 
 def launch_server(profile: Path, *extra_args: str, timeout: float = 180.0,
-                  env: dict | None = None) -> tuple[subprocess.Popen, str]:
+                  env: dict | None = None, warmup: bool = False) -> tuple[subprocess.Popen, str]:
     """Starts `python -m tidejax.server --profile PROFILE` on a free port, its log appended to
     PROFILE.log, and waits until /health says ready: (the process, the base URL). Shows the log
-    when it exits or is not ready in time."""
+    when it exits or is not ready in time. Without `warmup` the server starts with
+    engine.warmup = false: it compiles only the step shapes the test's requests meet."""
     port = free_port()
     log_path = profile.with_suffix(".log")
     with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidejax.server", "--profile", str(profile),
-             "--host", "127.0.0.1", "--port", str(port), *extra_args],
+             "--host", "127.0.0.1", "--port", str(port), *extra_args,
+             *(() if warmup else ("--set", "engine.warmup=false"))],
             stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
     url = f"http://127.0.0.1:{port}"
@@ -172,9 +174,10 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 
 @contextlib.contextmanager
-def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: dict | None = None):
+def live_server(profile: Path, *extra_args: str, timeout: float = 180.0, env: dict | None = None,
+                warmup: bool = False):
     """`launch_server` for a `with` block: yields the base URL, stops the process after."""
-    proc, url = launch_server(profile, *extra_args, timeout=timeout, env=env)
+    proc, url = launch_server(profile, *extra_args, timeout=timeout, env=env, warmup=warmup)
     try:
         yield url
     finally:

@@ -213,7 +213,8 @@ def live(model_dir, tmp_path_factory):
     # the restart reads the first start's compiled steps from a persistent cache
     env = {"JAX_COMPILATION_CACHE_DIR": str(root / "jit"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    proc, url = launch_server(profile, env=env)
+    proc, url = launch_server(profile, env=env, warmup=True)  # engine.warmup's default
+    assert re.search(r"compiled \d+ step shapes", server_log(profile))
     live = {"proc": proc, "url": url, "profile": profile, "state_dir": state_dir, "env": env}
     yield live
     stop_server(live["proc"])
@@ -275,7 +276,7 @@ def test_sigterm_saves_the_history_and_the_stats_and_they_resume(live):
     # the history's last stretch too: it covers every step the engine ran
     assert tidejax.residency.history.History.read(state_dir / "history.npz").steps == saved["steps"]
 
-    live["proc"], url = launch_server(profile, env=live["env"])  # a restart counts on from the saved stats
+    live["proc"], url = launch_server(profile, env=live["env"], warmup=True)  # counts on from the saved stats
     assert metric(url, "residency_steps") == saved["steps"]
     assert metric(url, "residency_misses") == saved["misses"]
     assert metric(url, "residency_hits") == saved["wanted"] - saved["misses"]

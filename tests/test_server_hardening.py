@@ -85,6 +85,7 @@ def test_start_up_log_and_keys(served):
     assert f"listening on http://127.0.0.1:{port}, API keys on (1 from server.api_keys and " \
            f"${API_KEYS_ENV})" in log
     assert f"ready on http://127.0.0.1:{port}: demo, 1 lanes, context 512" in log
+    assert "step shapes" not in log  # engine.warmup = false (server_fixtures): none compiled first
     for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
                             ({"x-api-key": "wrong"}, 401), ({"x-api-key": KEY}, 200),
                             ({"Authorization": f"Bearer {KEY}"}, 200)]:

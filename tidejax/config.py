@@ -45,6 +45,7 @@ class EngineSection:
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
     trace_dir: str = ""
     compile_cache: str = ""  # JAX's persistent compilation cache folder ("" = none)
+    warmup: bool = True  # a server compiles every step shape before it reports ready
 
 
 @dataclasses.dataclass(frozen=True)

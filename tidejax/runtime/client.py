@@ -75,7 +75,8 @@ class LocalEngineClient:
             lanes=engine.lanes, max_context=engine.max_context)
 
     async def start(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.warmup)
+        if self.engine.config.engine.warmup:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.warmup)
         self.scheduler.start()
 
     def stop(self) -> None:
