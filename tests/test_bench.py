@@ -102,7 +102,7 @@ def test_distinct_experts_per_step():
 def test_bench_against_a_live_server(tiny_bf16, tmp_path):
     from server_fixtures import live_server, write_profile
 
-    # one chunk bucket (16) and one page a sequence: every request meets the same two step shapes
+    # one chunk bucket (16) and one page a sequence: every request meets the same few step shapes
     profile = write_profile(tmp_path / "p.toml", tiny_bf16,
                             engine={"lanes": 2, "max_context": 512, "prefill_chunk": 16,
                                     "page_size": 512})
