@@ -35,6 +35,12 @@ def tiny_bf16(tmp_path_factory) -> Path:
     return make_synthetic(tmp_path_factory.mktemp("syn") / "bf16", "--experts", "bf16")
 
 
+@pytest.fixture(scope="module")
+def tiny_mxfp4(tmp_path_factory) -> Path:
+    """The default (MXFP4 experts) tiny synthetic, written once for the tests that read it."""
+    return make_synthetic(tmp_path_factory.mktemp("syn") / "mx")
+
+
 def test_synthetic_checkpoint_loads_and_routes_by_the_replayed_trace(tiny_bf16):
     engine = tidejax.load(tiny_bf16, engine={"lanes": 1, "max_context": 128})
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
@@ -55,9 +61,8 @@ def test_synthetic_checkpoint_loads_and_routes_by_the_replayed_trace(tiny_bf16):
     assert not np.array_equal(counted(None), want)  # the random router picks otherwise
 
 
-def test_synthetic_mxfp4_experts_are_stored_gpt_oss_style_at_unit_gain(tmp_path):
-    out = make_synthetic(tmp_path / "mx")
-    reader = CheckpointReader(out, progress=False)
+def test_synthetic_mxfp4_experts_are_stored_gpt_oss_style_at_unit_gain(tiny_mxfp4):
+    reader = CheckpointReader(tiny_mxfp4, progress=False)
     e, d, i = 16, 64, 32
     prefix = "model.layers.1.mlp.experts"
     shapes = {"gate_up_proj_blocks": (e, 2 * i, d // 32, 16), "gate_up_proj_scales": (e, 2 * i, d // 32),
@@ -97,8 +102,10 @@ def test_distinct_experts_per_step():
 def test_bench_against_a_live_server(tiny_bf16, tmp_path):
     from server_fixtures import live_server, write_profile
 
+    # one chunk bucket (16) and one page a sequence: every request meets the same few step shapes
     profile = write_profile(tmp_path / "p.toml", tiny_bf16,
-                            engine={"lanes": 2, "max_context": 512, "prefill_chunk": 128})
+                            engine={"lanes": 2, "max_context": 512, "prefill_chunk": 16,
+                                    "page_size": 512})
     with live_server(profile) as url:
         result = subprocess.run(
             [sys.executable, str(REPO / "bench" / "bench.py"), "--url", url, "--tokens", "12",
@@ -150,7 +157,8 @@ def test_t90_counts_seconds_to_clear_nine_tenths_of_the_excess():
 def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "roofline.py"), str(tiny_bf16), "--resident", "1.0",
-         "--lanes", "2", "--tokens", "12", "--ttft", "40", "--set", "engine.prefill_chunk=32"],
+         "--lanes", "2", "--tokens", "12", "--ttft", "40", "--set", "engine.prefill_chunk=16",
+         "--set", "engine.page_size=256"],  # one chunk bucket, one page: few step shapes
         check=True, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     rows = [r for r in (tmp_path / "roofline.md").read_text().splitlines() if r.startswith("| 100%")]
@@ -161,10 +169,9 @@ def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
     assert float(cells[10]) > 0  # TTFT
 
 
-def test_step_overhead_on_a_tiny_synthetic_checkpoint(tmp_path, capsys):
+def test_step_overhead_on_a_tiny_synthetic_checkpoint(tiny_mxfp4, capsys):
     """bench/step_overhead.py runs on a tiny synthetic checkpoint and prints its table."""
-    model = make_synthetic(tmp_path / "tiny")
-    assert step_overhead.main([str(model), "--steps", "6", "--lanes", "1,2",
+    assert step_overhead.main([str(tiny_mxfp4), "--steps", "6", "--lanes", "1,2",
                                "--resident", "1.0,0.5", "--set", "engine.max_context=128",
                                "--set", "residency.drain_every=4"]) == 0
     table = capsys.readouterr().out.split("| resident |")[-1].splitlines()[2:]
@@ -176,11 +183,10 @@ def test_step_overhead_on_a_tiny_synthetic_checkpoint(tmp_path, capsys):
         assert abs(ratio - loop / bare) < 0.02 * ratio + 0.01
 
 
-def test_profile_step_attributes_a_step_to_its_model_parts(tmp_path, capsys):
+def test_profile_step_attributes_a_step_to_its_model_parts(tiny_mxfp4, capsys):
     """bench/profile_step.py traces bare steps of a tiny synthetic and sums the ops by part: the
     layers' attention and MoE appear with time, and the parts add up to the ops' total."""
-    model = make_synthetic(tmp_path / "tiny")
-    assert profile_step.main([str(model), "--steps", "2", "--resident", "0.5",
+    assert profile_step.main([str(tiny_mxfp4), "--steps", "2", "--resident", "0.5",
                               "--set", "engine.max_context=128"]) == 0
     out = capsys.readouterr().out
     total = float(out.split(" ms of ops")[0].split("] ")[-1])

@@ -93,14 +93,15 @@ def test_table_has_both_engines_and_their_ratio():
 
 def test_tidejax_half_runs_and_merges_into_the_results(tiny, tmp_path, capsys):
     """At half the MoE layers' experts (16 of 32) with exact misses; the prompt length of the
-    decode warm-up (64) and no counter drain keep the compiles to the warm-up's."""
+    decode warm-up (64) in one chunk, one page a sequence and no counter drain keep the compiles
+    to the warm-up's."""
     results = tmp_path / "vs.json"
     theirs = {"50%": {"decode_1": 100.0, "n_cpu_moe": 2}}
     results.write_text(json.dumps({"llama.cpp": theirs}))
     assert vs.main(["--model", str(tiny), "--engines", "tidejax", "--resident", "0.5",
-                    "--lanes", "1,2", "--prompts", "64", "--tokens", "8", "--chunk", "32",
+                    "--lanes", "1,2", "--prompts", "64", "--tokens", "8", "--chunk", "64",
                     "--reps", "1", "--results", str(results),
-                    "--set", "residency.drain_every=1000"]) == 0
+                    "--set", "residency.drain_every=1000", "--set", "engine.page_size=256"]) == 0
     saved = json.loads(results.read_text())
     assert saved["llama.cpp"] == theirs  # kept
     ours = saved["tidejax"]["50%"]
