@@ -2,7 +2,7 @@
 
     python bench/roofline.py MODEL_DIR [--trace en] [--resident 1.0,0.65]
         [--policies exact,substitute,ring] [--lanes 1,4] [--tokens 256] [--ttft 8192]
-        [--set table.key=value ...]
+        [--set table.key=value ...] [--ceiling-mib 1024]
 
 Per step the engine must read: the dense weights (every param but the embedding table, once per
 step whatever the batch), the KV cache up to each active lane's position, and each distinct
@@ -28,6 +28,7 @@ family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -140,11 +141,20 @@ def step_limit(engine, batch: int, context: float, distinct: float, cold: float,
 
 # -- driving the engine ----------------------------------------------------------------------------
 
-def compile_cache(folder: Path) -> None:
-    """Keeps compiled steps in `folder`: every fresh `tidejax.load` of the same shapes after the
-    first one skips XLA compilation (jits are per engine, so nothing else would share them)."""
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+@contextlib.contextmanager
+def compile_cache(folder: Path):
+    """Keeps compiled steps in `folder` inside the block: every fresh `tidejax.load` of the same
+    shapes after the first one skips XLA compilation (jits are per engine, so nothing else would
+    share them); the process's settings come back after it."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = [getattr(jax.config, key) for key in keys]
+    jax.config.update(keys[0], str(folder))
+    jax.config.update(keys[1], 0.0)
+    try:
+        yield
+    finally:
+        for key, value in zip(keys, before):
+            jax.config.update(key, value)
 
 
 def prompt_ids(engine, domain: str, n: int, offset: int = 0) -> list[int]:
@@ -424,16 +434,19 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="decoded tokens per request")
     parser.add_argument("--ttft", type=int, default=8192, help="prompt tokens for TTFT (0 = skip)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    parser.add_argument("--ceiling-mib", type=int, default=1024,
+                        help="bytes the read and copy ceilings stream (>= 1 GiB on a GPU)")
     args = parser.parse_args(argv)
     args.lanes = [int(x) for x in args.lanes.split(",")]
     overrides = parse_set(args.set)
     configs = [(share, policy) for share in (float(x) for x in args.resident.split(","))
                for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    read, copy, h2d, rows, memory = hbm_read_gbps(), copy_gbps(), None, [], []
+    ceiling_bytes = args.ceiling_mib << 20
+    read, copy = hbm_read_gbps(ceiling_bytes), copy_gbps(ceiling_bytes)
+    h2d, rows, memory = None, [], []
     cpu_gbps = 0.0  # the host kernel's rate, measured where a configuration runs `cpu`
-    with tempfile.TemporaryDirectory() as tmp:
-        compile_cache(Path(tmp) / "jax-cache")
+    with tempfile.TemporaryDirectory() as tmp, compile_cache(Path(tmp) / "jax-cache"):
         for share, policy in configs:
             engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
                                         max(args.ttft, 64 + args.tokens) + 64)
