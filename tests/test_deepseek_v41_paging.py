@@ -36,9 +36,12 @@ def reference(engine, prompt: list[int], got: list[int]) -> list[int]:
     """The greedy tokens of full forwards, checked against the engine's `got`: the argmax at each
     position of one forward over prompt + got (Engine.logits: a fresh pool of its own). The
     forward is causal, so position p's logits are those of a forward over the first p + 1
-    tokens: this equals `got` exactly where greedy decoding by full forwards gives `got`."""
-    logits = engine.logits(list(prompt) + got[:-1])
-    return np.argmax(logits[len(prompt) - 1:], axis=-1).tolist()
+    tokens: this equals `got` exactly where greedy decoding by full forwards gives `got`. Golden
+    ids after the sequence fill it to max_context (they change nothing before them): every
+    request's forward is one compiled shape."""
+    seq = list(prompt) + got[:-1]
+    logits = engine.logits(seq + IDS[:engine.max_context - len(seq)])
+    return np.argmax(logits[len(prompt) - 1:len(seq)], axis=-1).tolist()
 
 
 def run(engine, requests) -> list[list[int]]:
