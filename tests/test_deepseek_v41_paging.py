@@ -32,12 +32,16 @@ def engine():
                                         "page_size": 32, "kv_pool_tokens": 128})
 
 
-def reference(engine, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by full forwards (Engine.logits argmax: a fresh pool of its own)."""
-    ids = []
-    while len(ids) < n:
-        ids.append(int(np.argmax(engine.logits(list(prompt) + ids)[-1])))
-    return ids
+def reference(engine, prompt: list[int], got: list[int]) -> list[int]:
+    """The greedy tokens of full forwards, checked against the engine's `got`: the argmax at each
+    position of one forward over prompt + got (Engine.logits: a fresh pool of its own). The
+    forward is causal, so position p's logits are those of a forward over the first p + 1
+    tokens: this equals `got` exactly where greedy decoding by full forwards gives `got`. Golden
+    ids after the sequence fill it to max_context (they change nothing before them): every
+    request's forward is one compiled shape."""
+    seq = list(prompt) + got[:-1]
+    logits = engine.logits(seq + IDS[:engine.max_context - len(seq)])
+    return np.argmax(logits[len(prompt) - 1:len(seq)], axis=-1).tolist()
 
 
 def run(engine, requests) -> list[list[int]]:
@@ -56,7 +60,8 @@ def test_lanes_of_different_lengths_equal_full_forwards(engine):
     new = [10, 8, 8]
     got = run(engine, [GenerationRequest(p, n, ignore_eos=True) for p, n in zip(PROMPTS, new)])
     assert engine.scheduler.kv_stats()["preemptions"] == before
-    assert got == [reference(engine, p, n) for p, n in zip(PROMPTS, new)]
+    assert [len(g) for g in got] == new
+    assert got == [reference(engine, p, g) for p, g in zip(PROMPTS, got)]
 
 
 def test_preempted_requests_resume_exactly(engine):
@@ -68,7 +73,8 @@ def test_preempted_requests_resume_exactly(engine):
     got = run(engine, [GenerationRequest(p, n, ignore_eos=True) for p, n in zip(prompts, new)])
     stats = engine.scheduler.kv_stats()
     assert stats["preemptions"] > before and stats["pages_in_use"] == 0, stats
-    assert got == [reference(engine, p, n) for p, n in zip(prompts, new)]
+    assert [len(g) for g in got] == new
+    assert got == [reference(engine, p, g) for p, g in zip(prompts, got)]
 
 
 def test_a_saved_sequence_goes_back_into_any_lane(engine):

@@ -1,6 +1,6 @@
-"""A plain DeepSeek-V4.1 runner for the golden tests, every expert resident: the jitted step,
-a full forward for scoring and a greedy loop through the cache (the engine serves the family
-through tidejax.models.deepseek_v41.family).
+"""A plain DeepSeek-V4.1 runner for the golden tests, every expert resident: the jitted step
+and a full forward for scoring (the engine serves the family through
+tidejax.models.deepseek_v41.family).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ def step_fn(cfg: V41Config, kernel: str = "auto"):
     return jax.jit(step, donate_argnums=(1,))
 
 
-
-
 def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarray:
     """One forward over a sequence: [T] ids -> [T, vocab] float32."""
     ids = np.asarray(token_ids, np.int32)[None]
@@ -57,32 +55,3 @@ def full_logits(ck: V41Checkpoint, token_ids, kernel: str = "auto") -> np.ndarra
     logits, _, _ = step_fn(ck.cfg, kernel)(ck.params, *new_cache(ck.cfg, 1, t), ids, positions,
                                            np.ones_like(ids, bool), ck.engram, ck.experts)
     return np.asarray(logits[0])
-
-
-class Sequence:
-    """One sequence through the cache: prefill chunks and decode steps at increasing positions."""
-
-    def __init__(self, ck: V41Checkpoint, max_len: int, kernel: str = "auto",
-                 cache_dtype=jnp.float32):
-        self.ck, self.step = ck, step_fn(ck.cfg, kernel)
-        self.cache, self.table = new_cache(ck.cfg, 1, max_len, cache_dtype)
-        self.length = 0
-
-    def feed(self, token_ids) -> np.ndarray:
-        """Appends ids [t]; returns their logits [t, vocab]."""
-        ids = np.asarray(token_ids, np.int32)[None]
-        positions = self.length + np.arange(ids.shape[1], dtype=np.int32)[None]
-        logits, self.cache, _ = self.step(self.ck.params, self.cache, self.table, ids, positions,
-                                          np.ones_like(ids, bool), self.ck.engram, self.ck.experts)
-        self.length += ids.shape[1]
-        return np.asarray(logits[0])
-
-
-def greedy(ck: V41Checkpoint, prompt, new_tokens: int, kernel: str = "auto",
-           max_len: int | None = None) -> list[int]:
-    """Prefill the prompt, then decode one token at a time, always taking the top logit."""
-    seq = Sequence(ck, max_len or len(prompt) + new_tokens, kernel)
-    out = [int(np.argmax(seq.feed(prompt)[-1]))]
-    while len(out) < new_tokens:
-        out.append(int(np.argmax(seq.feed([out[-1]])[-1])))
-    return out
