@@ -100,12 +100,13 @@ def prompt(seed: int, n: int = 40) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_declared_params_are_what_the_model_consumes(name):
+def test_declared_params_are_what_the_model_consumes():
     """The declaration and the flax modules cannot drift: model.init's params tree is the
     declared one, the model runs on params from init(specs) (declaration.check_declaration), and
-    the checkpoint table names a tensor for every declared param (the published name first)."""
-    cfg = V4Config.from_hf(hf_config(name).to_dict())
+    the checkpoint table names a tensor for every declared param (the published name first).
+    One config, yarn_hc3: both have the same params, but for their sizes (hc_mult 3 is the one
+    a size fixed at 2 would not fit); plain_hc2's sizes are checked where it loads."""
+    cfg = V4Config.from_hf(hf_config("yarn_hc3").to_dict())
     assert set(cfg.layer_types) == {SLIDING, CSA, HCA} and cfg.hash_layers == (0, 1)
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
