@@ -17,19 +17,32 @@ from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9))]
 LONG = np.random.RandomState(4).randint(3, 256, 70).tolist()
+# one prefill bucket (16) for every chunk: few compiled step shapes
+ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8, "prefill_chunk": 16}
+# two layers, the dense first layer and a MoE layer (paging is not about depth)
+TWO_LAYERS = dict(DEEPSEEK_V3_CONFIGS["qlora_groups"], num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("paging")
-    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    write_deepseek_v3(path, seed=5, **TWO_LAYERS)
     return path
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    """Greedy tokens by full forwards (Engine.logits argmax): no pages, no lanes."""
-    scorer = tidejax.load(model_dir, engine={"max_context": 128})
+def engine(model_dir):
+    """A pool of 18 pages of 8 tokens, 1.5 sequences at max_context: one engine (one set of
+    compiled steps) preempts two long requests and serves each alone or a long prompt beside
+    a shorter request without preempting."""
+    return tidejax.load(model_dir, engine={**ENGINE, "kv_pool_tokens": 144})
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Greedy tokens by full forwards (Engine.logits argmax: the scoring forward over a scratch
+    cache of its own, not the step): no pages, no lanes."""
+    scorer = engine
 
     def greedy(prompt: list[int], n: int) -> list[int]:
         ids = []
@@ -61,35 +74,35 @@ def test_page_table_hands_out_and_takes_back():
     assert [page_bucket(n, 64) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 64]
 
 
-def test_preempted_requests_resume_exactly(model_dir, reference):
-    """Two lanes, a pool of 12 pages of 8 tokens: two requests growing to 60 and 49 positions
-    need 15, so the newest is preempted (its pages and its lane's token counts to host memory)
+def test_preempted_requests_resume_exactly(engine, reference):
+    """Two lanes, a pool of 18 pages of 8 tokens: two requests growing to 80 and 69 positions
+    need 19, so the newest is preempted (its pages and its lane's token counts to host memory)
     and resumes where it was; greedy and sampled tokens (penalized by the counts) are those of an
-    unpreempted run."""
-    small = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 96, "page_size": 8,
-                                            "kv_pool_tokens": 96})
+    unpreempted run (each request alone, on the same engine)."""
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, presence_penalty=1.0,
                              frequency_penalty=0.5, repetition_penalty=1.3)
-    requests = [GenerationRequest(PROMPTS[0], 40, ignore_eos=True),
-                GenerationRequest(PROMPTS[1], 40, sampled, ignore_eos=True)]
-    events = collect(small, requests)
-    small.scheduler.run_until_idle()
-    stats = small.scheduler.kv_stats()
-    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0, stats
-    roomy = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 96, "page_size": 8})
-    alone = collect(roomy, requests)
-    roomy.scheduler.run_until_idle()
-    assert roomy.scheduler.kv_stats()["preemptions"] == 0
-    assert tokens_of(events[0]) == reference(PROMPTS[0], 40) == tokens_of(alone[0])
-    assert tokens_of(events[1]) == tokens_of(alone[1]) and len(tokens_of(events[1])) == 40
+    requests = [GenerationRequest(PROMPTS[0], 60, ignore_eos=True),
+                GenerationRequest(PROMPTS[1], 60, sampled, ignore_eos=True)]
+    preemptions = engine.scheduler.kv_stats()["preemptions"]
+    events = collect(engine, requests)
+    engine.scheduler.run_until_idle()
+    stats = engine.scheduler.kv_stats()
+    assert stats["preemptions"] > preemptions and stats["pages_in_use"] == 0, stats
+    preemptions = stats["preemptions"]
+    alone = []
+    for request in requests:
+        alone += collect(engine, [request])
+        engine.scheduler.run_until_idle()
+    assert engine.scheduler.kv_stats()["preemptions"] == preemptions
+    assert tokens_of(events[0]) == reference(PROMPTS[0], 60) == tokens_of(alone[0])
+    assert tokens_of(events[1]) == tokens_of(alone[1]) and len(tokens_of(events[1])) == 60
 
 
-def test_long_prompt_prefills_beside_a_decoding_lane(model_dir, reference):
+def test_long_prompt_prefills_beside_a_decoding_lane(engine, reference):
     """A 70-token prompt arrives while a lane decodes; at prefill_chunk 16 it takes five steps,
     and the decoding lane gets a token in every one of them (steps counted, not time)."""
-    engine = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 128, "page_size": 8,
-                                             "prefill_chunk": 16})
     scheduler = engine.scheduler
+    preemptions = scheduler.totals["preemptions"]
     decoding, admitted = [], []
     scheduler.submit(GenerationRequest(PROMPTS[0], 30, ignore_eos=True), decoding.append)
     for _ in range(3):
@@ -104,6 +117,7 @@ def test_long_prompt_prefills_beside_a_decoding_lane(model_dir, reference):
     scheduler.run_until_idle()
     assert tokens_of(admitted) == reference(LONG, 6)
     assert tokens_of(decoding) == reference(PROMPTS[0], 30)
+    assert scheduler.totals["preemptions"] == preemptions  # 7 + 10 pages at most: no preemption
 
 
 def test_pool_smaller_than_one_sequence_fails_at_start(model_dir):
@@ -128,8 +142,7 @@ def decode_cost(engine, position: int) -> tuple[float, float]:
 def test_decode_cost_does_not_grow_with_max_context(tmp_path):
     """Same position, max_context 1,024 against 65,536 (one pool size): the same cost within 5%;
     and position 4,000 costs more than position 20, so the measure sees attention."""
-    write_deepseek_v3(tmp_path, seed=2, max_position_embeddings=65536,
-                      **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    write_deepseek_v3(tmp_path, seed=2, max_position_embeddings=65536, **TWO_LAYERS)
     costs = {}
     for max_context in (1024, 65536):
         engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": max_context,

@@ -12,8 +12,10 @@ from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
-PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9), (3, 6))]
-ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8}  # several pages a sequence
+# few compiled step shapes: every prompt one chunk of one bucket (16) on one page, every
+# sequence at most 32 positions (two pages)
+PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 14), (2, 9), (3, 11))]
+ENGINE = {"lanes": 2, "max_context": 32, "page_size": 16, "prefill_chunk": 16}
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +25,26 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    return tidejax.load(model_dir, engine=ENGINE)
+
+
 @pytest.fixture(scope="module", params=["all_resident", "half_exact"])
-def engine(request, model_dir):
+def engine(request, model_dir, resident):
     """All experts resident, or half of them with misses fetched exactly while the manager
     drains, plans and swaps every few steps (the same tokens either way)."""
     if request.param == "all_resident":
-        return tidejax.load(model_dir, engine=ENGINE)
+        return resident
     return tidejax.load(model_dir, engine=ENGINE, residency={
         "budget_experts": 8, "miss_policy": "exact", "drain_every": 3, "half_life": 4.0})
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    """Sequential greedy decoding by full forwards (Engine.logits argmax), no cache, no lanes."""
-    scorer = tidejax.load(model_dir, engine=ENGINE)
+def reference(resident):
+    """Sequential greedy decoding by full forwards (Engine.logits argmax: the scoring forward
+    over a scratch cache of its own, not the step), no cache, no lanes."""
+    scorer = resident
     cache = {}
 
     def greedy(prompt: list[int], n: int) -> list[int]:
@@ -96,16 +104,16 @@ def test_stop_token_ends_a_lane_while_the_other_goes_on(engine, reference):
     ahead = reference(long, 8)
     stop_at = next(i for i in range(3, 8) if ahead[i] not in ahead[:i])
     events = run(engine, [
-        GenerationRequest(long, 30, stop_token_ids=(ahead[stop_at],)),
-        GenerationRequest(short, 30, ignore_eos=True),
-        GenerationRequest(late, 40, ignore_eos=True)])  # queued: it takes the stopped lane
+        GenerationRequest(long, 18, stop_token_ids=(ahead[stop_at],)),
+        GenerationRequest(short, 20, ignore_eos=True),
+        GenerationRequest(late, 20, ignore_eos=True)])  # queued: it takes the stopped lane
     assert tokens_of(events[0]) == ahead[:stop_at]
     assert len(events[0]) == stop_at + 1 and events[0][-1].finish_reason == "stop"
     assert events[0][-1].stats["completion_tokens"] == stop_at
-    assert tokens_of(events[1]) == reference(short, 30)
+    assert tokens_of(events[1]) == reference(short, 20)
     # the late request's cache passes the position the stopped lane's extra step wrote
-    assert len(late) + 40 > len(long) + stop_at + 1
-    assert tokens_of(events[2]) == reference(late, 40)
+    assert len(late) + 20 > len(long) + stop_at + 1
+    assert tokens_of(events[2]) == reference(late, 20)
 
 
 def test_cancel_mid_stream(engine, reference):
@@ -114,12 +122,12 @@ def test_cancel_mid_stream(engine, reference):
     def cancel_first_at_5(i, handle, n):
         if i == 0 and n == 5:
             handle.cancel()
-    events = run(engine, [GenerationRequest(p, 20, ignore_eos=True) for p in PROMPTS],
+    events = run(engine, [GenerationRequest(p, 16, ignore_eos=True) for p in PROMPTS],
                  on_token=cancel_first_at_5)
     assert tokens_of(events[0]) == reference(PROMPTS[0], 5)
     assert len(events[0]) == 6 and events[0][-1].finish_reason == "cancelled"
     for prompt, got in zip(PROMPTS[1:], events[1:]):
-        assert tokens_of(got) == reference(prompt, 20) and got[-1].finish_reason == "length"
+        assert tokens_of(got) == reference(prompt, 16) and got[-1].finish_reason == "length"
 
 
 def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
@@ -135,8 +143,7 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
     """The trace lives on the device and each step reads rows cursor.. of it: the demand counters
     equal the picks of exactly the rows a host-side walk of the cursor gives, token by token,
     chunk padding and idle lanes included in the cursor but not counted."""
-    engine = tidejax.load(model_dir, engine={**ENGINE, "prefill_chunk": 16},
-                          residency={"drain_every": 1000})
+    engine = tidejax.load(model_dir, engine=ENGINE, residency={"drain_every": 1000})
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     k = engine.cfg.num_experts_per_tok
     rng = np.random.RandomState(9)
@@ -155,8 +162,9 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
             np.add.at(want[layer], picks[rows[mask], layer].reshape(-1), 1)
 
     pages = engine.scheduler.pages
-    for lane, prompt in enumerate(PROMPTS[:2]):  # chunks of 16 and 4 (padded to 16), then 9
-        held = pages.grow(lane, 64)
+    long = np.random.RandomState(1).randint(3, 256, 20).tolist()
+    for lane, prompt in enumerate([long, PROMPTS[1]]):  # chunks of 16 and 4 (padded to 16), then 9
+        held = pages.grow(lane, 32)
         for start, chunk in engine.loaded.chunks(prompt):
             engine.step(None, PrefillChunk(lane, chunk, start, held))
             consume(np.arange(16) < len(chunk))

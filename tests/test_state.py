@@ -30,9 +30,20 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def half_exact(model_dir, **residency):
+HALF_EXACT = {"budget_experts": 8, "miss_policy": "exact"}
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    return tidejax.load(model_dir, engine=ENGINE)
+
+
+@pytest.fixture(scope="module")
+def half(model_dir):
+    """Half the experts resident, misses fetched exactly, a drain and plan every 3 steps, at
+    most 2 swaps a step: one engine for the tests that do not need their own residency."""
     return tidejax.load(model_dir, engine=ENGINE, residency={
-        "budget_experts": 8, "miss_policy": "exact", "drain_every": 1000, **residency})
+        **HALF_EXACT, "drain_every": 3, "half_life": 4.0, "max_swaps_per_step": 2})
 
 
 def decode_rows(engine, positions) -> DecodeRows:
@@ -43,8 +54,8 @@ def decode_rows(engine, positions) -> DecodeRows:
                       np.asarray(positions, np.int32), np.ones(lanes, bool), held)
 
 
-def test_the_step_applies_the_planned_swaps_and_no_other_call_does(model_dir, monkeypatch):
-    engine = half_exact(model_dir, max_swaps_per_step=2)
+def test_the_step_applies_the_planned_swaps_and_no_other_call_does(half, monkeypatch):
+    engine = half
     res = engine.residency
     boot = np.asarray(engine.state.experts.slot_rows).copy()
     # every layer wants its cold experts: the drain's plan queues swaps for the next steps
@@ -71,10 +82,10 @@ def test_the_step_applies_the_planned_swaps_and_no_other_call_does(model_dir, mo
     assert engine.loaded.steps.step.jitted._cache_size() == compiled
 
 
-def test_the_swap_batch_is_written_in_place_inside_the_step(model_dir):
+def test_the_swap_batch_is_written_in_place_inside_the_step(half):
     """The lowered step takes the swap batch and aliases the whole state (bank included): the
     rows are written into the donated bank, not into a copy."""
-    engine = half_exact(model_dir)
+    engine = half
     inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None,
                                        SwapBatch.of([], engine.residency.batch_length))
     lowered = engine.scheduler.lower(inputs)
@@ -84,11 +95,12 @@ def test_the_swap_batch_is_written_in_place_inside_the_step(model_dir):
     assert memory.alias_size_in_bytes >= bank
 
 
-def test_a_step_without_swaps_has_no_swap_loop(model_dir):
+def test_a_step_without_swaps_has_no_swap_loop(model_dir, half):
     """Residency hands a step with nothing to swap a batch of length 0, so that step compiles
     without the loop (whose dynamic trip count the GPU's host would wait to read); one with swaps
     gets it. Substitute misses add no loop of their own."""
-    engine = half_exact(model_dir, miss_policy="substitute")
+    engine = tidejax.load(model_dir, engine=ENGINE, residency={
+        **HALF_EXACT, "miss_policy": "substitute", "drain_every": 1000})
     res = engine.residency
 
     def lowered(batch):
@@ -98,14 +110,17 @@ def test_a_step_without_swaps_has_no_swap_loop(model_dir):
     assert res.next_batch().slots.shape == (0,)  # nothing queued
     loops = lowered(res.idle_batch()).count("stablehlo.while")  # the sampler's PRNG has its own
     assert lowered(SwapBatch.of([(0, 1)], res.batch_length)).count("stablehlo.while") == loops + 1
-    assert engine.scheduler.warmup([4]) == 2 * len(engine.loaded.warmup_shapes([4]))
+    # warm-up compiles each shape at both lengths (on the exact engine, whose other tests
+    # compile the decode shape of this prompt's length too)
+    n = len(PROMPT)
+    assert half.scheduler.warmup([n]) == 2 * len(half.loaded.warmup_shapes([n])) == 4
 
 
-@pytest.mark.parametrize("residency", [{}, {"budget_experts": 8, "miss_policy": "exact"}],
-                         ids=["all_resident", "half_exact"])
-def test_the_state_is_donated_into_every_step(model_dir, residency):
-    engine = tidejax.load(model_dir, engine=ENGINE, residency=residency)
-    for function in (lambda: engine.step(decode_rows(engine, [3, 5]), None),
+@pytest.mark.parametrize("which", ["resident", "half"], ids=["all_resident", "half_exact"])
+def test_the_state_is_donated_into_every_step(request, which):
+    engine = request.getfixturevalue(which)
+    # positions 12, 13: the decode shape (two pages) the other tests on these engines compile
+    for function in (lambda: engine.step(decode_rows(engine, [12, 13]), None),
                      lambda: engine.logits(PROMPT)):
         before = engine.state
         function()
@@ -119,8 +134,8 @@ def test_the_state_is_donated_into_every_step(model_dir, residency):
         assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.state))
 
 
-def test_lane_sampling_is_set_at_admission_not_sent_each_step(model_dir):
-    engine = tidejax.load(model_dir, engine=ENGINE)
+def test_lane_sampling_is_set_at_admission_not_sent_each_step(resident):
+    engine = resident
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=12)
     seen = []
 
@@ -135,8 +150,8 @@ def test_lane_sampling_is_set_at_admission_not_sent_each_step(model_dir):
     assert float(engine.state.sampling.params.temperature[0]) == 0.0  # the lane went back to greedy
 
 
-def test_logits_while_serving_runs_on_the_scheduler_thread_and_corrupts_nothing(model_dir):
-    engine = half_exact(model_dir, drain_every=3, half_life=4.0)
+def test_logits_while_serving_runs_on_the_scheduler_thread_and_corrupts_nothing(half):
+    engine = half
     request = GenerationRequest(PROMPT, 40, ignore_eos=True)
     alone = []
     engine.scheduler.submit(request, lambda e: alone.append(e.token_id)
