@@ -25,4 +25,5 @@ sources = ["tidejax/residency/cpu_kernel.c"] + (["tidejax/residency/cpu_ffi.cc"]
 setup(ext_modules=[Extension(
     "tidejax.residency._cpu_kernel", sources, language="c++",
     define_macros=[] if include else [("TJ_NO_FFI", "1")],
-    extra_compile_args=["-O3"] + (["-isystem", include] if include else []), extra_link_args=["-pthread", "-ldl"], optional=True)])
+    extra_compile_args=["-O3"] + (["-isystem", include] if include else []),
+    extra_link_args=["-pthread", "-ldl"], optional=True)])

@@ -127,9 +127,10 @@ def call_cost(layers: int = 40, picks: int = 1, d: int = 5120, inter: int = 2304
                                 np.asarray(weights)[t, k])
             err = max(err, float(np.abs(ys[layer] - want).max() / (np.abs(want).max() + 1e-30)))
             xs = xs + 1e-3 * want
-        how = f"custom call on {experts.platform}" if experts.handle is not None else "pure_callback"
-        lines.append(f"| {how} | {layers} | {picks} | {statistics.median(times) / layers * 1e3:.3f} | "
-                     f"{err:.1e} |")
+        how = (f"custom call on {experts.platform}" if experts.handle is not None
+               else "pure_callback")
+        ms = statistics.median(times) / layers * 1e3
+        lines.append(f"| {how} | {layers} | {picks} | {ms:.3f} | {err:.1e} |")
     return lines
 
 
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     calls = ["", f"Called from a jit on {jax_backend()} ({args.hidden} x {args.intermediate}, one "
              "token): ms a call, relative difference from moe_host", "",
-             "| call | layers | picks | ms a call | difference |", "| --- | --- | --- | --- | --- |"]
+             "| call | layers | picks | ms a call | difference |",
+             "| --- | --- | --- | --- | --- |"]
     for picks in (0, 1):
         calls += call_cost(picks=picks, d=args.hidden, inter=args.intermediate)
         print("\n".join(calls), flush=True)

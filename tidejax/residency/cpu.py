@@ -24,9 +24,10 @@ step 19 ms. Decode at 62.5% resident on the 40-layer V3-family synthetic: 14.9 /
 1 / 4 lanes, `exact` 15.7 / 34.4; ~1 ms a layer goes outside the kernel (the callback and the
 stream sync it forces). On the CPU backend the step calls the kernel as an XLA custom call
 instead (cpu_ffi.cc: no Python in the step, 0.008 ms a call against pure_callback's 0.32 on
-this repository's 2-core CI machine); on a GPU it still goes through pure_callback. The host reads the pool's own buffer (the pinned_host array every step
-carries) in place through a view taken at boot: no copy of the experts, and no reference that
-would stop the step from donating (aliasing) that buffer.
+this repository's 2-core CI machine); on a GPU it still goes through pure_callback. The host
+reads the pool's own buffer (the pinned_host array every step carries) in place through a
+view taken at boot: no copy of the experts, and no reference that would stop the step from
+donating (aliasing) that buffer.
 
 Accuracy: the host computes each pick in float32 with the same weights as the jnp reference
 (MXFP4 values are exact: an e2m1 code times a power of two), so it differs from all-resident
