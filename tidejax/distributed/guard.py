@@ -1,11 +1,12 @@
 """The boot guard: processes that would compute different numbers refuse to pair.
 
 Each process describes what its numbers depend on as {field: digest}: every profile setting but
-those that differ by design (distributed.process_id and .coordinator, server.host and .port),
-the checkpoint's manifest a file at a time (tensor names, dtypes, shapes and sizes from the
-safetensors headers; the other files, config.json and the tokenizer's, by content), and the
-tidejax and jax versions. Process 0 compares every peer's with its own and names each field that
-differs, so the error says which setting or file to fix.
+those that differ by design (distributed.process_id and .coordinator, server.host and .port)
+or that process 0 alone reads (engine.warmup), the checkpoint's manifest a file at a time
+(tensor names, dtypes, shapes and sizes from the safetensors headers; the other files,
+config.json and the tokenizer's, by content), and the tidejax and jax versions. Process 0
+compares every peer's with its own and names each field that differs, so the error says which
+setting or file to fix.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.config import EngineConfig
 
-# settings that differ between processes by design: not compared
+# settings that differ between processes by design, or that only process 0 reads (engine.warmup:
+# the peers replay process 0's warm-up steps): not compared
 PER_PROCESS = {("distributed", "process_id"), ("distributed", "coordinator"),
-               ("server", "host"), ("server", "port")}
+               ("server", "host"), ("server", "port"), ("engine", "warmup")}
 
 
 def _digest(value) -> str:
