@@ -711,6 +711,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     if (t < 0 || n_picks < 0) return PyErr_Format(PyExc_ValueError, "moe: bad dimensions");
     Buffers b = {.n = 0};
     tj_pool pool_;
+    /* rows are absolute here: the pool's experts a layer (1) is not used */
     if (pool_from_args(&b, &pool_, "moe", isa, kind, n_rows, 1, d, inter, gu, gus, dn, dns))
         goto fail;
     Work w = {.gu = pool_.gu, .dn = pool_.dn, .d = d, .inter = inter, .limit = limit,
