@@ -42,6 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -145,9 +146,12 @@ def step_limit(engine, batch: int, context: float, distinct: float, cold: float,
 def compile_cache(folder: Path):
     """Keeps compiled steps in `folder` inside the block: every fresh `tidejax.load` of the same
     shapes after the first one skips XLA compilation (jits are per engine, so nothing else would
-    share them); the process's settings come back after it."""
+    share them); the process's settings come back after it. JAX opens its cache once, at the
+    first compile after the folder is set, so the cache is reset on the way in and out: without
+    that, later compiles of the process would keep writing to `folder` after it is gone."""
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     before = [getattr(jax.config, key) for key in keys]
+    jax_cache.reset_cache()
     jax.config.update(keys[0], str(folder))
     jax.config.update(keys[1], 0.0)
     try:
@@ -155,6 +159,7 @@ def compile_cache(folder: Path):
     finally:
         for key, value in zip(keys, before):
             jax.config.update(key, value)
+        jax_cache.reset_cache()
 
 
 def prompt_ids(engine, domain: str, n: int, offset: int = 0) -> list[int]:

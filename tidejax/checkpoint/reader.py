@@ -143,14 +143,17 @@ class CheckpointReader:
         if tensor.format == "fp8":
             raise CheckpointError(f"{self.file_of(name)}: '{name}' is FP8 block-scaled; "
                                   f"read it whole")
-        n = self.shape(tensor.parts[0])[0]
-        with self._rows_lock:
-            left = self._rows_left[name] = self._rows_left.get(name, n) - 1
         if tensor.format == "mxfp4":
             out = self._mxfp4_arrays(tensor, row)
         else:
             out = self._read(name, row)
-        self.progress.advance(len(tensor.parts) if left == 0 else 0, self._nbytes(tensor) // n)
+        n, nbytes = self.shape(tensor.parts[0])[0], self._nbytes(tensor)
+        # Counted after the read and under one lock with the bar, so the row that finishes the
+        # tensor is counted last; it also carries the bytes that nbytes // n leaves over.
+        with self._rows_lock:
+            left = self._rows_left[name] = self._rows_left.get(name, n) - 1
+            self.progress.advance(len(tensor.parts) if left == 0 else 0,
+                                  nbytes // n + (nbytes % n if left == 0 else 0))
         return out
 
     def done(self, tensor: Tensor) -> None:
