@@ -52,6 +52,7 @@ from tidejax import config  # noqa: E402
 from tidejax.fields import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.residency import cpu  # noqa: E402
+from tidejax.runtime.engine import use_compile_cache  # noqa: E402
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
@@ -146,14 +147,12 @@ def step_limit(engine, batch: int, context: float, distinct: float, cold: float,
 def compile_cache(folder: Path):
     """Keeps compiled steps in `folder` inside the block: every fresh `tidejax.load` of the same
     shapes after the first one skips XLA compilation (jits are per engine, so nothing else would
-    share them); the process's settings come back after it. JAX opens its cache once, at the
-    first compile after the folder is set, so the cache is reset on the way in and out: without
-    that, later compiles of the process would keep writing to `folder` after it is gone."""
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    share them); the process's settings come back after it, and JAX's cache is reset again so
+    that later compiles do not write to `folder` after it is gone."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
     before = [getattr(jax.config, key) for key in keys]
-    jax_cache.reset_cache()
-    jax.config.update(keys[0], str(folder))
-    jax.config.update(keys[1], 0.0)
+    use_compile_cache(str(folder))
     try:
         yield
     finally:

@@ -162,3 +162,27 @@ def test_a_restart_reads_its_compiled_steps_from_the_compile_cache(tmp_path):
     assert written  # the decode and prefill steps at least
     assert run() >= len(written)
     assert sorted(p.name for p in folder.iterdir()) == written  # nothing compiled anew
+
+
+def test_a_second_compile_cache_is_used_and_a_closed_one_left_alone(tmp_path):
+    """JAX opens its cache folder once; a second folder in the same process (another engine's
+    engine.compile_cache) must still be written, and nothing may write to either after the
+    bench's block puts the settings back."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.roofline import compile_cache
+    from tidejax.runtime.engine import use_compile_cache
+
+    def entries(folder):
+        return sorted(p.name for p in folder.iterdir())
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with compile_cache(first):
+        jax.jit(lambda x: x * 3 - 2)(jnp.ones(5)).block_until_ready()
+        use_compile_cache(str(second))
+        jax.jit(lambda x: x * 5 - 1)(jnp.ones(6)).block_until_ready()
+    written = entries(first), entries(second)
+    assert all(written), written
+    jax.jit(lambda x: x * 7 + 4)(jnp.ones(9)).block_until_ready()
+    assert (entries(first), entries(second)) == written
