@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             rows.append((policy, bare_ms(engine, lanes, args.steps)))
             del engine
             gc.collect()
-    print(f"\n| policy | resident | lanes | bare ms a step |\n| --- | --- | --- | --- |")
+    print("\n| policy | resident | lanes | bare ms a step |\n| --- | --- | --- | --- |")
     for policy, ms in rows:
         print(f"| {policy} | {args.resident:.1%} | {lanes} | {ms:.3f} |")
     print(f"ring - substitute: {rows[0][1] - rows[1][1]:.3f} ms a step")
