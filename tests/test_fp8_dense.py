@@ -5,8 +5,6 @@ load (the goldens' tolerance) in fewer device bytes."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -26,15 +24,8 @@ E4M3 = ml_dtypes.float8_e4m3fn
 TOLERANCE = 1e-4  # the goldens' (test_deepseek_v41.test_logits)
 
 
-def _seed() -> int:
-    seed = int(os.environ.get("TIDEJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
-    print(f"seed {seed} (replay: TIDEJAX_TEST_SEED={seed})")
-    return seed
-
-
 @pytest.mark.parametrize("shape, block", [((64, 96), (32, 32)), ((48, 40), (16, 8))])
-def test_fp8_block_matmul_against_float64(shape, block):
-    rng = np.random.default_rng(_seed())
+def test_fp8_block_matmul_against_float64(shape, block, rng):
     w = rng.normal(size=shape).astype(np.float32)
     q, scales = fp8_blocks(w, block)
     x = rng.normal(size=(3, 5, shape[1])).astype(np.float32)
@@ -48,10 +39,9 @@ def test_fp8_block_matmul_against_float64(shape, block):
         fp8_block_matmul(jnp.asarray(x), jnp.asarray(q), jnp.ones((1, 1)), block)
 
 
-def test_scales_on_the_dividing_block_dequantize_the_same():
+def test_scales_on_the_dividing_block_dequantize_the_same(rng):
     """320 rows in 128-row blocks (a partial edge block) are 5 blocks of 64 with repeated
     scales: the same weight."""
-    rng = np.random.default_rng(_seed())
     q, scales = fp8_blocks(rng.normal(size=(320, 192)).astype(np.float32), (128, 128))
     fine = scales_on_dividing_block(scales.astype(np.float32), (320, 192), (128, 128))
     assert fine.shape == (5, 3)
