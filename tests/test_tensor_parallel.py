@@ -7,8 +7,10 @@ process's); the boot guard refusing a differing setting or checkpoint, naming it
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,7 +26,8 @@ from tidejax import distributed, parallel
 from tidejax.config import EngineConfig, parse_set
 from tidejax.fields import ConfigError
 from tidejax.pallas.bank import interleave_gate_up
-from server_fixtures import REPO, free_port, launch_server, stop_server, write_profile
+from server_fixtures import (REPO, free_port, launch_server, server_log, stop_server,
+                             write_profile)
 
 DEMO = REPO / "models" / "demo"
 ENGINE = {"lanes": 2, "max_context": 32, "page_size": 32, "prefill_chunk": 16}
@@ -59,6 +62,7 @@ FOUR_DEVICES = textwrap.dedent("""
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
+    import numpy as np
     import tidejax
     from tidejax import parallel
     from tidejax.fields import ConfigError
@@ -83,6 +87,10 @@ FOUR_DEVICES = textwrap.dedent("""
     one, one_tokens = run(1)
     one_text = one.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
     four, four_tokens = run(4, budget_experts=72, miss_policy="exact")
+    try:  # an MXFP4 expert of one 32-wide block, split 4 ways
+        parallel.put({"down_scales": np.zeros((8, 1, 16))}, {"down_scales": (None, "ffw", None)})
+    except ConfigError as e:
+        split_refused = str(e)
     params = four.loaded.params["layers_1"]["attn"]
     experts = four.state.experts
     print(json.dumps({
@@ -97,6 +105,7 @@ FOUR_DEVICES = textwrap.dedent("""
         "stats": {k: int(v) for k, v in four.residency.stats().items()
                   if k in ("misses", "swaps_applied", "resident", "experts")},
         "cpu_refused": cpu_refused,
+        "split_refused": split_refused,
         "compiles": [one.loaded.steps.step.jitted._cache_size(),
                      four.loaded.steps.step.jitted._cache_size()],
     }))
@@ -117,7 +126,8 @@ def four_devices() -> dict:
 def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_devices):
     """Heads and every intermediate split 4 ways (MLA's latent pages whole); half the experts
     resident under `exact`, swapping, on the split bank and host pool: the greedy tokens of
-    one device, all resident, and no more compilations."""
+    one device, all resident, and no more compilations. A leaf that does not split is refused
+    naming it."""
     got = four_devices
     assert got["mesh"] == {"data": 1, "tensor": 4}
     assert got["q_b_proj"] == ["tensor"]  # [heads, q_lora]
@@ -131,6 +141,9 @@ def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_de
     assert got["four"] == got["one"] and len(got["one"][0]) == NEW_TOKENS
     assert got["compiles"][1] == got["compiles"][0]
     assert "'residency.miss_policy' = 'cpu' computes misses on the host" in got["cpu_refused"]
+    assert got["split_refused"] == (
+        "'distributed.tensor_parallel' = 4 splits ['down_scales'] along its ffw axis "
+        "(dimension 1), of 1: not a multiple of 4")
 
 
 def _coordinator() -> str:
@@ -192,6 +205,43 @@ def test_two_processes_serve_as_one(tmp_path, four_devices):
     log = (tmp_path / "pair-peer.log").read_text()
     assert "process 1 follows process 0" in log and "process 0 stopped" in log
     assert text == four_devices["one_text"]  # one process, one device
+
+
+GLM_PAIR = {"lanes": 2, "max_context": 64, "page_size": 16, "prefill_chunk": 16}
+GLM_PROMPTS = ["The tide comes in over the sand and", "A quick brown fox jumps over the lazy"]
+
+
+def test_two_processes_preempt_and_resume_kv_pages_split_by_heads(tmp_path):
+    """GLM-4.5's GQA pages split by KV head over the two processes, and a pool of 4 pages for
+    two sequences that grow to 3 each: the newest is preempted (each process keeps its own
+    shards of its pages) and resumes. The openai client's greedy texts are those of one process
+    with room for both."""
+    import openai
+    model = tmp_path / "glm"
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(model),
+                    "--shape", "glm-tiny", "--layers", "3", "--experts", "bf16", "--workers", "1"],
+                   check=True, capture_output=True)
+    one = tidejax.load(model, engine=GLM_PAIR).generate(GLM_PROMPTS, max_new_tokens=30)
+    profile = write_profile(tmp_path / "glm.toml", model, engine={**GLM_PAIR,
+                            "kv_pool_tokens": 64}, distributed={"num_processes": 2,
+                            "coordinator": _coordinator(), "timeout_s": 120})
+    peer = _peer(profile)
+    try:
+        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                texts = list(pool.map(lambda prompt: client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text,
+                    GLM_PROMPTS))
+        finally:
+            assert stop_server(proc) == 0
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+    log = server_log(profile)
+    assert re.search(r"request \d+ preempted", log) and re.search(r"request \d+ resumed", log)
+    assert texts == one
 
 
 def _refused(profile, *peer_sets: str) -> tuple[str, str]:

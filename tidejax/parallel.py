@@ -14,17 +14,22 @@ tensor, over every process's devices where jax.distributed is initialized.
     replicated(counters)                                # leaves without a declaration
     put(pool, pool_axes, memory="host")                 # pinned_host where the backend has it
     host_buffer(pool["down"])                           # numpy over a host leaf's own bytes
+    from_host(to_host(saved))                           # a tree to host memory and back, where
+                                                        # each process holds its own shards
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from tidejax.fields import ConfigError
 
 log = logging.getLogger("tidejax")
 
@@ -123,8 +128,21 @@ def put(tree, axes_tree, mesh=None, memory: str = "device"):
     (a tuple per leaf: `tree` is a prefix of `axes_tree`); memory "host" puts it where
     host_sharding says, in buffers of its own (see _own)."""
     place = host_sharding if memory == "host" else sharding
+    jax.tree_util.tree_map_with_path(lambda path, leaf, axes: _check_split(path, leaf, axes, mesh),
+                                     tree, axes_tree)
     placed = jax.device_put(tree, jax.tree.map(lambda _, axes: place(axes, mesh), tree, axes_tree))
     return jax.tree.map(_own, placed, tree) if memory == "host" else placed
+
+
+def _check_split(path, leaf, axes, mesh) -> None:
+    """A ConfigError naming the leaf where a dimension the mesh splits does not divide by it (a
+    tiny MXFP4 expert has fewer 32-wide blocks than devices), instead of jax's placement error."""
+    for dim, (size, name) in enumerate(zip(np.shape(leaf), _on(mesh or default_mesh(), axes))):
+        if name is not None and size % (mesh or default_mesh()).shape[name]:
+            raise ConfigError(
+                f"'distributed.tensor_parallel' = {tensor_size(mesh)} splits "
+                f"{jax.tree_util.keystr(path) or 'a leaf'} along its {axes[dim]} axis "
+                f"(dimension {dim}), of {size}: not a multiple of {tensor_size(mesh)}")
 
 
 def _own(placed: jax.Array, source):
@@ -182,6 +200,39 @@ def replicated(tree, mesh=None):
     """device_put of every leaf whole on every device (counters, rowmaps, tokens: leaves without
     a declaration), committed as a step's outputs are."""
     return jax.device_put(tree, NamedSharding(mesh or default_mesh(), PartitionSpec()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalShards:
+    """What this process holds of an array split over several processes' devices (KV pages split
+    by heads): its global shape and sharding, and each of this process's shards on the host."""
+
+    shape: tuple
+    sharding: jax.sharding.Sharding
+    shards: tuple  # ((device, np.ndarray), ...)
+
+
+def to_host(tree):
+    """Each leaf of `tree` in host memory: numpy where this process can read it whole (one
+    process, or the same on every device), else this process's LocalShards (only its peers hold
+    the rest). `from_host` puts it back."""
+    def one(leaf: jax.Array):
+        if leaf.is_fully_addressable or leaf.is_fully_replicated:
+            return np.asarray(leaf)
+        return LocalShards(leaf.shape, leaf.sharding, tuple(
+            (shard.device, np.asarray(shard.data)) for shard in leaf.addressable_shards))
+    return jax.tree.map(one, tree)
+
+
+def from_host(tree):
+    """`to_host`'s tree as device arrays again: LocalShards on their devices as they were; numpy
+    leaves as they are (a jitted call takes them)."""
+    def one(leaf):
+        if not isinstance(leaf, LocalShards):
+            return leaf
+        return jax.make_array_from_single_device_arrays(
+            leaf.shape, leaf.sharding, [jax.device_put(data, device) for device, data in leaf.shards])
+    return jax.tree.map(one, tree, is_leaf=lambda leaf: isinstance(leaf, LocalShards))
 
 
 def over_tensor(fn, in_axes: tuple, out_axes: tuple, mesh=None):

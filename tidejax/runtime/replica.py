@@ -15,8 +15,11 @@ Scheduler of its own that never schedules. A message is (kind, args):
                                    step tables left out (each process has its own)
     ("score", ScoreInputs)         Scheduler.score_with (on the host, the step tables left out)
     ("set_lane", lane, params)     Scheduler.set_sampling
-    ("read", pages, lane)          Scheduler.read_sequence (its result is process 0's)
-    ("write", pages, lane, saved)  Scheduler.write_sequence, with what process 0 read
+    ("read", pages, lane, copy)    Scheduler.read_sequence: each process keeps its own copy
+                                   (its shards of KV pages split by heads), a peer under the
+                                   number `copy` process 0 gives each read
+    ("write", pages, lane, copy)   Scheduler.write_sequence of the peer's copy `copy`
+    ("forget", copy)               a preempted request cancelled: its copies are dropped
     ("experts", SwapBatch)         a batch residency applies between steps (drain, reseed)
     ("stop",)
 
@@ -48,11 +51,18 @@ class Replicas:
         self.channel = channel
         self.model = model
         self.last_tokens = None  # the tokens of the step dispatched last (on the device)
+        self.reads = 0  # read_sequence calls numbered so far
         model.residency.on_apply = lambda batch: self.send("experts", batch)
         self.send("boot", model.residency.slot_rows)
 
     def send(self, kind: str, *args) -> None:
         self.channel.send((kind, *args))
+
+    def send_read(self, pages, lane: int) -> int:
+        """Sends a read_sequence; returns the number under which the peers keep their copies."""
+        self.reads += 1
+        self.send("read", pages, lane, self.reads)
+        return self.reads
 
     def send_step(self, inputs: StepInputs) -> None:
         """The step's inputs, its `previous` tokens named (see above)."""
@@ -94,6 +104,7 @@ def follow(config: EngineConfig, channel) -> None:
     model = LoadedModel(config)
     scheduler = Scheduler(model)
     last_tokens = None
+    copies = {}  # this process's saved sequences, by process 0's number for each read
     log.info("process %d follows process 0", config.distributed.process_id)
     while True:
         kind, *args = channel.receive()
@@ -118,9 +129,13 @@ def follow(config: EngineConfig, channel) -> None:
         elif kind == "set_lane":
             scheduler.set_sampling(*args)
         elif kind == "read":
-            scheduler.read_sequence(*args)
+            pages, lane, copy = args
+            copies[copy] = scheduler.read_sequence(pages, lane)
         elif kind == "write":
-            scheduler.write_sequence(*args)
+            pages, lane, copy = args
+            scheduler.write_sequence(pages, lane, copies.pop(copy))
+        elif kind == "forget":
+            copies.pop(args[0], None)
         elif kind == "experts":
             (batch,) = args
             scheduler.update_experts(lambda experts: apply_now(experts, batch)[0])

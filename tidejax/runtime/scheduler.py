@@ -48,6 +48,7 @@ import time
 import jax
 import numpy as np
 
+from tidejax import parallel
 from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.replica import Replicas
@@ -84,7 +85,7 @@ class ErrorEvent:
     message: str
 
 
-STEP_FAILED = "the engine's step failed (its log has the details); the engine rebuilt its state"
+STEP_FAILED = "the engine's step failed (its log has the details)"
 
 
 class RequestHandle:
@@ -278,9 +279,13 @@ class Scheduler:
             if handle is not None and handle.cancelled:
                 self._finish(lane, "cancelled")
         with self.wake:
-            for handle in [h for h in self.queue if h.cancelled]:
+            cancelled = [h for h in self.queue if h.cancelled]
+            for handle in cancelled:
                 self.queue.remove(handle)
-                handle.on_event(DoneEvent("cancelled", self._stats(handle)))
+        for handle in cancelled:
+            if handle.saved is not None and self.replicas is not None:
+                self.replicas.send("forget", handle.saved.pages.peer_copy)  # the peers' copies
+            handle.on_event(DoneEvent("cancelled", self._stats(handle)))
 
     # -- pages -----------------------------------------------------------------------------
 
@@ -616,20 +621,23 @@ class Scheduler:
         pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts (a
         steps.SavedSequence of numpy leaves)."""
         self._own()
-        if self.replicas is not None:
-            self.replicas.send("read", pages, lane)
-        return jax.device_get(self.model.steps.read_sequence(
+        copy = None if self.replicas is None else self.replicas.send_read(pages, lane)
+        saved = parallel.to_host(self.model.steps.read_sequence(
             self.state, np.asarray(pages, np.int32), np.int32(lane)))
+        return dataclasses.replace(saved, peer_copy=copy)
 
     def write_sequence(self, pages: list[int], lane: int, saved: SavedSequence) -> None:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
         `lane` (any lane: not necessarily the one it was read from)."""
         self._own()
         if self.replicas is not None:
-            self.replicas.send("write", pages, lane, saved)
+            if saved.peer_copy is None:
+                raise ValueError("across processes a saved sequence is written back from this "
+                                 "engine's read_sequence: the peers hold their own copies of it")
+            self.replicas.send("write", pages, lane, saved.peer_copy)
         cache, sampling = self.model.steps.write_sequence(
             self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
-            saved)
+            parallel.from_host(saved))
         self.state = self.state.replace(cache=cache, sampling=sampling)
 
 

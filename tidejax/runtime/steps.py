@@ -165,15 +165,19 @@ def _with_rows(state: DecodeState, rows: dict) -> DecodeState:
     return state.replace(experts=state.experts.with_rows(rows))
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "counts", "seen"],
+                   meta_fields=[], drop_fields=["peer_copy"])
 @dataclasses.dataclass
 class SavedSequence:
     """What a preempted sequence keeps of the state: its pages of the pool and its lane's rows
-    (a PagedCache), its lane's token counts [vocab] int32 and seen [vocab] bool."""
+    (a PagedCache), its lane's token counts [vocab] int32 and seen [vocab] bool. Across processes
+    each keeps its own copy (parallel.to_host: a process holds only its shards of KV pages split
+    by heads); `peer_copy` numbers process 0's read, by which the peers find theirs (not a leaf)."""
 
     cache: PagedCache
     counts: jax.Array
     seen: jax.Array
+    peer_copy: int | None = None
 
 
 @dataclasses.dataclass
