@@ -130,8 +130,17 @@ def put(tree, axes_tree, mesh=None, memory: str = "device"):
     place = host_sharding if memory == "host" else sharding
     jax.tree_util.tree_map_with_path(lambda path, leaf, axes: _check_split(path, leaf, axes, mesh),
                                      tree, axes_tree)
-    placed = jax.device_put(tree, jax.tree.map(lambda _, axes: place(axes, mesh), tree, axes_tree))
+    placed = jax.tree.map(lambda leaf, axes: _placed(leaf, place(axes, mesh)), tree, axes_tree)
     return jax.tree.map(_own, placed, tree) if memory == "host" else placed
+
+
+def _placed(leaf, where: NamedSharding) -> jax.Array:
+    """`leaf` at `where`. Across processes a numpy leaf is placed shard by shard from this
+    process's own copy (every process reads the same checkpoint): device_put would first compare
+    the whole array across the processes, over the network."""
+    if isinstance(leaf, np.ndarray) and not where.is_fully_addressable:
+        return jax.make_array_from_callback(leaf.shape, where, lambda index: np.asarray(leaf[index]))
+    return jax.device_put(leaf, where)
 
 
 def _check_split(path, leaf, axes, mesh) -> None:
@@ -199,7 +208,8 @@ def _read_row(leaf: jax.Array, i) -> jax.Array:
 def replicated(tree, mesh=None):
     """device_put of every leaf whole on every device (counters, rowmaps, tokens: leaves without
     a declaration), committed as a step's outputs are."""
-    return jax.device_put(tree, NamedSharding(mesh or default_mesh(), PartitionSpec()))
+    where = NamedSharding(mesh or default_mesh(), PartitionSpec())
+    return jax.tree.map(lambda leaf: _placed(leaf, where), tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -218,10 +228,10 @@ def to_host(tree):
     the rest). `from_host` puts it back."""
     def one(leaf: jax.Array):
         if leaf.is_fully_addressable or leaf.is_fully_replicated:
-            return np.asarray(leaf)
+            return leaf
         return LocalShards(leaf.shape, leaf.sharding, tuple(
             (shard.device, np.asarray(shard.data)) for shard in leaf.addressable_shards))
-    return jax.tree.map(one, tree)
+    return jax.device_get(jax.tree.map(one, tree))  # the whole leaves' copies started together
 
 
 def from_host(tree):

@@ -619,7 +619,8 @@ class Scheduler:
     def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:
         """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
         pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts (a
-        steps.SavedSequence of numpy leaves)."""
+        steps.SavedSequence of numpy leaves; across processes each keeps its own shards of a
+        leaf split over them, and the peers' copies are numbered in `peer_copy`)."""
         self._own()
         copy = None if self.replicas is None else self.replicas.send_read(pages, lane)
         saved = parallel.to_host(self.model.steps.read_sequence(
