@@ -120,7 +120,7 @@ def four_devices() -> dict:
          str(NEW_TOKENS)], capture_output=True, text=True, cwd=REPO, timeout=600,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stderr}
 
 
 def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_devices):
@@ -140,6 +140,7 @@ def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_de
     assert stats["swaps_applied"] > 0
     assert got["four"] == got["one"] and len(got["one"][0]) == NEW_TOKENS
     assert got["compiles"][1] == got["compiles"][0]
+    assert "filled in numpy" not in got["log"]  # each device's shard of the pool filled in place
     assert "'residency.miss_policy' = 'cpu' computes misses on the host" in got["cpu_refused"]
     assert got["split_refused"] == (
         "'distributed.tensor_parallel' = 4 splits ['down_scales'] along its ffw axis "
@@ -178,8 +179,9 @@ def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, **tables):
 def test_two_processes_serve_as_one(tmp_path, four_devices):
     """Process 0 serves HTTP and schedules, process 1 replays its steps; the mesh splits the
     demo model two ways over the processes (gloo), half its experts resident under `exact`
-    (calibrated at boot: a scoring forward, then the swaps of a reseed, replayed): the openai
-    client's greedy text is one process's, all resident. SIGTERM on process 0 stops both."""
+    (calibrated at boot: a scoring forward, then the swaps of a reseed, replayed; each process
+    fills its half of the host pool in place): the openai client's greedy text is one
+    process's, all resident. SIGTERM on process 0 stops both."""
     import openai
     profile = _pair_profile(tmp_path / "pair.toml",
                             residency={"budget_experts": 72, "miss_policy": "exact"})
@@ -204,6 +206,7 @@ def test_two_processes_serve_as_one(tmp_path, four_devices):
         peer.kill()
     log = (tmp_path / "pair-peer.log").read_text()
     assert "process 1 follows process 0" in log and "process 0 stopped" in log
+    assert "filled in numpy" not in log + server_log(profile)  # each its half, in place
     assert text == four_devices["one_text"]  # one process, one device
 
 

@@ -14,6 +14,7 @@ tensor, over every process's devices where jax.distributed is initialized.
     replicated(counters)                                # leaves without a declaration
     put(pool, pool_axes, memory="host")                 # pinned_host where the backend has it
     host_buffer(pool["down"])                           # numpy over a host leaf's own bytes
+    shard_buffers(pool["down"])                         # the same, of each local shard
     from_host(to_host(saved))                           # a tree to host memory and back, where
                                                         # each process holds its own shards
 """
@@ -198,6 +199,13 @@ def host_buffer(leaf: jax.Array) -> np.ndarray:
         for i, row in zip(ends, saved):
             view[i] = row
     return view
+
+
+def shard_buffers(leaf: jax.Array) -> list[tuple[tuple, np.ndarray]]:
+    """host_buffer of each of this process's shards of `leaf`: (its index in `leaf`, a slice
+    per dimension; the view), so that a leaf split over devices or processes is filled in place
+    too."""
+    return [(shard.index, host_buffer(shard.data)) for shard in leaf.addressable_shards]
 
 
 @jax.jit

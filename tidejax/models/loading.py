@@ -5,8 +5,9 @@ routed experts into a host pool.
 loader's reading threads) in the format the checkpoint holds it (dense {"gate_up", "down"} or MXFP4
 blocks and scales) and stores it in the format the profile asks for, allocating on the first row:
 no second copy of the experts is ever held. Given `place` (tidejax.residency.pool.host_pool), the
-pool is placed in host memory first, zeroed, and each row is written into the placed buffer
-through tidejax.parallel.host_buffer: the pool is never held twice, not even while it is placed.
+pool is placed in host memory first, zeroed, and each row is written into the placed buffers
+through tidejax.parallel.shard_buffers (each of this process's shards, where the pool is split):
+the pool is never held twice, not even while it is placed.
 `load_by_table` loads a family's declared params by its checkpoint table; with dense_format "fp8"
 the Linear weights the checkpoint stores FP8 are declared and kept as stored (fp8_specs).
 """
@@ -37,7 +38,8 @@ class ExpertPool:
         self.rows, self.held_as, self.dtype = rows, held_as, np.dtype(dtype)
         self.place = place
         self.pool: dict | None = None  # the numpy pool, or the placed one
-        self._views: dict | None = None  # numpy arrays the rows are written into
+        self._views: dict | None = None  # {name: [(index, numpy view)]} the rows are written into
+        self._filled_in_numpy = False  # the pool is numpy, to be placed when filled
         self._lock = threading.Lock()
         self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
 
@@ -47,19 +49,24 @@ class ExpertPool:
             if self._views is None:
                 self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
         for k, v in arrays.items():
-            self._views[k][row] = v
+            for index, view in self._views[k]:  # each local shard of the placed pool, or numpy
+                start, stop, _ = index[0].indices(self.rows)
+                if start <= row < stop:
+                    view[row - start] = v[index[1:]]
 
     def _allocate(self, rows: dict) -> None:
         """The pool, of `rows` {name: (row shape, dtype)}: placed zeros written in place, else
         numpy arrays placed at `result` (twice the experts' bytes while placed, logged)."""
         pool = {k: np.zeros((self.rows, *shape), dtype) for k, (shape, dtype) in rows.items()}
-        self.pool = self._views = pool
+        self.pool = pool
+        self._views = {k: [((slice(None),) * v.ndim, v)] for k, v in pool.items()}
         if self.place is not None:
             placed = self.place(pool)
             try:
-                self._views = {k: parallel.host_buffer(v) for k, v in placed.items()}
+                self._views = {k: parallel.shard_buffers(v) for k, v in placed.items()}
                 self.pool = placed
             except ValueError as e:
+                self._filled_in_numpy = True
                 log.warning("the expert pool is filled in numpy, then placed: it is held twice "
                             "while placed (%s)", e)
 
@@ -88,8 +95,8 @@ class ExpertPool:
         """The pool: placed where `place` was given, else numpy."""
         if self.pool is None:
             raise ConfigError("the checkpoint holds no routed experts")
-        if self.place is not None and self.pool is self._views:  # no host buffer: placed now
-            self.pool = self._views = self.place(self.pool)
+        if self.place is not None and self._filled_in_numpy:  # no host buffer: placed now
+            self.pool, self._views, self._filled_in_numpy = self.place(self.pool), None, False
         return self.pool
 
 
