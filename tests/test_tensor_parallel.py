@@ -8,6 +8,7 @@ process's); the boot guard refusing a differing setting or checkpoint, naming it
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -171,8 +172,23 @@ def _peer(profile, *sets: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, **tables):
-    return write_profile(path, model_dir, engine=ENGINE, distributed={
+@contextlib.contextmanager
+def _serving_pair(profile):
+    """Process 1, then process 0 serving HTTP (its URL); SIGTERM on process 0 stops both."""
+    peer = _peer(profile)
+    try:
+        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
+        try:
+            yield url
+        finally:
+            assert stop_server(proc) == 0
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+
+
+def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, engine=ENGINE, **tables):
+    return write_profile(path, model_dir, engine=engine, distributed={
         "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s}, **tables)
 
 
@@ -185,25 +201,17 @@ def test_two_processes_serve_as_one(tmp_path, four_devices):
     import openai
     profile = _pair_profile(tmp_path / "pair.toml",
                             residency={"budget_experts": 72, "miss_policy": "exact"})
-    peer = _peer(profile)
-    try:
-        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
-        try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
-            reply = client.completions.create(model="tiny", prompt=PROMPT,
-                                              max_tokens=NEW_TOKENS, temperature=0)
-            text = reply.choices[0].text
-            assert reply.usage.completion_tokens == NEW_TOKENS
-            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-                metrics = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
-                               if line.startswith("tidejax_residency_"))
-            assert float(metrics["tidejax_residency_swaps_applied"]) > 0
-            assert float(metrics["tidejax_residency_misses"]) > 0
-        finally:
-            assert stop_server(proc) == 0
-        assert peer.wait(timeout=60) == 0
-    finally:
-        peer.kill()
+    with _serving_pair(profile) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
+        reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS,
+                                          temperature=0)
+        text = reply.choices[0].text
+        assert reply.usage.completion_tokens == NEW_TOKENS
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                           if line.startswith("tidejax_residency_"))
+        assert float(metrics["tidejax_residency_swaps_applied"]) > 0
+        assert float(metrics["tidejax_residency_misses"]) > 0
     log = (tmp_path / "pair-peer.log").read_text()
     assert "process 1 follows process 0" in log and "process 0 stopped" in log
     assert "filled in numpy" not in log + server_log(profile)  # each its half, in place
@@ -225,23 +233,13 @@ def test_two_processes_preempt_and_resume_kv_pages_split_by_heads(tmp_path):
                     "--shape", "glm-tiny", "--layers", "3", "--experts", "bf16", "--workers", "1"],
                    check=True, capture_output=True)
     one = tidejax.load(model, engine=GLM_PAIR).generate(GLM_PROMPTS, max_new_tokens=30)
-    profile = write_profile(tmp_path / "glm.toml", model, engine={**GLM_PAIR,
-                            "kv_pool_tokens": 64}, distributed={"num_processes": 2,
-                            "coordinator": _coordinator(), "timeout_s": 120})
-    peer = _peer(profile)
-    try:
-        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
-        try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                texts = list(pool.map(lambda prompt: client.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text,
-                    GLM_PROMPTS))
-        finally:
-            assert stop_server(proc) == 0
-        assert peer.wait(timeout=60) == 0
-    finally:
-        peer.kill()
+    profile = _pair_profile(tmp_path / "glm.toml", model, engine={**GLM_PAIR, "kv_pool_tokens": 64})
+    with _serving_pair(profile) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(lambda prompt: client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text,
+                GLM_PROMPTS))
     log = server_log(profile)
     assert re.search(r"request \d+ preempted", log) and re.search(r"request \d+ resumed", log)
     assert texts == one
