@@ -128,6 +128,7 @@ def put(tree, axes_tree, mesh=None, memory: str = "device"):
     """device_put of each leaf of `tree` by the logical axes of the matching leaf of `axes_tree`
     (a tuple per leaf: `tree` is a prefix of `axes_tree`); memory "host" puts it where
     host_sharding says, in buffers of its own (see _own)."""
+    mesh = mesh or default_mesh()
     place = host_sharding if memory == "host" else sharding
     jax.tree_util.tree_map_with_path(lambda path, leaf, axes: _check_split(path, leaf, axes, mesh),
                                      tree, axes_tree)
@@ -147,12 +148,12 @@ def _placed(leaf, where: NamedSharding) -> jax.Array:
 def _check_split(path, leaf, axes, mesh) -> None:
     """A ConfigError naming the leaf where a dimension the mesh splits does not divide by it (a
     tiny MXFP4 expert has fewer 32-wide blocks than devices), instead of jax's placement error."""
-    for dim, (size, name) in enumerate(zip(np.shape(leaf), _on(mesh or default_mesh(), axes))):
-        if name is not None and size % (mesh or default_mesh()).shape[name]:
+    for dim, (size, name) in enumerate(zip(np.shape(leaf), _on(mesh, axes))):
+        if name is not None and size % mesh.shape[name]:
             raise ConfigError(
-                f"'distributed.tensor_parallel' = {tensor_size(mesh)} splits "
+                f"'distributed.tensor_parallel' = {mesh.shape[name]} splits "
                 f"{jax.tree_util.keystr(path) or 'a leaf'} along its {axes[dim]} axis "
-                f"(dimension {dim}), of {size}: not a multiple of {tensor_size(mesh)}")
+                f"(dimension {dim}), of {size}: not a multiple of {mesh.shape[name]}")
 
 
 def _own(placed: jax.Array, source):
