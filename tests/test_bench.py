@@ -186,13 +186,22 @@ def test_step_overhead_on_a_tiny_synthetic_checkpoint(tiny_mxfp4, capsys):
 
 def test_profile_step_attributes_a_step_to_its_model_parts(tiny_mxfp4, capsys):
     """bench/profile_step.py traces bare steps of a tiny synthetic and sums the ops by part: the
-    layers' attention and MoE appear with time, and the parts add up to the ops' total."""
+    layers' attention and MoE appear with time, the parts add up to the ops' total, and a step
+    that carries a prompt chunk runs more kernels and more op time than decoding alone."""
     assert profile_step.main([str(tiny_mxfp4), "--steps", "2", "--resident", "0.5",
-                              "--set", "engine.max_context=128"]) == 0
-    out = capsys.readouterr().out
-    total = float(out.split(" ms of ops")[0].split("] ")[-1])
-    table = out.split("| part |")[1].split("\n\n")[0].splitlines()[2:]
-    parts = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in table}
-    assert any(p.endswith("layers/moe") and ms > 0 for p, ms in parts.items()), parts
-    assert any(p.endswith("layers/attn") and ms > 0 for p, ms in parts.items()), parts
-    assert abs(sum(parts.values()) - total) < 0.01 * total + 0.01
+                              "--prefill", "0,16", "--set", "engine.max_context=128"]) == 0
+    cases = {}
+    for case in capsys.readouterr().out.split("\n\n[")[1:]:
+        head = re.match(r"(.*)\] wall ([\d.]+) ms a step; (\d+) kernels, busy ([\d.]+) ms, idle "
+                        r"([\d.]+) ms a step; ([\d.]+) ms of ops", case)
+        assert head, case
+        table = case.split("| part |")[1].split("\n\n")[0].splitlines()[2:]
+        parts = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in table}
+        total = float(head[6])
+        assert any(p.endswith("layers/moe") and ms > 0 for p, ms in parts.items()), parts
+        assert any(p.endswith("layers/attn") and ms > 0 for p, ms in parts.items()), parts
+        assert abs(sum(parts.values()) - total) < 0.01 * total + 0.01
+        assert float(head[2]) > 0 and 0 < float(head[4]) <= total + 0.01
+        cases[head[1].split("prefill ")[-1]] = (int(head[3]), total)
+    assert set(cases) == {"0", "16"}
+    assert cases["16"][0] > cases["0"][0] and cases["16"][1] > cases["0"][1]
