@@ -89,10 +89,12 @@ class Family:
     """What the engine needs from a model family; every callable takes the family's config.
 
     build(cfg, serve_options, dtype) -> a flax module whose __call__ is
-        (tokens, positions, token_mask, cache, block_table, experts[, tables], replay=None)
-        -> (logits [b, t, vocab] float32, cache, experts), the cache a kv.paged.PagedCache and
-        block_table [b, P] each row's pages in its pool; replay [b, t, L_moe, k]: recorded picks
-        the MoE layers route by instead of their routers' choice (passed only when given)
+        (tokens, positions, token_mask, cache, block_table, experts[, tables], replay=None,
+        logits_at=None) -> (logits [b, t, vocab] float32, cache, experts), the cache a
+        kv.paged.PagedCache and block_table [b, P] each row's pages in its pool; replay
+        [b, t, L_moe, k]: recorded picks the MoE layers route by instead of their routers' choice
+        (passed only when given); logits_at [b]: logits only at that position of each row
+        ([b, 1, vocab], layers.linear.lm_logits)
     load_weights(cfg, model_dir, raw_config, serve_options, dtype, put_row) -> (params, aux):
         dense params on the device; routed experts through put_row(layer * E + expert, row);
         aux is whatever host-side state the family keeps (None for most)

@@ -189,21 +189,22 @@ class Steps:
 
     model: object
 
-    def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes):
+    def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
+                 logits_at=None):
         """tables: the family's step tables or None; routes: replayed picks [b, t, L_moe, k] or
-        None."""
+        None; logits_at [b]: the one position of each row to compute logits at (None: all)."""
         extra = () if tables is None else (tables,)
         replay = {} if routes is None else {"replay": routes}  # a family may not take one
         return self.model.apply({"params": params}, tokens, positions, mask, cache, table,
-                                experts, *extra, **replay)
+                                experts, *extra, **replay, logits_at=logits_at)
 
     def _prefill(self, params, tables, chunk: PrefillInputs, cache: PagedCache, experts, routes):
-        """The chunk's logits [1, C, vocab]: it writes the shared pool through its block table
-        and its lane's slice of the per-lane rows."""
+        """The logits [1, 1, vocab] at the chunk's last token: it writes the shared pool through
+        its block table and its lane's slice of the per-lane rows."""
         lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
         logits, out, experts = self._forward(params, tables, chunk.tokens, chunk.positions,
                                              chunk.mask, PagedCache(cache.pages, lane), chunk.table,
-                                             experts, routes)
+                                             experts, routes, jnp.reshape(chunk.last, (1,)))
         lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
                              cache.lanes, out.lanes)
         return logits, PagedCache(out.pages, lanes), experts
@@ -222,9 +223,8 @@ class Steps:
                 logits, cache, experts = self._prefill(params, inputs.tables, prefill,
                                                        cache, experts, routes)
                 sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
-                last = prefill.last
-                first = sample(logits[:, last], sampling.lane(prefill.lane),
-                               prefill.positions[:, last] + 1)
+                first = sample(logits[:, 0], sampling.lane(prefill.lane),
+                               prefill.positions[:, prefill.last] + 1)
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
                 sampling = sampling.generated(tokens, decode.active)

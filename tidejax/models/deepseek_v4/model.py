@@ -32,7 +32,7 @@ from tidejax.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, top_k_select
 from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
                                                  window_keys)
-from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.linear import Linear, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
@@ -261,13 +261,13 @@ class DeepseekV4(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, replay=None):
+                 experts: ExpertState, replay=None, logits_at=None):
         """tokens, positions [b, t]; token_mask [b, t] (real tokens first); cache: V4Pages (the
         shared pool) and V4Lanes (one row per batch row); block_table [b, P] int32: each row's
         pages in the pool; experts: the residency state (every layer is a MoE layer, rowmap row
         = layer); replay [b, t, layers, k]: recorded picks to route by, hash layers included
-        (None: the routers and hash tables choose) -> (logits [b, t, vocab] float32, cache,
-        experts)."""
+        (None: the routers and hash tables choose); logits_at [b]: the one position of each row to
+        compute logits at (None: all) -> (logits [b, t or 1, vocab] float32, cache, experts)."""
         cfg = self.cfg
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -302,7 +302,7 @@ class DeepseekV4(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), self.dtype)
-        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
+        logits = lm_logits(x, head, logits_at)
         entries, ring_kv, ring_gate, index_keys, index_ring_kv, index_ring_gate = (
             tuple(p[j] for p in parts) for j in range(6))
         cache = PagedCache(V4Pages(entries, index_keys),

@@ -35,7 +35,7 @@ from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selec
                                             top_k_select)
 from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
                                                  window_keys)
-from tidejax.models.layers.linear import HIGHEST, Linear
+from tidejax.models.layers.linear import Linear, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
@@ -331,13 +331,15 @@ class DeepseekV41(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, engram: EngramTables | None = None, replay=None):
+                 experts: ExpertState, engram: EngramTables | None = None, replay=None,
+                 logits_at=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
         cache: V41Pages (the shared pool) and V41Lanes (one row per batch row); block_table
         [b, P] int32: each row's pages in the pool;
         experts: the residency state (every layer is a MoE layer, rowmap row = layer);
-        engram: the Engram hash maps and tables (None without Engram layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose)
-        -> (logits [b, t, vocab] float32, cache, experts).
+        engram: the Engram hash maps and tables (None without Engram layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose);
+        logits_at [b]: the one position of each row to compute logits at (None: all)
+        -> (logits [b, t or 1, vocab] float32, cache, experts).
 
         Sows "streams" (each layer's output streams) and "selection" (each index source's
         selection) into the "intermediates" collection for parity checks."""
@@ -375,7 +377,7 @@ class DeepseekV41(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        logits = jnp.einsum("btd,vd->btv", x.astype(F32), head.astype(F32), precision=HIGHEST)
+        logits = lm_logits(x, head, logits_at)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
         cache = PagedCache(V41Pages(entries, index_keys),
                            V41Lanes(tuple(windows), buf_kv, buf_gate, history))

@@ -33,7 +33,7 @@ from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec
-from tidejax.models.layers.linear import HIGHEST
+from tidejax.models.layers.linear import lm_logits
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
@@ -81,11 +81,12 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, replay=None):
+                 experts: ExpertState, replay=None, logits_at=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); cache: the
         pool (the family's dataclass of per-layer tuples; nothing per lane); block_table [b, P]
         int32: each row's pages in the pool; replay [b, t, L_moe, k]: recorded picks to route by
-        (None: the routers choose) -> logits [b, t, vocab] float32, cache, experts."""
+        (None: the routers choose); logits_at [b]: the one position of each row to compute logits
+        at (None: all) -> logits [b, t or 1, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
         x = jnp.take(embed, tokens, axis=0)
@@ -106,8 +107,7 @@ class Decoder(nn.Module):
             head = embed
         else:
             head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
-        logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), head.astype(jnp.float32),
-                            precision=HIGHEST)
+        logits = lm_logits(x, head, logits_at)
         pages = cache.pages.replace(**{name: tuple(layer[j] for layer in layers)
                                        for j, name in enumerate(fields)})
         return logits, PagedCache(pages), experts
