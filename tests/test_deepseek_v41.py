@@ -21,11 +21,12 @@ from tidejax.models.deepseek_v41.weights import load
 GOLDEN = Path(__file__).parent / "data" / "golden_v41"
 MODELS = ["tiny_a", "tiny_b", "tiny_c"]
 KERNEL = "reference"
-# Positions whose golden values sit across a float32 rounding tie from exact arithmetic
-# (tests/data/golden_v41/README.md): tiny_c's layer-2 window key at position 6 is 1.7e-6 from an
-# e4m3 midpoint; the reference's float32 rounds it up, float64 arithmetic (and tidejax) down. That
-# key moves the logits of positions 6..24 by up to 7.5e-4, so they are held to TIE_TOLERANCE.
-TIE_SPANS = {"tiny_c": range(6, 25)}
+# (first layer, positions) whose golden values sit across a float32 rounding tie from exact
+# arithmetic (tests/data/golden_v41/README.md): tiny_c's layer-2 window key at position 6 is 1.7e-6
+# from an e4m3 midpoint; the reference's float32 rounds it up, float64 arithmetic (and tidejax)
+# down. That key moves positions 6..24 of layer 2 on (the logits by up to 7.5e-4), so they are
+# held to TIE_TOLERANCE.
+TIE_SPANS = {"tiny_c": (2, range(6, 25))}
 TIE_TOLERANCE = 2e-3
 
 
@@ -64,12 +65,14 @@ def full_forward(name):
     return np.asarray(logits[0]), streams, selections
 
 
-def assert_near_golden(name, got, want, what):
-    """got, want [T, ...]: within 1e-4 of the golden at every position, TIE_TOLERANCE in the
-    model's tie span."""
+def assert_near_golden(name, got, want, what, layer=None):
+    """got, want [T, ...]: a layer's streams (the logits: layer None) within 1e-4 of the golden at
+    every position, TIE_TOLERANCE in the model's tie span."""
     diff = np.abs(got - want).reshape(len(want), -1).max(axis=1)  # per position
     tol = np.full(len(diff), 1e-4)
-    tol[list(TIE_SPANS.get(name, ()))] = TIE_TOLERANCE
+    first, span = TIE_SPANS.get(name, (0, ()))
+    if layer is None or layer >= first:
+        tol[list(span)] = TIE_TOLERANCE
     assert np.all(diff <= tol), (f"{what}: first bad position {int(np.argmax(diff > tol))}, "
                                  f"max diff {diff.max():.3g}")
 
@@ -109,7 +112,7 @@ def test_layer_streams(name):
     _, streams, _ = full_forward(name)
     want = golden(name, "layer_streams.npy")
     for layer in range(len(want)):
-        assert_near_golden(name, streams[layer], want[layer], f"layer {layer}")
+        assert_near_golden(name, streams[layer], want[layer], f"layer {layer}", layer)
 
 
 @pytest.mark.parametrize("name", MODELS)
