@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 against the reference's own outputs (tests/data/golden_v41, see its README):
 Engram hash ids, per-layer streams and index selections (they localize a mismatch), logits of a
 full forward, the same logits through prefill + one-token decode steps (two rows in each step), and
-greedy ids."""
+greedy ids, on three tiny models."""
 
 from __future__ import annotations
 
@@ -19,8 +19,15 @@ from tidejax.models.deepseek_v41.engram import hash_ids
 from tidejax.models.deepseek_v41.weights import load
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41"
-MODELS = ["tiny_a", "tiny_b"]
+MODELS = ["tiny_a", "tiny_b", "tiny_c"]
 KERNEL = "reference"
+# (first layer, positions) whose golden values sit across a float32 rounding tie from exact
+# arithmetic (tests/data/golden_v41/README.md): tiny_c's layer-2 window key at position 6 is 1.7e-6
+# from an e4m3 midpoint; the reference's float32 rounds it up, float64 arithmetic (and tidejax)
+# down. That key moves positions 6..24 of layer 2 on (the logits by up to 7.5e-4), so they are
+# held to TIE_TOLERANCE.
+TIE_SPANS = {"tiny_c": (2, range(6, 25))}
+TIE_TOLERANCE = 2e-3
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +65,18 @@ def full_forward(name):
     return np.asarray(logits[0]), streams, selections
 
 
+def assert_near_golden(name, got, want, what, layer=None):
+    """got, want [T, ...]: a layer's streams (the logits: layer None) within 1e-4 of the golden at
+    every position, TIE_TOLERANCE in the model's tie span."""
+    diff = np.abs(got - want).reshape(len(want), -1).max(axis=1)  # per position
+    tol = np.full(len(diff), 1e-4)
+    first, span = TIE_SPANS.get(name, (0, ()))
+    if layer is None or layer >= first:
+        tol[list(span)] = TIE_TOLERANCE
+    assert np.all(diff <= tol), (f"{what}: first bad position {int(np.argmax(diff > tol))}, "
+                                 f"max diff {diff.max():.3g}")
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_engram_hash_ids(name):
     """The numpy reference (int64) and the step's hashing (uint32 pairs) give the golden ids,
@@ -93,8 +112,7 @@ def test_layer_streams(name):
     _, streams, _ = full_forward(name)
     want = golden(name, "layer_streams.npy")
     for layer in range(len(want)):
-        diff = np.abs(streams[layer] - want[layer]).max(axis=(1, 2))  # per position
-        assert diff.max() < 1e-4, f"layer {layer}: first bad position {int(np.argmax(diff > 1e-4))}"
+        assert_near_golden(name, streams[layer], want[layer], f"layer {layer}", layer)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -110,11 +128,11 @@ def test_index_selection(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_logits(name):
     logits, _, _ = full_forward(name)
-    diff = np.abs(logits - golden(name, "logits.npy")).max()
-    assert diff <= 1e-4, diff
+    assert_near_golden(name, logits, golden(name, "logits.npy"), "logits")
 
 
-@pytest.mark.parametrize("name, cache_dtype", [("tiny_a", "float32"), ("tiny_b", "bfloat16")])
+@pytest.mark.parametrize("name, cache_dtype", [("tiny_a", "float32"), ("tiny_b", "bfloat16"),
+                                               ("tiny_c", "float32")])
 def test_two_rows_prefill_then_decode(name, cache_dtype):
     """Two rows at different positions in the same steps, their pages interleaved in one pool.
     Row 0 prefills 17 (a ratio-2 group left half full), then feeds the golden ids one at a time
@@ -141,12 +159,11 @@ def test_two_rows_prefill_then_decode(name, cache_dtype):
         out = np.asarray(out[:, 0])
         logits.append(out[:1])
         picks.append(int(np.argmax(out[1])))
-    diff = np.abs(np.concatenate(logits) - golden(name, "logits.npy")).max()
-    assert diff <= 1e-4, diff
+    assert_near_golden(name, np.concatenate(logits), golden(name, "logits.npy"), "logits")
     assert picks[:len(want)] == want
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", MODELS[:2])  # tiny_c: no kind of param the other two lack
 def test_declared_params_are_what_the_model_consumes(name):
     """The declaration and the flax modules cannot drift: model.init's params tree is the
     declared one, the model runs on params from init(specs) (declaration.check_declaration), and
