@@ -205,3 +205,19 @@ def test_profile_step_attributes_a_step_to_its_model_parts(tiny_mxfp4, capsys):
         cases[head[1].split("prefill ")[-1]] = (int(head[3]), total)
     assert set(cases) == {"0", "16"}
     assert cases["16"][0] > cases["0"][0] and cases["16"][1] > cases["0"][1]
+
+
+def test_v41_parts_times_each_part_beside_its_candidate(capsys):
+    """bench/v41_parts.py runs the shipped Sinkhorn and Engram gather beside their candidates:
+    every row has time and kernels, and each candidate computes what the shipped form does."""
+    from bench import v41_parts
+
+    assert v41_parts.main(["--tokens", "3", "--rows", "500", "--sites", "2", "--reps", "1"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[-1].splitlines()[2:]
+    rows = [line.split("|")[1:-1] for line in table]
+    assert [(r[0].strip(), r[2].strip()) for r in rows] == [
+        ("sinkhorn x 2", "loop"), ("sinkhorn x 2", "unrolled"),
+        ("engram rows", "loop"), ("engram rows", "host gather")]
+    for row in rows:
+        assert float(row[3]) > 0 and int(row[4]) > 0
+        assert float(row[5]) < 1e-5

@@ -246,11 +246,17 @@ def gather_rows(eng: EngramTables, ids):
                      for layer, (o, table) in enumerate(zip(out, eng.tables)))
 
     out = jax.lax.fori_loop(0, flat.shape[1], body, out)
-    rows = []
-    for got in out:
+    return dequantized(out, (b, t, c))
+
+
+def dequantized(rows: tuple, shape: tuple) -> jax.Array:
+    """Per Engram layer {"values": [m, e], "scales"?: [m, e / 32]} rows as read from its table,
+    m = b * t * cols -> float32 [b, t, layers, cols, e] (shape = (b, t, cols))."""
+    out = []
+    for got in rows:
         values = got["values"].astype(jnp.float32)
         if "scales" in got:
             scales = got["scales"].astype(jnp.float32)
             values = (values.reshape(*scales.shape, -1) * scales[..., None]).reshape(values.shape)
-        rows.append(values.reshape(b, t, c, -1))
-    return jnp.stack(rows, 2)
+        out.append(values.reshape(*shape, -1))
+    return jnp.stack(out, 2)

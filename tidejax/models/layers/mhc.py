@@ -42,9 +42,10 @@ def _project(streams, fn, eps: float):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HIGHEST)
 
 
-def sinkhorn(logits, *, hc_eps: float, iters: int):
+def sinkhorn(logits, *, hc_eps: float, iters: int, unroll: bool = False):
     """logits [..., hc(j), hc(k)] -> a (nearly) doubly stochastic comb: softmax over k, then
-    alternate row and column normalizations (iters in all, the softmax's column pass first)."""
+    alternate row and column normalizations (iters in all, the softmax's column pass first).
+    unroll: the iterations inlined instead of a loop (bench/v41_parts.py times both)."""
     comb = jax.nn.softmax(logits, -1) + hc_eps
     comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
 
@@ -52,7 +53,7 @@ def sinkhorn(logits, *, hc_eps: float, iters: int):
         c = c / (jnp.sum(c, -1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, -2, keepdims=True) + hc_eps)
 
-    return jax.lax.fori_loop(0, iters - 1, step, comb)  # a loop: unrolled, it dominates compile time
+    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
 
 
 def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int):

@@ -1,0 +1,132 @@
+"""Two parts of the DeepSeek-V4.1 step that launch many small kernels (the 40-layer profile in
+RESULTS.md, 2026-12-04), each timed alone on the device in its shipped form beside a candidate:
+
+- mHC's Sinkhorn (models/layers/mhc.sinkhorn), `--sites` of them chained in one jit as a step
+  has them (two a layer): the loop as shipped, and unrolled.
+- The Engram rows (models/deepseek_v41/engram.gather_rows): the shipped loop, one row of every
+  table an iteration from host memory; and the rows gathered on the host with numpy from the
+  same tables' bytes (parallel.host_buffer), copied to the device and dequantized there: what a
+  prompt chunk, whose tokens the host holds, could send with its step.
+
+    python bench/v41_parts.py [--tokens 4,2048] [--iters 20] [--sites 80] [--rows 4070432]
+
+Per part and token count: ms a call (median of --reps, back to back, waited for), kernels a call
+(op executions in a profiler trace of one call) and the candidate's largest difference from the
+shipped form's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.profile_step import trace_events  # noqa: E402
+from tidejax import parallel  # noqa: E402
+from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows  # noqa: E402
+from tidejax.models.layers.mhc import sinkhorn  # noqa: E402
+
+ENGRAM_LAYERS, COLS, WIDTH = 2, 24, 256  # ds41-flash: 2 Engram layers, (4 - 1) x 8 heads, 256
+
+
+def timed(fn, *args, reps: int) -> tuple[float, float, object]:
+    """(median ms a call, kernels a call, the output) of fn(*args) after a call that compiles."""
+    out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            jax.block_until_ready(fn(*args))
+        kernels = len(trace_events(Path(folder)))
+    return statistics.median(times), kernels, out
+
+
+def chained_sinkhorn(sites: int, iters: int, unroll: bool):
+    @jax.jit
+    def run(logits):
+        comb = jnp.zeros_like(logits)
+        for _ in range(sites):  # each site's input depends on the last one's output, as in a step
+            comb = sinkhorn(logits + 1e-3 * comb, hc_eps=1e-6, iters=iters, unroll=unroll)
+        return comb
+    return run
+
+
+def engram_tables(rows: int, rng) -> EngramTables:
+    """Random e4m3 tables [rows, WIDTH] with float32 scales per 32 channels, in host memory; the
+    hashing fields, which gather_rows does not read, empty."""
+    tables = []
+    for _ in range(ENGRAM_LAYERS):
+        values = rng.integers(0, 126, (rows, WIDTH), dtype=np.uint8).view(jnp.float8_e4m3fn)
+        scales = rng.uniform(0.5, 2.0, (rows, WIDTH // 32)).astype(np.float32)
+        tables.append({"values": values, "scales": scales})
+    axes = jax.tree.map(lambda _: (None, None), tables)
+    empty = jnp.zeros((0,), jnp.int32)
+    return EngramTables(empty, empty, empty, empty, empty,
+                        tuple(parallel.put(tables, axes, memory="host")), 0)
+
+
+def host_gathered(eng: EngramTables, views: list, ids: np.ndarray):
+    """The rows `ids` [b, t, layers, cols] name, read on the host and copied to the device."""
+    b, t, _, c = ids.shape
+    flat = ids.transpose(2, 0, 1, 3).reshape(ENGRAM_LAYERS, -1)
+    got = tuple({name: jax.device_put(view[name][flat[layer]]) for name in view}
+                for layer, view in enumerate(views))
+    return _dequantize(got, (b, t, c))
+
+
+_dequantize = jax.jit(dequantized, static_argnums=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="4,2048", help="tokens a call, comma-separated")
+    parser.add_argument("--iters", type=int, default=20, help="hc_sinkhorn_iters")
+    parser.add_argument("--sites", type=int, default=80, help="Sinkhorn sites a step")
+    parser.add_argument("--rows", type=int, default=4_070_432, help="rows of each Engram table")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    eng = engram_tables(args.rows, rng)
+    views = [{name: parallel.host_buffer(leaf) for name, leaf in table.items()}
+             for table in eng.tables]
+    gather = jax.jit(gather_rows)
+    table = ["| part | tokens | form | ms a call | kernels a call | max abs diff |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for tokens in (int(x) for x in args.tokens.split(",")):
+        logits = jnp.asarray(rng.normal(size=(tokens, 1, 4, 4)), jnp.float32)
+        shipped = None
+        for form, unroll in (("loop", False), ("unrolled", True)):
+            ms, kernels, out = timed(chained_sinkhorn(args.sites, args.iters, unroll), logits,
+                                     reps=args.reps)
+            shipped = out if shipped is None else shipped
+            diff = float(jnp.max(jnp.abs(out - shipped)))
+            table.append(f"| sinkhorn x {args.sites} | {tokens} | {form} | {ms:.3f} | {kernels} | "
+                         f"{diff:.1e} |")
+            print(table[-1], flush=True)
+        ids = rng.integers(0, args.rows, (tokens, 1, ENGRAM_LAYERS, COLS)).astype(np.int32)
+        ms, kernels, looped = timed(gather, eng, jnp.asarray(ids), reps=args.reps)
+        table.append(f"| engram rows | {tokens} | loop | {ms:.3f} | {kernels} | 0 |")
+        print(table[-1], flush=True)
+        ms, kernels, hosted = timed(host_gathered, eng, views, ids, reps=args.reps)
+        diff = float(jnp.max(jnp.abs(hosted - looped)))
+        table.append(f"| engram rows | {tokens} | host gather | {ms:.3f} | {kernels} | {diff:.1e} |")
+        print(table[-1], flush=True)
+    print("\n" + "\n".join(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
