@@ -262,12 +262,20 @@ def test_sparse_mla_attention_reads_only_the_picked_entries():
 
 def test_top_k_select_gives_ties_to_the_lower_id():
     """Equal scores, +0.0 and -0.0 among them (equal, though top_k's total order ranks -0.0
-    lower), go to the lower id; -inf picks are not valid."""
+    lower), go to the lower id; -inf picks are not valid. Also at GLM-5's top-k (2,048 of
+    4,096, most scores 0.0 or -0.0) against numpy's stable sort."""
     scores = jnp.array([[-0.0, 0.5, 0.0, -0.0, -1.0, 0.0],
                         [-jnp.inf, 2.0, 2.0, -jnp.inf, 2.0, -jnp.inf]])
     ids, valid = top_k_select(scores, 4)
     np.testing.assert_array_equal(ids, [[1, 0, 2, 3], [1, 2, 4, 0]])
     np.testing.assert_array_equal(valid, [[True] * 4, [True, True, True, False]])
+    rng = np.random.RandomState(0)
+    scores = rng.randn(4, 4096).astype(np.float32)
+    zero = rng.rand(4, 4096) < 0.7
+    scores[zero] = 0.0
+    scores[zero & (rng.rand(4, 4096) < 0.5)] = -0.0
+    ids, _ = top_k_select(jnp.asarray(scores), 2048)
+    np.testing.assert_array_equal(ids, np.argsort(-scores, axis=-1, kind="stable")[:, :2048])
 
 
 def test_synthetic_glm5_checkpoint_loads_and_decodes(tmp_path):
