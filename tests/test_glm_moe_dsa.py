@@ -1,7 +1,8 @@
 """The GLM-5 family against transformers' GlmMoeDsaForCausalLM on tiny random checkpoints: DSA
 top-k below and above the context, with and without a dense layer, a "shared" indexer layer;
-the published layouts (FP8 blocks, fused experts, the MTP layer kept); DSA's sparse attention
-against numpy."""
+1, 2 and 8 index heads on prompts around top-k (tied scores picked as jax.lax.top_k picks
+them); the published layouts (FP8 blocks, fused experts, the MTP layer kept); DSA's sparse
+attention against numpy."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from tidejax.models.glm_moe_dsa.model import build
 from tidejax.models.glm_moe_dsa.weights import (checkpoint_table, expert_specs, load_weights,
                                                 param_specs)
+from tidejax.models.layers.compress import top_k_select
 from tidejax.models.layers.dsa import DSAPages
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
@@ -33,8 +35,9 @@ from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
 from declaration import check_declaration, check_dense_dtypes, param_paths
 from tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights, cached_decode_logits,
-                         glm_moe_dsa_config, relative_diff, served_greedy, transformers_greedy,
-                         write_fp8_copies, write_fused_copy, write_glm_moe_dsa)
+                         glm_moe_dsa_config, lower_index_ties, relative_diff, served_greedy,
+                         transformers_greedy, write_fp8_copies, write_fused_copy,
+                         write_glm_moe_dsa)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +48,53 @@ def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = write_glm_moe_dsa(path, seed=len(request.param), **GLM_MOE_DSA_CONFIGS[request.param])
     return request.param, path, model, tidejax.load(path)
+
+
+# Index heads 1, 2 and 8 with an indexer in every layer, top-k 8, and prompts of top-k - 1,
+# top-k, top-k + 1 and 2.5 top-k tokens. Pages of 4 tokens: a row of up to 8 tokens (two pages)
+# attends all it holds, a longer one its pick, so the served tokens cross that switch too.
+TIES_TOPK = 8
+TIES_PROMPT = np.random.RandomState(11).randint(3, 256, 20)
+TIES_LENGTHS = (7, 8, 9, 20)
+TIES_ENGINE = {"page_size": 4, "lanes": 1, "max_context": 64, "prefill_chunk": 16}
+
+
+@pytest.fixture(scope="module", params=(1, 2, 8), ids=lambda n: f"{n}heads")
+def index_heads(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"index_heads_{request.param}")
+    model = write_glm_moe_dsa(path, seed=request.param, index_n_heads=request.param,
+                              index_topk=TIES_TOPK, index_topk_pattern="FF",
+                              first_k_dense_replace=1, num_hidden_layers=2)
+    return request.param, model, tidejax.load(path, engine=TIES_ENGINE)
+
+
+def test_logits_match_transformers_around_topk(index_heads):
+    """With 1 or 2 index heads the k-th place of the longest prompt's pick is a tie somewhere
+    (the choice torch leaves open, lower_index_ties): the parity covers the tie rule."""
+    heads, model, engine = index_heads
+    for n in TIES_LENGTHS:
+        with torch.no_grad(), lower_index_ties() as tied:
+            ref = model(torch.tensor(TIES_PROMPT[:n])[None]).logits[0].numpy()
+        assert relative_diff(engine.logits(TIES_PROMPT[:n]), ref) < 1e-4, n
+    assert sum(tied) > 0 or heads == 8
+
+
+def test_greedy_tokens_match_transformers_across_topk(index_heads):
+    """From top-k - 1 prompt tokens on, the served decode steps cross from attending every
+    entry to the pick."""
+    heads, model, engine = index_heads
+    if heads != 1:
+        pytest.skip("one head ties the most; topk_below serves 8")
+    prompt = TIES_PROMPT[:TIES_TOPK - 1]
+    with lower_index_ties():
+        want = transformers_greedy(model, prompt, 6)
+    assert served_greedy(engine, prompt, 6) == want
+
+
+def test_cached_decode_equals_full_forward_around_topk(index_heads):
+    _, _, engine = index_heads
+    stepped = cached_decode_logits(engine, TIES_PROMPT, TIES_TOPK - 1)
+    assert relative_diff(stepped, engine.logits(TIES_PROMPT)) < 1e-5
 
 
 def test_declared_params_are_what_the_model_consumes():
@@ -71,7 +121,7 @@ def test_declared_params_are_what_the_model_consumes():
 
 def test_logits_match_transformers(tiny):
     name, _, model, engine = tiny
-    with torch.no_grad():
+    with torch.no_grad(), lower_index_ties():
         ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
     diff = relative_diff(engine.logits(PROMPT), ref)
     print(f"{name}: max relative logit difference {diff:.2e}")
@@ -84,7 +134,7 @@ def test_the_selection_changes_the_reference(tiny):
     name, _, model, _ = tiny
     if name != "topk_below":
         pytest.skip("the selection is everything above the context")
-    with torch.no_grad():
+    with torch.no_grad(), lower_index_ties():
         ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
         for layer in model.model.layers:
             if layer.self_attn.indexer is not None:
@@ -100,7 +150,9 @@ def test_greedy_tokens_match_transformers(tiny):
     name, _, model, engine = tiny
     if name != "topk_below":
         pytest.skip("one config is enough for the served tokens: the one that selects")
-    assert served_greedy(engine, PROMPT, 12) == transformers_greedy(model, PROMPT, 12)
+    with lower_index_ties():
+        want = transformers_greedy(model, PROMPT, 12)
+    assert served_greedy(engine, PROMPT, 12) == want
 
 
 def test_cached_decode_equals_full_forward(tiny):
@@ -206,6 +258,24 @@ def test_sparse_mla_attention_reads_only_the_picked_entries():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             want = (p / p.sum(-1, keepdims=True)) @ lat
             np.testing.assert_allclose(out[row, i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_select_gives_ties_to_the_lower_id():
+    """Equal scores, +0.0 and -0.0 among them (equal, though top_k's total order ranks -0.0
+    lower), go to the lower id; -inf picks are not valid. Also at GLM-5's top-k (2,048 of
+    4,096, most scores 0.0 or -0.0) against numpy's stable sort."""
+    scores = jnp.array([[-0.0, 0.5, 0.0, -0.0, -1.0, 0.0],
+                        [-jnp.inf, 2.0, 2.0, -jnp.inf, 2.0, -jnp.inf]])
+    ids, valid = top_k_select(scores, 4)
+    np.testing.assert_array_equal(ids, [[1, 0, 2, 3], [1, 2, 4, 0]])
+    np.testing.assert_array_equal(valid, [[True] * 4, [True, True, True, False]])
+    rng = np.random.RandomState(0)
+    scores = rng.randn(4, 4096).astype(np.float32)
+    zero = rng.rand(4, 4096) < 0.7
+    scores[zero] = 0.0
+    scores[zero & (rng.rand(4, 4096) < 0.5)] = -0.0
+    ids, _ = top_k_select(jnp.asarray(scores), 2048)
+    np.testing.assert_array_equal(ids, np.argsort(-scores, axis=-1, kind="stable")[:, :2048])
 
 
 def test_synthetic_glm5_checkpoint_loads_and_decodes(tmp_path):

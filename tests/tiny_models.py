@@ -7,8 +7,10 @@ sentences and a simple chat template.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -210,6 +212,31 @@ def assert_same_weights(a, b) -> None:
         assert jax.tree.structure(x) == jax.tree.structure(y)
         for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@contextlib.contextmanager
+def lower_index_ties():
+    """Within the block torch's Tensor.topk returns the lower index first among equal values,
+    as jax.lax.top_k does (so our engines' top-k picks). torch leaves the choice among ties
+    unspecified (its docs; its CPU kernel's nth_element takes any of them), and the lightning
+    indexers tie often: a score is exactly 0 wherever ReLU zeroes every index head, so with few
+    heads the k-th place is often a tie. Each call checks that its values are torch's own: the
+    pin decides which of equal scores are picked, never which scores. Yields a list that gets,
+    per call, the rows whose k-th and (k+1)-th values are equal and finite (where it decides)."""
+    own, tied = torch.Tensor.topk, []
+
+    def topk(values, k, dim=-1, largest=True, sorted=True):
+        ordered, ids = torch.sort(values, dim=dim, descending=largest, stable=True)
+        if k < values.shape[dim]:
+            kth, next_ = ordered.narrow(dim, k - 1, 1), ordered.narrow(dim, k, 1)
+            tied.append(int(((kth == next_) & kth.isfinite()).sum()))
+        ordered, ids = ordered.narrow(dim, 0, k), ids.narrow(dim, 0, k)
+        if not torch.equal(ordered, own(values, k, dim=dim, largest=largest).values):
+            raise AssertionError("lower_index_ties: the stable top-k's values are not torch's")
+        return torch.return_types.topk((ordered, ids))
+
+    with mock.patch.object(torch.Tensor, "topk", topk):
+        yield tied
 
 
 def relative_diff(ours, ref) -> float:

@@ -59,13 +59,17 @@ def candidate_blocks(scores, newest, block: int, keep: int):
     block_scores = padded.reshape(t, n_blocks, block).max(-1)
     last = jnp.floor_divide(newest, block)
     block_scores = jnp.where(jnp.arange(n_blocks)[None] == last[:, None], jnp.inf, block_scores)
-    values, ids = jax.lax.top_k(block_scores, min(keep, n_blocks))
-    kept = jnp.zeros((t, n_blocks), bool).at[jnp.arange(t)[:, None], ids].set(values > -jnp.inf)
+    kept = selection_mask(*top_k_select(block_scores, keep), n_blocks)
     return jnp.repeat(kept, block, axis=1)[:, :g]
 
 
 def top_k_select(scores, k: int):
-    """The top min(k, g) scores of each row: ids [t, k'] int32 and valid [t, k'] (finite score)."""
+    """The top min(k, g) scores of each row: ids [t, k'] int32 and valid [t, k'] (finite score).
+    Among equal scores the lower id wins (jax.lax.top_k's rule; -0.0 is made 0.0 first, which
+    top_k's total order would put below it): the indexers' ReLU ties often (a score is exactly
+    0 where no index head fires), and the rule makes a query's pick the same in a prompt chunk
+    and a decode step. transformers' torch.topk leaves ties unspecified."""
+    scores = jnp.where(scores == 0, 0.0, scores)
     values, ids = jax.lax.top_k(scores, min(k, scores.shape[-1]))
     return ids.astype(jnp.int32), values > -jnp.inf
 

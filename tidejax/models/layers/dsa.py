@@ -9,6 +9,9 @@ keys (kv.paged.index_scores: the Pallas kernel for decode steps). Its rotary cha
 leading qk_rope_head_dim of each head, interleaved pairs (GLM-5; transformers'
 GlmMoeDsaIndexer).
 
+Tied scores (exactly 0 where ReLU zeroes every index head: common with few heads) go to the
+earlier entry (compress.top_k_select).
+
 Whether a step selects is static: a row's bucket of P pages holds P * page_size entries, and
 where that is at most index_topk the top-k is every visible entry, so MLA attends the row as it
 is (kv.paged.mla_attention, the paged kernels) and no scores are computed; past it the selected
