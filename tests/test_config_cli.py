@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.residency import __main__ as residency_cli
 from tidejax.residency.history import History
 from tidejax.server import __main__ as server_cli

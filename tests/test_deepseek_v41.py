@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.models.deepseek_v41.config import V41Config
 from v41_runner import new_cache, step_fn
 from tidejax.models.deepseek_v41.engram import hash_ids

@@ -18,6 +18,7 @@ import pytest
 from server_fixtures import (CALL_JSON, CHAT_TEMPLATE, ScriptedClient, serve_app,
                              write_tokenizer)
 from tidejax.config import EngineConfig
+from tidejax.errors import EngineError
 from tidejax.text.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.runtime.client import tool_format_for
 from tidejax.runtime.sampling import SamplingParams
@@ -448,6 +449,29 @@ def test_requests_the_engine_client_refuses(scripted_server):
     status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": "x",
                                                  "max_tokens": 65})
     assert status == 400 and "above this server's limit of 64" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("raised, message", [
+    (ValueError("lane 3: index 7 out of bounds"), "internal error"),
+    (EngineError("the engine failed and could not rebuild its state: lane 3"),
+     "the engine failed on this request")])
+def test_only_a_request_error_is_the_clients(scripted_server, monkeypatch, caplog, raised,
+                                             message):
+    """A ValueError (a bug) or an EngineError from the engine client is a 500 that does not
+    repeat its text, logged once with its traceback; on both APIs."""
+    url, client = scripted_server
+
+    def submit(request):
+        raise raised
+
+    monkeypatch.setattr(client, "submit", submit)
+    for path in ("/v1/completions", "/v1/messages"):
+        caplog.clear()
+        status, body = call(url, path, {"model": "scripted", "prompt": "x", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 500 and message in json.dumps(body) and "lane 3" not in json.dumps(body)
+        [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert record.exc_info[1] is raised
 
 
 # ---------------------------------------------------------------------------------------------

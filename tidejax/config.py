@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.pallas.dispatch import IMPLS
 
 # ---------------------------------------------------------------------------------------------

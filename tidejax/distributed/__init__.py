@@ -16,7 +16,7 @@ import jax
 from tidejax.config import EngineConfig
 from tidejax.distributed import guard
 from tidejax.distributed.channel import Follower, Leader
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 
 
 def check(config: EngineConfig) -> None:
@@ -45,7 +45,8 @@ def start(config: EngineConfig) -> Leader | Follower | None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(section.coordinator, section.num_processes,
-                                   section.process_id, initialization_timeout=section.timeout_s)
+                                   section.process_id, initialization_timeout=section.timeout_s,
+                                   coordinator_bind_address=section.coordinator)  # not [::]
     except Exception as e:  # jax raises several kinds (RuntimeError, XlaRuntimeError)
         channel.close()
         raise ConfigError(f"{config.source}: jax.distributed.initialize at "

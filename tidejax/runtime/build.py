@@ -24,7 +24,8 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError, read_json
+from tidejax.errors import ConfigError
+from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool

@@ -22,9 +22,9 @@ from pathlib import Path
 from aiohttp import web
 
 from tidejax import distributed
-from tidejax.checkpoint.safetensors_io import CheckpointError
+from tidejax.errors import CheckpointError
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
 from tidejax.runtime.replica import follow

@@ -21,7 +21,7 @@ from pathlib import Path
 import tiktoken
 import tokenizers
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.text.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 
