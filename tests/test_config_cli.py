@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tidejax import __main__ as generate_cli
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.errors import ConfigError
 from tidejax.residency import __main__ as residency_cli
@@ -110,6 +111,12 @@ def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
                             "--set", f"model.path={model}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: {shard}: truncated: tensor" in err, err
+    assert generate_cli.main(["generate", "--model", str(model), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {shard}: truncated: tensor" in err, err
+    assert generate_cli.main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "none" in err, err
 
 
 def test_help_lists_profiles_and_the_key_variable(capsys):
