@@ -227,7 +227,7 @@ def test_engram_layout_checks_tokenizer_vocab(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "tokenizer.json").write_text((GOLDEN / "tiny_a" / "tokenizer.json").read_text())
     cfg = V41Config.from_file(tmp_path)
-    with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
+    with pytest.raises(ConfigError, match="engram_compressed_vocab_size"):
         engram_layout(cfg, tmp_path)
 
 
