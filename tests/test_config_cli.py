@@ -119,6 +119,13 @@ def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "none" in err, err
 
 
+def test_an_address_the_server_cannot_listen_on_is_one_line_naming_it(capsys):
+    assert server_cli.main(["--profile", "tiny", "--host", "256.1.1.1", "--port", "8011"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot listen on 256.1.1.1:8011 "
+                                                    "(server.host or --host"), err
+
+
 def test_help_lists_profiles_and_the_key_variable(capsys):
     with pytest.raises(SystemExit):
         server_cli.main(["--help"])

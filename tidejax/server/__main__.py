@@ -68,7 +68,12 @@ async def serve(config: EngineConfig) -> None:
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = bind_host(config), config.server.port
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:  # a host that does not resolve or is not this machine's, a port in use
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port} (server.host or --host, server.port or "
+                      f"--port): {e.strerror or e}") from None
     log.info("listening on http://%s:%d, %s; loading %s from %s", host, port, keys_line(config),
              server.name, config.model.path)
     loop = asyncio.get_running_loop()
