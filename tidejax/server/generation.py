@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -25,7 +24,7 @@ from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
 from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking
+from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking, load_json
 from tidejax.text.toolcalls import THINK_CLOSE, OutputParser, starts_in_reasoning
 
 log = logging.getLogger("tidejax.server")
@@ -150,12 +149,9 @@ def _arguments_as_dicts(message: dict, i: int) -> dict:
         return message
     calls = []
     for j, call in enumerate(message["tool_calls"]):
-        try:
-            args = json.loads(call["function"]["arguments"] or "{}")
-        except json.JSONDecodeError:
-            args = None
+        param = f"messages[{i}].tool_calls[{j}].function.arguments"
+        args = load_json(call["function"]["arguments"] or "{}", param)
         if not isinstance(args, dict):
-            param = f"messages[{i}].tool_calls[{j}].function.arguments"
             raise RequestError(f"'{param}' should be a JSON object", field=param)
         calls.append({**call, "function": {**call["function"], "arguments": args}})
     return {**message, "tool_calls": calls}

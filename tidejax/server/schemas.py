@@ -157,15 +157,23 @@ def _int(text: str) -> int | _LongInt:
 
 
 def parse_json(text: bytes) -> Fields:
-    """The body as an object, every string in it valid Unicode (no lone surrogates), no deeper
-    than MAX_DEPTH and no integer longer than Python reads."""
+    """The body as an object (load_json's checks)."""
+    return Fields(load_json(text))
+
+
+def load_json(text: bytes | str, where: str = "") -> Any:
+    """`text` parsed, every string in it valid Unicode (no lone surrogates), no deeper than
+    MAX_DEPTH and no integer longer than Python reads; errors name `where`, the field that held
+    the text (else the body)."""
+    what = f"'{where}'" if where else "request body"
     try:
         body = json.loads(text, parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+        raise RequestError(f"{what} is not valid JSON: {e}", field=where or None) from None
     except RecursionError:
-        raise RequestError(f"request body is nested deeper than {MAX_DEPTH} levels") from None
-    stack = [(body, "", 0)]
+        raise RequestError(f"{what} is nested deeper than {MAX_DEPTH} levels",
+                           field=where or None) from None
+    stack = [(body, where, 0)]
     while stack:
         value, where, depth = stack.pop()
         if isinstance(value, (dict, list)):
@@ -185,7 +193,7 @@ def parse_json(text: bytes) -> Fields:
         elif isinstance(value, _LongInt):
             raise RequestError(f"'{where or 'body'}' is an integer of {value.digits} digits (at "
                                f"most {sys.get_int_max_str_digits()})", field=where or None)
-    return Fields(body)
+    return body
 
 
 def _unicode(text: str, where: str, what: str) -> None:
