@@ -347,6 +347,7 @@ def test_fuzz_no_5xx_then_the_same_answer(served, answer, name):
             assert names is None or names in error["message"], (path, raw[:300], text[:300])
     assert max(statuses) < 500
     assert reference(served["url"]) == answer  # still serving, and the same
+    assert "Unhandled exception" not in server_log(served["profile"])  # aiohttp's, after a route
 
 
 # ---------------------------------------------------------------------------------------------

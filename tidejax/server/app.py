@@ -137,6 +137,7 @@ async def read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
     except web.RequestPayloadError as e:
+        request.content.feed_eof()  # the rest is unreadable: aiohttp should not read on (and log)
         reason = getattr(e.__cause__, "message", None) or str(e)
         raise RequestError(f"the request body cannot be read: {reason}") from e
 
