@@ -24,11 +24,13 @@ def check(config: EngineConfig) -> None:
     below num_processes, a coordinator for several processes."""
     section = config.distributed
     if section.process_id >= section.num_processes:
-        raise ConfigError(f"{config.source}: 'distributed.process_id' = {section.process_id} "
-                          f"should be below distributed.num_processes ({section.num_processes})")
+        raise ConfigError(f"{config.source_of('distributed.process_id')}: "
+                          f"'distributed.process_id' = {section.process_id} should be below "
+                          f"distributed.num_processes ({section.num_processes})")
     if section.num_processes > 1 and not section.coordinator:
-        raise ConfigError(f"{config.source}: 'distributed.coordinator' (host:port of process 0) "
-                          f"is needed for distributed.num_processes = {section.num_processes}")
+        raise ConfigError(f"{config.source_of('distributed.num_processes')}: "
+                          "'distributed.coordinator' (host:port of process 0) is needed for "
+                          f"distributed.num_processes = {section.num_processes}")
 
 
 def start(config: EngineConfig) -> Leader | Follower | None:
@@ -49,8 +51,9 @@ def start(config: EngineConfig) -> Leader | Follower | None:
                                    coordinator_bind_address=section.coordinator)  # not [::]
     except Exception as e:  # jax raises several kinds (RuntimeError, XlaRuntimeError)
         channel.close()
-        raise ConfigError(f"{config.source}: jax.distributed.initialize at "
-                          f"distributed.coordinator = {section.coordinator} failed for process "
-                          f"{section.process_id} of {section.num_processes} within "
+        raise ConfigError(f"{config.source_of('distributed.coordinator')}: "
+                          "jax.distributed.initialize at distributed.coordinator = "
+                          f"{section.coordinator} failed for process {section.process_id} of "
+                          f"{section.num_processes} within "
                           f"distributed.timeout_s = {section.timeout_s} s: {e}") from None
     return channel
