@@ -442,11 +442,41 @@ def test_include_usage(oai):
     assert last.choices == [] and last.usage.completion_tokens == 3
 
 
-def hf_prompt_len(messages, tools=None) -> int:
+def hf_prompt_ids(messages, tools=None, continue_final=False) -> list[int]:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(DEMO)
-    return len(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"])
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                   continue_final_message=continue_final, tokenize=True,
+                                   return_dict=True)["input_ids"]
+
+
+def hf_prompt_len(messages, tools=None) -> int:
+    return len(hf_prompt_ids(messages, tools))
+
+
+def test_an_assistant_message_last_is_continued(served, oai, claude):
+    """Anthropic's prefill (an assistant message last), and OpenAI's with vLLM's
+    continue_final_message: the prompt is transformers' continue_final_message one, and the
+    greedy continuation is that of the same tokens sent as a completion."""
+    messages = [{"role": "user", "content": "Tell me of the sea."},
+                {"role": "assistant", "content": "The tide"}]
+    ids = hf_prompt_ids(messages, continue_final=True)
+    status, text = post(served["url"], "/v1/completions", {"model": MODEL, "prompt": ids,
+                                                           "max_tokens": 4, "temperature": 0})
+    assert status == 200, text
+    expected = json.loads(text)["choices"][0]["text"]
+    reply = claude.messages.create(model=MODEL, max_tokens=4, messages=messages,
+                                   extra_body={"temperature": 0})
+    assert reply.usage.input_tokens == len(ids) and reply.content[0].text == expected
+    out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                      extra_body={"continue_final_message": True})
+    assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content == expected
+    answered = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert answered.usage.prompt_tokens == hf_prompt_len(messages)  # a new turn, as before
+    with pytest.raises(openai.BadRequestError, match="'continue_final_message' needs an "
+                                                     "assistant message last"):
+        oai.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1,
+                                    extra_body={"continue_final_message": True})
 
 
 def test_tool_loop_through_the_demo_template(oai, claude):

@@ -69,7 +69,9 @@ class ServedModel:
             messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
         kwargs = {**chat.template_kwargs, **self._thinking_kwargs(chat)}
         try:
-            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools, **kwargs)
+            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools,
+                                                        continue_final=chat.continue_final,
+                                                        **kwargs)
         except TemplateRenderError as e:
             raise RequestError(str(e), field="messages") from None
         return ids, starts_in_reasoning(text)

@@ -32,8 +32,8 @@ _BY_SERVER = "set by the server (send no such key)"
 RESERVED_TEMPLATE_KWARGS = {
     "messages": "set by the server (send it as the request field)",
     "tools": "set by the server (send it as the request field)",
-    **dict.fromkeys(("documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
-                     "pad_token"), _BY_SERVER),
+    **dict.fromkeys(("documents", "add_generation_prompt", "continue_final", "bos_token",
+                     "eos_token", "unk_token", "pad_token"), _BY_SERVER),
     "self": "Jinja's name for the template itself (send no such key)",
 }
 
@@ -88,6 +88,7 @@ class ChatInput:
     stream: bool
     include_usage: bool = False  # a stream's last chunk carries the usage (OpenAI stream_options)
     thinking: Thinking | None = None  # None: the template's default
+    continue_final: bool = False  # the last (assistant) message is continued, not answered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +446,11 @@ def parse_chat(body: Fields) -> ChatInput:
         raise RequestError("'response_format.type' = "
                            f"{response_format.raw['type']!r} is not supported (text): the engine "
                            "does not constrain decoding", field="response_format.type")
+    continue_final = body.get("continue_final_message", bool, False)
+    if continue_final and Fields(messages[-1], f"messages[{len(messages) - 1}].").get(
+            "role", str) != "assistant":
+        raise RequestError("'continue_final_message' needs an assistant message last",
+                           field="continue_final_message")
     return ChatInput(
         model=body.get("model", str, required=True),
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
@@ -452,7 +458,7 @@ def parse_chat(body: Fields) -> ChatInput:
         options=_options(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
                          _stop(body, "stop"), _chat_logprobs(body), _n(body)),
         stream=stream, include_usage=_include_usage(body, stream),
-        thinking=_reasoning_effort(body))
+        thinking=_reasoning_effort(body), continue_final=continue_final)
 
 
 def parse_completion(body: Fields) -> CompletionInput:
@@ -547,11 +553,11 @@ def _anthropic_tools(body: Fields) -> list[dict] | None:
 def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
     """A Messages request; `count_only` (POST /v1/messages/count_tokens) needs no max_tokens."""
     refuse_unsupported(body, "messages")
-    messages = _messages(body)
+    messages = _anthropic_messages(body.get("system", (str, list)), _messages(body))
     return ChatInput(
-        model=body.get("model", str, required=True),
-        messages=_anthropic_messages(body.get("system", (str, list)), messages),
+        model=body.get("model", str, required=True), messages=messages,
         tools=_anthropic_tools(body), template_kwargs=_template_kwargs(body),
         options=_options(body, _max_tokens(body, "max_tokens", required=not count_only),
                          _stop(body, "stop_sequences")),
-        stream=body.get("stream", bool, False), thinking=_anthropic_thinking(body))
+        stream=body.get("stream", bool, False), thinking=_anthropic_thinking(body),
+        continue_final=bool(messages) and messages[-1]["role"] == "assistant")  # a prefill
