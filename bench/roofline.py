@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import cpu_experts, traces  # noqa: E402
 from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds  # noqa: E402
 from tidejax import config  # noqa: E402
-from tidejax.fields import ConfigError  # noqa: E402
+from tidejax.errors import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.residency import cpu  # noqa: E402
 from tidejax.runtime.engine import use_compile_cache  # noqa: E402

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from tidejax.errors import RequestError
 from tidejax.server.app import Server, build_app
 from tidejax.server.client import (DoneEvent, EngineInfo, EngineStats, GenerationRequest,
                                    TokenEvent)
@@ -245,7 +246,8 @@ class ScriptedClient:
 
     def submit(self, request: GenerationRequest) -> ScriptedStream:
         if len(request.prompt_ids) > self.refuse_over:
-            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens, too many")
+            raise RequestError(f"the prompt has {len(request.prompt_ids)} tokens, too many",
+                               "prompt")
         self.requests.append(request)
         return ScriptedStream(self.reply[:request.max_new_tokens])
 

@@ -18,7 +18,7 @@ import tidejax
 from residency_fixtures import E, K, L, make_pool, make_router, tokens, toy_batch_step
 from server_fixtures import serve_app
 from tidejax.config import EngineConfig, ResidencySection
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.models.layers.moe import MoE, route
 from tidejax.residency import Residency
 from tidejax.residency.serve import _exact_picks, weight_shares

@@ -15,11 +15,12 @@ import pytest
 from safetensors.torch import save_file
 
 from checkpoint_fixtures import save_checkpoint, to_fp8, to_numpy, to_per_expert, to_torch
-from tidejax.checkpoint import (TRANSPOSE, CheckpointError, CheckpointReader, Experts, Rule, Table,
+from tidejax.checkpoint import (TRANSPOSE, CheckpointReader, Experts, Rule, Table,
                                 dequantize_fp8_block, load, mxfp4, quantize_fp8_block)
 from tidejax.checkpoint.fp8 import e4m3_to_float32
 from tidejax.checkpoint import progress as progress_module
 from tidejax.checkpoint.progress import Progress
+from tidejax.errors import CheckpointError
 
 E, D, I = 4, 8, 6  # experts, hidden, intermediate
 MOE = ["model.layers.1.mlp", "model.layers.2.mlp"]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tidejax import __main__ as generate_cli
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.residency import __main__ as residency_cli
 from tidejax.residency.history import History
 from tidejax.server import __main__ as server_cli
@@ -69,6 +70,10 @@ def test_api_keys_from_set_and_from_the_variable_in_every_profile(monkeypatch):
     (["--set", "engine.lanes=8", "--set", "engine.lanez=2"], "--set engine.lanez=2: unknown key"),
     (["--set", "lanes=8"], "--set 'lanes=8': expected table.key=value"),
     (["--profile", "no_such_profile"], "profile 'no_such_profile' not found"),
+    (["--set", "distributed.process_id=1"], "--set distributed.process_id=1: "
+                                            "'distributed.process_id' = 1 should be below"),
+    (["--set", "distributed.num_processes=2"], "--set distributed.num_processes=2: "
+                                               "'distributed.coordinator' (host:port"),
 ])
 def test_bad_settings_are_one_line_naming_the_setting(argv, message, capsys):
     assert server_cli.main(argv) == 2
@@ -110,6 +115,28 @@ def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
                             "--set", f"model.path={model}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: {shard}: truncated: tensor" in err, err
+    assert generate_cli.main(["generate", "--model", str(model), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {shard}: truncated: tensor" in err, err
+    assert generate_cli.main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "none" in err, err
+
+
+def test_a_setting_checked_at_load_blames_who_gave_it(capsys):
+    port = __import__("server_fixtures").free_port()
+    assert server_cli.main(["--profile", "tiny", "--port", str(port),
+                            "--set", "engine.kv_pool_tokens=16"]) == 2
+    err = capsys.readouterr().err  # the weights' progress bar, then the error
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(
+        "error: --set engine.kv_pool_tokens=16: 'engine.kv_pool_tokens' gives a KV pool of"), err
+
+
+def test_an_address_the_server_cannot_listen_on_is_one_line_naming_it(capsys):
+    assert server_cli.main(["--profile", "tiny", "--host", "256.1.1.1", "--port", "8011"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot listen on 256.1.1.1:8011 "
+                                                    "(server.host or --host"), err
 
 
 def test_help_lists_profiles_and_the_key_variable(capsys):

@@ -12,8 +12,9 @@ import torch
 from safetensors.numpy import save_file
 
 import tidejax
-from tidejax.checkpoint import CheckpointError, CheckpointReader
-from tidejax.fields import ConfigError
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint import CheckpointReader
+from tidejax.errors import ConfigError
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.model import build

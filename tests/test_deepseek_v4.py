@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tidejax  # noqa: E402
-from tidejax.checkpoint import CheckpointError  # noqa: E402
+from tidejax.errors import CheckpointError  # noqa: E402
 from tidejax.kv.paged import PagedCache  # noqa: E402
 from tidejax.models.deepseek_v4.config import V4Config  # noqa: E402
 from tidejax.models.deepseek_v4.model import DeepseekV4, V4Lanes, V4Pages  # noqa: E402

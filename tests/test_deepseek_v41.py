@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.models.deepseek_v41.config import V41Config
 from v41_runner import new_cache, step_fn
 from tidejax.models.deepseek_v41.engram import hash_ids
@@ -244,7 +244,7 @@ def test_engram_layout_checks_tokenizer_vocab(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "tokenizer.json").write_text((GOLDEN / "tiny_a" / "tokenizer.json").read_text())
     cfg = V41Config.from_file(tmp_path)
-    with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
+    with pytest.raises(ConfigError, match="engram_compressed_vocab_size"):
         engram_layout(cfg, tmp_path)
 
 

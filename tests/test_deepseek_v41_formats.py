@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tidejax.checkpoint import CheckpointError, mxfp4
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint import mxfp4
 from tidejax.models.deepseek_v41.weights import load
 from declaration import edited_copy, forbid_data_reads
 from v41_runner import full_logits
@@ -144,7 +145,7 @@ def test_bad_config_names_the_file(tmp_path):
     raw = json.loads((GOLDEN / "config.json").read_text())
     raw["text_config"]["compress_ratios"] = [0, 2, 2, -1, 1, 1]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    from tidejax.fields import ConfigError
+    from tidejax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"config.json: text_config: field 'compress_ratios'\[3\]"):
         load(tmp_path)

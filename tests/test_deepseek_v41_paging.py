@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from test_paging import decode_cost
 

@@ -13,7 +13,7 @@ import pytest
 
 from tidejax.checkpoint.fp8 import dequantize_fp8_block, scales_on_dividing_block
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.fp8_dense import fp8_block_matmul
 from tidejax.models.deepseek_v41.weights import load
 from declaration import edited_copy
@@ -124,7 +124,8 @@ def test_fp8_declared_weight_stored_float_names_the_tensor(published, monkeypatc
     """The table's own check (a caller declaring FP8 itself): a float tensor for an FP8-declared
     weight is found on the headers."""
     from declaration import forbid_data_reads
-    from tidejax.checkpoint import CheckpointError, CheckpointReader
+    from tidejax.errors import CheckpointError
+    from tidejax.checkpoint import CheckpointReader
     from tidejax.checkpoint import load as load_table
     from tidejax.fields import read_json
     from tidejax.models.base import abstract

@@ -21,7 +21,8 @@ gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tidejax.checkpoint import CheckpointError, CheckpointReader, mxfp4  # noqa: E402
+from tidejax.errors import CheckpointError  # noqa: E402
+from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
 from tools import make_gguf  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 import tidejax
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache, gqa_attention
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
 from tidejax.models.glm4_moe.model import build

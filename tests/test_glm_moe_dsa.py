@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 import tidejax
 from tidejax.checkpoint import CheckpointReader
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache, sparse_mla_attention
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from tidejax.models.glm_moe_dsa.model import build

@@ -24,7 +24,7 @@ import torch
 
 import tidejax
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.detok import IncrementalDetokenizer

@@ -11,7 +11,7 @@ import tidejax
 from tidejax.runtime.steps import DecodeRows
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.kv.pages import PageTable, page_bucket
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 

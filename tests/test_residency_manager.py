@@ -14,6 +14,7 @@ import pytest
 
 from residency_fixtures import E, L, make_pool, make_router, tokens, toy_batch_step, toy_step
 from tidejax.config import ResidencySection
+from tidejax.errors import ConfigError
 from tidejax.residency import Residency
 from tidejax.residency.__main__ import main as residency_cli
 from tidejax.residency.history import History
@@ -60,9 +61,9 @@ def test_budget_slots():
     assert budget_slots(0, 0.0, 100, 50) == 50
     assert budget_slots(7, 0.0, 100, 50) == 7
     assert budget_slots(0, 1.0, 2**28, 50) == 4
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ConfigError, match="not both"):
         budget_slots(3, 1.0, 100, 50)
-    with pytest.raises(ValueError, match="holds no expert"):
+    with pytest.raises(ConfigError, match="holds no expert"):
         budget_slots(0, 1e-9, 2**20, 50)
 
 

@@ -14,6 +14,7 @@ import random
 import re
 import threading
 import time
+from typing import NamedTuple
 import urllib.error
 import urllib.request
 
@@ -152,9 +153,12 @@ def case_surrogate(rng):
 
 
 def case_template_kwargs(rng):
-    names = rng.sample(RESERVED_TEMPLATE_KWARGS, rng.randrange(1, 3))
+    names = rng.choice([["self"],  # the first parameter of the renderer's own methods
+                        rng.sample(sorted(RESERVED_TEMPLATE_KWARGS), rng.randrange(1, 3))])
     kwargs = {n: rng.choice([[], {}, True, "x", [{"role": "system", "content": "x"}]]) for n in names}
-    return "/v1/chat/completions", json.dumps(_chat(chat_template_kwargs=kwargs)), (400,)
+    path = rng.choice(["/v1/chat/completions", "/v1/messages"])
+    return Case(path, json.dumps(_chat(chat_template_kwargs=kwargs)), (400,),
+                names="'chat_template_kwargs.")
 
 
 def case_unsupported(rng):
@@ -248,9 +252,82 @@ def case_keys(rng):
         if header == "x-api-key" else {"Authorization": f"Bearer {KEY}", "x-api-key": _near(rng)}
 
 
+def _digits(rng, low, high) -> str:
+    return rng.choice(["", "-"]) + str(rng.randrange(1, 10)) + "".join(
+        rng.choice("0123456789") for _ in range(rng.randrange(low, high) - 1))
+
+
+GENERATING = ["/v1/chat/completions", "/v1/messages", "/v1/completions"]
+# where a value goes in a body: the path of keys and indexes, and the name an error gives it
+PLACES = [(("temperature",), "temperature"), (("max_tokens",), "max_tokens"), (("seed",), "seed"),
+          (("metadata", "user_id"), "metadata.user_id"), (("stop", 1), "stop[1]"),
+          (("messages", 0, "content"), "messages[0].content"),
+          (("chat_template_kwargs", "depth"), "chat_template_kwargs.depth"),
+          (("logit_bias", "7"), "logit_bias.7")]
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logit_bias.7"]
+
+
+def _body_with(path: str, place: tuple, text: str) -> str:
+    """A valid request for `path` with the JSON text `text` at `place` (built as text: the
+    value may be more than Python reads)."""
+    body = ({"model": MODEL, "prompt": "x", "max_tokens": 1} if path == "/v1/completions"
+            else _chat())
+    body.setdefault("stop", ["a", "b"])
+    *outer, last = place
+    node = body
+    for key in outer:
+        node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
+    node[last] = "VALUE"
+    return json.dumps(body).replace('"VALUE"', text)
+
+
+def case_long_integer(rng):
+    """An integer of more digits than Python reads (4,300) anywhere in a body, or as a
+    logit_bias key."""
+    path = rng.choice(GENERATING)
+    if rng.random() < 0.2:
+        key = _digits(rng, 4301, 6000).lstrip("-")
+        return Case(path, _body_with(path, ("logit_bias",), '{"%s": 1}' % key), (400,),
+                    names="'logit_bias' key")
+    place, name = rng.choice([p for p in PLACES if path != "/v1/completions"
+                              or p[0][0] != "messages"])
+    return Case(path, _body_with(path, place, _digits(rng, 4301, 6000)), (400,),
+                names=f"'{name}' is an integer of")
+
+
+def case_float_overflow(rng):
+    """An integer beyond a float's range (1.8e308) in a float field."""
+    path, field = rng.choice(GENERATING), rng.choice(FLOAT_FIELDS)
+    return Case(path, _body_with(path, tuple(field.split(".")), _digits(rng, 310, 4300)), (400,),
+                names=f"'{field}' = an integer of")
+
+
+def case_content_encoding(rng):
+    """A plain body sent as gzip or deflate."""
+    path = rng.choice([*GENERATING, "/v1/messages/count_tokens"])
+    encoding = rng.choice(["gzip", "deflate", "GZIP", "Deflate"])
+    return Case(path, json.dumps(_chat()), (400,), headers={"Content-Encoding": encoding},
+                names="the request body cannot be read")
+
+
+class Case(NamedTuple):
+    """One fuzzed request: the answers allowed, the key headers to send instead of the right
+    Bearer, other headers, and the text a 4xx's message must hold (the field it names)."""
+
+    path: str
+    raw: str
+    allowed: tuple
+    auth: dict | None = None
+    headers: dict | None = None
+    names: str | None = None
+
+
 FUZZ = {"nesting": case_nesting, "surrogate": case_surrogate,
         "template_kwargs": case_template_kwargs, "unsupported": case_unsupported,
-        "caps": case_caps, "types": case_types, "keys": case_keys}
+        "caps": case_caps, "types": case_types, "keys": case_keys,
+        "long_integer": case_long_integer, "float_overflow": case_float_overflow,
+        "content_encoding": case_content_encoding}
 CASES = int(os.environ.get("TIDEJAX_FUZZ_CASES", "200"))  # a class; 1500 for the 10,500-case run
 
 
@@ -259,16 +336,18 @@ def test_fuzz_no_5xx_then_the_same_answer(served, answer, name):
     rng = random.Random(f"tidejax-21-{name}")
     statuses = []
     for _ in range(CASES):
-        path, raw, allowed, *auth = FUZZ[name](rng)
+        path, raw, allowed, auth, headers, names = Case(*FUZZ[name](rng))
         status, text = post(served["url"], path, raw=raw.encode("utf-8", "surrogatepass"),
-                            auth=auth[0] if auth else None)
+                            auth=auth, headers=headers)
         statuses.append(status)
         assert status in allowed, (path, raw[:300], auth, status, text[:300])
         if status >= 400 and text.startswith("{"):  # aiohttp refuses a bad header in plain text
             error = json.loads(text)["error"]
             assert "Traceback" not in error["message"] and "Error:" not in error["message"]
+            assert names is None or names in error["message"], (path, raw[:300], text[:300])
     assert max(statuses) < 500
     assert reference(served["url"]) == answer  # still serving, and the same
+    assert "Unhandled exception" not in server_log(served["profile"])  # aiohttp's, after a route
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,11 +442,41 @@ def test_include_usage(oai):
     assert last.choices == [] and last.usage.completion_tokens == 3
 
 
-def hf_prompt_len(messages, tools=None) -> int:
+def hf_prompt_ids(messages, tools=None, continue_final=False) -> list[int]:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(DEMO)
-    return len(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"])
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                   continue_final_message=continue_final, tokenize=True,
+                                   return_dict=True)["input_ids"]
+
+
+def hf_prompt_len(messages, tools=None) -> int:
+    return len(hf_prompt_ids(messages, tools))
+
+
+def test_an_assistant_message_last_is_continued(served, oai, claude):
+    """Anthropic's prefill (an assistant message last), and OpenAI's with vLLM's
+    continue_final_message: the prompt is transformers' continue_final_message one, and the
+    greedy continuation is that of the same tokens sent as a completion."""
+    messages = [{"role": "user", "content": "Tell me of the sea."},
+                {"role": "assistant", "content": "The tide"}]
+    ids = hf_prompt_ids(messages, continue_final=True)
+    status, text = post(served["url"], "/v1/completions", {"model": MODEL, "prompt": ids,
+                                                           "max_tokens": 4, "temperature": 0})
+    assert status == 200, text
+    expected = json.loads(text)["choices"][0]["text"]
+    reply = claude.messages.create(model=MODEL, max_tokens=4, messages=messages,
+                                   extra_body={"temperature": 0})
+    assert reply.usage.input_tokens == len(ids) and reply.content[0].text == expected
+    out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                      extra_body={"continue_final_message": True})
+    assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content == expected
+    answered = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert answered.usage.prompt_tokens == hf_prompt_len(messages)  # a new turn, as before
+    with pytest.raises(openai.BadRequestError, match="'continue_final_message' needs an "
+                                                     "assistant message last"):
+        oai.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1,
+                                    extra_body={"continue_final_message": True})
 
 
 def test_tool_loop_through_the_demo_template(oai, claude):

@@ -18,6 +18,7 @@ import pytest
 from server_fixtures import (CALL_JSON, CHAT_TEMPLATE, ScriptedClient, serve_app,
                              write_tokenizer)
 from tidejax.config import EngineConfig
+from tidejax.errors import EngineError
 from tidejax.text.chat_template import ChatTemplate, TemplateRenderError
 from tidejax.runtime.client import tool_format_for
 from tidejax.runtime.sampling import SamplingParams
@@ -145,10 +146,19 @@ def test_tool_calls_parse_at_any_chunking(fmt, text, content, reasoning, calls, 
     assert run_parser(fmt, text, chunk) == ({"reasoning": reasoning, "content": content}, calls)
 
 
+LONG = "1" * 5000  # more digits than Python reads from text
+DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's recursion limit
+
+
 def test_malformed_tool_call_stays_content():
     bad = "x<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>"
     assert run_parser(HERMES, bad, 4) == ({"reasoning": "", "content": bad}, [])
     assert run_parser(None, HERMES_TEXT, 5)[0]["content"] == HERMES_TEXT  # tools not offered
+    for value in (LONG, DEEP):  # what a model may write, as text
+        bad = f"<tool_call>{{\"name\": \"f\", \"arguments\": {{\"a\": {value}}}}}</tool_call>"
+        assert run_parser(HERMES, bad, 1000) == ({"reasoning": "", "content": bad}, [])
+        bad = f"<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{value}</arg_value>\n</tool_call>"
+        assert run_parser(GLM, bad, 1000)[1] == [("f", {"a": value})]  # kept as its text
 
 
 def test_reasoning_opened_by_the_template():
@@ -448,6 +458,39 @@ def test_requests_the_engine_client_refuses(scripted_server):
     status, body = call(url, "/v1/completions", {"model": "scripted", "prompt": "x",
                                                  "max_tokens": 65})
     assert status == 400 and "above this server's limit of 64" in body["error"]["message"]
+    param = "messages[1].tool_calls[0].function.arguments"  # the template reads it as a mapping
+    for arguments, message in ((f'{{"a": {LONG}}}', f"'{param}.a' is an integer of 5000 digits"),
+                               (DEEP, f"'{param}' is nested deeper than 64 levels"),
+                               ("[1]", f"'{param}' should be a JSON object")):
+        status, body = call(url, "/v1/chat/completions", {"model": "scripted", "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": "f", "arguments": arguments}}]}]})
+        assert status == 400 and body["error"]["message"].startswith(message), body
+        assert body["error"]["param"].startswith(param)
+
+
+@pytest.mark.parametrize("raised, message", [
+    (ValueError("lane 3: index 7 out of bounds"), "internal error"),
+    (EngineError("the engine failed and could not rebuild its state: lane 3"),
+     "the engine failed on this request")])
+def test_only_a_request_error_is_the_clients(scripted_server, monkeypatch, caplog, raised,
+                                             message):
+    """A ValueError (a bug) or an EngineError from the engine client is a 500 that does not
+    repeat its text, logged once with its traceback; on both APIs."""
+    url, client = scripted_server
+
+    def submit(request):
+        raise raised
+
+    monkeypatch.setattr(client, "submit", submit)
+    for path in ("/v1/completions", "/v1/messages"):
+        caplog.clear()
+        status, body = call(url, path, {"model": "scripted", "prompt": "x", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 500 and message in json.dumps(body) and "lane 3" not in json.dumps(body)
+        [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert record.exc_info[1] is raised
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from bench import roofline, traces  # noqa: E402
 from tidejax.checkpoint.fp8 import e4m3_to_float32  # noqa: E402
 from tidejax.checkpoint.safetensors_io import SafetensorsFile  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
-from tidejax.checkpoint import CheckpointError  # noqa: E402
+from tidejax.errors import CheckpointError  # noqa: E402
 from tidejax.models.deepseek_v41.weights import load  # noqa: E402
 
 E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)

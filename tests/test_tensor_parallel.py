@@ -25,7 +25,7 @@ import pytest
 import tidejax
 from tidejax import distributed, parallel
 from tidejax.config import EngineConfig, parse_set
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.pallas.bank import interleave_gate_up
 from server_fixtures import (REPO, free_port, launch_server, server_log, stop_server,
                              write_profile)
@@ -66,7 +66,7 @@ FOUR_DEVICES = textwrap.dedent("""
     import numpy as np
     import tidejax
     from tidejax import parallel
-    from tidejax.fields import ConfigError
+    from tidejax.errors import ConfigError
     from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 
     def run(tensor, **residency):
@@ -259,6 +259,37 @@ def _refused(profile, *peer_sets: str) -> tuple[str, str]:
     _, peer_err = peer.communicate(timeout=120)
     assert leader.returncode == peer.returncode == 2, (leader.stderr[-2000:], peer_err[-2000:])
     return leader.stderr, peer_err
+
+
+LISTENING = """
+import ipaddress, pathlib, sys
+from tidejax import distributed
+from tidejax.config import EngineConfig
+config = EngineConfig.from_toml(sys.argv[1]).with_overrides(
+    {"distributed": {"process_id": int(sys.argv[2])}})
+channel = distributed.start(config)
+port = int(config.distributed.coordinator.rsplit(":", 1)[1])
+for table in ("tcp", "tcp6"):  # local address and state (0A: listening) of every socket
+    for line in pathlib.Path("/proc/net", table).read_text().splitlines()[1:]:
+        (host, at), state = line.split()[1].split(":"), line.split()[3]
+        if state == "0A" and int(at, 16) == port:  # the address in 32-bit little-endian words
+            raw = bytes.fromhex(host)
+            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            print(getattr(ip, "ipv4_mapped", None) or ip)
+channel.close()
+"""
+
+
+def test_the_coordinator_listens_on_the_address_given(tmp_path):
+    """jax's coordinator service of process 0 listens on distributed.coordinator's host (here
+    127.0.0.1), not on every interface."""
+    profile = _pair_profile(tmp_path / "bind.toml")
+    procs = [subprocess.Popen([sys.executable, "-c", LISTENING, str(profile), str(i)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}) for i in (1, 0)]
+    (_, peer_err), (out, err) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], (err[-2000:], peer_err[-2000:])
+    assert out.splitlines() == ["127.0.0.1"], out
 
 
 def test_the_boot_guard_names_the_setting_that_differs(tmp_path):

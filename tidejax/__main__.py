@@ -1,6 +1,7 @@
 """`python -m tidejax generate --model DIR|PROFILE --prompt TEXT` (or --messages JSON).
 
-Prints text as it is generated, then the speed on stderr.
+Prints text as it is generated, then the speed on stderr; a TidejaxError (a bad profile or
+checkpoint, a sampling setting out of range) as one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import sys
 import time
 
+from tidejax.errors import TidejaxError
 from tidejax.runtime import load
 
 
@@ -38,6 +40,14 @@ def main(argv=None) -> int:
             parser.error(f"--messages is not valid JSON: {e}")
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
             parser.error("--messages must be a JSON list of {role, content} objects")
+    try:
+        return _generate(args, prompt)
+    except TidejaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace, prompt: str | list[dict]) -> int:
     engine = load(args.model)
     ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str)
            else engine.tokenizer.encode_chat(prompt))

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.pallas.dispatch import IMPLS
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +164,11 @@ class EngineConfig:
     server: ServerSection = ServerSection()
     distributed: DistributedSection = DistributedSection()
     source: str = "<defaults>"
+    given: tuple[tuple[str, str], ...] = ()  # ("table.key", who gave its value), latest last
+
+    def source_of(self, key: str) -> str:
+        """Who gave `key` ("table.key") its value: a --set, a variable, else the profile."""
+        return dict(self.given).get(key, self.source)
 
     @staticmethod
     def from_dict(tables: dict, source: str = "<overrides>", base: "EngineConfig | None" = None,
@@ -192,7 +197,10 @@ class EngineConfig:
                               f"(known: {', '.join(_SECTIONS)})")
         _check_auto_keys(source, sections["residency"])
         _check_distributed(source, sections["distributed"])
-        return EngineConfig(**sections, source=source if base.source == "<defaults>" else base.source)
+        given = base.given + tuple((f"{name}.{key}", source) for name in _SECTIONS
+                                   for key in tables.get(name, {}))
+        return EngineConfig(**sections, given=given,
+                            source=source if base.source == "<defaults>" else base.source)
 
     @staticmethod
     def from_toml(path: str | os.PathLike) -> "EngineConfig":

@@ -7,9 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json or profile that cannot be used; the message names the file and the field."""
+from tidejax.errors import ConfigError
 
 
 def read_json(path: str | os.PathLike) -> dict:

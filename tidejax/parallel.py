@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 
 log = logging.getLogger("tidejax")
 

@@ -49,9 +49,11 @@ import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import MODEL_TENSOR as T  # noqa: E402
 
-from tidejax.checkpoint import CheckpointError, CheckpointReader  # noqa: E402
+from tidejax.errors import CheckpointError  # noqa: E402
+from tidejax.checkpoint import CheckpointReader  # noqa: E402
 from tidejax.checkpoint.mxfp4 import BLOCK  # noqa: E402
-from tidejax.fields import ConfigError, read_json  # noqa: E402
+from tidejax.errors import ConfigError  # noqa: E402
+from tidejax.fields import read_json  # noqa: E402
 from tidejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2

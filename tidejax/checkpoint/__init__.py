@@ -13,15 +13,14 @@ this package reads, maps and checks.
 `load` runs every check (unmapped, multi-match, no place, duplicate, shape, unfilled, expert
 layouts) on the headers before any data is read (see table.py); the reader checks each file's
 header, the index and every FP8 / MXFP4 pair at open (see reader.py). Every error is one
-`CheckpointError` (a ValueError) naming the file and the tensor. `reader.read(name)`,
+`tidejax.errors.CheckpointError` naming the file and the tensor. `reader.read(name)`,
 `read_row(name, row)` and `read_mxfp4(name)` give single tensors; one progress bar (tensors and
 bytes) goes to stderr unless `progress=False`.
 """
 
 from tidejax.checkpoint.fp8 import dequantize_fp8_block, quantize_fp8_block
 from tidejax.checkpoint.reader import CheckpointReader, Tensor
-from tidejax.checkpoint.safetensors_io import CheckpointError
 from tidejax.checkpoint.table import TRANSPOSE, Experts, Rule, Table, Transform, load
 
-__all__ = ["CheckpointError", "CheckpointReader", "Experts", "Rule", "TRANSPOSE", "Table",
+__all__ = ["CheckpointReader", "Experts", "Rule", "TRANSPOSE", "Table",
            "Tensor", "Transform", "load", "dequantize_fp8_block", "quantize_fp8_block"]

@@ -33,7 +33,8 @@ from tidejax.checkpoint import mxfp4
 from tidejax.checkpoint.fp8 import (BLOCK, SCALE_DTYPES, dequantize_fp8_block, scale_names,
                                     scale_shape, scales_to_float32)
 from tidejax.checkpoint.progress import Progress
-from tidejax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint.safetensors_io import SafetensorsFile, TensorInfo
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

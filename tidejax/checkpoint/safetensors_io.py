@@ -20,9 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the tensor."""
+from tidejax.errors import CheckpointError
 
 
 # safetensors dtype name -> numpy dtype (little-endian, as the format stores them)

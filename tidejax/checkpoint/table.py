@@ -52,7 +52,7 @@ import numpy as np
 
 from tidejax.checkpoint import fp8
 from tidejax.checkpoint.reader import CheckpointReader, Tensor
-from tidejax.checkpoint.safetensors_io import CheckpointError
+from tidejax.errors import CheckpointError
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 ParamPath = tuple  # keys of nested dicts, e.g. ("layers_3", "attn", "q_a_proj", "weight")

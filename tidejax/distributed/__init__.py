@@ -16,7 +16,7 @@ import jax
 from tidejax.config import EngineConfig
 from tidejax.distributed import guard
 from tidejax.distributed.channel import Follower, Leader
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 
 
 def check(config: EngineConfig) -> None:
@@ -24,11 +24,13 @@ def check(config: EngineConfig) -> None:
     below num_processes, a coordinator for several processes."""
     section = config.distributed
     if section.process_id >= section.num_processes:
-        raise ConfigError(f"{config.source}: 'distributed.process_id' = {section.process_id} "
-                          f"should be below distributed.num_processes ({section.num_processes})")
+        raise ConfigError(f"{config.source_of('distributed.process_id')}: "
+                          f"'distributed.process_id' = {section.process_id} should be below "
+                          f"distributed.num_processes ({section.num_processes})")
     if section.num_processes > 1 and not section.coordinator:
-        raise ConfigError(f"{config.source}: 'distributed.coordinator' (host:port of process 0) "
-                          f"is needed for distributed.num_processes = {section.num_processes}")
+        raise ConfigError(f"{config.source_of('distributed.num_processes')}: "
+                          "'distributed.coordinator' (host:port of process 0) is needed for "
+                          f"distributed.num_processes = {section.num_processes}")
 
 
 def start(config: EngineConfig) -> Leader | Follower | None:
@@ -45,11 +47,13 @@ def start(config: EngineConfig) -> Leader | Follower | None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(section.coordinator, section.num_processes,
-                                   section.process_id, initialization_timeout=section.timeout_s)
+                                   section.process_id, initialization_timeout=section.timeout_s,
+                                   coordinator_bind_address=section.coordinator)  # not [::]
     except Exception as e:  # jax raises several kinds (RuntimeError, XlaRuntimeError)
         channel.close()
-        raise ConfigError(f"{config.source}: jax.distributed.initialize at "
-                          f"distributed.coordinator = {section.coordinator} failed for process "
-                          f"{section.process_id} of {section.num_processes} within "
+        raise ConfigError(f"{config.source_of('distributed.coordinator')}: "
+                          "jax.distributed.initialize at distributed.coordinator = "
+                          f"{section.coordinator} failed for process {section.process_id} of "
+                          f"{section.num_processes} within "
                           f"distributed.timeout_s = {section.timeout_s} s: {e}") from None
     return channel

@@ -18,7 +18,7 @@ import struct
 import time
 
 from tidejax.config import DistributedSection
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 
 _LENGTH = struct.Struct("<Q")
 

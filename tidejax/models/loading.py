@@ -24,7 +24,7 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.checkpoint import CheckpointReader, Rule, Table, fp8, load, mxfp4
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.models.base import ParamSpec, abstract, nbytes
 
 log = logging.getLogger(__name__)

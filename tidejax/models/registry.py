@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.models.base import Family
 
 

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from tidejax.config import ResidencySection
+from tidejax.errors import ConfigError
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.history import History
@@ -70,7 +71,7 @@ class Residency:
         self.n_resident = slots
         policy = section.miss_policy
         if policy == "ring" and section.ring_slots <= 0 and not self.all_resident:
-            raise ValueError("[residency] miss_policy = 'ring' needs ring_slots > 0")
+            raise ConfigError("[residency] miss_policy = 'ring' needs ring_slots > 0")
         self.n_ring = section.ring_slots if policy == "ring" and not self.all_resident else 0
         self.n_transient = (min(self.n_experts, max_tokens * top_k)
                             if policy == "exact" and not self.all_resident else 0)

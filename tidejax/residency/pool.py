@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from tidejax import parallel
+from tidejax.errors import ConfigError
 from tidejax.pallas.bank import expert_axes
 
 
@@ -29,16 +30,16 @@ def budget_slots(budget_experts: int, budget_gib: float, bytes_per_row: int, tot
     """Resident slots for a budget: `budget_experts`, else `budget_gib` of rows, else every row
     (0 and 0 = all resident). Never more than there are rows."""
     if budget_experts < 0 or budget_gib < 0:
-        raise ValueError(f"{source}: budget_experts and budget_gib must not be negative")
+        raise ConfigError(f"{source}: budget_experts and budget_gib must not be negative")
     if budget_experts and budget_gib:
-        raise ValueError(f"{source}: give budget_experts or budget_gib, not both")
+        raise ConfigError(f"{source}: give budget_experts or budget_gib, not both")
     if budget_experts:
         slots = budget_experts
     elif budget_gib:
         slots = int(budget_gib * 2**30 // bytes_per_row)
         if slots == 0:
-            raise ValueError(f"{source}: budget_gib = {budget_gib} holds no expert row "
-                             f"({bytes_per_row} bytes each)")
+            raise ConfigError(f"{source}: budget_gib = {budget_gib} holds no expert row "
+                              f"({bytes_per_row} bytes each)")
     else:
         slots = total_rows
     return min(slots, total_rows)
@@ -49,8 +50,8 @@ def layer_slots(slots: int, n_layers: int, geometry: str, source: str = "[reside
     if geometry == "arena":
         return 0
     if geometry != "per_layer":
-        raise ValueError(f"{source}: geometry = {geometry!r}, expected per_layer or arena")
+        raise ConfigError(f"{source}: geometry = {geometry!r}, expected per_layer or arena")
     if slots < n_layers:
-        raise ValueError(f"{source}: a budget of {slots} experts gives no slot to some of the "
-                         f"{n_layers} MoE layers (geometry per_layer)")
+        raise ConfigError(f"{source}: a budget of {slots} experts gives no slot to some of the "
+                          f"{n_layers} MoE layers (geometry per_layer)")
     return slots // n_layers

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidejax.errors import ConfigError
 from tidejax.fields import read_json
 from tidejax.residency.history import History
 from tidejax.residency.planner import fit_rows
@@ -40,15 +41,16 @@ def write(seed: dict, path: str | os.PathLike) -> None:
 def read(path: str | os.PathLike, n_layers: int, n_experts: int) -> np.ndarray:
     """The map's rows, checked against this model's shape; errors name the file and field."""
     path = Path(path)
-    seed = read_json(path)  # a missing or malformed file: ConfigError (a ValueError) naming it
+    seed = read_json(path)  # a missing or malformed file: a ConfigError naming it
     if not isinstance(seed, dict) or seed.get("format") != FORMAT:
-        raise ValueError(f"{path}: field 'format' should be {FORMAT!r}")
+        raise ConfigError(f"{path}: field 'format' should be {FORMAT!r}")
     for field, want in (("n_layers", n_layers), ("n_experts", n_experts)):
         if seed.get(field) != want:
-            raise ValueError(f"{path}: field '{field}' = {seed.get(field)!r}, this model has {want}")
+            raise ConfigError(f"{path}: field '{field}' = {seed.get(field)!r}, this model has "
+                              f"{want}")
     rows = seed.get("rows")
     if (not isinstance(rows, list) or not all(isinstance(r, int) for r in rows)
             or any(not 0 <= r < n_layers * n_experts for r in rows)):
-        raise ValueError(f"{path}: field 'rows' should be a list of pool rows in "
-                         f"[0, {n_layers * n_experts})")
+        raise ConfigError(f"{path}: field 'rows' should be a list of pool rows in "
+                          f"[0, {n_layers * n_experts})")
     return np.asarray(rows, np.int32)

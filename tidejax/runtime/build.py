@@ -24,7 +24,8 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError, read_json
+from tidejax.errors import ConfigError
+from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool
@@ -59,8 +60,9 @@ class LoadedModel:
         self.config = config
         model_dir = Path(config.model.path)
         if not config.model.path or not (model_dir / "config.json").exists():
-            raise ConfigError(f"{config.source}: 'model.path' = {config.model.path!r} is not a "
-                              "checkpoint directory (no config.json)")
+            raise ConfigError(f"{config.source_of('model.path')}: 'model.path' = "
+                              f"{config.model.path!r} is not a checkpoint directory (no "
+                              "config.json)")
         raw = read_json(model_dir / "config.json")
         source = str(model_dir / "config.json")
         self.mesh = self._mesh(config)
@@ -115,12 +117,13 @@ class LoadedModel:
         try:
             mesh = parallel.use_mesh(config.distributed.tensor_parallel)
         except ValueError as e:
-            raise ConfigError(f"{config.source}: {e}") from None
+            raise ConfigError(f"{config.source_of('distributed.tensor_parallel')}: {e}") from None
         policy = config.residency.miss_policy
         if parallel.tensor_size(mesh) > 1 and policy in ("cpu", "auto"):
-            raise ConfigError(f"{config.source}: 'residency.miss_policy' = {policy!r} computes "
-                              "misses on the host from the whole pool: not served on a mesh that "
-                              f"splits 'tensor' {parallel.tensor_size(mesh)} ways "
+            raise ConfigError(f"{config.source_of('residency.miss_policy')}: "
+                              f"'residency.miss_policy' = {policy!r} computes misses on the host "
+                              "from the whole pool: not served on a mesh that splits 'tensor' "
+                              f"{parallel.tensor_size(mesh)} ways "
                               "(distributed.tensor_parallel)")
         return mesh
 
@@ -182,12 +185,13 @@ class LoadedModel:
         every lane at max_context. The pool must hold one sequence at max_context."""
         section, size = config.engine, self.page_size
         if size < 1:
-            raise ConfigError(f"{config.source}: 'engine.page_size' must be at least 1")
+            raise ConfigError(f"{config.source_of('engine.page_size')}: 'engine.page_size' must be "
+                              "at least 1")
         multiple = self.family.page_multiple(self.cfg)
         if size % multiple:
-            raise ConfigError(f"{config.source}: 'engine.page_size' = {size} must be a multiple of "
-                              f"{multiple} for {self.family.name} (a page holds whole groups of "
-                              "every compressed KV source)")
+            raise ConfigError(f"{config.source_of('engine.page_size')}: 'engine.page_size' = "
+                              f"{size} must be a multiple of {multiple} for {self.family.name} (a "
+                              "page holds whole groups of every compressed KV source)")
         if section.kv_pool_gib > 0 and self.cache_bytes_per_token() > 0:
             key = "engine.kv_pool_gib"
             pages = int(section.kv_pool_gib * 2**30 // (self.cache_bytes_per_token() * size))
@@ -196,8 +200,9 @@ class LoadedModel:
         else:
             key, pages = "engine.lanes", pages_for(self.lanes * self.max_context, size)
         if pages < pages_for(self.max_context, size):
-            raise ConfigError(f"{config.source}: '{key}' gives a KV pool of {pages * size} tokens, "
-                              f"less than one sequence at engine.max_context ({self.max_context})")
+            raise ConfigError(f"{config.source_of(key)}: '{key}' gives a KV pool of "
+                              f"{pages * size} tokens, less than one sequence at "
+                              f"engine.max_context ({self.max_context})")
         return pages
 
     # -- step inputs -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from tidejax.config import EngineConfig
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import Scheduler

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tidejax.errors import EngineError, RequestError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
@@ -16,7 +17,7 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
     if engine.scheduler.thread is not None:
         raise RuntimeError("generate() while the scheduler thread serves: use the server API")
     if sampling.logprobs is not None:
-        raise ValueError("generate() returns text: ask the server for logprobs")
+        raise RequestError("generate() returns text: ask the server for logprobs", "logprobs")
     single = isinstance(prompts, str) or _is_chat(prompts)
     items = [prompts] if single else list(prompts)
     outputs = [""] * len(items)
@@ -47,5 +48,5 @@ def generate(engine, prompts, *, max_new_tokens: int, sampling: SamplingParams,
                                                on_event))
     engine.scheduler.run_until_idle()
     if errors:
-        raise ValueError(errors[0])
+        raise EngineError(errors[0])
     return outputs[0] if single else outputs

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.errors import RequestError
+
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (OpenAI's limit)
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each token (OpenAI's limit)
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties (OpenAI's range)
@@ -37,12 +39,11 @@ BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value (OpenAI's range)
 LOGPROB_FLOOR = -9999.0  # for a token that cannot be drawn (OpenAI's figure; JSON has no -inf)
 
 
-class SamplingError(ValueError):
+class SamplingError(RequestError):
     """A sampling parameter out of range; `field` names it."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"'{field}' {message}")
-        self.field = field
+        super().__init__(f"'{field}' {message}", field)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 from tidejax import parallel
+from tidejax.errors import EngineError, RequestError
 from tidejax.kv.pages import PageTable, pages_for
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.replica import Replicas
@@ -166,15 +167,15 @@ class Scheduler:
     def submit(self, request: GenerationRequest, on_event) -> RequestHandle:
         n = len(request.prompt_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         if n >= self.model.max_context:
-            raise ValueError(f"the prompt has {n} tokens; this model's context is "
-                             f"{self.model.max_context} tokens")
+            raise RequestError(f"the prompt has {n} tokens; this model's context is "
+                               f"{self.model.max_context} tokens", "prompt")
         if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
+            raise RequestError("max_new_tokens must be at least 1", "max_new_tokens")
         request.sampling.check_vocab(self.model.vocab_size)
         if self.status == "failed":
-            raise RuntimeError("the engine failed and could not rebuild its state")
+            raise EngineError("the engine failed and could not rebuild its state")
         if request.sampling.seed is None:  # unseeded requests must not share one random stream
             request = dataclasses.replace(request, sampling=dataclasses.replace(
                 request.sampling, seed=secrets.randbits(31)))

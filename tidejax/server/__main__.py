@@ -22,9 +22,9 @@ from pathlib import Path
 from aiohttp import web
 
 from tidejax import distributed
-from tidejax.checkpoint.safetensors_io import CheckpointError
+from tidejax.errors import CheckpointError
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
 from tidejax.runtime.replica import follow
@@ -68,7 +68,12 @@ async def serve(config: EngineConfig) -> None:
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = bind_host(config), config.server.port
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:  # a host that does not resolve or is not this machine's, a port in use
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port} (server.host or --host, server.port or "
+                      f"--port): {e.strerror or e}") from None
     log.info("listening on http://%s:%d, %s; loading %s from %s", host, port, keys_line(config),
              server.name, config.model.path)
     loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from tidejax.config import EngineConfig
+from tidejax.errors import RequestError
 from tidejax.server import anthropic_api, openai_api
 from tidejax.server.client import EngineClient, EngineStats
 from tidejax.server.errors import APIError, dialect_of, error_response
@@ -121,11 +122,24 @@ async def api_middleware(request: web.Request, handler):
         response = await handler(request)
     except Exception as e:
         response = error_response(e, dialect_of(request.path))
+        if isinstance(e.__cause__, web.RequestPayloadError):
+            response.force_close()  # the body's rest cannot be read: no next request here
         log.info("%s %s -> %d %s", request.method, request.path, response.status,
                  response.text[:300])
     route = request.match_info.route.resource
     server.metrics.record_response(route.canonical if route else "unmatched", response.status)
     return response
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body; a body that does not decode (as its Content-Encoding says) is the
+    client's error."""
+    try:
+        return await request.read()
+    except web.RequestPayloadError as e:
+        request.content.feed_eof()  # the rest is unreadable: aiohttp should not read on (and log)
+        reason = getattr(e.__cause__, "message", None) or str(e)
+        raise RequestError(f"the request body cannot be read: {reason}") from e
 
 
 def _chat(server: Server, raw: bytes, parse, prefix: str):
@@ -149,21 +163,21 @@ def _count(server: Server, raw: bytes) -> int:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, gens, parsers = await server.off_loop(_chat, server, await request.read(), parse_chat,
-                                                "chatcmpl-")
+    chat, gens, parsers = await server.off_loop(_chat, server, await read_body(request),
+                                                parse_chat, "chatcmpl-")
     return await openai_api.chat_completion(request, gens, parsers, chat.stream,
                                             chat.include_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    body, gens = await server.off_loop(_completion, server, await request.read())
+    body, gens = await server.off_loop(_completion, server, await read_body(request))
     return await openai_api.completion(request, gens, body.stream, body.include_usage)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, [gen], [parser] = await server.off_loop(_chat, server, await request.read(),
+    chat, [gen], [parser] = await server.off_loop(_chat, server, await read_body(request),
                                                   parse_messages, "msg_")
     return await anthropic_api.message(request, gen, parser, chat.stream)
 
@@ -172,7 +186,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt's length under the chat template."""
     server = request.app[SERVER]
     return web.json_response({"input_tokens": await server.off_loop(
-        _count, server, await request.read())})
+        _count, server, await read_body(request))})
 
 
 def _model_object(server: Server, anthropic: bool) -> dict:

@@ -2,6 +2,10 @@
 
 OpenAI:    {"error": {"message", "type", "param", "code"}}
 Anthropic: {"type": "error", "error": {"type", "message"}}
+
+A RequestError (tidejax.errors) is the only 400 of the server's own: anything else raised while
+answering (an EngineError, a bug) is a 500 that does not repeat its text, logged once with its
+traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import json
 import logging
 
 from aiohttp import web
+
+from tidejax.errors import EngineError, RequestError
 
 log = logging.getLogger("tidejax.server")
 
@@ -21,8 +27,13 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     503: "overloaded_error"}
 
 
+ENGINE_FAILED = "the engine failed on this request (the server's log has the details)"
+INTERNAL = "internal error (the server's log has the details)"
+
+
 class APIError(Exception):
-    """A request the server answers with `status` and `message` (which names the field)."""
+    """A request the server answers with `status` (401, 404, 503: not 400, which is a
+    RequestError's) and `message`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
@@ -34,14 +45,17 @@ def as_api_error(exc: BaseException) -> APIError:
     """Any exception raised while answering a request, as the error the client should see."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestError):
+        return APIError(400, exc.message, exc.field, exc.code)
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return APIError(413, f"request body too large: {exc.text}", code="request_too_large")
     if isinstance(exc, ConnectionError):  # nobody will read this; 499 as nginx counts it
         return APIError(499, "the client closed the connection")
     if isinstance(exc, web.HTTPException):
         return APIError(exc.status, exc.reason or str(exc))
-    log.error("internal error", exc_info=exc)
-    return APIError(500, "internal error (the server's log has the details)")
+    engine = isinstance(exc, EngineError)
+    log.error("engine error" if engine else "internal error", exc_info=exc)
+    return APIError(500, ENGINE_FAILED if engine else INTERNAL)
 
 
 def error_body(err: APIError, dialect: str) -> dict:

@@ -15,18 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
 
-from tidejax.runtime.sampling import SamplingError
+from tidejax.errors import EngineError, RequestError
 from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
 from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
-from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
-from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking
+from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking, load_json
 from tidejax.text.toolcalls import THINK_CLOSE, OutputParser, starts_in_reasoning
 
 log = logging.getLogger("tidejax.server")
@@ -65,15 +63,17 @@ class ServedModel:
         `<think>` block (the template opened it)."""
         tool_format = self.info.tool_format
         if self.info.chat_template is None:
-            raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions")
+            raise RequestError(f"model {self.name!r} has no chat template: use /v1/completions")
         messages = chat.messages
         if tool_format is not None and tool_format.arguments_as_dict:
             messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
         kwargs = {**chat.template_kwargs, **self._thinking_kwargs(chat)}
         try:
-            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools, **kwargs)
+            ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools,
+                                                        continue_final=chat.continue_final,
+                                                        **kwargs)
         except TemplateRenderError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise RequestError(str(e), field="messages") from None
         return ids, starts_in_reasoning(text)
 
     def _thinking_kwargs(self, chat: ChatInput) -> dict:
@@ -89,13 +89,13 @@ class ServedModel:
             kwargs = {name: thinking.enabled for name in THINKING_SWITCHES if name in variables}
         if not kwargs:
             controls = ", ".join((EFFORT_VARIABLE, *THINKING_SWITCHES))
-            raise APIError(400, f"'{thinking.param}': the chat template of {self.name!r} has no "
-                                f"thinking control (it reads none of {controls})",
-                           param=thinking.param)
+            raise RequestError(f"'{thinking.param}': the chat template of {self.name!r} has no "
+                               f"thinking control (it reads none of {controls})",
+                               field=thinking.param)
         for name in kwargs:
             if name in chat.template_kwargs:
-                raise APIError(400, f"'{thinking.param}' and 'chat_template_kwargs.{name}' both "
-                                    "set the thinking control: send one", param=thinking.param)
+                raise RequestError(f"'{thinking.param}' and 'chat_template_kwargs.{name}' both "
+                                   "set the thinking control: send one", field=thinking.param)
         return kwargs
 
     def options(self, options: GenerationOptions, thinking: Thinking | None) -> GenerationOptions:
@@ -105,15 +105,12 @@ class ServedModel:
         if thinking is not None and thinking.budget:
             end = self.info.tokenizer.token_id(THINK_CLOSE)
             if end is None:
-                raise APIError(400, f"'thinking.budget_tokens': {self.name!r} has no single "
-                                    f"{THINK_CLOSE} token to end its reasoning with",
-                               param="thinking.budget_tokens")
+                raise RequestError(f"'thinking.budget_tokens': {self.name!r} has no single "
+                                   f"{THINK_CLOSE} token to end its reasoning with",
+                                   field="thinking.budget_tokens")
             sampling = dataclasses.replace(sampling, thinking_budget=thinking.budget,
                                            thinking_end=end)
-        try:
-            sampling.check_vocab(self.info.tokenizer.vocab_size)
-        except SamplingError as e:
-            raise APIError(400, str(e), param=e.field) from None
+        sampling.check_vocab(self.info.tokenizer.vocab_size)
         return dataclasses.replace(options, sampling=sampling)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -122,8 +119,8 @@ class ServedModel:
         vocab = self.info.tokenizer.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"'prompt' has token id {bad}, outside the vocabulary "
-                                f"[0, {vocab})", param="prompt")
+            raise RequestError(f"'prompt' has token id {bad}, outside the vocabulary "
+                               f"[0, {vocab})", field="prompt")
         return prompt
 
     def budget(self, prompt_len: int, options: GenerationOptions) -> int:
@@ -131,20 +128,20 @@ class ServedModel:
         max_tokens does not fit."""
         max_tokens, param = options.max_tokens, options.max_tokens_param
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise RequestError("the prompt is empty", field="prompt")
         room = self.info.max_context - prompt_len - 1
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                                f"{self.info.max_context} tokens", code="context_length_exceeded")
+            raise RequestError(f"the prompt has {prompt_len} tokens; this model's context is "
+                               f"{self.info.max_context} tokens", code="context_length_exceeded")
         if max_tokens is None:
             return min(room, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
-            raise APIError(400, f"'{param}' = {max_tokens} is above this server's limit of "
-                                f"{self.max_tokens_limit}", param=param)
+            raise RequestError(f"'{param}' = {max_tokens} is above this server's limit of "
+                               f"{self.max_tokens_limit}", field=param)
         if max_tokens > room:
-            raise APIError(400, f"'{param}' = {max_tokens} does not fit: the prompt has "
-                                f"{prompt_len} tokens and the context is {self.info.max_context}",
-                           param=param, code="context_length_exceeded")
+            raise RequestError(f"'{param}' = {max_tokens} does not fit: the prompt has "
+                               f"{prompt_len} tokens and the context is {self.info.max_context}",
+                               field=param, code="context_length_exceeded")
         return max_tokens
 
 
@@ -154,13 +151,10 @@ def _arguments_as_dicts(message: dict, i: int) -> dict:
         return message
     calls = []
     for j, call in enumerate(message["tool_calls"]):
-        try:
-            args = json.loads(call["function"]["arguments"] or "{}")
-        except json.JSONDecodeError:
-            args = None
+        param = f"messages[{i}].tool_calls[{j}].function.arguments"
+        args = load_json(call["function"]["arguments"] or "{}", param)
         if not isinstance(args, dict):
-            param = f"messages[{i}].tool_calls[{j}].function.arguments"
-            raise APIError(400, f"'{param}' should be a JSON object", param=param)
+            raise RequestError(f"'{param}' should be a JSON object", field=param)
         calls.append({**call, "function": {**call["function"], "arguments": args}})
     return {**message, "tool_calls": calls}
 
@@ -218,10 +212,7 @@ class Generation:
             logprobs.clear()
             return out
 
-        try:
-            stream = self.client.submit(self.request)
-        except ValueError as e:  # the engine refuses a request it cannot run
-            raise APIError(400, str(e)) from None
+        stream = self.client.submit(self.request)  # a RequestError when the engine refuses it
 
         def release(new: str) -> str:
             nonlocal raw, released
@@ -253,9 +244,7 @@ class Generation:
                                                              self.completion_tokens)
                 else:
                     self.finish_reason = "error"
-                    log.error("%s: engine error: %s", self.id, event.message)
-                    raise APIError(500, "the engine failed on this request (the server's log "
-                                        "has the details)")
+                    raise EngineError(f"{self.id}: {event.message}")
         finally:
             stream.cancel()  # a no-op when the stream has ended
             self._record(time.perf_counter() - started)

@@ -1,15 +1,16 @@
 """Request schemas: the JSON bodies of the OpenAI and Anthropic routes, checked field by field
-and turned into one internal shape (`ChatInput` / `CompletionInput`). Every problem raises an
-`APIError(400)` that names the field."""
+and turned into one internal shape (`ChatInput` / `CompletionInput`). Every problem raises a
+`RequestError` that names the field."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Any
 
+from tidejax.errors import RequestError
 from tidejax.runtime.sampling import SamplingError, SamplingParams
-from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -20,13 +21,21 @@ MAX_TOOLS = 128
 MAX_STOP = 16  # stop sequences
 MAX_STOP_CHARS = 256  # characters of one stop sequence
 MAX_N = 8  # choices of one request (`n`), each a lane of its own
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key (vocabularies are far below 10**10)
 
 # OpenAI's reasoning_effort values; "none" and "minimal" turn a thinking switch off
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
-# chat_template_kwargs the server passes itself (or the template's own special tokens)
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt",
-                            "bos_token", "eos_token", "unk_token", "pad_token")
+# chat_template_kwargs a request may not set, and why: the server passes them itself (or the
+# template's own special tokens), or Jinja keeps the name
+_BY_SERVER = "set by the server (send no such key)"
+RESERVED_TEMPLATE_KWARGS = {
+    "messages": "set by the server (send it as the request field)",
+    "tools": "set by the server (send it as the request field)",
+    **dict.fromkeys(("documents", "add_generation_prompt", "continue_final", "bos_token",
+                     "eos_token", "unk_token", "pad_token"), _BY_SERVER),
+    "self": "Jinja's name for the template itself (send no such key)",
+}
 
 # Parameters this server does not implement: each one's values that ask for nothing (what the
 # server does anyway). Any other value is refused with a 400 naming every such parameter.
@@ -79,6 +88,7 @@ class ChatInput:
     stream: bool
     include_usage: bool = False  # a stream's last chunk carries the usage (OpenAI stream_options)
     thinking: Thinking | None = None  # None: the template's default
+    continue_final: bool = False  # the last (assistant) message is continued, not answered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +109,8 @@ class Fields:
 
     def __init__(self, raw: Any, where: str = ""):
         if not isinstance(raw, dict):
-            raise APIError(400, f"{where.rstrip('.') or 'body'} should be a JSON object",
-                           param=where.rstrip(".") or None)
+            raise RequestError(f"{where.rstrip('.') or 'body'} should be a JSON object",
+                               field=where.rstrip(".") or None)
         self.raw, self.where = raw, where
 
     def get(self, name: str, kind: type | tuple, default: Any = None, required: bool = False):
@@ -108,15 +118,19 @@ class Fields:
         value = self.raw.get(name)
         if value is None:
             if required:
-                raise APIError(400, f"'{param}' is required", param=param)
+                raise RequestError(f"'{param}' is required", field=param)
             return default
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise RequestError(f"'{param}' = an integer of {len(str(abs(value)))} digits is "
+                                   "out of range", field=param) from None
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             names = " or ".join(_TYPE_NAMES[k] for k in kinds)
-            raise APIError(400, f"'{param}' should be {names}, got {json.dumps(value)[:80]}",
-                           param=param)
+            raise RequestError(f"'{param}' should be {names}, got {json.dumps(value)[:80]}",
+                               field=param)
         return value
 
     def number(self, name: str, default: float, low: float, high: float,
@@ -124,27 +138,49 @@ class Fields:
         value = self.get(name, float, default)
         if value < low or value > high or (low_open and value == low):
             bracket = "(" if low_open else "["
-            raise APIError(400, f"'{self.where + name}' = {value} is out of range "
-                                f"{bracket}{low}, {high}]", param=self.where + name)
+            raise RequestError(f"'{self.where + name}' = {value} is out of range "
+                               f"{bracket}{low}, {high}]", field=self.where + name)
         return value
 
 
-def parse_json(text: bytes) -> Fields:
-    """The body as an object, every string in it valid Unicode (no lone surrogates) and no deeper
-    than MAX_DEPTH."""
+class _LongInt:
+    """A JSON integer with more digits than Python converts (sys.get_int_max_str_digits)."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+
+def _int(text: str) -> int | _LongInt:
     try:
-        body = json.loads(text)
+        return int(text)
+    except ValueError:
+        return _LongInt(text)
+
+
+def parse_json(text: bytes) -> Fields:
+    """The body as an object (load_json's checks)."""
+    return Fields(load_json(text))
+
+
+def load_json(text: bytes | str, where: str = "") -> Any:
+    """`text` parsed, every string in it valid Unicode (no lone surrogates), no deeper than
+    MAX_DEPTH and no integer longer than Python reads; errors name `where`, the field that held
+    the text (else the body)."""
+    what = f"'{where}'" if where else "request body"
+    try:
+        body = json.loads(text, parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
+        raise RequestError(f"{what} is not valid JSON: {e}", field=where or None) from None
     except RecursionError:
-        raise APIError(400, f"request body is nested deeper than {MAX_DEPTH} levels") from None
-    stack = [(body, "", 0)]
+        raise RequestError(f"{what} is nested deeper than {MAX_DEPTH} levels",
+                           field=where or None) from None
+    stack = [(body, where, 0)]
     while stack:
         value, where, depth = stack.pop()
         if isinstance(value, (dict, list)):
             if depth >= MAX_DEPTH:
-                raise APIError(400, f"request body is nested deeper than {MAX_DEPTH} levels "
-                                    f"(at '{where or 'body'}')", param=where or None)
+                raise RequestError(f"request body is nested deeper than {MAX_DEPTH} levels "
+                                   f"(at '{where or 'body'}')", field=where or None)
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str):  # checked before it names a field in a message
@@ -155,15 +191,18 @@ def parse_json(text: bytes) -> Fields:
                 stack.append((item, path, depth + 1))
         elif isinstance(value, str):
             _unicode(value, where or "body", "text")
-    return Fields(body)
+        elif isinstance(value, _LongInt):
+            raise RequestError(f"'{where or 'body'}' is an integer of {value.digits} digits (at "
+                               f"most {sys.get_int_max_str_digits()})", field=where or None)
+    return body
 
 
 def _unicode(text: str, where: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"'{where}' holds {what} with a lone UTF-16 surrogate (not valid "
-                            "Unicode)", param=where) from None
+        raise RequestError(f"'{where}' holds {what} with a lone UTF-16 surrogate (not valid "
+                           "Unicode)", field=where) from None
 
 
 def refuse_unsupported(body: Fields, route: str) -> None:
@@ -174,8 +213,8 @@ def refuse_unsupported(body: Fields, route: str) -> None:
              and not any(_same(body.raw[name], n) for n in neutral)]
     if asked:
         listed = ", ".join(f"'{name}' = {json.dumps(value)[:40]}" for name, value in asked)
-        raise APIError(400, f"not supported by this server: {listed} (leave "
-                            f"{'it' if len(asked) == 1 else 'them'} out)", param=asked[0][0])
+        raise RequestError(f"not supported by this server: {listed} (leave "
+                           f"{'it' if len(asked) == 1 else 'them'} out)", field=asked[0][0])
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -192,10 +231,10 @@ def _max_tokens(body: Fields, *names: str, required: bool = False) -> tuple[int 
         value = body.get(name, int)
         if value is not None:
             if value < 1:
-                raise APIError(400, f"'{name}' = {value} should be at least 1", param=name)
+                raise RequestError(f"'{name}' = {value} should be at least 1", field=name)
             return value, name
     if required:
-        raise APIError(400, f"'{names[0]}' is required", param=names[0])
+        raise RequestError(f"'{names[0]}' is required", field=names[0])
     return None, names[-1]
 
 
@@ -203,20 +242,20 @@ def _stop(body: Fields, name: str) -> tuple[str, ...]:
     stop = body.get(name, (str, list), ())
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"'{name}' should be a string or an array of non-empty strings",
-                       param=name)
+        raise RequestError(f"'{name}' should be a string or an array of non-empty strings",
+                           field=name)
     if len(stop) > MAX_STOP:
-        raise APIError(400, f"'{name}' has {len(stop)} sequences; at most {MAX_STOP}", param=name)
+        raise RequestError(f"'{name}' has {len(stop)} sequences; at most {MAX_STOP}", field=name)
     if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise APIError(400, f"'{name}': a stop sequence is longer than {MAX_STOP_CHARS} "
-                            "characters", param=name)
+        raise RequestError(f"'{name}': a stop sequence is longer than {MAX_STOP_CHARS} "
+                           "characters", field=name)
     return stop
 
 
 def _list(body: Fields, name: str, cap: int, required: bool = False) -> list | None:
     value = body.get(name, list, required=required)
     if value is not None and len(value) > cap:
-        raise APIError(400, f"'{name}' has {len(value)} entries; at most {cap}", param=name)
+        raise RequestError(f"'{name}' has {len(value)} entries; at most {cap}", field=name)
     return value
 
 
@@ -226,8 +265,8 @@ def _include_usage(body: Fields, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
-        raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
-                       param="stream_options")
+        raise RequestError("'stream_options' is only allowed when 'stream' is true",
+                           field="stream_options")
     return Fields(options, "stream_options.").get("include_usage", bool, False)
 
 
@@ -238,8 +277,8 @@ def _options(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, 
     field that asked) and `n` come from the OpenAI routes."""
     top_k = body.get("top_k", int, 0)
     if top_k < -1:
-        raise APIError(400, f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
-                       param="top_k")
+        raise RequestError(f"'top_k' = {top_k} should be -1 or 0 (off) or positive",
+                           field="top_k")
     fields = {"logprobs": logprobs[1]}  # SamplingParams' field -> the request's
     try:
         sampling = SamplingParams(
@@ -252,7 +291,7 @@ def _options(body: Fields, max_tokens: tuple[int | None, str], stop: tuple[str, 
             logit_bias=_logit_bias(body), logprobs=logprobs[0])
     except SamplingError as e:
         name = fields.get(e.field, e.field)
-        raise APIError(400, str(e).replace(f"'{e.field}'", f"'{name}'", 1), param=name) from None
+        raise RequestError(str(e).replace(f"'{e.field}'", f"'{name}'", 1), field=name) from None
     return GenerationOptions(sampling, max_tokens=max_tokens[0], max_tokens_param=max_tokens[1],
                              stop=stop, ignore_eos=body.get("ignore_eos", bool, False), n=n,
                              logprobs_param=logprobs[1])
@@ -264,9 +303,9 @@ def _logit_bias(body: Fields) -> dict[int, float]:
     entries = Fields(raw, "logit_bias.")
     bias = {}
     for key in raw:
-        if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"'logit_bias' key {json.dumps(key)[:40]} should be a token id",
-                           param="logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+            raise RequestError(f"'logit_bias' key {json.dumps(key)[:40]} should be a token id",
+                               field="logit_bias")
         bias[int(key)] = entries.get(key, float, required=True)
     return bias
 
@@ -274,7 +313,7 @@ def _logit_bias(body: Fields) -> dict[int, float]:
 def _n(body: Fields) -> int:
     n = body.get("n", int, 1)
     if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' = {n} is out of range [1, {MAX_N}]", param="n")
+        raise RequestError(f"'n' = {n} is out of range [1, {MAX_N}]", field="n")
     return n
 
 
@@ -283,7 +322,7 @@ def _chat_logprobs(body: Fields) -> tuple[int | None, str]:
     top = body.get("top_logprobs", int)
     if not body.get("logprobs", bool, False):
         if top:
-            raise APIError(400, "'top_logprobs' needs 'logprobs' = true", param="top_logprobs")
+            raise RequestError("'top_logprobs' needs 'logprobs' = true", field="top_logprobs")
         return None, "top_logprobs"
     return (top or 0), "top_logprobs"
 
@@ -293,8 +332,8 @@ def _reasoning_effort(body: Fields) -> Thinking | None:
     if effort is None:
         return None
     if effort not in REASONING_EFFORTS:
-        raise APIError(400, f"'reasoning_effort' = {json.dumps(effort)[:40]} should be one of "
-                            f"{', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+        raise RequestError(f"'reasoning_effort' = {json.dumps(effort)[:40]} should be one of "
+                           f"{', '.join(REASONING_EFFORTS)}", field="reasoning_effort")
     return Thinking(effort not in ("none", "minimal"), "reasoning_effort", effort=effort)
 
 
@@ -308,12 +347,12 @@ def _anthropic_thinking(body: Fields) -> Thinking | None:
     if kind == "disabled":
         return Thinking(False, "thinking")
     if kind != "enabled":
-        raise APIError(400, f"'thinking.type' = {json.dumps(kind)[:40]} should be enabled or "
-                            "disabled", param="thinking.type")
+        raise RequestError(f"'thinking.type' = {json.dumps(kind)[:40]} should be enabled or "
+                           "disabled", field="thinking.type")
     budget = thinking.get("budget_tokens", int, required=True)
     if budget < 1:
-        raise APIError(400, f"'thinking.budget_tokens' = {budget} should be at least 1",
-                       param="thinking.budget_tokens")
+        raise RequestError(f"'thinking.budget_tokens' = {budget} should be at least 1",
+                           field="thinking.budget_tokens")
     return Thinking(True, "thinking", budget=budget)
 
 
@@ -322,15 +361,15 @@ def _text_content(content: Any, param: str, parts_type: str = "text") -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"'{param}' should be a string or an array of content parts",
-                       param=param)
+        raise RequestError(f"'{param}' should be a string or an array of content parts",
+                           field=param)
     texts = []
     for i, part in enumerate(content):
         part = Fields(part, f"{param}[{i}].")
         kind = part.get("type", str, required=True)
         if kind != parts_type:
-            raise APIError(400, f"'{param}[{i}].type' = {kind!r} is not supported (only "
-                                f"{parts_type!r} parts)", param=f"{param}[{i}].type")
+            raise RequestError(f"'{param}[{i}].type' = {kind!r} is not supported (only "
+                               f"{parts_type!r} parts)", field=f"{param}[{i}].type")
         texts.append(part.get("text", str, required=True))
     return "".join(texts)
 
@@ -339,14 +378,14 @@ def _openai_tools(body: Fields) -> list[dict] | None:
     tools = _list(body, "tools", MAX_TOOLS)
     choice = body.get("tool_choice", (str, dict), "auto")
     if choice not in ("auto", "none"):
-        raise APIError(400, f"'tool_choice' = {json.dumps(choice)} is not supported (auto, "
-                            "none): the engine does not constrain decoding", param="tool_choice")
+        raise RequestError(f"'tool_choice' = {json.dumps(choice)} is not supported (auto, "
+                           "none): the engine does not constrain decoding", field="tool_choice")
     if not tools or choice == "none":
         return None
     for i, tool in enumerate(tools):
         tool = Fields(tool, f"tools[{i}].")
         if tool.get("type", str, "function") != "function":
-            raise APIError(400, f"'tools[{i}].type' should be 'function'", param=f"tools[{i}].type")
+            raise RequestError(f"'tools[{i}].type' should be 'function'", field=f"tools[{i}].type")
         Fields(tool.get("function", dict, required=True), f"tools[{i}].function.").get(
             "name", str, required=True)
     return tools
@@ -356,13 +395,13 @@ def _openai_message(raw: Any, i: int) -> dict:
     msg = Fields(raw, f"messages[{i}].")
     role = msg.get("role", str, required=True)
     if role not in ROLES:
-        raise APIError(400, f"'messages[{i}].role' = {role!r} should be one of "
-                            f"{', '.join(ROLES)}", param=f"messages[{i}].role")
+        raise RequestError(f"'messages[{i}].role' = {role!r} should be one of "
+                           f"{', '.join(ROLES)}", field=f"messages[{i}].role")
     out = {"role": "system" if role == "developer" else role}
     tool_calls = msg.get("tool_calls", list) if role == "assistant" else None
     content = msg.raw.get("content")
     if content is None and not tool_calls:
-        raise APIError(400, f"'messages[{i}].content' is required", param=f"messages[{i}].content")
+        raise RequestError(f"'messages[{i}].content' is required", field=f"messages[{i}].content")
     out["content"] = "" if content is None else _text_content(content, f"messages[{i}].content")
     if role == "tool":
         out["tool_call_id"] = msg.get("tool_call_id", str, required=True)
@@ -383,18 +422,17 @@ def _openai_message(raw: Any, i: int) -> dict:
 
 def _template_kwargs(body: Fields) -> dict:
     kwargs = body.get("chat_template_kwargs", dict, {})
-    for name in RESERVED_TEMPLATE_KWARGS:
+    for name, why in RESERVED_TEMPLATE_KWARGS.items():
         if name in kwargs:
-            raise APIError(400, f"'chat_template_kwargs.{name}' is set by the server (send "
-                                f"{'it as the request field' if name in ('messages', 'tools') else 'no such key'})",
-                           param=f"chat_template_kwargs.{name}")
+            raise RequestError(f"'chat_template_kwargs.{name}' is {why}",
+                               field=f"chat_template_kwargs.{name}")
     return kwargs
 
 
 def _messages(body: Fields) -> list:
     messages = _list(body, "messages", MAX_MESSAGES, required=True)
     if not messages:
-        raise APIError(400, "'messages' should not be empty", param="messages")
+        raise RequestError("'messages' should not be empty", field="messages")
     return messages
 
 
@@ -405,9 +443,14 @@ def parse_chat(body: Fields) -> ChatInput:
     stream = body.get("stream", bool, False)
     response_format = Fields(body.get("response_format", dict, {}), "response_format.")
     if response_format.get("type", str, "text") != "text":
-        raise APIError(400, "'response_format.type' = "
-                            f"{response_format.raw['type']!r} is not supported (text): the engine "
-                            "does not constrain decoding", param="response_format.type")
+        raise RequestError("'response_format.type' = "
+                           f"{response_format.raw['type']!r} is not supported (text): the engine "
+                           "does not constrain decoding", field="response_format.type")
+    continue_final = body.get("continue_final_message", bool, False)
+    if continue_final and Fields(messages[-1], f"messages[{len(messages) - 1}].").get(
+            "role", str) != "assistant":
+        raise RequestError("'continue_final_message' needs an assistant message last",
+                           field="continue_final_message")
     return ChatInput(
         model=body.get("model", str, required=True),
         messages=[_openai_message(m, i) for i, m in enumerate(messages)],
@@ -415,7 +458,7 @@ def parse_chat(body: Fields) -> ChatInput:
         options=_options(body, _max_tokens(body, "max_completion_tokens", "max_tokens"),
                          _stop(body, "stop"), _chat_logprobs(body), _n(body)),
         stream=stream, include_usage=_include_usage(body, stream),
-        thinking=_reasoning_effort(body))
+        thinking=_reasoning_effort(body), continue_final=continue_final)
 
 
 def parse_completion(body: Fields) -> CompletionInput:
@@ -425,8 +468,8 @@ def parse_completion(body: Fields) -> CompletionInput:
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         elif not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise APIError(400, "'prompt' should be a string, or one array of token ids",
-                           param="prompt")
+            raise RequestError("'prompt' should be a string, or one array of token ids",
+                               field="prompt")
     stream = body.get("stream", bool, False)
     return CompletionInput(
         model=body.get("model", str, required=True), prompt=prompt,
@@ -443,8 +486,8 @@ def _anthropic_blocks(content: Any, param: str) -> list[Fields]:
     if isinstance(content, str):
         return [Fields({"type": "text", "text": content}, f"{param}[0].")]
     if not isinstance(content, list):
-        raise APIError(400, f"'{param}' should be a string or an array of content blocks",
-                       param=param)
+        raise RequestError(f"'{param}' should be a string or an array of content blocks",
+                           field=param)
     return [Fields(block, f"{param}[{j}].") for j, block in enumerate(content)]
 
 
@@ -456,8 +499,8 @@ def _anthropic_messages(system: Any, messages: list) -> list[dict]:
         msg = Fields(raw, f"messages[{i}].")
         role = msg.get("role", str, required=True)
         if role not in ("user", "assistant"):
-            raise APIError(400, f"'messages[{i}].role' = {role!r} should be user or assistant",
-                           param=f"messages[{i}].role")
+            raise RequestError(f"'messages[{i}].role' = {role!r} should be user or assistant",
+                               field=f"messages[{i}].role")
         text, reasoning, calls = [], [], []
         for block in _anthropic_blocks(msg.raw.get("content"), f"messages[{i}].content"):
             kind = block.get("type", str, required=True)
@@ -476,8 +519,8 @@ def _anthropic_messages(system: Any, messages: list) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": call_id,
                             "content": _text_content(result, block.where + "content")})
             elif kind != "redacted_thinking":
-                raise APIError(400, f"'{block.where}type' = {kind!r} is not supported in a "
-                                    f"{role} message", param=block.where + "type")
+                raise RequestError(f"'{block.where}type' = {kind!r} is not supported in a "
+                                   f"{role} message", field=block.where + "type")
         if text or calls or reasoning or role == "assistant":
             message = {"role": role, "content": "".join(text)}
             if calls:
@@ -493,8 +536,8 @@ def _anthropic_tools(body: Fields) -> list[dict] | None:
     choice = Fields(body.get("tool_choice", dict, {"type": "auto"}), "tool_choice.")
     kind = choice.get("type", str, required=True)
     if kind not in ("auto", "none"):
-        raise APIError(400, f"'tool_choice.type' = {kind!r} is not supported (auto, none): the "
-                            "engine does not constrain decoding", param="tool_choice.type")
+        raise RequestError(f"'tool_choice.type' = {kind!r} is not supported (auto, none): the "
+                           "engine does not constrain decoding", field="tool_choice.type")
     if not tools or kind == "none":
         return None
     out = []
@@ -510,11 +553,11 @@ def _anthropic_tools(body: Fields) -> list[dict] | None:
 def parse_messages(body: Fields, count_only: bool = False) -> ChatInput:
     """A Messages request; `count_only` (POST /v1/messages/count_tokens) needs no max_tokens."""
     refuse_unsupported(body, "messages")
-    messages = _messages(body)
+    messages = _anthropic_messages(body.get("system", (str, list)), _messages(body))
     return ChatInput(
-        model=body.get("model", str, required=True),
-        messages=_anthropic_messages(body.get("system", (str, list)), messages),
+        model=body.get("model", str, required=True), messages=messages,
         tools=_anthropic_tools(body), template_kwargs=_template_kwargs(body),
         options=_options(body, _max_tokens(body, "max_tokens", required=not count_only),
                          _stop(body, "stop_sequences")),
-        stream=body.get("stream", bool, False), thinking=_anthropic_thinking(body))
+        stream=body.get("stream", bool, False), thinking=_anthropic_thinking(body),
+        continue_final=bool(messages) and messages[-1]["role"] == "assistant")  # a prefill

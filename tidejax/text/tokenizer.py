@@ -21,7 +21,7 @@ from pathlib import Path
 import tiktoken
 import tokenizers
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 from tidejax.text.chat_template import ChatTemplate, TemplateRenderError, token_text
 
 
@@ -282,10 +282,14 @@ class Tokenizer:
         return self.chat_prompt(messages, add_generation_prompt, tools, **template_kwargs)[0]
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **template_kwargs) -> tuple[list[int], str]:
+                    tools: list[dict] | None = None, continue_final: bool = False,
+                    **template_kwargs) -> tuple[list[int], str]:
         """The rendered conversation's token ids and its text. Special-token text inside the
         caller's strings is swapped for numbered marks while the template renders; the marks
-        are then tokenized as the text they stand for, the template's own text as usual."""
+        are then tokenized as the text they stand for, the template's own text as usual.
+        `continue_final`: the last message (an assistant's) is continued, the text cut where
+        its content ends (transformers' continue_final_message: a tag after the content, the
+        text cut at it, and before the whitespace the template trimmed)."""
         if self.chat_template is None:
             raise TemplateRenderError("this model has no chat template (tokenizer_config.json "
                                       "'chat_template' or chat_template.jinja)")
@@ -306,9 +310,18 @@ class Tokenizer:
 
         if tools and self.backend.sorts_tools:
             tools = _sorted_keys(tools)
-        text = self.chat_template.render(guard(messages), tools=guard(tools),
-                                         add_generation_prompt=add_generation_prompt,
-                                         **guard(template_kwargs))
+        guarded = guard(messages)
+        if continue_final:
+            guarded[-1] = {**guarded[-1], "content": (guarded[-1].get("content") or "") + _CONTINUE}
+        text = self.chat_template.render(guarded, tools=guard(tools),
+                                         add_generation_prompt=add_generation_prompt
+                                         and not continue_final, **guard(template_kwargs))
+        if continue_final:
+            at = text.rfind(_CONTINUE.strip())
+            if at < 0:
+                raise TemplateRenderError("the last message cannot be continued: the chat "
+                                          "template does not write its text")
+            text = text[:at] if text.startswith(_CONTINUE, at) else text[:at].rstrip()
         if not held:
             return self.encode(text, add_special_tokens=False), text
         pieces = _MARK.split(text)  # template text, a mark's number, template text, ...
@@ -324,3 +337,4 @@ class Tokenizer:
 # which a caller's occurrences of are themselves marked
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 _MARK = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+_CONTINUE = f"{_OPEN}continue{_CLOSE} "  # after the content of a message to be continued

@@ -22,12 +22,21 @@ class ToolCall:
     id: str = dataclasses.field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
+_NOT_JSON = object()
+
+
+def _loads(text: str):
+    """`text` parsed, else _NOT_JSON: the model may write anything, an integer longer than Python
+    reads or nesting past its recursion limit too."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # json.JSONDecodeError is a ValueError
+        return _NOT_JSON
+
+
 def _json_object(text: str) -> str | None:
     """`text` as compact JSON if it is a JSON object, else None."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    value = _loads(text)
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
@@ -101,10 +110,8 @@ def _call_glm(body: str, schemas: dict[str, dict]) -> ToolCall | None:
         if _is_string(properties.get(key)):
             arguments[key] = value
             continue
-        try:
-            arguments[key] = json.loads(value)
-        except json.JSONDecodeError:
-            arguments[key] = value
+        parsed = _loads(value)
+        arguments[key] = value if parsed is _NOT_JSON else parsed
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
@@ -130,15 +137,12 @@ def _call_kimi_k2(body: str) -> ToolCall | None:
 
 def _call_hermes(body: str) -> ToolCall | None:
     # {"name": NAME, "arguments": {...}}
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+    value = _loads(body)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
-        args = json.loads(args) if _json_object(args) else None
+        args = _loads(args)
     if not isinstance(args, dict):
         return None
     return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tidejax.fields import ConfigError, Fields
+from tidejax.errors import ConfigError
+from tidejax.fields import Fields
 from tidejax.models.layers.rope import RopeConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"

@@ -10,7 +10,8 @@ import math
 import os
 from pathlib import Path
 
-from tidejax.fields import ConfigError, Fields, read_json
+from tidejax.errors import ConfigError
+from tidejax.fields import Fields, read_json
 from tidejax.models.layers.rope import RopeConfig
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax import parallel
+from tidejax.errors import ConfigError
 from tidejax.residency.state import fetch_row, write_row
 
 DEAD = -1  # a masked position in the reference's history: n-grams never span it
@@ -117,14 +118,15 @@ class EngramLayout:
         layer_ids = tuple(layer_ids)
         found = int(token_map.max()) + 1 if token_map.size else 0
         if found != compressed_vocab:
-            raise ValueError(f"{source}: field 'engram_compressed_vocab_size' = {compressed_vocab}, "
-                             f"but the tokenizer's normalized vocabulary has {found} entries")
+            raise ConfigError(f"{source}: field 'engram_compressed_vocab_size' = "
+                              f"{compressed_vocab}, but the tokenizer's normalized vocabulary has "
+                              f"{found} entries")
         primes = layer_primes(len(layer_ids), max_ngram, heads, vocab_size)
         sizes = primes.reshape(len(layer_ids), -1)
         rows = tuple(int(s) for s in sizes.sum(-1))
         if tuple(num_embeddings) != rows:
-            raise ValueError(f"{source}: field 'engram_num_embeddings' = {list(num_embeddings)}, "
-                             f"the hash layout needs {list(rows)}")
+            raise ConfigError(f"{source}: field 'engram_num_embeddings' = {list(num_embeddings)}, "
+                              f"the hash layout needs {list(rows)}")
         offsets = np.cumsum(sizes, axis=-1) - sizes
         return EngramLayout(layer_ids, max_ngram, heads, token_map.astype(np.int64),
                             int(token_map[pad_token]), hash_multipliers(layer_ids, max_ngram, found),

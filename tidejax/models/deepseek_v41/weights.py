@@ -27,7 +27,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from tidejax.checkpoint import Experts, Rule, Table
-from tidejax.fields import ConfigError, read_json
+from tidejax.errors import ConfigError
+from tidejax.fields import read_json
 from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, EngramTables, compressed_token_map

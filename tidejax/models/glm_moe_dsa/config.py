@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tidejax.fields import ConfigError, Fields
+from tidejax.errors import ConfigError
+from tidejax.fields import Fields
 from tidejax.models.layers.moe import read_groups
 from tidejax.models.layers.rope import RopeConfig
 

@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.fields import ConfigError, Fields
+from tidejax.errors import ConfigError
+from tidejax.fields import Fields
 from tidejax.models.base import ParamSpec
 from tidejax.models.layers.linear import HIGHEST, dense_init
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs

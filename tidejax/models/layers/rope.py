@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from tidejax.fields import ConfigError
+from tidejax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
