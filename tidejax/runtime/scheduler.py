@@ -50,39 +50,13 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.kv.pages import PageTable, pages_for
+from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.replica import Replicas
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
 
 log = logging.getLogger("tidejax")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, parity tests)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    logprob: float | None = None  # where the request asked for logprobs: the token's
-    top: tuple[tuple[int, float], ...] = ()  # and its request's top (token id, logprob), best first
-
-
-@dataclasses.dataclass(frozen=True)
-class DoneEvent:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    stats: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorEvent:
-    message: str
 
 
 STEP_FAILED = "the engine's step failed (its log has the details)"

@@ -20,10 +20,10 @@ import logging
 import time
 import uuid
 
-from tidejax.runtime.sampling import SamplingError
+from tidejax.runtime.api import (DoneEvent, EngineClient, EngineInfo, GenerationRequest,
+                                 SamplingError, TokenEvent)
 from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
-from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tidejax.runtime.sampling import SamplingError, SamplingParams
+from tidejax.runtime.api import SamplingError, SamplingParams
 from tidejax.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
