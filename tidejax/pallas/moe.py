@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tidejax.pallas.bank import bank_dims, dequantized
 from tidejax.pallas.contract import swiglu
