@@ -121,11 +121,11 @@ def profile(engine, lanes: int, prefill: int, steps: int, folder: Path):
     def run(n: int):
         nonlocal tokens
         for _ in range(n):
-            sampled, _ = engine.scheduler.dispatch(inputs())
+            sampled, _ = engine.runner.dispatch(inputs())
             tokens = sampled.tokens
         jax.block_until_ready(tokens)
 
-    scopes = op_scopes(engine.scheduler.lower(inputs()).compile().as_text())
+    scopes = op_scopes(engine.runner.lower(inputs()).compile().as_text())
     run(2)  # compiled and warm before the clock
     start = time.perf_counter()
     run(steps)

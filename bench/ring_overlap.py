@@ -50,7 +50,7 @@ def ring_places(engine, lanes: int) -> list[str]:
     tokens = _first_step(engine, lanes)
     inputs = engine.loaded.step_inputs(_decode_rows(engine, lanes, False), None, tokens,
                                        engine.residency.idle_batch())
-    text = engine.scheduler.lower(inputs).compile().as_text()
+    text = engine.runner.lower(inputs).compile().as_text()
     order = schedule(text)
     fetch = [(i, op) for i, (_, op, line) in enumerate(order) if "ring_fetch" in line]
     moe = [i for i, (_, _, line) in enumerate(order) if "moe_grouped" in line]

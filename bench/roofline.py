@@ -223,13 +223,13 @@ def warm_up(engine, domain: str, prompt_tokens: int, lanes: int, drains: bool = 
     prompts = [prompt_ids(engine, domain, prompt_tokens, offset=7 * i) for i in range(lanes)]
     for drain_first in (False, True) if drains else (False,):
         if drain_first:
-            engine.scheduler.update_experts(engine.residency.drain)
+            engine.runner.update_experts(engine.residency.drain)
         for ids in prompts:
             engine.scheduler.submit(GenerationRequest(ids, 4, SamplingParams(0.6), ignore_eos=True),
                                     raise_errors)
         engine.scheduler.step()  # prefill (after a drain the second time) and a decode
         if drains:
-            engine.scheduler.update_experts(engine.residency.drain)
+            engine.runner.update_experts(engine.residency.drain)
         engine.scheduler.run_until_idle()  # decode (right after a drain)
     return time.perf_counter() - start
 

@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
+from tidejax.runtime.plan import StepPlan  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.runtime.steps import DecodeRows  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest  # noqa: E402
@@ -74,8 +75,7 @@ def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
 
 def _first_step(engine, lanes: int):
     """Every lane sampling as SAMPLING, and a first step's output (waited for)."""
-    for lane in range(engine.lanes):
-        engine.scheduler.set_sampling(lane, SAMPLING)
+    engine.runner.run(StepPlan(lanes={lane: SAMPLING for lane in range(engine.lanes)}))
     return jax.block_until_ready(engine.step(_decode_rows(engine, lanes, True), None))
 
 
@@ -93,14 +93,14 @@ def engine_ms(engine, lanes: int, steps: int) -> float:
 
 
 def bare_ms(engine, lanes: int, steps: int) -> float:
-    """ms per step of the jitted step alone (Scheduler.dispatch, the call Engine.step queues,
+    """ms per step of the jitted step alone (Runner.dispatch, the call Engine.step queues,
     with a swap batch that changes nothing), back to back, none read."""
     out = _first_step(engine, lanes)
     decode = _decode_rows(engine, lanes, False)
     idle = engine.residency.idle_batch()
     start = time.perf_counter()
     for _ in range(steps):
-        sampled, _ = engine.scheduler.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
+        sampled, _ = engine.runner.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
         out = sampled.tokens
     jax.block_until_ready(out)
     return (time.perf_counter() - start) * 1e3 / steps

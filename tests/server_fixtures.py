@@ -30,9 +30,8 @@ import torch
 from aiohttp import web
 
 from tidejax.errors import RequestError
+from tidejax.runtime.api import DoneEvent, EngineInfo, EngineStats, GenerationRequest, TokenEvent
 from tidejax.server.app import Server, build_app
-from tidejax.server.client import (DoneEvent, EngineInfo, EngineStats, GenerationRequest,
-                                   TokenEvent)
 from tiny_models import TEXT, deepseek_v3_config
 
 REPO = Path(__file__).resolve().parents[1]

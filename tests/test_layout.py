@@ -1,15 +1,22 @@
-"""The package layout's rules over the import graph (DESIGN.md, rules of the house 1 and 5): a
-family package never imports another family, the shared layers import no family, and nothing
-under tidejax/models imports tidejax.pallas (models reach kernels only through residency).
-Read from the source with ast: nothing is imported, so it costs no JAX start-up."""
+"""The package layout's rules over the import graph (DESIGN.md, rules of the house 1, 5 and 7): a
+family package never imports another family, the shared layers import no family, nothing under
+tidejax/models imports tidejax.pallas (models reach kernels only through residency), no module
+of tidejax takes part in an import circle, and the server reaches the runtime only through
+tidejax.runtime.api. Read from the source with ast: nothing is imported, so it costs no JAX
+start-up."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-MODELS = Path(__file__).resolve().parents[1] / "tidejax" / "models"
+PACKAGE = Path(__file__).resolve().parents[1] / "tidejax"
+MODELS = PACKAGE / "models"
 SHARED = "layers"  # the one package under models/ that is not a family
+# the server's process entry: it builds the engine (runtime.engine, runtime.client) and a
+# tensor-parallel peer (distributed.peer) that the rest of the server is handed as an EngineClient
+SERVER_ENTRY = "tidejax.server.__main__"
+API = "tidejax.runtime.api"
 
 
 def module_name(path: Path) -> str:
@@ -17,20 +24,75 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module `path` imports (absolute names; `from a import b` counts a and a.b)."""
+def import_statements(path: Path):
+    """(module, names) of each import in `path`, at any depth (a function's too): `import a.b`
+    gives ("a.b", ()), `from a import b, c` gives ("a", ("b", "c")), relative names resolved."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            yield base, tuple(alias.name for alias in node.names)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names; `from a import b` counts a and a.b)."""
+    found = set()
+    for base, names in import_statements(path):
+        found.add(base)
+        found.update(f"{base}.{name}" for name in names)
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    """tidejax's modules (compiled extensions included) -> the tidejax modules each imports:
+    `from a import b` is an edge to a.b where that is a module, else to a. A package's own
+    __init__ running before its modules is not an edge."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    known = set(paths) | {module_name(p.with_name(p.name.split(".")[0] + ".py"))
+                          for p in PACKAGE.rglob("*.so")}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for base, names in import_statements(path):
+            subs = {f"{base}.{n}" for n in names} & known
+            if len(subs) < len(names) or not names:  # `import a`, or a name defined in a
+                subs.add(base)
+            targets |= subs & known
+        graph[name] = targets - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each strongly connected set of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
     return found
 
 
@@ -94,3 +156,20 @@ def test_registry_names_family_packages():
         package = package_of(module)
         assert package in families() and module == f"tidejax.models.{package}.family", model_type
         assert (MODELS / package / "family.py").exists(), module
+
+
+def test_no_import_circle_in_the_package():
+    graph = package_graph()
+    assert len(graph) > 100 and "tidejax.runtime.runner" in graph["tidejax.runtime.scheduler"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not circles(graph), "import circles:\n" + "\n".join(map(str, circles(graph)))
+
+
+def test_the_server_reaches_the_runtime_only_through_its_api():
+    server = PACKAGE / "server"
+    wrong = [f"{path.relative_to(PACKAGE)} imports {name}"
+             for path in sorted(server.rglob("*.py")) if module_name(path) != SERVER_ENTRY
+             for name in imports(path)
+             if name.startswith("tidejax.runtime") and name != API and not name.startswith(API + ".")]
+    assert not wrong, "the server imports the runtime beside its api:\n" + "\n".join(sorted(wrong))
+    assert any(API in imports(path) for path in server.rglob("*.py"))

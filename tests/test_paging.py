@@ -134,7 +134,7 @@ def decode_cost(engine, position: int) -> tuple[float, float]:
                         np.full(lanes, position, np.int32), np.arange(lanes) == 0,
                         [held] + [[]] * (lanes - 1))
     inputs = engine.loaded.step_inputs(decode, None, None, engine.residency.idle_batch())
-    cost = engine.scheduler.lower(inputs).compile().cost_analysis()
+    cost = engine.runner.lower(inputs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return cost["flops"], cost["bytes accessed"]
 

@@ -24,7 +24,7 @@ from tidejax.runtime.client import tool_format_for
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.text.tokenizer import Tokenizer
 from tidejax.server.app import Server
-from tidejax.server.client import EngineInfo
+from tidejax.runtime.api import EngineInfo
 from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, OutputParser, starts_in_reasoning
 
 TOOLS = [{"type": "function", "function": {

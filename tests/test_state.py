@@ -61,7 +61,7 @@ def test_the_step_applies_the_planned_swaps_and_no_other_call_does(half, monkeyp
     # every layer wants its cold experts: the drain's plan queues swaps for the next steps
     cold = ~np.isin(np.arange(res.n_layers * res.n_experts), boot[:res.n_resident])
     res.history.weights[:] = np.where(cold, 50.0, 0.0).reshape(res.history.shape)  # the demand
-    engine.scheduler.update_experts(res.drain)
+    engine.runner.update_experts(res.drain)
     assert 2 < res.stats()["swaps_queued"] <= 4
     applied = res.stats()["swaps_applied"]  # by the calibration's reseed, between steps
     between_steps = []
@@ -88,7 +88,7 @@ def test_the_swap_batch_is_written_in_place_inside_the_step(half):
     engine = half
     inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None,
                                        SwapBatch.of([], engine.residency.batch_length))
-    lowered = engine.scheduler.lower(inputs)
+    lowered = engine.runner.lower(inputs)
     assert "while" in lowered.as_text()  # the batch's loop over its swaps
     memory = lowered.compile().memory_analysis()
     bank = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.state.experts.bank))
@@ -105,7 +105,7 @@ def test_a_step_without_swaps_has_no_swap_loop(model_dir, half):
 
     def lowered(batch):
         inputs = engine.loaded.step_inputs(decode_rows(engine, [3, 5]), None, None, batch)
-        return engine.scheduler.lower(inputs).as_text()
+        return engine.runner.lower(inputs).as_text()
 
     assert res.next_batch().slots.shape == (0,)  # nothing queued
     loops = lowered(res.idle_batch()).count("stablehlo.while")  # the sampler's PRNG has its own

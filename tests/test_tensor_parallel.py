@@ -1,4 +1,4 @@
-"""Tensor parallelism (tidejax.parallel's mesh, tidejax.distributed, tidejax.runtime.replica):
+"""Tensor parallelism (tidejax.parallel's mesh, tidejax.distributed, tidejax.distributed.peer):
 the gate_up layout a split needs; a 4-device CPU mesh in one process (the sharding table: heads,
 intermediates, bank and pool split; greedy tokens and `exact` swaps as on one device); two
 processes on loopback serving the demo model as one (openai client on process 0, tokens as one

@@ -6,7 +6,7 @@ At start, before anything touches a device: the peers connect to process 0's cha
 the boot guard (guard.py: the same profile, checkpoint and versions, or a ConfigError naming
 what differs), then `jax.distributed.initialize` joins them (CPU collectives through gloo), so
 jax.devices() lists every process's devices and tidejax.parallel's mesh spans them. Process 0
-serves HTTP and schedules; the others replay its calls (tidejax.runtime.replica).
+serves HTTP and schedules; the others run its plans (peer.py: a runner fed process 0's plans).
 """
 
 from __future__ import annotations

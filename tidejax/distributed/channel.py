@@ -2,12 +2,18 @@
 
 Process 0 listens on the coordinator's host at the coordinator's port + 1; every peer connects
 at start, sends its boot-guard fingerprint and receives process 0's verdict; from then on
-process 0 sends, and the peers receive, one message per call over the decode state
-(tidejax.runtime.replica). Why a socket and not jax's distributed key-value store: the store's
-Python client is private API (jax._src.distributed) that changed between jax releases, every
-message would be a named key kept in the coordinator until deleted, and the peers need the
-messages in order, one after the other: a stream is that. Messages are pickled: the channel
-joins the processes of one deployment, which trust each other (bind it to a private network).
+process 0 sends, and the peers receive, its boot map, then each plan its runner carries out
+(tidejax.runtime.runner), then stop. Messages are pickled: the channel joins the processes of
+one deployment, which trust each other (bind it to a private network).
+
+Why a socket and not what JAX offers. `multihost_utils.broadcast_one_to_all` sends arrays of a
+shape every process knows beforehand, through a jitted psum over the devices: a plan is Python
+data of varying size, so each would take two broadcasts (its length, then its bytes), a device
+all-reduce of the bytes and a compile for every new length. The coordination service's
+key-value store has no public Python client (`jax._src.distributed.global_state.client` is
+private and changed between releases), keeps every message as a named key in the coordinator
+until deleted, and gives no order: the peers need the plans one after the other, as a stream
+gives them.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.config import EngineConfig
 
 # settings that differ between processes by design, or that only process 0 reads (engine.warmup:
-# the peers replay process 0's warm-up steps): not compared
+# the peers run process 0's warm-up plans): not compared
 PER_PROCESS = {("distributed", "process_id"), ("distributed", "coordinator"),
                ("server", "host"), ("server", "port"), ("engine", "warmup")}
 

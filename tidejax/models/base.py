@@ -119,6 +119,8 @@ class Family:
         routing, and Engine.set_routing_replay refuses)
     dense_fp8: whether load_weights takes dense_format="fp8" (the profile's model.dense_format:
         dense projections kept FP8 as stored, models.loading.fp8_specs)
+    tool_formats: model_type -> the text.toolcalls.ToolFormat its checkpoints write tool calls
+        in, where their chat template does not show it (a model type not named: none)
     """
 
     name: str
@@ -138,3 +140,4 @@ class Family:
     step_tables: Callable = lambda cfg, aux: None
     swiglu_limit: Callable = lambda cfg: 0.0
     dense_fp8: bool = False
+    tool_formats: dict = dataclasses.field(default_factory=dict)

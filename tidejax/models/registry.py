@@ -32,8 +32,16 @@ def family_for(raw_config: dict, source: str) -> Family:
     model_type = raw_config.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: missing required field 'model_type'")
-    if model_type not in FAMILY_MODULES:
+    family = family_of(model_type)
+    if family is None:
         raise ConfigError(f"{source}: field 'model_type' = {model_type!r} is not supported "
                           f"(supported: {', '.join(sorted(FAMILY_MODULES))})")
+    return family
+
+
+def family_of(model_type: str) -> Family | None:
+    """The family serving `model_type` (its module imported on demand), or None."""
+    if model_type not in FAMILY_MODULES:
+        return None
     importlib.import_module(FAMILY_MODULES[model_type])
     return _FAMILIES[model_type]

@@ -38,8 +38,8 @@ from jax.experimental.pallas import triton as plgpu
 from tidejax.checkpoint import mxfp4
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims, bank_format
+from tidejax.pallas.contract import swiglu
 from tidejax.pallas.demand import check_demand
-from tidejax.pallas.moe import swiglu
 
 # Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:
 # (bt, block of output columns, block of K values, num_warps, num_stages). Chosen by

@@ -55,7 +55,7 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.pallas.bank import bank_dims, bank_format, dequantized
-from tidejax.pallas.moe import swiglu
+from tidejax.pallas.contract import swiglu
 
 try:
     from tidejax.residency import _cpu_kernel

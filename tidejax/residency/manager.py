@@ -100,8 +100,8 @@ class Residency:
         # a swap batch's fixed length: a step's share of the queue
         self.batch_length = 0 if self.all_resident else max(1, section.max_swaps_per_step)
         self.cpu: CpuExperts | None = None  # the "cpu" policy's host pool (set at boot)
-        # called with each batch applied between steps, before it runs (the scheduler of process
-        # 0 sends it to its peers: tidejax.runtime.replica)
+        # called with each batch applied between steps, before it runs (process 0's runner
+        # sends it to its peers as a plan: tidejax.runtime.runner)
         self.on_apply = None
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,

@@ -31,8 +31,8 @@ from tidejax import parallel
 from tidejax.config import MISS_POLICIES
 from tidejax.pallas import Demand, moe_grouped
 from tidejax.pallas.bank import expert_axes
+from tidejax.pallas.contract import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
 from tidejax.pallas.dispatch import IMPLS
-from tidejax.pallas.moe import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
 from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 

@@ -2,7 +2,7 @@
 
 from tidejax.runtime.engine import Engine, load
 from tidejax.runtime.sampling import SamplingParams
-from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
 __all__ = ["DoneEvent", "Engine", "ErrorEvent", "GenerationRequest", "SamplingParams", "TokenEvent",
            "load"]

@@ -1,9 +1,9 @@
-"""Loading: a checkpoint and its profile become a LoadedModel, the model the scheduler runs.
+"""Loading: a checkpoint and its profile become a LoadedModel, the model the runner runs.
 
 A LoadedModel holds what does not change while serving: the config, the family, the tokenizer,
 the params on the device, the residency planner (runtime/state.py's DecodeState holds the expert
 state itself), the jitted steps (runtime/steps.py) and the host-side shapes of their inputs. It
-turns the scheduler's host views of a step (DecodeRows, PrefillChunk) into the step's array
+turns a StepPlan's host views of a step (DecodeRows, PrefillChunk) into the step's array
 inputs. Shapes are static: a prompt chunk is padded to a few bucket sizes, decode always runs all
 lanes, and the block tables are as wide as the step's longest sequence needs (a power of two of
 pages), so attention costs what the sequences hold and each (bucket, width) compiles once. The

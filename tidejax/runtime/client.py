@@ -1,4 +1,4 @@
-"""`LocalEngineClient`: the server's EngineClient (tidejax/server/client.py) over an Engine in
+"""`LocalEngineClient`: the server's EngineClient (tidejax/runtime/api.py) over an Engine in
 this process; the one place that reads the engine's and the scheduler's attributes for it.
 
 The scheduler thread owns the device and calls each request's `on_event` from that thread; the
@@ -9,29 +9,20 @@ from __future__ import annotations
 
 import asyncio
 
-from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest
-from tidejax.server.client import EngineInfo, EngineStats, Event
-from tidejax.text.toolcalls import DEEPSEEK_V3, GLM, HERMES, KIMI_K2, TOOL_FORMATS, ToolFormat
-
-# the tool-call format of each model type's checkpoints, where their chat template does not show it
-TOOL_FORMAT_BY_MODEL_TYPE = {
-    "deepseek_v3": DEEPSEEK_V3,
-    "deepseek_v32": DEEPSEEK_V3,
-    "glm4_moe": GLM,
-    "kimi_k2": KIMI_K2,
-    "glm_moe_dsa": GLM,
-    "qwen2_moe": HERMES,
-    "qwen3_moe": HERMES,
-}
+from tidejax.models.registry import family_of
+from tidejax.runtime.api import (DoneEvent, EngineInfo, EngineStats, ErrorEvent, Event,
+                                 GenerationRequest)
+from tidejax.text.toolcalls import TOOL_FORMATS, ToolFormat
 
 
 def tool_format_for(model_type: str, template_source: str) -> ToolFormat | None:
-    """The format the chat template teaches (what taught the model), else the model type's
-    usual one, else None."""
+    """The format the chat template teaches (what taught the model), else the one the model
+    type's family names (Family.tool_formats), else None."""
     for fmt in TOOL_FORMATS:
         if fmt.template_marker in template_source:
             return fmt
-    return TOOL_FORMAT_BY_MODEL_TYPE.get(model_type)
+    family = family_of(model_type)
+    return family.tool_formats.get(model_type) if family is not None else None
 
 
 class LocalRequestStream:

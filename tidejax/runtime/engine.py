@@ -1,11 +1,12 @@
-"""The public Engine: a facade over the loaded model and the scheduler that owns it.
+"""The public Engine: a facade over the loaded model, its runner and its scheduler.
 
 `tidejax.load` builds a LoadedModel (runtime/build.py: config, tokenizer, params, residency
-planner, jitted steps) and a Scheduler over it (runtime/scheduler.py), which holds the one
-DecodeState (KV cache: a kv.paged.PagedCache of the shared page pool and the lanes' fixed rows;
-expert state; lane sampling) and is the only caller of the steps. The
-Engine keeps the public surface: `generate`, `logits`, `residency`, `kv_stats`, `warmup`; every
-call that touches the device goes through the scheduler (on its thread while it serves).
+planner, jitted steps), the Runner that holds the one DecodeState (KV cache: a
+kv.paged.PagedCache of the shared page pool and the lanes' fixed rows; expert state; lane
+sampling) and is the only caller of the steps (runtime/runner.py), and the Scheduler that plans
+for it (runtime/scheduler.py). The Engine keeps the public surface: `generate`, `logits`,
+`residency`, `kv_stats`, `warmup`; every call that touches the device goes through the scheduler
+(on its thread while it serves).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.runner import Runner
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import Scheduler
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
@@ -45,7 +47,8 @@ class Engine:
         if config.engine.compile_cache:
             use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
-        self.scheduler = Scheduler(self.loaded, channel)
+        self.runner = Runner(self.loaded, channel)
+        self.scheduler = Scheduler(self.loaded, self.runner)
         self._closed = False
         if self.residency.needs_calibration:
             self._calibrate()
@@ -70,7 +73,7 @@ class Engine:
         state_dir = self.residency.state_dir
         if state_dir:
             try:
-                self.scheduler.call(lambda: self.scheduler.update_experts(self.residency.drain))
+                self.scheduler.call(lambda: self.runner.update_experts(self.residency.drain))
             except Exception:
                 log.exception("could not drain the demand counters at close")
             else:
@@ -80,13 +83,13 @@ class Engine:
         if self.trace_dir:
             jax.profiler.stop_trace()
             self.trace_dir = ""
-        self.scheduler.dismiss_peers()
+        self.runner.stop_peers()
 
     def _calibrate(self) -> None:
         """No seed map and no history: seat the experts a short mixed prompt wants most."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.loaded.prefill_chunk]
         self.logits(ids)
-        self.scheduler.update_experts(self.residency.reseed)
+        self.runner.update_experts(self.residency.reseed)
 
     # -- what the model is -----------------------------------------------------------------
 
@@ -121,21 +124,28 @@ class Engine:
     @property
     def residency(self):
         """Stats, freeze(), unfreeze(), save(): the residency planner (its state is in the
-        scheduler's DecodeState)."""
+        runner's DecodeState)."""
         return self.loaded.residency
 
     @property
     def state(self):
-        """The scheduler's DecodeState as the last step left it (tests and tools, between
-        steps: a running step has it donated)."""
-        return self.scheduler.state
+        """The runner's DecodeState as the last step left it (tests and tools, between steps:
+        a running step has it donated)."""
+        return self.runner.state
 
     # -- the device, through the scheduler -------------------------------------------------
 
     def step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
              previous: jax.Array | None = None) -> jax.Array:
-        """One step queued by the scheduler (Scheduler.run_step); tokens [lanes] on the device."""
-        return self.scheduler.run_step(decode, prefill, previous).tokens
+        """One step planned by the scheduler (Scheduler.run_step); tokens [lanes] on the device.
+        `previous`: the tokens the last call returned, which the lanes not `fresh` take."""
+        step = None
+        if previous is not None:
+            last = self.runner.last
+            if last is None or previous is not last[1]:
+                raise ValueError("a step's previous tokens must be the last step's output")
+            step = last[0]
+        return self.scheduler.run_step(decode, prefill, step).sampled.tokens
 
     def read_sequence(self, pages: list[int], lane: int):
         """A sequence's pages of the pool, its lane's rows and token counts, in host memory
@@ -161,7 +171,7 @@ class Engine:
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """Route by recorded picks [N, L_moe, k] (benchmarks; see LoadedModel.set_routing_replay)."""
-        self.scheduler.call(lambda: self.loaded.set_routing_replay(picks))
+        self.scheduler.call(lambda: self.runner.set_routing_replay(picks))
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens a step carries from now on (benchmarks sweep it on one loaded model)."""

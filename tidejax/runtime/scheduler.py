@@ -22,11 +22,13 @@ token, same sampling keys), in whatever lane is free, once pages are free again.
 Events go to each request's `on_event` callback from the scheduler thread (the server turns them
 into asyncio queue items with loop.call_soon_threadsafe).
 
-The scheduler owns the model's one DecodeState (runtime/state.py) and is the only caller of the
-jitted steps over it (runtime/steps.py): the mixed step, scoring, sequence reads and writes, the
-lanes' sampling updates, and residency's between-step swaps. While its thread runs, any of them
-asked for from another thread (`Engine.logits`) goes through `call`, which runs it on the
-scheduler thread between two iterations; called from elsewhere they raise.
+The scheduler decides and the runner acts (vLLM v1's schedule -> execute -> update): each
+iteration's decisions (sequences to save and restore, the lanes' sampling rows, the prompt
+chunk, the decoding lanes, residency's swap batch) go into one StepPlan of plain data
+(runtime/plan.py), which the Runner (runtime/runner.py), the one owner of the DecodeState and
+caller of the jitted steps, carries out; the scheduler reads its StepResult (the tokens) an
+iteration later. A device call asked for from another thread while the scheduler's thread runs
+(`Engine.logits`) goes through `call`, which runs it on that thread between two iterations.
 
 A step that fails (before its buffers were donated or after) fails the requests in the lanes
 with one generic error; `recover` rebuilds the DecodeState (a fresh cache and greedy lanes, the
@@ -45,45 +47,18 @@ import secrets
 import threading
 import time
 
-import jax
 import numpy as np
 
-from tidejax import parallel
 from tidejax.errors import EngineError, RequestError
 from tidejax.kv.pages import PageTable, pages_for
+from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.replica import Replicas
-from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
+from tidejax.runtime.plan import SequenceCopy, StepPlan
+from tidejax.runtime.runner import Runner, StepResult
+from tidejax.runtime.sampling import Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
 
 log = logging.getLogger("tidejax")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, parity tests)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    logprob: float | None = None  # where the request asked for logprobs: the token's
-    top: tuple[tuple[int, float], ...] = ()  # and its request's top (token id, logprob), best first
-
-
-@dataclasses.dataclass(frozen=True)
-class DoneEvent:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    stats: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorEvent:
-    message: str
 
 
 STEP_FAILED = "the engine's step failed (its log has the details)"
@@ -114,10 +89,11 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Saved:
-    """A preempted request's place: what Scheduler.read_sequence saved (its KV pages, its lane's
-    rows and token counts, in host memory), the position and host token of its next step."""
+    """A preempted request's place: the number of its saved copy (its KV pages, its lane's rows
+    and token counts, which the runners keep in host memory), the position and host token of its
+    next step."""
 
-    pages: SavedSequence
+    copy: int
     n_pages: int
     position: int
     token: int
@@ -127,7 +103,7 @@ class _Saved:
 class _Step:
     """A queued step whose tokens have not been read yet."""
 
-    sampled: Sampled  # each lane's next token [lanes] and its logprobs, on the device
+    result: StepResult  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
     positions: np.ndarray  # [lanes] the position of each lane's next token
 
@@ -139,12 +115,11 @@ def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
 
 
 class Scheduler:
-    def __init__(self, model: LoadedModel, channel=None):
-        """channel: process 0's tidejax.distributed channel to its peers, which replay every
-        call over the state (tidejax.runtime.replica); None in one process."""
+    def __init__(self, model: LoadedModel, runner: Runner):
         self.model = model
-        self.state = model.initial_state()  # the one DecodeState, donated into every step
-        self.replicas = Replicas(channel, model) if channel is not None else None
+        self.runner = runner  # the DecodeState's owner: it carries out the plans
+        self._plan = StepPlan()  # what the next plan carries, decided so far
+        self._copies = itertools.count(1)  # numbers of the saved sequences
         lanes = model.lanes
         self.lane_of: list[RequestHandle | None] = [None] * lanes
         self.tokens = np.zeros(lanes, np.int32)  # the last token of each lane read to the host
@@ -202,6 +177,7 @@ class Scheduler:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
         self.running = True
         self.thread = threading.Thread(target=self._loop, name="tidejax-scheduler", daemon=True)
+        self.runner.owner = self.thread
         self.thread.start()
 
     def stop(self) -> None:
@@ -211,14 +187,9 @@ class Scheduler:
         if self.thread:
             self.thread.join()
             self.thread = None
+            self.runner.owner = None
         while self._calls:
             self._calls.popleft()[1].set_exception(RuntimeError("the scheduler stopped"))
-
-    def dismiss_peers(self) -> None:
-        """Tells the peers replaying this scheduler's calls to stop (Engine.close, last)."""
-        if self.replicas is not None:
-            self.replicas.stop()
-            self.replicas = None
 
     def call(self, fn):
         """fn() on the device's owner: on the scheduler thread between two iterations while it
@@ -240,7 +211,7 @@ class Scheduler:
                 future.set_result(fn())
             except Exception as e:  # the caller gets it; serving goes on
                 future.set_exception(e)
-                if self._damaged():
+                if self.runner.damaged():
                     log.error("a call over the decode state failed after donating it: %r", e)
                     self.recover()
 
@@ -254,7 +225,7 @@ class Scheduler:
         while self.running:
             with self.wake:
                 while (self.running and not self._calls and not self.queue and not self.active
-                       and self._in_flight is None):
+                       and self._in_flight is None and self._plan.empty):
                     self.wake.wait()
             self._run_calls()
             if self.running:
@@ -273,7 +244,7 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
             self._deliver(previous)  # waits for it; the step just queued keeps the device busy
-        return bool(self.active or self.queue or self._in_flight)
+        return bool(self.active or self.queue or self._in_flight or not self._plan.empty)
 
     def _release_cancelled(self) -> None:
         for lane, handle in enumerate(self.lane_of):
@@ -284,8 +255,8 @@ class Scheduler:
             for handle in cancelled:
                 self.queue.remove(handle)
         for handle in cancelled:
-            if handle.saved is not None and self.replicas is not None:
-                self.replicas.send("forget", handle.saved.pages.peer_copy)  # the peers' copies
+            if handle.saved is not None:
+                self._plan.forget.append(handle.saved.copy)
             handle.on_event(DoneEvent("cancelled", self._stats(handle)))
 
     # -- pages -----------------------------------------------------------------------------
@@ -313,12 +284,11 @@ class Scheduler:
     def _preempt(self, lane: int) -> None:
         handle = self.lane_of[lane]
         held = self.pages.pages_of(handle.id)
-        handle.saved = _Saved(self.read_sequence(held, lane), len(held),
-                              int(self.positions[lane]), int(self.tokens[lane]))
-        with self.wake:  # queued first: should vacating fail, it resumes after `recover`
+        handle.saved = _Saved(self._save(held, lane), len(held), int(self.positions[lane]),
+                              int(self.tokens[lane]))
+        with self.wake:
             self.queue.appendleft(handle)
-        self._release(lane)
-        self.set_sampling(lane, SamplingParams())
+        self._vacate(lane)
         self.totals["preemptions"] += 1
         log.info("request %d preempted at position %d (%d pages to host memory)", handle.id,
                  handle.saved.position, handle.saved.n_pages)
@@ -337,7 +307,7 @@ class Scheduler:
             lane = self.lane_of.index(None)
             self.lane_of[lane] = handle
             handle.admitted_at = next(self._admissions)
-            self.set_sampling(lane, handle.request.sampling)
+            self._plan.lanes[lane] = handle.request.sampling
             if handle.saved is not None:
                 self._resume(lane, handle)
                 continue
@@ -369,7 +339,7 @@ class Scheduler:
     def _resume(self, lane: int, handle: RequestHandle) -> None:
         pages = self.pages.grow(handle.id, self._tokens_held(handle))
         saved, handle.saved = handle.saved, None
-        self.write_sequence(pages[:saved.n_pages], lane, saved.pages)
+        self._plan.writes.append(SequenceCopy(saved.copy, tuple(pages[:saved.n_pages]), lane))
         self.positions[lane], self.tokens[lane] = saved.position, saved.token
         if handle.prefilled < len(handle.request.prompt_ids):
             self._prefilling = handle
@@ -389,6 +359,8 @@ class Scheduler:
         active = np.array([h is not None for h in handles])
         chunk = self._next_chunk()
         if not active.any() and chunk is None:
+            if not self._plan.empty:  # saves, restores or lane resets without a step
+                self.runner.run(self._take())
             return None
         # a lane continues from its token in flight; one admitted or resumed since takes its
         # host token. Every step carries all lanes (none active while a lone prompt prefills):
@@ -397,18 +369,22 @@ class Scheduler:
                           for lane, handle in enumerate(handles)])
         pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
                  for lane, h in enumerate(handles)]
-        decode = DecodeRows(self.tokens, fresh, np.where(active, self.positions, 0), active, pages)
-        sampled = self.run_step(decode, chunk, previous.sampled.tokens if previous else None)
+        decode = DecodeRows(self.tokens.copy(), fresh, np.where(active, self.positions, 0), active,
+                            pages)
+        sampled_for = list(handles)  # the request each lane's sampled token belongs to
+        prompt = self._prefilling
+        completes = chunk is not None and prompt.prefilled == len(prompt.request.prompt_ids)
+        if completes:
+            sampled_for[chunk.lane] = prompt  # its first token comes with this step
+        result = self.run_step(decode, chunk, previous.result.step if previous else None,
+                               logprobs=_logprobs_wanted(sampled_for))
         self.positions[active] += 1
         self.totals["steps"] += 1
         produced = np.where(active, self.positions, 0)
-        if chunk is not None and self._prefilling.prefilled == len(self._prefilling.request.prompt_ids):
-            handles[chunk.lane] = self._prefilling  # its first token comes with this step
+        if completes:
             self.positions[chunk.lane] = produced[chunk.lane] = chunk.start + len(chunk.tokens)
             self._prefilling = None
-        for leaf in jax.tree.leaves(sampled) if _logprobs_wanted(handles) else [sampled.tokens]:
-            leaf.copy_to_host_async()  # on its way as soon as the step ends
-        return _Step(sampled, handles, produced)
+        return _Step(result, sampled_for, produced)
 
     def _next_chunk(self) -> PrefillChunk | None:
         """The next prompt chunk of the prefilling request (marked written), or None."""
@@ -423,8 +399,8 @@ class Scheduler:
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
         their lanes: not to one finished, cancelled or replaced since the step was queued."""
-        tokens = np.asarray(step.sampled.tokens)
-        sampled = jax.device_get(step.sampled) if _logprobs_wanted(step.handles) else None
+        tokens = step.result.tokens()
+        sampled = step.result.logprobs() if _logprobs_wanted(step.handles) else None
         for lane, handle in enumerate(step.handles):
             if handle is not None and self.lane_of[lane] is handle:
                 self._emit(lane, int(tokens[lane]), step.positions[lane],
@@ -479,14 +455,13 @@ class Scheduler:
         }
 
     def _vacate(self, lane: int) -> None:
-        """Frees a lane and its request's pages. The lane goes back to greedy first (greedy
-        lanes keep all-greedy steps cheap): should that call fail, the request is still in
-        its lane for `recover` to fail."""
-        self.set_sampling(lane, SamplingParams())
+        """Frees a lane and its request's pages; the next plan sets the lane back to greedy
+        (greedy lanes keep all-greedy steps cheap)."""
+        self._plan.lanes[lane] = SamplingParams()
         self._release(lane)
 
     def _release(self, lane: int) -> RequestHandle:
-        """Frees a lane and its request's pages; no device call."""
+        """Frees a lane and its request's pages, its sampling row left as it is."""
         handle, self.lane_of[lane] = self.lane_of[lane], None
         if handle is self._prefilling:
             self._prefilling = None
@@ -495,27 +470,19 @@ class Scheduler:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def _damaged(self) -> bool:
-        """Whether a failed call left the state's buffers donated (deleted)."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
-
     def recover(self) -> None:
         """After a failed step: every lane's request fails (STEP_FAILED), the steps in flight
-        are dropped and the DecodeState is rebuilt (LoadedModel.rebuilt_state); the queue,
+        are dropped and the runner rebuilds the DecodeState (Runner.rebuild); the queue,
         preempted requests included (their pages are in host memory), is served on. `status`
-        is "recovering" meanwhile; should the rebuild fail too, "failed": the queue fails, the
-        loop stops and later requests are refused."""
+        is "recovering" meanwhile; should the rebuild fail too (or the engine span processes),
+        "failed": the queue fails, the loop stops and later requests are refused."""
         self.status = "recovering"
         self._in_flight = None
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
                 self._release(lane).on_event(ErrorEvent(STEP_FAILED))
-        if self.replicas is not None:  # the peers' states are not rebuilt with it
-            log.error("a step failed across processes: the engine stops serving")
-            self._fail_all()
-            return
         try:
-            self.state = self.model.rebuilt_state(self.state)
+            self.runner.rebuild()
         except Exception:
             log.exception("rebuilding the decode state failed: the engine stops serving")
             self._fail_all()
@@ -531,116 +498,68 @@ class Scheduler:
         for handle in failed:
             handle.on_event(ErrorEvent(STEP_FAILED))
 
-    # -- the device: every jitted call over the state ------------------------------------------
+    # -- plans: what the runner carries out ---------------------------------------------------
 
-    def _own(self) -> None:
-        """The state is touched only by its owner: the scheduler thread while it runs."""
-        if self.thread is not None and threading.current_thread() is not self.thread:
-            raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
+    def _take(self, **parts) -> StepPlan:
+        """The plan decided so far with `parts` (its device call) added; the next starts empty."""
+        plan, self._plan = dataclasses.replace(self._plan, **parts), StepPlan()
+        return plan
+
+    def _save(self, pages: list[int], lane: int) -> int:
+        """Plans a read of a sequence's pages and lane rows into host memory; its copy's number."""
+        copy = next(self._copies)
+        self._plan.reads.append(SequenceCopy(copy, tuple(pages), lane))
+        return copy
 
     def run_step(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
-                 previous: jax.Array | None = None) -> Sampled:
-        """Queues one step with residency's next swap batch and returns its Sampled (tokens
-        [lanes] and their logprobs) on the device, not waiting for them: each decoding lane's
-        next token and, where `prefill` is given, the token sampled after its chunk at
-        prefill.lane (its request's first token when the chunk ends the prompt). A decoding
-        lane's input is previous[lane] (an earlier step's output, still on the device) or, where
-        decode.fresh[lane], decode.tokens[lane]."""
+                 previous: int | None = None, logprobs: bool = False) -> StepResult:
+        """Runs the plan so far with one step and residency's next swap batch; its StepResult
+        holds the step's Sampled (tokens [lanes] and their logprobs) on the device, not waited
+        for: each decoding lane's next token and, where `prefill` is given, the token sampled
+        after its chunk at prefill.lane (its request's first token when the chunk ends the
+        prompt). A decoding lane's input is the token step `previous` sampled for it (still on
+        the device) or, where decode.fresh[lane], decode.tokens[lane]."""
         residency = self.model.residency
-        inputs = self.model.step_inputs(decode, prefill, previous, residency.next_batch())
-        with jax.profiler.TraceAnnotation("decode" if prefill is None else "prefill"):
-            sampled, tallies = self.dispatch(inputs)
-        real = (len(prefill.tokens) if prefill is not None else 0) + (
-            int(decode.active.sum()) if decode is not None else 0)
-        residency.after_step(tallies, real)
-        return sampled
-
-    def dispatch(self, inputs) -> tuple:
-        """The jitted step alone over the state (donated): (Sampled, Tallies). `run_step` is the
-        serving path; benchmarks time this one bare."""
-        self._own()
-        if self.replicas is not None:
-            self.replicas.send_step(inputs)
-        sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
-        if self.replicas is not None:
-            self.replicas.last_tokens = sampled.tokens
-        return sampled, tallies
-
-    def lower(self, inputs):
-        """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
-        return self.model.steps.step.lower(self.model.params, self.state, inputs)
+        plan = self._take(decode=decode, prefill=prefill, previous=previous,
+                          swaps=residency.next_batch(), logprobs=logprobs)
+        result = self.runner.run(plan)
+        residency.after_step(result.tallies, plan.routed)
+        return result
 
     def score(self, token_ids) -> np.ndarray:
         """A full forward over `token_ids` (a scratch cache of its own, with residency's next swap
         batch): logits [T, vocab] float32; only the expert state (its counters) changes."""
-        self._own()
         residency = self.model.residency
-        inputs, n = self.model.score_inputs(token_ids, residency.next_batch())
-        logits, tallies = self.score_with(inputs)
-        residency.after_step(tallies, n)
-        logits = np.asarray(logits, np.float32)[0, :n]  # whole on every device: read here
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        result = self.runner.run(self._take(score=ids, swaps=residency.next_batch()))
+        residency.after_step(result.tallies, len(ids))
+        logits = result.scores()[:len(ids)]
         residency.flush()
         return logits
-
-    def score_with(self, inputs) -> tuple:
-        """The jitted scoring forward alone over the state: (logits, Tallies)."""
-        self._own()
-        if self.replicas is not None:
-            self.replicas.send_score(inputs)
-        logits, self.state, tallies = self.model.steps.score(self.model.params, self.state, inputs)
-        return logits, tallies
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> int:
         """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
         masked out (nothing written, counted or sampled into a lane); returns how many."""
-        self._own()
         shapes = self.model.warmup_shapes(prompt_lengths)
         batches = self.model.residency.warmup_batches()
-        for size, prefill_width, decode_width in sorted(shapes, key=str):
+        for shape in sorted(shapes, key=str):
             for idle in batches:
-                self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
+                self.runner.run(self._take(warmup=shape, swaps=idle))
         return len(shapes) * len(batches)
-
-    def update_experts(self, fn) -> None:
-        """The expert state through `fn(experts) -> experts` between steps: residency's
-        between-step operations (reseed, drain, move_to, apply_swaps). Across processes only
-        residency's reach the peers: each batch they apply, as it applies (Residency.on_apply)."""
-        self._own()
-        self.state = self.state.replace(experts=fn(self.state.experts))
-
-    def set_sampling(self, lane: int, params: SamplingParams) -> None:
-        """A lane's sampling parameters, set in the state, its token counts cleared (at
-        admission; benchmarks)."""
-        self._own()
-        if self.replicas is not None:
-            self.replicas.send("set_lane", lane, params)
-        self.state = self.state.replace(sampling=self.model.steps.set_lane(
-            self.state.sampling, np.int32(lane), LaneParams.of([params])))
 
     def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:
         """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
         pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts (a
-        steps.SavedSequence of numpy leaves; across processes each keeps its own shards of a
-        leaf split over them, and the peers' copies are numbered in `peer_copy`)."""
-        self._own()
-        copy = None if self.replicas is None else self.replicas.send_read(pages, lane)
-        saved = parallel.to_host(self.model.steps.read_sequence(
-            self.state, np.asarray(pages, np.int32), np.int32(lane)))
-        return dataclasses.replace(saved, peer_copy=copy)
+        steps.SavedSequence of numpy leaves; the runners keep it under its `copy` number until
+        `write_sequence` puts it back)."""
+        copy = self._save(pages, lane)
+        return self.runner.run(self._take()).saved[copy]
 
     def write_sequence(self, pages: list[int], lane: int, saved: SavedSequence) -> None:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
         `lane` (any lane: not necessarily the one it was read from)."""
-        self._own()
-        if self.replicas is not None:
-            if saved.peer_copy is None:
-                raise ValueError("across processes a saved sequence is written back from this "
-                                 "engine's read_sequence: the peers hold their own copies of it")
-            self.replicas.send("write", pages, lane, saved.peer_copy)
-        cache, sampling = self.model.steps.write_sequence(
-            self.state.cache, self.state.sampling, np.asarray(pages, np.int32), np.int32(lane),
-            parallel.from_host(saved))
-        self.state = self.state.replace(cache=cache, sampling=sampling)
+        self._plan.writes.append(SequenceCopy(saved.copy, tuple(pages), lane))
+        self.runner.run(self._take())
 
 
 def _logprobs_wanted(handles) -> bool:

@@ -7,8 +7,8 @@
               admitted or resumed (steps.Steps.set_lane), not sent with every step, and its
               request's token counts [lanes, vocab] (for the penalties), updated in the step
 
-The scheduler holds the one DecodeState and is the only caller of the steps (runtime/steps.py)
-that take it and return it updated in place.
+The runner (runtime/runner.py) holds the one DecodeState and is the only caller of the steps
+(runtime/steps.py) that take it and return it updated in place.
 """
 
 from __future__ import annotations

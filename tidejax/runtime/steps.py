@@ -17,8 +17,8 @@
     set_lane(sampling, lane, row): one lane's sampling parameters, its token counts cleared, at
         admission.
 
-The host views the scheduler fills (DecodeRows, PrefillChunk) become the array inputs here
-(DecodeInputs, PrefillInputs) in runtime/build.py.
+The host views a StepPlan carries (DecodeRows, PrefillChunk: runtime/plan.py) become the array
+inputs here (DecodeInputs, PrefillInputs) in runtime/build.py.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class DonatingStep:
     """A jitted fn(params, state, inputs) -> (out, state, tallies) with the DecodeState donated
     but for its expert rows no step writes (ExpertState.rows: the host pool, or the bank where
     every expert is resident), which go in beside it, not donated, and come back as they went.
-    So a step that fails after its buffers were donated leaves them whole, and the scheduler
-    rebuilds the state from them (Scheduler.recover)."""
+    So a step that fails after its buffers were donated leaves them whole, and the runner
+    rebuilds the state from them (Scheduler.recover, Runner.rebuild)."""
 
     def __init__(self, fn):
         def apart(params, rows, state: DecodeState, inputs):
@@ -166,18 +166,18 @@ def _with_rows(state: DecodeState, rows: dict) -> DecodeState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "counts", "seen"],
-                   meta_fields=[], drop_fields=["peer_copy"])
+                   meta_fields=[], drop_fields=["copy"])
 @dataclasses.dataclass
 class SavedSequence:
     """What a preempted sequence keeps of the state: its pages of the pool and its lane's rows
     (a PagedCache), its lane's token counts [vocab] int32 and seen [vocab] bool. Across processes
     each keeps its own copy (parallel.to_host: a process holds only its shards of KV pages split
-    by heads); `peer_copy` numbers process 0's read, by which the peers find theirs (not a leaf)."""
+    by heads); `copy` is the number the runners keep it under (runtime/plan.py; not a leaf)."""
 
     cache: PagedCache
     counts: jax.Array
     seen: jax.Array
-    peer_copy: int | None = None
+    copy: int | None = None
 
 
 @dataclasses.dataclass

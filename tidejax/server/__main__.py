@@ -7,7 +7,7 @@ progress), compile the warm-up shapes, then report ready.
 Several processes ([distributed] num_processes > 1, one per box): process 0 binds the socket,
 waits for its peers (tidejax.distributed.start: the boot guard, jax.distributed) and serves;
 every other process binds nothing, joins, loads the same model and replays process 0's steps
-(tidejax.runtime.replica.follow) until process 0 stops.
+(tidejax.distributed.peer.follow) until process 0 stops.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from aiohttp import web
 from tidejax import distributed
 from tidejax.errors import CheckpointError
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
+from tidejax.distributed.peer import follow
 from tidejax.errors import ConfigError
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.engine import Engine, resolve_profile
-from tidejax.runtime.replica import follow
 from tidejax.server.app import Server, api_keys, build_app
 
 log = logging.getLogger("tidejax.server")

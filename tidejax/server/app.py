@@ -18,7 +18,7 @@ from aiohttp import web
 from tidejax.config import EngineConfig
 from tidejax.errors import RequestError
 from tidejax.server import anthropic_api, openai_api
-from tidejax.server.client import EngineClient, EngineStats
+from tidejax.runtime.api import EngineClient, EngineStats
 from tidejax.server.errors import APIError, dialect_of, error_response
 from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics

@@ -20,9 +20,9 @@ import time
 import uuid
 
 from tidejax.errors import EngineError, RequestError
+from tidejax.runtime.api import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
-from tidejax.server.client import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking, load_json
 from tidejax.text.toolcalls import THINK_CLOSE, OutputParser, starts_in_reasoning

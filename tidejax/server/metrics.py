@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import os
 
-from tidejax.server.client import EngineStats
+from tidejax.runtime.api import EngineStats
 
 
 def resident_bytes() -> int | None:

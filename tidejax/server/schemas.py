@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from tidejax.errors import RequestError
-from tidejax.runtime.sampling import SamplingError, SamplingParams
+from tidejax.runtime.api import SamplingError, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -9,6 +9,7 @@ from tidejax.models.deepseek_v3.weights import load_weights
 from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.mla import MLACache
 from tidejax.models.registry import register
+from tidejax.text.toolcalls import DEEPSEEK_V3, KIMI_K2
 
 register(Family(
     name="deepseek_v3",
@@ -22,4 +23,5 @@ register(Family(
     create_cache=MLACache.create,
     cache_axes=MLACache.axes,
     cache_bytes_per_token=MLACache.bytes_per_token,
+    tool_formats={"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2},
 ))

@@ -9,6 +9,7 @@ from tidejax.models.glm4_moe.weights import load_weights
 from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.gqa import GQAPages
 from tidejax.models.registry import register
+from tidejax.text.toolcalls import GLM
 
 register(Family(
     name="glm4_moe",
@@ -23,4 +24,5 @@ register(Family(
     create_cache=GQAPages.create,
     cache_axes=GQAPages.axes,
     cache_bytes_per_token=GQAPages.bytes_per_token,
+    tool_formats={"glm4_moe": GLM},
 ))

@@ -9,6 +9,7 @@ from tidejax.models.glm_moe_dsa.weights import load_weights
 from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.dsa import DSAPages
 from tidejax.models.registry import register
+from tidejax.text.toolcalls import GLM
 
 register(Family(
     name="glm_moe_dsa",
@@ -24,4 +25,5 @@ register(Family(
     create_cache=DSAPages.create,
     cache_axes=DSAPages.axes,
     cache_bytes_per_token=DSAPages.bytes_per_token,
+    tool_formats={"glm_moe_dsa": GLM},
 ))

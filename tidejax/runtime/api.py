@@ -1,10 +1,12 @@
-"""The `EngineClient` protocol: all the HTTP layer knows of an engine.
+"""The client protocol: all the HTTP layer knows of an engine (the server imports this module
+alone from the runtime).
 
-The served model's fixed facts (`info`), one way in (`submit` a GenerationRequest, read its
-events from a `RequestStream`), plain stats for /health and /metrics, and start / stop. The
-server never holds an Engine, its scheduler or a jax.Array; runtime/client.py implements this for
-an engine in the same process. The request and event types are the engine's own plain
-dataclasses, re-exported here so that the server imports them from its side of the boundary.
+The served model's fixed facts (`EngineInfo`), one way in (`submit` a GenerationRequest, read its
+events from a `RequestStream`), plain stats for /health and /metrics (`EngineStats`), and start /
+stop. The server never holds an Engine, its scheduler or a jax.Array; runtime/client.py
+implements `EngineClient` for an engine in the same process. The requests and events are plain
+dataclasses, and a request's sampling is one `SamplingParams` (runtime/sampling.py, re-exported
+here with its `SamplingError`).
 """
 
 from __future__ import annotations
@@ -12,15 +14,43 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from tidejax.runtime.sampling import SamplingError, SamplingParams
 from tidejax.text.chat_template import ChatTemplate
-from tidejax.runtime.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.text.tokenizer import Tokenizer
 from tidejax.text.toolcalls import ToolFormat
 
-Event = TokenEvent | DoneEvent | ErrorEvent
-
 __all__ = ["DoneEvent", "EngineClient", "EngineInfo", "EngineStats", "ErrorEvent", "Event",
-           "GenerationRequest", "RequestStream", "TokenEvent"]
+           "GenerationRequest", "RequestStream", "SamplingError", "SamplingParams", "TokenEvent"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, parity tests)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float | None = None  # where the request asked for logprobs: the token's
+    top: tuple[tuple[int, float], ...] = ()  # and its request's top (token id, logprob), best first
+
+
+@dataclasses.dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""A peer of a tensor-parallel engine (process_id > 0): a runner fed process 0's plans.
+
+It loads the same model as process 0, then carries out the messages process 0's Runner sends
+(tidejax.runtime.runner): ("boot", slot_rows), then ("plan", StepPlan) for every plan, in order,
+until ("stop",). It decides nothing: admission, chunks, sampling keys and residency are process
+0's, and the peer's results (tokens, counters) are the same replicated values process 0 reads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tidejax.config import EngineConfig
+from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.engine import use_compile_cache
+from tidejax.runtime.runner import Runner
+
+log = logging.getLogger("tidejax")
+
+
+def follow(config: EngineConfig, channel) -> None:
+    """A peer's life: load the same model, then run process 0's plans until it stops."""
+    if config.engine.compile_cache:
+        use_compile_cache(config.engine.compile_cache)
+    runner = Runner(LoadedModel(config))
+    log.info("process %d follows process 0", config.distributed.process_id)
+    while True:
+        kind, *args = channel.receive()
+        if kind == "stop":
+            break
+        if kind == "boot":
+            runner.boot(*args)
+        elif kind == "plan":
+            runner.run(*args)
+        else:
+            raise ValueError(f"process 0 sent an unknown message {kind!r}")
+    channel.close()
+    log.info("process %d: process 0 stopped", config.distributed.process_id)

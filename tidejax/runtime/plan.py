@@ -1,0 +1,75 @@
+"""What the scheduler decides for one iteration, as plain data the runner carries out.
+
+A `StepPlan` holds only numpy arrays and Python values (no jax.Array, no callable), so the same
+plan drives the runner of process 0 and, sent over the channel, each peer's (runtime/runner.py).
+The runner does its parts in this order:
+
+    reads     sequences saved to host memory (preemption): each `SequenceCopy`'s pages of the
+              pool, its lane's rows and token counts, kept by the runner under `copy`
+    forget    copies dropped (a preempted request cancelled)
+    lanes     {lane: SamplingParams}: each lane's sampling row set and its token counts cleared
+              (admission; greedy again when a lane frees)
+    writes    copies put back at new pages and a lane (resumption), then dropped
+    experts   swap batches residency applies between steps (drain, reseed: process 0 applies
+              its own through Runner.update_experts; its peers take them from here)
+    then at most one device call: the mixed step (`decode` and / or `prefill`, with the step's
+    swap batch), a scoring forward (`score`) or a warm-up step (`warmup`).
+
+Reads come before the lanes are reset and writes after the lanes are set, so one plan may
+preempt a request and admit another into its lane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidejax.residency.swap import SwapBatch
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceCopy:
+    """A sequence's place for a read or a write: its pages of the pool and its lane; `copy`
+    numbers the copy in host memory that the runners keep (process 0 numbers them)."""
+
+    copy: int
+    pages: tuple[int, ...]
+    lane: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+    reads: list[SequenceCopy] = dataclasses.field(default_factory=list)
+    forget: list[int] = dataclasses.field(default_factory=list)
+    lanes: dict[int, SamplingParams] = dataclasses.field(default_factory=dict)
+    writes: list[SequenceCopy] = dataclasses.field(default_factory=list)
+    experts: list[SwapBatch] = dataclasses.field(default_factory=list)
+    decode: DecodeRows | None = None  # the decoding lanes
+    prefill: PrefillChunk | None = None  # the prompt chunk
+    # the step whose sampled tokens the decoding lanes not `fresh` take as input (its number,
+    # StepResult.step); None: every input token comes from the host
+    previous: int | None = None
+    swaps: SwapBatch | None = None  # residency's batch for the step's start (or the score's)
+    logprobs: bool = False  # whether to start the step's logprobs toward the host too
+    score: list[int] | None = None  # token ids of a scoring forward (a scratch cache)
+    # a warm-up step: (chunk bucket or 0, prefill table width, decode table width), every
+    # token masked out (LoadedModel.warmup_inputs)
+    warmup: tuple | None = None
+
+    @property
+    def steps(self) -> bool:
+        """Whether the plan runs the mixed step."""
+        return self.decode is not None or self.prefill is not None
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is nothing to do."""
+        return not (self.reads or self.forget or self.lanes or self.writes or self.experts
+                    or self.steps or self.score is not None or self.warmup is not None)
+
+    @property
+    def routed(self) -> int:
+        """Real tokens the step sends through each MoE layer (residency's after_step)."""
+        return (len(self.prefill.tokens) if self.prefill is not None else 0) + (
+            int(self.decode.active.sum()) if self.decode is not None else 0)

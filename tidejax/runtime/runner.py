@@ -1,0 +1,209 @@
+"""The runner: the one owner of the DecodeState and the only caller of the jitted steps over it.
+
+`Runner.run(StepPlan) -> StepResult` carries out what the scheduler decided (runtime/plan.py):
+saves and restores of preempted sequences, the lanes' sampling rows, residency's between-step
+swap batches, then the mixed step, a scoring forward or a warm-up step. The result stays on the
+device until the scheduler reads it (`StepResult.tokens`): the step's sampled tokens start toward
+the host as soon as it is queued, and a later plan's decoding lanes take them as input on the
+device (`StepPlan.previous` names the step).
+
+Tensor parallelism across processes: process 0's runner sends each plan to its peers before
+carrying it out, so every process makes the same jitted calls in the same order (their
+collectives pair the processes); a peer is a runner fed those plans (tidejax.distributed.peer).
+The channel carries ("boot", slot_rows) first (process 0's boot map, which a peer takes where its
+own history gave another), then ("plan", StepPlan) per plan, and ("stop",) last. Residency decides
+on process 0 alone: the swap batches are in the plans, and the batches it applies between steps
+are sent as plans of their own as they apply (`Residency.on_apply`). A preempted sequence is
+saved by every process, each its own copy (parallel.to_host: a process holds its shards of KV
+pages split by heads) under the plan's number, so no pages cross the channel.
+
+While the scheduler's thread runs (`owner`), a call from another thread raises: it goes through
+`Scheduler.call`, which runs it on that thread between two iterations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+
+from tidejax import parallel
+from tidejax.residency.swap import Tallies, apply_now
+from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.plan import SequenceCopy, StepPlan
+from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
+from tidejax.runtime.steps import SavedSequence
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a plan gave back, still on the device where it came from a device call."""
+
+    step: int | None = None  # the mixed step's number (a later plan's `previous`); None: none ran
+    sampled: Sampled | None = None  # each lane's next token [lanes] and its logprobs
+    tallies: Tallies | None = None  # for residency's after_step (step or scoring forward)
+    logits: jax.Array | None = None  # the scoring forward's [1, T, vocab]
+    saved: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)  # copy -> read
+
+    def tokens(self) -> np.ndarray:
+        """The step's tokens [lanes] (waits for the step)."""
+        return np.asarray(self.sampled.tokens)
+
+    def logprobs(self) -> Sampled:
+        """The step's Sampled in host memory (waits for the step)."""
+        return jax.device_get(self.sampled)
+
+    def scores(self) -> np.ndarray:
+        """The scoring forward's logits [T, vocab] float32, padding included (waits for it);
+        whole on every device, so read here."""
+        return np.asarray(self.logits, np.float32)[0]
+
+
+class Runner:
+    def __init__(self, model: LoadedModel, channel=None):
+        """channel: process 0's tidejax.distributed channel to its peers, which get every plan;
+        None in one process and on a peer."""
+        self.model = model
+        self.state = model.initial_state()  # the one DecodeState, donated into every step
+        self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
+        self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
+        self._steps = 0  # mixed steps run
+        self.last: tuple[int, jax.Array] | None = None  # (number, tokens) of the last step
+        self.peers = channel
+        if channel is not None:
+            model.residency.on_apply = lambda batch: self._send("plan", StepPlan(experts=[batch]))
+            self._send("boot", model.residency.slot_rows)
+
+    # -- plans -----------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Carries out `plan` in its order (runtime/plan.py); queues its device call and returns
+        without waiting for it."""
+        self._own()
+        self._send("plan", plan)
+        result = StepResult()
+        for read in plan.reads:
+            result.saved[read.copy] = self.copies[read.copy] = self._read(read)
+        for copy in plan.forget:
+            self.copies.pop(copy, None)
+        for lane, params in plan.lanes.items():
+            self._set_lane(lane, params)
+        for write in plan.writes:
+            if write.copy not in self.copies:
+                raise ValueError(f"no saved copy {write.copy} to write back (each goes back once)")
+            self._write(write, self.copies.pop(write.copy))
+        for batch in plan.experts:
+            self.state = self.state.replace(experts=apply_now(self.state.experts, batch)[0])
+        if plan.steps:
+            self._step(plan, result)
+        elif plan.score is not None:
+            inputs, _ = self.model.score_inputs(plan.score, plan.swaps)
+            result.logits, self.state, result.tallies = self.model.steps.score(
+                self.model.params, self.state, inputs)
+        elif plan.warmup is not None:
+            self.dispatch(self.model.warmup_inputs(*plan.warmup, plan.swaps))
+        return result
+
+    def _step(self, plan: StepPlan, result: StepResult) -> None:
+        previous = None
+        if plan.previous is not None:
+            if self.last is None or self.last[0] != plan.previous:
+                raise ValueError(f"a step's previous tokens must be the last step's output "
+                                 f"(step {plan.previous} is not the last)")
+            previous = self.last[1]
+        inputs = self.model.step_inputs(plan.decode, plan.prefill, previous, plan.swaps)
+        with jax.profiler.TraceAnnotation("decode" if plan.prefill is None else "prefill"):
+            sampled, tallies = self.dispatch(inputs)
+        for leaf in jax.tree.leaves(sampled) if plan.logprobs else [sampled.tokens]:
+            leaf.copy_to_host_async()  # on its way as soon as the step ends
+        self._steps += 1
+        self.last = (self._steps, sampled.tokens)
+        result.step, result.sampled, result.tallies = self._steps, sampled, tallies
+
+    def _read(self, read: SequenceCopy) -> SavedSequence:
+        """What a preempted sequence keeps until it resumes, in host memory: its pages of the KV
+        pool, its lane's rows (DeepSeek-V4.1's Engram look-back among them) and token counts
+        (numpy leaves; across processes each keeps its own shards of a leaf split over them)."""
+        saved = parallel.to_host(self.model.steps.read_sequence(
+            self.state, np.asarray(read.pages, np.int32), np.int32(read.lane)))
+        return dataclasses.replace(saved, copy=read.copy)
+
+    def _write(self, write: SequenceCopy, saved: SavedSequence) -> None:
+        """Puts a read back: into the pool at `write.pages` and the rows of `write.lane` (any
+        lane: not necessarily the one it was read from)."""
+        cache, sampling = self.model.steps.write_sequence(
+            self.state.cache, self.state.sampling, np.asarray(write.pages, np.int32),
+            np.int32(write.lane), parallel.from_host(saved))
+        self.state = self.state.replace(cache=cache, sampling=sampling)
+
+    def _set_lane(self, lane: int, params: SamplingParams) -> None:
+        self.state = self.state.replace(sampling=self.model.steps.set_lane(
+            self.state.sampling, np.int32(lane), LaneParams.of([params])))
+
+    # -- calls outside plans (process 0) -----------------------------------------------------
+
+    def dispatch(self, inputs) -> tuple:
+        """The jitted step alone over the state (donated): (Sampled, Tallies). Plans are the
+        serving path; benchmarks time this one bare."""
+        self._own()
+        sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        return sampled, tallies
+
+    def lower(self, inputs):
+        """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
+        return self.model.steps.step.lower(self.model.params, self.state, inputs)
+
+    def update_experts(self, fn) -> None:
+        """The expert state through `fn(experts) -> experts` between steps: residency's
+        between-step operations (reseed, drain, move_to, apply_swaps). Across processes each
+        batch residency applies reaches the peers as it applies (Residency.on_apply)."""
+        self._own()
+        self.state = self.state.replace(experts=fn(self.state.experts))
+
+    def set_routing_replay(self, picks: np.ndarray | None) -> None:
+        """LoadedModel.set_routing_replay, refused across processes (the picks are process 0's)."""
+        if picks is not None and self.peers is not None:
+            raise ValueError("routing replay is not served across processes")
+        self.model.set_routing_replay(picks)
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def damaged(self) -> bool:
+        """Whether a failed call left the state's buffers donated (deleted)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
+
+    def rebuild(self) -> None:
+        """The DecodeState after a failed step (LoadedModel.rebuilt_state); the saved copies
+        stay. Across processes the peers' states would have to be rebuilt with it: refused."""
+        if self.peers is not None:
+            raise RuntimeError("a step failed across processes: the peers' states are not "
+                               "rebuilt")
+        self.state = self.model.rebuilt_state(self.state)
+
+    # -- peers -----------------------------------------------------------------------------
+
+    def boot(self, slot_rows: np.ndarray) -> None:
+        """A peer takes process 0's boot map where its own (from its history) differs."""
+        residency = self.model.residency
+        if not np.array_equal(slot_rows, residency.slot_rows):
+            residency.slot_rows[:] = slot_rows
+            self.state = self.model.rebuilt_state(self.state)
+
+    def _send(self, kind: str, *args) -> None:
+        if self.peers is not None:
+            self.peers.send((kind, *args))
+
+    def stop_peers(self) -> None:
+        """Tells the peers to stop (Engine.close, last)."""
+        if self.peers is not None:
+            self.model.residency.on_apply = None
+            self._send("stop")
+            self.peers.close()
+            self.peers = None
+
+    def _own(self) -> None:
+        """The state is touched only by its owner: the scheduler thread while it runs."""
+        if self.owner is not None and threading.current_thread() is not self.owner:
+            raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
