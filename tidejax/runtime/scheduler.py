@@ -415,7 +415,8 @@ class Scheduler:
         if handle is None:
             return None
         start = handle.prefilled
-        ids = handle.request.prompt_ids[start:start + self.model.prefill_chunk]
+        prompt = handle.request.prompt_ids
+        ids = prompt[start:start + self.model.chunk_length(start, len(prompt))]
         handle.prefilled += len(ids)
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id))
 
@@ -590,14 +591,20 @@ class Scheduler:
         return logits, tallies
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> int:
-        """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
-        masked out (nothing written, counted or sampled into a lane); returns how many."""
+        """Runs each step shape a request can meet (LoadedModel.warmup_shapes; with
+        `prompt_lengths`, those prompts of these lengths meet) with every token masked out
+        (nothing written, counted or sampled into a lane), each sequence copy preemption makes
+        (read and written back unchanged) and the lanes' sampling update; returns how many
+        steps."""
         self._own()
         shapes = self.model.warmup_shapes(prompt_lengths)
         batches = self.model.residency.warmup_batches()
         for size, prefill_width, decode_width in sorted(shapes, key=str):
             for idle in batches:
                 self.dispatch(self.model.warmup_inputs(size, prefill_width, decode_width, idle))
+        for n in self.model.sequence_sizes():
+            self.write_sequence([0] * n, 0, self.read_sequence([0] * n, 0))
+        self.set_sampling(0, SamplingParams())
         return len(shapes) * len(batches)
 
     def update_experts(self, fn) -> None:
