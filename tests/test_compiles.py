@@ -51,11 +51,13 @@ def counting_compiles():
 
 
 def prompt_lengths(engine) -> list[int]:
-    """1, max_context - 1, and each side of every page and chunk boundary below max_context."""
+    """1, max_context - 1, and each side of every page, chunk and chunk bucket boundary below
+    max_context."""
     loaded = engine.loaded
     top = loaded.max_context - 1
     edges = {k * step for step in (loaded.page_size, loaded.prefill_chunk)
              for k in range(1, top // step + 1)}
+    edges |= {loaded.bucket(n) for n in range(1, loaded.prefill_chunk + 1)}
     return sorted({1, top} | {n + d for n in edges for d in (-1, 0, 1) if 0 < n + d <= top})
 
 
