@@ -18,6 +18,7 @@ import pytest
 
 import tidejax
 from tidejax.kv.pages import pages_for
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
 from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
@@ -63,7 +64,8 @@ def prompt_lengths(engine) -> list[int]:
 
 def serve(engine, monkeypatch, lengths: list[int]) -> dict:
     """Every prompt length at once (each decoding past a page boundary where the context lets
-    it), all to the end; returns what the steps carried and the requests got."""
+    it; every other one sampled with logprobs), all to the end; returns what the steps carried
+    and the requests got."""
     mixed = []
     step_inputs = engine.loaded.step_inputs
 
@@ -79,7 +81,9 @@ def serve(engine, monkeypatch, lengths: list[int]) -> dict:
             else:
                 done[i] = event
         prompt = [3 + (7 * i + 5 * j) % 200 for j in range(n)]
-        engine.scheduler.submit(GenerationRequest(prompt, 2 * engine.loaded.page_size,
+        sampling = SamplingParams(temperature=0.8, top_p=0.9, logprobs=2, seed=i) if i % 2 else (
+            SamplingParams())  # sampled with logprobs beside greedy: data, not shapes
+        engine.scheduler.submit(GenerationRequest(prompt, 2 * engine.loaded.page_size, sampling,
                                                   ignore_eos=True), on_event)
     engine.scheduler.run_until_idle()
     return {"mixed": sum(mixed), "done": done, "tokens": tokens,
