@@ -107,13 +107,14 @@ def check_nothing_compiles_after_warmup(engine, monkeypatch):
 
 
 def test_deepseek_v3(tmp_path, monkeypatch):
-    """Pages of 32, chunks of up to 32 (buckets 16 and 32), a pool of 3 pages (a sequence at
-    max_context holds 2): full-width prefill tables (MLA's prefill reads by length), decode
-    tables a power of two of pages (the MLA decode reference gathers the whole table)."""
+    """Pages of 32, chunks of 16, a pool of 3 pages (a sequence at max_context holds 2):
+    full-width prefill tables (MLA's prefill reads by length), decode tables a power of two of
+    pages (the MLA decode reference gathers the whole table). One chunk bucket: the buckets'
+    enumeration is test_warmup_shapes_are_those_of_every_prompt's."""
     write_deepseek_v3(tmp_path, seed=3, **dict(DEEPSEEK_V3_CONFIGS["qlora_groups"],
                                                 num_hidden_layers=2))
     engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": 64, "page_size": 32,
-                                            "prefill_chunk": 32, "kv_pool_tokens": 96})
+                                            "prefill_chunk": 16, "kv_pool_tokens": 96})
     assert (engine.loaded.full_prefill, engine.loaded.full_decode) == (True, False)
     check_nothing_compiles_after_warmup(engine, monkeypatch)
 
