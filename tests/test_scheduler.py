@@ -163,7 +163,7 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
 
     pages = engine.scheduler.pages
     long = np.random.RandomState(1).randint(3, 256, 20).tolist()
-    for lane, prompt in enumerate([long, PROMPTS[1]]):  # chunks of 16 and 4 (padded to 16), then 9
+    for lane, prompt in enumerate([long, PROMPTS[1]]):  # chunks of 4 (padded to 16) and 16, then 9
         held = pages.grow(lane, 32)
         for start, chunk in engine.loaded.chunks(prompt):
             engine.step(None, PrefillChunk(lane, chunk, start, held))

@@ -4,9 +4,11 @@ pages.
 A pool leaf is [n_pages, rows, ...]: `rows` entries a page, page_size of them for per-token keys
 (MLA's latent), fewer for a leaf that keeps one entry per `ratio` tokens (DeepSeek-V4.1's
 compressed entries: page_size // ratio). A step's block table [b, P] lists each row's pages in
-order (P is the step's bucket, tidejax.kv.pages.page_bucket: what its longest row holds), and one
-table addresses every leaf, so reads and attention cost what the sequences hold, never the pool or
-max_context.
+order, and one table addresses every leaf. P is max_context's pages where every read here goes
+up to each row's length (the MLA prefill paths, the MLA decode kernel, GQA, the indexer's decode
+kernel), so those cost what the sequences hold, never the table, the pool or max_context; a
+power of two of the pages the rows need where a path reads the whole table (the MLA decode
+reference, the indexer scores' reference and their prefill). runtime/build.py chooses.
 """
 
 from __future__ import annotations

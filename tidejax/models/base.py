@@ -108,7 +108,12 @@ class Family:
         compress ratios, so that a page holds whole groups)
     mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
         (cfg.kv_lora_rank, cfg.qk_rope_head_dim); the kernel's own choice for those shapes sets
-        the decode tables' width. False: the family's decode reads whole block tables (jnp)
+        the decode tables' width (runtime/build.py: the kernel reads each lane's pages by length,
+        the reference gathers the whole table)
+    index_keys(pages) -> the pool leaves (of PagedCache.pages) whose every entry in a block
+        table an indexer scores (kv.paged.index_scores, a top-k over the table's width): their
+        prefill tables follow what the chunk needs, and their decode tables too where the
+        scores kernel does not take them (runtime/build.py); () for a family without indexers
     cache_axes(pages) -> the logical axes of each pool leaf (a tuple per leaf, the pool's
         structure), or None: the pool is placed replicated (tidejax.parallel); the lane rows are
         always replicated
@@ -135,6 +140,7 @@ class Family:
     create_lane_cache: Callable = lambda cfg, lanes, max_context, dtype: None
     page_multiple: Callable = lambda cfg: 1
     mla_decode: bool = False
+    index_keys: Callable = lambda pages: ()
     replays: bool = True
     cache_axes: Callable | None = None
     step_tables: Callable = lambda cfg, aux: None

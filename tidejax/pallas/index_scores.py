@@ -7,8 +7,9 @@ g % rows of that page), over the index heads h:
 for g < counts[i, j] (the entries the query sees), -inf past them and over the rest of the table.
 
 `paged_index_scores` dispatches between the Pallas GPU kernel (Triton lowering; interpret mode
-off the GPU) and the jnp reference (runs everywhere). Both read only the P pages of each row's
-table (P is the step's bucket: what its longest row holds), never the pool or max_context.
+off the GPU) and the jnp reference (runs everywhere). Neither reads the pool past the P pages of
+each row's table; the reference reads all P (its callers size P by what the rows hold), the
+kernel none past each query's count (its decode tables may be max_context wide).
 
 The kernel: program (entry block, query, row) gathers `bk` keys of the row through the table
 (a block of contiguous rows of one page, or rows of several small pages; `attention._key_rows`),

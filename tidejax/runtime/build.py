@@ -4,12 +4,15 @@ A LoadedModel holds what does not change while serving: the config, the family, 
 the params on the device, the residency planner (runtime/state.py's DecodeState holds the expert
 state itself), the jitted steps (runtime/steps.py) and the host-side shapes of their inputs. It
 turns a StepPlan's host views of a step (DecodeRows, PrefillChunk) into the step's array
-inputs. Shapes are static: a prompt chunk is padded to a few bucket sizes, decode always runs all
-lanes, and the block tables are as wide as the step's longest sequence needs (a power of two of
-pages), so attention costs what the sequences hold and each (bucket, width) compiles once. The
-cache is a kv.paged.PagedCache: the family's KV pool, shared by every sequence through its block
-table, and the fixed-size rows each lane keeps (DeepSeek-V4.1's window rings), which a prompt chunk
-reads and writes at its lane.
+inputs. The cache is a kv.paged.PagedCache: the family's KV pool, shared by every sequence through
+its block table, and the fixed-size rows each lane keeps (DeepSeek-V4.1's window rings), which a
+prompt chunk reads and writes at its lane.
+
+Step shapes are a bounded set known at start, all of which the warm-up compiles (warmup_shapes):
+a prompt chunk is padded to one of a few bucket sizes, decode always runs all lanes, and each
+block table is either max_context wide (max_pages: one shape) or, where the step's attention
+reads every entry its table addresses, a power of two of the pages the rows need (_widths says
+which, path by path). Sequence copies (preemption) go by powers of two of pages (Steps).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tidejax.models.registry import family_for
 from tidejax.pallas.attention import pallas_supports as paged_mla_supports
 from tidejax.pallas.bank import interleave_gate_up
 from tidejax.pallas.dispatch import choose_impl
+from tidejax.pallas.index_scores import pallas_supports as index_supports
 from tidejax.residency.manager import Residency
 from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions
@@ -97,13 +101,13 @@ class LoadedModel:
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)
         self.max_pages = pages_for(self.max_context, self.page_size)
-        self.decode_attention = self._decode_attention(config.engine.kernel)
+        self.full_prefill, self.full_decode = self._widths(config.engine.kernel)
         log.info("KV pool: %d pages of %d tokens (%.2f GiB), %d bytes a lane beside it",
                  self.kv_pages, self.page_size,
                  self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30,
                  self.lane_bytes())
         self._prefill_buckets = _buckets(self.prefill_chunk)
-        self.steps = Steps(self.module)
+        self.steps = Steps(self.module, self.max_pages)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
@@ -166,19 +170,33 @@ class LoadedModel:
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
 
-    def _decode_attention(self, kernel: str) -> str:
-        """The paged decode attention the steps will trace ("pallas" reads only each lane's own
-        pages, so its block tables can be full width): the kernel's own choice for the shapes
-        of this model's latent cache (MLA), "reference" where the family's decode reads whole
-        block tables."""
-        if not self.family.mla_decode:
-            return "reference"
-
-        def struct(*shape):
-            return jax.ShapeDtypeStruct(shape, self.dtype)
-        latent = struct(1, self.page_size, self.cfg.kv_lora_rank)
-        return choose_impl("paged_mla_decode", kernel, lambda: paged_mla_supports(
-            struct(1, 1, self.cfg.kv_lora_rank), struct(1, 1, self.cfg.qk_rope_head_dim), latent))
+    def _widths(self, kernel: str) -> tuple[bool, bool]:
+        """(prefill, decode): whether that part's block tables are max_pages wide (one shape)
+        rather than a power of two of the pages its rows need (a few). Full width where every
+        read of the pool goes row by row up to the row's own length, so a wider table costs
+        nothing: MLA's prefill (the Pallas kernel and its reference loop over key blocks up to
+        the chunk's last position), GQA's flash loop, the paged MLA decode kernel, the indexer's
+        decode scores kernel (a block past a row's count is written -inf unread; the top-k over
+        [lanes, max_pages * rows] scores stays, small beside a step's weight reads). Powers of two
+        where a path gathers or scores the whole table: the jnp references of the MLA decode and
+        of the indexer scores (off the GPU, or engine.kernel "reference"), and the indexers'
+        prefill (scores [chunk, entries] and their top-k for every entry the table addresses:
+        at max_context a short prompt's chunks would score a whole context's entries)."""
+        def struct(shape, dtype=self.dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        decode = []  # the decode's paged reads: each op's implementation
+        if self.family.mla_decode:
+            decode.append(choose_impl("paged_mla_decode", kernel, lambda: paged_mla_supports(
+                struct((1, 1, self.cfg.kv_lora_rank)), struct((1, 1, self.cfg.qk_rope_head_dim)),
+                struct((1, self.page_size, self.cfg.kv_lora_rank)))))
+        pool = jax.eval_shape(lambda: self.family.create_cache(self.cfg, 1, self.page_size,
+                                                               self.dtype))
+        index_keys = self.family.index_keys(pool)  # the leaves an indexer scores, whole
+        for keys in index_keys:
+            q = struct((1, 1, 1, keys.shape[-1]), jnp.float32)
+            decode.append(choose_impl("paged_index_scores", kernel,
+                                      lambda q=q, keys=keys: index_supports(q, keys)))
+        return not index_keys, all(impl == "pallas" for impl in decode)
 
     def _pool_pages(self, config: EngineConfig) -> int:
         """Pages in the KV pool: engine.kv_pool_gib, else engine.kv_pool_tokens, else room for
@@ -208,9 +226,20 @@ class LoadedModel:
     # -- step inputs -----------------------------------------------------------------------
 
     def chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
-        """(start, ids) of each prefill chunk of a prompt."""
-        return [(start, token_ids[start:start + self.prefill_chunk])
-                for start in range(0, len(token_ids), self.prefill_chunk)]
+        """(start, ids) of each prefill chunk of a prompt: the remainder first (n mod
+        prefill_chunk tokens, or a whole chunk), then whole chunks, so that where a chunk's
+        table follows its end (_prefill_width) the first chunk's width is its bucket's and the
+        whole chunks' are the few powers of two past one chunk."""
+        n = len(token_ids)
+        starts = [0, *range(self._first_chunk(n), n, self.prefill_chunk)] if n else []
+        return [(start, token_ids[start:start + self.chunk_length(start, n)]) for start in starts]
+
+    def chunk_length(self, start: int, n: int) -> int:
+        """Tokens in the chunk at `start` of an n-token prompt (chunks)."""
+        return self._first_chunk(n) if start == 0 else self.prefill_chunk
+
+    def _first_chunk(self, n: int) -> int:
+        return n - self.prefill_chunk * ((n - 1) // self.prefill_chunk)
 
     def bucket(self, n: int) -> int:
         """The compiled prefill size that holds a chunk of n tokens."""
@@ -232,14 +261,16 @@ class LoadedModel:
             if not 0 < len(prefill.tokens) <= self.prefill_chunk:
                 raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
                                  f"got {len(prefill.tokens)}")
-            prefill_in = self._prefill_inputs(prefill, self._prefill_width(prefill))
+            prefill_in = self._prefill_inputs(
+                prefill, self._prefill_width(prefill.start + len(prefill.tokens)))
         decode_in = None
         if decode is not None:
             decode_in = DecodeInputs(
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
                 active=decode.active.astype(bool),
-                table=self._table(decode.pages, self._decode_width(decode)))
+                table=self._table(decode.pages, self._decode_width(
+                    max((len(p) for p in decode.pages), default=1))))
         routed = (prefill_in.tokens.size if prefill is not None else 0) + (
             self.lanes if decode is not None else 0)
         return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
@@ -265,19 +296,36 @@ class LoadedModel:
         return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
                           swaps)
 
-    def warmup_shapes(self, prompt_lengths: list[int] | None) -> set[tuple]:
-        """(chunk size or 0, prefill table width, decode table width) of the steps that prompts
-        of `prompt_lengths` tokens meet (default: one chunk of each size): each chunk beside
-        the lanes, and the decode step at the table width of the prompt's end."""
-        shapes = set()
-        for n in prompt_lengths or self._prefill_buckets:
-            held = [0] * pages_for(min(n + 1, self.max_context), self.page_size)
-            prefill_width = self._prefill_width(PrefillChunk(0, [0], 0, held))
-            decode_width = self._decode_width(DecodeRows(*[None] * 4, pages=[held]))
-            for _, chunk in self.chunks(list(range(n))):
-                shapes.add((self.bucket(len(chunk)), prefill_width, decode_width))
-            shapes.add((0, None, decode_width))
-        return shapes
+    def warmup_shapes(self, prompt_lengths: list[int] | None = None) -> set[tuple]:
+        """(chunk bucket or 0, prefill table width or None, decode table width) of every step a
+        request can meet up to max_context: each (bucket, width) some prompt's chunk meets beside
+        each decode width the lanes can hold, and each decode width alone (every step carries all
+        lanes, decoding or not). With `prompt_lengths`, only the steps of prompts of those lengths:
+        their chunks and the decode width at each prompt's end."""
+        if prompt_lengths:
+            chunks = {(self.bucket(len(ids)), self._prefill_width(start + len(ids)))
+                      for n in prompt_lengths for start, ids in self.chunks(list(range(n)))}
+            decode = {self._decode_width(pages_for(min(n + 1, self.max_context), self.page_size))
+                      for n in prompt_lengths}
+        else:
+            chunks = self._chunk_shapes()
+            decode = {self._decode_width(n) for n in range(1, self.max_pages + 1)}
+        return ({(size, width, d) for size, width in chunks for d in decode}
+                | {(0, None, d) for d in decode})
+
+    def _chunk_shapes(self) -> set[tuple[int, int]]:
+        """(bucket, prefill table width) of every chunk of every prompt of 1..max_context - 1
+        tokens (chunks): a first chunk of r = 1..prefill_chunk tokens ends at r, and the whole
+        chunks after it end anywhere past prefill_chunk."""
+        last, size = self.max_context - 1, self.prefill_chunk
+        shapes = {(self.bucket(r), self._prefill_width(r)) for r in range(1, min(size, last) + 1)}
+        ends = range(pages_for(size + 1, self.page_size), pages_for(last, self.page_size) + 1)
+        return shapes | {(size, self._prefill_width(pages * self.page_size))
+                         for pages in (ends if last > size else ())}
+
+    def sequence_sizes(self) -> list[int]:
+        """The page counts a sequence copy (Steps.read_sequence / write_sequence) compiles for."""
+        return sorted({page_bucket(n, self.max_pages) for n in range(1, self.max_pages + 1)})
 
     def score_inputs(self, token_ids, swaps: SwapBatch) -> tuple[ScoreInputs, int]:
         """(the scoring forward's inputs, the real length): the length padded to a power of two
@@ -295,18 +343,14 @@ class LoadedModel:
         return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table,
                            self.step_tables, self._replay_rows(tokens.size), swaps), n
 
-    def _decode_width(self, decode: DecodeRows) -> int:
-        """Block-table width of a step's decoding lanes: a power of two of pages, enough for the
-        longest lane, where attention reads the whole table (the reference); the pool's longest
-        sequence where the paged decode kernel reads each lane's own pages (one compile)."""
-        if self.decode_attention == "pallas":
-            return self.max_pages
-        return page_bucket(max((len(p) for p in decode.pages), default=1), self.max_pages)
+    def _decode_width(self, pages: int) -> int:
+        """Block-table width of a step's decoding lanes, the longest holding `pages` (_widths)."""
+        return self.max_pages if self.full_decode else page_bucket(pages, self.max_pages)
 
-    def _prefill_width(self, prefill: PrefillChunk) -> int:
-        """Block-table width of a prompt chunk: its request's pages (reserved for the whole
-        prompt at admission, so every chunk of a prompt compiles once), as a power of two."""
-        return page_bucket(len(prefill.pages), self.max_pages)
+    def _prefill_width(self, end: int) -> int:
+        """Block-table width of a prompt chunk ending at position `end` (_widths)."""
+        return self.max_pages if self.full_prefill else page_bucket(
+            pages_for(end, self.page_size), self.max_pages)
 
     def _table(self, pages: list[list[int]], width: int) -> np.ndarray:
         """Block tables [rows, width]: each row's pages, padded with page 0 (never read: past each

@@ -161,13 +161,14 @@ class Engine:
         return self.scheduler.call(lambda: self.scheduler.score(token_ids))
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> None:
-        """Compiles the steps that prompts of `prompt_lengths` tokens meet (default: one chunk of
-        each size) before traffic arrives: each chunk beside the lanes, and the decode step at
-        the table width of the prompt's end, by running them with every token masked out:
-        nothing is written, counted or sampled into a lane."""
+        """Compiles every step shape a request can meet up to max_context (with
+        `prompt_lengths`, the steps prompts of these lengths meet), the sequence copies of
+        preemption and the lanes' sampling update, before traffic arrives, by running the steps
+        with every token masked out: nothing is written, counted or sampled into a lane."""
         start = time.perf_counter()
         n = self.scheduler.call(lambda: self.scheduler.warmup(prompt_lengths))
-        log.info("compiled %d step shapes in %.1f s", n, time.perf_counter() - start)
+        log.info("compiled %d step shapes and %d sequence copies in %.1f s", n,
+                 len(self.loaded.sequence_sizes()), time.perf_counter() - start)
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """Route by recorded picks [N, L_moe, k] (benchmarks; see LoadedModel.set_routing_replay)."""

@@ -392,7 +392,8 @@ class Scheduler:
         if handle is None:
             return None
         start = handle.prefilled
-        ids = handle.request.prompt_ids[start:start + self.model.prefill_chunk]
+        prompt = handle.request.prompt_ids
+        ids = prompt[start:start + self.model.chunk_length(start, len(prompt))]
         handle.prefilled += len(ids)
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id))
 
@@ -538,13 +539,20 @@ class Scheduler:
         return logits
 
     def warmup(self, prompt_lengths: list[int] | None = None) -> int:
-        """Runs each step shape that prompts of `prompt_lengths` tokens meet with every token
-        masked out (nothing written, counted or sampled into a lane); returns how many."""
+        """Runs each step shape a request can meet (LoadedModel.warmup_shapes; with
+        `prompt_lengths`, those prompts of these lengths meet) with every token masked out
+        (nothing written, counted or sampled into a lane), each sequence copy preemption makes
+        (read and written back unchanged) and the lanes' sampling update; returns how many
+        steps."""
         shapes = self.model.warmup_shapes(prompt_lengths)
         batches = self.model.residency.warmup_batches()
         for shape in sorted(shapes, key=str):
             for idle in batches:
                 self.runner.run(self._take(warmup=shape, swaps=idle))
+        for n in self.model.sequence_sizes():
+            self.write_sequence([0] * n, 0, self.read_sequence([0] * n, 0))
+        self._plan.lanes[0] = SamplingParams()  # the lanes' sampling update
+        self.runner.run(self._take())
         return len(shapes) * len(batches)
 
     def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:

@@ -11,7 +11,8 @@
         a full forward over a scratch cache of its own; only the expert state changes.
     read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
         pool, its lane's rows and its lane's token counts; write_sequence(cache, sampling, pages,
-        lane, saved) -> (cache, sampling) puts them back (at any lane).
+        lane, saved) -> (cache, sampling) puts them back (at any lane). Both compile once per
+        power of two of pages (the page ids padded past the pool).
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
     set_lane(sampling, lane, row): one lane's sampling parameters, its token counts cleared, at
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.kv.paged import PagedCache
+from tidejax.kv.pages import page_bucket
 from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
 from tidejax.runtime.sampling import LaneParams, LaneSampling, sample
 from tidejax.runtime.state import DecodeState
@@ -188,6 +190,7 @@ class Steps:
     and count)."""
 
     model: object
+    max_pages: int  # the most pages a sequence holds (max_context)
 
     def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
                  logits_at=None):
@@ -253,20 +256,32 @@ class Steps:
             return logits, state.replace(experts=experts), tallies
         return DonatingStep(score)
 
+    def read_sequence(self, state: DecodeState, pages, lane) -> SavedSequence:
+        """A sequence's `pages` [n] of the pool (padded to _padded's length with zeros), its
+        lane's rows and token counts."""
+        return self._read(state, _padded(pages, self.max_pages), lane)
+
+    def write_sequence(self, cache: PagedCache, sampling: LaneSampling, pages, lane,
+                       saved: SavedSequence) -> tuple[PagedCache, LaneSampling]:
+        """`saved` (read_sequence's, as many pages) back at `pages` [n] and `lane`; cache and
+        sampling donated."""
+        return self._write(cache, sampling, _padded(pages, self.max_pages), lane, saved)
+
     @functools.cached_property
-    def read_sequence(self):
+    def _read(self):
         def read(state: DecodeState, pages, lane):
             cache, sampling = state.cache, state.sampling
-            return SavedSequence(PagedCache(jax.tree.map(lambda leaf: leaf[pages], cache.pages),
+            rows = lambda leaf: leaf.at[pages].get(mode="fill", fill_value=0)
+            return SavedSequence(PagedCache(jax.tree.map(rows, cache.pages),
                                             jax.tree.map(lambda leaf: leaf[lane], cache.lanes)),
                                  sampling.counts[lane], sampling.seen[lane])
         return jax.jit(read)
 
     @functools.cached_property
-    def write_sequence(self):
+    def _write(self):
         def write(cache: PagedCache, sampling: LaneSampling, pages, lane, saved: SavedSequence):
             def put(at):
-                return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype))
+                return lambda leaf, rows: leaf.at[at].set(rows.astype(leaf.dtype), mode="drop")
             cache = PagedCache(jax.tree.map(put(pages), cache.pages, saved.cache.pages),
                                jax.tree.map(put(lane), cache.lanes, saved.cache.lanes))
             counts = sampling.counts.at[lane].set(saved.counts)
@@ -279,3 +294,15 @@ class Steps:
         def set_lane(sampling: LaneSampling, lane, row: LaneParams):
             return sampling.set_lane(lane, row)
         return jax.jit(set_lane, donate_argnames=("sampling",))
+
+
+PAST_THE_POOL = np.iinfo(np.int32).max  # a page id no pool has: reads give zeros, writes drop
+
+
+def _padded(pages, max_pages: int) -> np.ndarray:
+    """Page ids [n] -> [page_bucket(n, max_pages)], padded with PAST_THE_POOL: a sequence copy
+    compiles once per power of two of pages (LoadedModel.sequence_sizes), not per page count."""
+    pages = np.asarray(pages, np.int32)
+    out = np.full(page_bucket(len(pages), max_pages), PAST_THE_POOL, np.int32)
+    out[:len(pages)] = pages
+    return out

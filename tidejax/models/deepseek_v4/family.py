@@ -23,5 +23,6 @@ register(Family(
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V4Pages.bytes_per_token,
     cache_axes=V4Pages.axes,
+    index_keys=lambda pages: tuple(k for k in pages.index_keys if k is not None),
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
 ))

@@ -24,6 +24,7 @@ register(Family(
     page_multiple=lambda cfg: cfg.page_multiple,
     cache_bytes_per_token=V41Pages.bytes_per_token,
     cache_axes=V41Pages.axes,
+    index_keys=lambda pages: tuple(k for k in pages.index_keys if k is not None),
     step_tables=lambda cfg, checkpoint: checkpoint.engram,
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
     dense_fp8=True,

@@ -19,8 +19,8 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    # decode attends through kv.paged.gqa_attention (jnp, no GPU kernel yet): decode block
-    # tables are sized by the longest lane's pages (mla_decode False)
+    # attention through kv.paged.gqa_attention (jnp, no GPU kernel yet), a loop over key
+    # blocks up to the last position: its block tables are max_context wide (runtime/build.py)
     create_cache=GQAPages.create,
     cache_axes=GQAPages.axes,
     cache_bytes_per_token=GQAPages.bytes_per_token,

@@ -19,9 +19,11 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    # decode tables are sized by the longest lane's pages (mla_decode False), so the indexer's
-    # top-k reads what the rows hold; MLA still decodes through the paged kernel where the
-    # bucket is within index_topk (layers/dsa.py)
+    # MLA decodes through the paged kernel while a table addresses at most index_topk entries,
+    # past that over the indexer's picks (layers/dsa.py): both kernels' choices set the decode
+    # tables' width (runtime/build.py)
+    mla_decode=True,
+    index_keys=lambda pages: tuple(k for k in pages.index_k if k is not None),
     create_cache=DSAPages.create,
     cache_axes=DSAPages.axes,
     cache_bytes_per_token=DSAPages.bytes_per_token,
