@@ -142,7 +142,8 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     for n in range(1, loaded.max_context):
         pages = list(range(pages_for(n + 1, loaded.page_size)))
         for start, ids in loaded.chunks(list(range(n))):
-            chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages), None, idle).prefill
+            chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages, list(range(start))),
+                                       None, idle).prefill
             chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
     lanes = np.arange(loaded.lanes)
     decode = {loaded.step_inputs(DecodeRows(lanes, lanes >= 0, lanes, lanes == 0,

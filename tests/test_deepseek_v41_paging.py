@@ -7,6 +7,7 @@ step costs what the lane holds, not max_context; the pool's sizing and stats."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 import tidejax
 from tidejax.errors import ConfigError
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
 from test_paging import decode_cost
 
 GOLDEN = Path(__file__).parent / "data" / "golden_v41" / "tiny_a"
@@ -62,6 +64,27 @@ def test_lanes_of_different_lengths_equal_full_forwards(engine):
     assert engine.scheduler.kv_stats()["preemptions"] == before
     assert [len(g) for g in got] == new
     assert got == [reference(engine, p, g) for p, g in zip(PROMPTS, got)]
+
+
+def test_a_prompt_chunk_reads_its_engram_rows_on_the_host(engine):
+    """A prompt chunk's Engram rows come with its step, read on the host (engram.prompt_rows),
+    so the compiled step keeps its one-row-at-a-time read of the tables (the loop at the model's
+    top) for the decoding lanes alone: lanes x cols iterations, none of the chunk's 16 x cols.
+    The rows the chunk reads are checked by the test above (chunks against full forwards, which
+    read in the step)."""
+    loaded = engine.loaded
+    lanes = np.arange(loaded.lanes)
+    decode = DecodeRows(lanes * 0, lanes >= 0, lanes * 0, lanes == 0, [[0]] * loaded.lanes)
+    chunk = PrefillChunk(1, IDS[16:32], 16, [1], IDS[:16])
+    inputs = loaded.step_inputs(decode, chunk, None, engine.residency.idle_batch())
+    assert inputs.prefill.rows is not None
+    hlo = engine.runner.lower(inputs).compile().as_text()
+    trips = [int(re.search(r'"n":"(\d+)"', line)[1]) for line in hlo.splitlines()
+             if " while(" in line and 'op_name="jit(apart)/DeepseekV41/while"' in line]
+    assert trips == [loaded.lanes * loaded.cfg.engram_cols]
+    with pytest.raises(ValueError, match="needs the 3 tokens before it"):
+        loaded.step_inputs(None, PrefillChunk(1, IDS[16:32], 16, [1]), None,
+                           engine.residency.idle_batch())
 
 
 def test_preempted_requests_resume_exactly(engine):

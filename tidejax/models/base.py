@@ -120,6 +120,10 @@ class Family:
     step_tables(cfg, aux) -> arrays placed at load that every forward takes after `experts` (the
         same ones each step: DeepSeek-V4.1's Engram hash maps and its tables in host memory), or
         None: the forward takes none
+    prompt_rows(cfg, aux, context, tokens, start, size) -> host arrays a prompt chunk's forward
+        takes as `prompt_rows` (read on the host, where a chunk's tokens are known:
+        DeepSeek-V4.1's Engram rows), for its `size` positions from `start` (tokens, then
+        padding), context the sequence's tokens before start; None: the family reads none
     replays: whether build's forward takes `replay` (False: the family cannot replay recorded
         routing, and Engine.set_routing_replay refuses)
     dense_fp8: whether load_weights takes dense_format="fp8" (the profile's model.dense_format:
@@ -144,6 +148,7 @@ class Family:
     replays: bool = True
     cache_axes: Callable | None = None
     step_tables: Callable = lambda cfg, aux: None
+    prompt_rows: Callable | None = None
     swiglu_limit: Callable = lambda cfg: 0.0
     dense_fp8: bool = False
     tool_formats: dict = dataclasses.field(default_factory=dict)

@@ -292,7 +292,8 @@ class LoadedModel:
             tokens = np.zeros((1, size), np.int32)
             prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                     lane=np.int32(0), last=np.int32(0),
-                                    table=table(1, prefill_width))
+                                    table=table(1, prefill_width),
+                                    rows=self._prompt_rows([], [], 0, size))
         return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
                           swaps)
 
@@ -368,7 +369,14 @@ class LoadedModel:
         return PrefillInputs(
             tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
             mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
-            table=self._table([prefill.pages], width))
+            table=self._table([prefill.pages], width),
+            rows=self._prompt_rows(prefill.context, prefill.tokens, prefill.start, size))
+
+    def _prompt_rows(self, context, tokens, start: int, size: int):
+        """What the family reads on the host for a prompt chunk (Family.prompt_rows), or None."""
+        if self.family.prompt_rows is None:
+            return None
+        return self.family.prompt_rows(self.cfg, self._aux, context, tokens, start, size)
 
     def set_prefill_chunk(self, tokens: int) -> None:
         """Prompt tokens a step carries from now on (benchmarks sweep it on one loaded model)."""

@@ -395,7 +395,8 @@ class Scheduler:
         prompt = handle.request.prompt_ids
         ids = prompt[start:start + self.model.chunk_length(start, len(prompt))]
         handle.prefilled += len(ids)
-        return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id))
+        return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id),
+                            prompt[:start])
 
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in

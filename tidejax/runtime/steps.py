@@ -56,7 +56,8 @@ class DecodeInputs:
 @dataclasses.dataclass
 class PrefillInputs:
     """A step's prompt chunk, as arrays: tokens, positions, mask [1, C]; lane and last (the
-    chunk's last real token) scalars; table [1, P]."""
+    chunk's last real token) scalars; table [1, P]; rows: what the family reads for it on the
+    host (Family.prompt_rows), or None."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -64,6 +65,7 @@ class PrefillInputs:
     lane: jax.Array
     last: jax.Array
     table: jax.Array
+    rows: object = None
 
 
 @jax.tree_util.register_dataclass
@@ -135,6 +137,7 @@ class PrefillChunk:
     tokens: list[int]
     start: int
     pages: list[int] | None = None
+    context: list[int] = dataclasses.field(default_factory=list)  # the tokens before start
 
 
 class DonatingStep:
@@ -193,13 +196,16 @@ class Steps:
     max_pages: int  # the most pages a sequence holds (max_context)
 
     def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
-                 logits_at=None):
+                 logits_at=None, rows=None):
         """tables: the family's step tables or None; routes: replayed picks [b, t, L_moe, k] or
-        None; logits_at [b]: the one position of each row to compute logits at (None: all)."""
+        None; logits_at [b]: the one position of each row to compute logits at (None: all);
+        rows: a prompt chunk's host-read rows (Family.prompt_rows) or None."""
         extra = () if tables is None else (tables,)
-        replay = {} if routes is None else {"replay": routes}  # a family may not take one
+        optional = {} if routes is None else {"replay": routes}  # a family may take neither
+        if rows is not None:
+            optional["prompt_rows"] = rows
         return self.model.apply({"params": params}, tokens, positions, mask, cache, table,
-                                experts, *extra, **replay, logits_at=logits_at)
+                                experts, *extra, **optional, logits_at=logits_at)
 
     def _prefill(self, params, tables, chunk: PrefillInputs, cache: PagedCache, experts, routes):
         """The logits [1, 1, vocab] at the chunk's last token: it writes the shared pool through
@@ -207,7 +213,8 @@ class Steps:
         lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
         logits, out, experts = self._forward(params, tables, chunk.tokens, chunk.positions,
                                              chunk.mask, PagedCache(cache.pages, lane), chunk.table,
-                                             experts, routes, jnp.reshape(chunk.last, (1,)))
+                                             experts, routes, jnp.reshape(chunk.last, (1,)),
+                                             chunk.rows)
         lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
                              cache.lanes, out.lanes)
         return logits, PagedCache(out.pages, lanes), experts

@@ -234,6 +234,37 @@ def hash_ids(eng: EngramTables, tokens, positions, mask, history):
     return row_ids, history
 
 
+def prompt_rows(layout: EngramLayout, tables: list, context, tokens, start: int,
+                size: int) -> tuple:
+    """The rows a prompt chunk's positions start..start + size - 1 name, hashed and read on the
+    host: a chunk's tokens are known there, and the step's own read (gather_rows) goes one row
+    at a time, 49,152 iterations for a 2,048-token chunk (bench/RESULTS.md, 2026-12-04).
+    tokens: the chunk's (the rest of `size` is padding, hashed as dead positions); context: the
+    sequence's tokens before start; tables: per Engram layer [rows, e] or (e4m3 values, scales)
+    as stored. Per layer {"values": [size * cols, e], "scales"?: [size * cols, e / 32]}, in
+    gather_rows' order (dequantized() reads both)."""
+    def compressed(ids):
+        ids = np.asarray(ids, np.int64)
+        known = ids < len(layout.token_map)  # a synthetic's ids past the tokenizer's: the pad id
+        return np.where(known, layout.token_map[np.where(known, ids, 0)], layout.pad_id)
+
+    before = list(context)[max(0, start - (layout.max_ngram - 1)):start]
+    if len(before) < min(start, layout.max_ngram - 1):
+        raise ValueError(f"a prompt chunk at position {start} needs the {layout.max_ngram - 1} "
+                         f"tokens before it (its context), got {len(context)}")
+    history = np.full(start + size, DEAD, np.int64)
+    history[start - len(before):start] = compressed(before)
+    history[start:start + len(tokens)] = compressed(tokens)
+    ids = layout.hash_ids(history, np.arange(start, start + size))  # [size, layers, cols]
+    rows = []
+    for layer, table in enumerate(tables):
+        flat = ids[:, layer].reshape(-1)
+        values, scales = table if isinstance(table, tuple) else (table, None)
+        rows.append({"values": values[flat]} if scales is None
+                    else {"values": values[flat], "scales": scales[flat]})
+    return tuple(rows)
+
+
 def gather_rows(eng: EngramTables, ids):
     """ids [b, t, layers, cols] -> float32 rows [b, t, layers, cols, e], read from the tables in
     host memory one row of every layer at a time (fetch_row), then dequantized on the device

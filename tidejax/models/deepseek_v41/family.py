@@ -1,12 +1,14 @@
 """DeepSeek-V4.1 (and its published checkpoints) as an engine family: routed experts into the
-residency pool, Engram tables in host memory, hashed and read inside the step (engram.py, so the
-decode is pipelined); compressed entries and indexer keys in the shared KV pool, window rings,
-group buffers and the Engram look-back per lane."""
+residency pool, Engram tables in host memory, hashed and read inside a decode step (engram.py, so
+the decode is pipelined) and on the host for a prompt chunk (engram.prompt_rows); compressed
+entries and indexer keys in the shared KV pool, window rings, group buffers and the Engram
+look-back per lane."""
 
 from __future__ import annotations
 
 from tidejax.models.base import Family
 from tidejax.models.deepseek_v41.config import V41Config
+from tidejax.models.deepseek_v41.engram import prompt_rows
 from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
 from tidejax.models.deepseek_v41.weights import expert_dims, load_weights
 from tidejax.models.registry import register
@@ -26,6 +28,9 @@ register(Family(
     cache_axes=V41Pages.axes,
     index_keys=lambda pages: tuple(k for k in pages.index_keys if k is not None),
     step_tables=lambda cfg, checkpoint: checkpoint.engram,
+    prompt_rows=lambda cfg, checkpoint, *chunk: (
+        prompt_rows(checkpoint.engram_layout, checkpoint.engram_tables, *chunk)
+        if checkpoint.engram_layout is not None else None),
     swiglu_limit=lambda cfg: cfg.swiglu_limit,
     dense_fp8=True,
 ))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v41.config import V41Config
-from tidejax.models.deepseek_v41.engram import EngramTables, gather_rows, hash_ids
+from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows, hash_ids
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
 from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
@@ -332,13 +332,15 @@ class DeepseekV41(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
                  experts: ExpertState, engram: EngramTables | None = None, replay=None,
-                 logits_at=None):
+                 logits_at=None, prompt_rows=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (real tokens first);
         cache: V41Pages (the shared pool) and V41Lanes (one row per batch row); block_table
         [b, P] int32: each row's pages in the pool;
         experts: the residency state (every layer is a MoE layer, rowmap row = layer);
         engram: the Engram hash maps and tables (None without Engram layers); replay [b, t, layers, k]: recorded picks to route by (None: the routers choose);
-        logits_at [b]: the one position of each row to compute logits at (None: all)
+        logits_at [b]: the one position of each row to compute logits at (None: all);
+        prompt_rows: a prompt chunk's Engram rows read on the host (engram.prompt_rows; None:
+        the step reads them, gather_rows)
         -> (logits [b, t or 1, vocab] float32, cache, experts).
 
         Sows "streams" (each layer's output streams) and "selection" (each index source's
@@ -354,7 +356,8 @@ class DeepseekV41(nn.Module):
         engram_rows, history = None, lanes.engram
         if cfg.engram_layers:
             ids, history = hash_ids(engram, tokens, positions, token_mask, lanes.engram)
-            engram_rows = gather_rows(engram, ids)  # [b, t, n_engram_layers, cols, e] float32
+            engram_rows = (gather_rows(engram, ids) if prompt_rows is None  # [b, t, layers,
+                           else dequantized(prompt_rows, (b, t, ids.shape[-1])))  # cols, e] f32
         windows = list(lanes.window)
         sources = [list(z) for z in zip(pages.entries, pages.index_keys, lanes.buf_kv, lanes.buf_gate)]
         shared: dict = {}
