@@ -3,10 +3,10 @@ RESULTS.md, 2026-12-04), each timed alone on the device in its shipped form besi
 
 - mHC's Sinkhorn (models/layers/mhc.sinkhorn), `--sites` of them chained in one jit as a step
   has them (two a layer): the loop as shipped, and unrolled.
-- The Engram rows (models/deepseek_v41/engram.gather_rows): the shipped loop, one row of every
-  table an iteration from host memory; and the rows gathered on the host with numpy from the
-  same tables' bytes (parallel.host_buffer), copied to the device and dequantized there: what a
-  prompt chunk, whose tokens the host holds, could send with its step.
+- The Engram rows (models/deepseek_v41/engram.gather_rows): the decode step's loop, one row of
+  every table an iteration from host memory; and the rows gathered on the host with numpy from
+  the same tables' bytes (parallel.host_buffer), copied to the device and dequantized there, as
+  a prompt chunk's step now takes them (engram.prompt_rows).
 
     python bench/v41_parts.py [--tokens 4,2048] [--iters 20] [--sites 80] [--rows 4070432]
 
