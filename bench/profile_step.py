@@ -125,7 +125,10 @@ def profile(engine, lanes: int, prefill: int, steps: int, folder: Path):
             tokens = sampled.tokens
         jax.block_until_ready(tokens)
 
+    start = time.perf_counter()
     scopes = op_scopes(engine.runner.lower(inputs()).compile().as_text())
+    print(f"[{lanes} lanes, prefill {prefill}] lowered and compiled in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
     run(2)  # compiled and warm before the clock
     start = time.perf_counter()
     run(steps)

@@ -42,10 +42,10 @@ def _project(streams, fn, eps: float):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HIGHEST)
 
 
-def sinkhorn(logits, *, hc_eps: float, iters: int, unroll: bool = False):
+def sinkhorn(logits, *, hc_eps: float, iters: int):
     """logits [..., hc(j), hc(k)] -> a (nearly) doubly stochastic comb: softmax over k, then
     alternate row and column normalizations (iters in all, the softmax's column pass first).
-    unroll: the iterations inlined instead of a loop (bench/v41_parts.py times both)."""
+    bench/v41_parts.py times this loop beside other forms of the same math."""
     comb = jax.nn.softmax(logits, -1) + hc_eps
     comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
 
@@ -53,7 +53,7 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, unroll: bool = False):
         c = c / (jnp.sum(c, -1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, -2, keepdims=True) + hc_eps)
 
-    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
+    return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
 def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int):
