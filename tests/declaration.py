@@ -12,28 +12,27 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
-from tidejax.models.base import abstract, init, nbytes
+from tidejax.models.base import init, nbytes
 from tidejax.residency.state import all_resident_state
 
 
-def check_declaration(make_model, param_specs, expert_specs, n_moe: int, args: tuple,
-                      extra: tuple = ()):
-    """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one (names, shapes, dtypes) in bfloat16 and float32, and the model runs on params
-    from init(specs). make_model(dtype), param_specs(dtype), expert_specs(dtype); the model is
-    called as (*args, experts, *extra). Returns the float32 declaration."""
-    pool = abstract(expert_specs(jnp.float32))
-    for dtype in (jnp.bfloat16, jnp.float32):
-        model, declared = make_model(dtype), param_specs(dtype)
-        traced = jax.eval_shape(lambda p: model.init(
-            jax.random.key(0), *args, all_resident_state(p, n_moe), *extra)["params"], pool)
-        assert traced == abstract(declared)
+def check_forward_on_declared(model, declared, expert_specs, n_moe: int, args: tuple,
+                              extra: tuple = ()) -> None:
+    """The forward reads every declared param and runs on params from init(declared) to finite
+    logits. (The modules declare their params from the same spec builders, base.declare: flax
+    fails on a param a module reads that is missing or of another shape; a declared param no
+    module reads would be loaded for nothing.) The model is called as (*args, experts, *extra)."""
     params = init(declared, jax.random.key(2))
     assert nbytes(declared) == sum(a.nbytes for a in jax.tree.leaves(params))
-    experts = all_resident_state(init(expert_specs(jnp.float32), jax.random.key(1)), n_moe)
-    logits = jax.jit(model.apply)({"params": params}, *args, experts, *extra)[0]
+    experts = all_resident_state(init(expert_specs, jax.random.key(1)), n_moe)
+    traced = jax.jit(model.apply).trace({"params": params}, *args, experts, *extra)
+    jaxpr = traced.jaxpr.jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    paths = param_paths(params)  # the first invars are the params' leaves, in this order
+    unread = [path for path, v in zip(paths, jaxpr.invars) if id(v) not in read]
+    assert not unread, f"declared params the forward never reads: {unread}"
+    logits = traced.lower().compile()({"params": params}, *args, experts, *extra)[0]
     assert bool(jnp.isfinite(logits).all())
-    return declared
 
 
 def param_paths(tree) -> list[tuple]:

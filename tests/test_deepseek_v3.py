@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import flax.errors
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,11 +19,13 @@ from tidejax.checkpoint import CheckpointReader
 from tidejax.errors import ConfigError
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
+from tidejax.models.base import ParamSpec, init
 from tidejax.models.deepseek_v3.model import build
 from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
 from tidejax.models.layers.mla import MLACache
 from tidejax.residency.serve import ServeOptions
-from declaration import check_declaration, param_paths
+from tidejax.residency.state import all_resident_state
+from declaration import check_forward_on_declared, param_paths
 from tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits, deepseek_v3_config,
                          relative_diff, served_greedy, state_dict, transformers_greedy,
                          write_deepseek_v3, write_fp8_copies, write_fused_copy)
@@ -39,23 +43,52 @@ def tiny(request, tmp_path_factory):
     return request.param, path, model, tidejax.load(path, engine=ENGINE)
 
 
+def _forward_args(cfg) -> tuple:
+    """A forward's arguments before the experts: 4 tokens into one page of 4; block table [[0]]."""
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    return (tokens, tokens, tokens > -1, PagedCache(MLACache.create(cfg, 1, 4, jnp.float32)),
+            tokens[:, :1])
+
+
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_V3_CONFIGS))
 def test_declared_params_are_what_the_model_consumes(name):
-    """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one (names, shapes, dtypes), the model runs on params from init(specs), and the
-    checkpoint table names one tensor for every declared param."""
+    """The model reads every declared param and runs on params from init(specs)
+    (declaration.check_forward_on_declared), and the checkpoint table names one tensor for every
+    declared param."""
     cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    serve = ServeOptions(kernel="reference", all_resident=True)
-    declared = check_declaration(
-        lambda dtype: build(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
-        lambda dtype: expert_specs(cfg, dtype), len(cfg.moe_layers),
-        # one page of 4 tokens; block table [[0]]
-        (tokens, tokens, tokens > -1, PagedCache(MLACache.create(cfg, 1, 4, jnp.float32)),
-         tokens[:, :1]))
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(build(cfg, ServeOptions(kernel="reference", all_resident=True),
+                                    jnp.float32), declared, expert_specs(cfg, jnp.float32),
+                              len(cfg.moe_layers), _forward_args(cfg))
     table = checkpoint_table(cfg)
     for path in param_paths(declared):
         assert len(table.param_names(path)) == 1, path
+
+
+def test_params_unlike_the_declaration_fail_loudly():
+    """The modules take their params' shapes from the spec builders (base.declare): a param of
+    another shape or a missing one fails the forward, naming it; a declared param no module reads
+    fails check_forward_on_declared."""
+    cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS["qlora_groups"]).to_dict())
+    model = build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32)
+    declared, experts = param_specs(cfg, jnp.float32), expert_specs(cfg, jnp.float32)
+    resident = all_resident_state(init(experts, jax.random.key(1)), len(cfg.moe_layers))
+
+    def forward(params):
+        return jax.eval_shape(lambda: model.apply({"params": params}, *_forward_args(cfg),
+                                                  resident))
+
+    params = init(declared, jax.random.key(0))
+    forward(params)
+    kv_b = params["layers_0"]["attn"]["kv_b_proj"]
+    with pytest.raises(flax.errors.ScopeParamShapeError, match="kv_b_proj"):
+        forward(params | {"layers_0": params["layers_0"] | {"attn": params["layers_0"]["attn"]
+                                                             | {"kv_b_proj": kv_b[1:]}}})
+    with pytest.raises(flax.errors.ScopeParamNotFoundError, match="lm_head"):
+        forward({k: v for k, v in params.items() if k != "lm_head"})
+    with pytest.raises(AssertionError, match="never reads.*unread"):
+        check_forward_on_declared(model, declared | {"unread": ParamSpec((2,), jnp.float32, (None,))},
+                                  experts, len(cfg.moe_layers), _forward_args(cfg))
 
 
 def test_logits_match_transformers(tiny):

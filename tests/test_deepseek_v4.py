@@ -23,7 +23,7 @@ from tidejax.models.deepseek_v4.model import DeepseekV4, V4Lanes, V4Pages  # noq
 from tidejax.models.deepseek_v4.weights import checkpoint_table, expert_specs, param_specs  # noqa: E402
 from tidejax.residency.serve import ServeOptions  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
-from declaration import check_declaration, edited_copy, forbid_data_reads, param_paths  # noqa: E402
+from declaration import check_forward_on_declared, edited_copy, forbid_data_reads, param_paths  # noqa: E402
 from tiny_models import lower_index_ties, write_tokenizer  # noqa: E402
 
 VOCAB = 300  # the test tokenizer's byte-level alphabet and specials fit
@@ -101,18 +101,19 @@ def prompt(seed: int, n: int = 40) -> np.ndarray:
 
 
 def test_declared_params_are_what_the_model_consumes():
-    """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
-    the checkpoint table names a tensor for every declared param (the published name first).
+    """The model reads every declared param and runs on params from init(specs)
+    (declaration.check_forward_on_declared), and the checkpoint table names a tensor for every
+    declared param (the published name first).
     One config, yarn_hc3: both have the same params, but for their sizes (hc_mult 3 is the one
     a size fixed at 2 would not fit); plain_hc2's sizes are checked where it loads."""
     cfg = V4Config.from_hf(hf_config("yarn_hc3").to_dict())
     assert set(cfg.layer_types) == {SLIDING, CSA, HCA} and cfg.hash_layers == (0, 1)
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
-    declared = check_declaration(
-        lambda dtype: DeepseekV4(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
-        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(
+        DeepseekV4(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
+        cfg.num_layers,
         (tokens, tokens, tokens > -1,
          PagedCache(V4Pages.create(cfg, 1, cfg.page_multiple), V4Lanes.create(cfg, 1)),
          jnp.zeros((1, 1), jnp.int32)))

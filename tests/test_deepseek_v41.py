@@ -165,12 +165,12 @@ def test_two_rows_prefill_then_decode(name, cache_dtype):
 
 @pytest.mark.parametrize("name", MODELS[:2])  # tiny_c: no kind of param the other two lack
 def test_declared_params_are_what_the_model_consumes(name):
-    """The declaration and the flax modules cannot drift: model.init's params tree is the
-    declared one, the model runs on params from init(specs) (declaration.check_declaration), and
-    the checkpoint table names a tensor for every declared param and Engram table."""
+    """The model reads every declared param and runs on params from init(specs)
+    (declaration.check_forward_on_declared), and the checkpoint table names a tensor for every
+    declared param and Engram table."""
     import jax.numpy as jnp
 
-    from declaration import check_declaration, param_paths
+    from declaration import check_forward_on_declared, param_paths
     from tidejax.kv.paged import PagedCache
     from tidejax.models.deepseek_v41.model import DeepseekV41, V41Lanes, V41Pages
     from tidejax.models.deepseek_v41.weights import (checkpoint_table, expert_specs, host_specs,
@@ -180,9 +180,10 @@ def test_declared_params_are_what_the_model_consumes(name):
     cfg = V41Config.from_file(GOLDEN / name)
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", swiglu_limit=cfg.swiglu_limit, all_resident=True)
-    declared = check_declaration(
-        lambda dtype: DeepseekV41(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
-        lambda dtype: expert_specs(cfg, dtype), cfg.num_layers,
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(
+        DeepseekV41(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
+        cfg.num_layers,
         (tokens, tokens, tokens > -1,
          PagedCache(V41Pages.create(cfg, 1, cfg.page_multiple), V41Lanes.create(cfg, 1)),
          jnp.zeros((1, 1), jnp.int32)), (checkpoint(name).engram,))

@@ -87,8 +87,8 @@ def test_fp8_needs_a_checkpoint_storing_fp8(published, tmp_path):
 
 
 def test_fp8_declaration_is_what_loads(published):
-    """The FP8 declaration (the checkpoint decides which Linears are FP8, so model.init cannot
-    trace it; declaration.check_declaration covers the float one) is the loaded tree, and its
+    """The FP8 declaration (the checkpoint decides which Linears are FP8: loading.fp8_specs;
+    declaration.check_forward_on_declared covers the float one) is the loaded tree, and its
     bytes (the load's memory estimate) are the loaded params' and below the float ones'."""
     from tidejax.checkpoint import CheckpointReader
     from tidejax.checkpoint.fp8 import config_block

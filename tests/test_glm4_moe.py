@@ -29,7 +29,7 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
-from declaration import check_declaration, param_paths
+from declaration import check_forward_on_declared, param_paths
 from server_fixtures import serve_app, write_chain
 from tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights, cached_decode_logits,
                          glm4_moe_config, randomize_moe, relative_diff, served_greedy, state_dict,
@@ -51,9 +51,10 @@ def test_declared_params_are_what_the_model_consumes():
     cfg = Glm4MoeConfig.from_hf(glm4_moe_config(**GLM4_MOE_CONFIGS["qknorm_groups"]).to_dict())
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", all_resident=True)
-    declared = check_declaration(
-        lambda dtype: build(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
-        lambda dtype: expert_specs(cfg, dtype), len(cfg.moe_layers),
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(
+        build(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
+        len(cfg.moe_layers),
         (tokens, tokens, tokens > -1, PagedCache(GQAPages.create(cfg, 1, 4, jnp.float32)),
          tokens[:, :1]))
     table = checkpoint_table(cfg)

@@ -33,7 +33,7 @@ from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
-from declaration import check_declaration, check_dense_dtypes, param_paths
+from declaration import check_dense_dtypes, check_forward_on_declared, param_paths
 from tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights, cached_decode_logits,
                          glm_moe_dsa_config, lower_index_ties, relative_diff, served_greedy,
                          transformers_greedy, write_fp8_copies, write_fused_copy,
@@ -99,16 +99,18 @@ def test_cached_decode_equals_full_forward_around_topk(index_heads):
 
 def test_declared_params_are_what_the_model_consumes():
     """In the config with every kind of param (an indexer layer and a shared one, a dense layer,
-    MoE layers): model.init's tree, one checkpoint name a param, and the dtypes of a bfloat16
-    model (float32 routers and indexer weights, as transformers keeps them)."""
+    MoE layers): the model reads every declared param and runs on them
+    (declaration.check_forward_on_declared), one checkpoint name a param, and the dtypes of a
+    bfloat16 model (float32 routers and indexer weights, as transformers keeps them)."""
     raw = glm_moe_dsa_config(**GLM_MOE_DSA_CONFIGS["topk_below"]).to_dict()
     cfg = GlmMoeDsaConfig.from_hf(raw)
     assert (cfg.index_layers, cfg.moe_layers) == ((0,), (1,))
     tokens = jnp.zeros((1, 4), jnp.int32)
     serve = ServeOptions(kernel="reference", all_resident=True)
-    declared = check_declaration(
-        lambda dtype: build(cfg, serve, dtype), lambda dtype: param_specs(cfg, dtype),
-        lambda dtype: expert_specs(cfg, dtype), len(cfg.moe_layers),
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(
+        build(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
+        len(cfg.moe_layers),
         (tokens, tokens, tokens > -1, PagedCache(DSAPages.create(cfg, 1, 4, jnp.float32)),
          tokens[:, :1]))
     assert ["indexer" in declared[f"layers_{i}"]["attn"] for i in (0, 1)] == [True, False]

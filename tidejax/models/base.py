@@ -3,7 +3,9 @@
 `Family` is what the engine needs from a model family (each family's family.py builds one and
 registers it in tidejax.models.registry). A family's `weights.py` gives its params as a pytree
 of ParamSpec; the abstract tree (for jax.eval_shape and the checkpoint table's shape checks),
-test init and memory estimates all derive from that one declaration.
+test init and memory estimates all derive from that one declaration. The flax modules declare
+their params through `declare`, from the same spec builders (layers.norm.norm_specs, ...), so a
+module and the declared tree get shape, dtype and init from one function.
 
     specs = {"embed": ParamSpec((V, D), jnp.bfloat16, ("vocab", "embed"), stddev=1.0),
              "norm": {"weight": ParamSpec((D,), jnp.bfloat16, ("embed",), init="ones")}}
@@ -15,6 +17,7 @@ test init and memory estimates all derive from that one declaration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +80,15 @@ def _init_leaf(spec: ParamSpec, key: jax.Array) -> jax.Array:
     if spec.init == "zeros":
         return jnp.zeros(spec.shape, spec.dtype)
     return (spec.stddev * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
+
+
+def declare(module, specs: dict) -> dict:
+    """A flax module's own params, declared on it as `specs` says ({name: ParamSpec}; nested
+    dicts are its submodules' params, which they declare) -> {name: array}. Given params whose
+    shape differs from the spec's fail in apply (flax's ScopeParamShapeError), missing ones too;
+    a given param's dtype is kept (the loaded tree may hold FP8 weights: models.loading)."""
+    return {name: module.param(name, functools.partial(_init_leaf, spec))
+            for name, spec in specs.items() if isinstance(spec, ParamSpec)}
 
 
 def nbytes(specs) -> int:

@@ -28,19 +28,23 @@ import jax.numpy as jnp
 
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, top_k_select
-from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
-                                                 window_keys)
-from tidejax.models.layers.linear import Linear, lm_logits
+from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
+                                                 grouped_low_rank, ring_update, window_keys)
+from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
-from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies, rope_tail
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
+# layers.latent_window's attention params, as the model names them (transformers' names)
+ATTN_NAMES = {"q_a": "q_a_proj", "q_norm": "q_a_norm", "q_b": "q_b_proj", "kv": "kv_proj",
+              "kv_norm": "kv_norm", "sink": "sinks", "o_a": "o_a_proj", "o_b": "o_b_proj"}
 
 
 @flax.struct.dataclass
@@ -119,6 +123,16 @@ class V4Lanes:
             index_ring_gate=tuple(ring(i, ik, True) for i in layers))
 
 
+def pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool, dtype) -> dict:
+    """Pooler's declared params: `rate` tokens pooled into one entry of `width` (CSA: overlapping
+    windows, so twice the projections)."""
+    c, d = width * (2 if overlap else 1), cfg.hidden_size
+    return {"kv_proj": linear_specs(c, d, (None, "embed"), dtype),
+            "gate_proj": linear_specs(c, d, (None, "embed"), dtype),
+            "position_bias": ParamSpec((rate, c), F32, (None, None), init="zeros"),
+            "kv_norm": norm_specs(width, None, F32)}
+
+
 class Pooler(nn.Module):
     """Softmax-gated pooling of `rate` tokens into one entry of width `width`, rotated with the
     compress RoPE at the window's first position; learned position bias on the gate. overlap:
@@ -136,7 +150,8 @@ class Pooler(nn.Module):
         written at their rows' pages (block_table [b, P]), rings."""
         c = self.width * (2 if self.overlap else 1)
         kv = Linear(c, self.dtype, name="kv_proj")(x).astype(F32)
-        bias = self.param("position_bias", nn.initializers.zeros, (self.rate, c), F32)
+        bias = declare(self, pooler_specs(self.cfg, self.rate, self.width, self.overlap,
+                                          self.dtype))["position_bias"]
         gate = Linear(c, self.dtype, name="gate_proj")(x).astype(F32)
         start = positions[:, 0]
         latent, group, complete = jax.vmap(pool_groups, (0, 0, 0, 0, 0, 0, None, None, None))(
@@ -193,12 +208,12 @@ class Attention(nn.Module):
                 extra_mask = jnp.arange(extra.shape[1])[None, None] < counts[..., None]
                 state = (entries, ring_kv, ring_gate)
             extra = extra.astype(F32)
-        sinks = self.param("sinks", nn.initializers.zeros, (h,), F32)
+        p = declare(self, attention_specs(cfg, ATTN_NAMES, dt, F32))
+        sinks = p["sinks"]
         out = attend_with_sink(q, keys.astype(F32), mask, sinks, extra, extra_mask)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
-        wo_a = self.param("o_a_proj", nn.initializers.normal(0.02),
-                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), dt)
-        y = Linear(cfg.hidden_size, dt, name="o_b_proj")(grouped_low_rank(out, wo_a, cfg.o_groups))
+        y = Linear(cfg.hidden_size, dt, name="o_b_proj")(
+            grouped_low_rank(out, p["o_a_proj"], cfg.o_groups))
         return y, window, state
 
 
@@ -272,8 +287,8 @@ class DeepseekV4(nn.Module):
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
-        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, d), self.dtype)
-        streams = jnp.broadcast_to(jnp.take(embed, tokens, 0)[:, :, None], (b, t, n, d))
+        p = declare(self, embedding_specs(cfg.vocab_size, d, self.dtype, cfg.tie_word_embeddings))
+        streams = jnp.broadcast_to(jnp.take(p["embed"], tokens, 0)[:, :, None], (b, t, n, d))
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
         pages, lanes = cache.pages, cache.lanes
@@ -300,9 +315,7 @@ class DeepseekV4(nn.Module):
         pre = hc_head(streams, *mhc_params(self, "hc_head", n, d, head=True), eps=cfg.rms_norm_eps,
                       hc_eps=cfg.hc_eps)
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
-        head = embed if cfg.tie_word_embeddings else self.param(
-            "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, d), self.dtype)
-        logits = lm_logits(x, head, logits_at)
+        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
         entries, ring_kv, ring_gate, index_keys, index_ring_kv, index_ring_gate = (
             tuple(p[j] for p in parts) for j in range(6))
         cache = PagedCache(V4Pages(entries, index_keys),

@@ -10,11 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tidejax.checkpoint import Experts, Rule, Table
-from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v4.config import CSA, V4Config
-from tidejax.models.deepseek_v4.model import router_spec
+from tidejax.models.deepseek_v4.model import ATTN_NAMES, pooler_specs, router_spec
 from tidejax.models.layers.latent_window import attention_specs
-from tidejax.models.layers.linear import linear_specs
+from tidejax.models.layers.linear import embedding_specs, linear_specs
 from tidejax.models.layers.mhc import mhc_specs
 from tidejax.models.layers.moe import moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import norm_specs
@@ -24,31 +23,16 @@ from tidejax.residency.serve import ServeOptions
 F32 = jnp.float32
 
 
-def _pooler_specs(cfg: V4Config, rate: int, width: int, overlap: bool, dtype) -> dict:
-    """model.Pooler's params: `rate` tokens pooled into one entry of `width` (CSA: overlapping
-    windows, so twice the projections)."""
-    c, d = width * (2 if overlap else 1), cfg.hidden_size
-    return {"kv_proj": linear_specs(c, d, (None, "embed"), dtype),
-            "gate_proj": linear_specs(c, d, (None, "embed"), dtype),
-            "position_bias": ParamSpec((rate, c), F32, (None, None), init="zeros"),
-            "kv_norm": norm_specs(width, None, F32)}
-
-
-# layers.latent_window's attention params, as the model names them (transformers' names)
-_ATTN_NAMES = {"q_a": "q_a_proj", "q_norm": "q_a_norm", "q_b": "q_b_proj", "kv": "kv_proj",
-               "kv_norm": "kv_norm", "sink": "sinks", "o_a": "o_a_proj", "o_b": "o_b_proj"}
-
-
 def _attn_specs(cfg: V4Config, layer: int, dtype) -> dict:
     d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    specs = attention_specs(cfg, _ATTN_NAMES, dtype, F32)
+    specs = attention_specs(cfg, ATTN_NAMES, dtype, F32)
     rate, csa = cfg.rate(layer), cfg.layer_types[layer] == CSA
     if rate:
-        specs["compressor"] = {"main": _pooler_specs(cfg, rate, k, csa, dtype)}
+        specs["compressor"] = {"main": pooler_specs(cfg, rate, k, csa, dtype)}
         if csa:
             ik, ih = cfg.index_head_dim, cfg.index_heads
             specs["compressor"]["indexer"] = {
-                "keys": _pooler_specs(cfg, rate, ik, True, dtype),
+                "keys": pooler_specs(cfg, rate, ik, True, dtype),
                 "q_b_proj": linear_specs(ih * ik, q, (None, "q_lora"), dtype),
                 "weights_proj": linear_specs(ih, d, (None, "embed"), dtype)}
     return specs
@@ -60,10 +44,8 @@ def param_specs(cfg: V4Config, dtype) -> dict:
     the mHC params and hyper head, the sinks, the compressors' position biases; and the routers
     (float32 in every family)."""
     d, n = cfg.hidden_size, cfg.hc_mult
-    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+    specs = {**embedding_specs(cfg.vocab_size, d, dtype, cfg.tie_word_embeddings),
              "norm": norm_specs(d, "embed", F32), **mhc_specs("hc_head", n, d, head=True)}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
     for i in range(cfg.num_layers):
         specs |= {**mhc_specs(f"layers_{i}_attn_hc", n, d), **mhc_specs(f"layers_{i}_ffn_hc", n, d),
                   f"layers_{i}_input_layernorm": norm_specs(d, "embed", F32),

@@ -29,13 +29,14 @@ import jax.numpy as jnp
 
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows, hash_ids
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
-from tidejax.models.layers.latent_window import (attend_with_sink, grouped_low_rank, ring_update,
-                                                 window_keys)
-from tidejax.models.layers.linear import Linear, lm_logits
+from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
+                                                 grouped_low_rank, ring_update, window_keys)
+from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
@@ -45,6 +46,9 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
 F32 = jnp.float32
+# layers.latent_window's attention params, as the model names them (the reference's names)
+ATTN_NAMES = {"q_a": "wq_a", "q_norm": "q_norm", "q_b": "wq_b", "kv": "wkv", "kv_norm": "kv_norm",
+              "sink": "attn_sink", "o_a": "wo_a", "o_b": "wo_b"}
 
 
 @flax.struct.dataclass
@@ -223,13 +227,12 @@ class Attention(nn.Module):
                                                  block_table)
             ids, valid = shared["selection"]
             picked = paged.gather_rows(shared["entries"], block_table, ids).astype(F32)  # [b, t, j, k]
-        sink = self.param("attn_sink", nn.initializers.zeros, (h,), F32)
+        p = declare(self, attention_specs(cfg, ATTN_NAMES, dt, dt))
+        sink = p["attn_sink"]
         out = attend_with_sink(q.astype(F32), keys.astype(F32), mask, sink, picked, valid)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
-        wo_a = self.param("wo_a", nn.initializers.normal(0.02),
-                          (cfg.o_groups * cfg.o_lora_rank, h * k // cfg.o_groups), dt)
-        y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, wo_a, cfg.o_groups))
+        y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, p["wo_a"], cfg.o_groups))
         return y, window, shared, src_cache
 
     def _compressed(self, x, q_res, positions, n_valid, shared, src_cache, block_table):
@@ -271,6 +274,15 @@ def router_spec(cfg: V41Config) -> RouterSpec:
                       routed_scaling_factor=cfg.routed_scaling_factor)
 
 
+def engram_specs(cfg: V41Config, dtype) -> dict:
+    """Engram's declared params: wkv (rows -> n keys and a value), the q and k weights [n, d]."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    return {"wkv": linear_specs(d * (n + 1), cfg.engram_cols * cfg.engram_head_dim, (None, None),
+                                dtype),
+            "q_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones"),
+            "k_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones")}
+
+
 class Engram(nn.Module):
     """Adds a gated n-gram memory row to every stream. rows [b, t, cols, e]: the layer's table
     rows (engram.gather_rows)."""
@@ -285,8 +297,8 @@ class Engram(nn.Module):
         kv = Linear(d * (n + 1), dt, name="wkv")(rows.reshape(b, t, -1).astype(streams.dtype))
         key = kv[..., :n * d].astype(F32).reshape(b, t, n, d)
         value = kv[..., n * d:].astype(F32)
-        q_w = self.param("q_weight", nn.initializers.ones, (n, d), dt).astype(F32)
-        k_w = self.param("k_weight", nn.initializers.ones, (n, d), dt).astype(F32)
+        p = declare(self, engram_specs(cfg, dt))
+        q_w, k_w = p["q_weight"].astype(F32), p["k_weight"].astype(F32)
         hs = streams.astype(F32)
         eps = cfg.rms_norm_eps
         rstd = (jax.lax.rsqrt(jnp.mean(hs * hs, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps))
@@ -348,8 +360,9 @@ class DeepseekV41(nn.Module):
         cfg = self.cfg
         b, t = tokens.shape
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
-        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        x = jnp.take(embed, tokens, axis=0)
+        p = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, self.dtype,
+                                          cfg.tie_word_embeddings))
+        x = jnp.take(p["embed"], tokens, axis=0)
         streams = jnp.broadcast_to(x[:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, t, cfg.hc_mult), F32).at[..., 0].set(1.0)
         pages, lanes = cache.pages, cache.lanes
@@ -378,9 +391,7 @@ class DeepseekV41(nn.Module):
                 self.sow("intermediates", f"selection_{i}",
                          jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
-        head = embed if cfg.tie_word_embeddings else self.param(
-            "lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        logits = lm_logits(x, head, logits_at)
+        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
         cache = PagedCache(V41Pages(entries, index_keys),
                            V41Lanes(tuple(windows), buf_kv, buf_gate, history))

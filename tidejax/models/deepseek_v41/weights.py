@@ -32,9 +32,9 @@ from tidejax.fields import read_json
 from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, EngramTables, compressed_token_map
-from tidejax.models.deepseek_v41.model import router_spec
+from tidejax.models.deepseek_v41.model import ATTN_NAMES, engram_specs, router_spec
 from tidejax.models.layers.latent_window import attention_specs
-from tidejax.models.layers.linear import linear_specs
+from tidejax.models.layers.linear import embedding_specs, linear_specs
 from tidejax.models.layers.mhc import mhc_specs
 from tidejax.models.layers.moe import moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import norm_specs
@@ -44,14 +44,9 @@ from tidejax.residency.state import ExpertState, all_resident_state
 F32 = jnp.float32
 
 
-# layers.latent_window's attention params, as the model names them
-_ATTN_NAMES = {"q_a": "wq_a", "q_norm": "q_norm", "q_b": "wq_b", "kv": "wkv", "kv_norm": "kv_norm",
-               "sink": "attn_sink", "o_a": "wo_a", "o_b": "wo_b"}
-
-
 def _attn_specs(cfg: V41Config, layer: int, dtype) -> dict:
     d, k, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    specs = attention_specs(cfg, _ATTN_NAMES, dtype, dtype)
+    specs = attention_specs(cfg, ATTN_NAMES, dtype, dtype)
     ratio = cfg.compress_ratios[layer]
     if ratio and layer in cfg.kv_sources:
         specs["compressor"] = {"wkv": linear_specs(k, d, (None, "embed"), dtype),
@@ -73,21 +68,15 @@ def param_specs(cfg: V41Config, dtype) -> dict:
     in `dtype` but for what the reference keeps float32 (ARCHITECTURE.md's parameter dtypes):
     the mHC params, the attention sinks and the routers (weights and correction biases)."""
     d, n = cfg.hidden_size, cfg.hc_mult
-    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+    specs = {**embedding_specs(cfg.vocab_size, d, dtype, cfg.tie_word_embeddings),
              "norm": norm_specs(d, "embed", dtype)}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
     for i in range(cfg.num_layers):
         layer = {"attn_norm": norm_specs(d, "embed", dtype), "attn": _attn_specs(cfg, i, dtype),
                  "ffn_norm": norm_specs(d, "embed", dtype),
                  "ffn": moe_specs(router_spec(cfg), d, cfg.moe_intermediate_size, dtype),
                  **mhc_specs("hc_attn", n, d), **mhc_specs("hc_ffn", n, d)}
         if i in cfg.engram_layers:
-            layer["engram"] = {
-                "wkv": linear_specs(d * (n + 1), cfg.engram_cols * cfg.engram_head_dim,
-                                    (None, None), dtype),
-                "q_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones"),
-                "k_weight": ParamSpec((n, d), dtype, (None, "embed"), init="ones")}
+            layer["engram"] = engram_specs(cfg, dtype)
         specs[f"layers_{i}"] = layer
     return specs
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.base import ParamSpec
-from tidejax.models.layers.linear import lm_logits
+from tidejax.models.base import declare
+from tidejax.models.layers.linear import embedding_specs, lm_logits
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
@@ -88,8 +88,9 @@ class Decoder(nn.Module):
         (None: the routers choose); logits_at [b]: the one position of each row to compute logits
         at (None: all) -> logits [b, t or 1, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
-        embed = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.hidden_size), dt)
-        x = jnp.take(embed, tokens, axis=0)
+        p = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, dt,
+                                          cfg.tie_word_embeddings))
+        x = jnp.take(p["embed"], tokens, axis=0)
         inv_freq, attention_factor = rope_frequencies(cfg.rope)
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         fields = [f.name for f in dataclasses.fields(cache.pages)]
@@ -103,11 +104,7 @@ class Decoder(nn.Module):
                 name=f"layers_{i}")(x, positions, token_mask, cos, sin, layers[i], slots,
                                     block_table, experts, replay, carry)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
-        if cfg.tie_word_embeddings:
-            head = embed
-        else:
-            head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size), dt)
-        logits = lm_logits(x, head, logits_at)
+        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
         pages = cache.pages.replace(**{name: tuple(layer[j] for layer in layers)
                                        for j, name in enumerate(fields)})
         return logits, PagedCache(pages), experts
@@ -117,10 +114,8 @@ def decoder_specs(cfg, router: RouterSpec, attention_specs: Callable[[int], dict
     """The Decoder's declared params (everything but the routed experts), with
     `attention_specs(layer)` the params of that layer's attention."""
     d = cfg.hidden_size
-    specs = {"embed": ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"), stddev=1.0),
+    specs = {**embedding_specs(cfg.vocab_size, d, dtype, cfg.tie_word_embeddings),
              "norm": norm_specs(d, "embed", dtype)}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((cfg.vocab_size, d), dtype, ("vocab", "embed"))
     for i in range(cfg.num_layers):
         layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": attention_specs(i),
                  "post_attn_norm": norm_specs(d, "embed", dtype)}

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from tidejax.fp8_dense import fp8_block_matmul
-from tidejax.models.base import ParamSpec
+from tidejax.models.base import ParamSpec, declare
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -23,8 +23,13 @@ def lm_logits(x, head, at=None):
                       precision=HIGHEST)
 
 
-def dense_init(stddev: float = 0.02):
-    return nn.initializers.normal(stddev)
+def embedding_specs(vocab: int, hidden: int, dtype, tied: bool) -> dict:
+    """The token embedding's declared params: {"embed": [vocab, hidden]} (N(0, 1)), and unless
+    `tied` (the head is the embedding) the output head {"lm_head": [vocab, hidden]}."""
+    specs = {"embed": ParamSpec((vocab, hidden), dtype, ("vocab", "embed"), stddev=1.0)}
+    if not tied:
+        specs["lm_head"] = ParamSpec((vocab, hidden), dtype, ("vocab", "embed"))
+    return specs
 
 
 def linear_specs(out: int, inn: int, axes: tuple[str, str], dtype, bias: bool = False) -> dict:
@@ -47,7 +52,9 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", dense_init(), (self.features, x.shape[-1]), self.dtype)
+        p = declare(self, linear_specs(self.features, x.shape[-1], (None, None), self.dtype,
+                                       self.use_bias))
+        w = p["weight"]
         if self.has_variable("params", "scale"):
             scales = self.get_variable("params", "scale")
             block = (w.shape[0] // scales.shape[0], w.shape[1] // scales.shape[1])
@@ -55,5 +62,5 @@ class Linear(nn.Module):
         else:
             y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=HIGHEST)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(y.dtype)
+            y = y + p["bias"].astype(y.dtype)
         return y

@@ -12,14 +12,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.base import ParamSpec
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.linear import HIGHEST
 
 F32 = jnp.float32
 
 
 def mhc_specs(prefix: str, hc: int, d: int, head: bool = False) -> dict:
-    """The declared params of one mHC site (as mhc_params declares them on its module)."""
+    """The declared params of one mHC site: `{prefix}_fn`, `_base`, `_scale` (module docstring)."""
     outputs = hc if head else (2 + hc) * hc
     return {f"{prefix}_fn": ParamSpec((outputs, hc * d), F32, (None, None)),
             f"{prefix}_base": ParamSpec((outputs,), F32, (None,), init="zeros"),
@@ -27,12 +27,10 @@ def mhc_specs(prefix: str, hc: int, d: int, head: bool = False) -> dict:
 
 
 def mhc_params(module: nn.Module, prefix: str, hc: int, d: int, head: bool = False):
-    """Declares one mHC site's (fn, base, scale) on `module` as `{prefix}_fn` etc.: a site mixes
+    """Declares one mHC site's (fn, base, scale) on `module` (mhc_specs): a site mixes
     (2 + hc) * hc values (pre, post, comb); the final head (head=True) only hc pre weights."""
-    outputs = hc if head else (2 + hc) * hc
-    return (module.param(f"{prefix}_fn", nn.initializers.normal(0.02), (outputs, hc * d), F32),
-            module.param(f"{prefix}_base", nn.initializers.zeros, (outputs,), F32),
-            module.param(f"{prefix}_scale", nn.initializers.ones, (1 if head else 3,), F32))
+    p = declare(module, mhc_specs(prefix, hc, d, head))
+    return p[f"{prefix}_fn"], p[f"{prefix}_base"], p[f"{prefix}_scale"]
 
 
 def _project(streams, fn, eps: float):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from tidejax.checkpoint import Rule
 from tidejax.kv import paged
-from tidejax.models.base import ParamSpec
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.linear import HIGHEST, Linear, linear_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import apply_rope
@@ -108,7 +108,7 @@ def mla_queries(module: nn.Module, x, cos, sin, latent_pages, rope_pages, slots)
     rope_pages = paged.write(rope_pages, rope_k, slots)
     # Absorb kv_b into the query (keys) and the output (values): attention runs on the latent.
     v = cfg.v_head_dim
-    kv_b = module.param("kv_b_proj", nn.initializers.normal(0.02), (h * (nope + v), c), dt)
+    kv_b = declare(module, mla_specs(cfg, dt))["kv_b_proj"]
     kv_b = kv_b.reshape(h, nope + v, c).astype(x.dtype)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [h, k, c], [h, v, c]
     q_latent = jnp.einsum("bthk,hkc->bthc", q_nope, w_uk, precision=HIGHEST)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from tidejax.errors import ConfigError
 from tidejax.fields import Fields
-from tidejax.models.base import ParamSpec
-from tidejax.models.layers.linear import HIGHEST, dense_init
+from tidejax.models.base import ParamSpec, declare
+from tidejax.models.layers.linear import HIGHEST
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.residency.serve import ServeOptions, serve_routed
 from tidejax.residency.state import ExpertState
@@ -149,15 +149,12 @@ class MoE(nn.Module):
         [b, t, L_moe, k] or None -> (y [b, t, d], experts)."""
         spec = self.router
         b, t, d = x.shape
-        gate_w = self.param("gate_weight", dense_init(), (spec.n_experts, d), jnp.float32)
-        bias = (self.param("gate_bias", nn.initializers.zeros, (spec.n_experts,), jnp.float32)
-                if spec.use_bias else None)
+        p = declare(self, moe_specs(spec, d, self.shared_intermediate, self.dtype))
+        gate_w, bias = p["gate_weight"], p.get("gate_bias")  # None: the router has none
         flat = x.reshape(b * t, d)
         picked = None
         if spec.hash_vocab:
-            table = self.param("tid2eid", nn.initializers.zeros, (spec.hash_vocab, spec.top_k),
-                               jnp.int32)
-            picked = table[tokens.reshape(-1)]  # [b * t, k]
+            picked = p["tid2eid"][tokens.reshape(-1)]  # [b * t, k]
         if replay is not None:
             picked = replay[:, :, self.moe_index].reshape(b * t, spec.top_k)
         ids, weights, choice = route(flat, gate_w, bias, spec, picked)

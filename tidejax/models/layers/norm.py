@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.base import ParamSpec
+from tidejax.models.base import ParamSpec, declare
 
 
 def norm_specs(dim: int, axis: str, dtype) -> dict:
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        w = declare(self, norm_specs(x.shape[-1], None, self.dtype))["weight"]
         return w.astype(x.dtype) * rms_normalize(x, self.eps)
 
 
@@ -47,8 +47,8 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        b = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+        p = declare(self, layer_norm_specs(x.shape[-1], None, self.dtype))
+        w, b = p["weight"], p["bias"]
         x32 = x.astype(jnp.float32)
         centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         x32 = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True)
