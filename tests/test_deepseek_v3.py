@@ -43,6 +43,10 @@ def tiny(request, tmp_path_factory):
     return request.param, path, model, tidejax.load(path, engine=ENGINE)
 
 
+def _config(name: str) -> DeepseekV3Config:
+    return DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
+
+
 def _forward_args(cfg) -> tuple:
     """A forward's arguments before the experts: 4 tokens into one page of 4; block table [[0]]."""
     tokens = jnp.zeros((1, 4), jnp.int32)
@@ -55,7 +59,7 @@ def test_declared_params_are_what_the_model_consumes(name):
     """The model reads every declared param and runs on params from init(specs)
     (declaration.check_forward_on_declared), and the checkpoint table names one tensor for every
     declared param."""
-    cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
+    cfg = _config(name)
     declared = param_specs(cfg, jnp.float32)
     check_forward_on_declared(build(cfg, ServeOptions(kernel="reference", all_resident=True),
                                     jnp.float32), declared, expert_specs(cfg, jnp.float32),
@@ -69,7 +73,7 @@ def test_params_unlike_the_declaration_fail_loudly():
     """The modules take their params' shapes from the spec builders (base.declare): a param of
     another shape or a missing one fails the forward, naming it; a declared param no module reads
     fails check_forward_on_declared."""
-    cfg = DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS["qlora_groups"]).to_dict())
+    cfg = _config("qlora_groups")
     model = build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32)
     declared, experts = param_specs(cfg, jnp.float32), expert_specs(cfg, jnp.float32)
     resident = all_resident_state(init(experts, jax.random.key(1)), len(cfg.moe_layers))
@@ -80,15 +84,15 @@ def test_params_unlike_the_declaration_fail_loudly():
 
     params = init(declared, jax.random.key(0))
     forward(params)
-    kv_b = params["layers_0"]["attn"]["kv_b_proj"]
+    wrong = jax.tree.map(lambda a: a, params)  # new dicts, the same arrays
+    wrong["layers_0"]["attn"]["kv_b_proj"] = params["layers_0"]["attn"]["kv_b_proj"][1:]
     with pytest.raises(flax.errors.ScopeParamShapeError, match="kv_b_proj"):
-        forward(params | {"layers_0": params["layers_0"] | {"attn": params["layers_0"]["attn"]
-                                                             | {"kv_b_proj": kv_b[1:]}}})
+        forward(wrong)
     with pytest.raises(flax.errors.ScopeParamNotFoundError, match="lm_head"):
         forward({k: v for k, v in params.items() if k != "lm_head"})
+    unread = declared | {"unread": ParamSpec((2,), jnp.float32, (None,))}
     with pytest.raises(AssertionError, match="never reads.*unread"):
-        check_forward_on_declared(model, declared | {"unread": ParamSpec((2,), jnp.float32, (None,))},
-                                  experts, len(cfg.moe_layers), _forward_args(cfg))
+        check_forward_on_declared(model, unread, experts, len(cfg.moe_layers), _forward_args(cfg))
 
 
 def test_logits_match_transformers(tiny):

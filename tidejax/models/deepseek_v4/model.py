@@ -287,8 +287,10 @@ class DeepseekV4(nn.Module):
         b, t = tokens.shape
         n, d = cfg.hc_mult, cfg.hidden_size
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
-        p = declare(self, embedding_specs(cfg.vocab_size, d, self.dtype, cfg.tie_word_embeddings))
-        streams = jnp.broadcast_to(jnp.take(p["embed"], tokens, 0)[:, :, None], (b, t, n, d))
+        embedding = declare(self, embedding_specs(cfg.vocab_size, d, self.dtype,
+                                                  cfg.tie_word_embeddings))
+        streams = jnp.broadcast_to(jnp.take(embedding["embed"], tokens, 0)[:, :, None],
+                                   (b, t, n, d))
         mix = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
         pages, lanes = cache.pages, cache.lanes
@@ -315,7 +317,8 @@ class DeepseekV4(nn.Module):
         pre = hc_head(streams, *mhc_params(self, "hc_head", n, d, head=True), eps=cfg.rms_norm_eps,
                       hc_eps=cfg.hc_eps)
         x = RMSNorm(cfg.rms_norm_eps, name="norm")(hc_collapse(streams, pre))
-        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
+        head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
+        logits = lm_logits(x, head, logits_at)
         entries, ring_kv, ring_gate, index_keys, index_ring_kv, index_ring_gate = (
             tuple(p[j] for p in parts) for j in range(6))
         cache = PagedCache(V4Pages(entries, index_keys),

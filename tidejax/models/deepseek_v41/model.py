@@ -360,9 +360,9 @@ class DeepseekV41(nn.Module):
         cfg = self.cfg
         b, t = tokens.shape
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
-        p = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, self.dtype,
-                                          cfg.tie_word_embeddings))
-        x = jnp.take(p["embed"], tokens, axis=0)
+        embedding = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, self.dtype,
+                                                  cfg.tie_word_embeddings))
+        x = jnp.take(embedding["embed"], tokens, axis=0)
         streams = jnp.broadcast_to(x[:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, t, cfg.hc_mult), F32).at[..., 0].set(1.0)
         pages, lanes = cache.pages, cache.lanes
@@ -391,7 +391,8 @@ class DeepseekV41(nn.Module):
                 self.sow("intermediates", f"selection_{i}",
                          jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
-        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
+        head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
+        logits = lm_logits(x, head, logits_at)
         entries, index_keys, buf_kv, buf_gate = (tuple(z) for z in zip(*sources)) if sources else ((),) * 4
         cache = PagedCache(V41Pages(entries, index_keys),
                            V41Lanes(tuple(windows), buf_kv, buf_gate, history))

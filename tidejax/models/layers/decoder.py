@@ -88,9 +88,9 @@ class Decoder(nn.Module):
         (None: the routers choose); logits_at [b]: the one position of each row to compute logits
         at (None: all) -> logits [b, t or 1, vocab] float32, cache, experts."""
         cfg, dt = self.cfg, self.dtype
-        p = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, dt,
-                                          cfg.tie_word_embeddings))
-        x = jnp.take(p["embed"], tokens, axis=0)
+        embedding = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, dt,
+                                                  cfg.tie_word_embeddings))
+        x = jnp.take(embedding["embed"], tokens, axis=0)
         inv_freq, attention_factor = rope_frequencies(cfg.rope)
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         fields = [f.name for f in dataclasses.fields(cache.pages)]
@@ -104,7 +104,8 @@ class Decoder(nn.Module):
                 name=f"layers_{i}")(x, positions, token_mask, cos, sin, layers[i], slots,
                                     block_table, experts, replay, carry)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
-        logits = lm_logits(x, p["embed"] if cfg.tie_word_embeddings else p["lm_head"], logits_at)
+        head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
+        logits = lm_logits(x, head, logits_at)
         pages = cache.pages.replace(**{name: tuple(layer[j] for layer in layers)
                                        for j, name in enumerate(fields)})
         return logits, PagedCache(pages), experts
