@@ -49,13 +49,19 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+def extensions() -> set[str]:
+    """The compiled extensions setup.py declares (built or not: a fresh checkout has no .so)."""
+    tree = ast.parse((PACKAGE.parent / "setup.py").read_text())
+    return {node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "Extension"}
+
+
 def package_graph() -> dict[str, set[str]]:
     """tidejax's modules (compiled extensions included) -> the tidejax modules each imports:
     `from a import b` is an edge to a.b where that is a module, else to a. A package's own
     __init__ running before its modules is not an edge."""
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    known = set(paths) | {module_name(p.with_name(p.name.split(".")[0] + ".py"))
-                          for p in PACKAGE.rglob("*.so")}
+    known = set(paths) | extensions()
     graph = {}
     for name, path in paths.items():
         targets = set()
