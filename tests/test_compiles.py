@@ -132,7 +132,8 @@ def test_deepseek_v41(v41, monkeypatch):
 def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     """V4.1 at max_context 200, pages of 16, chunks of 48 (buckets 16, 32, 48): warmup_shapes is
     the set of (chunk bucket, prefill width, decode width) the step inputs of every chunk of every
-    prompt length take beside every decode width (the inputs' shapes, nothing compiled). Off the
+    prompt length take beside every decode width (the inputs' shapes, nothing compiled), a
+    prompt's chunks past a cached prefix of any whole pages among them. Off the
     GPU every table is a power of two of pages; with the Pallas decode kernels (the GPU's choice)
     the decode tables are max_context wide, one decode width."""
     engine = tidejax.load(v41, engine={"lanes": 2, "max_context": 200, "page_size": 16,
@@ -141,10 +142,12 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     chunks = set()
     for n in range(1, loaded.max_context):
         pages = list(range(pages_for(n + 1, loaded.page_size)))
-        for start, ids in loaded.chunks(list(range(n))):
-            chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages, list(range(start))),
-                                       None, idle).prefill
-            chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
+        for begin in range(0, n, loaded.page_size):
+            for start, ids in loaded.chunks(list(range(n)), begin):
+                chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages,
+                                                              list(range(start))),
+                                           None, idle).prefill
+                chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
     lanes = np.arange(loaded.lanes)
     decode = {loaded.step_inputs(DecodeRows(lanes, lanes >= 0, lanes, lanes == 0,
                                             [list(range(k))] * loaded.lanes), None, None,

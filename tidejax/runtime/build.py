@@ -240,14 +240,16 @@ class LoadedModel:
 
     # -- step inputs -----------------------------------------------------------------------
 
-    def chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
-        """(start, ids) of each prefill chunk of a prompt: the remainder first (n mod
-        prefill_chunk tokens, or a whole chunk), then whole chunks, so that where a chunk's
-        table follows its end (_prefill_width) the first chunk's width is its bucket's and the
-        whole chunks' are the few powers of two past one chunk."""
+    def chunks(self, token_ids: list[int], begin: int = 0) -> list[tuple[int, list[int]]]:
+        """(start, ids) of each prefill chunk of a prompt from `begin` (past a cached prefix):
+        the remainder first (n - begin mod prefill_chunk tokens, or a whole chunk), then whole
+        chunks, so that where a chunk's table follows its end (_prefill_width) the first chunk's
+        width is its bucket's and the whole chunks' are the few powers of two past one chunk."""
         n = len(token_ids)
-        starts = [0, *range(self._first_chunk(n), n, self.prefill_chunk)] if n else []
-        return [(start, token_ids[start:start + self.chunk_length(start, n)]) for start in starts]
+        starts = [begin, *range(begin + self._first_chunk(n - begin), n, self.prefill_chunk)] if (
+            n > begin) else []
+        return [(start, token_ids[start:start + self.chunk_length(start, n, begin)])
+                for start in starts]
 
     def chunk_length(self, start: int, n: int, begin: int = 0) -> int:
         """Tokens in the chunk at `start` of an n-token prompt (chunks) whose prefill begins at
