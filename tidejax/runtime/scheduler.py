@@ -482,7 +482,8 @@ class Scheduler:
             "cached_tokens": handle.cached,  # of them, found in the prompt cache
             "completion_tokens": handle.generated,
             "ttft_s": handle.first_token_at - handle.submitted if handle.first_token_at else 0.0,
-            "prefill_tps": prompt / prefill_s if prefill_s > 0 else 0.0,
+            # the tokens its steps prefilled (not those found in the prompt cache)
+            "prefill_tps": (prompt - handle.cached) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tps": decoded / decode_s if decode_s and decoded else 0.0,
             "cold_share": self.model.residency.window_cold_share(),
             # picks the host CPU computed (miss policy "cpu") while it ran, beside lanes included
