@@ -1,6 +1,6 @@
 """Nothing compiles after warm-up: requests of every prompt length class up to max_context
 (crossing chunk and page boundaries, 1 token, max_context - 1), prompt chunks beside decoding
-lanes, preemption and resume through a small KV pool, on a tiny DeepSeek-V3 (written by
+lanes, preemption and resume through a small KV pool, prompts prefilled past a cached prefix, on a tiny DeepSeek-V3 (written by
 transformers) and a synthetic DeepSeek-V4.1 (tools/make_synthetic.py: two layers, Engram and a
 compressed KV source with its indexer), compiles counted by jax's own events. Two layers each:
 the compiles are the test's time."""
@@ -80,14 +80,15 @@ def serve(engine, monkeypatch, lengths: list[int]) -> dict:
                 tokens[i] = tokens.get(i, 0) + 1
             else:
                 done[i] = event
-        prompt = [3 + (7 * i + 5 * j) % 200 for j in range(n)]
+        prompt = [3 + (7 * n + 5 * j) % 200 for j in range(n)]  # one prompt a length
         sampling = SamplingParams(temperature=0.8, top_p=0.9, logprobs=2, seed=i) if i % 2 else (
             SamplingParams())  # sampled with logprobs beside greedy: data, not shapes
         engine.scheduler.submit(GenerationRequest(prompt, 2 * engine.loaded.page_size, sampling,
                                                   ignore_eos=True), on_event)
     engine.scheduler.run_until_idle()
     return {"mixed": sum(mixed), "done": done, "tokens": tokens,
-            "preemptions": engine.scheduler.kv_stats()["preemptions"]}
+            "preemptions": engine.scheduler.kv_stats()["preemptions"],
+            "matched": engine.scheduler.cache_stats()["matched_tokens"]}
 
 
 def check_nothing_compiles_after_warmup(engine, monkeypatch):
@@ -95,11 +96,16 @@ def check_nothing_compiles_after_warmup(engine, monkeypatch):
         engine.warmup()
     shapes = len(engine.loaded.warmup_shapes())
     assert warmup.count("jit(apart)") == shapes  # the counter sees every step compiled
-    lengths = prompt_lengths(engine)
+    # a third of the prompts longer than a page come twice in a row: the second may match the
+    # first's pages (prompt caching) and prefill from a page boundary
+    page = engine.loaded.page_size
+    lengths = [m for i, n in enumerate(prompt_lengths(engine))
+               for m in ([n, n] if n > page and i % 3 == 0 else [n])]
     with counting_compiles() as serving:
         got = serve(engine, monkeypatch, lengths)
     assert serving == []
     assert got["mixed"] > 0 and got["preemptions"] > 0, got
+    assert (got["matched"] > 0) == engine.loaded.prefix_caching, got
     assert sorted(got["done"]) == list(range(len(lengths)))
     assert all(isinstance(e, DoneEvent) and e.finish_reason == "length"
                for e in got["done"].values())
@@ -132,7 +138,8 @@ def test_deepseek_v41(v41, monkeypatch):
 def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     """V4.1 at max_context 200, pages of 16, chunks of 48 (buckets 16, 32, 48): warmup_shapes is
     the set of (chunk bucket, prefill width, decode width) the step inputs of every chunk of every
-    prompt length take beside every decode width (the inputs' shapes, nothing compiled). Off the
+    prompt length take beside every decode width (the inputs' shapes, nothing compiled), a
+    prompt's chunks past a cached prefix of any whole pages among them. Off the
     GPU every table is a power of two of pages; with the Pallas decode kernels (the GPU's choice)
     the decode tables are max_context wide, one decode width."""
     engine = tidejax.load(v41, engine={"lanes": 2, "max_context": 200, "page_size": 16,
@@ -141,10 +148,12 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     chunks = set()
     for n in range(1, loaded.max_context):
         pages = list(range(pages_for(n + 1, loaded.page_size)))
-        for start, ids in loaded.chunks(list(range(n))):
-            chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages, list(range(start))),
-                                       None, idle).prefill
-            chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
+        for begin in range(0, n, loaded.page_size):
+            for start, ids in loaded.chunks(list(range(n)), begin):
+                chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages,
+                                                              list(range(start))),
+                                           None, idle).prefill
+                chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
     lanes = np.arange(loaded.lanes)
     decode = {loaded.step_inputs(DecodeRows(lanes, lanes >= 0, lanes, lanes == 0,
                                             [list(range(k))] * loaded.lanes), None, None,

@@ -92,3 +92,10 @@ def test_tiny_profile_serves_through_the_openai_api(tmp_path):
         stream = client.completions.create(model="ds41-tiny", prompt="the cat", max_tokens=8,
                                            temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
+
+
+def test_the_prompt_cache_is_off_for_its_per_lane_state(engine):
+    """V4.1's lanes keep window rings, compressor buffers and the Engram look-back beside the
+    pool, which a cached prefix's pages cannot restore: its prompts are never matched."""
+    assert engine.lane_bytes() > 0
+    assert not engine.loaded.prefix_caching and not engine.scheduler.caching

@@ -32,8 +32,9 @@ from tidejax.text.toolcalls import GLM, OutputParser
 from declaration import check_forward_on_declared, param_paths
 from server_fixtures import serve_app, write_chain
 from tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights, cached_decode_logits,
-                         glm4_moe_config, randomize_moe, relative_diff, served_greedy, state_dict,
-                         transformers_greedy, write_fp8_copies, write_fused_copy, write_glm4_moe)
+                         glm4_moe_config, randomize_moe, relative_diff, second_turn, served_greedy,
+                         state_dict, transformers_greedy, write_fp8_copies, write_fused_copy,
+                         write_glm4_moe)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +85,16 @@ def test_greedy_tokens_match_transformers(tiny):
     _, _, model, engine = tiny
     assert served_greedy(engine, PROMPT, 16) == transformers_greedy(model, PROMPT, 16)
 
+
+
+def test_a_second_turn_shares_the_first_turns_pages(tiny):
+    """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of GQA keys and values; turn 2
+    (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
+    _, _, model, engine = tiny
+    first = np.random.RandomState(8).randint(3, 256, 70).tolist()
+    prompt, tokens, cached, prefilled = second_turn(engine, first, list(range(20, 30)), 8)
+    assert (cached, prefilled) == (64, len(prompt) - 64)
+    assert tokens == transformers_greedy(model, prompt, 8)
 
 def test_cached_decode_equals_full_forward(tiny):
     _, _, _, engine = tiny

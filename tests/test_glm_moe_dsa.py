@@ -35,8 +35,8 @@ from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
 from declaration import check_dense_dtypes, check_forward_on_declared, param_paths
 from tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights, cached_decode_logits,
-                         glm_moe_dsa_config, lower_index_ties, relative_diff, served_greedy,
-                         transformers_greedy, write_fp8_copies, write_fused_copy,
+                         glm_moe_dsa_config, lower_index_ties, relative_diff, second_turn,
+                         served_greedy, transformers_greedy, write_fp8_copies, write_fused_copy,
                          write_glm_moe_dsa)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
@@ -156,6 +156,16 @@ def test_greedy_tokens_match_transformers(tiny):
         want = transformers_greedy(model, PROMPT, 12)
     assert served_greedy(engine, PROMPT, 12) == want
 
+
+
+def test_a_second_turn_shares_the_first_turns_pages(tiny):
+    """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of MLA latents and the indexer keys; turn 2
+    (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
+    _, _, model, engine = tiny
+    first = np.random.RandomState(8).randint(3, 256, 70).tolist()
+    prompt, tokens, cached, prefilled = second_turn(engine, first, list(range(20, 30)), 8)
+    assert (cached, prefilled) == (64, len(prompt) - 64)
+    assert tokens == transformers_greedy(model, prompt, 8)
 
 def test_cached_decode_equals_full_forward(tiny):
     _, _, _, engine = tiny

@@ -467,7 +467,8 @@ def test_an_assistant_message_last_is_continued(served, oai, claude):
     expected = json.loads(text)["choices"][0]["text"]
     reply = claude.messages.create(model=MODEL, max_tokens=4, messages=messages,
                                    extra_body={"temperature": 0})
-    assert reply.usage.input_tokens == len(ids) and reply.content[0].text == expected
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(ids)
+    assert reply.content[0].text == expected
     out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                       extra_body={"continue_final_message": True})
     assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content == expected
@@ -507,7 +508,9 @@ def test_tool_loop_through_the_demo_template(oai, claude):
     reply = claude.messages.create(model=MODEL, max_tokens=4, messages=anthropic_history,
                                    tools=tools, extra_body={"temperature": 0})
     assert reply.stop_reason in ("max_tokens", "end_turn") and reply.content[0].type == "text"
-    assert reply.usage.input_tokens == out.usage.prompt_tokens  # the same conversation
+    # the same conversation (its cached pages read, the rest prefilled)
+    assert (reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+            == out.usage.prompt_tokens)
     assert reply.content[0].text == out.choices[0].message.content
 
 
@@ -520,3 +523,34 @@ def test_a_long_generation_for_the_trace(oai):
         oai.base_url.scheme + "://" + oai.base_url.host + f":{oai.base_url.port}/metrics",
         headers={"Authorization": f"Bearer {KEY}"}), timeout=10).read().decode()
     assert re.search(r"tidejax_residency_swaps_applied [1-9]", metrics), metrics
+
+
+def test_a_cached_prompt_is_reported(served, oai, claude):
+    """A conversation of more than two 64-token pages sent again: its full pages before its
+    last token come from the prompt cache, and each API says how many: OpenAI's
+    usage.prompt_tokens_details.cached_tokens, Anthropic's usage.cache_read_input_tokens
+    (`input_tokens` the rest), streamed too; /metrics counts them."""
+    messages = [{"role": "user", "content": "Tell me of the sea and of the tide. " * 20}]
+    n = hf_prompt_len(messages)
+    cached = (n - 1) // 64 * 64
+    assert cached >= 128, n
+    first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                        temperature=0)
+    again = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                        temperature=0)
+    assert (again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens) == (
+        n, cached)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    reply = claude.messages.create(model=MODEL, max_tokens=3, messages=messages,
+                                   extra_body={"temperature": 0})
+    assert (reply.usage.input_tokens, reply.usage.cache_read_input_tokens) == (n - cached, cached)
+    with claude.messages.stream(model=MODEL, max_tokens=3, messages=messages) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.usage.input_tokens, streamed.usage.cache_read_input_tokens) == (
+        n - cached, cached)
+    metrics = urllib.request.urlopen(urllib.request.Request(
+        served["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}),
+        timeout=10).read().decode()
+    matched = re.search(r'^tidejax_prompt_cache_matched_tokens_total\{tier="device"\} (\d+)$',
+                        metrics, re.M)
+    assert matched and int(matched.group(1)) >= 3 * cached, metrics

@@ -260,6 +260,22 @@ def served_greedy(engine, prompt, n: int) -> list[int]:
     return tokens
 
 
+def second_turn(engine, first: list[int], new: list[int], n: int) -> tuple[list[int], list[int],
+                                                                        int, int]:
+    """A conversation through the scheduler, greedy: turn 1 (`first`, n tokens), then turn 2
+    (turn 1, its answer and `new`, n tokens): (turn 2's prompt, its tokens, its prompt tokens
+    found in the prompt cache, those its steps prefilled)."""
+    from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
+    prompt = list(first) + served_greedy(engine, first, n) + list(new)
+    events = []
+    before = engine.scheduler.totals["prefilled_tokens"]
+    engine.scheduler.submit(GenerationRequest(prompt, n, ignore_eos=True), events.append)
+    engine.scheduler.run_until_idle()
+    assert isinstance(events[-1], DoneEvent), events[-1]
+    return (prompt, [e.token_id for e in events if isinstance(e, TokenEvent)],
+            events[-1].stats["cached_tokens"], engine.scheduler.totals["prefilled_tokens"] - before)
+
+
 def cached_decode_logits(engine, prompt, prefill: int):
     """Logits [len(prompt), vocab] of `prompt` prefilled `prefill` tokens at once, then fed one
     token at a time through the family's paged cache (16 pages of 4, in shuffled order)."""

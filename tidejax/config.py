@@ -95,6 +95,14 @@ class DistributedSection:
     timeout_s: int = 120  # how long a process waits for its peers at start
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheSection:
+    """Prompt caching: full KV pages of earlier sequences shared by a prompt that starts with the
+    same tokens (kv/pages.py)."""
+
+    enabled: bool = True
+
+
 # [distributed] key -> the environment variable it is also read from
 DISTRIBUTED_ENV = {"coordinator": "TIDEJAX_COORDINATOR", "num_processes": "TIDEJAX_NUM_PROCESSES",
                    "process_id": "TIDEJAX_PROCESS_ID"}
@@ -151,6 +159,7 @@ _SECTIONS = {
     "residency": ResidencySection,
     "server": ServerSection,
     "distributed": DistributedSection,
+    "cache": CacheSection,
 }
 
 
@@ -163,6 +172,7 @@ class EngineConfig:
     residency: ResidencySection = ResidencySection()
     server: ServerSection = ServerSection()
     distributed: DistributedSection = DistributedSection()
+    cache: CacheSection = CacheSection()
     source: str = "<defaults>"
     given: tuple[tuple[str, str], ...] = ()  # ("table.key", who gave its value), latest last
 

@@ -107,6 +107,7 @@ class LoadedModel:
                  self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30,
                  self.lane_bytes())
         self._prefill_buckets = _buckets(self.prefill_chunk)
+        self.prefix_caching = self._prefix_caching(config)
         self.steps = Steps(self.module, self.max_pages)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
@@ -223,20 +224,37 @@ class LoadedModel:
                               f"engine.max_context ({self.max_context})")
         return pages
 
+    def _prefix_caching(self, config: EngineConfig) -> bool:
+        """Whether prompts share cached KV pages (cache.enabled): not for a family whose lanes
+        keep rows beside the pool (DeepSeek-V4.1's and V4's window rings and compressor
+        buffers, V4.1's Engram look-back), which a match would have to restore too and pages
+        alone cannot give (snapshots at page boundaries are not built yet)."""
+        if not config.cache.enabled:
+            return False
+        if self.lane_bytes():
+            log.info("prompt cache off for %s: its lanes keep %d bytes of state beside the KV "
+                     "pool, which a cached prefix cannot restore", self.family.name,
+                     self.lane_bytes())
+            return False
+        return True
+
     # -- step inputs -----------------------------------------------------------------------
 
-    def chunks(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
-        """(start, ids) of each prefill chunk of a prompt: the remainder first (n mod
-        prefill_chunk tokens, or a whole chunk), then whole chunks, so that where a chunk's
-        table follows its end (_prefill_width) the first chunk's width is its bucket's and the
-        whole chunks' are the few powers of two past one chunk."""
+    def chunks(self, token_ids: list[int], begin: int = 0) -> list[tuple[int, list[int]]]:
+        """(start, ids) of each prefill chunk of a prompt from `begin` (past a cached prefix):
+        the remainder first (n - begin mod prefill_chunk tokens, or a whole chunk), then whole
+        chunks, so that where a chunk's table follows its end (_prefill_width) the first chunk's
+        width is its bucket's and the whole chunks' are the few powers of two past one chunk."""
         n = len(token_ids)
-        starts = [0, *range(self._first_chunk(n), n, self.prefill_chunk)] if n else []
-        return [(start, token_ids[start:start + self.chunk_length(start, n)]) for start in starts]
+        starts = [begin, *range(begin + self._first_chunk(n - begin), n, self.prefill_chunk)] if (
+            n > begin) else []
+        return [(start, token_ids[start:start + self.chunk_length(start, n, begin)])
+                for start in starts]
 
-    def chunk_length(self, start: int, n: int) -> int:
-        """Tokens in the chunk at `start` of an n-token prompt (chunks)."""
-        return self._first_chunk(n) if start == 0 else self.prefill_chunk
+    def chunk_length(self, start: int, n: int, begin: int = 0) -> int:
+        """Tokens in the chunk at `start` of an n-token prompt (chunks) whose prefill begins at
+        `begin` (past a cached prefix): the remainder first, then whole chunks."""
+        return self._first_chunk(n - begin) if start == begin else self.prefill_chunk
 
     def _first_chunk(self, n: int) -> int:
         return n - self.prefill_chunk * ((n - 1) // self.prefill_chunk)
@@ -362,7 +380,11 @@ class LoadedModel:
         return table
 
     def _prefill_inputs(self, prefill: PrefillChunk, width: int):
-        n, size = len(prefill.tokens), self.bucket(len(prefill.tokens))
+        n = len(prefill.tokens)
+        # where the table's width follows the chunk's end, the bucket does too, so that a chunk
+        # after a cached prefix (any start) takes a shape a prompt's own chunks take: the
+        # bucket of its end while that is within one chunk, else a whole chunk (_chunk_shapes)
+        size = self.bucket(n if self.full_prefill else min(prefill.start + n, self.prefill_chunk))
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = prefill.tokens
         mask = (np.arange(size) < n)[None]

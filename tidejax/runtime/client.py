@@ -82,4 +82,4 @@ class LocalEngineClient:
         return EngineStats(status=self.scheduler.status, queued=self.scheduler.queued,
                            active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
-                           kv=self.scheduler.kv_stats())
+                           kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats())

@@ -8,7 +8,8 @@ The runner does its parts in this order:
               pool, its lane's rows and token counts, kept by the runner under `copy`
     forget    copies dropped (a preempted request cancelled)
     lanes     {lane: SamplingParams}: each lane's sampling row set and its token counts cleared
-              (admission; greedy again when a lane frees)
+              (admission; greedy again when a lane frees), but for `seen` {lane: token ids}:
+              the prompt tokens of a cached prefix, marked seen (no step of the lane runs them)
     writes    copies put back at new pages and a lane (resumption), then dropped
     experts   swap batches residency applies between steps (drain, reseed: process 0 applies
               its own through Runner.update_experts; its peers take them from here)
@@ -43,6 +44,7 @@ class StepPlan:
     reads: list[SequenceCopy] = dataclasses.field(default_factory=list)
     forget: list[int] = dataclasses.field(default_factory=list)
     lanes: dict[int, SamplingParams] = dataclasses.field(default_factory=dict)
+    seen: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     writes: list[SequenceCopy] = dataclasses.field(default_factory=list)
     experts: list[SwapBatch] = dataclasses.field(default_factory=list)
     decode: DecodeRows | None = None  # the decoding lanes

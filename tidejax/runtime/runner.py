@@ -89,7 +89,7 @@ class Runner:
         for copy in plan.forget:
             self.copies.pop(copy, None)
         for lane, params in plan.lanes.items():
-            self._set_lane(lane, params)
+            self._set_lane(lane, params, plan.seen.get(lane, ()))
         for write in plan.writes:
             if write.copy not in self.copies:
                 raise ValueError(f"no saved copy {write.copy} to write back (each goes back once)")
@@ -138,9 +138,13 @@ class Runner:
             np.int32(write.lane), parallel.from_host(saved))
         self.state = self.state.replace(cache=cache, sampling=sampling)
 
-    def _set_lane(self, lane: int, params: SamplingParams) -> None:
+    def _set_lane(self, lane: int, params: SamplingParams, seen) -> None:
+        """A lane's sampling row, its token counts cleared but for the token ids `seen` (a
+        cached prefix's: no step of the lane runs them)."""
+        row = np.zeros(self.model.vocab_size, bool)
+        row[np.asarray(seen, np.int64)] = True
         self.state = self.state.replace(sampling=self.model.steps.set_lane(
-            self.state.sampling, np.int32(lane), LaneParams.of([params])))
+            self.state.sampling, np.int32(lane), LaneParams.of([params]), row))
 
     # -- calls outside plans (process 0) -----------------------------------------------------
 

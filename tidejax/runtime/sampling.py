@@ -174,10 +174,11 @@ class LaneSampling:
         """One lane's rows, [1, ...] each."""
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lane, 1, 0), self)
 
-    def set_lane(self, lane, row: LaneParams) -> "LaneSampling":
-        """`row` [1] as lane's parameters, its token counts cleared (a new request)."""
+    def set_lane(self, lane, row: LaneParams, seen) -> "LaneSampling":
+        """`row` [1] as lane's parameters, its token counts cleared (a new request) but for
+        `seen` [vocab] bool: the prompt tokens of a cached prefix, which no step of it runs."""
         return LaneSampling(jax.tree.map(lambda a, r: a.at[lane].set(r[0]), self.params, row),
-                            self.counts.at[lane].set(0), self.seen.at[lane].set(False))
+                            self.counts.at[lane].set(0), self.seen.at[lane].set(seen))
 
     def saw_prompt(self, lane, tokens, mask) -> "LaneSampling":
         """The lane's prompt tokens [C] where mask [C] marked seen."""

@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from tidejax.errors import EngineError, RequestError
-from tidejax.kv.pages import PageTable, pages_for
+from tidejax.kv.pages import PageTable, block_hashes
 from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.plan import SequenceCopy, StepPlan
@@ -77,6 +77,9 @@ class RequestHandle:
         self.started_at = 0.0  # when its prefill began
         self.admitted_at = 0  # admission order: the newest is preempted first
         self.prefilled = 0  # prompt tokens written to the cache
+        self.cached = 0  # prompt tokens it found in the prompt cache (never prefilled)
+        self.hashes: list[bytes] | None = None  # its prompt's full pages' block hashes
+        self.output: list[int] = []  # the tokens delivered (their pages are cached at release)
         self.first_token_at = 0.0
         self.cpu_picks_at_start = 0  # the engine's host-computed picks when its prefill began
         self.approx_at_start = (0.0, 0.0)  # and its residency.approx_tally()
@@ -131,7 +134,9 @@ class Scheduler:
         self.wake = threading.Condition()
         self.thread: threading.Thread | None = None
         self.running = False
-        self.totals = collections.Counter()  # requests, prompt and generated tokens, steps, preemptions
+        # requests, prompt, prefilled, cached and generated tokens, steps, preemptions
+        self.totals = collections.Counter()
+        self.caching = model.prefix_caching  # prompts share cached pages (kv/pages.py)
         self._admissions = itertools.count(1)
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
@@ -169,9 +174,16 @@ class Scheduler:
         return sum(h is not None for h in self.lane_of)
 
     def kv_stats(self) -> dict:
-        """Pages in use and free, preemptions so far, beside the pool's size."""
+        """Pages in use, cached (held by no sequence, evicted when needed) and free (cached ones
+        included), preemptions so far, beside the pool's size."""
         return dict(self.model.kv_stats(), preemptions=self.totals["preemptions"],
-                    pages_in_use=self.pages.in_use, pages_free=self.pages.free)
+                    pages_in_use=self.pages.in_use, pages_free=self.pages.free,
+                    pages_cached=self.pages.cached)
+
+    def cache_stats(self) -> dict:
+        """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted."""
+        return {"matched_tokens": self.totals["cached_tokens"],
+                "evictions": self.pages.evictions}
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -301,7 +313,8 @@ class Scheduler:
                 if not self.queue:
                     return
                 handle = self.queue[0]
-                if not self._fits(handle):
+                shared = self._match(handle)
+                if not self._fits(handle, shared):
                     return
                 self.queue.popleft()
             lane = self.lane_of.index(None)
@@ -311,21 +324,39 @@ class Scheduler:
             if handle.saved is not None:
                 self._resume(lane, handle)
                 continue
+            self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
+            handle.prefilled = handle.cached = len(shared) * self.pages.page_size
+            if shared:
+                self._plan.seen[lane] = handle.request.prompt_ids[:handle.cached]
             handle.started_at = time.perf_counter()
             handle.cpu_picks_at_start = self.model.residency.cpu_picks()
             handle.approx_at_start = self.model.residency.approx_tally()
             self._prefilling = handle
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
+            self.totals["cached_tokens"] += handle.cached
 
-    def _fits(self, handle: RequestHandle) -> bool:
+    def _match(self, handle: RequestHandle) -> list[int]:
+        """The cached pages a new request's prompt starts with: full pages before its last
+        token, which a step must run for the first sampled token's logits."""
+        if not self.caching:
+            return []
+        prompt = handle.request.prompt_ids
+        if handle.hashes is None:
+            handle.hashes = block_hashes(prompt, self.pages.page_size)
+        if handle.saved is not None:  # it resumes from its own copy
+            return []
+        return self.pages.match(handle.hashes[:(len(prompt) - 1) // self.pages.page_size])
+
+    def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
         """Whether the queue's head can take a lane now: one prompt prefills at a time, and the
-        pool must hold, beside what the decoding lanes need next, the positions it will write."""
+        pool must hold, beside what the decoding lanes need next, the positions it will write
+        (past the cached pages it `shared`)."""
         prefilling = handle.prefilled < len(handle.request.prompt_ids)
         if prefilling and self._prefilling is not None:
             return False
-        need = pages_for(self._tokens_held(handle), self.pages.page_size)
+        need = self.pages.takes(self._tokens_held(handle), shared)
         return need + self._pages_wanted() <= self.pages.free
 
     @staticmethod
@@ -393,8 +424,11 @@ class Scheduler:
             return None
         start = handle.prefilled
         prompt = handle.request.prompt_ids
-        ids = prompt[start:start + self.model.chunk_length(start, len(prompt))]
+        ids = prompt[start:start + self.model.chunk_length(start, len(prompt), handle.cached)]
         handle.prefilled += len(ids)
+        self.totals["prefilled_tokens"] += len(ids)
+        if self.caching:  # the chunk's full pages, for the prompts after it (its step runs first)
+            self.pages.publish(handle.id, handle.hashes[:handle.prefilled // self.pages.page_size])
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id),
                             prompt[:start])
 
@@ -420,6 +454,7 @@ class Scheduler:
             self._finish(lane, "stop")
             return
         handle.generated += 1
+        handle.output.append(token)
         self.totals["generated_tokens"] += 1
         handle.on_event(TokenEvent(token, **logprobs))
         self.tokens[lane] = token
@@ -444,9 +479,11 @@ class Scheduler:
         prefill_s = handle.first_token_at - handle.started_at if handle.first_token_at else 0.0
         return {
             "prompt_tokens": prompt,
+            "cached_tokens": handle.cached,  # of them, found in the prompt cache
             "completion_tokens": handle.generated,
             "ttft_s": handle.first_token_at - handle.submitted if handle.first_token_at else 0.0,
-            "prefill_tps": prompt / prefill_s if prefill_s > 0 else 0.0,
+            # the tokens its steps prefilled (not those found in the prompt cache)
+            "prefill_tps": (prompt - handle.cached) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tps": decoded / decode_s if decode_s and decoded else 0.0,
             "cold_share": self.model.residency.window_cold_share(),
             # picks the host CPU computed (miss policy "cpu") while it ran, beside lanes included
@@ -463,12 +500,30 @@ class Scheduler:
         self._release(lane)
 
     def _release(self, lane: int) -> RequestHandle:
-        """Frees a lane and its request's pages, its sampling row left as it is."""
+        """Frees a lane and its request's pages, its sampling row left as it is; the full pages
+        of the tokens its steps wrote stay cached (prompt and generated tokens)."""
         handle, self.lane_of[lane] = self.lane_of[lane], None
         if handle is self._prefilling:
             self._prefilling = None
+        if self.caching:
+            self.pages.publish(handle.id, self._written_hashes(handle, lane))
         self.pages.release(handle.id)
         return handle
+
+    def _written_hashes(self, handle: RequestHandle, lane: int) -> list[bytes]:
+        """The block hashes of a request's full pages that its queued steps write: its prompt's
+        up to what is prefilled, then, once it decodes, each delivered token a step took as
+        input (positions below the lane's next; a stop token taken is none of them)."""
+        prompt = handle.request.prompt_ids
+        if handle.prefilled < len(prompt):
+            written = handle.prefilled
+        else:
+            written = min(len(prompt) + len(handle.output), int(self.positions[lane]))
+        size = self.pages.page_size
+        if written < len(prompt):
+            return handle.hashes[:written // size]
+        return block_hashes(prompt + handle.output[:written - len(prompt)], size,
+                            handle.hashes[:written // size])
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -483,6 +538,7 @@ class Scheduler:
         for lane, handle in enumerate(self.lane_of):
             if handle is not None:
                 self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+        self.pages.drop_cached()  # the rebuilt cache holds none of their keys
         try:
             self.runner.rebuild()
         except Exception:

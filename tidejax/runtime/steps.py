@@ -15,8 +15,8 @@
         power of two of pages (the page ids padded past the pool).
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
-    set_lane(sampling, lane, row): one lane's sampling parameters, its token counts cleared, at
-        admission.
+    set_lane(sampling, lane, row, seen): one lane's sampling parameters, its token counts
+        cleared, at admission (but for `seen`: a cached prefix's prompt tokens).
 
 The host views a StepPlan carries (DecodeRows, PrefillChunk: runtime/plan.py) become the array
 inputs here (DecodeInputs, PrefillInputs) in runtime/build.py.
@@ -298,8 +298,8 @@ class Steps:
 
     @functools.cached_property
     def set_lane(self):
-        def set_lane(sampling: LaneSampling, lane, row: LaneParams):
-            return sampling.set_lane(lane, row)
+        def set_lane(sampling: LaneSampling, lane, row: LaneParams, seen):
+            return sampling.set_lane(lane, row, seen)
         return jax.jit(set_lane, donate_argnames=("sampling",))
 
 

@@ -38,7 +38,10 @@ def _stop_reason(gen: Generation, calls: list[ToolCall]) -> str:
 
 
 def _usage(gen: Generation) -> dict:
-    return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}
+    """Anthropic's split of the prompt: `input_tokens` prefilled, `cache_read_input_tokens` read
+    from the prompt cache (their sum is the prompt)."""
+    return {"input_tokens": gen.prompt_tokens - gen.cached_tokens,
+            "cache_read_input_tokens": gen.cached_tokens, "output_tokens": gen.completion_tokens}
 
 
 async def message(request: web.Request, gen: Generation, parser: OutputParser,
@@ -106,7 +109,7 @@ async def message(request: web.Request, gen: Generation, parser: OutputParser,
         await sse.send({"type": "message_delta",
                         "delta": {"stop_reason": _stop_reason(gen, calls),
                                   "stop_sequence": gen.stop_string},
-                        "usage": {"output_tokens": gen.completion_tokens},
+                        "usage": _usage(gen),
                         "x_engine_stats": gen.engine_stats}, "message_delta")
         await sse.send({"type": "message_stop"}, "message_stop")
 

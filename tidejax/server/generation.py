@@ -195,6 +195,11 @@ class Generation:
         self.stop_string: str | None = None  # the stop string that ended the text, if one did
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine found in its prompt cache (not prefilled), once done."""
+        return int(self.stats.get("cached_tokens", 0))
+
+    @property
     def engine_stats(self) -> dict:
         return {k: self.stats.get(k, 0.0)
                 for k in ("prefill_tps", "decode_tps", "cold_share", "cpu_picks",

@@ -62,6 +62,13 @@ class Metrics:
                [({}, self.last["decode_tps"])])
         metric("cold_share", "gauge", "wanted expert picks served by a miss (last request)",
                [({}, self.last["cold_share"])])
+        if stats.cache:
+            metric("prompt_cache_matched_tokens_total", "counter",
+                   "prompt tokens found in the prompt cache (not prefilled), by tier",
+                   [({"tier": "device"}, stats.cache["matched_tokens"])])
+            metric("prompt_cache_evictions_total", "counter",
+                   "cached KV pages evicted for other positions, by tier",
+                   [({"tier": "device"}, stats.cache["evictions"])])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
         rss = resident_bytes()

@@ -23,9 +23,11 @@ from tidejax.text.toolcalls import OutputParser, ToolCall
 
 
 def _usage(gens: list[Generation]) -> dict:
+    """The prompt counted once, as its first choice saw it (cached tokens included)."""
     completion = sum(gen.completion_tokens for gen in gens)
     return {"prompt_tokens": gens[0].prompt_tokens, "completion_tokens": completion,
-            "total_tokens": gens[0].prompt_tokens + completion}
+            "total_tokens": gens[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens}}
 
 
 def _finish_reason(gen: Generation, calls: list[ToolCall]) -> str:
