@@ -103,6 +103,8 @@ def run_variant(name: str, args, seed_map: Path, overrides: dict, replays: dict 
     tables = {k: dict(v) for k, v in overrides.items()}
     tables.setdefault("residency", {}).update(
         budget_experts=args.budget, seed_map=str(seed_map), adapt=name == "adaptive")
+    # every prompt's routing is the demand under study: none skipped by the prompt cache
+    tables.setdefault("cache", {}).setdefault("enabled", False)
     engine = tidejax.load(args.model, **tables)
     warm = replays[args.phases[0]] if replays else None
     engine.set_routing_replay(warm)

@@ -368,6 +368,9 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
     engine_table = tables.setdefault("engine", {})
     engine_table.setdefault("lanes", max(args.lanes))
     engine_table.setdefault("max_context", max_context)
+    # cold prefill is what these benches time: a repeated prompt must not be served from the
+    # prompt cache (issue 32's own bench times cached turns)
+    tables.setdefault("cache", {}).setdefault("enabled", False)
     res = tables.setdefault("residency", {})
     label = f"[{resident:.0%}{'' if policy is None else ' ' + policy}]"
     if resident < 1.0:
