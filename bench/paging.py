@@ -27,7 +27,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.roofline import (compile_cache, drive, load_config, parse_set,  # noqa: E402
+from bench.roofline import (drive, load_config, parse_set,  # noqa: E402
                             prompt_ids, raise_errors, report)
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
@@ -110,7 +110,6 @@ def main(argv=None) -> int:
              "| gap ms median | gap ms max | max gap / longest mixed step | decode tokens during |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     with tempfile.TemporaryDirectory() as tmp:
-        compile_cache(Path(tmp) / "xla")
         for max_context in (int(x) for x in args.contexts.split(",")):
             engine, _ = load_config(args.model, 1.0, None, args, overrides, Path(tmp), max_context)
             start = time.perf_counter()

@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import traces  # noqa: E402
-from bench.roofline import (compile_cache, drive, moe_dims, parse_set, prompt_ids,  # noqa: E402
+from bench.roofline import (drive, moe_dims, parse_set, prompt_ids,  # noqa: E402
                             residency_stats, seed_map_from_picks, warm_up)
 
 VARIANTS = ("fixed", "adaptive", "oracle")
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     png = args.png or ((out or traces.REPO / "bench") / "campaign.png")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        compile_cache(Path(tmp) / "jax-cache")
+        overrides.setdefault("engine", {}).setdefault("compile_cache", str(Path(tmp) / "jax-cache"))
         maps = {
             "fit": seed_map_from_picks(fitted_picks([args.fit_domain], n_layers, n_experts, top_k,
                                                     args.replay), n_experts, args.budget,

@@ -28,7 +28,6 @@ family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepS
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
@@ -42,7 +41,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -52,7 +50,6 @@ from tidejax import config  # noqa: E402
 from tidejax.errors import ConfigError  # noqa: E402
 from tidejax.runtime.sampling import SamplingParams  # noqa: E402
 from tidejax.residency import cpu  # noqa: E402
-from tidejax.runtime.engine import use_compile_cache  # noqa: E402
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
 
 HELDOUT = traces.HELDOUT
@@ -142,24 +139,6 @@ def step_limit(engine, batch: int, context: float, distinct: float, cold: float,
 
 
 # -- driving the engine ----------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def compile_cache(folder: Path):
-    """Keeps compiled steps in `folder` inside the block: every fresh `tidejax.load` of the same
-    shapes after the first one skips XLA compilation (jits are per engine, so nothing else would
-    share them); the process's settings come back after it, and JAX's cache is reset again so
-    that later compiles do not write to `folder` after it is gone."""
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    before = [getattr(jax.config, key) for key in keys]
-    use_compile_cache(str(folder))
-    try:
-        yield
-    finally:
-        for key, value in zip(keys, before):
-            jax.config.update(key, value)
-        jax_cache.reset_cache()
-
 
 def prompt_ids(engine, domain: str, n: int, offset: int = 0) -> list[int]:
     """`n` tokens of held-out text of `domain` (repeated if short), from token `offset`."""
@@ -371,6 +350,8 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
     # cold prefill is what these benches time: a repeated prompt must not be served from the
     # prompt cache (issue 32's own bench times cached turns)
     tables.setdefault("cache", {}).setdefault("enabled", False)
+    # every fresh load of the same shapes after the first reads its compiled steps
+    engine_table.setdefault("compile_cache", str(workdir / "jax-cache"))
     res = tables.setdefault("residency", {})
     label = f"[{resident:.0%}{'' if policy is None else ' ' + policy}]"
     if resident < 1.0:
@@ -456,7 +437,7 @@ def main(argv=None) -> int:
     read, copy = hbm_read_gbps(ceiling_bytes), copy_gbps(ceiling_bytes)
     h2d, rows, memory = None, [], []
     cpu_gbps = 0.0  # the host kernel's rate, measured where a configuration runs `cpu`
-    with tempfile.TemporaryDirectory() as tmp, compile_cache(Path(tmp) / "jax-cache"):
+    with tempfile.TemporaryDirectory() as tmp:
         for share, policy in configs:
             engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
                                         max(args.ttft, 64 + args.tokens) + 64)

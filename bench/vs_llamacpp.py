@@ -174,7 +174,7 @@ def run_tidejax(args, n_moe: int) -> dict[str, dict[str, float]]:
     overrides.setdefault("engine", {}).setdefault("prefill_chunk", args.chunk)
     max_context = max(max(args.prompts), PROMPT_TOKENS + args.tokens) + 64
     out = {}
-    with tempfile.TemporaryDirectory() as tmp, roofline.compile_cache(Path(tmp) / "jax-cache"):
+    with tempfile.TemporaryDirectory() as tmp:
         for share in args.resident:
             gpu_layers = n_moe - host_layers(share, n_moe)
             resident = gpu_layers / n_moe  # budget_experts = gpu_layers x experts a layer

@@ -191,25 +191,52 @@ def test_a_restart_reads_its_compiled_steps_from_the_compile_cache(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == written  # nothing compiled anew
 
 
-def test_a_second_compile_cache_is_used_and_a_closed_one_left_alone(tmp_path):
-    """JAX opens its cache folder once; a second folder in the same process (another engine's
-    engine.compile_cache) must still be written, and nothing may write to either after the
-    bench's block puts the settings back."""
+def test_an_engines_compile_cache_is_its_own(tmp_path):
+    """engine.compile_cache belongs to the loaded model, not the process: the engine's compiles
+    land in its folder; outside its calls the process's own setting holds (a plain jit writes
+    the process's folder, not the engine's); a second engine with another folder writes that
+    one alone; a third with the first folder reads it (cache hits, nothing compiled anew)."""
     import jax
     import jax.numpy as jnp
 
-    from bench.roofline import compile_cache
-    from tidejax.runtime.engine import use_compile_cache
+    import tidejax
 
     def entries(folder):
-        return sorted(p.name for p in folder.iterdir())
+        return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
-    first, second = tmp_path / "first", tmp_path / "second"
-    with compile_cache(first):
+    def run(folder):
+        """(cache hits, cache misses) of loading the tiny profile and generating with it."""
+        seen = []
+        listener = lambda event, **_: seen.append(event)  # noqa: E731
+        jax.monitoring.register_event_listener(listener)
+        try:
+            engine = tidejax.load("tiny", engine={"compile_cache": str(folder)})
+            engine.generate("The tide", max_new_tokens=2)
+        finally:
+            jax.monitoring.unregister_event_listener(listener)
+        assert jax.config.jax_compilation_cache_dir == str(process)  # the process's again
+        return (seen.count("/jax/compilation_cache/cache_hits"),
+                seen.count("/jax/compilation_cache/cache_misses"))
+
+    process, first, second = tmp_path / "process", tmp_path / "first", tmp_path / "second"
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = [getattr(jax.config, key) for key in keys]
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_dir", str(process))
+    try:
+        hits, misses = run(first)
+        written = entries(first)
+        assert written and misses == len(written) and entries(process) == []
         jax.jit(lambda x: x * 3 - 2)(jnp.ones(5)).block_until_ready()
-        use_compile_cache(str(second))
-        jax.jit(lambda x: x * 5 - 1)(jnp.ones(6)).block_until_ready()
-    written = entries(first), entries(second)
-    assert all(written), written
-    jax.jit(lambda x: x * 7 + 4)(jnp.ones(9)).block_until_ready()
-    assert (entries(first), entries(second)) == written
+        assert entries(process) and entries(first) == written
+
+        run(second)
+        assert entries(second) and entries(first) == written
+
+        hits, misses = run(first)
+        assert hits > 0 and misses == 0 and entries(first) == written
+    finally:
+        for key, value in zip(keys, before):
+            jax.config.update(key, value)
+        from jax.experimental.compilation_cache import compilation_cache
+        compilation_cache.reset_cache()

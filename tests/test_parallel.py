@@ -1,10 +1,12 @@
 """The one sharding table (DESIGN.md rule 3): nothing but tidejax/parallel.py names a device or
-places an array; one CPU device is a 1x1 mesh; `put` places leaves by their logical axes; an
-engine loads and generates with every param, page, bank and pool leaf placed through it."""
+places an array; one CPU device is a 1x1 mesh; a mesh holds only inside on_mesh, on its
+thread; `put` places leaves by their logical axes; an engine loads and generates with every
+param, page, bank and pool leaf placed through it."""
 
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 
 import jax
@@ -58,7 +60,7 @@ def test_every_logical_axis_has_one_rule():
 
 
 def test_one_cpu_device_is_a_1x1_mesh():
-    mesh = parallel.default_mesh()
+    mesh = parallel.current_mesh()
     assert dict(mesh.shape) == {"data": 1, "tensor": 1}
     assert list(mesh.devices.flat) == jax.devices()[:1]
     too_many = len(jax.devices()) + 1
@@ -66,10 +68,25 @@ def test_one_cpu_device_is_a_1x1_mesh():
         parallel.make_mesh(tensor=too_many)
 
 
+def test_a_mesh_holds_inside_its_block_on_its_thread_only():
+    """on_mesh is no process state: placements given no mesh use it inside the block, on the
+    thread that entered it; before, after and on another thread they use 1x1."""
+    mine = jax.make_mesh((1, 1), parallel.MESH_AXES, devices=jax.devices()[:1])
+    seen = []
+    with parallel.on_mesh(mine):
+        assert parallel.current_mesh() is mine
+        assert parallel.replicated(np.zeros(2)).sharding.mesh is mine
+        other = threading.Thread(target=lambda: seen.append(parallel.current_mesh()))
+        other.start()
+        other.join()
+    assert seen == [parallel.current_mesh()] and seen[0] is not mine
+    assert parallel.put(np.zeros(2), (None,)).sharding.mesh is not mine
+
+
 def test_put_places_leaves_by_their_logical_axes():
     """The table maps heads to "tensor"; on a 1x1 mesh nothing splits, so every placement is
     P() (as jitted steps return their outputs: no second compilation)."""
-    mesh = parallel.default_mesh()
+    mesh = parallel.current_mesh()
     assert parallel.spec(("heads", "embed")) == P("tensor", None)
     assert parallel.spec(("experts", "ffw", "embed")) == P(None, "tensor", None)
     tree = {"w": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)}
@@ -93,7 +110,7 @@ def test_bank_axes_name_every_leaf():
 
 def test_a_state_places_bank_pool_and_map():
     rows = {"gate_up": np.ones((8, 6, 4), np.float32), "down": np.ones((8, 4, 3), np.float32)}
-    mesh = parallel.default_mesh()
+    mesh = parallel.current_mesh()
     state = build_state(host_pool(rows), 2, np.array([0, 5, -1], np.int32), transient=1)
     assert state.bank["gate_up"].sharding == parallel.sharding(("slots", "ffw", "embed"))
     assert state.pool["gate_up"].sharding == parallel.host_sharding(("experts", "ffw", "embed"))
@@ -115,7 +132,7 @@ def test_an_engine_loads_and_generates_through_the_table(model_dir):
     full forwards'."""
     engine = tidejax.load(model_dir, engine={"lanes": 2, "max_context": 64, "page_size": 8},
                           residency={"budget_experts": 8, "miss_policy": "exact"})
-    mesh = parallel.default_mesh()
+    mesh = engine.loaded.mesh
     specs = param_specs(engine.cfg, engine.loaded.dtype)
     for param, spec in zip(jax.tree.leaves(engine.loaded.params), jax.tree.leaves(specs)):
         assert param.sharding == parallel.sharding(spec.axes)

@@ -86,17 +86,21 @@ FOUR_DEVICES = textwrap.dedent("""
     except ConfigError as e:
         cpu_refused = str(e)
     one, one_tokens = run(1)
-    one_text = one.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
     four, four_tokens = run(4, budget_experts=72, miss_policy="exact")
+    # the one-device engine, after the four-device one loaded and ran: still on its own mesh
+    one_text = one.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
     try:  # an MXFP4 expert of one 32-wide block, split 4 ways
-        parallel.put({"down_scales": np.zeros((8, 1, 16))}, {"down_scales": (None, "ffw", None)})
+        parallel.put({"down_scales": np.zeros((8, 1, 16))}, {"down_scales": (None, "ffw", None)},
+                     four.loaded.mesh)
     except ConfigError as e:
         split_refused = str(e)
     params = four.loaded.params["layers_1"]["attn"]
     experts = four.state.experts
     print(json.dumps({
         "one": one_tokens, "four": four_tokens, "one_text": one_text,
-        "mesh": dict(parallel.default_mesh().shape),
+        "meshes": [dict(one.loaded.mesh.shape), dict(four.loaded.mesh.shape),
+                   dict(parallel.current_mesh().shape)],
+        "one_state": sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(one.state)}),
         "q_b_proj": list(params["q_b_proj"]["weight"].sharding.spec),
         "o_proj": list(params["o_proj"]["weight"].sharding.spec),
         "bank": list(experts.bank["gate_up"].sharding.spec),
@@ -130,7 +134,10 @@ def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_de
     one device, all resident, and no more compilations. A leaf that does not split is refused
     naming it."""
     got = four_devices
-    assert got["mesh"] == {"data": 1, "tensor": 4}
+    one, four, process = got["meshes"]
+    assert four == {"data": 1, "tensor": 4}
+    assert one == process == {"data": 1, "tensor": 1}  # the four-device mesh is its model's alone
+    assert got["one_state"] == [1]
     assert got["q_b_proj"] == ["tensor"]  # [heads, q_lora]
     assert got["o_proj"] == [None, "tensor"]  # [embed, heads]
     assert got["bank"] == got["pool"] == [None, "tensor"]  # [N, 2I, D]

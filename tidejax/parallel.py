@@ -2,12 +2,13 @@
 
 Every param, KV page, bank and pool leaf names the logical axis of each dimension
 (tidejax.models.base.AXES); `RULES` maps those names to the mesh's ("data", "tensor") axes, and
-the functions here are the only place anything is put on a device. One device is a 1x1 mesh;
-`use_mesh(tensor)` (at load, from [distributed] tensor_parallel) makes the process's mesh 1 x
-tensor, over every process's devices where jax.distributed is initialized.
+the functions here are the only place anything is put on a device. One device is a 1x1 mesh.
+The process has no mesh: a loaded model holds its own (`tensor_mesh(tensor)`, from [distributed]
+tensor_parallel) and runs its loading and its device calls `on_mesh(mesh)`, which every
+placement and `over_tensor` given no mesh reads (this thread only, inside the block; else 1x1).
 
-    mesh = make_mesh()                                  # 1x1 on the first device
-    use_mesh(4)                                         # every later placement on a 1x4 mesh
+    mesh = tensor_mesh(4)                               # 1x4 (0: every device of every process)
+    with on_mesh(mesh): ...                             # placements given no mesh use it here
     spec(("heads", "embed"))                            # P("tensor", None): the table
     sharding(("heads", "embed"))                        # NamedSharding(mesh, P()) on a 1x1 mesh
     put(params, axes_tree)                              # device_put leaf by leaf
@@ -21,6 +22,8 @@ tensor, over every process's devices where jax.distributed is initialized.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
@@ -44,7 +47,10 @@ RULES: dict[str, str | None] = {
     "rope": None, "ffw": "tensor", "experts": None, "slots": None, "pages": None, "page": None,
 }
 
-_mesh: jax.sharding.Mesh | None = None  # the process's mesh (use_mesh); None: 1x1
+# the mesh of the innermost on_mesh block of this thread (a context variable: a new thread starts
+# with none); None: 1x1
+_scoped: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar(
+    "tidejax_mesh", default=None)
 
 
 def make_mesh(data: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
@@ -62,15 +68,9 @@ def _one_device() -> jax.sharding.Mesh:
     return make_mesh()
 
 
-def default_mesh() -> jax.sharding.Mesh:
-    """The mesh every placement uses unless given one: use_mesh's, else 1x1."""
-    return _mesh or _one_device()
-
-
-def use_mesh(tensor: int) -> jax.sharding.Mesh:
-    """Makes a 1 x `tensor` mesh the process's (0: every device, of every process). A mesh of
-    several processes must hold every device: each process runs the same steps on its shards."""
-    global _mesh
+def tensor_mesh(tensor: int) -> jax.sharding.Mesh:
+    """A 1 x `tensor` mesh (0: every device, of every process). A mesh of several processes must
+    hold every device: each process runs the same steps on its shards."""
     devices = len(jax.devices())
     tensor = tensor or devices
     if tensor > devices:
@@ -78,13 +78,28 @@ def use_mesh(tensor: int) -> jax.sharding.Mesh:
     if jax.process_count() > 1 and tensor != devices:
         raise ValueError(f"distributed.tensor_parallel = {tensor}: a mesh over "
                          f"{jax.process_count()} processes must hold all {devices} devices")
-    _mesh = None if tensor == 1 else make_mesh(tensor=tensor)
-    return default_mesh()
+    return _one_device() if tensor == 1 else make_mesh(tensor=tensor)
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: jax.sharding.Mesh):
+    """Inside the block (on this thread), placements and over_tensor given no mesh use `mesh`;
+    the mesh before it after."""
+    token = _scoped.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _scoped.reset(token)
+
+
+def current_mesh() -> jax.sharding.Mesh:
+    """The mesh of the innermost on_mesh block on this thread, else 1x1 on the first device."""
+    return _scoped.get() or _one_device()
 
 
 def tensor_size(mesh=None) -> int:
     """How many ways "tensor" splits (1: no tensor parallelism)."""
-    return (mesh or default_mesh()).shape["tensor"]
+    return (mesh or current_mesh()).shape["tensor"]
 
 
 def spec(axes) -> PartitionSpec:
@@ -103,20 +118,20 @@ def _on(mesh, axes) -> PartitionSpec:
 
 def host_memory_kind(mesh=None) -> str | None:
     """'pinned_host' where the mesh's devices have it (GPU, recent CPU backends), else None."""
-    kinds = {m.kind for m in (mesh or default_mesh()).devices.flat[0].addressable_memories()}
+    kinds = {m.kind for m in (mesh or current_mesh()).devices.flat[0].addressable_memories()}
     return "pinned_host" if "pinned_host" in kinds else None
 
 
 def sharding(axes, mesh=None) -> NamedSharding:
     """The device sharding of a leaf with logical `axes`."""
-    mesh = mesh or default_mesh()
+    mesh = mesh or current_mesh()
     return NamedSharding(mesh, _on(mesh, axes))
 
 
 def host_sharding(axes, mesh=None) -> NamedSharding:
     """The sharding of a leaf with logical `axes` in host memory the devices read inside a jit
     (pinned_host where available; the devices' default memory otherwise, with a warning)."""
-    mesh = mesh or default_mesh()
+    mesh = mesh or current_mesh()
     kind = host_memory_kind(mesh)
     if kind is None:
         log.warning("devices %s have no pinned_host memory: host pools stay in their default "
@@ -128,7 +143,7 @@ def put(tree, axes_tree, mesh=None, memory: str = "device"):
     """device_put of each leaf of `tree` by the logical axes of the matching leaf of `axes_tree`
     (a tuple per leaf: `tree` is a prefix of `axes_tree`); memory "host" puts it where
     host_sharding says, in buffers of its own (see _own)."""
-    mesh = mesh or default_mesh()
+    mesh = mesh or current_mesh()
     place = host_sharding if memory == "host" else sharding
     jax.tree_util.tree_map_with_path(lambda path, leaf, axes: _check_split(path, leaf, axes, mesh),
                                      tree, axes_tree)
@@ -217,7 +232,7 @@ def _read_row(leaf: jax.Array, i) -> jax.Array:
 def replicated(tree, mesh=None):
     """device_put of every leaf whole on every device (counters, rowmaps, tokens: leaves without
     a declaration), committed as a step's outputs are."""
-    where = NamedSharding(mesh or default_mesh(), PartitionSpec())
+    where = NamedSharding(mesh or current_mesh(), PartitionSpec())
     return jax.tree.map(lambda leaf: _placed(leaf, where), tree)
 
 
@@ -260,7 +275,7 @@ def over_tensor(fn, in_axes: tuple, out_axes: tuple, mesh=None):
     logical axes of its leaves (a pytree prefix of tuples) or None (whole on every device).
     `fn` returns a tuple; out_axes: per output, "sum" (a partial sum over "tensor": psum'd),
     None (the same on every device) or its logical axes (each device's shard of it)."""
-    mesh = mesh or default_mesh()
+    mesh = mesh or current_mesh()
     if tensor_size(mesh) == 1:
         return fn
 

@@ -12,7 +12,6 @@ import logging
 
 from tidejax.config import EngineConfig
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.engine import use_compile_cache
 from tidejax.runtime.runner import Runner
 
 log = logging.getLogger("tidejax")
@@ -20,8 +19,6 @@ log = logging.getLogger("tidejax")
 
 def follow(config: EngineConfig, channel) -> None:
     """A peer's life: load the same model, then run process 0's plans until it stops."""
-    if config.engine.compile_cache:
-        use_compile_cache(config.engine.compile_cache)
     runner = Runner(LoadedModel(config))
     log.info("process %d follows process 0", config.distributed.process_id)
     while True:

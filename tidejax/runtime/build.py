@@ -17,6 +17,7 @@ which, path by path). Sequence copies (preemption) go by powers of two of pages 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -41,6 +42,7 @@ from tidejax.residency.manager import Residency
 from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
+from tidejax.runtime.compile_cache import compile_cache
 from tidejax.runtime.state import DecodeState
 from tidejax.runtime.steps import (DecodeInputs, DecodeRows, PrefillChunk, PrefillInputs, Replay,
                                    ScoreInputs, StepInputs, Steps)
@@ -67,9 +69,21 @@ class LoadedModel:
             raise ConfigError(f"{config.source_of('model.path')}: 'model.path' = "
                               f"{config.model.path!r} is not a checkpoint directory (no "
                               "config.json)")
+        self.mesh = self._mesh(config)
+        self.compile_cache = config.engine.compile_cache  # "": the process's setting
+        if self.compile_cache:
+            log.info("compiled steps cached in %s", self.compile_cache)
+        with self.scope():
+            self._load(config, model_dir)
+
+    def scope(self):
+        """The model's own mesh and compilation cache, around its work: its loading here, every
+        device call in the Runner (tidejax.parallel.on_mesh, runtime/compile_cache.py)."""
+        return _scope(self.mesh, self.compile_cache)
+
+    def _load(self, config: EngineConfig, model_dir: Path) -> None:
         raw = read_json(model_dir / "config.json")
         source = str(model_dir / "config.json")
-        self.mesh = self._mesh(config)
         self.family = family_for(raw, source)
         self.cfg = self.family.config_from_hf(raw, source)
         self.tokenizer = Tokenizer(model_dir)
@@ -114,13 +128,13 @@ class LoadedModel:
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
-        self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32))
+        self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32), self.mesh)
 
     @staticmethod
     def _mesh(config: EngineConfig):
-        """The process's mesh, 1 x distributed.tensor_parallel (tidejax.parallel.use_mesh)."""
+        """The model's mesh, 1 x distributed.tensor_parallel (tidejax.parallel.tensor_mesh)."""
         try:
-            mesh = parallel.use_mesh(config.distributed.tensor_parallel)
+            mesh = parallel.tensor_mesh(config.distributed.tensor_parallel)
         except ValueError as e:
             raise ConfigError(f"{config.source_of('distributed.tensor_parallel')}: {e}") from None
         policy = config.residency.miss_policy
@@ -153,9 +167,10 @@ class LoadedModel:
         cache = self.new_cache(self.kv_pages, self.lanes)
         axes = self.family.cache_axes
         cache = PagedCache(
-            parallel.put(cache.pages, axes(cache.pages)) if axes else parallel.replicated(cache.pages),
-            parallel.replicated(cache.lanes))
-        return DecodeState.create(cache, experts, self.lanes, self.vocab_size)
+            parallel.put(cache.pages, axes(cache.pages), self.mesh) if axes
+            else parallel.replicated(cache.pages, self.mesh),
+            parallel.replicated(cache.lanes, self.mesh))
+        return DecodeState.create(cache, experts, self.lanes, self.vocab_size, self.mesh)
 
     @property
     def vocab_size(self) -> int:
@@ -419,7 +434,7 @@ class LoadedModel:
             if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
                 raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
                                  f"got shape {picks.shape}")
-            picks = parallel.replicated(picks)  # once: steps index it by a cursor
+            picks = parallel.replicated(picks, self.mesh)  # once: steps index it by a cursor
         self._replay, self._replay_cursor = picks, 0
 
     def _replay_rows(self, n_tokens: int) -> Replay | None:
@@ -471,9 +486,15 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     return params, aux, pool.result()
 
 
+@contextlib.contextmanager
+def _scope(mesh, cache_folder: str):
+    with parallel.on_mesh(mesh), compile_cache(cache_folder):
+        yield
+
+
 def _rows_into(pool: ExpertPool):
     """The put_row that loading calls: the pool's, each row's gate_up interleaved first where
-    the mesh splits "tensor" (tidejax.pallas.bank)."""
+    the mesh loading runs on (parallel.on_mesh) splits "tensor" (tidejax.pallas.bank)."""
     tensor = parallel.tensor_size()
     if tensor == 1:
         return pool.put_row

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
@@ -44,8 +43,6 @@ class Engine:
     def __init__(self, config: EngineConfig, channel=None):
         """channel: process 0's channel to its peers (tidejax.distributed.start), None alone."""
         self.config = config
-        if config.engine.compile_cache:
-            use_compile_cache(config.engine.compile_cache)
         self.loaded = LoadedModel(config)
         self.runner = Runner(self.loaded, channel)
         self.scheduler = Scheduler(self.loaded, self.runner)
@@ -201,21 +198,6 @@ class Engine:
     def kv_stats(self) -> dict:
         """The KV cache's size: the pool's pages and bytes, a dense cache's, the lanes' rows."""
         return self.loaded.kv_stats()
-
-
-def use_compile_cache(folder: str) -> None:
-    """JAX's persistent compilation cache in `folder` (process-wide): a restart with the same
-    model, shapes and jax version reads its compiled steps instead of compiling them again.
-    Every compilation is kept, the small ones too: 16 of the 23 executables of a start (the tiny
-    8-layer synthetic on CPU) compile in under half a second, and read back they cost less.
-    JAX opens its cache folder once, at the first compile after one is set, and keeps it, so the
-    cache is reset here: without that, a second folder in one process was ignored."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    jax_cache.reset_cache()
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log.info("compiled steps cached in %s", folder)
 
 
 def load(model_or_profile: str | Path, trace_dir: str | None = None, **overrides) -> Engine:

@@ -24,6 +24,7 @@ While the scheduler's thread runs (`owner`), a call from another thread raises: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import jax
@@ -61,12 +62,23 @@ class StepResult:
         return np.asarray(self.logits, np.float32)[0]
 
 
+def _in_scope(method):
+    """`method` inside its model's scope (LoadedModel.scope: the model's mesh and compilation
+    cache), as every call of the runner's that touches the device runs."""
+    @functools.wraps(method)
+    def scoped(self, *args, **kwargs):
+        with self.model.scope():
+            return method(self, *args, **kwargs)
+    return scoped
+
+
 class Runner:
     def __init__(self, model: LoadedModel, channel=None):
         """channel: process 0's tidejax.distributed channel to its peers, which get every plan;
         None in one process and on a peer."""
         self.model = model
-        self.state = model.initial_state()  # the one DecodeState, donated into every step
+        with model.scope():
+            self.state = model.initial_state()  # the one DecodeState, donated into every step
         self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
         self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
         self._steps = 0  # mixed steps run
@@ -78,6 +90,7 @@ class Runner:
 
     # -- plans -----------------------------------------------------------------------------
 
+    @_in_scope
     def run(self, plan: StepPlan) -> StepResult:
         """Carries out `plan` in its order (runtime/plan.py); queues its device call and returns
         without waiting for it."""
@@ -148,6 +161,7 @@ class Runner:
 
     # -- calls outside plans (process 0) -----------------------------------------------------
 
+    @_in_scope
     def dispatch(self, inputs) -> tuple:
         """The jitted step alone over the state (donated): (Sampled, Tallies). Plans are the
         serving path; benchmarks time this one bare."""
@@ -155,10 +169,12 @@ class Runner:
         sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
         return sampled, tallies
 
+    @_in_scope
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
         return self.model.steps.step.lower(self.model.params, self.state, inputs)
 
+    @_in_scope
     def update_experts(self, fn) -> None:
         """The expert state through `fn(experts) -> experts` between steps: residency's
         between-step operations (reseed, drain, move_to, apply_swaps). Across processes each
@@ -166,6 +182,7 @@ class Runner:
         self._own()
         self.state = self.state.replace(experts=fn(self.state.experts))
 
+    @_in_scope
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
         """LoadedModel.set_routing_replay, refused across processes (the picks are process 0's)."""
         if picks is not None and self.peers is not None:
@@ -178,6 +195,7 @@ class Runner:
         """Whether a failed call left the state's buffers donated (deleted)."""
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
 
+    @_in_scope
     def rebuild(self) -> None:
         """The DecodeState after a failed step (LoadedModel.rebuilt_state); the saved copies
         stay. Across processes the peers' states would have to be rebuilt with it: refused."""
@@ -188,6 +206,7 @@ class Runner:
 
     # -- peers -----------------------------------------------------------------------------
 
+    @_in_scope
     def boot(self, slot_rows: np.ndarray) -> None:
         """A peer takes process 0's boot map where its own (from its history) differs."""
         residency = self.model.residency

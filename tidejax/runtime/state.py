@@ -31,10 +31,13 @@ class DecodeState:
     sampling: LaneSampling
 
     @staticmethod
-    def create(cache: PagedCache, experts: ExpertState, lanes: int, vocab: int) -> "DecodeState":
+    def create(cache: PagedCache, experts: ExpertState, lanes: int, vocab: int,
+               mesh) -> "DecodeState":
         """`cache` and `experts` already placed; every lane greedy until a request is admitted.
-        The sampling arrays are committed to the device, as the steps return them (one compile)."""
-        return DecodeState(cache, experts, parallel.replicated(LaneSampling.create(lanes, vocab)))
+        The sampling arrays are committed to `mesh`'s devices, as the steps return them (one
+        compile)."""
+        return DecodeState(cache, experts,
+                           parallel.replicated(LaneSampling.create(lanes, vocab), mesh))
 
     def replace(self, **fields) -> "DecodeState":
         return dataclasses.replace(self, **fields)
