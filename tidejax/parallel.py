@@ -5,7 +5,8 @@ Every param, KV page, bank and pool leaf names the logical axis of each dimensio
 the functions here are the only place anything is put on a device. One device is a 1x1 mesh.
 The process has no mesh: a loaded model holds its own (`tensor_mesh(tensor)`, from [distributed]
 tensor_parallel) and runs its loading and its device calls `on_mesh(mesh)`, which every
-placement and `over_tensor` given no mesh reads (this thread only, inside the block; else 1x1).
+placement and `over_tensor` given no mesh reads (this thread only, inside the block; else 1x1):
+a thread the block starts starts without it, so what places from threads is given the mesh.
 
     mesh = tensor_mesh(4)                               # 1x4 (0: every device of every process)
     with on_mesh(mesh): ...                             # placements given no mesh use it here

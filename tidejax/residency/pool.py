@@ -10,10 +10,11 @@ from tidejax.errors import ConfigError
 from tidejax.pallas.bank import expert_axes
 
 
-def host_pool(rows: dict) -> dict:
-    """Places a bank-format dict of arrays [L_moe * E, ...] in host memory the device can read
-    inside a jit (tidejax.parallel.host_sharding, by the pool's logical axes)."""
-    return parallel.put(rows, expert_axes(rows, "experts"), memory="host")
+def host_pool(rows: dict, mesh=None) -> dict:
+    """Places a bank-format dict of arrays [L_moe * E, ...] in host memory the devices of `mesh`
+    (None: parallel.current_mesh) can read inside a jit (tidejax.parallel.host_sharding, by the
+    pool's logical axes)."""
+    return parallel.put(rows, expert_axes(rows, "experts"), mesh, memory="host")
 
 
 def row_bytes(rows: dict) -> int:

@@ -105,7 +105,7 @@ class LoadedModel:
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
                                                     self.dtype, config.model.experts,
-                                                    config.model.dense_format)
+                                                    config.model.dense_format, self.mesh)
         self.residency = Residency(
             pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
             config.residency,
@@ -468,11 +468,14 @@ class LoadedModel:
 
 
 def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, dtype,
-                 held_as: str, dense_format: str = "float") -> tuple[dict, object, dict]:
+                 held_as: str, dense_format: str = "float",
+                 mesh=None) -> tuple[dict, object, dict]:
     """(dense params on the device, the family's aux, the routed experts' pool in host memory):
     the pool is placed first and filled in place as the rows are read, so it is never held twice
     (models.loading.ExpertPool with residency.pool.host_pool). dense_format "fp8" (only for a
-    family with Family.dense_fp8): the projections stored FP8 stay FP8 on the device."""
+    family with Family.dense_fp8): the projections stored FP8 stay FP8 on the device. mesh: the
+    model's (None: parallel.current_mesh); named to the pool, which the reading threads place."""
+    mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
     fmt = {}
     if dense_format != "float":
@@ -480,9 +483,10 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
             raise ConfigError(f"model.dense_format = {dense_format!r}: the {family.name} family "
                               f"keeps its dense weights float (use 'float')")
         fmt = {"dense_format": dense_format}
-    pool = ExpertPool(n_moe * n_experts, held_as, dtype, place=host_pool)
-    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, _rows_into(pool),
-                                      **fmt)
+    pool = ExpertPool(n_moe * n_experts, held_as, dtype,
+                      place=functools.partial(host_pool, mesh=mesh))
+    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype,
+                                      _rows_into(pool, parallel.tensor_size(mesh)), **fmt)
     return params, aux, pool.result()
 
 
@@ -492,10 +496,9 @@ def _scope(mesh, cache_folder: str):
         yield
 
 
-def _rows_into(pool: ExpertPool):
+def _rows_into(pool: ExpertPool, tensor: int):
     """The put_row that loading calls: the pool's, each row's gate_up interleaved first where
-    the mesh loading runs on (parallel.on_mesh) splits "tensor" (tidejax.pallas.bank)."""
-    tensor = parallel.tensor_size()
+    the mesh splits "tensor" `tensor` ways (tidejax.pallas.bank)."""
     if tensor == 1:
         return pool.put_row
     return lambda row, arrays: pool.put_row(row, interleave_gate_up(arrays, tensor))
