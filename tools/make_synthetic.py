@@ -1,9 +1,9 @@
 """Write a random-weight checkpoint of a real model's shape, routed experts in MXFP4 / FP4.
 
-    python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
-    python tools/make_synthetic.py OUT_DIR --tiny
-    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
-    python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
+    python -m tools.make_synthetic OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
+    python -m tools.make_synthetic OUT_DIR --tiny
+    python -m tools.make_synthetic OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
+    python -m tools.make_synthetic OUT_DIR --layers 40 --n-experts 16 --router-skew
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,
@@ -114,10 +114,9 @@ import ml_dtypes
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes  # noqa: E402
-from tidejax.models.layers.moe import RouterSpec, route  # noqa: E402
+from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes
+from tidejax.models.layers.moe import RouterSpec, route
 
 E2M1_MEAN_SQUARE = 8.5625  # mean of v**2 over the 16 e2m1 codes
 
