@@ -5,6 +5,11 @@
     python -m tools.make_synthetic OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
     python -m tools.make_synthetic OUT_DIR --layers 40 --n-experts 16 --router-skew
 
+A shape here is a config.json; the tensors follow from it as the loader reads them: each family's
+declared params and checkpoint table name them, tools/synthetic_layout.py stores them as the
+family's published checkpoints do (a new family needs a shape, and a Layout only where its
+published format is not BF16 with fused experts).
+
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,
              MLA dims as DeepSeek-V3's (128 heads, q_lora 1536, kv_lora 512, rope 64)
