@@ -16,7 +16,7 @@ from tidejax.checkpoint import CheckpointReader, fp8
 from tidejax.checkpoint.table import _Plan
 from tidejax.models.base import abstract
 from tools import make_synthetic
-from tools.synthetic_layout import Declared, Layout
+from tools.synthetic_layout import Declared, Layout, flatten
 
 HEADERS = json.loads((Path(__file__).parent / "data" / "synthetic_headers.json").read_text())
 
@@ -34,13 +34,8 @@ def test_tensors_are_the_published_layout_and_load(case, tmp_path):
                               fp8_blocks=declared.table.fp8_blocks)
     plan = _Plan(reader, declared.table, abstract(declared.params), abstract(declared.experts),
                  abstract(declared.host))
-    assert set(plan.params) == {path for path, _ in _leaves(declared.params | declared.host)}
+    assert set(plan.params) == {path for path, _ in flatten(declared.params | declared.host)}
     assert len(plan.rows) == declared.experts["gate_up"].shape[0]
-
-
-def _leaves(tree, prefix=()):
-    for key, value in tree.items():
-        yield from _leaves(value, (*prefix, key)) if isinstance(value, dict) else [((*prefix, key), value)]
 
 
 def test_a_table_that_gives_a_param_two_names_needs_a_preference():
