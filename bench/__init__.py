@@ -1,1 +1,1 @@
-"""Benchmark scripts (run as files: `python bench/NAME.py`); a package so they can share code."""
+"""Benchmark scripts, run from the repository root as `python -m bench.NAME`."""

@@ -1,7 +1,7 @@
 """End-to-end benchmark of a running tidejax server, through the OpenAI API as a user drives it.
 
     python -m tidejax.server --profile NAME &           # any server speaking the OpenAI API
-    python bench/bench.py [--url http://127.0.0.1:8000] [--api-key KEY] [--model NAME]
+    python -m bench.bench [--url http://127.0.0.1:8000] [--api-key KEY] [--model NAME]
         [--tokens 1024] [--runs 3] [--lanes 1,2,4] [--ttft-tokens 8192]
 
 A warm-up request first; then for a prose and a code prompt, at each concurrency (streams at
@@ -24,11 +24,12 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import openai
 
-HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "heldout" / "en.txt"
+from tools.corpus import HELDOUT_DIR
+
+HELDOUT = HELDOUT_DIR / "en.txt"
 PROMPTS = {
     "prose": "Write a long, detailed essay on the history of lighthouses: how they were built, "
              "who kept them, how their lamps and lenses changed, and what replaced them.",

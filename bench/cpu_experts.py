@@ -2,7 +2,7 @@
 GB/s of expert bytes (MXFP4 codes and scales, or bf16 values) a layer's missed picks stream,
 over distinct experts x tokens a step, per ISA path.
 
-    python3 bench/cpu_experts.py [--hidden 5120] [--intermediate 2304] [--experts 1,3,6]
+    python3 -m bench.cpu_experts [--hidden 5120] [--intermediate 2304] [--experts 1,3,6]
         [--tokens 1,4,16] [--formats mxfp4,bf16] [--isas best|all] [--pool 24] [--calls-only]
 
 Expert shapes default to the V3-family synthetic's and DeepSeek-V4.1-Flash's (hidden 5120,
@@ -24,11 +24,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tidejax.pallas.bank import bank_dims  # noqa: E402
-from tidejax.residency import cpu  # noqa: E402
-from tidejax.residency.pool import row_bytes  # noqa: E402
+from tidejax.pallas.bank import bank_dims
+from tidejax.residency import cpu
+from tidejax.residency.pool import row_bytes
 
 
 def random_pool(fmt: str, n: int, d: int, inter: int, seed: int = 0) -> dict:

@@ -6,21 +6,20 @@ the reference engine's token minus that of the kernel engine's (and the logits' 
 float32 computations that differ in rounding (~1e-5 relative for the kernel's bf16 dots, ~1e-7
 for its GEMV) can only part at a near tie, and the margins say how near. Decode speed of both paths is reported too. Run on a GPU:
 
-    PYTHONPATH=. python3 bench/kernel_parity.py [--model models/demo] [--experts bf16|mxfp4]
+    python3 -m bench.kernel_parity [--model models/demo] [--experts bf16|mxfp4]
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import jax
 import numpy as np
 
 import tidejax
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent
+from tools.corpus import HELDOUT_DIR as HELDOUT
 
-HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "heldout"
 
 
 def prompts(n_chars: int = 300) -> dict[str, str]:

@@ -9,7 +9,7 @@ tokens without and with `demand` (the residency counters counted inside it), its
 against `count_demand_reference`. Prints markdown tables and appends them to bench/RESULTS.md
 (and to $OUT/kernels.md when $OUT is set).
 
-    PYTHONPATH=. python3 bench/kernels.py [--quick] [--formats mxfp4,bf16] [--no-demand]
+    python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand]
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def main():
             print(f"demand counting failed:\n{traceback.format_exc()}", flush=True)
     section = "\n".join([
         f"\n## Kernels: grouped MoE, without and with demand counting ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
-        f"`PYTHONPATH=. python3 bench/kernels.py {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
+        f"`python3 -m bench.kernels {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
         f"Ceilings measured in the same run: HBM read {read:.0f} GB/s (bench/ceilings.py, the GB/s "
         f"ratio's divisor), device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
         f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "

@@ -2,7 +2,7 @@
 (runtime.build.load_weights, the path every family takes), in a fresh process with the page
 cache warm; GB/s of checkpoint bytes and the process's memory high-water over the load.
 
-    python bench/load.py MODEL_DIR [--dtype bfloat16] [--experts checkpoint|bf16|mxfp4]
+    python -m bench.load MODEL_DIR [--dtype bfloat16] [--experts checkpoint|bf16|mxfp4]
 
 `grown` is the RSS high-water mark after the load less the one before it (imports, the
 runtime's start and a first host buffer already paid); the pool's bytes are its placed leaves'.
@@ -62,7 +62,7 @@ def measure(model_dir: Path, dtype: str = "float32", experts: str = "checkpoint"
                 pass
     out = subprocess.run([sys.executable, "-c", ONE_LOAD, str(model_dir), dtype, experts],
                          capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+                         env={**os.environ, **(env or {})})
     if out.returncode:
         raise RuntimeError(f"the load failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.split("RESULT", 1)[1])

@@ -1,7 +1,7 @@
 """The paged KV pool and mixed prefill on a real-depth model: decode tok/s against max_context,
 and what a long prompt's arrival does to a lane that is decoding.
 
-    python bench/paging.py MODEL_DIR [--contexts 4096,131072] [--lanes 1,4] [--tokens 64]
+    python -m bench.paging MODEL_DIR [--contexts 4096,131072] [--lanes 1,4] [--tokens 64]
         [--prompt 8192] [--chunks 256,512,2048 | ""] [--trace en] [--set table.key=value ...]
 
 Per max_context (a fresh `tidejax.load`, every expert resident, routing replayed from --trace):
@@ -25,12 +25,9 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.roofline import (drive, load_config, parse_set,  # noqa: E402
-                            prompt_ids, raise_errors, report)
-from tidejax.runtime.sampling import SamplingParams  # noqa: E402
-from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
+from bench.roofline import drive, load_config, parse_set, prompt_ids, raise_errors, report
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 
 PROMPT_TOKENS = 16
 
@@ -141,7 +138,7 @@ def main(argv=None) -> int:
             print(mixed[-1], flush=True)
             print(f"[chunk {chunk}] gaps ms: " + " ".join(f"{g * 1e3:.0f}" for g in gaps), flush=True)
     report("paging.md", f"{datetime.date.today()}, jax {jax.__version__}, {device}, "
-           f"`python bench/paging.py {' '.join(argv or sys.argv[1:])}`\n\n"
+           f"`python -m bench.paging {' '.join(argv or sys.argv[1:])}`\n\n"
            + "\n".join(lines) + "\n\n" + "\n".join(mixed) + "\n")
     return 0
 

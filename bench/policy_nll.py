@@ -1,10 +1,10 @@
 """What a miss policy costs in quality: held-out NLL of a model with part of its routed experts
 resident, for each miss policy, beside all resident (issue 17's quality figure; CPU is enough).
 
-    python bench/policy_nll.py [MODEL] [--resident 0.5] [--policies exact,substitute,ring,cpu,auto]
+    python -m bench.policy_nll [MODEL] [--resident 0.5] [--policies exact,substitute,ring,cpu,auto]
         [--chunk 128] [--tokens 2048] [--domains de,en,fr,man,python] [--set table.key=value ...]
 
-MODEL defaults to the bundled demo model. Each domain's held-out text (tests/data/heldout) is
+MODEL defaults to the bundled demo model. Each domain's held-out text (data/heldout) is
 scored in chunks of CHUNK tokens, each a fresh forward (Engine.logits) that starts with the
 tokenizer's first token; the NLL is the mean over every predicted token of all chunks. The
 chunks go one after another through one engine a policy, so residency learns between them as
@@ -23,12 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench import roofline  # noqa: E402
-
-HELDOUT = REPO / "tests" / "data" / "heldout"
+from bench import roofline
+from tools.corpus import HELDOUT_DIR as HELDOUT, REPO
 
 
 def chunk_nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:

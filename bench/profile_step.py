@@ -1,7 +1,7 @@
 """Where a decode step's device time goes: the jitted step (as bench/step_overhead.py's "bare"
 runs it) traced with the JAX profiler, its kernels summed by the model part that issued them.
 
-    python bench/profile_step.py MODEL_DIR [--steps 16] [--lanes 1,4] [--prefill 0,2048]
+    python -m bench.profile_step MODEL_DIR [--steps 16] [--lanes 1,4] [--prefill 0,2048]
         [--resident 1.0,0.65] [--trace en] [--set table.key=value ...]
 
 Per resident share: a fresh engine (bench/step_overhead.py's load, engine.lanes = the most
@@ -33,12 +33,11 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.roofline import parse_set  # noqa: E402
-from bench.step_overhead import _decode_rows, _first_step, load  # noqa: E402
-from tidejax.kv.pages import pages_for  # noqa: E402
-from tidejax.runtime.steps import PrefillChunk  # noqa: E402
+from bench.roofline import parse_set
+from bench.step_overhead import _decode_rows, _first_step, load
+from tidejax.kv.pages import pages_for
+from tidejax.runtime.steps import PrefillChunk
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", re.M)
 _LAYER = re.compile(r"(layers?)_\d+")

@@ -13,7 +13,7 @@
    interleaved; all-resident and half-resident (substitute, with the per-step miss read the manager
    does) banks.
 
-    PYTHONPATH=. python3 bench/residency.py [--quick]
+    python3 -m bench.residency [--quick]
 
 Prints a markdown table and writes it to $OUT/residency.md when $OUT is set.
 """

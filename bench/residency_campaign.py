@@ -1,6 +1,6 @@
 """Residency campaign: the same traffic, shifting between domains, served three ways on one budget.
 
-    python bench/residency_campaign.py [--model models/demo] [--fit-domain en]
+    python -m bench.residency_campaign [--model models/demo] [--fit-domain en]
         [--phases en,python,de,python] [--resident 0.65] [--requests 4] [--tokens 128]
         [--replay] [--png bench/campaign.png] [--quick] [--set table.key=value ...]
 
@@ -38,10 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import traces  # noqa: E402
-from bench.roofline import (drive, moe_dims, parse_set, prompt_ids,  # noqa: E402
+from bench import traces
+from bench.roofline import (drive, moe_dims, parse_set, prompt_ids,
                             residency_stats, seed_map_from_picks, warm_up)
 
 VARIANTS = ("fixed", "adaptive", "oracle")

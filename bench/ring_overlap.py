@@ -2,7 +2,7 @@
 decode step's ring fetch (named scope `ring_fetch`) and where its schedule puts it, and ms a bare
 step under `ring` beside `substitute` (the same step without the copies).
 
-    python bench/ring_overlap.py MODEL_DIR [--resident 0.625] [--ring-slots 8] [--steps 64]
+    python -m bench.ring_overlap MODEL_DIR [--resident 0.625] [--ring-slots 8] [--steps 64]
         [--lanes 1] [--trace ''] [--set table.key=value ...]
 
 Per policy: a fresh engine (bench/step_overhead.py's load), the step's optimized HLO, and
@@ -28,10 +28,9 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.roofline import parse_set  # noqa: E402
-from bench.step_overhead import _decode_rows, _first_step, bare_ms, load  # noqa: E402
+from bench.roofline import parse_set
+from bench.step_overhead import _decode_rows, _first_step, bare_ms, load
 
 # name = type opcode(...: a tuple type (with spaces, nested parentheses) or a plain one
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\(.*$",

@@ -1,6 +1,6 @@
 """Decode roofline: tok/s measured in-process beside the limit that the bytes it must move set.
 
-    python bench/roofline.py MODEL_DIR [--trace en] [--resident 1.0,0.65]
+    python -m bench.roofline MODEL_DIR [--trace en] [--resident 1.0,0.65]
         [--policies exact,substitute,ring] [--lanes 1,4] [--tokens 256] [--ttft 8192]
         [--set table.key=value ...] [--ceiling-mib 1024]
 
@@ -42,15 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import cpu_experts, traces  # noqa: E402
-from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds  # noqa: E402
-from tidejax import config  # noqa: E402
-from tidejax.errors import ConfigError  # noqa: E402
-from tidejax.runtime.sampling import SamplingParams  # noqa: E402
-from tidejax.residency import cpu  # noqa: E402
-from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent  # noqa: E402
+from bench import cpu_experts, traces
+from bench.ceilings import copy_gbps, hbm_read_gbps, median_seconds
+from tidejax import config
+from tidejax.errors import ConfigError
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.residency import cpu
+from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent
 
 HELDOUT = traces.HELDOUT
 

@@ -1,7 +1,7 @@
 """A soak of a tidejax server: N streaming clients (the openai client) for T minutes.
 
-    python bench/soak.py --profile default --clients 4 --minutes 10 [--set table.key=value ...]
-    python bench/soak.py --url http://127.0.0.1:8000 [--api-key KEY] --clients 4 --minutes 10
+    python -m bench.soak --profile default --clients 4 --minutes 10 [--set table.key=value ...]
+    python -m bench.soak --url http://127.0.0.1:8000 [--api-key KEY] --clients 4 --minutes 10
 
 Without --url it starts `python -m tidejax.server --profile P` on a free loopback port (its log
 goes to --log) and stops it with SIGTERM at the end. Each client streams chat completions back to
@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench import PROMPTS, stream_chat  # noqa: E402
+from bench.bench import PROMPTS, stream_chat
 
 REPO = Path(__file__).resolve().parent.parent
 MIX = [*PROMPTS.values(), "Hello!", "What makes the tide turn?",

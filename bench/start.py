@@ -2,7 +2,7 @@
 `engine.compile_cache` empty (cold: every step compiled) and then filled by that first run (warm:
 the compiled steps read back), plus the load's share (weights read and placed).
 
-    python bench/start.py MODEL_DIR [--cache DIR] [--set table.key=value ...]
+    python -m bench.start MODEL_DIR [--cache DIR] [--set table.key=value ...]
 
 Each run is its own process (`tidejax.load`, then `generate` of 8 tokens); the cache folder is
 emptied before the cold run. The page cache is warm for both (the cold run reads the weights

@@ -2,7 +2,7 @@
 run it, beside ms a step of the same jitted decode step queued back to back with nothing read
 back (the device's own pace).
 
-    python bench/step_overhead.py MODEL_DIR [--steps 64] [--lanes 1,4] [--resident 1.0,0.65]
+    python -m bench.step_overhead MODEL_DIR [--steps 64] [--lanes 1,4] [--resident 1.0,0.65]
         [--trace en] [--set table.key=value ...]
 
 Each resident share is a fresh `tidejax.load` with engine.lanes = the most --lanes (a step
@@ -34,14 +34,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.roofline import load_config, parse_set, prompt_ids, raise_errors  # noqa: E402
-from tidejax.runtime.plan import StepPlan  # noqa: E402
-from tidejax.runtime.sampling import SamplingParams  # noqa: E402
-from tidejax.runtime.steps import DecodeRows  # noqa: E402
-from tidejax.runtime.scheduler import GenerationRequest  # noqa: E402
-from tidejax.kv.pages import pages_for  # noqa: E402
+from bench.roofline import load_config, parse_set, prompt_ids, raise_errors
+from tidejax.runtime.plan import StepPlan
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.steps import DecodeRows
+from tidejax.runtime.scheduler import GenerationRequest
+from tidejax.kv.pages import pages_for
 
 PROMPT_TOKENS = 16
 SAMPLING = SamplingParams(temperature=0.6, seed=0)

@@ -1,10 +1,10 @@
 """Routing traces: the bundled demo model's expert picks on held-out text, per domain, and their
 scaling to a larger (synthetic) model for `Engine.set_routing_replay`.
 
-    python bench/traces.py record [--model models/demo] [--tokens 4096] [--out tests/data/traces]
+    python -m bench.traces record [--model models/demo] [--tokens 4096] [--out data/traces]
 
 `record` runs the demo model's own forward (tidejax's DeepSeek-V3 with its trained params) over
-windows of each tests/data/heldout/<domain>.txt and keeps, per token and MoE layer, the top-k
+windows of each data/heldout/<domain>.txt and keeps, per token and MoE layer, the top-k
 expert ids its router picks (tidejax.models.layers.moe.route on the MoE layer's input, taken with a
 flax method interceptor). Saved as <out>/<domain>.npy: uint8 [tokens, L_moe, k] in the demo's
 expert ids, the router's order (best first).
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-HELDOUT = REPO / "tests" / "data" / "heldout"
-TRACES = REPO / "tests" / "data" / "traces"
+from tools.corpus import HELDOUT_DIR as HELDOUT, REPO
+
+TRACES = REPO / "data" / "traces"
 
 
 def domains(folder: Path = TRACES) -> list[str]:
@@ -36,7 +36,7 @@ def domains(folder: Path = TRACES) -> list[str]:
 def load(domain: str, folder: Path = TRACES) -> np.ndarray:
     path = folder / f"{domain}.npy"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no routing trace (python bench/traces.py record)")
+        raise FileNotFoundError(f"{path}: no routing trace (python -m bench.traces record)")
     return np.load(path)
 
 

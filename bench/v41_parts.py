@@ -12,7 +12,7 @@ RESULTS.md, 2026-12-04), each timed alone on the device in its shipped form besi
   the same tables' bytes (parallel.host_buffer), copied to the device and dequantized there, as
   a prompt chunk's step now takes them (engram.prompt_rows).
 
-    python bench/v41_parts.py [--tokens 4,2048] [--iters 20] [--sites 80] [--rows 4070432]
+    python -m bench.v41_parts [--tokens 4,2048] [--iters 20] [--sites 80] [--rows 4070432]
 
 Per part and token count: seconds the first call took (compiling), ms a call (median of --reps,
 back to back, waited for), kernels a call (op executions in a profiler trace of one call) and the
@@ -36,12 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.profile_step import trace_events  # noqa: E402
-from tidejax import parallel  # noqa: E402
-from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows  # noqa: E402
-from tidejax.models.layers.mhc import sinkhorn  # noqa: E402
+from bench.profile_step import trace_events
+from tidejax import parallel
+from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows
+from tidejax.models.layers.mhc import sinkhorn
 
 ENGRAM_LAYERS, COLS, WIDTH = 2, 24, 256  # ds41-flash: 2 Engram layers, (4 - 1) x 8 heads, 256
 

@@ -1,7 +1,7 @@
 """tidejax beside llama.cpp on the same weights: decode at 1 and 4 lanes, prefill of 512 and 4096
 tokens, with all routed experts on the GPU and with ~65% of them there.
 
-    python bench/vs_llamacpp.py --llama BUILD_DIR --gguf MODEL.gguf --model SYNTHETIC_DIR
+    python -m bench.vs_llamacpp --llama BUILD_DIR --gguf MODEL.gguf --model SYNTHETIC_DIR
         [--resident 1.0,0.65] [--lanes 1,4] [--prompts 512,4096] [--tokens 128] [--chunk 512]
         [--policy exact] [--reps 3] [--engines llama.cpp,tidejax] [--results FILE]
         [--set table.key=value ...]
@@ -46,12 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import roofline  # noqa: E402
-from bench.roofline import PROMPT_TOKENS  # noqa: E402
-from tidejax.fields import read_json  # noqa: E402
-from tidejax.models.registry import family_for  # noqa: E402
+from bench import roofline
+from bench.roofline import PROMPT_TOKENS
+from tidejax.fields import read_json
+from tidejax.models.registry import family_for
 
 ENGINES = ("llama.cpp", "tidejax")
 NGL = "99"  # every layer on the GPU (the synthetic shapes have at most 61)

@@ -15,18 +15,17 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import tidejax  # noqa: E402
-from bench import profile_step, roofline, step_overhead, traces  # noqa: E402
-from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
+import tidejax
+from bench import profile_step, roofline, step_overhead, traces
+from tidejax.checkpoint import CheckpointReader, mxfp4
 
 DEMO = REPO / "models" / "demo"
 
 
 def make_synthetic(out: Path, *args: str) -> Path:
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out), "--tiny",
-                    "--workers", "2", *args], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out), "--tiny",
+                    "--workers", "2", *args], cwd=REPO, check=True, capture_output=True)
     return out
 
 
@@ -108,13 +107,13 @@ def test_bench_against_a_live_server(tiny_bf16, tmp_path):
                                     "page_size": 512})
     with live_server(profile) as url:
         result = subprocess.run(
-            [sys.executable, str(REPO / "bench" / "bench.py"), "--url", url, "--tokens", "12",
+            [sys.executable, "-m", "bench.bench", "--url", url, "--tokens", "12",
              "--runs", "1", "--lanes", "1,2", "--ttft-tokens", "300"],
-            check=True, capture_output=True, text=True, timeout=300)
+            cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
         soak = subprocess.run(
-            [sys.executable, str(REPO / "bench" / "soak.py"), "--url", url, "--clients", "2",
+            [sys.executable, "-m", "bench.soak", "--url", url, "--clients", "2",
              "--minutes", "0.1", "--max-tokens", "12", "--rss-every", "1"],
-            check=True, capture_output=True, text=True, timeout=300).stdout
+            cwd=REPO, check=True, capture_output=True, text=True, timeout=300).stdout
     rows = [r for r in result.stdout.splitlines() if r.startswith(("| prose", "| code"))]
     assert len(rows) == 8  # 2 prompts x 2 concurrencies, printed live and in the table
     for row in rows:
@@ -131,8 +130,8 @@ def test_bench_against_a_live_server(tiny_bf16, tmp_path):
 
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="no bundled demo model")
 def test_residency_campaign_quick_on_the_demo_model(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "bench" / "residency_campaign.py"), "--quick"],
-                   check=True, capture_output=True, text=True, timeout=900,
+    subprocess.run([sys.executable, "-m", "bench.residency_campaign", "--quick"],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=900,
                    env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     report = (tmp_path / "campaign.md").read_text()
     rows = [r for r in report.splitlines() if r.startswith(("| fixed", "| adaptive", "| oracle"))]
@@ -156,11 +155,11 @@ def test_t90_counts_seconds_to_clear_nine_tenths_of_the_excess():
 
 def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "roofline.py"), str(tiny_bf16), "--resident", "1.0",
+        [sys.executable, "-m", "bench.roofline", str(tiny_bf16), "--resident", "1.0",
          "--lanes", "2", "--tokens", "12", "--ttft", "40", "--set", "engine.prefill_chunk=16",
          "--set", "engine.page_size=256",  # one chunk bucket, one page: few step shapes
          "--ceiling-mib", "64"],  # the ceilings over 64 MiB: the CPU streams 1 GiB in ~20 s
-        check=True, capture_output=True, text=True, timeout=600,
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     rows = [r for r in (tmp_path / "roofline.md").read_text().splitlines() if r.startswith("| 100%")]
     assert len(rows) == 1, result.stdout

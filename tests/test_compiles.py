@@ -30,9 +30,9 @@ COMPILE = "/jax/core/compile/backend_compile_duration"  # one event an XLA compi
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds41") / "tiny"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
                     "--shape", "ds41-tiny", "--layers", "2", "--workers", "1"],
-                   check=True, capture_output=True)
+                   cwd=REPO, check=True, capture_output=True)
     return out
 
 

@@ -1,27 +1,20 @@
 """The bundled demo model (models/demo) and the tools that make it (tools/corpus.py,
 tools/tokenizer.py, tools/train_demo.py)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 
+from tools import corpus, demo_stats, train_demo
+from tools.corpus import HELDOUT_DIR as HELDOUT
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo"
-HELDOUT = REPO / "tests" / "data" / "heldout"
 DOMAINS = ["de", "en", "fr", "man", "python"]
 
 
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_heldout_split_is_disjoint_and_stable():
-    corpus = load_tool("corpus")
     docs = [f"document {i}\n\n" + "word " * (i % 37 + 5) for i in range(300)]
     train, test = corpus.split_heldout(docs, 2000)
     assert 2000 <= sum(map(len, test)) < 2000 + max(map(len, docs))
@@ -85,7 +78,6 @@ def test_tiny_training_loss_falls(tmp_path):
     """A few CPU steps of the toy size on the held-out texts: the loss falls, the export loads."""
     from tokenizers import Tokenizer
 
-    td = load_tool("train_demo")
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     arrays = {}
     for d in DOMAINS:
@@ -93,7 +85,7 @@ def test_tiny_training_loss_falls(tmp_path):
         arrays[f"train/{d}"], arrays[f"heldout/{d}"] = ids[:-300], ids[-300:]
     np.savez(tmp_path / "tokens.npz", **arrays)
     out = tmp_path / "tiny"
-    td.main(["train", "--tiny", "--data", str(tmp_path / "tokens.npz"), "--tokenizer", str(DEMO),
+    train_demo.main(["train", "--tiny", "--data", str(tmp_path / "tokens.npz"), "--tokenizer", str(DEMO),
              "--out", str(out), "--steps", "60", "--seq", "64", "--rows-per-domain", "2",
              "--warmup", "5", "--lr", "3e-3", "--log-every", "10", "--shard-mb", "0.4"])
     log = json.loads((out / "training_log.json").read_text())
@@ -110,8 +102,7 @@ def test_tiny_training_loss_falls(tmp_path):
 
 
 def test_demo_stats_measures():
-    stats = load_tool("demo_stats")
-    assert stats.share_for(np.array([10.0, 0, 0, 0])) == 0.25
-    assert stats.share_for(np.array([1.0, 1, 1, 1])) == 1.0  # 3 of 4 make 75% < 90%
-    assert stats.share_for(np.array([50.0, 40, 5, 5])) == 0.5
-    assert stats.hot_set(np.array([3.0, 9, 1, 7]), 2) == {1, 3}
+    assert demo_stats.share_for(np.array([10.0, 0, 0, 0])) == 0.25
+    assert demo_stats.share_for(np.array([1.0, 1, 1, 1])) == 1.0  # 3 of 4 make 75% < 90%
+    assert demo_stats.share_for(np.array([50.0, 40, 5, 5])) == 0.5
+    assert demo_stats.hot_set(np.array([3.0, 9, 1, 7]), 2) == {1, 3}

@@ -19,11 +19,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from tidejax.errors import CheckpointError  # noqa: E402
-from tidejax.checkpoint import CheckpointReader, mxfp4  # noqa: E402
-from tools import make_gguf  # noqa: E402
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint import CheckpointReader, mxfp4
+from tools import make_gguf
+from tools.corpus import HELDOUT_DIR
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # the tiny shape (tools/make_synthetic.py --tiny): 3 layers, the first dense
@@ -32,8 +32,8 @@ E, TOP_K, FF_EXP, VOCAB = 16, 4, 32, 4096
 
 
 def synthetic(out: Path, *args: str) -> Path:
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out), "--tiny",
-                    "--workers", "1", *args], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out), "--tiny",
+                    "--workers", "1", *args], cwd=REPO, check=True, capture_output=True)
     return out
 
 
@@ -210,7 +210,7 @@ def test_llamacpp_scores_text_as_tidejax_does(written, tmp_path):
     import tidejax
 
     model, _, _, _ = written
-    text = (REPO / "tests" / "data" / "heldout" / "en.txt").read_text()[:3000]
+    text = (HELDOUT_DIR / "en.txt").read_text()[:3000]
     (tmp_path / "en.txt").write_text(text)
     exe = Path(os.environ["LLAMACPP_BUILD"]) / "bin" / "llama-perplexity"
     done = subprocess.run([str(exe), "-m", str(model.parent / "tiny.gguf"), "-f",

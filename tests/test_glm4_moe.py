@@ -202,9 +202,9 @@ def test_synthetic_glm_checkpoint_loads_and_decodes(tmp_path):
     """tools/make_synthetic.py's GLM shapes: the published config.json and tensor names, the
     shape's own dense layers, MXFP4 experts kept as MXFP4 in the bank."""
     out = tmp_path / "glm"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
                     "--shape", "glm-tiny", "--layers", "3", "--workers", "1"],
-                   check=True, capture_output=True)
+                   cwd=REPO, check=True, capture_output=True)
     raw = json.loads((out / "config.json").read_text())
     assert (raw["model_type"], raw["first_k_dense_replace"], raw["partial_rotary_factor"]) == (
         "glm4_moe", 1, 0.5)

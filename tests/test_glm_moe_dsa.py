@@ -294,9 +294,9 @@ def test_synthetic_glm5_checkpoint_loads_and_decodes(tmp_path):
     """tools/make_synthetic.py's GLM-5 shapes: the config.json transformers writes, the published
     tensor names (MLA and the indexer), the shape's own dense layer, MXFP4 experts."""
     out = tmp_path / "glm5"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
                     "--shape", "glm5-tiny", "--layers", "2", "--workers", "1"],
-                   check=True, capture_output=True)
+                   cwd=REPO, check=True, capture_output=True)
     engine = tidejax.load(out, engine={"lanes": 1, "max_context": 64},
                           model={"experts": "checkpoint"})
     assert (engine.cfg.index_layers, engine.cfg.moe_layers, engine.cfg.index_topk) == (

@@ -59,7 +59,7 @@ def test_loaded_params_and_pool_are_the_checkpoints_bits(tmp_path, layout):
     transformers' per-expert tensors (gate and up rows joined) and make_synthetic's fused MXFP4
     blocks and scales, read row by row in the loader's threads."""
     if layout == "fused mxfp4":
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(tmp_path),
+        subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(tmp_path),
                         "--tiny", "--workers", "1"], check=True, capture_output=True, cwd=REPO)
     else:
         write_deepseek_v3(tmp_path, first_k_dense_replace=1)

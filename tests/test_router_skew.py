@@ -22,8 +22,8 @@ MEASURED = re.compile(r"the (\d+) most picked of each MoE layer's (\d+) experts 
 
 def synthetic(out: Path, *args: str) -> tuple[int, int, float, float, float]:
     """Writes a tiny synthetic; (hot, experts, mean share, lowest, highest) as the tool prints."""
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
-                           "--workers", "1", *args], check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
+                           "--workers", "1", *args], cwd=REPO, check=True, capture_output=True, text=True)
     found = MEASURED.search(done.stdout)
     assert found, done.stdout
     return (int(found[1]), int(found[2])) + tuple(float(v) for v in found.groups()[2:])

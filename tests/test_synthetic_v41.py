@@ -17,15 +17,14 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import tidejax  # noqa: E402
-from bench import roofline, traces  # noqa: E402
-from tidejax.checkpoint.fp8 import e4m3_to_float32  # noqa: E402
-from tidejax.checkpoint.safetensors_io import SafetensorsFile  # noqa: E402
-from tidejax.runtime.scheduler import GenerationRequest, TokenEvent  # noqa: E402
-from tidejax.errors import CheckpointError  # noqa: E402
-from tidejax.models.deepseek_v41.weights import load  # noqa: E402
+import tidejax
+from bench import roofline, traces
+from tidejax.checkpoint.fp8 import e4m3_to_float32
+from tidejax.checkpoint.safetensors_io import SafetensorsFile
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from tidejax.errors import CheckpointError
+from tidejax.models.deepseek_v41.weights import load
 
 E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
 
@@ -33,9 +32,9 @@ E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fn
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds41") / "tiny"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out),
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
                     "--shape", "ds41-tiny", "--layers", "5", "--workers", "2", "--vocab", "4160"],
-                   check=True, capture_output=True)
+                   cwd=REPO, check=True, capture_output=True)
     return out
 
 

@@ -236,9 +236,9 @@ def test_two_processes_preempt_and_resume_kv_pages_split_by_heads(tmp_path):
     with room for both."""
     import openai
     model = tmp_path / "glm"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(model),
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(model),
                     "--shape", "glm-tiny", "--layers", "3", "--experts", "bf16", "--workers", "1"],
-                   check=True, capture_output=True)
+                   cwd=REPO, check=True, capture_output=True)
     one = tidejax.load(model, engine=GLM_PAIR).generate(GLM_PROMPTS, max_new_tokens=30)
     profile = _pair_profile(tmp_path / "glm.toml", model, engine={**GLM_PAIR, "kv_pool_tokens": 64})
     with _serving_pair(profile) as url:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from bench import vs_llamacpp as vs  # noqa: E402
+from bench import vs_llamacpp as vs
 
 SAMPLES = REPO / "tests" / "data" / "llamacpp"
 
@@ -23,8 +22,8 @@ SAMPLES = REPO / "tests" / "data" / "llamacpp"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vs") / "tiny"
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_synthetic.py"), str(out), "--tiny",
-                    "--workers", "1"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out), "--tiny",
+                    "--workers", "1"], cwd=REPO, check=True, capture_output=True)
     return out
 
 

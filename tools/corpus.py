@@ -1,11 +1,11 @@
 """Assemble the demo model's multi-domain corpus from Debian packages and the local Python stdlib.
 
-    python tools/corpus.py [--cache .corpus] [--heldout-kb 60] [--max-mb 4]
+    python -m tools.corpus [--cache .corpus] [--heldout-kb 60] [--max-mb 4]
 
 Downloads the Debian packages below with `apt-get download` into CACHE/debs, unpacks them with
 `dpkg -x` into CACHE/root, and writes per domain:
     CACHE/<domain>.jsonl             training documents, one JSON object {"text": ...} a line
-    tests/data/heldout/<domain>.txt  held-out documents (a deterministic, hash-chosen subset)
+    data/heldout/<domain>.txt        held-out documents (a deterministic, hash-chosen subset)
     CACHE/manifest.json              sources, licences and sizes per domain
 The held-out documents never appear in the training text.
 """
@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-HELDOUT_DIR = REPO / "tests" / "data" / "heldout"
+HELDOUT_DIR = REPO / "data" / "heldout"
 
 # domain -> list of (Debian package, licence as stated in its copyright file)
 PACKAGES = {

@@ -1,6 +1,6 @@
 """Figures of the demo model, computed with tidejax on the committed held-out texts.
 
-    python tools/demo_stats.py [--model models/demo] [--window 512] [--max-windows 40] [--json PATH]
+    python -m tools.demo_stats [--model models/demo] [--window 512] [--max-windows 40] [--json PATH]
 
 Per domain: the held-out loss (mean next-token NLL, nats per token, over non-overlapping windows);
 the routing skew (the share of a MoE layer's experts that takes 90% of the domain's picks);
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))
-HELDOUT = REPO / "tests" / "data" / "heldout"
+from tools.corpus import HELDOUT_DIR as HELDOUT, REPO
+
 
 PROMPTS = {
     "en": "The most important thing about a computer is",
@@ -104,7 +103,7 @@ def main():
     moe = list(engine.cfg.moe_layers)
     out = ["## Demo model (models/demo): held-out loss, routing skew, hot-set overlap",
            "",
-           f"`python tools/demo_stats.py --window {args.window} --max-windows {args.max_windows}` "
+           f"`python -m tools.demo_stats --window {args.window} --max-windows {args.max_windows}` "
            f"({time.strftime('%Y-%m-%d', time.gmtime())}, jax {jax.__version__}, "
            f"{jax.devices()[0].platform}; tidejax forward, all experts resident). "
            f"{n_experts} routed experts per MoE layer (decoder layers {moe}), "

@@ -1,7 +1,7 @@
 """Write a llama.cpp GGUF (architecture deepseek2) of a DeepSeek-V3-family checkpoint written by
 tools/make_synthetic.py, so llama.cpp runs the very weights tidejax runs (bench/vs_llamacpp.py).
 
-    python tools/make_gguf.py SYNTHETIC_DIR OUT.gguf
+    python -m tools.make_gguf SYNTHETIC_DIR OUT.gguf
 
 Needs gguf-py (PyPI `gguf`, or llama.cpp's own gguf-py folder on PYTHONPATH). What goes in, as
 llama.cpp's converter (convert_hf_to_gguf.py, DeepseekV2Model) writes this architecture:
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,19 +41,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import gguf
+from gguf import GGMLQuantizationType as Q
+from gguf import MODEL_TENSOR as T
 
-import gguf  # noqa: E402
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf import MODEL_TENSOR as T  # noqa: E402
-
-from tidejax.errors import CheckpointError  # noqa: E402
-from tidejax.checkpoint import CheckpointReader  # noqa: E402
-from tidejax.checkpoint.mxfp4 import BLOCK  # noqa: E402
-from tidejax.errors import ConfigError  # noqa: E402
-from tidejax.fields import read_json  # noqa: E402
-from tidejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint import CheckpointReader
+from tidejax.checkpoint.mxfp4 import BLOCK
+from tidejax.errors import ConfigError
+from tidejax.fields import read_json
+from tidejax.models.deepseek_v3.config import DeepseekV3Config
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2
 PRE_TOKENIZER = "gpt-2"

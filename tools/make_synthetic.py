@@ -1,9 +1,14 @@
 """Write a random-weight checkpoint of a real model's shape, routed experts in MXFP4 / FP4.
 
-    python tools/make_synthetic.py OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
-    python tools/make_synthetic.py OUT_DIR --tiny
-    python tools/make_synthetic.py OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
-    python tools/make_synthetic.py OUT_DIR --layers 40 --n-experts 16 --router-skew
+    python -m tools.make_synthetic OUT_DIR --shape v41-flash --layers 8 [--experts mxfp4|bf16]
+    python -m tools.make_synthetic OUT_DIR --tiny
+    python -m tools.make_synthetic OUT_DIR --shape ds41-flash --layers 6 [--engram-gib 4] [--vocab 129280]
+    python -m tools.make_synthetic OUT_DIR --layers 40 --n-experts 16 --router-skew
+
+A shape here is a config.json; the tensors follow from it as the loader reads them: each family's
+declared params and checkpoint table name them, tools/synthetic_layout.py stores them as the
+family's published checkpoints do (a new family needs a shape, and a Layout only where its
+published format is not BF16 with fused experts).
 
 Shapes of the DeepSeek-V3 family (MLA attention, DeepSeekMoE with a shared expert):
   v41-flash  hidden 5120, 384 routed experts of moe_intermediate 2304, 6 a token, 1 shared expert,
@@ -100,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import multiprocessing
@@ -110,25 +116,14 @@ import time
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes  # noqa: E402
-from tidejax.models.layers.moe import RouterSpec, route  # noqa: E402
-
-E2M1_MEAN_SQUARE = 8.5625  # mean of v**2 over the 16 e2m1 codes
-
-
-def _e4m3_codes(bits: np.ndarray) -> np.ndarray:
-    """Random bytes -> e4m3 codes: random sign and mantissa, exponent over the 4 octaves below 2."""
-    return (bits & 0x87) | ((4 + ((bits >> 3) & 3)) << 3)
-
-
-E4M3_MEAN_SQUARE = float(np.mean(np.square(
-    _e4m3_codes(np.arange(256, dtype=np.uint8)).view(ml_dtypes.float8_e4m3fn).astype(np.float32))))
+from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes
+from tidejax.models.layers.moe import RouterSpec, noaux_router, route
+from tidejax.models.registry import FAMILY_MODULES
+from tools.corpus import REPO
+from tools.synthetic_layout import (BF16, E4M3, E8M0, F32, I8, U8, Declared, checkpoint_tensors,
+                                    e4m3_codes)
 
 ATTN_V3 = dict(num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                qk_rope_head_dim=64, v_head_dim=128)
@@ -202,10 +197,6 @@ DS41_SHAPES = {
                       yarn_original=256, engram_gib=1e-4),
 }
 FP8_BLOCK = 32  # the published weight_block_size: one e8m0 scale per 32 x 32 block
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32, U8, I8 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8)
-E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
 ST_DTYPES = {U8: "U8", I8: "I8", BF16: "BF16", F32: "F32", E4M3: "F8_E4M3", E8M0: "F8_E8M0"}
 
 
@@ -258,7 +249,7 @@ def fill(filler: tuple, rng, shape: tuple) -> np.ndarray:
     if kind == "codes":
         return bits.reshape(shape)
     if kind == "e4m3":
-        return _e4m3_codes(bits).reshape(shape)
+        return e4m3_codes(bits).reshape(shape)
     if kind == "scales":
         center = 127 + round(-0.5 * math.log2(param))
         return (center - 1 + bits % 3).astype(np.uint8).reshape(shape)
@@ -280,68 +271,6 @@ def _top_exponent(fan_in: int) -> int:
 def uniform_mean_square(fan_in: int) -> float:
     """E[v^2] of a "bf16" / "f32" filler's values: 0.774 * 4**(e0 - 127)."""
     return 0.774 * 4.0 ** (_top_exponent(fan_in) - 127)
-
-
-def _uniform(fan_in: int, dtype=BF16) -> tuple:
-    return ("bf16" if dtype == BF16 else "f32", fan_in)
-
-
-def _const(value: float, dtype) -> tuple:
-    return ("const_bf16" if dtype == BF16 else "const_f32", value)
-
-
-_codes = ("codes", 0)
-_e4m3 = ("e4m3", 0)
-
-
-def _scales(fan_in: int, mean_square: float = E2M1_MEAN_SQUARE) -> tuple:
-    return ("scales", fan_in * mean_square)
-
-
-def layer_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None) -> list[tuple]:
-    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    q_lora, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    p = f"model.layers.{i}"
-    return [
-        (f"{p}.input_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
-        (f"{p}.post_attention_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
-        (f"{p}.self_attn.q_a_proj.weight", BF16, (q_lora, d), _uniform(d)),
-        (f"{p}.self_attn.q_a_layernorm.weight", BF16, (q_lora,), _const(1.0, BF16)),
-        (f"{p}.self_attn.q_b_proj.weight", BF16, (h * (nope + rope), q_lora), _uniform(q_lora)),
-        (f"{p}.self_attn.kv_a_proj_with_mqa.weight", BF16, (c + rope, d), _uniform(d)),
-        (f"{p}.self_attn.kv_a_layernorm.weight", BF16, (c,), _const(1.0, BF16)),
-        (f"{p}.self_attn.kv_b_proj.weight", BF16, (h * (nope + v), c), _uniform(c)),
-        (f"{p}.self_attn.o_proj.weight", BF16, (d, h * v), _uniform(h * v)),
-    ] + mlp_tensors(cfg, i, experts, skew)
-
-
-def mlp_tensors(cfg: dict, i: int, experts: str, skew: RouterSkew | None = None) -> list[tuple]:
-    """Layer i's MLP (V3 and GLM families): dense in the first_k_dense_replace layers, else the
-    router (its correction bias from `skew`, else 0), the shared expert and the routed experts
-    fused (MXFP4 or bf16)."""
-    d, p = cfg["hidden_size"], f"model.layers.{i}"
-    if i < cfg["first_k_dense_replace"]:
-        inter = cfg["intermediate_size"]
-        return [(f"{p}.mlp.gate_proj.weight", BF16, (inter, d), _uniform(d)),
-                (f"{p}.mlp.up_proj.weight", BF16, (inter, d), _uniform(d)),
-                (f"{p}.mlp.down_proj.weight", BF16, (d, inter), _uniform(inter))]
-    e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    shared = inter * cfg["n_shared_experts"]
-    out = [(f"{p}.mlp.gate.weight", BF16, (e, d), _uniform(d)),
-           (f"{p}.mlp.gate.e_score_correction_bias", F32, (e,),
-            skew.layer_bias(i, e) if skew else _const(0.0, F32)),
-           (f"{p}.mlp.shared_experts.gate_proj.weight", BF16, (shared, d), _uniform(d)),
-           (f"{p}.mlp.shared_experts.up_proj.weight", BF16, (shared, d), _uniform(d)),
-           (f"{p}.mlp.shared_experts.down_proj.weight", BF16, (d, shared), _uniform(shared))]
-    x = f"{p}.mlp.experts"
-    if experts == "mxfp4":
-        return out + [(f"{x}.gate_up_proj_blocks", U8, (e, 2 * inter, d // 32, 16), _codes),
-                      (f"{x}.gate_up_proj_scales", U8, (e, 2 * inter, d // 32), _scales(d)),
-                      (f"{x}.down_proj_blocks", U8, (e, d, inter // 32, 16), _codes),
-                      (f"{x}.down_proj_scales", U8, (e, d, inter // 32), _scales(inter))]
-    return out + [(f"{x}.gate_up_proj", BF16, (e, 2 * inter, d), _uniform(d)),
-                  (f"{x}.down_proj", BF16, (e, d, inter), _uniform(inter))]
 
 
 def _glm_shape(shape: dict, layers: int, dense_layers: int | None,
@@ -373,23 +302,6 @@ def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: in
     }
 
 
-def glm_layer_tensors(cfg: dict, i: int, experts: str,
-                      skew: RouterSkew | None = None) -> list[tuple]:
-    d, h, g, k = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                  cfg["head_dim"])
-    a = f"model.layers.{i}.self_attn"
-    out = [(f"model.layers.{i}.input_layernorm.weight", BF16, (d,), _const(1.0, BF16)),
-           (f"model.layers.{i}.post_attention_layernorm.weight", BF16, (d,), _const(1.0, BF16))]
-    for proj, rows in (("q_proj", h * k), ("k_proj", g * k), ("v_proj", g * k)):
-        out += [(f"{a}.{proj}.weight", BF16, (rows, d), _uniform(d)),
-                (f"{a}.{proj}.bias", BF16, (rows,), _const(0.0, BF16))]
-    out.append((f"{a}.o_proj.weight", BF16, (d, h * k), _uniform(h * k)))
-    if cfg["use_qk_norm"]:
-        out += [(f"{a}.q_norm.weight", BF16, (k,), _const(1.0, BF16)),
-                (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16))]
-    return out + mlp_tensors(cfg, i, experts, skew)
-
-
 def glm5_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
                 max_positions: int, special: dict, n_experts: int = 0) -> dict:
     """A config.json as transformers' GlmMoeDsaConfig writes GLM-5's (an indexer in every
@@ -407,26 +319,6 @@ def glm5_config(shape: str, layers: int, dense_layers: int | None, vocab_size: i
         "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
         **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
     }
-
-
-def glm5_layer_tensors(cfg: dict, i: int, experts: str,
-                       skew: RouterSkew | None = None) -> list[tuple]:
-    """Layer i: MLA and the MLP as the V3 family's, and the DSA indexer."""
-    d, n, k = cfg["hidden_size"], cfg["index_n_heads"], cfg["index_head_dim"]
-    a = f"model.layers.{i}.self_attn.indexer"
-    return layer_tensors(cfg, i, experts, skew) + [
-        (f"{a}.wq_b.weight", BF16, (n * k, cfg["q_lora_rank"]), _uniform(cfg["q_lora_rank"])),
-        (f"{a}.wk.weight", BF16, (k, d), _uniform(d)),
-        (f"{a}.k_norm.weight", BF16, (k,), _const(1.0, BF16)),
-        (f"{a}.k_norm.bias", BF16, (k,), _const(0.0, BF16)),
-        (f"{a}.weights_proj.weight", BF16, (n, d), _uniform(d))]
-
-
-def top_tensors(cfg: dict) -> list[tuple]:
-    v, d = cfg["vocab_size"], cfg["hidden_size"]
-    return [("model.embed_tokens.weight", BF16, (v, d), _uniform(1)),
-            ("model.norm.weight", BF16, (d,), _const(1.0, BF16)),
-            ("lm_head.weight", BF16, (v, d), _uniform(d))]
 
 
 # -- DeepSeek-V4.1, in the published layout ---------------------------------------------------
@@ -481,78 +373,6 @@ def ds41_config(shape: str, layers: int, vocab_size: int, special: dict, token_m
             "tidejax_synthetic": {"shape": shape, "random_weights": True, "layers_of_40": kept}}
 
 
-def _ones(name: str, n: int) -> tuple:
-    return (name, BF16, (n,), _const(1.0, BF16))
-
-
-def _fp8(name: str, out: int, inn: int) -> list[tuple]:
-    """A dense weight [out, in] in e4m3 and its e8m0 scales, one per FP8_BLOCK x FP8_BLOCK."""
-    blocks = (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
-    return [(f"{name}.weight", E4M3, (out, inn), _e4m3),
-            (f"{name}.scale", E8M0, blocks, _scales(inn, E4M3_MEAN_SQUARE))]
-
-
-def _fp4(name: str, out: int, inn: int) -> list[tuple]:
-    """A routed expert's weight [out, in]: e2m1 pairs [out, in/2] and e8m0 scales [out, in/32]."""
-    return [(f"{name}.weight", I8, (out, inn // 2), _codes),
-            (f"{name}.scale", E8M0, (out, inn // 32), _scales(inn))]
-
-
-def ds41_layer_tensors(t: dict, i: int, skew: RouterSkew | None = None) -> list[tuple]:
-    """Layer i's tensors, from the text config `t`; the router's bias from `skew` (else 0)."""
-    d, h, k, hc = t["hidden_size"], t["num_attention_heads"], t["head_dim"], t["hc_mult"]
-    q_lora, groups, o_lora = t["q_lora_rank"], t["o_groups"], t["o_lora_rank"]
-    p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
-    out = [_ones(f"{p}.attn_norm.weight", d), _ones(f"{p}.ffn_norm.weight", d)]
-    for site in ("attn", "ffn"):
-        out += [(f"{p}.hc_{site}_fn", F32, ((2 + hc) * hc, hc * d), _uniform(hc * d, F32)),
-                (f"{p}.hc_{site}_base", F32, ((2 + hc) * hc,), _const(0.0, F32)),
-                (f"{p}.hc_{site}_scale", F32, (3,), _const(1.0, F32))]
-    out += [*_fp8(f"{a}.wq_a", q_lora, d), _ones(f"{a}.q_norm.weight", q_lora),
-            *_fp8(f"{a}.wq_b", h * k, q_lora), *_fp8(f"{a}.wkv", k, d),
-            _ones(f"{a}.kv_norm.weight", k), *_fp8(f"{a}.wo_a", groups * o_lora, h * k // groups),
-            *_fp8(f"{a}.wo_b", d, groups * o_lora), (f"{a}.attn_sink", F32, (h,), _const(0.0, F32))]
-    kv_source = i in t["kv_source_layer_ids"]
-    if kv_source:
-        out += [(f"{a}.compressor.wkv.weight", BF16, (k, d), _uniform(d)),
-                _ones(f"{a}.compressor.norm.weight", k)]
-        if t["compress_ratios"][i] > 1:  # a ratio-1 compressor pools nothing: no gate
-            out.append((f"{a}.compressor.wgate.weight", BF16, (k, d), _uniform(d)))
-    if i in t["index_source_layer_ids"]:
-        heads, width = t["index_n_heads"], t["index_head_dim"]
-        out += [*_fp8(f"{a}.indexer.wq_b", heads * width, q_lora),
-                (f"{a}.indexer.weights_proj.weight", BF16, (heads, d), _uniform(d))]
-        if kv_source:  # keys only where a compressor makes entries
-            out += [(f"{a}.indexer.wk.weight", BF16, (width, k), _uniform(k)),
-                    _ones(f"{a}.indexer.k_norm.weight", width)]
-    e, inter = t["n_routed_experts"], t["moe_intermediate_size"]
-    out += [(f"{f}.gate.weight", BF16, (e, d), _uniform(d)),
-            (f"{f}.gate.bias", F32, (e,), skew.layer_bias(i, e) if skew else _const(0.0, F32)),
-            (f"{f}.gate.bias_vl", F32, (e,), _const(0.0, F32))]
-    for x in range(e):
-        out += [*_fp4(f"{f}.experts.{x}.w1", inter, d), *_fp4(f"{f}.experts.{x}.w2", d, inter),
-                *_fp4(f"{f}.experts.{x}.w3", inter, d)]
-    out += [*_fp8(f"{f}.shared_experts.w1", inter, d), *_fp8(f"{f}.shared_experts.w2", d, inter),
-            *_fp8(f"{f}.shared_experts.w3", inter, d)]
-    if i in t["engram_layer_ids"]:
-        rows = t["engram_num_embeddings"][t["engram_layer_ids"].index(i)]
-        width = t["engram_head_dim"]
-        cols = (t["engram_max_ngram_size"] - 1) * t["engram_n_heads"]
-        out += [(f"{p}.engram.embed.weight", E4M3, (rows, width), _e4m3),
-                (f"{p}.engram.embed.scale", E8M0, (rows, width // 32), _scales(1, E4M3_MEAN_SQUARE)),
-                *_fp8(f"{p}.engram.wkv", d * (hc + 1), cols * width),
-                (f"{p}.engram.q_weight", BF16, (hc, d), _const(1.0, BF16)),
-                (f"{p}.engram.k_weight", BF16, (hc, d), _const(1.0, BF16))]
-    return out
-
-
-def ds41_top_tensors(t: dict) -> list[tuple]:
-    v, d = t["vocab_size"], t["hidden_size"]
-    return [("embed.weight", BF16, (v, d), _uniform(1)), _ones("norm.weight", d),
-            ("head.weight", BF16, (v, d), _uniform(d))] + [
-        (name, BF16, (d,), _uniform(1)) for name in ("image_start", "image_end", "image_newline")]
-
-
 # -- a skewed router (--router-skew) ---------------------------------------------------------------
 
 HOT_FRACTION, HOT_SHARE = 0.3, 0.7  # --router-skew: that part of a layer's experts takes that share
@@ -579,35 +399,24 @@ class RouterSkew:
 
 @dataclasses.dataclass(frozen=True)
 class Routers:
-    """A checkpoint's routers as tidejax reads them: the family's RouterSpec, the MoE layers,
-    the router weight and bias tensor names (format with the layer) and the hidden size."""
+    """A checkpoint's routers as tidejax reads them: the family's RouterSpec, each MoE layer's
+    router weight and correction bias names (the checkpoint table's), the hidden size."""
 
     spec: RouterSpec
-    layers: tuple[int, ...]
-    weight: str
-    bias: str
+    names: list[tuple[int, str, str | None]]
     hidden: int
 
 
 def routers_of(cfg: dict) -> Routers:
-    if cfg["model_type"] == "deepseek_v41":
-        from tidejax.models.deepseek_v41.config import V41Config
-        from tidejax.models.deepseek_v41.model import router_spec
-        c = V41Config.from_hf(cfg)
-        return Routers(router_spec(c), tuple(range(c.num_layers)), "layers.{}.ffn.gate.weight",
-                       "layers.{}.ffn.gate.bias", c.hidden_size)
-    if cfg["model_type"] == "glm4_moe":
-        from tidejax.models.glm4_moe.config import Glm4MoeConfig as Config
-        from tidejax.models.glm4_moe.model import router_spec
-    elif cfg["model_type"] == "glm_moe_dsa":
-        from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig as Config
-        from tidejax.models.layers.moe import noaux_router as router_spec
+    """The routers of config.json `cfg`: the RouterSpec the family declares its MoE layers with
+    (its model.router_spec; GLM-5's is the shared noaux router)."""
+    declared = Declared.of(cfg)
+    if cfg["model_type"] == "glm_moe_dsa":
+        spec = noaux_router(declared.cfg)
     else:
-        from tidejax.models.deepseek_v3.config import DeepseekV3Config as Config
-        from tidejax.models.deepseek_v3.model import router_spec
-    c = Config.from_hf(cfg)
-    return Routers(router_spec(c), tuple(c.moe_layers), "model.layers.{}.mlp.gate.weight",
-                   "model.layers.{}.mlp.gate.e_score_correction_bias", c.hidden_size)
+        model = importlib.import_module(FAMILY_MODULES[cfg["model_type"]].rsplit(".", 1)[0] + ".model")
+        spec = model.router_spec(declared.cfg)
+    return Routers(spec, declared.routers(), declared.cfg.hidden_size)
 
 
 _route = jax.jit(route, static_argnames="spec")
@@ -668,8 +477,8 @@ def measure_picks(model: Path, tokens: int = MEASURE_TOKENS, seed: int = 0
     x = np.random.default_rng(seed).standard_normal((tokens, routers.hidden)).astype(np.float32)
     x /= np.sqrt(np.mean(x * x, axis=-1, keepdims=True))  # as the RMSNorm before the router
     shares = []
-    for i in routers.layers:
-        ids = _route(x, read(routers.weight.format(i)), read(routers.bias.format(i)),
+    for _, weight, bias in routers.names:
+        ids = _route(x, read(weight), read(bias) if bias else np.zeros(e, np.float32),
                      spec=routers.spec)[0]
         counts = np.sort(np.bincount(np.asarray(ids).reshape(-1), minlength=e))[::-1]
         shares.append(float(counts[:hot].sum() / counts.sum()))
@@ -754,13 +563,24 @@ def read_tokenizer(tokenizer_dir: Path):
     return backend, special
 
 
+def write_headers(out: Path, shards: list[tuple[str, list]], seed: int = 0) -> list[tuple]:
+    """Writes each shard's header (the file sized, its data to come) and the index; returns the
+    jobs that fill the data."""
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [job for k, (file, tensors) in enumerate(shards)
+            for job in shard_jobs(out / file, tensors, (seed, k))]
+    weight_map = {name: file for file, tensors in shards for name, *_ in tensors}
+    total = sum(math.prod(job[4]) * job[3].itemsize for job in jobs)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return jobs
+
+
 def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], tokenizer_dir: Path,
                      seed: int = 0, workers: int = 1) -> int:
     """Writes the shards [(file, tensors)], their index, the tokenizer files and, last,
     config.json; returns the bytes of tensor data."""
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = [job for k, (file, tensors) in enumerate(shards)
-            for job in shard_jobs(out / file, tensors, (seed, k))]
+    jobs = write_headers(out, shards, seed)
     progress = Progress(sum(math.prod(job[4]) * job[3].itemsize for job in jobs))
     if workers > 1:
         # spawned: --router-skew has started JAX's threads here, and a fork of a multithreaded
@@ -771,9 +591,6 @@ def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], token
     else:
         for job in jobs:
             progress.add(run_job(job))
-    weight_map = {name: file for file, tensors in shards for name, *_ in tensors}
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": progress.total}, "weight_map": weight_map}, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -786,7 +603,8 @@ GLM_FLAGS = {"dense_layers": None, "experts": "mxfp4", "max_positions": 16384}
 DS41_FLAGS = {"engram_gib": None}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked, each family's flags defaulted (--tiny: --shape tiny --layers 3)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--shape",
@@ -808,13 +626,15 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo",
                         help="directory with tokenizer.json and tokenizer_config.json")
     parser.add_argument("--router-skew", action="store_true",
-                        help=f"bias each MoE layer's router so that {HOT_FRACTION:.0%} of its "
-                             f"experts take about {HOT_SHARE:.0%} of the picks")
+                        help=f"bias each MoE layer's router so that {100 * HOT_FRACTION:.0f}%% of its "
+                             f"experts take about {100 * HOT_SHARE:.0f}%% of the picks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes filling and writing the shards")
     args = parser.parse_args(argv)
-    shape, layers = ("tiny", 3) if args.tiny else (args.shape, args.layers)
+    if args.tiny:
+        args.shape, args.layers = "tiny", 3
+    shape = args.shape
     flags = (DS41_FLAGS if shape in DS41_SHAPES
              else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES else V3_FLAGS)
     for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
@@ -823,7 +643,13 @@ def main(argv=None) -> int:
     for name, default in flags.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    start = time.perf_counter()
+    return args
+
+
+def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], RouterSkew | None]:
+    """(config.json, the shards [(file, tensors)], the router skew or None) the arguments ask
+    for; nothing is written."""
+    shape, layers = args.shape, args.layers
     backend, special = read_tokenizer(args.tokenizer)
     vocab = backend.get_vocab_size() if args.vocab is None else args.vocab
     if vocab < backend.get_vocab_size():
@@ -841,20 +667,21 @@ def main(argv=None) -> int:
     if skew:
         cfg["tidejax_synthetic"]["router_skew"] = {
             **dataclasses.asdict(skew), "hot_fraction": HOT_FRACTION, "target_share": HOT_SHARE}
+    return cfg, checkpoint_tensors(cfg, args.experts, skew.layer_bias if skew else None), skew
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape, layers = args.shape, args.layers
+    start = time.perf_counter()
+    cfg, shards, skew = plan(args)
+    vocab = (cfg.get("text_config") or cfg)["vocab_size"]
     if shape in DS41_SHAPES:
         t = cfg["text_config"]
-        shards = [("model-top.safetensors", ds41_top_tensors(t))] + [
-            (f"model-layer{i:03d}.safetensors", ds41_layer_tensors(t, i, skew))
-            for i in range(layers)]
         what = (f"{layers} layers (of the 40: {cfg['tidejax_synthetic']['layers_of_40']}) x "
                 f"{t['n_routed_experts']} FP4 experts, Engram tables of "
                 f"{t['engram_num_embeddings']} rows")
     else:
-        layer = (glm_layer_tensors if shape in GLM_SHAPES else glm5_layer_tensors
-                 if shape in GLM5_SHAPES else layer_tensors)
-        shards = [("model-top.safetensors", top_tensors(cfg))] + [
-            (f"model-layer{i:03d}.safetensors", layer(cfg, i, args.experts, skew))
-            for i in range(layers)]
         what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
                 f"{cfg['n_routed_experts']} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)

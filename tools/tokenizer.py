@@ -1,7 +1,7 @@
 """Train the demo model's byte-level BPE tokenizer on the corpus (tools/corpus.py) and write
 tokenizer.json + tokenizer_config.json (with a chat template) into the model directory.
 
-    python tools/tokenizer.py [--corpus .corpus] [--out models/demo] [--vocab 4096]
+    python -m tools.tokenizer [--corpus .corpus] [--out models/demo] [--vocab 4096]
 
 Every domain contributes the same number of characters, so no domain's words crowd out another's.
 Encoding a plain string adds <|bos|> in front (as the training documents start); a chat is

@@ -1,7 +1,7 @@
 """Train the bundled demo model: a small DeepSeek-V3-family MoE, with tidejax's own forward.
 
-    python tools/train_demo.py prepare [--corpus .corpus] [--tokenizer models/demo] [--out .corpus_gpu/tokens.npz]
-    python tools/train_demo.py train --data .corpus_gpu/tokens.npz --out models/demo [--tiny] [--minutes 4]
+    python -m tools.train_demo prepare [--corpus .corpus] [--tokenizer models/demo] [--out .corpus_gpu/tokens.npz]
+    python -m tools.train_demo train --data .corpus_gpu/tokens.npz --out models/demo [--tiny] [--minutes 4]
 
 `prepare` tokenizes every domain's training documents (some written as chats in the tokenizer's
 chat template, so the model learns the turn layout) and the held-out files into one .npz of
@@ -23,14 +23,14 @@ import json
 import math
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from tools.corpus import HELDOUT_DIR
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))  # the device machine runs the tree uninstalled (PYTHONPATH comes first)
 
 BOS_ID, EOS_ID, END_ID = 0, 1, 6  # tools/tokenizer.py SPECIAL order
 
@@ -115,7 +115,7 @@ def prepare(args) -> None:
         ids += [e.ids + [EOS_ID] for e in tok.encode_batch(chats, add_special_tokens=False)]
         rng.shuffle(ids)
         arrays[f"train/{domain}"] = np.fromiter((i for doc in ids for i in doc), np.uint16)
-        held = (REPO / "tests/data/heldout" / f"{domain}.txt").read_text(encoding="utf-8")
+        held = (HELDOUT_DIR / f"{domain}.txt").read_text(encoding="utf-8")
         arrays[f"heldout/{domain}"] = np.asarray(tok.encode(held).ids, np.uint16)
         log(f"{domain:7s} train {len(arrays[f'train/{domain}']):9d} tokens ({len(chats)} chats)  "
             f"held-out {len(arrays[f'heldout/{domain}'])} tokens")
