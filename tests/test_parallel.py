@@ -22,7 +22,7 @@ from tidejax.models.deepseek_v3.weights import param_specs
 from tidejax.pallas.bank import expert_axes
 from tidejax.residency.pool import host_pool
 from tidejax.residency.state import all_resident_state, build_state
-from tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tidejax"
 PLACEMENTS = {"devices", "local_devices", "device_put", "memory", "SingleDeviceSharding"}

@@ -1,0 +1,1 @@
+"""The test suite: folders mirror tidejax/ (and bench/, tools/); shared helpers live in tests.support."""

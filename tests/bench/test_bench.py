@@ -1,0 +1,223 @@
+"""Benchmark tooling: synthetic checkpoints load and route by replayed traces, traces scale to other
+models, and the end-to-end scripts (bench.py against a live server, the residency campaign on the
+demo model) run and report."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+import tidejax
+from bench import profile_step, roofline, step_overhead, traces
+from tidejax.checkpoint import CheckpointReader, mxfp4
+
+DEMO = REPO / "models" / "demo"
+
+
+def make_synthetic(out: Path, *args: str) -> Path:
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out), "--tiny",
+                    "--workers", "2", *args], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory) -> Path:
+    return make_synthetic(tmp_path_factory.mktemp("syn") / "bf16", "--experts", "bf16")
+
+
+@pytest.fixture(scope="module")
+def tiny_mxfp4(tmp_path_factory) -> Path:
+    """The default (MXFP4 experts) tiny synthetic, written once for the tests that read it."""
+    return make_synthetic(tmp_path_factory.mktemp("syn") / "mx")
+
+
+def test_synthetic_checkpoint_loads_and_routes_by_the_replayed_trace(tiny_bf16):
+    engine = tidejax.load(tiny_bf16, engine={"lanes": 1, "max_context": 128})
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    assert (n_moe, n_experts) == (2, 16)
+    ids = engine.tokenizer.encode((traces.HELDOUT / "en.txt").read_text())[:40]
+
+    def counted(replay):
+        engine.set_routing_replay(replay)
+        before = np.asarray(engine.state.experts.counts).copy()
+        logits = engine.logits(ids)
+        assert np.isfinite(logits).all()
+        return np.asarray(engine.state.experts.counts) - before
+
+    picks = traces.scale(traces.load("en"), n_moe, n_experts, engine.cfg.num_experts_per_tok)
+    want = np.stack([np.bincount(picks[:len(ids), l].reshape(-1), minlength=n_experts)
+                     for l in range(n_moe)])
+    np.testing.assert_array_equal(counted(picks), want)
+    assert not np.array_equal(counted(None), want)  # the random router picks otherwise
+
+
+def test_synthetic_mxfp4_experts_are_stored_gpt_oss_style_at_unit_gain(tiny_mxfp4):
+    reader = CheckpointReader(tiny_mxfp4, progress=False)
+    e, d, i = 16, 64, 32
+    prefix = "model.layers.1.mlp.experts"
+    shapes = {"gate_up_proj_blocks": (e, 2 * i, d // 32, 16), "gate_up_proj_scales": (e, 2 * i, d // 32),
+              "down_proj_blocks": (e, d, i // 32, 16), "down_proj_scales": (e, d, i // 32)}
+    for name, shape in shapes.items():
+        assert reader.shape(f"{prefix}.{name}") == shape
+        assert reader.dtype(f"{prefix}.{name}") == np.uint8
+    w = mxfp4.dequantize(reader.read(f"{prefix}.gate_up_proj_blocks"),
+                         reader.read(f"{prefix}.gate_up_proj_scales"))  # [E, 2I, D]
+    x = np.random.default_rng(0).standard_normal((d, 256)).astype(np.float32)
+    gain = float(np.std(w @ x))  # a projection of unit-variance inputs
+    assert 0.5 < gain < 2.0 and math.isfinite(gain)
+
+
+def test_scaled_trace_keeps_each_demo_expert_in_its_block():
+    demo = traces.load("python")
+    n, l_demo, k_demo = demo.shape
+    scaled = traces.scale(demo, 5, 384, 8)
+    assert scaled.shape == (n, 5, 8) and scaled.dtype == np.int32
+    per_block = 384 // 48
+    for layer in range(5):
+        np.testing.assert_array_equal(scaled[:, layer, :k_demo] // per_block, demo[:, layer % l_demo])
+    assert all(len(set(row)) == 8 for row in scaled.reshape(-1, 8))  # distinct picks per token
+    used = np.bincount(scaled[:, 0, 0] % per_block, minlength=per_block)
+    assert used.min() > 0.5 * used.mean()  # the hash spreads over the block
+    fewer = traces.scale(demo, 2, 16, 4)  # fewer experts than the demo: still distinct, in range
+    assert fewer.max() < 16 and all(len(set(row)) == 4 for row in fewer.reshape(-1, 4))
+
+
+def test_distinct_experts_per_step():
+    picks = np.array([[[0, 1]], [[1, 2]], [[3, 4]], [[3, 4]]])  # [N=4, L=1, k=2]
+    assert roofline.distinct_experts(picks, 1, 8, 2, 1) == 2.0
+    assert roofline.distinct_experts(picks, 2, 8, 2, 1) == 2.5  # {0,1,2} then {3,4}
+    assert roofline.distinct_experts(None, 4, 8, 2, 3) == 3 * 8.0  # bound: min(batch*k, E)
+
+
+def test_bench_against_a_live_server(tiny_bf16, tmp_path):
+    from tests.support.server_fixtures import live_server, write_profile
+
+    # one chunk bucket (16) and one page a sequence: every request meets the same few step shapes
+    profile = write_profile(tmp_path / "p.toml", tiny_bf16,
+                            engine={"lanes": 2, "max_context": 512, "prefill_chunk": 16,
+                                    "page_size": 512})
+    with live_server(profile) as url:
+        result = subprocess.run(
+            [sys.executable, "-m", "bench.bench", "--url", url, "--tokens", "12",
+             "--runs", "1", "--lanes", "1,2", "--ttft-tokens", "300"],
+            cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+        soak = subprocess.run(
+            [sys.executable, "-m", "bench.soak", "--url", url, "--clients", "2",
+             "--minutes", "0.1", "--max-tokens", "12", "--rss-every", "1"],
+            cwd=REPO, check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = [r for r in result.stdout.splitlines() if r.startswith(("| prose", "| code"))]
+    assert len(rows) == 8  # 2 prompts x 2 concurrencies, printed live and in the table
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert int(cells[2]) >= 1 and float(cells[3]) > 0 and float(cells[5]) > 0
+    assert "TTFT, prompt of" in result.stdout and " s" in result.stdout.splitlines()[-1]
+    # bench/soak.py: two clients for six seconds, every request served, the memory sampled
+    served = re.search(r"2 clients for 0\.\d min: (\d+) requests, 0 errors, (\d+) tokens", soak)
+    assert served and int(served.group(1)) >= 2 and int(served.group(2)) >= 16, soak
+    assert re.search(r"^\| TTFT \| \d", soak, re.M) and re.search(r"^\| total \| \d", soak, re.M)
+    rss = re.search(r"^\| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [+-][\d.]+ \|", soak, re.M)
+    assert rss and 10 < float(rss.group(1)) <= float(rss.group(3)), soak
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="no bundled demo model")
+def test_residency_campaign_quick_on_the_demo_model(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench.residency_campaign", "--quick"],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=900,
+                   env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    report = (tmp_path / "campaign.md").read_text()
+    rows = [r for r in report.splitlines() if r.startswith(("| fixed", "| adaptive", "| oracle"))]
+    assert len(rows) == 6  # 3 variants x 2 phases
+    cold = {tuple(c.strip() for c in r.strip("|").split("|")[:2]): float(r.split("|")[5])
+            for r in rows}
+    # the fixed map was fitted on phase 0's domain: the shift to the other domain raises its cold share
+    assert cold[("fixed", "1")] > cold[("fixed", "0")]
+    assert (tmp_path / "campaign.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_t90_counts_seconds_to_clear_nine_tenths_of_the_excess():
+    from bench.residency_campaign import t90
+
+    t = [0.5 * i for i in range(80)]
+    cold = [0.5] * 20 + [0.1] * 60  # the excess (0.4) clears at step 20
+    # the 16-step mean first falls to 0.1 + 0.1 * 0.4 at step 34 (one high step left in it)
+    assert t90(t, cold) == pytest.approx(17.0)
+    assert t90(t, [0.1] * 80) is None  # nothing to clear
+
+
+def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.roofline", str(tiny_bf16), "--resident", "1.0",
+         "--lanes", "2", "--tokens", "12", "--ttft", "40", "--set", "engine.prefill_chunk=16",
+         "--set", "engine.page_size=256",  # one chunk bucket, one page: few step shapes
+         "--ceiling-mib", "64"],  # the ceilings over 64 MiB: the CPU streams 1 GiB in ~20 s
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    rows = [r for r in (tmp_path / "roofline.md").read_text().splitlines() if r.startswith("| 100%")]
+    assert len(rows) == 1, result.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    tok_s, limit, ratio = float(cells[3]), float(cells[4]), float(cells[5])
+    assert tok_s > 0 and limit > 0 and abs(ratio - tok_s / limit) < 0.01
+    assert float(cells[10]) > 0  # TTFT
+
+
+def test_step_overhead_on_a_tiny_synthetic_checkpoint(tiny_mxfp4, capsys):
+    """bench/step_overhead.py runs on a tiny synthetic checkpoint and prints its table."""
+    assert step_overhead.main([str(tiny_mxfp4), "--steps", "6", "--lanes", "1,2",
+                               "--resident", "1.0,0.5", "--set", "engine.max_context=128",
+                               "--set", "residency.drain_every=4"]) == 0
+    table = capsys.readouterr().out.split("| resident |")[-1].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert [(r[0], r[2]) for r in rows] == [("100%", "1"), ("100%", "2"), ("50%", "1"), ("50%", "2")]
+    for row in rows:
+        loop, engine, bare, ratio = map(float, row[3:])
+        assert loop > 0 and engine > 0 and bare > 0
+        assert abs(ratio - loop / bare) < 0.02 * ratio + 0.01
+
+
+def test_profile_step_attributes_a_step_to_its_model_parts(tiny_mxfp4, capsys):
+    """bench/profile_step.py traces bare steps of a tiny synthetic and sums the ops by part: the
+    layers' attention and MoE appear with time, the parts add up to the ops' total, and a step
+    that carries a prompt chunk runs more kernels and more op time than decoding alone."""
+    assert profile_step.main([str(tiny_mxfp4), "--steps", "2", "--resident", "0.5",
+                              "--prefill", "0,16", "--set", "engine.max_context=128"]) == 0
+    cases = {}
+    for case in capsys.readouterr().out.split("\n\n[")[1:]:
+        head = re.match(r"(.*)\] wall ([\d.]+) ms a step; (\d+) kernels, busy ([\d.]+) ms, idle "
+                        r"([\d.]+) ms a step; ([\d.]+) ms of ops", case)
+        assert head, case
+        table = case.split("| part |")[1].split("\n\n")[0].splitlines()[2:]
+        parts = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in table}
+        total = float(head[6])
+        assert any(p.endswith("layers/moe") and ms > 0 for p, ms in parts.items()), parts
+        assert any(p.endswith("layers/attn") and ms > 0 for p, ms in parts.items()), parts
+        assert abs(sum(parts.values()) - total) < 0.01 * total + 0.01
+        assert float(head[2]) > 0 and 0 < float(head[4]) <= total + 0.01
+        cases[head[1].split("prefill ")[-1]] = (int(head[3]), total)
+    assert set(cases) == {"0", "16"}
+    assert cases["16"][0] > cases["0"][0] and cases["16"][1] > cases["0"][1]
+
+
+def test_v41_parts_times_each_part_beside_its_candidate(capsys):
+    """bench/v41_parts.py runs the shipped Sinkhorn and Engram gather beside their candidates:
+    every row has time and kernels, and each candidate computes what the shipped form does."""
+    from bench import v41_parts
+
+    assert v41_parts.main(["--tokens", "3", "--rows", "500", "--sites", "2", "--reps", "1"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[-1].splitlines()[2:]
+    rows = [line.split("|")[1:-1] for line in table]
+    assert [(r[0].strip(), r[2].strip()) for r in rows] == [
+        ("sinkhorn x 2", "loop (shipped)"), ("sinkhorn x 2", "loop unrolled"),
+        ("sinkhorn x 2", "elementwise loop body"),
+        ("engram rows", "loop"), ("engram rows", "host gather")]
+    for row in rows:
+        assert float(row[3]) > 0 and float(row[4]) > 0 and int(row[5]) > 0
+        assert float(row[6]) < 1e-5

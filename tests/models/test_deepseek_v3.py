@@ -1,0 +1,244 @@
+"""The DeepSeek-V3 family against transformers' DeepseekV3ForCausalLM on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import flax.errors
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+import tidejax
+from tidejax.errors import CheckpointError
+from tidejax.checkpoint import CheckpointReader
+from tidejax.errors import ConfigError
+from tidejax.models.deepseek_v3.config import DeepseekV3Config
+from tidejax.kv.paged import PagedCache
+from tidejax.models.base import ParamSpec, init
+from tidejax.models.deepseek_v3.model import build
+from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
+from tidejax.models.layers.mla import MLACache
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import all_resident_state
+from tests.support.declaration import check_forward_on_declared, param_paths
+from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits,
+                                       deepseek_v3_config, relative_diff, served_greedy,
+                                       state_dict, transformers_greedy, write_deepseek_v3,
+                                       write_fp8_copies, write_fused_copy)
+
+PROMPT = np.random.RandomState(7).randint(3, 256, 32)
+# 16-token chunks: PROMPT prefills in two, in the step shape the short prompts of the sampling
+# test (and residency's calibration) take too: one compiled prefill step, not two
+ENGINE = {"prefill_chunk": 16}
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSEEK_V3_CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = write_deepseek_v3(path, seed=len(request.param), **DEEPSEEK_V3_CONFIGS[request.param])
+    return request.param, path, model, tidejax.load(path, engine=ENGINE)
+
+
+def _config(name: str) -> DeepseekV3Config:
+    return DeepseekV3Config.from_hf(deepseek_v3_config(**DEEPSEEK_V3_CONFIGS[name]).to_dict())
+
+
+def _forward_args(cfg) -> tuple:
+    """A forward's arguments before the experts: 4 tokens into one page of 4; block table [[0]]."""
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    return (tokens, tokens, tokens > -1, PagedCache(MLACache.create(cfg, 1, 4, jnp.float32)),
+            tokens[:, :1])
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_V3_CONFIGS))
+def test_declared_params_are_what_the_model_consumes(name):
+    """The model reads every declared param and runs on params from init(specs)
+    (declaration.check_forward_on_declared), and the checkpoint table names one tensor for every
+    declared param."""
+    cfg = _config(name)
+    declared = param_specs(cfg, jnp.float32)
+    check_forward_on_declared(build(cfg, ServeOptions(kernel="reference", all_resident=True),
+                                    jnp.float32), declared, expert_specs(cfg, jnp.float32),
+                              len(cfg.moe_layers), _forward_args(cfg))
+    table = checkpoint_table(cfg)
+    for path in param_paths(declared):
+        assert len(table.param_names(path)) == 1, path
+
+
+def test_params_unlike_the_declaration_fail_loudly():
+    """The modules take their params' shapes from the spec builders (base.declare): a param of
+    another shape or a missing one fails the forward, naming it; a declared param no module reads
+    fails check_forward_on_declared."""
+    cfg = _config("qlora_groups")
+    model = build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32)
+    declared, experts = param_specs(cfg, jnp.float32), expert_specs(cfg, jnp.float32)
+    resident = all_resident_state(init(experts, jax.random.key(1)), len(cfg.moe_layers))
+
+    def forward(params):
+        return jax.eval_shape(lambda: model.apply({"params": params}, *_forward_args(cfg),
+                                                  resident))
+
+    params = init(declared, jax.random.key(0))
+    forward(params)
+    wrong = jax.tree.map(lambda a: a, params)  # new dicts, the same arrays
+    wrong["layers_0"]["attn"]["kv_b_proj"] = params["layers_0"]["attn"]["kv_b_proj"][1:]
+    with pytest.raises(flax.errors.ScopeParamShapeError, match="kv_b_proj"):
+        forward(wrong)
+    with pytest.raises(flax.errors.ScopeParamNotFoundError, match="lm_head"):
+        forward({k: v for k, v in params.items() if k != "lm_head"})
+    unread = declared | {"unread": ParamSpec((2,), jnp.float32, (None,))}
+    with pytest.raises(AssertionError, match="never reads.*unread"):
+        check_forward_on_declared(model, unread, experts, len(cfg.moe_layers), _forward_args(cfg))
+
+
+def test_logits_match_transformers(tiny):
+    name, _, model, engine = tiny
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    diff = relative_diff(engine.logits(PROMPT), ref)
+    print(f"{name}: max relative logit difference {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    _, _, model, engine = tiny
+    assert served_greedy(engine, PROMPT, 20) == transformers_greedy(model, PROMPT, 20)
+
+
+def test_cached_decode_equals_full_forward(tiny):
+    _, _, _, engine = tiny
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
+
+
+def test_sampling_is_seeded_and_batch_independent(tiny):
+    _, _, _, engine = tiny
+    kwargs = dict(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=3)
+    alone = engine.generate("The tide", **kwargs)
+    together = engine.generate(["def add", "The tide", "Le chat"], **kwargs)
+    assert together[1] == alone
+    assert engine.generate("The tide", **kwargs) == alone
+
+
+def test_fused_and_fp8_layouts_load_to_the_same_logits(tiny, tmp_path):
+    """transformers 5's in-memory fused experts, and DeepSeek's FP8 blocks, load like the original."""
+    name, path, model, engine = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for the layouts")
+    fused = write_fused_copy(model, path, tmp_path / "fused")
+    np.testing.assert_array_equal(tidejax.load(fused).logits(PROMPT), engine.logits(PROMPT))
+    fp8, dequant = write_fp8_copies(path, tmp_path)
+    np.testing.assert_array_equal(tidejax.load(fp8).logits(PROMPT),
+                                  tidejax.load(dequant).logits(PROMPT))
+
+
+def test_bad_checkpoints_name_file_and_tensor(tiny, tmp_path):
+    name, path, _, _ = tiny
+    if name != "no_qlora":
+        pytest.skip("one config is enough for the failure cases")
+
+    def copy(label):
+        target = tmp_path / label
+        shutil.copytree(path, target)
+        return target
+
+    missing = copy("missing")
+    tensors = {k: CheckpointReader(path, progress=False).read(k)
+               for k in CheckpointReader(path, progress=False).names()}
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(tensors, str(missing / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.layers\.1\.self_attn\.kv_b_proj\.weight"):
+        tidejax.load(missing)
+
+    wrong = copy("wrong_shape")
+    tensors = {k: CheckpointReader(path, progress=False).read(k)
+               for k in CheckpointReader(path, progress=False).names()}
+    tensors["model.norm.weight"] = np.ones(7, np.float32)
+    save_file(tensors, str(wrong / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.norm\.weight.*\[7\]"):
+        tidejax.load(wrong)
+
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|beyond)"):
+        tidejax.load(truncated)
+
+    unknown = copy("unknown_type")
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "mystery_moe"
+    (unknown / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json.*model_type.*mystery_moe"):
+        tidejax.load(unknown)
+
+    no_field = copy("missing_field")
+    del config["kv_lora_rank"]
+    config["model_type"] = "deepseek_v3"
+    (no_field / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json.*kv_lora_rank"):
+        tidejax.load(no_field)
+
+
+def test_half_resident_exact_equals_all_resident(tiny):
+    """Half the experts in the bank, misses copied in from the host pool: the same logits."""
+    name, path, _, engine = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for residency")
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    half = tidejax.load(path, engine=ENGINE, residency={"budget_experts": n_moe * n_experts // 2,
+                                                       "miss_policy": "exact"})
+    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
+    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
+    assert half.residency.stats()["misses"] > 0
+
+
+def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):
+    """Experts stored as fused MXFP4 blocks and scales stay MXFP4 in the bank and compute what
+    the same values stored dense compute."""
+    from tidejax.checkpoint import mxfp4
+    name, path, model, _ = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for the format")
+    state = state_dict(model)
+    packed, dense = dict(state), dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(state[key])
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        dense[key] = mxfp4.dequantize(blocks, scales).astype(np.float32)
+    for label, tensors in (("packed", packed), ("dense", dense)):
+        shutil.copytree(path, tmp_path / label)
+        (tmp_path / label / "model.safetensors").unlink()
+        save_file(tensors, str(tmp_path / label / "model.safetensors"))
+    native = tidejax.load(tmp_path / "packed")
+    assert set(native.state.experts.bank) == {"gate_up_blocks", "gate_up_scales",
+                                                "down_blocks", "down_scales"}
+    np.testing.assert_allclose(native.logits(PROMPT), tidejax.load(tmp_path / "dense").logits(PROMPT),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routes_as_transformers(topk_method, tmp_path):
+    """A transformers-written DeepSeek-V2 checkpoint names no scoring_func: it routes by softmax,
+    greedy or group-limited (groups by their best score), weights not renormalized; logits and
+    greedy tokens match DeepseekV2ForCausalLM."""
+    from tests.support.tiny_models import write_deepseek_v2
+    model = write_deepseek_v2(tmp_path, topk_method)
+    assert "scoring_func" not in json.loads((tmp_path / "config.json").read_text())
+    engine = tidejax.load(tmp_path)
+    assert (engine.cfg.scoring_func, engine.cfg.norm_topk_prob) == ("softmax", False)
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    assert relative_diff(engine.logits(PROMPT), ref) < 1e-4
+    assert served_greedy(engine, PROMPT, 12) == transformers_greedy(model, PROMPT, 12)
+
+
+def test_deepseek_v2_rejects_a_scoring_it_does_not_have(tmp_path):
+    raw = json.loads(deepseek_v3_config().to_json_string())
+    raw.update(model_type="deepseek_v2", scoring_func="sigmoid")
+    with pytest.raises(ConfigError, match="scoring_func.*softmax"):
+        DeepseekV3Config.from_hf(raw, "config.json")

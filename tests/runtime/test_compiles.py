@@ -1,0 +1,165 @@
+"""Nothing compiles after warm-up: requests of every prompt length class up to max_context
+(crossing chunk and page boundaries, 1 token, max_context - 1), prompt chunks beside decoding
+lanes, preemption and resume through a small KV pool, prompts prefilled past a cached prefix, on a tiny DeepSeek-V3 (written by
+transformers) and a synthetic DeepSeek-V4.1 (tools/make_synthetic.py: two layers, Engram and a
+compressed KV source with its indexer), compiles counted by jax's own events. Two layers each:
+the compiles are the test's time."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.kv.pages import pages_for
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
+
+REPO = Path(__file__).resolve().parents[2]
+COMPILE = "/jax/core/compile/backend_compile_duration"  # one event an XLA compilation
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ds41") / "tiny"
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
+                    "--shape", "ds41-tiny", "--layers", "2", "--workers", "1"],
+                   cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """The names of the functions XLA compiles inside the block."""
+    names = []
+
+    def listen(event, duration, **fields):
+        if event == COMPILE:
+            names.append(fields.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def prompt_lengths(engine) -> list[int]:
+    """1, max_context - 1, and each side of every page, chunk and chunk bucket boundary below
+    max_context."""
+    loaded = engine.loaded
+    top = loaded.max_context - 1
+    edges = {k * step for step in (loaded.page_size, loaded.prefill_chunk)
+             for k in range(1, top // step + 1)}
+    edges |= {loaded.bucket(n) for n in range(1, loaded.prefill_chunk + 1)}
+    return sorted({1, top} | {n + d for n in edges for d in (-1, 0, 1) if 0 < n + d <= top})
+
+
+def serve(engine, monkeypatch, lengths: list[int]) -> dict:
+    """Every prompt length at once (each decoding past a page boundary where the context lets
+    it; every other one sampled with logprobs), all to the end; returns what the steps carried
+    and the requests got."""
+    mixed = []
+    step_inputs = engine.loaded.step_inputs
+
+    def spy(decode, prefill, *rest):  # a step carrying a chunk beside a decoding lane
+        mixed.append(prefill is not None and decode is not None and bool(decode.active.any()))
+        return step_inputs(decode, prefill, *rest)
+    monkeypatch.setattr(engine.loaded, "step_inputs", spy)
+    done, tokens = {}, {}
+    for i, n in enumerate(lengths):
+        def on_event(event, i=i):
+            if isinstance(event, TokenEvent):
+                tokens[i] = tokens.get(i, 0) + 1
+            else:
+                done[i] = event
+        prompt = [3 + (7 * n + 5 * j) % 200 for j in range(n)]  # one prompt a length
+        sampling = SamplingParams(temperature=0.8, top_p=0.9, logprobs=2, seed=i) if i % 2 else (
+            SamplingParams())  # sampled with logprobs beside greedy: data, not shapes
+        engine.scheduler.submit(GenerationRequest(prompt, 2 * engine.loaded.page_size, sampling,
+                                                  ignore_eos=True), on_event)
+    engine.scheduler.run_until_idle()
+    return {"mixed": sum(mixed), "done": done, "tokens": tokens,
+            "preemptions": engine.scheduler.kv_stats()["preemptions"],
+            "matched": engine.scheduler.cache_stats()["matched_tokens"]}
+
+
+def check_nothing_compiles_after_warmup(engine, monkeypatch):
+    with counting_compiles() as warmup:
+        engine.warmup()
+    shapes = len(engine.loaded.warmup_shapes())
+    assert warmup.count("jit(apart)") == shapes  # the counter sees every step compiled
+    # a third of the prompts longer than a page come twice in a row: the second may match the
+    # first's pages (prompt caching) and prefill from a page boundary
+    page = engine.loaded.page_size
+    lengths = [m for i, n in enumerate(prompt_lengths(engine))
+               for m in ([n, n] if n > page and i % 3 == 0 else [n])]
+    with counting_compiles() as serving:
+        got = serve(engine, monkeypatch, lengths)
+    assert serving == []
+    assert got["mixed"] > 0 and got["preemptions"] > 0, got
+    assert (got["matched"] > 0) == engine.loaded.prefix_caching, got
+    assert sorted(got["done"]) == list(range(len(lengths)))
+    assert all(isinstance(e, DoneEvent) and e.finish_reason == "length"
+               for e in got["done"].values())
+    assert all(got["tokens"].get(i, 0) >= 1 for i in range(len(lengths))), got["tokens"]
+
+
+def test_deepseek_v3(tmp_path, monkeypatch):
+    """Pages of 32, chunks of 16, a pool of 3 pages (a sequence at max_context holds 2):
+    full-width prefill tables (MLA's prefill reads by length), decode tables a power of two of
+    pages (the MLA decode reference gathers the whole table). One chunk bucket: the buckets'
+    enumeration is test_warmup_shapes_are_those_of_every_prompt's."""
+    write_deepseek_v3(tmp_path, seed=3, **dict(DEEPSEEK_V3_CONFIGS["qlora_groups"],
+                                                num_hidden_layers=2))
+    engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": 64, "page_size": 32,
+                                            "prefill_chunk": 16, "kv_pool_tokens": 96})
+    assert (engine.loaded.full_prefill, engine.loaded.full_decode) == (True, False)
+    check_nothing_compiles_after_warmup(engine, monkeypatch)
+
+
+def test_deepseek_v41(v41, monkeypatch):
+    """Pages of 16, chunks of 16, a pool of 3 pages (a sequence at max_context holds 2): every
+    table a power of two of pages (the indexers' reference scores the whole table)."""
+    engine = tidejax.load(v41, engine={"lanes": 2, "max_context": 32, "page_size": 16,
+                                       "prefill_chunk": 16, "kv_pool_tokens": 48})
+    assert (engine.loaded.full_prefill, engine.loaded.full_decode) == (False, False)
+    check_nothing_compiles_after_warmup(engine, monkeypatch)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
+    """V4.1 at max_context 200, pages of 16, chunks of 48 (buckets 16, 32, 48): warmup_shapes is
+    the set of (chunk bucket, prefill width, decode width) the step inputs of every chunk of every
+    prompt length take beside every decode width (the inputs' shapes, nothing compiled), a
+    prompt's chunks past a cached prefix of any whole pages among them. Off the
+    GPU every table is a power of two of pages; with the Pallas decode kernels (the GPU's choice)
+    the decode tables are max_context wide, one decode width."""
+    engine = tidejax.load(v41, engine={"lanes": 2, "max_context": 200, "page_size": 16,
+                                       "prefill_chunk": 48, "kernel": kernel})
+    loaded, idle = engine.loaded, engine.residency.idle_batch()
+    chunks = set()
+    for n in range(1, loaded.max_context):
+        pages = list(range(pages_for(n + 1, loaded.page_size)))
+        for begin in range(0, n, loaded.page_size):
+            for start, ids in loaded.chunks(list(range(n)), begin):
+                chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages,
+                                                              list(range(start))),
+                                           None, idle).prefill
+                chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
+    lanes = np.arange(loaded.lanes)
+    decode = {loaded.step_inputs(DecodeRows(lanes, lanes >= 0, lanes, lanes == 0,
+                                            [list(range(k))] * loaded.lanes), None, None,
+                                 idle).decode.table.shape[1]
+              for k in range(1, loaded.max_pages + 1)}
+    assert decode == ({1, 2, 4, 8, 13} if kernel == "auto" else {13})
+    assert {width for _, width in chunks} == {1, 2, 4, 8, 13}
+    assert loaded.warmup_shapes() == ({(*c, d) for c in chunks for d in decode}
+                                      | {(0, None, d) for d in decode})

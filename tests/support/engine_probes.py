@@ -1,0 +1,42 @@
+"""Driving an engine from a test: requests through its scheduler to idle, and the cost of its
+compiled decode step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tidejax.kv.pages import PageTable
+from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.steps import DecodeRows
+
+
+def run(engine, requests: list[GenerationRequest], on_token=None) -> list[list]:
+    """Submits the requests at once, runs to idle; the events of each request."""
+    events = [[] for _ in requests]
+    handles = []
+    for i, request in enumerate(requests):
+        def on_event(event, i=i):
+            events[i].append(event)
+            if on_token and isinstance(event, TokenEvent):
+                on_token(i, handles[i], sum(isinstance(e, TokenEvent) for e in events[i]))
+        handles.append(engine.scheduler.submit(request, on_event))
+    engine.scheduler.run_until_idle()
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def decode_cost(engine, position: int) -> tuple[float, float]:
+    """(flops, bytes accessed) of the compiled decode step, one lane at `position`."""
+    pages = PageTable(engine.loaded.kv_pages, engine.loaded.page_size)
+    held = pages.grow(0, position + 1)
+    lanes = engine.lanes
+    decode = DecodeRows(np.zeros(lanes, np.int32), np.ones(lanes, bool),
+                        np.full(lanes, position, np.int32), np.arange(lanes) == 0,
+                        [held] + [[]] * (lanes - 1))
+    inputs = engine.loaded.step_inputs(decode, None, None, engine.residency.idle_batch())
+    cost = engine.runner.lower(inputs).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["flops"], cost["bytes accessed"]

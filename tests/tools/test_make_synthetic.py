@@ -1,0 +1,47 @@
+"""tools/make_synthetic.py writes each family's tensors as its declaration and checkpoint table
+name them (tools/synthetic_layout.py). For every shape, on a few layers and experts: the tensors
+(shard, name, dtype, shape) are those the hand-written lists of the generator before it wrote
+(tests/data/synthetic_headers.json, recorded from it), and the loader's header checks take them
+(every tensor mapped, every declared param and expert filled, FP8 / MXFP4 / FP4 pairs and scale
+shapes right) without reading any data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidejax.checkpoint import CheckpointReader, fp8
+from tidejax.checkpoint.table import _Plan
+from tidejax.models.base import abstract
+from tools import make_synthetic
+from tools.synthetic_layout import Declared, Layout, flatten
+
+HEADERS = json.loads((Path(__file__).parents[1] / "data" / "synthetic_headers.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_tensors_are_the_published_layout_and_load(case, tmp_path):
+    args = make_synthetic.parse_args([str(tmp_path), *case.split()])
+    cfg, shards, _ = make_synthetic.plan(args)
+    written = sorted(f"{file} {name} {make_synthetic.ST_DTYPES[dtype]} {list(shape)}"
+                     for file, tensors in shards for name, dtype, shape, _ in tensors)
+    assert written == HEADERS[case]
+    make_synthetic.write_headers(tmp_path, shards)  # the data left unwritten (sparse files)
+    declared = Declared.of(cfg)
+    reader = CheckpointReader(tmp_path, fp8_block=fp8.config_block(cfg),
+                              fp8_blocks=declared.table.fp8_blocks)
+    plan = _Plan(reader, declared.table, abstract(declared.params), abstract(declared.experts),
+                 abstract(declared.host))
+    assert set(plan.params) == {path for path, _ in flatten(declared.params | declared.host)}
+    assert len(plan.rows) == declared.experts["gate_up"].shape[0]
+
+
+def test_a_table_that_gives_a_param_two_names_needs_a_preference():
+    args = make_synthetic.parse_args(["out", "--shape", "ds41-tiny", "--layers", "1"])
+    cfg, _, _ = make_synthetic.plan(args)
+    declared = Declared.of(cfg)
+    assert declared.table.param_names(("lm_head",)) == ["lm_head.weight", "head.weight"]
+    with pytest.raises(ValueError, match=r"params \('lm_head',\).*Layout.prefer must pick one"):
+        declared.name(("lm_head",), Layout())
