@@ -1,7 +1,9 @@
-"""Fixtures every test file may use."""
+"""Fixtures every test file may use: the seeded generator, and the tiny checkpoints several test
+modules read, each written once a session (once a worker under `pytest -n 2`)."""
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,3 +16,34 @@ def rng():
     seed = int(os.environ.get("TIDEJAX_TEST_SEED", time.time_ns() % 2**32))
     print(f"random seed {seed} (TIDEJAX_TEST_SEED={seed} replays it)")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`tiny_checkpoint(family, config, seed)` -> the directory of a tiny random checkpoint of
+    `family` in its named `config` (tests.support.tiny_models.FAMILIES), written by transformers
+    the first time those arguments are asked for and shared after. Read only: a test that writes
+    beside a checkpoint writes into its own tmp_path."""
+    from tests.support.tiny_models import FAMILIES  # torch: imported by the tests that ask
+
+    written = {}
+
+    def get(family: str, config: str, seed: int = 0) -> Path:
+        key = (family, config, seed)
+        if key not in written:
+            write, configs = FAMILIES[family]
+            path = tmp_path_factory.mktemp(f"{family}-{config}-{seed}")
+            write(path, seed=seed, **configs[config])
+            written[key] = path
+        return written[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def published(tmp_path_factory):
+    """DeepSeek-V4.1's tiny_a in the published formats (published / "fp8") beside a float
+    checkpoint of the values they stand for (published / "float"). Read only."""
+    from tests.support.v41_published import write_published_pair
+
+    return write_published_pair(tmp_path_factory.mktemp("v41"))

@@ -22,7 +22,6 @@ from tidejax.models.deepseek_v3.weights import param_specs
 from tidejax.pallas.bank import expert_axes
 from tidejax.residency.pool import host_pool
 from tidejax.residency.state import all_resident_state, build_state
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tidejax"
 PLACEMENTS = {"devices", "local_devices", "device_put", "memory", "SingleDeviceSharding"}
@@ -120,10 +119,8 @@ def test_a_state_places_bank_pool_and_map():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("parallel")
-    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
-    return path
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
 
 
 def test_an_engine_loads_and_generates_through_the_table(model_dir):

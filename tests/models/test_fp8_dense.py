@@ -17,7 +17,7 @@ from tidejax.errors import ConfigError
 from tidejax.fp8_dense import fp8_block_matmul
 from tidejax.models.deepseek_v41.weights import load
 from tests.support.declaration import edited_copy
-from test_deepseek_v41_formats import GOLDEN, fp8_blocks, published  # noqa: F401 (a fixture)
+from tests.support.v41_published import GOLDEN, fp8_blocks
 from tests.support.v41_runner import full_logits
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -13,7 +13,6 @@ from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import build_state
 from tidejax.residency.swap import SwapBatch, apply_now
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 HOT = [4, 5, 6, 7]  # the experts the router bias favours in every layer: every pick is one
 BIAS = jnp.asarray(np.where(np.isin(np.arange(E), HOT), 30.0, 0.0), jnp.float32)
@@ -143,18 +142,18 @@ def test_the_ring_fetch_has_no_dependency_on_the_layers_either_way():
     assert not _closure(graph, [y], lambda n: graph.get(n, ())) & fetch
 
 
-def test_the_engine_scores_as_exact_once_the_ring_holds_its_misses(tmp_path):
+def test_the_engine_scores_as_exact_once_the_ring_holds_its_misses(tiny_checkpoint, tmp_path):
     """Through the engine's own steps (scoring): half the experts resident and a ring for all
     the others. The first forward substitutes its misses, the next fetches them, and the one
     after routes to them from ring slots: no miss, and the logits and greedy tokens of `exact`."""
-    write_deepseek_v3(tmp_path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+    model_dir = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
     seed = tmp_path / "seed.json"  # 2 MoE layers of 8 experts: the first 4 of each resident
     seedmap.write({"format": seedmap.FORMAT, "geometry": "per_layer", "n_layers": 2,
                    "n_experts": 8, "budget": 8, "rows": [0, 1, 2, 3, 8, 9, 10, 11]}, seed)
     residency = {"budget_experts": 8, "drain_every": 1000, "seed_map": str(seed)}
-    exact = tidejax.load(tmp_path, engine=ENGINE, residency={**residency, "miss_policy": "exact"})
-    ring = tidejax.load(tmp_path, engine=ENGINE, residency={**residency, "miss_policy": "ring",
-                                                            "ring_slots": 8})
+    exact = tidejax.load(model_dir, engine=ENGINE, residency={**residency, "miss_policy": "exact"})
+    ring = tidejax.load(model_dir, engine=ENGINE, residency={**residency, "miss_policy": "ring",
+                                                             "ring_slots": 8})
     res = ring.residency
     assert res.n_layers * res.n_experts - res.n_resident == 8 == res.ring_per_step
     want = exact.logits(PROMPT)

@@ -17,7 +17,6 @@ from tidejax.runtime.sampling import (TOP_LOGPROBS, LaneParams, LaneSampling, Sa
                                       SamplingParams, process, sample)
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
 from tests.support.engine_probes import run, tokens_of
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 V = 64
 SAMPLE = jax.jit(sample)
@@ -154,9 +153,8 @@ NEW = 8  # prompt and output in one page and one scoring length: few shapes to c
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sampling")
-    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
+def engine(tiny_checkpoint):
+    path = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
     return tidejax.load(path, engine={"lanes": 3, "max_context": 64, "page_size": 32})
 
 

@@ -11,7 +11,6 @@ from tidejax.runtime.steps import DecodeRows, PrefillChunk
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
 from tests.support.engine_probes import run, tokens_of
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 # few compiled step shapes: every prompt one chunk of one bucket (16) on one page, every
 # sequence at most 32 positions (two pages)
@@ -20,10 +19,8 @@ ENGINE = {"lanes": 2, "max_context": 32, "page_size": 16, "prefill_chunk": 16}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sched")
-    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
-    return path
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,14 @@ from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8}
 PROMPT = np.random.RandomState(4).randint(3, 256, 12).tolist()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("state")
-    write_deepseek_v3(path, seed=5, **DEEPSEEK_V3_CONFIGS["qlora_groups"])
-    return path
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
 
 
 HALF_EXACT = {"budget_experts": 8, "miss_policy": "exact"}

@@ -191,6 +191,14 @@ def write_glm_moe_dsa(path: Path, seed: int = 0, **overrides):
     return model
 
 
+# family -> (writer, its named configs): what conftest.py's `tiny_checkpoint` writes
+FAMILIES = {
+    "deepseek_v3": (write_deepseek_v3, DEEPSEEK_V3_CONFIGS),
+    "glm4_moe": (write_glm4_moe, GLM4_MOE_CONFIGS),
+    "glm_moe_dsa": (write_glm_moe_dsa, GLM_MOE_DSA_CONFIGS),
+}
+
+
 def randomize_moe(model) -> None:
     """Random router biases (so the selection-only bias is exercised), expert weights of std
     0.1 and, where attention has them, biases and q/k norm weights off their init."""
