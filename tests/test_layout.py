@@ -2,7 +2,8 @@
 family package never imports another family, the shared layers import no family, nothing under
 tidejax/models imports tidejax.pallas (models reach kernels only through residency), no module
 of tidejax takes part in an import circle, and the server reaches the runtime only through
-tidejax.runtime.api. Read from the source with ast: nothing is imported, so it costs no JAX
+tidejax.runtime.api. Of tests/: its folders mirror the package, and no test module imports
+another. Read from the source with ast: nothing is imported, so it costs no JAX
 start-up."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tidejax"
+TESTS = PACKAGE.parent / "tests"
 MODELS = PACKAGE / "models"
 SHARED = "layers"  # the one package under models/ that is not a family
 # the server's process entry: it builds the engine (runtime.engine, runtime.client) and a
@@ -179,3 +181,18 @@ def test_the_server_reaches_the_runtime_only_through_its_api():
              if name.startswith("tidejax.runtime") and name != API and not name.startswith(API + ".")]
     assert not wrong, "the server imports the runtime beside its api:\n" + "\n".join(sorted(wrong))
     assert any(API in imports(path) for path in server.rglob("*.py"))
+
+
+def test_tests_mirror_the_package_and_share_only_support():
+    """Each folder under tests/ is a package of tidejax (or bench/, tools/), but support/ (the
+    shared helpers) and data/; a test module imports helpers from tests.support, never another
+    test module (its fixtures and helpers would run twice, once under each name)."""
+    mirrored = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    allowed = mirrored | {"bench", "tools", "support", "data"}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert {"models", "runtime", "support"} <= folders <= allowed, sorted(folders - allowed)
+    modules = sorted(TESTS.rglob("test_*.py"))
+    assert len(modules) > 30
+    wrong = [f"{path.relative_to(TESTS)} imports {name}" for path in modules
+             for name in imports(path) if any(part.startswith("test_") for part in name.split("."))]
+    assert not wrong, "a test module imports another:\n" + "\n".join(sorted(wrong))

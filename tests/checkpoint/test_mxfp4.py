@@ -82,7 +82,7 @@ def test_gpt_oss_pair_decodes_like_transformers(rng, tmp_path):
 
 
 def test_bad_inputs_name_the_problem():
-    """(Unpaired blocks or scales in a checkpoint: tests/test_checkpoint.py, mxfp4_* cases.)"""
+    """(Unpaired blocks or scales in a checkpoint: tests/checkpoint/test_checkpoint.py, mxfp4_* cases.)"""
     with pytest.raises(ValueError, match=r"blocks \(2, 1, 16\) and scales \(2, 2\) do not match"):
         mxfp4.dequantize(np.zeros((2, 1, 16), np.uint8), np.zeros((2, 2), np.uint8))
     with pytest.raises(ValueError, match="not a multiple of 32"):

@@ -35,7 +35,7 @@ def test_greedy_through_lanes_equals_golden(engine):
     """Prefill in 16-token chunks, then decode on 2 lanes with another request beside it,
     pipelined: each iteration leaves its step in flight (queued before the previous one's
     tokens were read, its input tokens and Engram hashes taken on the device), and the tokens
-    are the golden greedy ones, which tests/test_deepseek_v41.py gets by feeding every token
+    are the golden greedy ones, which tests/models/test_deepseek_v41.py gets by feeding every token
     from the host."""
     ids = np.load(GOLDEN / "input_ids.npy")[0]
     greedy = np.load(GOLDEN / "greedy.npy").tolist()

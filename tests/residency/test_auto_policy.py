@@ -51,7 +51,7 @@ def toy_run(steps=4, **section):
 
 def test_auto_at_its_limits_is_cpu_and_substitute():
     """exact_weight 0: every miss computed on the host, as `cpu` (equal to all-resident within
-    float32 rounding: tests/test_cpu_policy.py); above 1: every miss substituted."""
+    float32 rounding: tests/residency/test_cpu_policy.py); above 1: every miss substituted."""
     cpu_out, cpu_res, _ = toy_run(miss_policy="cpu")
     all_host, res0, _ = toy_run(miss_policy="auto", exact_weight=0.0)
     for got, want in zip(all_host, cpu_out):

@@ -179,7 +179,7 @@ def test_demo_model_cpu_equals_all_resident():
 
 def test_v41_golden_cpu_equals_exact():
     """Half resident, float32 experts: the golden logits (which `exact` and all-resident give,
-    tests/test_deepseek_v41_engine.py) within the bound, the same greedy choice everywhere."""
+    tests/models/test_deepseek_v41_engine.py) within the bound, the same greedy choice everywhere."""
     ids = np.load(GOLDEN_V41 / "input_ids.npy")[0][:16]  # the calibration's length: one compile
     want = np.load(GOLDEN_V41 / "logits.npy")[:16]
     on_cpu = tidejax.load(GOLDEN_V41, engine={"max_context": 128, "prefill_chunk": 16},

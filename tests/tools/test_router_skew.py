@@ -1,6 +1,6 @@
 """tools/make_synthetic.py --router-skew: correction biases under which the 30% most picked of
 each MoE layer's experts take about 70% of its picks, as the tool measures on random hidden
-states through the written routers (the GGUF copy of the biases: tests/test_gguf.py)."""
+states through the written routers (the GGUF copy of the biases: tests/tools/test_gguf.py)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ of the exact value (the float32 dot bound carried through SwiGLU to first order;
 gate and up values, G_p, U_p = |gate rows| @ |x|, |up rows| @ |x|, k the token's picks), and the
 device's float32 reference obeys the same bound, so `cpu` and all-resident differ by at most 2B
 plus one rounding of their sum; on random experts the differences are ~1e-6 of the output's
-scale (tests/test_cpu_policy.py checks B against float64).
+scale (tests/residency/test_cpu_policy.py checks B against float64).
 """
 
 from __future__ import annotations
