@@ -135,7 +135,7 @@ class Server:
 
 
 SERVER = web.AppKey("server", Server)
-API_KEY = web.RequestKey("api_key", object)  # the number of the request's API key (Server.check_key)
+API_KEY = web.RequestKey("api_key", object)  # the request's key number (Server.check_key)
 
 
 @web.middleware
