@@ -74,6 +74,14 @@ def test_api_keys_from_set_and_from_the_variable_in_every_profile(monkeypatch):
                                             "'distributed.process_id' = 1 should be below"),
     (["--set", "distributed.num_processes=2"], "--set distributed.num_processes=2: "
                                                "'distributed.coordinator' (host:port"),
+    (["--set", "server.body_timeout_s=0"], "'server.body_timeout_s' = 0.0 should be above 0"),
+    (["--set", "server.max_queued=-1"], "'server.max_queued' = -1 should be at least 0"),
+    (["--set", "server.request_timeout_s=inf"], "'server.request_timeout_s' = inf should be a "
+                                                "finite number"),
+    # a per-key limit without keys would be accepted and ignored
+    (["--set", "server.api_keys_env=", "--set", "server.max_requests_per_key=2"],
+     "--set server.max_requests_per_key=2: 'server.max_requests_per_key' = 2 limits each API "
+     "key, and no key is set (server.api_keys)"),
 ])
 def test_bad_settings_are_one_line_naming_the_setting(argv, message, capsys):
     assert server_cli.main(argv) == 2

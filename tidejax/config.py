@@ -81,6 +81,13 @@ class ServerSection:
     api_keys_env: str = API_KEYS_ENV  # "" = no keys from the environment
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 4096
+    # admission (server/admission.py): the server holds at most lanes + max_queued engine
+    # requests (a request's `n` choices are n), at most max_requests_per_key of them for one API
+    # key (0: no per-key limit); past either a request gets 429 with Retry-After
+    max_queued: int = 64
+    max_requests_per_key: int = 0
+    request_timeout_s: float = 600.0  # from arrival to the last token; 0: no deadline
+    body_timeout_s: float = 30.0  # to receive a request's body, once its headers are in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +148,10 @@ _RANGES = {
     ("server", "port"): (1, 65535, False),
     ("server", "max_body_bytes"): (1, None, False),
     ("server", "max_tokens_limit"): (1, None, False),
+    ("server", "max_queued"): (0, None, False),
+    ("server", "max_requests_per_key"): (0, None, False),
+    ("server", "request_timeout_s"): (0, None, False),
+    ("server", "body_timeout_s"): (0, None, True),
     ("distributed", "num_processes"): (1, None, False),
     ("distributed", "process_id"): (0, None, False),
     ("distributed", "tensor_parallel"): (0, None, False),

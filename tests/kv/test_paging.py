@@ -6,6 +6,8 @@ the rest, with the tokens of an uncached run."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -293,3 +295,79 @@ def test_a_chunk_attends_its_pages_key_block_by_key_block(t, start):
     rope = np.asarray(rope_pages)[table[0]].reshape(-1, 4)
     want = _causal_attention_f64(q[0], q_rope[0], latent, rope, positions[0], 0.3)
     np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-5, rtol=1e-5)
+
+
+# A workload that passes through every state a request can be in: A and B grow past the pool
+# (B, the newer, is preempted, then resumes once A ends), C's 70-token prompt waits in the queue
+# and then prefills in five chunks.
+WORKLOAD = [(PROMPTS[0], 60), (PROMPTS[1], 60), (LONG, 4)]
+STATES = ("queued", "prefilling", "decoding", "preempted", "resuming")
+
+
+def state_of(scheduler, handle, preempted: set) -> str | None:
+    """A request's state as the scheduler holds it; `preempted` collects the ids of those
+    preempted so far (one back in a lane is resuming until its next step)."""
+    if handle in scheduler.queue:
+        if handle.saved is not None:
+            preempted.add(handle.id)
+            return "preempted"
+        return "queued"
+    if handle not in scheduler.lane_of:
+        return None
+    if handle.id in preempted:
+        preempted.discard(handle.id)
+        return "resuming"
+    return "prefilling" if handle is scheduler._prefilling else "decoding"
+
+
+def run_workload(engine, victim_state: str | None = None):
+    """The workload, step by step; with `victim_state`, the first request seen in that state at
+    two steps running (resuming lasts one) is cancelled there, past its entry into it: queued
+    behind a lane in use, prefilling with a chunk written, decoding with a token out. The
+    events of each request, the victim's index and the states seen."""
+    scheduler = engine.scheduler
+    events = [[] for _ in WORKLOAD]
+    handles = [scheduler.submit(GenerationRequest(p, n, ignore_eos=True), events[i].append)
+               for i, (p, n) in enumerate(WORKLOAD)]
+    preempted, seen, victim = set(), set(), None
+    times = collections.Counter()  # (request, state) -> steps seen in it
+    while True:
+        for i, handle in enumerate(handles):
+            state = state_of(scheduler, handle, preempted)
+            seen.add(state)
+            times[i, state] += 1
+            if (victim is None and state == victim_state
+                    and times[i, state] == (1 if state == "resuming" else 2)):
+                victim = i
+                handle.cancel()
+        if not scheduler.step():
+            break
+    return events, victim, seen
+
+
+@pytest.fixture(scope="module")
+def undisturbed(engine):
+    events, _, seen = run_workload(engine)
+    assert set(STATES) <= seen, seen  # the workload meets every state
+    return [tokens_of(e) for e in events]
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_cancel_frees_the_lane_and_pages_in_every_state(engine, undisturbed, state):
+    """A request cancelled queued, prefilling, decoding, preempted (its copy in host memory)
+    or resuming ends "cancelled" and leaves nothing held: every page free, every lane empty,
+    no saved copy kept; the others get the tokens they get undisturbed."""
+    scheduler = engine.scheduler
+    assert scheduler.pages.free == scheduler.pages.n_pages
+    events, victim, _ = run_workload(engine, state)
+    assert victim is not None, f"no request was {state}"
+    assert scheduler.pages.free == scheduler.pages.n_pages, scheduler.kv_stats()
+    assert scheduler.lane_of == [None] * engine.lanes and not scheduler.queue
+    assert scheduler._prefilling is None and engine.runner.copies == {}
+    for i, got in enumerate(events):
+        tokens = tokens_of(got)
+        if i == victim:
+            assert got[-1].finish_reason == "cancelled"
+            assert tokens == undisturbed[i][:len(tokens)]
+        else:
+            assert got[-1].finish_reason == "length" and tokens == undisturbed[i]

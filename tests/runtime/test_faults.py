@@ -1,11 +1,14 @@
 """Faults: a failed step leaves the engine serving (the real app over a real engine in this
-process, the fault injected where the scheduler calls the jitted step), a state dir that cannot
-be written fails no request, and SIGTERM saves the demand history and the residency stats,
-which a restarted server counts on from (a server process on loopback)."""
+process, the fault injected where the scheduler calls the jitted step), an engine held still
+there meets the server's admission bounds and deadlines (429 with Retry-After, 504 with the
+request cancelled and its pages freed), a state dir that cannot be written fails no request,
+and SIGTERM saves the demand history and the residency stats, which a restarted server counts
+on from (a server process on loopback)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -65,17 +68,34 @@ def greedy(engine, ids, n):
 class FailingStep:
     """Stands in for the jitted step where the scheduler calls it: `arm("after")` makes the
     next call run the real step (its buffers donated) and then raise, `arm("before")` raise
-    without running it; `hold` keeps the failing call waiting until a request is queued."""
+    without running it; `hold` keeps the failing call waiting until a request is queued.
+    `pause(after=n)` lets n more calls through, then holds every call until `resume()`: an
+    engine as slow as a test needs."""
 
     def __init__(self, engine):
         self.engine, self.real = engine, engine.loaded.steps.step
         self.armed: list[tuple[str, bool]] = []
+        self.turn = threading.Condition()
+        self.left: int | None = None  # calls to let through before holding; None: all
         engine.loaded.steps.step = self
 
     def arm(self, when: str, hold: bool = False) -> None:
         self.armed.append((when, hold))
 
+    def pause(self, after: int = 0) -> None:
+        with self.turn:
+            self.left = after
+
+    def resume(self) -> None:
+        with self.turn:
+            self.left = None
+            self.turn.notify_all()
+
     def __call__(self, params, state, inputs):
+        with self.turn:
+            self.turn.wait_for(lambda: self.left is None or self.left > 0)
+            if self.left is not None:
+                self.left -= 1
         if not self.armed:
             return self.real(params, state, inputs)
         when, hold = self.armed.pop(0)
@@ -130,7 +150,8 @@ def served(model_dir):
             freed.append(all(leaf.is_deleted() for leaf in jax.tree.leaves(rest)))
             return state
         engine.loaded.rebuilt_state = watched
-        yield {"engine": engine, "url": url, "faults": faults, "health": health, "freed": freed}
+        yield {"engine": engine, "client": client, "url": url, "faults": faults,
+               "health": health, "freed": freed}
     client.stop()
 
 
@@ -181,7 +202,138 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(served):
     np.testing.assert_array_equal(slot_rows, res.slot_rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# Admission and deadlines: another app over the same engine, with the bounds under test
+
+
+@contextlib.contextmanager
+def bounded(served, **server):
+    """The URL of an app over the served engine whose [server] table has `server` on top; the
+    engine moves again after (FailingStep.resume)."""
+    bounded = Server(served["engine"].config.with_overrides({"server": server}))
+    bounded.attach(served["client"])
+    try:
+        with serve_app(bounded) as url:
+            yield url
+    finally:
+        served["faults"].resume()
+
+
+def call(url, body, key=None):
+    """A non-streaming completion with API key `key`: (status, headers, parsed body)."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+        {"model": "tiny", "prompt": PROMPT, "temperature": 0, "ignore_eos": True, **body}).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def in_thread(fn, *args):
+    """fn(*args) started on a thread; join() returns its result."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)))
+    thread.start()
+
+    class Running:
+        @staticmethod
+        def join():
+            thread.join(60)
+            return result[0]
+    return Running
+
+
+def metrics(url, key=None) -> str:
+    request = urllib.request.Request(url + "/metrics",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return r.read().decode()
+
+
+def idle(engine) -> bool:
+    scheduler = engine.scheduler
+    return (scheduler.active == 0 and scheduler.queued == 0
+            and scheduler.pages.free == scheduler.pages.n_pages)
+
+
+def test_a_burst_past_max_queued_gets_429_and_the_server_serves_on(served):
+    """One lane and max_queued 1: with the engine held, a request in the lane and one waiting,
+    the next (and one asking for 2 choices while one place is free) gets a 429 with a
+    Retry-After at once; those held are served once the engine moves, and so is the next."""
+    engine, faults = served["engine"], served["faults"]
+    with bounded(served, max_queued=1) as url:
+        faults.pause()
+        first = in_thread(call, url, {"max_tokens": 8})
+        wait_for(lambda: engine.scheduler.active == 1)
+        status, headers, body = call(url, {"max_tokens": 8, "n": 2})  # 3 places for 2
+        assert status == 429 and int(headers["Retry-After"]) >= 1, (status, body)
+        second = in_thread(call, url, {"max_tokens": 8})
+        wait_for(lambda: engine.scheduler.queued == 1)
+        status, headers, body = call(url, {"max_tokens": 8})
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert body["error"]["code"] == "rate_limit_exceeded"
+        assert "server.max_queued = 1" in body["error"]["message"]
+        faults.resume()
+        for held in (first, second):
+            status, _, body = held.join()
+            assert status == 200 and body["usage"]["completion_tokens"] == 8
+        status, _, body = call(url, {"max_tokens": 8})
+        assert status == 200 and body["usage"]["completion_tokens"] == 8
+        text = metrics(url)
+        assert 'tidejax_requests_rejected_total{reason="queue_full"} 2' in text
+        assert "tidejax_requests_held 0" in text
+
+
+def test_a_key_past_its_limit_gets_429_and_another_key_is_served(served):
+    engine, faults = served["engine"], served["faults"]
+    with bounded(served, api_keys=["k1", "k2"], api_keys_env="", max_requests_per_key=1) as url:
+        faults.pause()
+        first = in_thread(call, url, {"max_tokens": 4}, "k1")
+        wait_for(lambda: engine.scheduler.active == 1)
+        status, headers, body = call(url, {"max_tokens": 4}, "k1")
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert "server.max_requests_per_key = 1" in body["error"]["message"]
+        other = in_thread(call, url, {"max_tokens": 4}, "k2")
+        wait_for(lambda: engine.scheduler.queued == 1)  # taken: waits for the lane
+        faults.resume()
+        assert first.join()[0] == 200 and other.join()[0] == 200
+        assert 'tidejax_requests_rejected_total{reason="key_limit"} 1' in metrics(url, "k1")
+
+
+def test_the_deadline_cancels_requests_and_frees_their_pages(served):
+    """request_timeout_s 2: the engine stalls after a few steps; a streaming request that has
+    had tokens ends with a 504's error event, one still waiting for the lane gets a 504, both
+    within the deadline's time though the engine still holds the lane; once it moves, their
+    lane and pages are free, and the next request is served."""
+    engine, faults = served["engine"], served["faults"]
+    with bounded(served, request_timeout_s=2.0) as url:
+        faults.pause(after=6)
+        start = time.monotonic()
+        streaming = in_thread(post, url, {"max_tokens": 40}, True)
+        wait_for(lambda: faults.left == 0)  # stalled with the request decoding
+        assert engine.scheduler.lane_of[0].generated >= 3
+        waiting = in_thread(call, url, {"max_tokens": 8})
+        status, events = streaming.join()
+        assert status == 200 and events[-1]["error"]["code"] == "timeout", events
+        assert "server.request_timeout_s" in events[-1]["error"]["message"]
+        status, _, body = waiting.join()
+        assert status == 504 and body["error"]["code"] == "timeout", body
+        assert time.monotonic() - start < 6
+        assert engine.scheduler.active == 1  # the engine has not moved: the lane is still held
+        faults.resume()
+        wait_for(lambda: idle(engine))
+        status, _, body = call(url, {"max_tokens": 8})
+        assert status == 200 and body["usage"]["completion_tokens"] == 8
+        text = metrics(url)
+        assert "tidejax_request_timeouts_total 2" in text
+        assert 'tidejax_generations_total{reason="timeout"} 2' in text
+
+
 def test_a_failed_rebuild_reports_failed_and_refuses_requests(served):
+    """Last of the tests over `served`: the engine stays failed."""
     engine, url, faults = served["engine"], served["url"], served["faults"]
 
     def broken(failed):

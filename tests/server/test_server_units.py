@@ -4,11 +4,15 @@ a real HTTP server that is still "loading", and the routes over a scripted Engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -174,12 +178,15 @@ def test_reasoning_opened_by_the_template():
 KEY = "sk-test-123"
 
 
+BODY_TIMEOUT = 1.0  # seconds the loading server waits for a body
+
+
 @pytest.fixture(scope="module")
 def loading_server(tokenizer_dir):
     """The real app on a real socket, with no engine attached (the state during weight loading)."""
     config = EngineConfig().with_overrides({
         "model": {"path": str(tokenizer_dir), "served_name": "tiny"},
-        "server": {"api_keys": [KEY], "max_body_bytes": 65536}})
+        "server": {"api_keys": [KEY], "max_body_bytes": 65536, "body_timeout_s": BODY_TIMEOUT}})
     with serve_app(Server(config)) as url:
         yield url
 
@@ -373,6 +380,38 @@ def test_bad_completion_requests(loading_server):
 
 # ---------------------------------------------------------------------------------------------
 # The routes over an EngineClient: all the server needs of an engine
+
+
+def metric(url: str, name: str) -> float:
+    text = call(url, "/metrics", headers=AUTH)[1]
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def test_a_body_that_does_not_arrive_in_time_is_cut_off(loading_server):
+    """A client that sends its headers, then its body a byte at a time, gets a 408 naming
+    server.body_timeout_s once that has passed, and the server closes the connection; /metrics
+    counts it."""
+    before = metric(loading_server, "tidejax_body_timeouts_total")
+    host, port = loading_server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 1000\r\n\r\n{".encode())
+        start, received = time.monotonic(), b""
+        while time.monotonic() - start < 10:
+            if select.select([sock], [], [], 0.1)[0]:
+                data = sock.recv(65536)
+                if not data:
+                    break  # closed by the server
+                received += data
+            else:
+                with contextlib.suppress(OSError):  # the server may have closed it already
+                    sock.sendall(b" ")
+        elapsed = time.monotonic() - start
+    assert received.startswith(b"HTTP/1.1 408"), received
+    assert b"server.body_timeout_s = 1 s" in received
+    assert BODY_TIMEOUT <= elapsed < BODY_TIMEOUT + 4, elapsed  # answered and closed in time
+    assert metric(loading_server, "tidejax_body_timeouts_total") == before + 1
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
-"""The aiohttp application: short route functions over one `Server` (state, auth, metrics), one
-middleware that checks the key and maps every exception to the route's error shape. A request's
-body is parsed and its prompt rendered and tokenized on worker threads, never on the event loop
-(/health answers while a large body is read)."""
+"""The aiohttp application: short route functions over one `Server` (state, auth, admission,
+metrics), one middleware that checks the key and maps every exception to the route's error
+shape. A request's body is parsed and its prompt rendered and tokenized on worker threads, never
+on the event loop (/health answers while a large body is read). A generating request holds its
+places in the server from arrival to its response (server/admission.py: a 429 past the bounds);
+its body must arrive within server.body_timeout_s (else a 408 and the connection closed) and its
+tokens before server.request_timeout_s from its arrival (else the engine request is cancelled,
+freeing its lane and pages, and a 504)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from pathlib import Path
 from aiohttp import web
 
 from tidejax.config import EngineConfig
-from tidejax.errors import RequestError
+from tidejax.errors import ConfigError, RequestError
 from tidejax.server import anthropic_api, openai_api
 from tidejax.runtime.api import EngineClient, EngineStats
+from tidejax.server.admission import Admission
 from tidejax.server.errors import APIError, dialect_of, error_response
 from tidejax.server.generation import Generation, ServedModel, new_id
 from tidejax.server.metrics import Metrics
@@ -39,6 +44,12 @@ def api_keys(config: EngineConfig) -> tuple[str, ...]:
     return tuple(k for k in keys if k)
 
 
+def keys_named(config: EngineConfig) -> str:
+    """Where API keys come from, as the settings name them."""
+    env = config.server.api_keys_env
+    return "server.api_keys" + (f" or ${env}" if env else "")
+
+
 class Server:
     """What the routes share. `status` goes "loading" -> "ready" once an engine client is
     attached (started)."""
@@ -46,7 +57,13 @@ class Server:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.keys = [k.encode() for k in api_keys(config)]
+        if config.server.max_requests_per_key and not self.keys:
+            raise ConfigError(
+                f"{config.source_of('server.max_requests_per_key')}: "
+                f"'server.max_requests_per_key' = {config.server.max_requests_per_key} limits "
+                f"each API key, and no key is set ({keys_named(config)})")
         self.metrics = Metrics()
+        self.admission = Admission(config.server, self.metrics)
         self.status = "loading"
         self.name = config.model.served_name or Path(config.model.path).name
         self.started = time.time()
@@ -62,24 +79,28 @@ class Server:
     def attach(self, client: EngineClient) -> None:
         self.client = client
         self.model = ServedModel.of(client.info, self.config.server.max_tokens_limit)
+        self.admission.lanes = client.info.lanes
         self.name = self.model.name
         self.status = "ready"
 
-    def check_key(self, request: web.Request) -> None:
+    def check_key(self, request: web.Request) -> int | None:
+        """The number of the API key the request sends (None: keys are off), else a 401."""
         if not self.keys:
-            return
+            return None
         auth = request.headers.get("Authorization", "")
         given = [auth[7:].strip()] if auth[:7].lower() == "bearer " else []
         given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
         if not given:
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or "
                                 "'x-api-key: KEY'", code="invalid_api_key")
-        ok = False
-        for key in self.keys:  # every key compared, in constant time each
+        found = None
+        for i, key in enumerate(self.keys):  # every key compared, in constant time each
             for g in given:  # as sent: aiohttp decodes header bytes with surrogateescape
-                ok |= hmac.compare_digest(g.encode("utf-8", "surrogateescape"), key)
-        if not ok:
+                if hmac.compare_digest(g.encode("utf-8", "surrogateescape"), key):
+                    found = i
+        if found is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
+        return found
 
     def ready_model(self, name: str) -> ServedModel:
         if self.status != "ready":
@@ -90,14 +111,17 @@ class Server:
         return self.model
 
     def generations(self, prefix: str, prompt_ids: list[int], options: GenerationOptions,
-                    max_new: int) -> list[Generation]:
-        """The request's `n` choices, one Generation each under one id."""
+                    max_new: int, arrived: float) -> list[Generation]:
+        """The request's `n` choices, one Generation each under one id, due
+        server.request_timeout_s after `arrived` (the event loop's time)."""
         request_id = new_id(prefix)
+        timeout = self.config.server.request_timeout_s
+        deadline = arrived + timeout if timeout else None
         return [Generation(self.client, self.metrics, self.model, request_id, prompt_ids, options,
-                           max_new, index) for index in range(options.n)]
+                           max_new, index, deadline) for index in range(options.n)]
 
-    def chat_generations(self, chat: ChatInput,
-                         prefix: str) -> tuple[list[Generation], list[OutputParser]]:
+    def chat_generations(self, chat: ChatInput, prefix: str,
+                         arrived: float) -> tuple[list[Generation], list[OutputParser]]:
         """The generations and output parsers of a chat request's choices (on a worker
         thread)."""
         model = self.ready_model(chat.model)
@@ -105,24 +129,24 @@ class Server:
         options = model.options(chat.options, chat.thinking)
         max_new = model.budget(len(prompt_ids), options)
         tool_format = model.info.tool_format if chat.tools else None
-        return (self.generations(prefix, prompt_ids, options, max_new),
+        return (self.generations(prefix, prompt_ids, options, max_new, arrived),
                 [OutputParser(tool_format, in_reasoning, chat.tools)
                  for _ in range(options.n)])
 
 
 SERVER = web.AppKey("server", Server)
+API_KEY = web.RequestKey("api_key", object)  # the request's key number (Server.check_key)
 
 
 @web.middleware
 async def api_middleware(request: web.Request, handler):
     server = request.app[SERVER]
     try:
-        if request.path != "/health":
-            server.check_key(request)
+        request[API_KEY] = None if request.path == "/health" else server.check_key(request)
         response = await handler(request)
     except Exception as e:
         response = error_response(e, dialect_of(request.path))
-        if isinstance(e.__cause__, web.RequestPayloadError):
+        if isinstance(e.__cause__, web.RequestPayloadError) or response.status == 408:
             response.force_close()  # the body's rest cannot be read: no next request here
         log.info("%s %s -> %d %s", request.method, request.path, response.status,
                  response.text[:300])
@@ -133,27 +157,35 @@ async def api_middleware(request: web.Request, handler):
 
 async def read_body(request: web.Request) -> bytes:
     """The request's body; a body that does not decode (as its Content-Encoding says) is the
-    client's error."""
+    client's error, one that has not all arrived within server.body_timeout_s a 408."""
+    server = request.app[SERVER]
+    timeout = server.config.server.body_timeout_s
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.RequestPayloadError as e:
         request.content.feed_eof()  # the rest is unreadable: aiohttp should not read on (and log)
         reason = getattr(e.__cause__, "message", None) or str(e)
         raise RequestError(f"the request body cannot be read: {reason}") from e
+    except TimeoutError:
+        request.content.feed_eof()  # nor wait for the rest
+        server.metrics.body_timeouts += 1
+        raise APIError(408, f"the request body did not arrive within server.body_timeout_s = "
+                            f"{timeout:g} s", code="body_timeout") from None
 
 
-def _chat(server: Server, raw: bytes, parse, prefix: str):
+def _chat(server: Server, raw: bytes, parse, prefix: str, arrived: float):
     chat = parse(parse_json(raw))
-    return (chat, *server.chat_generations(chat, prefix))
+    return (chat, *server.chat_generations(chat, prefix, arrived))
 
 
-def _completion(server: Server, raw: bytes):
+def _completion(server: Server, raw: bytes, arrived: float):
     body = parse_completion(parse_json(raw))
     model = server.ready_model(body.model)
     prompt_ids = model.completion_prompt(body.prompt)
     options = model.options(body.options, None)
     max_new = model.budget(len(prompt_ids), options)
-    return body, server.generations("cmpl-", prompt_ids, options, max_new)
+    return body, server.generations("cmpl-", prompt_ids, options, max_new, arrived)
 
 
 def _count(server: Server, raw: bytes) -> int:
@@ -163,23 +195,29 @@ def _count(server: Server, raw: bytes) -> int:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, gens, parsers = await server.off_loop(_chat, server, await read_body(request),
-                                                parse_chat, "chatcmpl-")
-    return await openai_api.chat_completion(request, gens, parsers, chat.stream,
-                                            chat.include_usage)
+    with server.admission.ticket(request[API_KEY]) as ticket:
+        chat, gens, parsers = await server.off_loop(_chat, server, await read_body(request),
+                                                    parse_chat, "chatcmpl-", ticket.arrived)
+        ticket.need(len(gens))
+        return await openai_api.chat_completion(request, gens, parsers, chat.stream,
+                                                chat.include_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    body, gens = await server.off_loop(_completion, server, await read_body(request))
-    return await openai_api.completion(request, gens, body.stream, body.include_usage)
+    with server.admission.ticket(request[API_KEY]) as ticket:
+        body, gens = await server.off_loop(_completion, server, await read_body(request),
+                                           ticket.arrived)
+        ticket.need(len(gens))
+        return await openai_api.completion(request, gens, body.stream, body.include_usage)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER]
-    chat, [gen], [parser] = await server.off_loop(_chat, server, await read_body(request),
-                                                  parse_messages, "msg_")
-    return await anthropic_api.message(request, gen, parser, chat.stream)
+    with server.admission.ticket(request[API_KEY]) as ticket:
+        chat, [gen], [parser] = await server.off_loop(_chat, server, await read_body(request),
+                                                      parse_messages, "msg_", ticket.arrived)
+        return await anthropic_api.message(request, gen, parser, chat.stream)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -237,7 +275,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     stats = server.client.stats() if server.client is not None else EngineStats()
-    return web.Response(text=server.metrics.render(stats),
+    return web.Response(text=server.metrics.render(stats, server.admission.held),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 

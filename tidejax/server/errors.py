@@ -20,11 +20,11 @@ from tidejax.errors import EngineError, RequestError
 log = logging.getLogger("tidejax.server")
 
 _OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error",
-                 503: "server_error", 500: "server_error"}
+                 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error"}
+                    503: "overloaded_error", 504: "timeout_error"}
 
 
 ENGINE_FAILED = "the engine failed on this request (the server's log has the details)"
@@ -32,13 +32,14 @@ INTERNAL = "internal error (the server's log has the details)"
 
 
 class APIError(Exception):
-    """A request the server answers with `status` (401, 404, 503: not 400, which is a
-    RequestError's) and `message`."""
+    """A request the server answers with `status` (401, 404, 408, 429, 503, 504: not 400, which
+    is a RequestError's), `message` and any `headers` (a 429's Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -71,7 +72,7 @@ def error_body(err: APIError, dialect: str) -> dict:
 
 def error_response(exc: BaseException, dialect: str) -> web.Response:
     err = as_api_error(exc)
-    return web.json_response(error_body(err, dialect), status=err.status,
+    return web.json_response(error_body(err, dialect), status=err.status, headers=err.headers,
                              dumps=lambda v: json.dumps(v, ensure_ascii=False))
 
 

@@ -23,6 +23,7 @@ from tidejax.errors import EngineError, RequestError
 from tidejax.runtime.api import DoneEvent, EngineClient, EngineInfo, GenerationRequest, TokenEvent
 from tidejax.text.chat_template import TemplateRenderError
 from tidejax.text.detok import IncrementalDetokenizer, StopMatcher
+from tidejax.server.errors import APIError
 from tidejax.server.metrics import Metrics
 from tidejax.server.schemas import ChatInput, GenerationOptions, Thinking, load_json
 from tidejax.text.toolcalls import THINK_CLOSE, OutputParser, starts_in_reasoning
@@ -175,13 +176,15 @@ class Generation:
     detokenized text with stop strings cut, and the TokenLogprobs of the tokens since the last
     text (empty unless asked for); afterwards `finish_reason`, `prompt_tokens`,
     `completion_tokens` and `engine_stats` are set. Leaving the loop early (client gone) cancels
-    the request. Choice `index` > 0 of a seeded request samples with seed + index."""
+    the request, as does its `deadline` (the event loop's time; None: none) passing while it
+    waits on the engine: a 504, finish reason "timeout". Choice `index` > 0 of a seeded request
+    samples with seed + index."""
 
     def __init__(self, client: EngineClient, metrics: Metrics, model: ServedModel,
                  request_id: str, prompt_ids: list[int], options: GenerationOptions,
-                 max_new_tokens: int, index: int = 0):
+                 max_new_tokens: int, index: int = 0, deadline: float | None = None):
         self.client, self.metrics, self.model = client, metrics, model
-        self.id, self.index = request_id, index
+        self.id, self.index, self.deadline = request_id, index, deadline
         sampling = options.sampling
         if index and sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) & 0x7FFFFFFF)
@@ -230,7 +233,7 @@ class Generation:
             return text
 
         try:
-            async for event in stream:
+            while (event := await self._next(stream)) is not None:
                 if isinstance(event, TokenEvent):
                     self.completion_tokens += 1
                     if not stops.stopped:  # else: tokens made before the cancel took effect
@@ -253,6 +256,18 @@ class Generation:
         finally:
             stream.cancel()  # a no-op when the stream has ended
             self._record(time.perf_counter() - started)
+
+    async def _next(self, stream):
+        """The stream's next event (None at its end), or a 504 once the deadline has passed
+        (the caller's `finally` cancels the request, which frees its lane and pages)."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await anext(stream, None)
+        except TimeoutError:
+            self.finish_reason = "timeout"
+            self.metrics.timeouts += 1
+            raise APIError(504, "the request ran past its deadline (server.request_timeout_s) "
+                                "and was cancelled", code="timeout") from None
 
     def _record(self, seconds: float) -> None:
         s = self.engine_stats

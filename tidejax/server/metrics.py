@@ -24,6 +24,10 @@ class Metrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.last = {"prefill_tps": 0.0, "decode_tps": 0.0, "cold_share": 0.0}
+        # admission (server/admission.py): 429s by the bound that refused them
+        self.rejected = collections.Counter({"queue_full": 0, "key_limit": 0})
+        self.timeouts = 0  # engine requests cancelled at server.request_timeout_s
+        self.body_timeouts = 0  # bodies not received within server.body_timeout_s
 
     def record_response(self, route: str, status: int) -> None:
         self.responses[(route, status)] += 1
@@ -37,7 +41,8 @@ class Metrics:
             if stats.get(key):
                 self.last[key] = float(stats[key])
 
-    def render(self, stats: EngineStats) -> str:
+    def render(self, stats: EngineStats, held: int) -> str:
+        """The metrics; `held`: the engine requests the server holds now (Admission.held)."""
         out = []
 
         def metric(name, kind, help_text, samples):
@@ -71,6 +76,14 @@ class Metrics:
                    [({"tier": "device"}, stats.cache["evictions"])])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
+        metric("requests_held", "gauge", "engine requests the server holds (in lanes, waiting, "
+               "being parsed)", [({}, held)])
+        metric("requests_rejected_total", "counter", "requests refused with 429 by the bound "
+               "that refused them", [({"reason": r}, n) for r, n in sorted(self.rejected.items())])
+        metric("request_timeouts_total", "counter", "engine requests cancelled at "
+               "server.request_timeout_s", [({}, self.timeouts)])
+        metric("body_timeouts_total", "counter", "request bodies not received within "
+               "server.body_timeout_s", [({}, self.body_timeouts)])
         rss = resident_bytes()
         if rss is not None:
             metric("process_resident_memory_bytes", "gauge", "the server's resident memory",
