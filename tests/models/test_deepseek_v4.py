@@ -213,14 +213,25 @@ def test_greedy_tokens_match_transformers(tiny):
     assert engine.generate(text, max_new_tokens=12) == engine.tokenizer.decode(want[:stop])
 
 
-def test_preempted_requests_resume_exactly(served):
-    """plain_hc2 in three lanes, a pool of 4 pages of 16 tokens: requests growing to 26, 28 and
-    30 positions need 6 pages, so the newest is preempted (its pages, its lane's window and
-    compressor rings to host memory) and resumes in whatever lane frees; every request's greedy
-    tokens are those of full forwards."""
+@pytest.fixture(scope="module")
+def small(served):
+    """plain_hc2 in three lanes, a pool of 4 pages of 16 tokens."""
     path, _, _ = served("plain_hc2")
-    small = tidejax.load(path, engine={**ENGINE, "lanes": 3, "page_size": 16,
-                                       "kv_pool_tokens": 64})
+    return tidejax.load(path, engine={**ENGINE, "lanes": 3, "page_size": 16,
+                                      "kv_pool_tokens": 64})
+
+
+def greedy_of_full_forwards(engine, ids, got) -> list[int]:
+    """One causal forward over prompt + tokens: position i's argmax is the greedy token after
+    the first i + 1 tokens, so each generated token in `got` is checked against it."""
+    logits = engine.logits(np.concatenate([ids, got]).astype(np.int32))
+    return logits[len(ids) - 1:len(ids) - 1 + len(got)].argmax(-1).tolist()
+
+
+def test_preempted_requests_resume_exactly(small):
+    """Requests growing to 26, 28 and 30 positions need 6 pages of the pool's 4, so the newest
+    is preempted (its pages, its lane's window and compressor rings to host memory) and resumes
+    in whatever lane frees; every request's greedy tokens are those of full forwards."""
     prompts, new = [prompt(7, 10), prompt(8, 12), prompt(9, 14)], [16, 16, 16]
     out = [[] for _ in prompts]
     for i, (ids, n) in enumerate(zip(prompts, new)):
@@ -231,11 +242,41 @@ def test_preempted_requests_resume_exactly(served):
     stats = small.scheduler.kv_stats()
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0, stats
     for ids, n, got in zip(prompts, new, out):
-        # one causal forward over prompt + tokens: position i's argmax is the greedy token
-        # after the first i + 1 tokens, so each generated token is checked against it
-        assert len(got) == n
-        logits = small.logits(np.concatenate([ids, got]).astype(np.int32))
-        assert got == logits[len(ids) - 1:-1].argmax(-1).tolist()
+        assert len(got) == n and got == greedy_of_full_forwards(small, ids, got)
+
+
+def test_a_second_turn_restores_its_lane_from_a_snapshot(small):
+    """Turn 1 (16 tokens: one page) generates 6; its chunk ends the page, so its lane's window
+    and compressor rings are read to host memory with the page. Turn 2 (turn 1, its answer and
+    5 new tokens) matches the page, has the snapshot written into its lane and prefills the 11
+    tokens past turn 1; a 20-token prompt is chunked 16 and 4 (a chunk ends its full page) and
+    the same prompt again prefills 4. Greedy tokens equal those of the cache off and of full
+    forwards."""
+    scheduler = small.scheduler
+
+    def serve(ids, n):
+        events, before = [], scheduler.totals["prefilled_tokens"]
+        scheduler.submit(GenerationRequest(list(ids), n, ignore_eos=True), events.append)
+        scheduler.run_until_idle()
+        return ([e.token_id for e in events if isinstance(e, TokenEvent)],
+                events[-1].stats["cached_tokens"], scheduler.totals["prefilled_tokens"] - before)
+
+    first = prompt(10, 16).tolist()
+    answer = serve(first, 6)[0]
+    second = first + answer + prompt(11, 5).tolist()
+    scheduler.caching = False
+    try:
+        uncached = serve(second, 6)
+    finally:
+        scheduler.caching = True
+    got = serve(second, 6)
+    assert uncached[1:] == (0, 27) and got[1:] == (16, 11)
+    assert got[0] == uncached[0] == greedy_of_full_forwards(small, np.array(second), got[0])
+    inside = prompt(12, 20).tolist()
+    assert [len(ids) for _, ids in small.loaded.chunks(inside)] == [16, 4]
+    runs = [serve(inside, 6) for _ in range(2)]
+    assert [run[1:] for run in runs] == [(0, 20), (16, 4)]
+    assert runs[1][0] == runs[0][0] == greedy_of_full_forwards(small, np.array(inside), runs[0][0])
 
 
 def test_half_resident_exact_equals_all_resident(served):

@@ -94,8 +94,22 @@ def test_tiny_profile_serves_through_the_openai_api(tmp_path):
         assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
 
 
-def test_the_prompt_cache_is_off_for_its_per_lane_state(engine):
+def test_a_repeated_prompt_restores_its_lane_from_a_snapshot(engine):
     """V4.1's lanes keep window rings, compressor buffers and the Engram look-back beside the
-    pool, which a cached prefix's pages cannot restore: its prompts are never matched."""
+    pool: a 70-token prompt's chunks break at its last full page (64), where the lane's rows are
+    read to host memory with the page; the same prompt again matches that page, has the
+    snapshot written into its lane and prefills its last 6 tokens, with the first run's tokens."""
     assert engine.lane_bytes() > 0
-    assert not engine.loaded.prefix_caching and not engine.scheduler.caching
+    assert engine.loaded.prefix_caching and engine.scheduler.caching and engine.scheduler.snapshots
+    prompt = np.load(GOLDEN / "input_ids.npy")[0].tolist() + [5, 6, 7, 8, 9, 10]
+    runs = []
+    for _ in range(2):
+        events, before = [], engine.scheduler.totals["prefilled_tokens"]
+        engine.scheduler.submit(GenerationRequest(prompt, 8, ignore_eos=True), events.append)
+        engine.scheduler.run_until_idle()
+        runs.append(([e.token_id for e in events if isinstance(e, TokenEvent)],
+                     events[-1].stats["cached_tokens"],
+                     engine.scheduler.totals["prefilled_tokens"] - before))
+    assert [run[1:] for run in runs] == [(0, 70), (64, 6)]
+    assert runs[1][0] == runs[0][0] and len(runs[0][0]) == 8
+    assert engine.scheduler.kv_stats()["lane_snapshots"] >= 1

@@ -100,6 +100,77 @@ def test_preempted_requests_resume_exactly(engine):
     assert got == [reference(engine, p, g) for p, g in zip(prompts, got)]
 
 
+def serve(engine, prompt: list[int], n: int) -> tuple[list[int], dict, int]:
+    """One greedy request to its end: its tokens, its DoneEvent's stats and the prompt tokens
+    the steps prefilled meanwhile."""
+    events, before = [], engine.scheduler.totals["prefilled_tokens"]
+    engine.scheduler.submit(GenerationRequest(prompt, n, ignore_eos=True), events.append)
+    engine.scheduler.run_until_idle()
+    got = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    return got, events[-1].stats, engine.scheduler.totals["prefilled_tokens"] - before
+
+
+def test_a_second_turn_prefills_only_its_new_tokens(engine):
+    """Turn 1 (32 tokens: one full page) generates 8; its last chunk ends the page, so its
+    lane's rows (window rings, group buffers, Engram look-back) are read to host memory with
+    the page's index entry. Turn 2 (turn 1, its answer and 5 new tokens: 45) matches the page,
+    has that snapshot written into its lane and prefills only the 13 tokens past turn 1; its
+    greedy tokens equal the same engine's with the cache off and those of full forwards."""
+    scheduler = engine.scheduler
+    first = IDS[:32]
+    answer, _, _ = serve(engine, first, 8)
+    second = first + answer + IDS[50:55]
+    scheduler.caching = False
+    try:
+        uncached, stats, count = serve(engine, second, 6)
+    finally:
+        scheduler.caching = True
+    assert stats["cached_tokens"] == 0 and count == len(second)
+    got, stats, count = serve(engine, second, 6)
+    assert stats["cached_tokens"] == 32 and count == len(second) - len(first) == 13
+    assert got == uncached == reference(engine, second, got)
+    stats = scheduler.kv_stats()  # the runners hold the snapshots alone: no request is saved
+    assert stats["lane_snapshots"] >= 1 and stats["lane_snapshot_bytes"] == sum(
+        leaf.nbytes for copy in engine.runner.copies.values() for leaf in jax.tree.leaves(copy))
+
+
+def test_a_prompt_ending_inside_a_page_is_cut_at_its_last_page(engine):
+    """A 40-token prompt is chunked 16, 16 and 8 (remainder first up to its last full page,
+    then the rest), so a chunk ends that page and leaves a snapshot; the same prompt again
+    matches the page and prefills its last 8 tokens, with the first run's tokens."""
+    prompt = IDS[20:60]
+    assert [(start, len(ids)) for start, ids in engine.loaded.chunks(prompt)] == [
+        (0, 16), (16, 16), (32, 8)]
+    first, stats, count = serve(engine, prompt, 6)
+    assert stats["cached_tokens"] == 0 and count == 40
+    again, stats, count = serve(engine, prompt, 6)
+    assert stats["cached_tokens"] == 32 and count == 8
+    assert again == first == reference(engine, prompt, first)
+
+
+def test_a_matched_request_is_preempted_and_resumes_exactly(engine):
+    """The requests of test_preempted_requests_resume_exactly, the newest (40 tokens) matching
+    the first page of an earlier run of its prompt (its snapshot written into its lane): it is
+    preempted (its pages and lane rows to host memory) and resumes; the pages the others grow
+    into evict the cached one, whose snapshot the runners forget. Every request's tokens are
+    those of full forwards, and the runners keep no copy but the snapshots of cached pages."""
+    scheduler = engine.scheduler
+    prompts, new = [IDS[:20], IDS[30:39], IDS[24:64]], [30, 30, 20]
+    serve(engine, prompts[2], 1)
+    before, evictions = scheduler.kv_stats(), scheduler.pages.evictions
+    events = [[] for _ in prompts]
+    for i, (prompt, n) in enumerate(zip(prompts, new)):
+        scheduler.submit(GenerationRequest(prompt, n, ignore_eos=True), events[i].append)
+    scheduler.run_until_idle()
+    after = scheduler.kv_stats()
+    assert after["preemptions"] > before["preemptions"], after
+    assert [e[-1].stats["cached_tokens"] for e in events] == [0, 0, 32]
+    got = [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in events]
+    assert got == [reference(engine, p, g) for p, g in zip(prompts, got)]
+    assert scheduler.pages.evictions > evictions
+    assert len(engine.runner.copies) == after["lane_snapshots"]
+
+
 def test_a_saved_sequence_goes_back_into_any_lane(engine):
     """read_sequence / write_sequence: lane 1's rows, pages and Engram look-back into lane 0."""
     saved = engine.read_sequence([2, 3], 1)

@@ -12,6 +12,11 @@ A prompt whose first pages' hashes are indexed shares those pages read-only (`ma
 it writes only past them, so a shared page is never written (only full pages are shared). A
 page no sequence holds stays cached while it is indexed and is evicted least recently released
 first when a sequence needs a page and none is unused (`grow`); `free` counts both kinds.
+
+Where a sequence's lane keeps state beside the pool (DeepSeek-V4 and V4.1), an indexed page may
+carry a snapshot of that state at its end (`attach`: a number the runners keep the copy under);
+a match then ends at the last page of the run that has one, and a snapshot leaves with its
+page's index entry (evicted, or the index dropped): `take_dropped` gives the numbers to forget.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class PageTable:
         # indexed pages no sequence holds, least recently released first
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.evictions = 0  # cached pages taken back for other positions
+        self._snapshots: dict[int, int] = {}  # an indexed page -> its lane snapshot's number
+        self._dropped: list[int] = []  # snapshots whose page left the index, not yet forgotten
 
     @property
     def free(self) -> int:
@@ -76,6 +83,11 @@ class PageTable:
         """Pages kept for the prefix index that no sequence holds (evicted when needed)."""
         return len(self._idle)
 
+    @property
+    def snapshots(self) -> int:
+        """Lane snapshots kept with indexed pages."""
+        return len(self._snapshots)
+
     def pages_of(self, seq: int) -> list[int]:
         return self._held.get(seq, [])
 
@@ -83,15 +95,36 @@ class PageTable:
         """Pages `seq` still needs to hold `n_tokens` positions."""
         return max(pages_for(n_tokens, self.page_size) - len(self.pages_of(seq)), 0)
 
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """The indexed pages of the longest run of `hashes` from the first (block_hashes)."""
+    def match(self, hashes: list[bytes], snapshots: bool = False) -> list[int]:
+        """The indexed pages of the longest run of `hashes` from the first (block_hashes); with
+        `snapshots`, of the longest such run whose last page has a snapshot (none: [])."""
         pages = []
         for digest in hashes:
             page = self._index.get(digest)
             if page is None:
                 break
             pages.append(page)
+        while snapshots and pages and pages[-1] not in self._snapshots:
+            pages.pop()
         return pages
+
+    def snapshot_of(self, page: int) -> int:
+        """The number of the snapshot an indexed page carries (match with `snapshots`)."""
+        return self._snapshots[page]
+
+    def attach(self, digest: bytes, snapshot: int) -> bool:
+        """Keeps `snapshot` (a number) with the page indexed under `digest`, where it has none;
+        returns whether it did."""
+        page = self._index.get(digest)
+        if page is None or page in self._snapshots:
+            return False
+        self._snapshots[page] = snapshot
+        return True
+
+    def take_dropped(self) -> list[int]:
+        """The snapshots whose page left the index since the last call."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def takes(self, n_tokens: int, shared: list[int]) -> int:
         """Free pages a new sequence takes to hold `n_tokens` positions when it shares `shared`
@@ -125,6 +158,8 @@ class PageTable:
     def _evict(self) -> int:
         page, _ = self._idle.popitem(last=False)
         del self._index[self._hash_of.pop(page)]
+        if page in self._snapshots:
+            self._dropped.append(self._snapshots.pop(page))
         self.evictions += 1
         return page
 
@@ -151,5 +186,7 @@ class PageTable:
         pages no sequence holds become unused."""
         self._index.clear()
         self._hash_of.clear()
+        self._dropped.extend(self._snapshots.values())
+        self._snapshots.clear()
         self._free.extend(sorted(self._idle, reverse=True))
         self._idle.clear()

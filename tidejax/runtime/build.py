@@ -122,6 +122,8 @@ class LoadedModel:
                  self.lane_bytes())
         self._prefill_buckets = _buckets(self.prefill_chunk)
         self.prefix_caching = self._prefix_caching(config)
+        # whether a cached prefix needs its lane's rows restored (a snapshot)
+        self.lane_snapshots = self.prefix_caching and self.lane_bytes() > 0
         self.steps = Steps(self.module, self.max_pages)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
@@ -240,36 +242,53 @@ class LoadedModel:
         return pages
 
     def _prefix_caching(self, config: EngineConfig) -> bool:
-        """Whether prompts share cached KV pages (cache.enabled): not for a family whose lanes
-        keep rows beside the pool (DeepSeek-V4.1's and V4's window rings and compressor
-        buffers, V4.1's Engram look-back), which a match would have to restore too and pages
-        alone cannot give (snapshots at page boundaries are not built yet)."""
+        """Whether prompts share cached KV pages (cache.enabled). A family whose lanes keep rows
+        beside the pool (DeepSeek-V4.1's and V4's window rings and compressor buffers, V4.1's
+        Engram look-back) has them snapshotted where a prompt chunk ends a page
+        (`lane_snapshots`): a match restores its last page's snapshot into the new lane."""
         if not config.cache.enabled:
             return False
         if self.lane_bytes():
-            log.info("prompt cache off for %s: its lanes keep %d bytes of state beside the KV "
-                     "pool, which a cached prefix cannot restore", self.family.name,
-                     self.lane_bytes())
-            return False
+            log.info("prompt cache for %s: its lanes' %d bytes of state beside the KV pool are "
+                     "snapshotted to host memory where a prompt chunk ends a page",
+                     self.family.name, self.lane_bytes())
         return True
+
+    def snapshot_bytes(self) -> int:
+        """Host bytes a lane snapshot holds: the lane's rows, its token counts ([vocab] int32
+        and bool) and the one padded page a sequence copy of no pages reads (Steps)."""
+        page = int(self.page_size * self.cache_bytes_per_token())
+        return self.lane_bytes() + self.vocab_size * 5 + page
 
     # -- step inputs -----------------------------------------------------------------------
 
     def chunks(self, token_ids: list[int], begin: int = 0) -> list[tuple[int, list[int]]]:
         """(start, ids) of each prefill chunk of a prompt from `begin` (past a cached prefix):
-        the remainder first (n - begin mod prefill_chunk tokens, or a whole chunk), then whole
-        chunks, so that where a chunk's table follows its end (_prefill_width) the first chunk's
-        width is its bucket's and the whole chunks' are the few powers of two past one chunk."""
-        n = len(token_ids)
-        starts = [begin, *range(begin + self._first_chunk(n - begin), n, self.prefill_chunk)] if (
-            n > begin) else []
-        return [(start, token_ids[start:start + self.chunk_length(start, n, begin)])
-                for start in starts]
+        up to the cut (`_cut`) and past it, the remainder first (the run's length mod
+        prefill_chunk, or a whole chunk), then whole chunks, so that where a chunk's table
+        follows its end (_prefill_width) the first chunk's width is its bucket's and the whole
+        chunks' are the few powers of two past one chunk."""
+        n, out, start = len(token_ids), [], begin
+        while start < n:
+            length = self.chunk_length(start, n, begin)
+            out.append((start, token_ids[start:start + length]))
+            start += length
+        return out
 
     def chunk_length(self, start: int, n: int, begin: int = 0) -> int:
         """Tokens in the chunk at `start` of an n-token prompt (chunks) whose prefill begins at
-        `begin` (past a cached prefix): the remainder first, then whole chunks."""
-        return self._first_chunk(n - begin) if start == begin else self.prefill_chunk
+        `begin` (past a cached prefix)."""
+        cut = self._cut(n, begin)
+        first, end = (begin, cut) if start < cut else (cut, n)
+        return self._first_chunk(end - first) if start == first else self.prefill_chunk
+
+    def _cut(self, n: int, begin: int) -> int:
+        """Where the chunks of an n-token prompt from `begin` also break: with lane snapshots,
+        at its last page boundary before its last token, where a later turn that extends the
+        prompt (or another choice of it) matches and so a snapshot must be (one is taken where
+        a chunk ends a page); else n."""
+        cut = (n - 1) // self.page_size * self.page_size
+        return cut if self.lane_snapshots and cut > begin else n
 
     def _first_chunk(self, n: int) -> int:
         return n - self.prefill_chunk * ((n - 1) // self.prefill_chunk)

@@ -10,7 +10,9 @@ The runner does its parts in this order:
     lanes     {lane: SamplingParams}: each lane's sampling row set and its token counts cleared
               (admission; greedy again when a lane frees), but for `seen` {lane: token ids}:
               the prompt tokens of a cached prefix, marked seen (no step of the lane runs them)
-    writes    copies put back at new pages and a lane (resumption), then dropped
+    writes    copies put back at new pages and a lane (resumption), then dropped; a write
+              that `keep`s its copy (a prompt-cache snapshot of a lane, written at each match)
+              leaves it until a `forget`
     experts   swap batches residency applies between steps (drain, reseed: process 0 applies
               its own through Runner.update_experts; its peers take them from here)
     then at most one device call: the mixed step (`decode` and / or `prefill`, with the step's
@@ -32,11 +34,13 @@ from tidejax.runtime.steps import DecodeRows, PrefillChunk
 @dataclasses.dataclass(frozen=True)
 class SequenceCopy:
     """A sequence's place for a read or a write: its pages of the pool and its lane; `copy`
-    numbers the copy in host memory that the runners keep (process 0 numbers them)."""
+    numbers the copy in host memory that the runners keep (process 0 numbers them). No pages:
+    the lane's rows and token counts alone (a snapshot). `keep`: a write that keeps the copy."""
 
     copy: int
     pages: tuple[int, ...]
     lane: int
+    keep: bool = False
 
 
 @dataclasses.dataclass

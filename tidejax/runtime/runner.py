@@ -105,8 +105,10 @@ class Runner:
             self._set_lane(lane, params, plan.seen.get(lane, ()))
         for write in plan.writes:
             if write.copy not in self.copies:
-                raise ValueError(f"no saved copy {write.copy} to write back (each goes back once)")
-            self._write(write, self.copies.pop(write.copy))
+                raise ValueError(f"no saved copy {write.copy} to write back (each goes back "
+                                 "once, but a kept one)")
+            self._write(write, self.copies[write.copy] if write.keep
+                        else self.copies.pop(write.copy))
         for batch in plan.experts:
             self.state = self.state.replace(experts=apply_now(self.state.experts, batch)[0])
         if plan.steps:

@@ -137,6 +137,8 @@ class Scheduler:
         # requests, prompt, prefilled, cached and generated tokens, steps, preemptions
         self.totals = collections.Counter()
         self.caching = model.prefix_caching  # prompts share cached pages (kv/pages.py)
+        # a match restores its lane's rows from a snapshot (model.lane_snapshots)
+        self.snapshots = model.lane_snapshots
         self._admissions = itertools.count(1)
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
@@ -178,7 +180,8 @@ class Scheduler:
         included), preemptions so far, beside the pool's size."""
         return dict(self.model.kv_stats(), preemptions=self.totals["preemptions"],
                     pages_in_use=self.pages.in_use, pages_free=self.pages.free,
-                    pages_cached=self.pages.cached)
+                    pages_cached=self.pages.cached, lane_snapshots=self.pages.snapshots,
+                    lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes())
 
     def cache_stats(self) -> dict:
         """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted."""
@@ -329,6 +332,9 @@ class Scheduler:
             handle.prefilled = handle.cached = len(shared) * self.pages.page_size
             if shared:
                 self._plan.seen[lane] = handle.request.prompt_ids[:handle.cached]
+            if shared and self.snapshots:  # the lane's rows as they were at the match's end
+                self._plan.writes.append(SequenceCopy(self.pages.snapshot_of(shared[-1]), (),
+                                                      lane, keep=True))
             handle.started_at = time.perf_counter()
             handle.cpu_picks_at_start = self.model.residency.cpu_picks()
             handle.approx_at_start = self.model.residency.approx_tally()
@@ -347,7 +353,8 @@ class Scheduler:
             handle.hashes = block_hashes(prompt, self.pages.page_size)
         if handle.saved is not None:  # it resumes from its own copy
             return []
-        return self.pages.match(handle.hashes[:(len(prompt) - 1) // self.pages.page_size])
+        return self.pages.match(handle.hashes[:(len(prompt) - 1) // self.pages.page_size],
+                                self.snapshots)
 
     def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
         """Whether the queue's head can take a lane now: one prompt prefills at a time, and the
@@ -415,6 +422,8 @@ class Scheduler:
         if completes:
             self.positions[chunk.lane] = produced[chunk.lane] = chunk.start + len(chunk.tokens)
             self._prefilling = None
+        if chunk is not None:
+            self._snapshot(prompt, chunk.lane)
         return _Step(result, sampled_for, produced)
 
     def _next_chunk(self) -> PrefillChunk | None:
@@ -431,6 +440,18 @@ class Scheduler:
             self.pages.publish(handle.id, handle.hashes[:handle.prefilled // self.pages.page_size])
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id),
                             prompt[:start])
+
+    def _snapshot(self, handle: RequestHandle, lane: int) -> None:
+        """After the step of a prompt chunk that ends a page (published): the lane's rows and
+        token counts read into host memory by the next plan (its reads run first, so they see
+        what the chunk left), kept with that page's index entry for the prompts that match up
+        to there, where the page has none yet (lane_snapshots)."""
+        size = self.pages.page_size
+        if not (self.caching and self.snapshots and handle.prefilled % size == 0):
+            return
+        copy = next(self._copies)
+        if self.pages.attach(handle.hashes[handle.prefilled // size - 1], copy):
+            self._plan.reads.append(SequenceCopy(copy, (), lane))
 
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
@@ -560,6 +581,7 @@ class Scheduler:
 
     def _take(self, **parts) -> StepPlan:
         """The plan decided so far with `parts` (its device call) added; the next starts empty."""
+        self._plan.forget += self.pages.take_dropped()  # snapshots whose page left the index
         plan, self._plan = dataclasses.replace(self._plan, **parts), StepPlan()
         return plan
 
