@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ceilings import copy_gbps, hbm_read_gbps, matmul_tflops, seconds_per_step
-from tidejax.pallas.bank import bank_format
+from tidejax.contract import bank_format
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas

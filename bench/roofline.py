@@ -80,7 +80,8 @@ def h2d_gbps(bank: dict, rows: int = 16) -> float:
 def host_kernel_gbps(bank: dict, experts: int) -> float:
     """GB/s of the `cpu` policy's host kernel over `experts` distinct experts of `bank`'s shapes
     for one token (bench/cpu_experts.py, from a random pool larger than the caches)."""
-    from tidejax.pallas.bank import bank_dims, bank_format
+    from tidejax.contract import bank_format
+    from tidejax.pallas.bank import bank_dims
 
     _, d, inter = bank_dims(bank)
     fmt = "mxfp4" if bank_format(bank) == "mxfp4" else "bf16"

@@ -1,7 +1,9 @@
 """The package layout's rules over the import graph (DESIGN.md, rules of the house 1, 5 and 7): a
 family package never imports another family, the shared layers import no family, nothing under
-tidejax/models imports tidejax.pallas (models reach kernels only through residency), no module
-of tidejax takes part in an import circle, and the server reaches the runtime only through
+tidejax/models imports tidejax.pallas (models reach kernels only through tidejax.ops) and no
+model names a kernel implementation, outside tidejax.ops nothing reaches a kernel or a
+reference, the kernels' contract (tidejax/contract.py) imports nothing of tidejax, no module of
+tidejax takes part in an import circle, and the server reaches the runtime only through
 tidejax.runtime.api. Of tests/: its folders mirror the package, and no test module imports
 another. Read from the source with ast: nothing is imported, so it costs no JAX
 start-up."""
@@ -19,6 +21,12 @@ SHARED = "layers"  # the one package under models/ that is not a family
 # tensor-parallel peer (distributed.peer) that the rest of the server is handed as an EngineClient
 SERVER_ENTRY = "tidejax.server.__main__"
 API = "tidejax.runtime.api"
+KERNELS = "tidejax.pallas"
+OPS = "tidejax.ops"
+CONTRACT = "tidejax.contract"
+# what of tidejax.pallas a module outside tidejax.ops may import: the bank helpers (its dims,
+# dequantized rows), data the host kernel's fallback reads too (residency/cpu.py)
+BANK_HELPERS = {"tidejax.pallas.bank"}
 
 
 def module_name(path: Path) -> str:
@@ -147,10 +155,52 @@ def test_shared_layers_import_no_family():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
 def test_models_never_import_pallas():
     wrong = [f"{path.relative_to(MODELS)} imports {name}" for path, found in modules().items()
              for name in found if name == "tidejax.pallas" or name.startswith("tidejax.pallas.")]
-    assert not wrong, "models reach kernels only through residency:\n" + "\n".join(sorted(wrong))
+    assert not wrong, "models reach kernels only through tidejax.ops:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_model_names_a_kernel_implementation():
+    """Models call ops with arrays alone: no call under tidejax/models passes `impl`, and no
+    module there imports the dispatch rule (a family's forward runs under its ServeOptions'
+    kernel, models.base.serving)."""
+    wrong = []
+    for path in sorted(MODELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and any(k.arg == "impl" for k in node.keywords):
+                wrong.append(f"{path.relative_to(MODELS)}:{node.lineno} passes impl=")
+        wrong += [f"{path.relative_to(MODELS)} imports {name}" for name in imports(path)
+                  if under(name, "tidejax.ops.dispatch")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_ops_reach_the_kernels():
+    """Outside tidejax.pallas, only tidejax.ops imports a kernel or a reference; the rest of
+    tidejax imports at most the bank helpers."""
+    wrong = [f"{path.relative_to(PACKAGE)} imports {name}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             if not under(module_name(path), KERNELS) and not under(module_name(path), OPS)
+             for name in imports(path) if under(name, KERNELS)
+             and not any(under(name, helpers) for helpers in BANK_HELPERS)]
+    assert not wrong, "only tidejax.ops calls the kernels:\n" + "\n".join(sorted(wrong))
+    assert any(under(name, KERNELS) for name in imports(PACKAGE / "ops" / "__init__.py"))
+
+
+def test_the_kernel_contract_imports_nothing_of_tidejax():
+    """tidejax/contract.py (activation, bias, gate/up layout) imports no module of tidejax, so the
+    kernels, their references, the host kernel and the models all import it, and none of them
+    through another."""
+    found = imports(PACKAGE / "contract.py")
+    assert not [name for name in found if under(name, "tidejax")], sorted(found)
+    graph = package_graph()
+    users = ("tidejax.pallas.moe_kernel", "tidejax.pallas.moe", "tidejax.residency.cpu",
+             "tidejax.models.layers.mlp")
+    assert all(CONTRACT in graph[name] for name in users)
 
 
 def test_registry_names_family_packages():

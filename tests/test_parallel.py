@@ -17,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import tidejax
 from tidejax import parallel
 from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from tidejax.contract import expert_axes
 from tidejax.models.base import AXES
 from tidejax.models.deepseek_v3.weights import param_specs
-from tidejax.pallas.bank import expert_axes
 from tidejax.residency.pool import host_pool
 from tidejax.residency.state import all_resident_state, build_state
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidejax.errors import ConfigError
-from tidejax.pallas.dispatch import IMPLS
+from tidejax.ops.dispatch import IMPLS
 
 # ---------------------------------------------------------------------------------------------
 # Engine profiles

@@ -42,7 +42,7 @@ MESH_AXES = ("data", "tensor")
 
 # logical axis -> mesh axis (None: never split). "tensor" splits attention heads and every
 # intermediate (dense, shared and routed experts: the bank's gate_up rows, see
-# tidejax.pallas.bank for the layout that split needs); the rest stays whole for now.
+# tidejax.contract for the layout that split needs); the rest stays whole for now.
 RULES: dict[str, str | None] = {
     "vocab": None, "embed": None, "heads": "tensor", "q_lora": None, "kv_lora": None,
     "rope": None, "ffw": "tensor", "experts": None, "slots": None, "pages": None, "page": None,

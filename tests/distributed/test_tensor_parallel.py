@@ -25,8 +25,8 @@ import pytest
 import tidejax
 from tidejax import distributed, parallel
 from tidejax.config import EngineConfig, parse_set
+from tidejax.contract import interleave_gate_up
 from tidejax.errors import ConfigError
-from tidejax.pallas.bank import interleave_gate_up
 from tests.support.server_fixtures import (REPO, free_port, launch_server, server_log, stop_server,
                                            write_profile)
 

@@ -283,7 +283,7 @@ def test_a_chunk_attends_its_pages_key_block_by_key_block(t, start):
     that end before the table's last page."""
     import jax.numpy as jnp
 
-    from tidejax.kv import paged
+    from tidejax import ops as paged
     rng = np.random.RandomState(t)
     q, q_rope = (jnp.asarray(rng.randn(1, t, 2, n), jnp.float32) for n in (8, 4))
     latent_pages, rope_pages = (jnp.asarray(rng.randn(80, 16, n), jnp.float32) for n in (8, 4))

@@ -242,3 +242,33 @@ def test_deepseek_v2_rejects_a_scoring_it_does_not_have(tmp_path):
     raw.update(model_type="deepseek_v2", scoring_func="sigmoid")
     with pytest.raises(ConfigError, match="scoring_func.*softmax"):
         DeepseekV3Config.from_hf(raw, "config.json")
+
+
+@pytest.mark.parametrize("t", [4, 1])
+def test_the_forward_runs_its_ops_under_the_served_kernel(t):
+    """No layer names a kernel implementation: the forward runs every op under its ServeOptions'
+    kernel (models.base.serving), "reference" on the jnp paths, "pallas" on the kernels
+    (interpret mode off the GPU) of the MLA attention (prefill for a chunk, decode for one
+    token) and of the routed experts; "auto" takes the kernels on a GPU only."""
+    import re
+
+    cfg = DeepseekV3Config.from_hf(deepseek_v3_config(
+        qk_rope_head_dim=16, q_lora_rank=None, n_group=1, topk_group=1,
+        first_k_dense_replace=1).to_dict())  # rope width 16: shapes the MLA kernels take
+    params = init(param_specs(cfg, jnp.float32), jax.random.key(0))
+    experts = all_resident_state(init(expert_specs(cfg, jnp.float32), jax.random.key(1)),
+                                 len(cfg.moe_layers))
+    args = [a[:, :t] for a in _forward_args(cfg)[:3]] + list(_forward_args(cfg)[3:])
+
+    def kernels(kernel: str) -> set[str]:
+        model = build(cfg, ServeOptions(kernel=kernel, all_resident=True), jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda p, e: model.apply({"params": p}, *args, e))(params,
+                                                                                        experts))
+        return set(re.findall(r"name=(paged_mla_\w+|moe_\w+)", jaxpr)) if (
+            "pallas_call" in jaxpr) else set()
+
+    attention = "paged_mla_prefill" if t > 1 else "paged_mla_decode"
+    assert kernels("reference") == set()
+    on_kernels = kernels("pallas")
+    assert attention in on_kernels and any(name.startswith("moe_") for name in on_kernels)
+    assert kernels("auto") == (on_kernels if jax.default_backend() == "gpu" else set())

@@ -14,7 +14,7 @@ import pytest
 from tidejax.checkpoint.fp8 import dequantize_fp8_block, scales_on_dividing_block
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
-from tidejax.fp8_dense import fp8_block_matmul
+from tidejax.ops import fp8_block_matmul
 from tidejax.models.deepseek_v41.weights import load
 from tests.support.declaration import edited_copy
 from tests.support.v41_published import GOLDEN, fp8_blocks

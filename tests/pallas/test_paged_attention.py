@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tidejax.pallas import (paged_mla_decode, paged_mla_decode_reference, paged_mla_prefill,
-                            paged_mla_prefill_reference)
-from tidejax.pallas.attention import (choose_splits, paged_mla_decode_pallas, paged_mla_prefill_pallas,
-                                      pallas_supports)
+from tidejax.ops import paged_mla_decode, paged_mla_prefill
+from tidejax.pallas.attention import (choose_splits, paged_mla_decode_pallas,
+                                      paged_mla_decode_reference, paged_mla_prefill_pallas,
+                                      paged_mla_prefill_reference, pallas_supports)
 
 SCALE = 0.3
 
@@ -334,8 +334,9 @@ def test_prefill_kernel_lowers_to_triton_for_cuda(t, pool_dtype, q_dtype, tile):
 # ---- the lightning indexer's scores over paged keys (DeepSeek-V4.1) -----------------------------
 
 from tidejax.kv import paged  # noqa: E402
-from tidejax.pallas import paged_index_scores, paged_index_scores_reference  # noqa: E402
+from tidejax.ops import paged_index_scores  # noqa: E402
 from tidejax.pallas.index_scores import paged_index_scores_pallas  # noqa: E402
+from tidejax.pallas.index_scores import paged_index_scores_reference  # noqa: E402
 from tidejax.pallas.index_scores import pallas_supports as index_supports  # noqa: E402
 
 

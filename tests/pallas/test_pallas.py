@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from tidejax.checkpoint import mxfp4
-from tidejax.pallas import Demand, moe_grouped, moe_grouped_reference
+from tidejax.ops import moe_grouped
+from tidejax.pallas.demand import Demand
+from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_kernel import TILES, choose_tile, moe_grouped_pallas
 
 
@@ -256,7 +258,7 @@ def test_kernels_lower_to_triton_for_cuda():
 
 
 def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):
-    from tidejax.pallas import dispatch
+    from tidejax.ops import dispatch
     from tidejax.pallas.moe_kernel import pallas_supports
 
     fits = {"gate_up": np.zeros((2, 64, 64), np.float32), "down": np.zeros((2, 64, 32), np.float32)}
@@ -266,3 +268,23 @@ def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):
     assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(fits)) == "pallas"
     assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(odd)) == "reference"
     assert dispatch.choose_impl("moe_grouped", "pallas", fits=lambda: False) == "pallas"
+
+
+def test_an_op_given_no_impl_takes_the_policy_in_force(monkeypatch):
+    """ops.kernels sets the implementation of the ops called inside it with none (a family's
+    forward: its ServeOptions' kernel); an impl given wins; outside any, "auto"."""
+    from tidejax import ops
+    from tidejax.ops import dispatch
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert dispatch.choose_impl("moe_grouped") == "pallas"
+    with ops.kernels("reference"):
+        assert dispatch.choose_impl("moe_grouped") == "reference"
+        assert dispatch.choose_impl("moe_grouped", "pallas") == "pallas"
+        with ops.kernels("auto"):
+            assert dispatch.choose_impl("moe_grouped", fits=lambda: False) == "reference"
+        assert dispatch.choose_impl("moe_grouped") == "reference"
+    assert dispatch.policy() == "auto"
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        with ops.kernels("cuda"):
+            pass

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.support.residency_fixtures import D, E, K, L, make_pool, make_router, tokens, toy_step
-from tidejax.pallas import moe_grouped_reference
+from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.residency.planner import place
 from tidejax.residency.pool import host_pool
 from tidejax.residency.serve import ServeOptions, serve_routed

@@ -1,14 +1,16 @@
-"""Device side of the paged KV pool: writes at a sequence's positions and attention over its own
-pages.
+"""Device side of the paged KV pool: writes at a sequence's positions, reads of its own pages, and
+the attentions over them that have no GPU kernel (GQA, sparse MLA over picked entries). The
+paged kernels' ops (MLA attention, index scores) are tidejax.ops.
 
 A pool leaf is [n_pages, rows, ...]: `rows` entries a page, page_size of them for per-token keys
 (MLA's latent), fewer for a leaf that keeps one entry per `ratio` tokens (DeepSeek-V4.1's
 compressed entries: page_size // ratio). A step's block table [b, P] lists each row's pages in
-order, and one table addresses every leaf. P is max_context's pages where every read here goes
-up to each row's length (the MLA prefill paths, the MLA decode kernel, GQA, the indexer's decode
+order, and one table addresses every leaf. P is max_context's pages where every read goes up to
+each row's length (the MLA prefill paths, the MLA decode kernel, GQA, the indexer's decode
 kernel), so those cost what the sequences hold, never the table, the pool or max_context; a
 power of two of the pages the rows need where a path reads the whole table (the MLA decode
-reference, the indexer scores' reference and their prefill). runtime/build.py chooses.
+reference, the indexer scores' reference and their prefill). The family chooses
+(models.base.Family.table_widths, by tidejax.ops.reads_by_length).
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from tidejax import parallel
-from tidejax.pallas import paged_index_scores, paged_mla_decode, paged_mla_prefill
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -75,36 +74,6 @@ def gather_rows(pool, block_table, ids):
     page = jnp.take_along_axis(block_table, jnp.clip(flat // rows, 0, block_table.shape[1] - 1),
                                axis=1)
     return pool[page, flat % rows].reshape(*ids.shape, *pool.shape[2:])
-
-
-def index_scores(q, weights, key_pages, block_table, counts, *, scale: float, impl: str = "auto"):
-    """A lightning indexer's scores of a chunk's queries over their rows' paged keys: q [b, t, i,
-    k], weights [b, t, i], key_pages [n_pages, rows, k], counts [b, t] (the entries 0.. each
-    query sees) -> [b, t, P * rows] float32, -inf past each count. Decode steps go to the paged
-    kernel, `impl` permitting (pallas.paged_index_scores)."""
-    return paged_index_scores(q, weights, key_pages, block_table, counts, scale=float(scale),
-                              impl=impl)
-
-
-def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,
-                  scale: float, impl: str = "auto"):
-    """Multi-head latent attention over each row's pages: q_latent [b, t, h, c] (kv_b absorbed),
-    q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
-    latent [b, t, h, c] in the queries' dtype. Decode (t = 1) goes to the paged decode kernel,
-    a prompt chunk to the paged prefill kernel (`impl` picks each kernel or its reference: the
-    pages a row holds, no more). Where the mesh splits "tensor", each device attends its heads
-    over the whole pages (parallel.over_tensor: the kernels see one device's shard)."""
-    def attend(q_latent, q_rope, latent_pages, rope_pages, block_table, positions):
-        if q_latent.shape[1] == 1:
-            out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
-                                   block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
-            return (out[:, None].astype(q_latent.dtype),)
-        return (paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                  positions, scale=float(scale), impl=impl),)
-
-    heads = (None, None, "heads", None)  # [b, t, h, c]
-    return parallel.over_tensor(attend, (heads, heads, None, None, None, None), (heads,))(
-        q_latent, q_rope, latent_pages, rope_pages, block_table, positions)[0]
 
 
 QUERY_BLOCK = 64  # queries whose selected entries sparse_mla_attention gathers at once

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import ops
+
 # Logical axis names, one per concept: every param, KV page, bank and pool axis is one of these
 # (or None: never split); the sharding table (tidejax.parallel.RULES) maps them to mesh axes.
 # rope: the rotary key width; slots: bank rows; pages, page: a KV pool's pages and their rows.
@@ -118,14 +120,13 @@ class Family:
         window rings and Engram look-back, DeepSeek-V4's window and compressor rings), or None
     page_multiple(cfg) -> what engine.page_size must be a multiple of (DeepSeek-V4.1: its
         compress ratios, so that a page holds whole groups)
-    mla_decode: decoding attends through pallas.paged_mla_decode over an MLA latent cache
-        (cfg.kv_lora_rank, cfg.qk_rope_head_dim); the kernel's own choice for those shapes sets
-        the decode tables' width (runtime/build.py: the kernel reads each lane's pages by length,
-        the reference gathers the whole table)
+    mla_decode: decoding attends through ops.paged_mla_decode over an MLA latent cache
+        (cfg.kv_lora_rank, cfg.qk_rope_head_dim); the op's own choice for those shapes sets the
+        decode tables' width (`table_widths`)
     index_keys(pages) -> the pool leaves (of PagedCache.pages) whose every entry in a block
-        table an indexer scores (kv.paged.index_scores, a top-k over the table's width): their
+        table an indexer scores (ops.paged_index_scores, a top-k over the table's width): their
         prefill tables follow what the chunk needs, and their decode tables too where the
-        scores kernel does not take them (runtime/build.py); () for a family without indexers
+        scores kernel does not take them (`table_widths`); () for a family without indexers
     cache_axes(pages) -> the logical axes of each pool leaf (a tuple per leaf, the pool's
         structure), or None: the pool is placed replicated (tidejax.parallel); the lane rows are
         always replicated
@@ -164,3 +165,43 @@ class Family:
     swiglu_limit: Callable = lambda cfg: 0.0
     dense_fp8: bool = False
     tool_formats: dict = dataclasses.field(default_factory=dict)
+
+    def table_widths(self, cfg, page_size: int, dtype, serve) -> tuple[bool, bool]:
+        """(prefill, decode): whether that part's block tables are max_context wide (one shape)
+        rather than a power of two of the pages its rows need (a few), for a forward served with
+        `serve` (its ServeOptions: the ops' implementation). Full width where every read of the
+        pool goes row by row up to the row's own length, so a wider table costs nothing: MLA's
+        prefill (the Pallas kernel and its reference loop over key blocks up to the chunk's last
+        position), GQA's flash loop, the paged MLA decode kernel, the indexer's decode scores
+        kernel (a block past a row's count is written -inf unread; the top-k over [lanes,
+        max_pages * rows] scores stays, small beside a step's weight reads): ops.reads_by_length.
+        Powers of two where a path gathers or scores the whole table: the jnp references of the
+        MLA decode and of the indexer scores (off the GPU, or engine.kernel "reference"), and the
+        indexers' prefill (scores [chunk, entries] and their top-k for every entry the table
+        addresses: at max_context a short prompt's chunks would score a whole context's
+        entries)."""
+        def struct(shape, dtype=dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        with ops.kernels(serve.kernel):
+            decode = []  # the decode's paged reads: whether each goes by length
+            if self.mla_decode:
+                c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+                decode.append(ops.reads_by_length("paged_mla_decode", struct((1, 1, c)),
+                                                  struct((1, 1, r)), struct((1, page_size, c))))
+            pool = jax.eval_shape(lambda: self.create_cache(cfg, 1, page_size, dtype))
+            index_keys = self.index_keys(pool)  # the leaves an indexer scores, whole
+            for keys in index_keys:
+                q = struct((1, 1, 1, keys.shape[-1]), jnp.float32)
+                decode.append(ops.reads_by_length("paged_index_scores", q, None, keys))
+        return not index_keys, all(decode)
+
+
+def serving(forward):
+    """Decorates a family's forward (its top module's __call__, under nn.compact): the ops its
+    layers call run on the implementation the module's ServeOptions name (`self.serve.kernel`,
+    the profile's engine.kernel; ops.kernels), so no layer holds or passes one."""
+    @functools.wraps(forward)
+    def served(self, *args, **kwargs):
+        with ops.kernels(self.serve.kernel):
+            return forward(self, *args, **kwargs)
+    return served

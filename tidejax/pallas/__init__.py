@@ -1,23 +1,5 @@
-"""GPU kernels (Pallas) behind plain functions, each with a jnp reference that runs everywhere."""
-
-from tidejax.pallas.attention import (paged_mla_decode, paged_mla_decode_reference, paged_mla_prefill,
-                                      paged_mla_prefill_reference)
-from tidejax.pallas.bank import bank_dims, bank_format
-from tidejax.pallas.demand import Demand, count_demand_reference
-from tidejax.pallas.index_scores import paged_index_scores, paged_index_scores_reference
-from tidejax.pallas.moe import moe_grouped, moe_grouped_reference
-
-__all__ = [
-    "Demand",
-    "bank_dims",
-    "bank_format",
-    "count_demand_reference",
-    "moe_grouped",
-    "moe_grouped_reference",
-    "paged_index_scores",
-    "paged_index_scores_reference",
-    "paged_mla_decode",
-    "paged_mla_decode_reference",
-    "paged_mla_prefill",
-    "paged_mla_prefill_reference",
-]
+"""GPU kernels (Pallas, Triton lowering) and their jnp references, which run everywhere; one
+module an op (attention.py, index_scores.py, moe.py with moe_kernel.py, fp8_matmul.py), beside
+the bank helpers (bank.py) and the demand counters (demand.py). Nothing outside tidejax.ops
+calls a kernel or a reference: the ops pick between them (tidejax/ops/), and what the kernels
+agree on with their callers is tidejax.contract."""

@@ -7,8 +7,9 @@ positions p <= q of its pages:
     out[i, j] = softmax(scores) @ latent                                          (float32)
 where position p lives in page block_table[i, p // page_size] at row p % page_size.
 
-`paged_mla_decode` and `paged_mla_prefill` dispatch between the Pallas GPU kernels (Triton
-lowering; interpret mode off the GPU) and their jnp references (run everywhere).
+The Pallas GPU kernels (Triton lowering; interpret mode off the GPU) and their jnp references
+(run everywhere) keep one contract; tidejax.ops.paged_mla_decode and paged_mla_prefill pick
+between them.
 
 The decode kernel, flash-decoding style: program (head block, split, sequence) takes bh heads of
 one sequence and walks its positions in chunks of `bs` (a page, part of one, or several small
@@ -34,8 +35,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
-from tidejax.pallas.dispatch import dispatch
 
 HIGHEST = jax.lax.Precision.HIGHEST
 POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -267,27 +266,6 @@ def paged_mla_decode_pallas(q_latent, q_rope, latent_pages, rope_pages, block_ta
     return _combine(acc, top, total)[:, :h]
 
 
-def paged_mla_decode(q_latent, q_rope, latent_pages, rope_pages, block_table, lengths, *, scale,
-                     impl: str = "auto"):
-    """Decode attention of one layer over its paged latent cache (shapes: see
-    `paged_mla_decode_reference`) -> out [b, h, c] float32.
-
-    impl: "auto" (the Pallas kernel on a GPU when it takes the shapes, `pallas_supports`; the
-    reference elsewhere) | "pallas" (interpret mode off the GPU) | "reference". The kernel
-    against the float32 reference: ~1e-7 for float32 pools; bf16 pools ~1e-3 (probabilities
-    rounded to bf16 for the value dot). H200, V3 shapes: 3.5-5x faster than the jitted reference.
-    """
-    return _dispatch("paged_mla_decode", paged_mla_decode_reference, paged_mla_decode_pallas,
-                     (q_latent, q_rope, latent_pages, rope_pages, block_table, lengths), scale, impl)
-
-
-def _dispatch(op, reference, kernel, args, scale, impl):
-    """Runs `op` on the implementation `dispatch` picks (the kernel where `pallas_supports` the
-    shapes); args start (q_latent, q_rope, latent_pages)."""
-    return dispatch(op, impl, lambda: pallas_supports(*args[:3]), reference, kernel, *args,
-                    scale=float(scale))
-
-
 # ---- prefill: a prompt chunk's queries over their rows' pages ------------------------------------
 
 QUERY_BLOCK = 256  # queries the reference attends at once: bounds its [b, h, queries, keys] scores
@@ -455,16 +433,3 @@ def paged_mla_prefill_pallas(q_latent, q_rope, latent_pages, rope_pages, block_t
     )(block_table.astype(jnp.int32), pos, *qs, *qrs, latent_pages.reshape(n * ps, c),
       rope_pages.reshape(n * ps, r))
     return out[:, :t, :h]
-
-
-def paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *, scale,
-                      impl: str = "auto"):
-    """Causal attention of a prompt chunk's queries over their rows' paged latent cache (shapes:
-    see `paged_mla_prefill_reference`) -> out [b, t, h, c] in the queries' dtype.
-
-    impl: "auto" (the Pallas kernel on a GPU when it takes the shapes, `pallas_supports`; the
-    reference elsewhere) | "pallas" (interpret mode off the GPU) | "reference". The kernel
-    against the reference: ~1e-6 for float32 pools and queries; ~1e-3 for bf16 (probabilities
-    rounded to bf16 for the value dot, against other running maxima)."""
-    return _dispatch("paged_mla_prefill", paged_mla_prefill_reference, paged_mla_prefill_pallas,
-                     (q_latent, q_rope, latent_pages, rope_pages, block_table, positions), scale, impl)

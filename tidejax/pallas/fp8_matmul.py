@@ -1,7 +1,7 @@
 """The FP8 block-scaled matmul of dense weights kept as stored (DeepSeek's e4m3 values and one
 scale per (rows, cols) block of the [out, in] weight): y = x @ (w * scales)^T. Only the jnp
 reference exists so far; it runs on every backend (XLA fuses the dequantize into the dot's
-operand on the GPU: the weight is read from HBM as FP8)."""
+operand on the GPU: the weight is read from HBM as FP8); tidejax.ops.fp8_block_matmul runs it."""
 
 from __future__ import annotations
 
@@ -9,17 +9,6 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
-
-
-def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
-    """x [..., in], w [out, in] float8_e4m3fn, scales [out / block[0], in / block[1]] float32
-    (block dividing [out, in]) -> [..., out] in x's dtype."""
-    (out, inn), (bo, bi) = w.shape, block
-    if out % bo or inn % bi or scales.shape != (out // bo, inn // bi):
-        raise ValueError(f"fp8_block_matmul: weight {w.shape} with scales {scales.shape} "
-                         f"needs blocks dividing it; got block {block}")
-    with jax.named_scope("fp8_block_matmul_reference"):
-        return fp8_block_matmul_reference(x, w, scales, block)
 
 
 def fp8_block_matmul_reference(x, w, scales, block: tuple[int, int]):

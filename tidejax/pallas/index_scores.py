@@ -6,10 +6,11 @@ g % rows of that page), over the index heads h:
     scores[i, j, g] = sum_h weights[i, j, h] * relu(q[i, j, h] . keys[g]) * scale    (float32)
 for g < counts[i, j] (the entries the query sees), -inf past them and over the rest of the table.
 
-`paged_index_scores` dispatches between the Pallas GPU kernel (Triton lowering; interpret mode
-off the GPU) and the jnp reference (runs everywhere). Neither reads the pool past the P pages of
-each row's table; the reference reads all P (its callers size P by what the rows hold), the
-kernel none past each query's count (its decode tables may be max_context wide).
+The Pallas GPU kernel (Triton lowering; interpret mode off the GPU) and the jnp reference (runs
+everywhere) keep one contract; tidejax.ops.paged_index_scores picks between them. Neither reads
+the pool past the P pages of each row's table; the reference reads all P (its callers size P by
+what the rows hold), the kernel none past each query's count (its decode tables may be
+max_context wide).
 
 The kernel: program (entry block, query, row) gathers `bk` keys of the row through the table
 (a block of contiguous rows of one page, or rows of several small pages; `attention._key_rows`),
@@ -28,7 +29,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from tidejax.pallas.attention import POOL_DTYPES, _dot_t, _key_rows, _pow2, dot_terms
-from tidejax.pallas.dispatch import dispatch
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -146,16 +146,3 @@ def paged_index_scores_pallas(q, weights, key_pages, block_table, counts, *, sca
     )(block_table.astype(jnp.int32), jnp.clip(counts.astype(jnp.int32), 0, width), *qs, weights,
       key_pages.reshape(n * rows, k))
     return out[..., :width]
-
-
-def paged_index_scores(q, weights, key_pages, block_table, counts, *, scale, impl: str = "auto"):
-    """The indexer's scores of each query over its row's paged keys (shapes: see
-    `paged_index_scores_reference`) -> [b, t, P * rows] float32, -inf past each query's count.
-
-    impl: "auto" (the Pallas kernel on a GPU for decode steps, t = 1, when it takes the shapes,
-    `pallas_supports`; the reference elsewhere: a prompt chunk's queries are one matmul there) |
-    "pallas" (any t; interpret mode off the GPU) | "reference"."""
-    fits = lambda: q.shape[1] == 1 and pallas_supports(q, key_pages)
-    return dispatch("paged_index_scores", impl, fits, paged_index_scores_reference,
-                    paged_index_scores_pallas, q, weights, key_pages, block_table, counts,
-                    scale=float(scale))

@@ -1,7 +1,7 @@
 """Grouped MoE over the expert bank: y[t] = sum_j w[t,j] * down_s(silu(g) * u), s = slot_ids[t,j].
 
-`moe_grouped` dispatches between the Pallas GPU kernel and `moe_grouped_reference` (jnp, exact in
-float32, runs everywhere).
+`moe_grouped_reference` (jnp, exact in float32, runs everywhere) and the Pallas GPU kernel
+(moe_kernel.py) keep one contract (tidejax.contract); tidejax.ops.moe_grouped picks between them.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tidejax.contract import split_gate_up, swiglu
 from tidejax.pallas.bank import bank_dims, dequantized
-from tidejax.pallas.contract import swiglu
 from tidejax.pallas.demand import Demand, check_demand, count_demand_reference
-from tidejax.pallas.dispatch import choose_impl
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -54,7 +53,7 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
         rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
         rows = dequantized(rows)
         h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
-        act = swiglu(*jnp.split(h, 2, axis=-1), swiglu_limit)
+        act = swiglu(*split_gate_up(h), swiglu_limit)
         per_pick = jnp.einsum("tki,tkdi->tkd", act, rows["down"], precision=HIGHEST)
     else:
         def one_slot(acc, slot_and_row):
@@ -62,7 +61,7 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
             row = dequantized(row)
             hits = slot_ids == slot  # [T, k]
             h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
-            act = swiglu(*jnp.split(h, 2, axis=-1), swiglu_limit)  # [T, I]
+            act = swiglu(*split_gate_up(h), swiglu_limit)  # [T, I]
             out = jnp.dot(act, row["down"].T, precision=HIGHEST)  # [T, D]
             return jnp.where(hits[:, :, None], out[:, None, :], acc), None
 
@@ -74,30 +73,3 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
     y = jnp.einsum("tk,tkd->td", w, per_pick, precision=HIGHEST).astype(x.dtype)
     return y if demand is None else (y, *count_demand_reference(*demand))
 
-
-def _pallas_fits(bank) -> bool:
-    from tidejax.pallas.moe_kernel import pallas_supports
-
-    return pallas_supports(bank)
-
-
-def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str = "auto",
-                demand: Demand | None = None):
-    """Routed experts of one MoE layer over the bank (see `moe_grouped_reference` for shapes).
-
-    impl: "auto" (Pallas on a GPU when the kernel takes the bank's shapes, the reference
-    elsewhere) | "pallas" | "reference". The kernel's accuracy against the float32 reference
-    (before the cast to x.dtype): decode steps whose picks rarely share an expert (GEMV, float32
-    products) ~1e-7; busier steps and prefill (bf16 dots, float32 accumulation) ~1e-5 for bf16
-    activations, ~2e-3 for float32 ones (rounded to bf16).
-    demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
-    first pass); then returns (y, counts, weight_sums).
-    """
-    impl = choose_impl("moe_grouped", impl, fits=lambda: _pallas_fits(bank))
-    with jax.named_scope(f"moe_grouped_{impl}"):
-        if impl == "reference":
-            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
-                                         demand=demand)
-        from tidejax.pallas.moe_kernel import moe_grouped_pallas
-
-        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit, demand=demand)

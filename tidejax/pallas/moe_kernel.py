@@ -36,9 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tidejax.checkpoint import mxfp4
+from tidejax.contract import bank_format, swiglu
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
-from tidejax.pallas.bank import bank_dims, bank_format
-from tidejax.pallas.contract import swiglu
+from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import check_demand
 
 # Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:

@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax import parallel
-from tidejax.pallas.bank import bank_dims, bank_format, dequantized
-from tidejax.pallas.contract import swiglu
+from tidejax.contract import bank_format, split_gate_up, swiglu
+from tidejax.pallas.bank import bank_dims, dequantized
 
 try:
     from tidejax.residency import _cpu_kernel
@@ -138,7 +138,7 @@ def _moe_numpy(views, x, rows, tokens, weights, swiglu_limit, y):
         picks = np.nonzero(rows == row)[0]
         w = dequantized({k: v[row:row + 1] for k, v in views.items()}, np.float32)
         h = x[tokens[picks]] @ w["gate_up"][0].T  # [n, 2I]
-        out[picks] = swiglu(*np.split(h, 2, axis=-1), swiglu_limit) @ w["down"][0].T
+        out[picks] = swiglu(*split_gate_up(h), swiglu_limit) @ w["down"][0].T
     for p in range(rows.size):  # in pick order
         y[tokens[p]] += weights[p] * out[p]
     return y

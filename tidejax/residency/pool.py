@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from tidejax import parallel
+from tidejax.contract import expert_axes, interleave_gate_up
 from tidejax.errors import ConfigError
-from tidejax.pallas.bank import expert_axes
 
 
 def host_pool(rows: dict, mesh=None) -> dict:
@@ -15,6 +15,16 @@ def host_pool(rows: dict, mesh=None) -> dict:
     (None: parallel.current_mesh) can read inside a jit (tidejax.parallel.host_sharding, by the
     pool's logical axes)."""
     return parallel.put(rows, expert_axes(rows, "experts"), mesh, memory="host")
+
+
+def pool_rows(put_row, tensor: int):
+    """The put_row(row, arrays) loading fills the host pool through: `put_row`'s, each row's
+    gate_up interleaved by tensor block first where the mesh splits "tensor" `tensor` ways
+    (tidejax.contract.interleave_gate_up), so each device's shard is a bank of the kernels'
+    layout."""
+    if tensor == 1:
+        return put_row
+    return lambda row, arrays: put_row(row, interleave_gate_up(arrays, tensor))
 
 
 def row_bytes(rows: dict) -> int:

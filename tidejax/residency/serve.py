@@ -27,12 +27,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tidejax import parallel
+from tidejax import ops, parallel
 from tidejax.config import MISS_POLICIES
-from tidejax.pallas import Demand, moe_grouped
-from tidejax.pallas.bank import expert_axes
-from tidejax.pallas.contract import swiglu  # noqa: F401  (models reach the kernels' SwiGLU here)
-from tidejax.pallas.dispatch import IMPLS
+from tidejax.contract import expert_axes
 from tidejax.residency.cpu import CpuExperts
 from tidejax.residency.state import ExpertState, fetch_row, write_row
 
@@ -42,7 +39,7 @@ class ServeOptions:
     """Static (hashable) choices for serve_routed; part of the jitted step's cache key."""
 
     miss_policy: str = "exact"
-    kernel: str = "auto"
+    kernel: str = "auto"  # the ops' implementation in a forward served with these (ops.kernels)
     swiglu_limit: float = 0.0
     count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
     all_resident: bool = False  # every expert has a slot: skip the miss machinery
@@ -52,8 +49,8 @@ class ServeOptions:
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"miss_policy={self.miss_policy!r}, expected one of {MISS_POLICIES}")
-        if self.kernel not in IMPLS:
-            raise ValueError(f"kernel={self.kernel!r}, expected one of {IMPLS}")
+        if self.kernel not in ops.IMPLS:
+            raise ValueError(f"kernel={self.kernel!r}, expected one of {ops.IMPLS}")
         if self.exact_budget < 0 or (self.exact_budget and self.miss_policy != "auto"):
             raise ValueError(f"exact_budget={self.exact_budget}: a cap of miss policy 'auto' "
                              "(at least 0)")
@@ -122,10 +119,11 @@ def _grouped(moe_index: int, x, bank, slots, ids, weights, token_mask, state: Ex
     counters = (state.counts, state.weight_sums) if options.count else None
 
     def local(x, bank, slots, ids, weights, token_mask, counters):
-        demand = None if counters is None else Demand(*counters, moe_index, ids, weights,
-                                                      token_mask)
-        out = moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
-                          impl=options.kernel, demand=demand)
+        demand = None if counters is None else ops.Demand(*counters, moe_index, ids, weights,
+                                                          token_mask)
+        with ops.kernels(options.kernel):  # as a forward served with these options runs it
+            out = ops.moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
+                                  demand=demand)
         return (out, None) if demand is None else (out[0], out[1:])
 
     return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, ("sum", None))(

@@ -10,7 +10,7 @@ Bank rows (slots) come in three regions, all one array so the grouped kernel see
 
 The rowmap points at resident or ring slots only; transient slots are scratch, rewritten by every
 MoE layer that misses. Pool rows are `moe_layer * E + expert`. Formats, logical axes and the
-gate_up layout a tensor split needs: tidejax.pallas.bank. Every leaf is placed through
+gate_up layout a tensor split needs: tidejax.contract. Every leaf is placed through
 tidejax.parallel: bank and pool by their axes, the map and counters replicated.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from tidejax import parallel
-from tidejax.pallas.bank import expert_axes
+from tidejax.contract import expert_axes
 
 
 @struct.dataclass

@@ -11,8 +11,9 @@ prompt chunk reads and writes at its lane.
 Step shapes are a bounded set known at start, all of which the warm-up compiles (warmup_shapes):
 a prompt chunk is padded to one of a few bucket sizes, decode always runs all lanes, and each
 block table is either max_context wide (max_pages: one shape) or, where the step's attention
-reads every entry its table addresses, a power of two of the pages the rows need (_widths says
-which, path by path). Sequence copies (preemption) go by powers of two of pages (Steps).
+reads every entry its table addresses, a power of two of the pages the rows need (the family's
+table_widths says which, path by path). Sequence copies (preemption) go by powers of two of
+pages (Steps).
 """
 
 from __future__ import annotations
@@ -34,12 +35,8 @@ from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.models.loading import ExpertPool
 from tidejax.models.registry import family_for
-from tidejax.pallas.attention import pallas_supports as paged_mla_supports
-from tidejax.pallas.bank import interleave_gate_up
-from tidejax.pallas.dispatch import choose_impl
-from tidejax.pallas.index_scores import pallas_supports as index_supports
 from tidejax.residency.manager import Residency
-from tidejax.residency.pool import host_pool
+from tidejax.residency.pool import host_pool, pool_rows
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
@@ -115,7 +112,8 @@ class LoadedModel:
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)
         self.max_pages = pages_for(self.max_context, self.page_size)
-        self.full_prefill, self.full_decode = self._widths(config.engine.kernel)
+        self.full_prefill, self.full_decode = self.family.table_widths(
+            self.cfg, self.page_size, self.dtype, self.residency.options)
         log.info("KV pool: %d pages of %d tokens (%.2f GiB), %d bytes a lane beside it",
                  self.kv_pages, self.page_size,
                  self.kv_pages * self.page_size * self.cache_bytes_per_token() / 2**30,
@@ -187,34 +185,6 @@ class LoadedModel:
 
     def _max_positions(self) -> int:
         return getattr(self.cfg, "max_position_embeddings", 1 << 30)
-
-    def _widths(self, kernel: str) -> tuple[bool, bool]:
-        """(prefill, decode): whether that part's block tables are max_pages wide (one shape)
-        rather than a power of two of the pages its rows need (a few). Full width where every
-        read of the pool goes row by row up to the row's own length, so a wider table costs
-        nothing: MLA's prefill (the Pallas kernel and its reference loop over key blocks up to
-        the chunk's last position), GQA's flash loop, the paged MLA decode kernel, the indexer's
-        decode scores kernel (a block past a row's count is written -inf unread; the top-k over
-        [lanes, max_pages * rows] scores stays, small beside a step's weight reads). Powers of two
-        where a path gathers or scores the whole table: the jnp references of the MLA decode and
-        of the indexer scores (off the GPU, or engine.kernel "reference"), and the indexers'
-        prefill (scores [chunk, entries] and their top-k for every entry the table addresses:
-        at max_context a short prompt's chunks would score a whole context's entries)."""
-        def struct(shape, dtype=self.dtype):
-            return jax.ShapeDtypeStruct(shape, dtype)
-        decode = []  # the decode's paged reads: each op's implementation
-        if self.family.mla_decode:
-            decode.append(choose_impl("paged_mla_decode", kernel, lambda: paged_mla_supports(
-                struct((1, 1, self.cfg.kv_lora_rank)), struct((1, 1, self.cfg.qk_rope_head_dim)),
-                struct((1, self.page_size, self.cfg.kv_lora_rank)))))
-        pool = jax.eval_shape(lambda: self.family.create_cache(self.cfg, 1, self.page_size,
-                                                               self.dtype))
-        index_keys = self.family.index_keys(pool)  # the leaves an indexer scores, whole
-        for keys in index_keys:
-            q = struct((1, 1, 1, keys.shape[-1]), jnp.float32)
-            decode.append(choose_impl("paged_index_scores", kernel,
-                                      lambda q=q, keys=keys: index_supports(q, keys)))
-        return not index_keys, all(impl == "pallas" for impl in decode)
 
     def _pool_pages(self, config: EngineConfig) -> int:
         """Pages in the KV pool: engine.kv_pool_gib, else engine.kv_pool_tokens, else room for
@@ -397,11 +367,12 @@ class LoadedModel:
                            self.step_tables, self._replay_rows(tokens.size), swaps), n
 
     def _decode_width(self, pages: int) -> int:
-        """Block-table width of a step's decoding lanes, the longest holding `pages` (_widths)."""
+        """Block-table width of a step's decoding lanes, the longest holding `pages`
+        (Family.table_widths)."""
         return self.max_pages if self.full_decode else page_bucket(pages, self.max_pages)
 
     def _prefill_width(self, end: int) -> int:
-        """Block-table width of a prompt chunk ending at position `end` (_widths)."""
+        """Block-table width of a prompt chunk ending at position `end` (Family.table_widths)."""
         return self.max_pages if self.full_prefill else page_bucket(
             pages_for(end, self.page_size), self.max_pages)
 
@@ -505,7 +476,7 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     pool = ExpertPool(n_moe * n_experts, held_as, dtype,
                       place=functools.partial(host_pool, mesh=mesh))
     params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype,
-                                      _rows_into(pool, parallel.tensor_size(mesh)), **fmt)
+                                      pool_rows(pool.put_row, parallel.tensor_size(mesh)), **fmt)
     return params, aux, pool.result()
 
 
@@ -513,14 +484,6 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
 def _scope(mesh, cache_folder: str):
     with parallel.on_mesh(mesh), compile_cache(cache_folder):
         yield
-
-
-def _rows_into(pool: ExpertPool, tensor: int):
-    """The put_row that loading calls: the pool's, each row's gate_up interleaved first where
-    the mesh splits "tensor" `tensor` ways (tidejax.pallas.bank)."""
-    if tensor == 1:
-        return pool.put_row
-    return lambda row, arrays: pool.put_row(row, interleave_gate_up(arrays, tensor))
 
 
 def end_of_turn_ids(model_dir: Path, config_ids, tokenizer_eos: int | None) -> tuple[int, ...]:

@@ -27,5 +27,5 @@ def router_spec(cfg: DeepseekV3Config) -> RouterSpec:
 def build(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> Decoder:
     """The shared decoder stack (layers/decoder.py) with MLA attention."""
     return Decoder(cfg, router_spec(cfg),
-                   lambda name, layer: MLAttention(cfg, dtype, serve.kernel, name=name),
+                   lambda name, layer: MLAttention(cfg, dtype, name=name),
                    serve, dtype)

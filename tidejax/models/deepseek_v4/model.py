@@ -26,9 +26,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.base import ParamSpec, declare
+from tidejax.models.base import ParamSpec, declare, serving
 from tidejax.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, top_k_select
 from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
@@ -169,7 +170,6 @@ class Attention(nn.Module):
     cfg: V4Config
     layer: int
     dtype: jnp.dtype = F32  # of the projections (the norms and sinks stay float32)
-    kernel: str = "auto"  # the indexer's decode scores kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, positions, n_valid, window, state, block_table):
@@ -193,7 +193,7 @@ class Attention(nn.Module):
         keys, mask, window = window_keys(window, kv, positions, n_valid, cfg.sliding_window)
         extra = extra_mask = None
         if kind != SLIDING:
-            comp = _Compressor(cfg, rate, kind == CSA, dt, self.kernel, name="compressor")
+            comp = _Compressor(cfg, rate, kind == CSA, dt, name="compressor")
             entries, ring_kv, ring_gate = comp.main(x, positions, n_valid, state[0], block_table,
                                                     *state[1:3])
             counts = (positions + 1) // rate  # [b, t]: the entries each query sees
@@ -222,13 +222,12 @@ class _Compressor(nn.Module):
     rate: int
     overlap: bool
     dtype: jnp.dtype = F32  # of the projections
-    kernel: str = "auto"  # the indexer's decode scores kernel
 
     def setup(self):
         cfg = self.cfg
         self.main = Pooler(cfg, self.rate, cfg.head_dim, self.overlap, self.dtype)
         if self.overlap:
-            self.indexer = Indexer(cfg, self.rate, self.dtype, self.kernel)
+            self.indexer = Indexer(cfg, self.rate, self.dtype)
 
 
 class Indexer(nn.Module):
@@ -237,7 +236,6 @@ class Indexer(nn.Module):
     cfg: V4Config
     rate: int
     dtype: jnp.dtype = F32  # of the projections
-    kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, q_res, positions, n_valid, counts, block_table, keys, ring_kv, ring_gate):
@@ -253,8 +251,8 @@ class Indexer(nn.Module):
         q = Linear(cfg.index_heads * cfg.index_head_dim, self.dtype, name="q_b_proj")(q_res)
         q = rope_tail(q.reshape(b, t, cfg.index_heads, cfg.index_head_dim), cos, sin).astype(F32)
         w = Linear(cfg.index_heads, self.dtype, name="weights_proj")(x).astype(F32) * cfg.index_heads ** -0.5
-        scores = paged.index_scores(q, w, keys, block_table, counts,
-                                    scale=cfg.index_head_dim ** -0.5, impl=self.kernel)
+        scores = ops.paged_index_scores(q, w, keys, block_table, counts,
+                                        scale=cfg.index_head_dim ** -0.5)
         return scores, (keys, ring_kv, ring_gate)
 
 
@@ -270,11 +268,12 @@ def router_spec(cfg: V4Config, layer: int) -> RouterSpec:
 
 class DeepseekV4(nn.Module):
     cfg: V4Config
-    serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
+    serve: ServeOptions  # how routed experts are served (miss policy) and the ops run (kernel)
     dtype: jnp.dtype = F32  # of the dense params but the norms, mHC, sinks, position biases and
     # routers (float32, as the reference keeps them)
 
     @nn.compact
+    @serving
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
                  experts: ExpertState, replay=None, logits_at=None):
         """tokens, positions [b, t]; token_mask [b, t] (real tokens first); cache: V4Pages (the
@@ -302,8 +301,7 @@ class DeepseekV4(nn.Module):
             x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
                 hc_collapse(streams, pre))
             state = tuple(p for p in parts[i] if p is not None)
-            y, windows[i], state = Attention(cfg, i, self.dtype, self.serve.kernel,
-                                             name=f"layers_{i}_self_attn")(
+            y, windows[i], state = Attention(cfg, i, self.dtype, name=f"layers_{i}_self_attn")(
                 x, positions, n_valid, windows[i], state, block_table)
             parts[i] = list(state) + [None] * (6 - len(state))
             streams = hc_expand(y, streams, post, comb)

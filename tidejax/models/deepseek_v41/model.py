@@ -27,9 +27,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.base import ParamSpec, declare
+from tidejax.models.base import ParamSpec, declare, serving
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows, hash_ids
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
@@ -152,7 +153,6 @@ class Indexer(nn.Module):
 
     cfg: V41Config
     layer: int
-    kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
     dtype: jnp.dtype = F32  # of its params
 
     def setup(self):
@@ -179,8 +179,8 @@ class Indexer(nn.Module):
         q = fake_quant_fp4(rope_tail(q, cos, sin), 32, e4m3_scale=False).astype(F32)
         w = self.weights_proj(x).astype(F32) * cfg.index_heads ** -0.5  # [b, t, i]
         visible_count = (positions + 1) // ratio  # [b, t]
-        scores = paged.index_scores(q, w, key_pages, block_table, visible_count,
-                                    scale=cfg.index_head_dim ** -0.5, impl=self.kernel)
+        scores = ops.paged_index_scores(q, w, key_pages, block_table, visible_count,
+                                        scale=cfg.index_head_dim ** -0.5)
         if self.layer == cfg.candidate_source:
             candidates = jax.vmap(candidate_blocks, (0, 0, None, None))(
                 scores, visible_count - 1, cfg.candidate_block_size, cfg.candidate_topk_blocks)
@@ -193,7 +193,6 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     cfg: V41Config
     layer: int
-    kernel: str = "auto"  # the indexer's decode scores kernel: "auto" | "pallas" | "reference"
     dtype: jnp.dtype = F32  # of its params but the sink (float32)
 
     @nn.compact
@@ -239,7 +238,7 @@ class Attention(nn.Module):
         cfg, layer = self.cfg, self.layer
         ratio = cfg.compress_ratios[layer]
         inv_freq, _ = rope_frequencies(cfg.compress_rope)
-        indexer = (Indexer(cfg, layer, self.kernel, self.dtype, name="indexer")
+        indexer = (Indexer(cfg, layer, self.dtype, name="indexer")
                    if layer in cfg.index_sources else None)
         if layer in cfg.kv_sources:
             entries, index_keys, buf_kv, buf_gate = src_cache
@@ -324,7 +323,7 @@ class DecoderLayer(nn.Module):
             streams = Engram(cfg, dt, name="engram")(streams, rows)
         pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(hc_collapse(streams, pre))
-        y, window, shared, src_cache = Attention(cfg, self.layer, self.serve.kernel, dt, name="attn")(
+        y, window, shared, src_cache = Attention(cfg, self.layer, dt, name="attn")(
             x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
@@ -338,10 +337,11 @@ class DecoderLayer(nn.Module):
 
 class DeepseekV41(nn.Module):
     cfg: V41Config
-    serve: ServeOptions  # how routed experts are served (kernel, miss policy); see residency
+    serve: ServeOptions  # how routed experts are served (miss policy) and the ops run (kernel)
     dtype: jnp.dtype = F32  # of the dense params but mHC's, the sinks and the routers (float32)
 
     @nn.compact
+    @serving
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
                  experts: ExpertState, engram: EngramTables | None = None, replay=None,
                  logits_at=None, prompt_rows=None):

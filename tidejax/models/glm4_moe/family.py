@@ -20,7 +20,7 @@ register(Family(
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
     # attention through kv.paged.gqa_attention (jnp, no GPU kernel yet), a loop over key
-    # blocks up to the last position: its block tables are max_context wide (runtime/build.py)
+    # blocks up to the last position: its block tables are max_context wide (Family.table_widths)
     create_cache=GQAPages.create,
     cache_axes=GQAPages.axes,
     cache_bytes_per_token=GQAPages.bytes_per_token,

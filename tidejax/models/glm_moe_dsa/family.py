@@ -21,7 +21,7 @@ register(Family(
     top_k=lambda cfg: cfg.num_experts_per_tok,
     # MLA decodes through the paged kernel while a table addresses at most index_topk entries,
     # past that over the indexer's picks (layers/dsa.py): both kernels' choices set the decode
-    # tables' width (runtime/build.py)
+    # tables' width (Family.table_widths)
     mla_decode=True,
     index_keys=lambda pages: tuple(k for k in pages.index_k if k is not None),
     create_cache=DSAPages.create,

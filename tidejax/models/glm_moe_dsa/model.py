@@ -15,5 +15,5 @@ from tidejax.residency.serve import ServeOptions
 
 def build(cfg: GlmMoeDsaConfig, serve: ServeOptions, dtype) -> Decoder:
     return Decoder(cfg, noaux_router(cfg),
-                   lambda name, layer: DSAttention(cfg, layer, dtype, serve.kernel, name=name),
+                   lambda name, layer: DSAttention(cfg, layer, dtype, name=name),
                    serve, dtype, carries=True)

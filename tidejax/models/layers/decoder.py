@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.base import declare
+from tidejax.models.base import declare, serving
 from tidejax.models.layers.linear import embedding_specs, lm_logits
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
@@ -80,6 +80,7 @@ class Decoder(nn.Module):
     carries: bool = False  # the attention threads a carry from layer to layer (module docstring)
 
     @nn.compact
+    @serving
     def __call__(self, tokens, positions, token_mask, cache: PagedCache, block_table,
                  experts: ExpertState, replay=None, logits_at=None):
         """tokens, positions [b, t] int32; token_mask [b, t] bool (False = padding); cache: the

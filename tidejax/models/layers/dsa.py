@@ -5,7 +5,7 @@ scores over the row's cached index keys.
 The indexer (layers in `cfg.index_layers`; the others, GLM-5's "shared" layers, reuse the
 previous indexer layer's pick, handed down the stack as the decoder's carry) writes its key of
 every token into the pool beside MLA's latent and scores a chunk's queries against the row's
-keys (kv.paged.index_scores: the Pallas kernel for decode steps). Its rotary channels are the
+keys (ops.paged_index_scores: the Pallas kernel for decode steps). Its rotary channels are the
 leading qk_rope_head_dim of each head, interleaved pairs (GLM-5; transformers'
 GlmMoeDsaIndexer).
 
@@ -14,7 +14,7 @@ earlier entry (compress.top_k_select).
 
 Whether a step selects is static: a row's bucket of P pages holds P * page_size entries, and
 where that is at most index_topk the top-k is every visible entry, so MLA attends the row as it
-is (kv.paged.mla_attention, the paged kernels) and no scores are computed; past it the selected
+is (ops.mla_attention, the paged kernels) and no scores are computed; past it the selected
 entries alone are read from the pool by id (kv.paged.sparse_mla_attention). Either way a step
 costs what the rows hold.
 
@@ -28,6 +28,7 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.checkpoint import Rule
 from tidejax.kv import paged
 from tidejax.models.layers.compress import top_k_select
@@ -95,7 +96,6 @@ DSA_RULES = MLA_RULES + (
 class Indexer(nn.Module):
     cfg: object
     dtype: jnp.dtype
-    kernel: str = "auto"  # the decode scores kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, q_res, positions, cos, sin, key_pages, slots, block_table,
@@ -118,8 +118,8 @@ class Indexer(nn.Module):
         w = Linear(n, F32, name="weights_proj")(x.astype(F32)) * n ** -0.5  # [b, t, n]
         if not select:
             return key_pages, None
-        scores = paged.index_scores(rotate(q).astype(F32), w, key_pages, block_table,
-                                    positions + 1, scale=k ** -0.5, impl=self.kernel)
+        scores = ops.paged_index_scores(rotate(q).astype(F32), w, key_pages, block_table,
+                                        positions + 1, scale=k ** -0.5)
         return key_pages, top_k_select(scores, cfg.index_topk)
 
 
@@ -127,7 +127,6 @@ class DSAttention(nn.Module):
     cfg: object  # a config with the fields of the module docstring
     layer: int
     dtype: jnp.dtype
-    kernel: str = "auto"  # the MLA decode and index-score kernels: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, positions, cos, sin, latent_pages, rope_pages, index_pages, slots,
@@ -141,13 +140,13 @@ class DSAttention(nn.Module):
             self, x, cos, sin, latent_pages, rope_pages, slots)
         select = block_table.shape[1] * latent_pages.shape[1] > cfg.index_topk
         if self.layer in cfg.index_layers:
-            index_pages, pick = Indexer(cfg, self.dtype, self.kernel, name="indexer")(
+            index_pages, pick = Indexer(cfg, self.dtype, name="indexer")(
                 x, q_res, positions, cos, sin, index_pages, slots, block_table, select)
         if select:
             ids, valid = pick
             out = paged.sparse_mla_attention(q_latent, q_rope, latent_pages, rope_pages,
                                              block_table, ids, valid, scale=cfg.softmax_scale)
         else:
-            out = paged.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                      positions, scale=cfg.softmax_scale, impl=self.kernel)
+            out = ops.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
+                                    positions, scale=cfg.softmax_scale)
         return mla_output(self, out, w_uv), latent_pages, rope_pages, index_pages, pick

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.fp8_dense import fp8_block_matmul
 from tidejax.models.base import ParamSpec, declare
+from tidejax.ops import fp8_block_matmul
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -13,6 +13,7 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.checkpoint import Rule
 from tidejax.kv import paged
 from tidejax.models.base import ParamSpec, declare
@@ -68,7 +69,6 @@ def mla_specs(cfg, dtype) -> dict:
 class MLAttention(nn.Module):
     cfg: object  # a config with the fields the module docstring names
     dtype: jnp.dtype
-    kernel: str = "auto"  # the decode attention kernel: "auto" | "pallas" | "reference"
 
     @nn.compact
     def __call__(self, x, positions, cos, sin, latent_pages, rope_pages, slots, block_table):
@@ -77,9 +77,8 @@ class MLAttention(nn.Module):
         block_table [b, P]: each row's pages -> (out [b, t, d], latent_pages, rope_pages)."""
         _, q_latent, q_rope, w_uv, latent_pages, rope_pages = mla_queries(
             self, x, cos, sin, latent_pages, rope_pages, slots)
-        out_latent = paged.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
-                                         positions, scale=self.cfg.softmax_scale,
-                                         impl=self.kernel)
+        out_latent = ops.mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table,
+                                       positions, scale=self.cfg.softmax_scale)
         return mla_output(self, out_latent, w_uv), latent_pages, rope_pages
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from tidejax.contract import swiglu  # the routed experts' kernels' own definition
 from tidejax.models.layers.linear import Linear, linear_specs
-from tidejax.residency.serve import swiglu  # the routed experts' kernels' own definition
 
 
 def swiglu_specs(hidden: int, intermediate: int, dtype) -> dict:

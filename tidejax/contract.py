@@ -1,0 +1,103 @@
+"""The kernels' contract: what the routed experts' kernels (the Pallas one and the host's C one),
+their references and the models agree on, in one module that imports nothing of tidejax (no
+kernel, no reference: tests/test_layout.py), so each of them can import it.
+
+Activation. `swiglu`: silu(g) * u of the gate and up projections, with g <= L and |u| <= L when
+swiglu_limit L > 0 (DeepSeek-V4 / V4.1's clamp). The one definition the Pallas kernel, the jnp
+reference, the host kernel's numpy fallback (tidejax.residency.cpu) and the models' dense and
+shared-expert MLPs (layers/mlp.py) compute; the C kernel (residency/cpu_kernel.c) computes the
+same in C.
+
+Bias. None: a bank's leaves are its gate_up and down projections (or their MXFP4 blocks and
+scales), and no kernel or reference adds a bias to either. `bank_format` refuses any other leaf,
+so a family whose experts carry biases has to add them here first.
+
+    dense:  {"gate_up": [N, 2I, D], "down": [N, D, I]}  (bf16 or float32)
+    mxfp4:  {"gate_up_blocks": [N, 2I, D/32, 16], "gate_up_scales": [N, 2I, D/32],
+             "down_blocks": [N, D, I/32, 16], "down_scales": [N, D, I/32]}  (uint8; the layout
+             of tidejax.checkpoint.mxfp4)
+
+Gate/up layout. gate_up's 2I rows are the gate rows, then the up rows (the checkpoint's order);
+`split_gate_up` cuts a [.., 2I] projection into the two. Logical axes (`expert_axes`, for
+tidejax.parallel): N is "slots" in the bank, "experts" in the host pool; D is "embed"; 2I and I
+are "ffw", which the sharding table splits over "tensor".
+
+Tensor parallelism: a split of the 2I rows into T contiguous blocks must give each device the
+gate rows AND the up rows of the same I/T intermediate units, so its swiglu and its slice of
+down ([N, D, I/T]) need nothing from another device. So rows enter the host pool interleaved by
+tensor block (`interleave_gate_up`, tidejax.residency.pool.pool_rows): [N, T, 2, I/T, D]
+flattened to [N, 2I, D], block t = gate rows t*I/T.. then up rows t*I/T.. (T = 1 is the
+checkpoint's layout). Each device's shard is then a bank of the layout above (its gate rows, then
+its up rows), which the kernels and references take as they are: with T > 1 they run only on
+shards (tidejax.parallel.over_tensor in tidejax.residency.serve), never on the whole interleaved
+bank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DENSE_KEYS = frozenset({"gate_up", "down"})
+MXFP4_KEYS = frozenset({"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"})
+
+
+def swiglu(g, u, swiglu_limit: float):
+    """silu(g) * u of the gate and up projections, with g <= L and |u| <= L when swiglu_limit
+    L > 0 (the reference's and the kernels' one definition; numpy in, numpy out: the host
+    kernel's fallback, tidejax.residency.cpu)."""
+    xp = np if isinstance(g, np.ndarray) else jnp
+    if swiglu_limit > 0:
+        g = xp.minimum(g, swiglu_limit)
+        u = xp.clip(u, -swiglu_limit, swiglu_limit)
+    if xp is np:
+        with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as wanted
+            return g * (1 / (1 + np.exp(-g))) * u
+    return g * jax.nn.sigmoid(g) * u
+
+
+def split_gate_up(h):
+    """A gate_up projection [..., 2I] -> (gate [..., I], up [..., I]): the gate rows come first."""
+    xp = np if isinstance(h, np.ndarray) else jnp
+    return tuple(xp.split(h, 2, axis=-1))
+
+
+def bank_format(bank) -> str:
+    """'dense' or 'mxfp4', from the leaf names; anything else is an error naming the keys."""
+    keys = frozenset(bank)
+    if keys == DENSE_KEYS:
+        return "dense"
+    if keys == MXFP4_KEYS:
+        return "mxfp4"
+    raise ValueError(
+        f"expert bank has keys {sorted(keys)}; expected {sorted(DENSE_KEYS)} (dense) "
+        f"or {sorted(MXFP4_KEYS)} (mxfp4)"
+    )
+
+
+def expert_axes(bank, rows: str = "slots") -> dict:
+    """The logical axes of each leaf of a bank (rows "slots") or host pool (rows "experts")."""
+    bank_format(bank)  # checks the keys
+    gate_up, down = (rows, "ffw", "embed"), (rows, "embed", "ffw")  # [N, 2I, D], [N, D, I]
+    by_name = {"gate_up": gate_up, "down": down, "gate_up_blocks": gate_up + (None,),
+               "gate_up_scales": gate_up, "down_blocks": down + (None,), "down_scales": down}
+    return {name: by_name[name] for name in bank}
+
+
+def interleave_gate_up(row: dict, tensor: int) -> dict:
+    """One expert row (leaves without the N axis: gate_up [2I, ...], down [D, ...]) with its
+    gate_up rows interleaved by `tensor` blocks (module docstring); down is split along I as it
+    is."""
+    bank_format(row)  # checks the keys
+    out = dict(row)
+    for name in ("gate_up", "gate_up_blocks", "gate_up_scales"):
+        if name in row:
+            leaf = row[name]
+            two_i = leaf.shape[0]
+            if two_i % (2 * tensor):
+                raise ValueError(f"expert '{name}' has {two_i // 2} intermediate rows, not a "
+                                 f"multiple of distributed.tensor_parallel = {tensor}")
+            blocks = leaf.reshape(2, tensor, two_i // (2 * tensor), *leaf.shape[1:])
+            out[name] = blocks.swapaxes(0, 1).reshape(leaf.shape)
+    return out

@@ -1,0 +1,165 @@
+"""The ops models call: one plain function per op, each running the op's GPU kernel
+(tidejax.pallas) or its jnp reference by one rule (ops/dispatch.py). A caller passes arrays,
+never an implementation: an op given no `impl` takes the policy in force (`kernels`,
+set for a family's forward from its ServeOptions), and `impl=` is for tests and benchmarks
+(tests/test_layout.py: no model passes one).
+
+    fp8_block_matmul     FP8 block-scaled dense weights (no kernel yet: the reference everywhere)
+    moe_grouped          the routed experts over the bank (tidejax.residency.serve calls it)
+    paged_mla_decode     MLA decode attention over the paged latent cache
+    paged_mla_prefill    a prompt chunk's MLA attention over the paged latent cache
+    mla_attention        either of the two by the chunk's length, split over "tensor" by heads
+    paged_index_scores   a lightning indexer's scores over its paged keys
+    reads_by_length      whether a paged op, on given shapes, reads each row's pages only up to its
+                         length (its kernel) or every page its table holds (its reference)
+
+What the kernels and their callers agree on beyond shapes (activation, bias, gate/up layout) is
+tidejax.contract.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from tidejax import parallel
+from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
+from tidejax.pallas import attention, index_scores
+from tidejax.pallas.demand import Demand
+from tidejax.pallas.fp8_matmul import fp8_block_matmul_reference
+from tidejax.pallas.moe import moe_grouped_reference
+
+__all__ = ["Demand", "IMPLS", "fp8_block_matmul", "kernels", "mla_attention", "moe_grouped",
+           "paged_index_scores", "paged_mla_decode", "paged_mla_prefill", "reads_by_length"]
+
+
+def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
+    """x [..., in], w [out, in] float8_e4m3fn, scales [out / block[0], in / block[1]] float32
+    (block dividing [out, in]) -> [..., out] in x's dtype (pallas.fp8_matmul: no kernel yet, so
+    the reference on every backend, whatever the policy)."""
+    (out, inn), (bo, bi) = w.shape, block
+    if out % bo or inn % bi or scales.shape != (out // bo, inn // bi):
+        raise ValueError(f"fp8_block_matmul: weight {w.shape} with scales {scales.shape} "
+                         f"needs blocks dividing it; got block {block}")
+    with jax.named_scope("fp8_block_matmul_reference"):
+        return fp8_block_matmul_reference(x, w, scales, block)
+
+
+def _moe_fits(bank) -> bool:
+    from tidejax.pallas.moe_kernel import pallas_supports  # here: the Triton lowering loads on use
+
+    return pallas_supports(bank)
+
+
+def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str | None = None,
+                demand: Demand | None = None):
+    """Routed experts of one MoE layer over the bank: y[t] = sum_j w[t,j] * down_s(swiglu(g, u)),
+    s = slot_ids[t,j] (-1 skips); shapes: pallas.moe.moe_grouped_reference.
+
+    impl: "auto" (Pallas on a GPU when the kernel takes the bank's shapes, the reference
+    elsewhere) | "pallas" | "reference"; None: the policy in force. The kernel's accuracy against
+    the float32 reference (before the cast to x.dtype): decode steps whose picks rarely share an
+    expert (GEMV, float32 products) ~1e-7; busier steps and prefill (bf16 dots, float32
+    accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32 ones (rounded to bf16).
+    demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
+    first pass); then returns (y, counts, weight_sums).
+    """
+    impl = choose_impl("moe_grouped", impl, fits=lambda: _moe_fits(bank))
+    with jax.named_scope(f"moe_grouped_{impl}"):
+        if impl == "reference":
+            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
+                                         demand=demand)
+        from tidejax.pallas.moe_kernel import moe_grouped_pallas
+
+        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
+                                  demand=demand)
+
+
+def _mla_fits(q_latent, q_rope, latent_pages, *_) -> bool:
+    return attention.pallas_supports(q_latent, q_rope, latent_pages)
+
+
+def _index_fits(q, weights, key_pages, *_) -> bool:
+    """The scores kernel under "auto": decode steps (t = 1) only; a prompt chunk's queries are one
+    matmul in the reference."""
+    return q.shape[1] == 1 and index_scores.pallas_supports(q, key_pages)
+
+
+def paged_mla_decode(q_latent, q_rope, latent_pages, rope_pages, block_table, lengths, *, scale,
+                     impl: str | None = None):
+    """Decode attention of one layer over its paged latent cache (shapes: see
+    pallas.attention.paged_mla_decode_reference) -> out [b, h, c] float32.
+
+    impl: "auto" (the Pallas kernel on a GPU when it takes the shapes,
+    pallas.attention.pallas_supports; the reference elsewhere) | "pallas" (interpret mode off the
+    GPU) | "reference"; None: the policy in force. The kernel against the float32 reference:
+    ~1e-7 for float32 pools; bf16 pools ~1e-3 (probabilities rounded to bf16 for the value dot).
+    H200, V3 shapes: 3.5-5x faster than the jitted reference.
+    """
+    args = (q_latent, q_rope, latent_pages, rope_pages, block_table, lengths)
+    return run("paged_mla_decode", impl, lambda: _mla_fits(*args),
+                    attention.paged_mla_decode_reference, attention.paged_mla_decode_pallas, *args,
+                    scale=float(scale))
+
+
+def paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *, scale,
+                      impl: str | None = None):
+    """Causal attention of a prompt chunk's queries over their rows' paged latent cache (shapes:
+    see pallas.attention.paged_mla_prefill_reference) -> out [b, t, h, c] in the queries' dtype.
+
+    impl: as paged_mla_decode's. The kernel against the reference: ~1e-6 for float32 pools and
+    queries; ~1e-3 for bf16 (probabilities rounded to bf16 for the value dot, against other
+    running maxima)."""
+    args = (q_latent, q_rope, latent_pages, rope_pages, block_table, positions)
+    return run("paged_mla_prefill", impl, lambda: _mla_fits(*args),
+                    attention.paged_mla_prefill_reference, attention.paged_mla_prefill_pallas,
+                    *args, scale=float(scale))
+
+
+def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, *,
+                  scale: float, impl: str | None = None):
+    """Multi-head latent attention over each row's pages: q_latent [b, t, h, c] (kv_b absorbed),
+    q_rope [b, t, h, r]; positions [b, t] (a query sees positions <= its own) -> the attended
+    latent [b, t, h, c] in the queries' dtype. Decode (t = 1) is paged_mla_decode, a prompt
+    chunk paged_mla_prefill (either reads the pages a row holds, no more, but for the decode
+    reference: the whole table). Where the mesh splits "tensor", each device attends its heads
+    over the whole pages (parallel.over_tensor: the kernels see one device's shard)."""
+    def attend(q_latent, q_rope, latent_pages, rope_pages, block_table, positions):
+        if q_latent.shape[1] == 1:
+            out = paged_mla_decode(q_latent[:, 0], q_rope[:, 0], latent_pages, rope_pages,
+                                   block_table, positions[:, 0] + 1, scale=float(scale), impl=impl)
+            return (out[:, None].astype(q_latent.dtype),)
+        return (paged_mla_prefill(q_latent, q_rope, latent_pages, rope_pages, block_table,
+                                  positions, scale=float(scale), impl=impl),)
+
+    heads = (None, None, "heads", None)  # [b, t, h, c]
+    return parallel.over_tensor(attend, (heads, heads, None, None, None, None), (heads,))(
+        q_latent, q_rope, latent_pages, rope_pages, block_table, positions)[0]
+
+
+def paged_index_scores(q, weights, key_pages, block_table, counts, *, scale,
+                       impl: str | None = None):
+    """The indexer's scores of each query over its row's paged keys: q [b, t, i, k], weights
+    [b, t, i], key_pages [n_pages, rows, k], counts [b, t] (the entries 0.. each query sees) ->
+    [b, t, P * rows] float32, -inf past each query's count (pallas.index_scores).
+
+    impl: "auto" (the Pallas kernel on a GPU for decode steps, t = 1, when it takes the shapes,
+    pallas.index_scores.pallas_supports; the reference elsewhere: a prompt chunk's queries are
+    one matmul there) | "pallas" (any t; interpret mode off the GPU) | "reference"; None: the
+    policy in force."""
+    args = (q, weights, key_pages, block_table, counts)
+    return run("paged_index_scores", impl, lambda: _index_fits(*args),
+                    index_scores.paged_index_scores_reference,
+                    index_scores.paged_index_scores_pallas, *args, scale=float(scale))
+
+
+_FITS = {"paged_mla_decode": _mla_fits, "paged_index_scores": _index_fits}
+
+
+def reads_by_length(op: str, *args) -> bool:
+    """Whether `op` ("paged_mla_decode" | "paged_index_scores") called on arguments of these shapes
+    (its leading ones, jax.ShapeDtypeStructs will do: (q_latent, q_rope, latent_pages) | (q,
+    weights, key_pages)) under the policy in force reads each row's pages only up to the row's
+    length, so a table wider than the rows need costs nothing: their kernels do (the scores
+    kernel writes a block past a query's count -inf unread); their references gather every page
+    the table holds, so a caller sizes the table by what the rows hold."""
+    return choose_impl(op, None, lambda: _FITS[op](*args)) == "pallas"

@@ -1,0 +1,72 @@
+"""The one rule that picks an op's implementation, and the policy that sets it.
+
+An implementation is "auto" (the Pallas kernel on a GPU backend when `fits()` says it takes the
+shapes, the jnp reference otherwise), "pallas" (the kernel; interpret mode off the GPU) or
+"reference". An op called with none takes the policy in force: `kernels(impl)` sets it for every
+op called inside (a family's forward runs under its ServeOptions' kernel, the profile's
+engine.kernel: tidejax.models.base.serving); "auto" outside any. The choice is made while
+tracing, so a jitted function keeps the policy it was traced under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+
+import jax
+
+log = logging.getLogger("tidejax.ops")
+
+IMPLS = ("auto", "pallas", "reference")
+_policy: contextvars.ContextVar[str] = contextvars.ContextVar("tidejax_ops_kernels",
+                                                               default="auto")
+_logged: set[tuple[str, str]] = set()
+
+
+def _checked(op: str, impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl={impl!r}, expected one of {IMPLS}")
+    return impl
+
+
+@contextlib.contextmanager
+def kernels(impl: str):
+    """The ops called inside (those given no `impl`) run on `impl`: "auto" | "pallas" |
+    "reference"."""
+    token = _policy.set(_checked("kernels", impl))
+    try:
+        yield
+    finally:
+        _policy.reset(token)
+
+
+def policy() -> str:
+    """The implementation in force for an op given none."""
+    return _policy.get()
+
+
+def choose_impl(op: str, impl: str | None = None, fits=None) -> str:
+    """"auto" -> "pallas" on a GPU backend when `fits()` (shapes the kernel takes; default yes),
+    "reference" otherwise; None -> the policy in force. Logs each op's choice once."""
+    impl = _checked(op, policy() if impl is None else impl)
+    backend = jax.default_backend()
+    why = f"backend {backend}"
+    if impl == "auto":
+        impl = "pallas" if backend == "gpu" else "reference"
+        if impl == "pallas" and fits is not None and not fits():
+            impl, why = "reference", f"backend {backend}, shapes the kernel does not take"
+    if (op, impl) not in _logged:
+        _logged.add((op, impl))
+        log.info("%s: using the %s implementation (%s)", op, impl, why)
+    return impl
+
+
+def run(op: str, impl: str | None, fits, reference, kernel, *args, **kwargs):
+    """Runs `op` on the implementation `choose_impl(op, impl, fits)` picks, under a named scope:
+    reference(*args, **kwargs), or kernel(*args, **kwargs, interpret=True off the GPU)."""
+    impl = choose_impl(op, impl, fits)
+    with jax.named_scope(f"{op}_{impl}"):
+        if impl == "reference":
+            return reference(*args, **kwargs)
+        return kernel(*args, **kwargs, interpret=jax.default_backend() != "gpu")
