@@ -269,22 +269,3 @@ def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):
     assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(odd)) == "reference"
     assert dispatch.choose_impl("moe_grouped", "pallas", fits=lambda: False) == "pallas"
 
-
-def test_an_op_given_no_impl_takes_the_policy_in_force(monkeypatch):
-    """ops.kernels sets the implementation of the ops called inside it with none (a family's
-    forward: its ServeOptions' kernel); an impl given wins; outside any, "auto"."""
-    from tidejax import ops
-    from tidejax.ops import dispatch
-
-    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
-    assert dispatch.choose_impl("moe_grouped") == "pallas"
-    with ops.kernels("reference"):
-        assert dispatch.choose_impl("moe_grouped") == "reference"
-        assert dispatch.choose_impl("moe_grouped", "pallas") == "pallas"
-        with ops.kernels("auto"):
-            assert dispatch.choose_impl("moe_grouped", fits=lambda: False) == "reference"
-        assert dispatch.choose_impl("moe_grouped") == "reference"
-    assert dispatch.policy() == "auto"
-    with pytest.raises(ValueError, match="impl='cuda'"):
-        with ops.kernels("cuda"):
-            pass
