@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.server_fixtures import free_port
 from tidejax import __main__ as generate_cli
 from tidejax.config import API_KEYS_ENV, EngineConfig, parse_set
 from tidejax.errors import ConfigError
@@ -118,7 +119,7 @@ def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
     shard = model / "model-00002-of-00002.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(100_000)
-    port = __import__("server_fixtures").free_port()
+    port = free_port()
     assert server_cli.main(["--profile", "tiny", "--port", str(port),
                             "--set", f"model.path={model}"]) == 2
     err = capsys.readouterr().err
@@ -132,7 +133,7 @@ def test_truncated_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_a_setting_checked_at_load_blames_who_gave_it(capsys):
-    port = __import__("server_fixtures").free_port()
+    port = free_port()
     assert server_cli.main(["--profile", "tiny", "--port", str(port),
                             "--set", "engine.kv_pool_tokens=16"]) == 2
     err = capsys.readouterr().err  # the weights' progress bar, then the error
