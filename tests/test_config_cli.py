@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.support.server_fixtures import free_port
@@ -75,6 +76,8 @@ def test_api_keys_from_set_and_from_the_variable_in_every_profile(monkeypatch):
                                             "'distributed.process_id' = 1 should be below"),
     (["--set", "distributed.num_processes=2"], "--set distributed.num_processes=2: "
                                                "'distributed.coordinator' (host:port"),
+    (["--set", "engine.page_size=48"], "'engine.page_size' = 48 should be a power of two"),
+    (["--profile", "/no/such/model"], "/no/such/model: no such checkpoint directory or profile"),
     (["--set", "server.body_timeout_s=0"], "'server.body_timeout_s' = 0.0 should be above 0"),
     (["--set", "server.max_queued=-1"], "'server.max_queued' = -1 should be at least 0"),
     (["--set", "server.request_timeout_s=inf"], "'server.request_timeout_s' = inf should be a "
@@ -168,6 +171,15 @@ def test_fit_into_a_missing_folder_is_one_line(tmp_path, capsys):
     assert err == f"error: --out {out}: No such file or directory\n"
     assert residency_cli.main(["fit", "--history", str(tmp_path / "history.npz"),
                                "--budget", "4", "--out", str(tmp_path / "seed.json")]) == 0
+
+
+def test_fit_on_a_foreign_file_names_it_and_gives_no_unpickling_advice(tmp_path, capsys):
+    foreign = tmp_path / "objects.npy"
+    np.save(foreign, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert residency_cli.main(["fit", "--history", str(foreign), "--budget", "4",
+                               "--out", str(tmp_path / "seed.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {foreign}: not a demand history (pickled objects)\n", err
 
 
 CACHED_RUN = """

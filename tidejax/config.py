@@ -158,6 +158,9 @@ _RANGES = {
     ("distributed", "timeout_s"): (1, None, False),
 }
 
+# settings the kernels need a power of two (the paged kernels tile a page by halves)
+_POWERS_OF_TWO = (("engine", "page_size"),)
+
 # settings that name a file or folder: in a profile, relative to the repository root (the
 # profile's parent folder's parent, where configs/ lives); on the command line, to the working
 # directory
@@ -327,3 +330,5 @@ def _check(source: str, table: str, key: str, value: Any) -> None:
             bound = f"above {low}" if low_open else f"at least {low}"
             bound += f" and at most {high}" if high is not None else ""
             raise ConfigError(f"{source}: '{table}.{key}' = {value!r} should be {bound}")
+    if (table, key) in _POWERS_OF_TWO and value & (value - 1):
+        raise ConfigError(f"{source}: '{table}.{key}' = {value!r} should be a power of two")

@@ -223,6 +223,6 @@ def test_pool_sizing_and_stats():
 
 
 def test_page_size_must_hold_whole_groups():
-    with pytest.raises(ConfigError, match=r"engine.page_size' = 15 must be a multiple of 2"):
-        tidejax.load(GOLDEN, engine={"max_context": 64, "page_size": 15})
+    with pytest.raises(ConfigError, match=r"engine.page_size' = 1 must be a multiple of 2"):
+        tidejax.load(GOLDEN, engine={"max_context": 64, "page_size": 1})
 

@@ -229,5 +229,7 @@ def resolve_profile(name_or_path: str) -> Path:
     for folder in (Path("configs"), repo_configs):
         if (folder / f"{name_or_path}.toml").exists():
             return folder / f"{name_or_path}.toml"
+    if "/" in name_or_path or name_or_path.startswith("."):  # a path, not a profile's name
+        raise ConfigError(f"{name_or_path}: no such checkpoint directory or profile file")
     raise ConfigError(f"profile {name_or_path!r} not found (looked for configs/{name_or_path}.toml "
                       f"and {repo_configs}/{name_or_path}.toml)")
