@@ -158,7 +158,7 @@ _RANGES = {
     ("distributed", "timeout_s"): (1, None, False),
 }
 
-# settings the kernels need a power of two (the paged kernels tile a page by halves)
+# settings that must be a power of two (the page size: the paged decode kernel's, default.toml)
 _POWERS_OF_TWO = (("engine", "page_size"),)
 
 # settings that name a file or folder: in a profile, relative to the repository root (the

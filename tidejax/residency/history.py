@@ -80,7 +80,7 @@ class History:
                 steps, saved_half_life = int(z["steps"]), float(z["half_life"])
         except FileNotFoundError:
             raise
-        except Exception as e:  # a torn or foreign file: name it (numpy's own advice, to unpickle, is not ours)
+        except Exception as e:  # a torn or foreign file: name it (not numpy's advice to unpickle)
             why = "pickled objects" if "allow_pickle" in str(e) else f"{type(e).__name__}: {e}"
             raise ValueError(f"{path}: not a demand history ({why})") from None
         if counts.ndim != 2 or weights.shape != counts.shape:
