@@ -81,7 +81,20 @@ def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
     and a compressed branch's entries (None: none): per query, extra [b, t, j, k] (the entries an
     indexer picked), or shared by the chunk's queries, extra [b, g, k]; extra_mask [b, t, j | g].
     Logits scaled by k**-0.5, one softmax over both and the sink -> out [b, t, h, k]. Float32
-    operands give float32 (HIGHEST precision dots)."""
+    operands give float32 (HIGHEST precision dots).
+
+    keys are as window_keys lays them out (the ring's W-1, then the chunk at consecutive
+    positions). A chunk longer than the ring is attended in bands: a query sees at most the W-1
+    keys before it, so queries i in [nB, nB+B) (B = W-1) need only keys [nB, nB+2B) and the
+    [t, W-1+t] logits shrink to [t, 2B]."""
+    t = q.shape[1]
+    ring = keys.shape[1] - t
+    if 0 < ring < t:
+        return _attend_banded(q, keys, mask, sink, extra, extra_mask, ring)
+    return _attend_dense(q, keys, mask, sink, extra, extra_mask)
+
+
+def _attend_dense(q, keys, mask, sink, extra, extra_mask):
     scale = q.shape[-1] ** -0.5
     per_query = extra is not None and extra.ndim == 4
     logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST)
@@ -97,6 +110,30 @@ def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
         out = out + jnp.einsum("bhtj,btjk->bthk" if per_query else "bhtj,bjk->bthk",
                                probs[..., n_window:], extra, precision=HIGHEST)
     return out
+
+
+def _attend_banded(q, keys, mask, sink, extra, extra_mask, block: int):
+    """attend_with_sink with the chunk cut into bands of `block` = W-1 queries, each folded into
+    the batch with its 2 * block keys (the padded tail's queries see nothing and are dropped)."""
+    b, t, h, k = q.shape
+    n = -(-t // block)
+    pad = n * block - t
+
+    def bands(x, fill=0):  # [b, t, ...] -> [b * n, block, ...], the tail padded with `fill`
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return x.reshape((b * n, block) + x.shape[2:])
+
+    kb = jnp.pad(keys, ((0, 0), (0, pad), (0, 0))).reshape(b, n + 1, block, k)
+    kb = jnp.concatenate([kb[:, :-1], kb[:, 1:]], 2).reshape(b * n, 2 * block, k)
+    m = jnp.pad(mask, ((0, 0), (0, pad), (0, pad))).reshape(b, n, block, n + 1, block)
+    diag = jnp.arange(n)
+    m = jnp.concatenate([m[:, diag, :, diag], m[:, diag, :, diag + 1]], -1)  # [n, b, B, 2B]
+    m = jnp.swapaxes(m, 0, 1).reshape(b * n, block, 2 * block)
+    if extra is not None:
+        extra = bands(extra) if extra.ndim == 4 else jnp.repeat(extra, n, axis=0)
+        extra_mask = bands(extra_mask, False)
+    out = _attend_dense(bands(q), kb, m, sink, extra, extra_mask)
+    return out.reshape(b, n * block, h, k)[:, :t]
 
 
 def grouped_low_rank(out, wo_a, groups: int):
