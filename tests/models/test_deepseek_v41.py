@@ -24,10 +24,13 @@ KERNEL = "reference"
 # (first layer, positions) whose golden values sit across a float32 rounding tie from exact
 # arithmetic (tests/data/golden_v41/README.md): tiny_c's layer-2 window key at position 6 is 1.7e-6
 # from an e4m3 midpoint; the reference's float32 rounds it up, float64 arithmetic (and tidejax)
-# down. That key moves positions 6..24 of layer 2 on (the logits by up to 7.5e-4), so they are
-# held to TIE_TOLERANCE.
-TIE_SPANS = {"tiny_c": (2, range(6, 25))}
-TIE_TOLERANCE = 2e-3
+# down. That key moves positions 6..24 of layer 2 on (the logits by up to 7.5e-4). Its key at
+# position 19 is 9.8e-8 from one, and which side a float32 run lands on depends on the summation
+# order: on some CPUs (an AVX-512 Xeon, 2026-12-06) tidejax's lands on the other side and
+# positions 19..43 move the same way (the logits by up to 1.4e-3, layer 6 by 2.6e-3). Both spans are held to
+# TIE_TOLERANCE.
+TIE_SPANS = {"tiny_c": (2, range(6, 44))}
+TIE_TOLERANCE = 3e-3
 
 
 @functools.lru_cache(maxsize=None)
