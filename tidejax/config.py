@@ -45,6 +45,9 @@ class EngineSection:
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
     trace_dir: str = ""
     compile_cache: str = ""  # JAX's persistent compilation cache folder ("" = none)
+    # threads that compile the warm-up's step shapes side by side; 0: one on a CPU backend (XLA's
+    # CPU compiler already uses every core), else one a core up to the number of shapes
+    compile_workers: int = 0
     warmup: bool = True  # a server compiles every step shape before it reports ready
 
 
@@ -134,6 +137,7 @@ _RANGES = {
     ("engine", "page_size"): (1, None, False),
     ("engine", "kv_pool_tokens"): (0, None, False),
     ("engine", "kv_pool_gib"): (0, None, False),
+    ("engine", "compile_workers"): (0, None, False),
     ("residency", "budget_experts"): (0, None, False),
     ("residency", "budget_gib"): (0, None, False),
     ("residency", "ring_slots"): (0, None, False),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -116,13 +117,26 @@ def test_deepseek_v3(tmp_path, monkeypatch):
     """Pages of 32, chunks of 16, a pool of 3 pages (a sequence at max_context holds 2):
     full-width prefill tables (MLA's prefill reads by length), decode tables a power of two of
     pages (the MLA decode reference gathers the whole table). One chunk bucket: the buckets'
-    enumeration is test_warmup_shapes_are_those_of_every_prompt's."""
+    enumeration is test_warmup_shapes_are_those_of_every_prompt's. The shapes compile on two
+    threads first (engine.compile_workers): the warm-up's runs compile nothing more."""
     write_deepseek_v3(tmp_path, seed=3, **dict(DEEPSEEK_V3_CONFIGS["qlora_groups"],
                                                 num_hidden_layers=2))
     engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": 64, "page_size": 32,
-                                            "prefill_chunk": 16, "kv_pool_tokens": 96})
+                                            "prefill_chunk": 16, "kv_pool_tokens": 96,
+                                            "compile_workers": 2})
+    assert engine.loaded.compile_workers(len(engine.loaded.warmup_shapes())) == 2
     assert (engine.loaded.full_prefill, engine.loaded.full_decode) == (True, False)
-    check_nothing_compiles_after_warmup(engine, monkeypatch)
+    threads = []
+
+    def listen(event, duration, **fields):
+        if event == COMPILE and fields.get("fun_name") == "jit(apart)":
+            threads.append(threading.current_thread().name)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        check_nothing_compiles_after_warmup(engine, monkeypatch)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert threads and all(name.startswith("ThreadPoolExecutor") for name in threads), threads
 
 
 def test_deepseek_v41(v41, monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -72,6 +73,13 @@ class LoadedModel:
             log.info("compiled steps cached in %s", self.compile_cache)
         with self.scope():
             self._load(config, model_dir)
+
+    def compile_workers(self, shapes: int) -> int:
+        """Threads to compile `shapes` warm-up step shapes on (engine.compile_workers)."""
+        workers = self.config.engine.compile_workers
+        if not workers:
+            workers = 1 if jax.default_backend() == "cpu" else os.cpu_count() or 1
+        return max(1, min(workers, shapes))
 
     def scope(self):
         """The model's own mesh and compilation cache, around its work: its loading here, every

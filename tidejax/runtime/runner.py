@@ -23,6 +23,7 @@ While the scheduler's thread runs (`owner`), a call from another thread raises: 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -170,6 +171,21 @@ class Runner:
         self._own()
         sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
         return sampled, tallies
+
+    @_in_scope
+    def precompile(self, warmups: list[tuple]) -> None:
+        """Compiles the warm-up steps `warmups` ((shape, swap batch) pairs, as StepPlan.warmup
+        and .swaps carry them) side by side on LoadedModel.compile_workers threads, so that
+        running them finds them compiled (a jitted function's calls and its lower().compile()
+        share one cache). Tracing holds the GIL, so the steps are lowered one by one first; XLA
+        compiles without it. With one worker it does nothing: the runs compile as they come."""
+        workers = self.model.compile_workers(len(warmups))
+        if workers < 2:
+            return
+        lowered = [self.lower(self.model.warmup_inputs(*shape, swaps)) for shape, swaps in warmups]
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(lambda step: step.compile(), lowered):
+                pass
 
     @_in_scope
     def lower(self, inputs):

@@ -625,9 +625,10 @@ class Scheduler:
         steps."""
         shapes = self.model.warmup_shapes(prompt_lengths)
         batches = self.model.residency.warmup_batches()
-        for shape in sorted(shapes, key=str):
-            for idle in batches:
-                self.runner.run(self._take(warmup=shape, swaps=idle))
+        warmups = [(shape, idle) for shape in sorted(shapes, key=str) for idle in batches]
+        self.runner.precompile(warmups)
+        for shape, idle in warmups:
+            self.runner.run(self._take(warmup=shape, swaps=idle))
         for n in self.model.sequence_sizes():
             self.write_sequence([0] * n, 0, self.read_sequence([0] * n, 0))
         self._plan.lanes[0] = SamplingParams()  # the lanes' sampling update
