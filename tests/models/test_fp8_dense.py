@@ -15,6 +15,7 @@ from tidejax.checkpoint.fp8 import dequantize_fp8_block, scales_on_dividing_bloc
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.ops import fp8_block_matmul
+from tidejax.pallas.fp8_matmul import fp8_block_matmul_reference
 from tidejax.models.deepseek_v41.weights import load
 from tests.support.declaration import edited_copy
 from tests.support.v41_published import GOLDEN, fp8_blocks
@@ -37,6 +38,25 @@ def test_fp8_block_matmul_against_float64(shape, block, rng):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"needs blocks dividing it"):
         fp8_block_matmul(jnp.asarray(x), jnp.asarray(q), jnp.ones((1, 1)), block)
+
+
+@pytest.mark.parametrize("lead", [(1,), (2, 2), (1, 1, 3)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_few_rows_form_is_the_reference(lead, dtype, rng):
+    """Decode's rows (at most block rows / 8: here 4 of 32) take the form with the scales on the
+    activations (its named scope in the lowered step); it gives the reference's product."""
+    w = rng.normal(size=(96, 64)).astype(np.float32)
+    q, scales = fp8_blocks(w, (32, 16))
+    x = jnp.asarray(rng.normal(size=lead + (64,)), dtype)
+    args = (x, jnp.asarray(q), jnp.asarray(scales.astype(np.float32)), (32, 16))
+    got = fp8_block_matmul(*args)
+    want = fp8_block_matmul_reference(*args)
+    assert got.dtype == dtype and got.shape == lead + (96,)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+    text = jax.jit(fp8_block_matmul, static_argnums=3).lower(*args).as_text(debug_info=True)
+    assert "fp8_block_matmul_few_rows" in text and "fp8_block_matmul_reference" not in text
 
 
 def test_scales_on_the_dividing_block_dequantize_the_same(rng):

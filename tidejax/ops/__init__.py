@@ -4,7 +4,7 @@ never an implementation: an op given no `impl` takes the policy in force (`kerne
 set for a family's forward from its ServeOptions), and `impl=` is for tests and benchmarks
 (tests/test_layout.py: no model passes one).
 
-    fp8_block_matmul     FP8 block-scaled dense weights (no kernel yet: the reference everywhere)
+    fp8_block_matmul     FP8 block-scaled dense weights (no kernel yet: two jnp forms, by rows)
     moe_grouped          the routed experts over the bank (tidejax.residency.serve calls it)
     paged_mla_decode     MLA decode attention over the paged latent cache
     paged_mla_prefill    a prompt chunk's MLA attention over the paged latent cache
@@ -19,13 +19,15 @@ tidejax.contract.
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from tidejax import parallel
 from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
 from tidejax.pallas import attention, index_scores
 from tidejax.pallas.demand import Demand
-from tidejax.pallas.fp8_matmul import fp8_block_matmul_reference
+from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
 from tidejax.pallas.moe import moe_grouped_reference
 
 __all__ = ["Demand", "IMPLS", "fp8_block_matmul", "kernels", "mla_attention", "moe_grouped",
@@ -34,12 +36,16 @@ __all__ = ["Demand", "IMPLS", "fp8_block_matmul", "kernels", "mla_attention", "m
 
 def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
     """x [..., in], w [out, in] float8_e4m3fn, scales [out / block[0], in / block[1]] float32
-    (block dividing [out, in]) -> [..., out] in x's dtype (pallas.fp8_matmul: no kernel yet, so
-    the reference on every backend, whatever the policy)."""
+    (block dividing [out, in]) -> [..., out] in x's dtype (pallas.fp8_matmul: no kernel yet;
+    its few-rows form where x has at most block[0] / 8 rows, the reference otherwise, on every
+    backend whatever the policy)."""
     (out, inn), (bo, bi) = w.shape, block
     if out % bo or inn % bi or scales.shape != (out // bo, inn // bi):
         raise ValueError(f"fp8_block_matmul: weight {w.shape} with scales {scales.shape} "
                          f"needs blocks dividing it; got block {block}")
+    if math.prod(x.shape[:-1]) <= bo // 8:
+        with jax.named_scope("fp8_block_matmul_few_rows"):
+            return fp8_block_matmul_few_rows(x, w, scales, block)
     with jax.named_scope("fp8_block_matmul_reference"):
         return fp8_block_matmul_reference(x, w, scales, block)
 
