@@ -36,12 +36,13 @@ TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 LAYERS = 40  # layers of the demand counters (DeepSeek-V4.1-Flash has 40)
 # tiles tried at each token count (the best is reported); elsewhere choose_tile's
-SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096
+SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096 (128-row ones too)
     1: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1)],
     4: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1), (1, 32, 512, 4, 1)],
     16: [(1, 32, 256, 4, 1), (1, 64, 128, 4, 1), (1, 16, 256, 2, 1)],
     64: [(1, 32, 256, 4, 1), (16, 64, 128, 4, 1), (16, 32, 256, 4, 4)],
-    4096: [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 2)],
+    4096: [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 2),
+           (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3)],
 }
 
 
