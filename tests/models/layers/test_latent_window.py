@@ -58,3 +58,21 @@ def test_banded_logits_are_a_band():
     q, keys, mask, sink, _ = _inputs([0], 21)
     text = jax.jit(lw.attend_with_sink).lower(q, keys, mask, sink).as_text()
     assert "3x3x7x14" in text and "1x3x21x28" not in text
+
+
+def test_bfloat16_operands_run_bfloat16_dots_near_float32():
+    """A bfloat16 model's attention: the dots take bfloat16 operands (accumulated in float32)
+    and come within bfloat16's rounding of the float32 attention, banded or not."""
+    for t in (5, 19):
+        q, keys, mask, sink, rng = _inputs([3, 30], t, seed=3)
+        extra = jnp.asarray(rng.standard_normal((2, t, 4, K)), jnp.float32)
+        extra_mask = jnp.asarray(rng.random((2, t, 4)) < 0.6)
+        want = lw.attend_with_sink(q, keys, mask, sink, extra, extra_mask)
+        low = [a.astype(jnp.bfloat16) for a in (q, keys, extra)]
+        args = (low[0], low[1], mask, sink, low[2], extra_mask)
+        got = lw.attend_with_sink(*args)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+        text = jax.jit(lw.attend_with_sink).lower(*args).as_text()
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert dots and all("bf16>" in line.split("->")[0] for line in dots), dots

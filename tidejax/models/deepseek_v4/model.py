@@ -207,10 +207,11 @@ class Attention(nn.Module):
                 extra = paged.gather(entries, block_table)  # [b, P * rows, k]
                 extra_mask = jnp.arange(extra.shape[1])[None, None] < counts[..., None]
                 state = (entries, ring_kv, ring_gate)
-            extra = extra.astype(F32)
+            extra = extra.astype(x.dtype)
         p = declare(self, attention_specs(cfg, ATTN_NAMES, dt, F32))
         sinks = p["sinks"]
-        out = attend_with_sink(q, keys.astype(F32), mask, sinks, extra, extra_mask)
+        out = attend_with_sink(q.astype(x.dtype), keys.astype(x.dtype), mask, sinks, extra,
+                               extra_mask)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
         y = Linear(cfg.hidden_size, dt, name="o_b_proj")(
             grouped_low_rank(out, p["o_a_proj"], cfg.o_groups))

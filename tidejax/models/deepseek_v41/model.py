@@ -225,10 +225,12 @@ class Attention(nn.Module):
             shared, src_cache = self._compressed(x, q_res, positions, n_valid, shared, src_cache,
                                                  block_table)
             ids, valid = shared["selection"]
-            picked = paged.gather_rows(shared["entries"], block_table, ids).astype(F32)  # [b, t, j, k]
+            # [b, t, j, k]
+            picked = paged.gather_rows(shared["entries"], block_table, ids).astype(x.dtype)
         p = declare(self, attention_specs(cfg, ATTN_NAMES, dt, dt))
         sink = p["attn_sink"]
-        out = attend_with_sink(q.astype(F32), keys.astype(F32), mask, sink, picked, valid)
+        # in the activations' dtype: the keys (FP8 / FP4 values) are exact in bfloat16
+        out = attend_with_sink(q.astype(x.dtype), keys.astype(x.dtype), mask, sink, picked, valid)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
         y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, p["wo_a"], cfg.o_groups))

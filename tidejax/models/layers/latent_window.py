@@ -9,6 +9,8 @@ Einsum letters: b batch, t queries, s keys, h heads, k head width, g output grou
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -80,8 +82,10 @@ def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
     """Latent attention of q [b, t, h, k] over the window keys [b, s, k] (= values; mask [b, t, s])
     and a compressed branch's entries (None: none): per query, extra [b, t, j, k] (the entries an
     indexer picked), or shared by the chunk's queries, extra [b, g, k]; extra_mask [b, t, j | g].
-    Logits scaled by k**-0.5, one softmax over both and the sink -> out [b, t, h, k]. Float32
-    operands give float32 (HIGHEST precision dots).
+    Logits scaled by k**-0.5, one softmax over both and the sink -> out [b, t, h, k] float32.
+    The dots take the operands' dtype (HIGHEST precision) and accumulate in float32, the softmax
+    is float32 and its probabilities meet the values in the operands' dtype: a bfloat16 model's
+    attention runs on the tensor cores, its keys (FP8 / FP4 values) exact in bfloat16.
 
     keys are as window_keys lays them out (the ring's W-1, then the chunk at consecutive
     positions). A chunk longer than the ring is attended in bands: a query sees at most the W-1
@@ -97,18 +101,18 @@ def attend_with_sink(q, keys, mask, sink, extra=None, extra_mask=None):
 def _attend_dense(q, keys, mask, sink, extra, extra_mask):
     scale = q.shape[-1] ** -0.5
     per_query = extra is not None and extra.ndim == 4
-    logits = jnp.einsum("bthk,bsk->bhts", q, keys, precision=HIGHEST)
+    dot = functools.partial(jnp.einsum, precision=HIGHEST, preferred_element_type=F32)
+    logits = dot("bthk,bsk->bhts", q, keys)
     logits = jnp.where(mask[:, None], logits * scale, -jnp.inf)
     if extra is not None:
-        e = jnp.einsum("bthk,btjk->bhtj" if per_query else "bthk,bjk->bhtj", q, extra,
-                       precision=HIGHEST)
+        e = dot("bthk,btjk->bhtj" if per_query else "bthk,bjk->bhtj", q, extra)
         logits = jnp.concatenate([logits, jnp.where(extra_mask[:, None], e * scale, -jnp.inf)], -1)
-    probs = softmax_with_sink(logits, sink)
+    probs = softmax_with_sink(logits, sink).astype(keys.dtype)
     n_window = keys.shape[1]
-    out = jnp.einsum("bhts,bsk->bthk", probs[..., :n_window], keys, precision=HIGHEST)
+    out = dot("bsk,bhts->bthk", keys, probs[..., :n_window])  # (XLA's CPU takes bf16 so)
     if extra is not None:
-        out = out + jnp.einsum("bhtj,btjk->bthk" if per_query else "bhtj,bjk->bthk",
-                               probs[..., n_window:], extra, precision=HIGHEST)
+        out = out + dot("bhtj,btjk->bthk" if per_query else "bhtj,bjk->bthk",
+                        probs[..., n_window:], extra)
     return out
 
 
