@@ -111,6 +111,9 @@ class CacheSection:
     same tokens (kv/pages.py)."""
 
     enabled: bool = True
+    host_gib: float = 4.0  # pages evicted from the device kept in host memory (0 = none)
+    disk_gib: float = 16.0  # pages leaving host memory written to disk (0 = none)
+    disk_dir: str = ""  # their folder ("" = residency.state_dir; neither: no disk tier)
 
 
 # [distributed] key -> the environment variable it is also read from
@@ -156,6 +159,8 @@ _RANGES = {
     ("server", "max_requests_per_key"): (0, None, False),
     ("server", "request_timeout_s"): (0, None, False),
     ("server", "body_timeout_s"): (0, None, True),
+    ("cache", "host_gib"): (0, None, False),
+    ("cache", "disk_gib"): (0, None, False),
     ("distributed", "num_processes"): (1, None, False),
     ("distributed", "process_id"): (0, None, False),
     ("distributed", "tensor_parallel"): (0, None, False),
@@ -169,7 +174,7 @@ _POWERS_OF_TWO = (("engine", "page_size"),)
 # profile's parent folder's parent, where configs/ lives); on the command line, to the working
 # directory
 _PATHS = (("model", "path"), ("engine", "trace_dir"), ("engine", "compile_cache"),
-          ("residency", "seed_map"), ("residency", "state_dir"))
+          ("residency", "seed_map"), ("residency", "state_dir"), ("cache", "disk_dir"))
 
 _SECTIONS = {
     "model": ModelSection,

@@ -17,6 +17,10 @@ Where a sequence's lane keeps state beside the pool (DeepSeek-V4 and V4.1), an i
 carry a snapshot of that state at its end (`attach`: a number the runners keep the copy under);
 a match then ends at the last page of the run that has one, and a snapshot leaves with its
 page's index entry (evicted, or the index dropped): `take_dropped` gives the numbers to forget.
+
+With `spilling` on (kv/tiers.py: the host and disk tiers), an evicted page's block hash, page
+and snapshot number go to `take_spilled` instead, so its contents are read out before the page
+is written again (the plan's reads run before its step).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class PageTable:
         self.evictions = 0  # cached pages taken back for other positions
         self._snapshots: dict[int, int] = {}  # an indexed page -> its lane snapshot's number
         self._dropped: list[int] = []  # snapshots whose page left the index, not yet forgotten
+        self.spilling = False  # evicted pages go to take_spilled (a host tier takes them)
+        self._spilled: list[tuple[bytes, int, int | None]] = []
 
     @property
     def free(self) -> int:
@@ -157,11 +163,21 @@ class PageTable:
 
     def _evict(self) -> int:
         page, _ = self._idle.popitem(last=False)
-        del self._index[self._hash_of.pop(page)]
-        if page in self._snapshots:
-            self._dropped.append(self._snapshots.pop(page))
+        digest = self._hash_of.pop(page)
+        del self._index[digest]
+        snapshot = self._snapshots.pop(page, None)
+        if self.spilling:
+            self._spilled.append((digest, page, snapshot))
+        elif snapshot is not None:
+            self._dropped.append(snapshot)
         self.evictions += 1
         return page
+
+    def take_spilled(self) -> list[tuple[bytes, int, int | None]]:
+        """(block hash, page, snapshot number or None) of each page evicted since the last call
+        while `spilling`: its contents stay in the pool until a step writes the page again."""
+        spilled, self._spilled = self._spilled, []
+        return spilled
 
     def publish(self, seq: int, hashes: list[bytes]) -> None:
         """Indexes the first len(hashes) pages of `seq` (their keys written, for the tokens the
@@ -188,5 +204,8 @@ class PageTable:
         self._hash_of.clear()
         self._dropped.extend(self._snapshots.values())
         self._snapshots.clear()
+        # spilled pages not read out yet: their contents are gone with the cache
+        self._dropped.extend(snap for _, _, snap in self._spilled if snap is not None)
+        self._spilled.clear()
         self._free.extend(sorted(self._idle, reverse=True))
         self._idle.clear()

@@ -61,7 +61,8 @@ class Engine:
 
     def close(self) -> None:
         """Where residency.state_dir is set, drains the demand counted since the last drain into
-        the history and saves it and the residency stats; then finishes the profiler trace, if
+        the history and saves it and the residency stats; the prompt cache's host tier goes to
+        its disk tier (where it has one: Scheduler.close_tiers); then finishes the profiler trace, if
         one is being written; last, the peers of process 0 stop. The server closes its engine at
         shutdown (SIGTERM, SIGINT)."""
         if self._closed:
@@ -77,6 +78,10 @@ class Engine:
                 if not self.residency.save_failing:
                     log.info("saved the demand history and the residency stats under %s",
                              state_dir)
+        try:
+            self.scheduler.call(self.scheduler.close_tiers)
+        except Exception:
+            log.exception("could not write the prompt cache's host tier to disk at close")
         if self.trace_dir:
             jax.profiler.stop_trace()
             self.trace_dir = ""

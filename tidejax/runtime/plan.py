@@ -10,6 +10,9 @@ The runner does its parts in this order:
     lanes     {lane: SamplingParams}: each lane's sampling row set and its token counts cleared
               (admission; greedy again when a lane frees), but for `seen` {lane: token ids}:
               the prompt tokens of a cached prefix, marked seen (no step of the lane runs them)
+    loads     copies handed over in the plan (numpy: a prompt-cache page's lane snapshot back
+              from host memory or disk), kept by the runner under their numbers
+    restores  prompt-cache pages back from host memory or disk written into the pool
     writes    copies put back at new pages and a lane (resumption), then dropped; a write
               that `keep`s its copy (a prompt-cache snapshot of a lane, written at each match)
               leaves it until a `forget`
@@ -28,7 +31,7 @@ import dataclasses
 
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.sampling import SamplingParams
-from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +46,22 @@ class SequenceCopy:
     keep: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class PageRestore:
+    """Pool rows [n, page_size, ...] (numpy, the pool's tree) for `pages` of the pool."""
+
+    pages: tuple[int, ...]
+    rows: object
+
+
 @dataclasses.dataclass
 class StepPlan:
     reads: list[SequenceCopy] = dataclasses.field(default_factory=list)
     forget: list[int] = dataclasses.field(default_factory=list)
     lanes: dict[int, SamplingParams] = dataclasses.field(default_factory=dict)
     seen: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    loads: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)
+    restores: list[PageRestore] = dataclasses.field(default_factory=list)
     writes: list[SequenceCopy] = dataclasses.field(default_factory=list)
     experts: list[SwapBatch] = dataclasses.field(default_factory=list)
     decode: DecodeRows | None = None  # the decoding lanes
@@ -71,7 +84,8 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         """Whether there is nothing to do."""
-        return not (self.reads or self.forget or self.lanes or self.writes or self.experts
+        return not (self.reads or self.forget or self.lanes or self.loads or self.restores
+                    or self.writes or self.experts
                     or self.steps or self.score is not None or self.warmup is not None)
 
     @property

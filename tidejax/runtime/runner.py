@@ -104,6 +104,11 @@ class Runner:
             self.copies.pop(copy, None)
         for lane, params in plan.lanes.items():
             self._set_lane(lane, params, plan.seen.get(lane, ()))
+        self.copies.update(plan.loads)
+        for restore in plan.restores:
+            pool = self.model.steps.write_pages(self.state.cache.pages, np.asarray(
+                restore.pages, np.int32), restore.rows)
+            self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
         for write in plan.writes:
             if write.copy not in self.copies:
                 raise ValueError(f"no saved copy {write.copy} to write back (each goes back "

@@ -46,14 +46,18 @@ import logging
 import secrets
 import threading
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
 
+from tidejax import parallel
 from tidejax.errors import EngineError, RequestError
 from tidejax.kv.pages import PageTable, block_hashes
+from tidejax.kv.tiers import DiskTier, Spilled, Tiers, model_key
 from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.plan import SequenceCopy, StepPlan
+from tidejax.runtime.plan import PageRestore, SequenceCopy, StepPlan
 from tidejax.runtime.runner import Runner, StepResult
 from tidejax.runtime.sampling import Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
@@ -139,6 +143,12 @@ class Scheduler:
         self.caching = model.prefix_caching  # prompts share cached pages (kv/pages.py)
         # a match restores its lane's rows from a snapshot (model.lane_snapshots)
         self.snapshots = model.lane_snapshots
+        self.tiers = self._tiers()  # the host and disk tiers (kv/tiers.py) or None
+        self.pages.spilling = self.tiers is not None
+        self._snapshot_data: dict[int, SavedSequence] = {}  # snapshots read, for the tiers
+        self._snapshot_reads: set[int] = set()  # snapshots planned for a read, not read yet
+        # a read of evicted pages -> (block hash, snapshot read or None) of each of its pages
+        self._spills: dict[int, list[tuple[bytes, SavedSequence | None]]] = {}
         self._admissions = itertools.count(1)
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
@@ -184,9 +194,50 @@ class Scheduler:
                     lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes())
 
     def cache_stats(self) -> dict:
-        """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted."""
-        return {"matched_tokens": self.totals["cached_tokens"],
-                "evictions": self.pages.evictions}
+        """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted from
+        the device pool's index; `tiers`: both per tier (device, host, disk)."""
+        out = {"matched_tokens": self.totals["cached_tokens"], "evictions": self.pages.evictions,
+               "tiers": {"device": {"matched_tokens": self.totals["cached_device"],
+                                    "evictions": self.pages.evictions}}}
+        if self.tiers is not None:
+            for tier, evictions in self.tiers.evictions().items():
+                out["tiers"][tier] = {"matched_tokens": self.totals[f"cached_{tier}"],
+                                      "evictions": evictions}
+        return out
+
+    def _tiers(self) -> Tiers | None:
+        """The host and disk tiers behind the device pool ([cache] host_gib, disk_gib, disk_dir
+        or else residency.state_dir), each said in the log; none without prompt caching, and
+        none under tensor parallelism (every process would have to spill its own shards)."""
+        config = self.model.config
+        section = config.cache
+        if not self.caching or (section.host_gib == 0 and section.disk_gib == 0):
+            return None
+        if parallel.tensor_size(self.model.mesh) > 1:
+            log.warning("%s: cache.host_gib and cache.disk_gib are off under tensor parallelism "
+                        "(distributed.tensor_parallel): the prompt cache keeps the device tier "
+                        "alone", config.source_of("cache.host_gib"))
+            return None
+        shapes = self.model.steps.copy_shapes(self.runner.state)
+        template = Spilled(shapes.cache.pages, shapes if self.snapshots else None)
+        folder, disk = section.disk_dir or config.residency.state_dir, None
+        if section.disk_gib > 0 and folder:
+            folder = Path(folder) / "prompt_cache" / model_key(self.model.model_dir,
+                                                               self.model.page_size, template)
+            disk = DiskTier(folder, int(section.disk_gib * 2**30), template)
+        elif section.disk_gib > 0:
+            log.info("cache.disk_gib = %g: neither cache.disk_dir nor residency.state_dir is set, "
+                     "so the prompt cache has no disk tier", section.disk_gib)
+        log.info("prompt cache tiers: %g GiB in host memory%s", section.host_gib,
+                 f", {section.disk_gib:g} GiB under {folder}" if disk else "")
+        return Tiers(int(section.host_gib * 2**30), disk)
+
+    def close_tiers(self) -> None:
+        """The host tier's pages written to the disk tier and its writes waited for (Engine.close):
+        a restart over the same folder matches them."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers, self.pages.spilling = None, False
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -329,10 +380,11 @@ class Scheduler:
                 continue
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
-            handle.prefilled = handle.cached = len(shared) * self.pages.page_size
-            if shared:
+            restored = self._restore(handle, lane, len(shared))
+            handle.prefilled = handle.cached = (len(shared) + restored) * self.pages.page_size
+            if handle.cached:
                 self._plan.seen[lane] = handle.request.prompt_ids[:handle.cached]
-            if shared and self.snapshots:  # the lane's rows as they were at the match's end
+            if shared and self.snapshots and not restored:  # the lane's rows at the match's end
                 self._plan.writes.append(SequenceCopy(self.pages.snapshot_of(shared[-1]), (),
                                                       lane, keep=True))
             handle.started_at = time.perf_counter()
@@ -342,6 +394,7 @@ class Scheduler:
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += len(handle.request.prompt_ids)
             self.totals["cached_tokens"] += handle.cached
+            self.totals["cached_device"] += len(shared) * self.pages.page_size
 
     def _match(self, handle: RequestHandle) -> list[int]:
         """The cached pages a new request's prompt starts with: full pages before its last
@@ -355,6 +408,41 @@ class Scheduler:
             return []
         return self.pages.match(handle.hashes[:(len(prompt) - 1) // self.pages.page_size],
                                 self.snapshots)
+
+    def _restore(self, handle: RequestHandle, lane: int, start: int) -> int:
+        """Matches a new request's prompt on past its `start` device pages in the host and disk
+        tiers; plans those pages written into its next pages (with lane snapshots, the last
+        one's snapshot into its lane) and indexes them on the device again; how many."""
+        if self.tiers is None or not self.caching:
+            return 0
+        size = self.pages.page_size
+        limit = (len(handle.request.prompt_ids) - 1) // size  # as _match: its last token runs
+        entries = []  # (block hash, tier, Spilled)
+        for digest in self.tiers.run(handle.hashes[start:limit], self.snapshots):
+            found = self.tiers.load(digest)
+            if found is None:  # a disk entry that failed its check (logged)
+                break
+            entries.append((digest, *found))
+        while self.snapshots and entries and entries[-1][2].snapshot is None:
+            digest, _, entry = entries.pop()  # past the last snapshot: kept, not served
+            self.tiers.spill(digest, entry)
+        if not entries:
+            return 0
+        pages = self.pages.pages_of(handle.id)[start:start + len(entries)]
+        rows = jax.tree.map(lambda *x: np.concatenate(x), *[e.pages for _, _, e in entries])
+        self._plan.restores.append(PageRestore(tuple(pages), rows))
+        self.pages.publish(handle.id, handle.hashes[:start + len(entries)])
+        if self.snapshots:  # the lane's rows as they were at the last page's end
+            digest, _, entry = entries[-1]
+            copy = next(self._copies)
+            self._plan.loads[copy] = entry.snapshot
+            keep = self.pages.attach(digest, copy)  # kept with the page for later matches
+            if keep:
+                self._snapshot_data[copy] = entry.snapshot
+            self._plan.writes.append(SequenceCopy(copy, (), lane, keep=keep))
+        for _, tier, _ in entries:
+            self.totals[f"cached_{tier}"] += size
+        return len(entries)
 
     def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
         """Whether the queue's head can take a lane now: one prompt prefills at a time, and the
@@ -398,7 +486,7 @@ class Scheduler:
         chunk = self._next_chunk()
         if not active.any() and chunk is None:
             if not self._plan.empty:  # saves, restores or lane resets without a step
-                self.runner.run(self._take())
+                self._run(self._take())
             return None
         # a lane continues from its token in flight; one admitted or resumed since takes its
         # host token. Every step carries all lanes (none active while a lone prompt prefills):
@@ -452,6 +540,8 @@ class Scheduler:
         copy = next(self._copies)
         if self.pages.attach(handle.hashes[handle.prefilled // size - 1], copy):
             self._plan.reads.append(SequenceCopy(copy, (), lane))
+            if self.tiers is not None:  # its data goes with the page when it is evicted
+                self._snapshot_reads.add(copy)
 
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
@@ -581,9 +671,50 @@ class Scheduler:
 
     def _take(self, **parts) -> StepPlan:
         """The plan decided so far with `parts` (its device call) added; the next starts empty."""
-        self._plan.forget += self.pages.take_dropped()  # snapshots whose page left the index
+        self._plan_spills()
+        dropped = self.pages.take_dropped()  # snapshots whose page left the index
+        for copy in dropped:
+            self._snapshot_data.pop(copy, None)
+            self._snapshot_reads.discard(copy)
+        self._plan.forget += dropped
         plan, self._plan = dataclasses.replace(self._plan, **parts), StepPlan()
         return plan
+
+    def _plan_spills(self) -> None:
+        """The pages the pool evicted since the last plan, read out by this one (its reads run
+        before its step writes them again) for the host tier (`_run` hands them over), each
+        with its snapshot's data; the runners forget both copies."""
+        spilled = self.pages.take_spilled()
+        if not spilled:
+            return
+        copy = next(self._copies)
+        self._plan.reads.append(SequenceCopy(copy, tuple(page for _, page, _ in spilled), 0))
+        self._plan.forget.append(copy)
+        entries = []
+        for digest, _, snapshot in spilled:
+            data = None
+            if snapshot is not None:
+                data = self._snapshot_data.pop(snapshot, None)  # None: not read yet
+                self._snapshot_reads.discard(snapshot)
+                self._plan.forget.append(snapshot)
+            entries.append((digest, data))
+        self._spills[copy] = entries
+
+    def _run(self, plan: StepPlan) -> StepResult:
+        """The runner carries out `plan`; the reads the tiers wait for are taken from its
+        result: snapshots kept, evicted pages handed to the host tier page by page."""
+        result = self.runner.run(plan)
+        for copy, saved in result.saved.items():
+            if copy in self._snapshot_reads:
+                self._snapshot_reads.discard(copy)
+                self._snapshot_data[copy] = saved
+            spilled = self._spills.pop(copy, ())
+            pool = jax.tree.map(np.asarray, saved.cache.pages) if spilled else None
+            for i, (digest, snapshot) in enumerate(spilled):
+                rows = jax.tree.map(lambda leaf: leaf[i:i + 1].copy(), pool)
+                self.tiers.spill(digest, Spilled(rows, None if snapshot is None
+                                                 else jax.tree.map(np.asarray, snapshot)))
+        return result
 
     def _save(self, pages: list[int], lane: int) -> int:
         """Plans a read of a sequence's pages and lane rows into host memory; its copy's number."""
@@ -602,7 +733,7 @@ class Scheduler:
         residency = self.model.residency
         plan = self._take(decode=decode, prefill=prefill, previous=previous,
                           swaps=residency.next_batch(), logprobs=logprobs)
-        result = self.runner.run(plan)
+        result = self._run(plan)
         residency.after_step(result.tallies, plan.routed)
         return result
 
@@ -611,7 +742,7 @@ class Scheduler:
         batch): logits [T, vocab] float32; only the expert state (its counters) changes."""
         residency = self.model.residency
         ids = np.asarray(token_ids, np.int32).reshape(-1)
-        result = self.runner.run(self._take(score=ids, swaps=residency.next_batch()))
+        result = self._run(self._take(score=ids, swaps=residency.next_batch()))
         residency.after_step(result.tallies, len(ids))
         logits = result.scores()[:len(ids)]
         residency.flush()
@@ -628,11 +759,11 @@ class Scheduler:
         warmups = [(shape, idle) for shape in sorted(shapes, key=str) for idle in batches]
         self.runner.precompile(warmups)
         for shape, idle in warmups:
-            self.runner.run(self._take(warmup=shape, swaps=idle))
+            self._run(self._take(warmup=shape, swaps=idle))
         for n in self.model.sequence_sizes():
             self.write_sequence([0] * n, 0, self.read_sequence([0] * n, 0))
         self._plan.lanes[0] = SamplingParams()  # the lanes' sampling update
-        self.runner.run(self._take())
+        self._run(self._take())
         return len(shapes) * len(batches)
 
     def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:
@@ -641,13 +772,13 @@ class Scheduler:
         steps.SavedSequence of numpy leaves; the runners keep it under its `copy` number until
         `write_sequence` puts it back)."""
         copy = self._save(pages, lane)
-        return self.runner.run(self._take()).saved[copy]
+        return self._run(self._take()).saved[copy]
 
     def write_sequence(self, pages: list[int], lane: int, saved: SavedSequence) -> None:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
         `lane` (any lane: not necessarily the one it was read from)."""
         self._plan.writes.append(SequenceCopy(saved.copy, tuple(pages), lane))
-        self.runner.run(self._take())
+        self._run(self._take())
 
 
 def _logprobs_wanted(handles) -> bool:

@@ -15,6 +15,8 @@
         power of two of pages (the page ids padded past the pool).
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
+    write_pages(pool, pages, rows) -> pool: prompt-cache pages back into the pool alone
+        (kv/tiers.py), compiled per power of two of pages as well.
     set_lane(sampling, lane, row, seen): one lane's sampling parameters, its token counts
         cleared, at admission (but for `seen`: a cached prefix's prompt tokens).
 
@@ -268,6 +270,10 @@ class Steps:
         lane's rows and token counts."""
         return self._read(state, _padded(pages, self.max_pages), lane)
 
+    def copy_shapes(self, state: DecodeState) -> SavedSequence:
+        """A one-page read_sequence's leaves as jax.ShapeDtypeStruct (nothing runs)."""
+        return jax.eval_shape(self._read, state, np.zeros(1, np.int32), np.int32(0))
+
     def write_sequence(self, cache: PagedCache, sampling: LaneSampling, pages, lane,
                        saved: SavedSequence) -> tuple[PagedCache, LaneSampling]:
         """`saved` (read_sequence's, as many pages) back at `pages` [n] and `lane`; cache and
@@ -295,6 +301,21 @@ class Steps:
             seen = sampling.seen.at[lane].set(saved.seen)
             return cache, dataclasses.replace(sampling, counts=counts, seen=seen)
         return jax.jit(write, donate_argnames=("cache", "sampling"))
+
+    def write_pages(self, pool, pages, rows):
+        """Pool rows [n, page_size, ...] (a tree like the pool's, numpy) at `pages` [n]: prompt-
+        cache pages back from host memory or disk (kv/tiers.py); the pool donated."""
+        at = _padded(pages, self.max_pages)
+        rows = jax.tree.map(lambda x: np.concatenate(
+            [x, np.zeros((len(at) - len(x),) + x.shape[1:], x.dtype)]), rows)
+        return self._write_pages(pool, at, rows)
+
+    @functools.cached_property
+    def _write_pages(self):
+        def write(pool, pages, rows):
+            return jax.tree.map(lambda leaf, r: leaf.at[pages].set(r.astype(leaf.dtype),
+                                                                   mode="drop"), pool, rows)
+        return jax.jit(write, donate_argnames=("pool",))
 
     @functools.cached_property
     def set_lane(self):

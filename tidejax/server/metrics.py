@@ -70,10 +70,13 @@ class Metrics:
         if stats.cache:
             metric("prompt_cache_matched_tokens_total", "counter",
                    "prompt tokens found in the prompt cache (not prefilled), by tier",
-                   [({"tier": "device"}, stats.cache["matched_tokens"])])
+                   [({"tier": tier}, counts["matched_tokens"])
+                    for tier, counts in stats.cache["tiers"].items()])
             metric("prompt_cache_evictions_total", "counter",
-                   "cached KV pages evicted for other positions, by tier",
-                   [({"tier": "device"}, stats.cache["evictions"])])
+                   "cached KV pages evicted from a tier (device: to host memory where that "
+                   "tier is on; host: to disk where that is; disk: deleted), by tier",
+                   [({"tier": tier}, counts["evictions"])
+                    for tier, counts in stats.cache["tiers"].items()])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
         metric("requests_held", "gauge", "engine requests the server holds (in lanes, waiting, "

@@ -1,0 +1,121 @@
+"""The prompt cache's host and disk tiers (kv/tiers.py): a KV pool too small to keep a
+conversation's pages on the device spills them to host memory, a next turn matches them there
+and prefills only its new tokens; a new engine over the same folder matches them on disk; a
+corrupt disk entry is skipped, never served. Greedy tokens equal those of full forwards (no
+cache at all) and of the same engine with the cache off."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.kv.pages import block_hashes
+from tests.kv.test_paging import TWO_LAYERS, prefilled, serve
+from tests.support.tiny_models import write_deepseek_v3
+
+# a pool of 12 pages of 8 tokens: one sequence at max_context, so an 80-token prompt after a
+# conversation evicts most of the conversation's pages, and a second one the rest
+ENGINE = {"lanes": 1, "max_context": 96, "page_size": 8, "prefill_chunk": 16,
+          "kv_pool_tokens": 96}
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return np.random.RandomState(seed).randint(3, 256, n).tolist()
+
+
+def greedy(engine, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by full forwards (Engine.logits: a scratch cache of its own, no pages)."""
+    out = []
+    while len(out) < n:
+        out.append(int(np.argmax(engine.logits(list(prompt) + out)[-1])))
+    return out
+
+
+def matched(engine, tier: str) -> int:
+    return engine.scheduler.cache_stats()["tiers"][tier]["matched_tokens"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiers")
+    write_deepseek_v3(path, seed=5, **TWO_LAYERS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiers_disk")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, disk_dir):
+    """The engine of the first run; test_a_restart_matches_from_disk closes it (its host tier
+    goes to disk) and starts another over the same folder."""
+    return tidejax.load(model_dir, engine=ENGINE, cache={"disk_dir": str(disk_dir)})
+
+
+def converse(engine, seed: int) -> list[int]:
+    """Turn 1 of a conversation (37 tokens, 8 generated: its steps write 44 positions, 5 full
+    pages), then two unrelated 80-token prompts that evict all of its pages from the pool;
+    returns turn 2 (turn 1, its answer and 3 new tokens: 48, so 5 full pages before its last)."""
+    first = ids(seed, 37)
+    answer, _ = serve(engine, first, 8)
+    for other in (seed + 1, seed + 2):
+        serve(engine, ids(other, 80), 2)
+    return first + answer + [7, 8, 9]
+
+
+def test_a_second_turn_matches_from_host_memory(engine):
+    scheduler = engine.scheduler
+    device_evictions = scheduler.cache_stats()["tiers"]["device"]["evictions"]
+    second = converse(engine, 100)
+    assert scheduler.cache_stats()["tiers"]["device"]["evictions"] > device_evictions
+    assert len(scheduler.tiers.host) >= 5
+    scheduler.caching = False
+    try:
+        uncached, stats = serve(engine, second, 6)
+    finally:
+        scheduler.caching = True
+    assert stats["cached_tokens"] == 0
+    host, device = matched(engine, "host"), matched(engine, "device")
+    (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
+    assert stats["cached_tokens"] == 40 and count == len(second) - 40 == 8
+    assert matched(engine, "host") - host == 40 and matched(engine, "device") == device
+    assert got == uncached == greedy(engine, second, 6)
+    # the restored pages are the device's again: a third request matches them there
+    (again, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
+    assert matched(engine, "device") - device == 40 and count == 8 and again == got
+
+
+def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir, disk_dir,
+                                                               caplog):
+    """Two conversations spilled to host memory; closing the engine writes them to disk. A new
+    engine over the folder finds them: one's turn 2 matches from disk; the other's first page
+    is corrupted on disk first, so its turn 2 is refused that entry (one log line) and
+    prefills from its first token, with the same tokens."""
+    kept, spoiled = converse(engine, 200), converse(engine, 300)
+    engine.close()
+    files = {p.stem: p for p in disk_dir.rglob("*.page")}
+    target = files[block_hashes(spoiled, 8)[0].hex()]
+    raw = bytearray(target.read_bytes())
+    raw[-5] ^= 0xFF  # a byte of the payload
+    target.write_bytes(bytes(raw))
+
+    restarted = tidejax.load(model_dir, engine=ENGINE, cache={"disk_dir": str(disk_dir)})
+    try:
+        assert len(restarted.scheduler.tiers.disk) == len(files)
+        (got, stats), count = prefilled(restarted, lambda: serve(restarted, kept, 6))
+        assert stats["cached_tokens"] == 40 and count == 8 and matched(restarted, "disk") == 40
+        assert got == greedy(restarted, kept, 6)
+        with caplog.at_level(logging.WARNING, logger="tidejax"):
+            (got, stats), count = prefilled(restarted, lambda: serve(restarted, spoiled, 6))
+        assert stats["cached_tokens"] == 0 and count == len(spoiled)
+        assert [r for r in caplog.records if "corrupt" in r.getMessage()
+                and target.name in r.getMessage()]
+        assert not target.exists() and matched(restarted, "disk") == 40
+        assert got == greedy(restarted, spoiled, 6)
+    finally:
+        restarted.close()
