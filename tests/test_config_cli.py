@@ -64,6 +64,8 @@ def test_api_keys_from_set_and_from_the_variable_in_every_profile(monkeypatch):
     (["--set", "residency.budget_experts=-1"], "'residency.budget_experts' = -1 should be at "
                                                "least 0"),
     (["--set", "residency.budget_gib=-0.5"], "'residency.budget_gib' = -0.5"),
+    (["--set", "cache.host_gib=-1"], "'cache.host_gib' = -1.0 should be at least 0"),
+    (["--set", "cache.disk_gib=inf"], "'cache.disk_gib' = inf should be a finite number"),
     (["--set", "residency.half_life=nan"], "--set residency.half_life=nan: "
                                            "'residency.half_life' = nan should be a finite number"),
     (["--set", "residency.half_life=0"], "'residency.half_life' = 0.0 should be above 0"),

@@ -38,8 +38,9 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     """A pool of 18 pages of 8 tokens, 1.5 sequences at max_context: one engine (one set of
     compiled steps) preempts two long requests and serves each alone or a long prompt beside
-    a shorter request without preempting."""
-    return tidejax.load(model_dir, engine={**ENGINE, "kv_pool_tokens": 144})
+    a shorter request without preempting. No host tier: evicted pages are gone."""
+    return tidejax.load(model_dir, engine={**ENGINE, "kv_pool_tokens": 144},
+                        cache={"host_gib": 0})  # the device tier alone (test_tiers.py: the others)
 
 
 @pytest.fixture(scope="module")

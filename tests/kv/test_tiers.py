@@ -119,3 +119,30 @@ def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir
         assert got == greedy(restarted, spoiled, 6)
     finally:
         restarted.close()
+
+
+def test_a_v41_lane_snapshot_travels_with_its_page_through_host_memory():
+    """DeepSeek-V4.1 (the golden tiny_a: window rings, group buffers and Engram look-back in
+    its lanes) on a pool of two 32-token pages: turn 1 (32 tokens, a snapshot at its page's
+    end) is evicted by a 40-token prompt, its page and snapshot go to host memory together; turn
+    2 gets both back (the page into the pool, the snapshot into its lane) and prefills only
+    the 13 tokens past turn 1, with the tokens of full forwards and of the cache off."""
+    from tests.models.test_deepseek_v41_paging import GOLDEN, IDS, reference
+    engine = tidejax.load(GOLDEN, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 16,
+                                          "page_size": 32, "kv_pool_tokens": 64})
+    scheduler = engine.scheduler
+    assert scheduler.snapshots
+    first = IDS[:32]
+    answer, _ = serve(engine, first, 8)
+    serve(engine, IDS[24:64], 2)
+    page = block_hashes(first, 32)[0]
+    assert page in scheduler.tiers.host and scheduler.tiers.host.has_snapshot(page)
+    second = first + answer + IDS[50:55]
+    (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
+    assert stats["cached_tokens"] == 32 and count == 13 and matched(engine, "host") == 32
+    scheduler.caching = False
+    try:
+        uncached, _ = serve(engine, second, 6)
+    finally:
+        scheduler.caching = True
+    assert got == uncached == reference(engine, second, got)

@@ -228,6 +228,8 @@ class Scheduler:
         elif section.disk_gib > 0:
             log.info("cache.disk_gib = %g: neither cache.disk_dir nor residency.state_dir is set, "
                      "so the prompt cache has no disk tier", section.disk_gib)
+        if section.host_gib == 0 and disk is None:
+            return None
         log.info("prompt cache tiers: %g GiB in host memory%s", section.host_gib,
                  f", {section.disk_gib:g} GiB under {folder}" if disk else "")
         return Tiers(int(section.host_gib * 2**30), disk)
@@ -752,7 +754,8 @@ class Scheduler:
         """Runs each step shape a request can meet (LoadedModel.warmup_shapes; with
         `prompt_lengths`, those prompts of these lengths meet) with every token masked out
         (nothing written, counted or sampled into a lane), each sequence copy preemption makes
-        (read and written back unchanged) and the lanes' sampling update; returns how many
+        (read and written back unchanged), with the tiers each page restore, and the lanes'
+        sampling update; returns how many
         steps."""
         shapes = self.model.warmup_shapes(prompt_lengths)
         batches = self.model.residency.warmup_batches()
@@ -761,7 +764,11 @@ class Scheduler:
         for shape, idle in warmups:
             self._run(self._take(warmup=shape, swaps=idle))
         for n in self.model.sequence_sizes():
-            self.write_sequence([0] * n, 0, self.read_sequence([0] * n, 0))
+            saved = self.read_sequence([0] * n, 0)
+            if self.tiers is not None:  # a restore of n prompt-cache pages (as they are)
+                self._plan.restores.append(PageRestore((0,) * n, jax.tree.map(
+                    np.asarray, saved.cache.pages)))
+            self.write_sequence([0] * n, 0, saved)
         self._plan.lanes[0] = SamplingParams()  # the lanes' sampling update
         self._run(self._take())
         return len(shapes) * len(batches)
