@@ -13,10 +13,10 @@ import pytest
 
 import tidejax
 from tidejax.runtime.sampling import SamplingParams
-from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
+from tidejax.runtime.scheduler import GenerationRequest
 from tidejax.errors import ConfigError
 from tidejax.kv.pages import PageTable, block_hashes, page_bucket
-from tests.support.engine_probes import decode_cost, tokens_of
+from tests.support.engine_probes import decode_cost, prefilled, serve, tokens_of
 from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9))]
@@ -101,22 +101,6 @@ def test_page_table_shares_cached_pages_and_evicts_the_oldest():
     assert table.free == 6 and table.cached == 2
     table.drop_cached()
     assert table.cached == 0 and table.match(hashes) == [] and table.free == 6
-
-
-def serve(engine, prompt: list[int], n: int, sampling=SamplingParams()) -> tuple[list, dict]:
-    """One request to its end: its tokens and its DoneEvent's stats."""
-    events = collect(engine, [GenerationRequest(prompt, n, sampling, ignore_eos=True)])[0]
-    engine.scheduler.run_until_idle()
-    done = events[-1]
-    assert isinstance(done, DoneEvent), done
-    return tokens_of(events), done.stats
-
-
-def prefilled(engine, fn):
-    """fn()'s result and the prompt tokens the steps prefilled meanwhile."""
-    before = engine.scheduler.totals["prefilled_tokens"]
-    out = fn()
-    return out, engine.scheduler.totals["prefilled_tokens"] - before
 
 
 def test_a_second_turn_prefills_only_its_new_tokens(engine, reference):

@@ -7,15 +7,21 @@ cache at all) and of the same engine with the cache off."""
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tidejax
 from tidejax.kv.pages import block_hashes
-from tests.kv.test_paging import TWO_LAYERS, prefilled, serve
-from tests.support.tiny_models import write_deepseek_v3
+from tidejax.runtime.api import EngineStats
+from tidejax.server.metrics import Metrics
+from tests.support.engine_probes import prefilled, serve
+from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
+TWO_LAYERS = dict(DEEPSEEK_V3_CONFIGS["qlora_groups"], num_hidden_layers=2)
+V41 = Path(__file__).parents[1] / "data" / "golden_v41" / "tiny_a"
 # a pool of 12 pages of 8 tokens: one sequence at max_context, so an 80-token prompt after a
 # conversation evicts most of the conversation's pages, and a second one the rest
 ENGINE = {"lanes": 1, "max_context": 96, "page_size": 8, "prefill_chunk": 16,
@@ -117,6 +123,10 @@ def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir
                 and target.name in r.getMessage()]
         assert not target.exists() and matched(restarted, "disk") == 40
         assert got == greedy(restarted, spoiled, 6)
+        text = Metrics().render(EngineStats(cache=restarted.scheduler.cache_stats()), 0)
+        assert re.search(r'^tidejax_prompt_cache_matched_tokens_total\{tier="disk"\} 40$', text,
+                         re.M), text
+        assert re.search(r'^tidejax_prompt_cache_evictions_total\{tier="host"\} \d+$', text, re.M)
     finally:
         restarted.close()
 
@@ -124,20 +134,21 @@ def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir
 def test_a_v41_lane_snapshot_travels_with_its_page_through_host_memory():
     """DeepSeek-V4.1 (the golden tiny_a: window rings, group buffers and Engram look-back in
     its lanes) on a pool of two 32-token pages: turn 1 (32 tokens, a snapshot at its page's
-    end) is evicted by a 40-token prompt, its page and snapshot go to host memory together; turn
-    2 gets both back (the page into the pool, the snapshot into its lane) and prefills only
-    the 13 tokens past turn 1, with the tokens of full forwards and of the cache off."""
-    from tests.models.test_deepseek_v41_paging import GOLDEN, IDS, reference
-    engine = tidejax.load(GOLDEN, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 16,
+    end) is evicted by another 32-token prompt, its page and snapshot go to host memory
+    together; turn 2 gets both back (the page into the pool, the snapshot into its lane) and
+    prefills only the 13 tokens past turn 1, with the tokens of the cache off (without the
+    snapshot's write they differ)."""
+    ids = np.load(V41 / "input_ids.npy")[0].tolist()
+    engine = tidejax.load(V41, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 16,
                                           "page_size": 32, "kv_pool_tokens": 64})
     scheduler = engine.scheduler
     assert scheduler.snapshots
-    first = IDS[:32]
+    first = ids[:32]
     answer, _ = serve(engine, first, 8)
-    serve(engine, IDS[24:64], 2)
+    serve(engine, ids[32:64], 2)  # the same chunk shapes as turn 1: no new compiles
     page = block_hashes(first, 32)[0]
     assert page in scheduler.tiers.host and scheduler.tiers.host.has_snapshot(page)
-    second = first + answer + IDS[50:55]
+    second = first + answer + ids[50:55]
     (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
     assert stats["cached_tokens"] == 32 and count == 13 and matched(engine, "host") == 32
     scheduler.caching = False
@@ -145,4 +156,4 @@ def test_a_v41_lane_snapshot_travels_with_its_page_through_host_memory():
         uncached, _ = serve(engine, second, 6)
     finally:
         scheduler.caching = True
-    assert got == uncached == reference(engine, second, got)
+    assert got == uncached

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from tidejax.kv.pages import PageTable
-from tidejax.runtime.scheduler import GenerationRequest, TokenEvent
+from tidejax.runtime.sampling import SamplingParams
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows
 
 
@@ -26,6 +27,21 @@ def run(engine, requests: list[GenerationRequest], on_token=None) -> list[list]:
 
 def tokens_of(events) -> list[int]:
     return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def serve(engine, prompt: list[int], n: int, sampling=SamplingParams()) -> tuple[list, dict]:
+    """One request to its end (eos ignored): its tokens and its DoneEvent's stats."""
+    events = run(engine, [GenerationRequest(prompt, n, sampling, ignore_eos=True)])[0]
+    done = events[-1]
+    assert isinstance(done, DoneEvent), done
+    return tokens_of(events), done.stats
+
+
+def prefilled(engine, fn):
+    """fn()'s result and the prompt tokens the steps prefilled meanwhile."""
+    before = engine.scheduler.totals["prefilled_tokens"]
+    out = fn()
+    return out, engine.scheduler.totals["prefilled_tokens"] - before
 
 
 def decode_cost(engine, position: int) -> tuple[float, float]:

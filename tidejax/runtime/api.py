@@ -75,7 +75,8 @@ class EngineStats:
     active: int = 0  # requests in a lane
     residency: dict = dataclasses.field(default_factory=dict)  # name -> number (a few labels)
     kv: dict = dataclasses.field(default_factory=dict)  # KV pool: pages in use, preemptions, ...
-    # the prompt cache's counters since start: matched_tokens (not prefilled), evictions (pages)
+    # the prompt cache's counters since start: matched_tokens (not prefilled), evictions (pages),
+    # tiers: {device / host / disk: both per tier} (Scheduler.cache_stats)
     cache: dict = dataclasses.field(default_factory=dict)
 
 

@@ -687,20 +687,21 @@ class Scheduler:
         before its step writes them again) for the host tier (`_run` hands them over), each
         with its snapshot's data; the runners forget both copies."""
         spilled = self.pages.take_spilled()
-        if not spilled:
-            return
-        copy = next(self._copies)
-        self._plan.reads.append(SequenceCopy(copy, tuple(page for _, page, _ in spilled), 0))
-        self._plan.forget.append(copy)
-        entries = []
-        for digest, _, snapshot in spilled:
-            data = None
-            if snapshot is not None:
-                data = self._snapshot_data.pop(snapshot, None)  # None: not read yet
-                self._snapshot_reads.discard(snapshot)
-                self._plan.forget.append(snapshot)
-            entries.append((digest, data))
-        self._spills[copy] = entries
+        most = self.model.max_pages  # the most pages one sequence copy reads
+        for first in range(0, len(spilled), most):
+            group = spilled[first:first + most]
+            copy = next(self._copies)
+            self._plan.reads.append(SequenceCopy(copy, tuple(page for _, page, _ in group), 0))
+            self._plan.forget.append(copy)
+            entries = []
+            for digest, _, snapshot in group:
+                data = None
+                if snapshot is not None:
+                    data = self._snapshot_data.pop(snapshot, None)  # None: not read yet
+                    self._snapshot_reads.discard(snapshot)
+                    self._plan.forget.append(snapshot)
+                entries.append((digest, data))
+            self._spills[copy] = entries
 
     def _run(self, plan: StepPlan) -> StepResult:
         """The runner carries out `plan`; the reads the tiers wait for are taken from its
