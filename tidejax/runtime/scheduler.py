@@ -187,11 +187,22 @@ class Scheduler:
 
     def kv_stats(self) -> dict:
         """Pages in use, cached (held by no sequence, evicted when needed) and free (cached ones
-        included), preemptions so far, beside the pool's size."""
+        included), preemptions so far, beside the pool's size; the host and disk tiers' pages
+        and bytes where they are on."""
         return dict(self.model.kv_stats(), preemptions=self.totals["preemptions"],
                     pages_in_use=self.pages.in_use, pages_free=self.pages.free,
                     pages_cached=self.pages.cached, lane_snapshots=self.pages.snapshots,
-                    lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes())
+                    lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes(),
+                    **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        """Pages and bytes the host and disk tiers hold (none: no keys)."""
+        if self.tiers is None:
+            return {}
+        out = {"host_tier_pages": len(self.tiers.host), "host_tier_bytes": self.tiers.host.bytes}
+        if self.tiers.disk is not None:
+            out.update(disk_tier_pages=len(self.tiers.disk), disk_tier_bytes=self.tiers.disk.bytes)
+        return out
 
     def cache_stats(self) -> dict:
         """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted from
@@ -711,7 +722,7 @@ class Scheduler:
             if copy in self._snapshot_reads:
                 self._snapshot_reads.discard(copy)
                 self._snapshot_data[copy] = saved
-            spilled = self._spills.pop(copy, ())
+            spilled = self._spills.pop(copy, ()) if self.tiers is not None else ()
             pool = jax.tree.map(np.asarray, saved.cache.pages) if spilled else None
             for i, (digest, snapshot) in enumerate(spilled):
                 rows = jax.tree.map(lambda leaf: leaf[i:i + 1].copy(), pool)
