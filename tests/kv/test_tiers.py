@@ -10,11 +10,14 @@ import logging
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tidejax
 from tidejax.kv.pages import block_hashes
+from tidejax.kv.tiers import DiskTier, Spilled
 from tidejax.runtime.api import EngineStats
 from tidejax.server.metrics import Metrics
 from tests.support.engine_probes import prefilled, serve
@@ -157,3 +160,39 @@ def test_a_v41_lane_snapshot_travels_with_its_page_through_host_memory():
     finally:
         scheduler.caching = True
     assert got == uncached
+
+
+def test_the_disk_tier_keeps_its_budget_and_finds_its_files_again(tmp_path, caplog):
+    """Five entries into a budget of three: the two least recently used files are deleted; no
+    temporary file is left. A new DiskTier over the folder finds the three (an interrupted
+    write's temporary file removed, a file that is not an entry removed with a log line) and
+    reads back the bytes written."""
+    template = Spilled({"k": jax.ShapeDtypeStruct((1, 8, 4), jnp.bfloat16)})
+
+    def entry(i: int) -> Spilled:
+        return Spilled({"k": np.full((1, 8, 4), i, jnp.bfloat16)})
+
+    sizing = DiskTier(tmp_path / "sizing", 1 << 30, template)
+    sizing.put(b"\0" * 16, entry(0))
+    sizing.close()
+    size = sizing.bytes
+    folder = tmp_path / "tier"
+    disk = DiskTier(folder, 3 * size, template)
+    digests = [bytes([i]) * 16 for i in range(5)]
+    for i, digest in enumerate(digests):
+        disk.put(digest, entry(i))
+        disk.flush()  # one by one: the least recently used order is the order written
+    assert len(disk) == 3 and disk.evictions == 2 and disk.bytes == 3 * size
+    assert sorted(p.name for p in folder.iterdir()) == sorted(d.hex() + ".page"
+                                                              for d in digests[2:])
+    disk.close()
+    (folder / "half.tmp").write_bytes(b"half")
+    junk = folder / (b"\7".hex() * 16 + ".page")
+    junk.write_bytes(b"not an entry")
+    with caplog.at_level(logging.WARNING, logger="tidejax"):
+        again = DiskTier(folder, 3 * size, template)
+    assert not junk.exists() and not (folder / "half.tmp").exists()
+    assert [r for r in caplog.records if junk.name in r.getMessage()]
+    assert len(again) == 3 and digests[4] in again and digests[1] not in again
+    assert np.array_equal(again.read(digests[4]).pages["k"], entry(4).pages["k"])
+    again.close()

@@ -15,6 +15,7 @@ stays. Raw bytes, not orbax-checkpoint: faster on a page (docs/DESIGN.md has the
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -171,7 +172,8 @@ class DiskTier:
         with self._lock:
             if digest in self._index:
                 self._index.move_to_end(digest)
-        os.utime(path)  # least recently used order survives a restart
+        with contextlib.suppress(OSError):  # gone meanwhile (the writer's budget): served anyway
+            os.utime(path)  # least recently used order survives a restart
         return entry
 
     def flush(self) -> None:
