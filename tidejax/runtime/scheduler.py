@@ -235,7 +235,11 @@ class Scheduler:
         if section.disk_gib > 0 and folder:
             folder = Path(folder) / "prompt_cache" / model_key(self.model.model_dir,
                                                                self.model.page_size, template)
-            disk = DiskTier(folder, int(section.disk_gib * 2**30), template)
+            try:
+                disk = DiskTier(folder, int(section.disk_gib * 2**30), template)
+            except OSError as e:  # as residency's saves: serving goes on without it
+                log.warning("prompt cache: the disk tier's folder %s cannot be used (%s): no "
+                            "disk tier", folder, e)
         elif section.disk_gib > 0:
             log.info("cache.disk_gib = %g: neither cache.disk_dir nor residency.state_dir is set, "
                      "so the prompt cache has no disk tier", section.disk_gib)
