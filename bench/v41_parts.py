@@ -1,10 +1,11 @@
 """Two parts of the DeepSeek-V4.1 step that launch many small kernels (the 40-layer profile in
-RESULTS.md, 2026-12-04), each timed alone on the device in its shipped form beside a candidate:
+RESULTS.md, 2026-12-04), each timed alone on the device in its reference form beside candidates:
 
-- mHC's Sinkhorn, `--sites` of them chained in one jit as a step has them (two a layer): as
-  shipped (models/layers/mhc.sinkhorn, a loop of row and column sums over [..., hc, hc]), that
-  loop unrolled, and a loop whose body is elementwise over the hc * hc entries held as separate
-  [...] arrays (one fusion an iteration, no reductions). The whole iteration chain elementwise
+- mHC's Sinkhorn, `--sites` of them chained in one jit as a step has them (two a layer): the
+  jnp reference (pallas.sinkhorn.sinkhorn_reference, a loop of row and column sums over
+  [..., hc, hc]), that loop unrolled, a loop whose body is elementwise over the hc * hc entries
+  held as separate [...] arrays (one fusion an iteration, no reductions), and the Triton kernel
+  (ops.sinkhorn's kernel through jax-triton; Triton's interpreter off the GPU). The whole iteration chain elementwise
   without a loop would fuse into one kernel, but XLA takes 23 s to compile one site of it on the
   CPU (jax 0.10.2), 91 s for 8: not a candidate.
 - The Engram rows (models/deepseek_v41/engram.gather_rows): the decode step's loop, one row of
@@ -16,7 +17,7 @@ RESULTS.md, 2026-12-04), each timed alone on the device in its shipped form besi
 
 Per part and token count: seconds the first call took (compiling), ms a call (median of --reps,
 back to back, waited for), kernels a call (op executions in a profiler trace of one call) and the
-candidate's largest difference from the shipped form's output. On the CPU (jax 0.10.2) the 80
+candidate's largest difference from the reference form's output. On the CPU (jax 0.10.2) the 80
 Sinkhorn sites compile in 1.3 s as a loop, 6.3 s with an elementwise body, 25 s unrolled: a step
 compiles them for each of its shapes.
 """
@@ -40,7 +41,8 @@ import numpy as np
 from bench.profile_step import trace_events
 from tidejax import parallel
 from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather_rows
-from tidejax.models.layers.mhc import sinkhorn
+from tidejax import ops
+from tidejax.pallas.sinkhorn import sinkhorn_reference
 
 ENGRAM_LAYERS, COLS, WIDTH = 2, 24, 256  # ds41-flash: 2 Engram layers, (4 - 1) x 8 heads, 256
 
@@ -63,7 +65,7 @@ def timed(fn, *args, reps: int) -> tuple[float, float, object]:
 
 
 def unrolled_sinkhorn(logits, *, hc_eps: float, iters: int):
-    """mhc.sinkhorn's iterations inlined."""
+    """sinkhorn_reference's iterations inlined."""
     comb = jax.nn.softmax(logits, -1) + hc_eps
     comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
     for _ in range(iters - 1):
@@ -73,7 +75,7 @@ def unrolled_sinkhorn(logits, *, hc_eps: float, iters: int):
 
 
 def elementwise_sinkhorn(logits, *, hc_eps: float, iters: int):
-    """mhc.sinkhorn's loop over the hc * hc entries as separate [...] arrays: the sums are adds of
+    """sinkhorn_reference's loop over the hc * hc entries as separate [...] arrays: the sums are adds of
     arrays on one index, so each iteration's body is elementwise."""
     hc = logits.shape[-1]
 
@@ -92,8 +94,9 @@ def elementwise_sinkhorn(logits, *, hc_eps: float, iters: int):
     return jnp.stack([jnp.stack(row, -1) for row in entries], -2)
 
 
-SINKHORN_FORMS = {"loop (shipped)": sinkhorn, "loop unrolled": unrolled_sinkhorn,
-                  "elementwise loop body": elementwise_sinkhorn}
+SINKHORN_FORMS = {"loop (reference)": sinkhorn_reference, "loop unrolled": unrolled_sinkhorn,
+                  "elementwise loop body": elementwise_sinkhorn,
+                  "triton kernel": functools.partial(ops.sinkhorn, impl="pallas")}
 
 
 def chained_sinkhorn(form, sites: int, iters: int):
@@ -150,12 +153,12 @@ def main(argv=None) -> int:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for tokens in (int(x) for x in args.tokens.split(",")):
         logits = jnp.asarray(rng.normal(size=(tokens, 1, 4, 4)), jnp.float32)
-        shipped = None
+        reference = None
         for form, fn in SINKHORN_FORMS.items():
             compile_s, ms, kernels, out = timed(chained_sinkhorn(fn, args.sites, args.iters),
                                                 logits, reps=args.reps)
-            shipped = out if shipped is None else shipped
-            diff = float(jnp.max(jnp.abs(out - shipped)))
+            reference = out if reference is None else reference
+            diff = float(jnp.max(jnp.abs(out - reference)))
             table.append(f"| sinkhorn x {args.sites} | {tokens} | {form} | {compile_s:.1f} | "
                          f"{ms:.3f} | {kernels} | {diff:.1e} |")
             print(table[-1], flush=True)

@@ -10,6 +10,7 @@ set for a family's forward from its ServeOptions), and `impl=` is for tests and 
     paged_mla_prefill    a prompt chunk's MLA attention over the paged latent cache
     mla_attention        either of the two by the chunk's length, split over "tensor" by heads
     paged_index_scores   a lightning indexer's scores over its paged keys
+    sinkhorn             mHC's Sinkhorn normalization (DeepSeek-V4 / V4.1): one Triton kernel
     reads_by_length      whether a paged op, on given shapes, reads each row's pages only up to its
                          length (its kernel) or every page its table holds (its reference)
 
@@ -25,13 +26,13 @@ import jax
 
 from tidejax import parallel
 from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
-from tidejax.pallas import attention, index_scores
+from tidejax.pallas import attention, index_scores, sinkhorn as sinkhorn_forms
 from tidejax.pallas.demand import Demand
 from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
 from tidejax.pallas.moe import moe_grouped_reference
 
 __all__ = ["Demand", "IMPLS", "fp8_block_matmul", "kernels", "mla_attention", "moe_grouped",
-           "paged_index_scores", "paged_mla_decode", "paged_mla_prefill", "reads_by_length"]
+           "paged_index_scores", "paged_mla_decode", "paged_mla_prefill", "reads_by_length", "sinkhorn"]
 
 
 def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
@@ -48,6 +49,19 @@ def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
             return fp8_block_matmul_few_rows(x, w, scales, block)
     with jax.named_scope("fp8_block_matmul_reference"):
         return fp8_block_matmul_reference(x, w, scales, block)
+
+
+def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
+    """logits [..., hc(j), hc(k)] float32 -> the doubly stochastic mix: a softmax over k, then
+    alternate column and row normalizations, iters in all (pallas.sinkhorn).
+
+    impl: "auto" (the Triton kernel through jax-triton on a GPU, where jax-triton is installed and
+    hc <= pallas.sinkhorn.MAX_HC; the reference elsewhere) | "pallas" (the kernel; Triton's
+    interpreter off the GPU) | "reference"; None: the policy in force. The kernel against the
+    reference: ~1e-7 (float32 both, the same order of operations)."""
+    return run("sinkhorn", impl, lambda: sinkhorn_forms.triton_supports(logits),
+               sinkhorn_forms.sinkhorn_reference, sinkhorn_forms.sinkhorn_triton, logits,
+               hc_eps=float(hc_eps), iters=int(iters))
 
 
 def _moe_fits(bank) -> bool:

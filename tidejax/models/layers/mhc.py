@@ -1,6 +1,7 @@
 """Manifold-constrained hyper-connections (mHC, DeepSeek-V4 / V4.1): the residual is `hc` parallel
 streams; each block reads a weighted collapse of them (pre) and writes its output back with
-per-stream gains (post) plus a doubly stochastic mix of the old streams (comb, by Sinkhorn).
+per-stream gains (post) plus a doubly stochastic mix of the old streams (comb, by Sinkhorn:
+ops.sinkhorn).
 pre / post / comb come from one projection of the RMS-normalized, flattened streams.
 
 Einsum letters: j, k streams (hc), d model width.
@@ -12,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.linear import HIGHEST
 
@@ -40,20 +42,6 @@ def _project(streams, fn, eps: float):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HIGHEST)
 
 
-def sinkhorn(logits, *, hc_eps: float, iters: int):
-    """logits [..., hc(j), hc(k)] -> a (nearly) doubly stochastic comb: softmax over k, then
-    alternate row and column normalizations (iters in all, the softmax's column pass first).
-    bench/v41_parts.py times this loop beside other forms of the same math."""
-    comb = jax.nn.softmax(logits, -1) + hc_eps
-    comb = comb / (jnp.sum(comb, -2, keepdims=True) + hc_eps)
-
-    def step(_, c):
-        c = c / (jnp.sum(c, -1, keepdims=True) + hc_eps)
-        return c / (jnp.sum(c, -2, keepdims=True) + hc_eps)
-
-    return jax.lax.fori_loop(0, iters - 1, step, comb)
-
-
 def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int):
     """streams [..., hc, d] -> pre [..., hc], post [..., hc], comb [..., hc(j), hc(k)]."""
     hc = streams.shape[-2]
@@ -61,7 +49,7 @@ def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    return pre, post, sinkhorn(logits, hc_eps=hc_eps, iters=iters)
+    return pre, post, ops.sinkhorn(logits, hc_eps=hc_eps, iters=iters)
 
 
 def hc_head(streams, fn, base, scale, *, eps: float, hc_eps: float):
