@@ -20,20 +20,21 @@ def rng():
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """`tiny_checkpoint(family, config, seed)` -> the directory of a tiny random checkpoint of
-    `family` in its named `config` (tests.support.tiny_models.FAMILIES), written by transformers
+    """`tiny_checkpoint(family, config, seed, **overrides)` -> the directory of a tiny random
+    checkpoint of `family` in its named `config` (tests.support.tiny_models.FAMILIES), config
+    fields replaced by `overrides` (num_hidden_layers=2, say), written by transformers
     the first time those arguments are asked for and shared after. Read only: a test that writes
     beside a checkpoint writes into its own tmp_path."""
     from tests.support.tiny_models import FAMILIES  # torch: imported by the tests that ask
 
     written = {}
 
-    def get(family: str, config: str, seed: int = 0) -> Path:
-        key = (family, config, seed)
+    def get(family: str, config: str, seed: int = 0, **overrides) -> Path:
+        key = (family, config, seed, tuple(sorted(overrides.items())))
         if key not in written:
             write, configs = FAMILIES[family]
             path = tmp_path_factory.mktemp(f"{family}-{config}-{seed}")
-            write(path, seed=seed, **configs[config])
+            write(path, seed=seed, **{**configs[config], **overrides})
             written[key] = path
         return written[key]
 

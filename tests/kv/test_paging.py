@@ -17,21 +17,17 @@ from tidejax.runtime.scheduler import GenerationRequest
 from tidejax.errors import ConfigError
 from tidejax.kv.pages import PageTable, block_hashes, page_bucket
 from tests.support.engine_probes import decode_cost, prefilled, serve, tokens_of
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 20), (2, 9))]
 LONG = np.random.RandomState(4).randint(3, 256, 70).tolist()
 # one prefill bucket (16) for every chunk: few compiled step shapes
 ENGINE = {"lanes": 2, "max_context": 96, "page_size": 8, "prefill_chunk": 16}
 # two layers, the dense first layer and a MoE layer (paging is not about depth)
-TWO_LAYERS = dict(DEEPSEEK_V3_CONFIGS["qlora_groups"], num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("paging")
-    write_deepseek_v3(path, seed=5, **TWO_LAYERS)
-    return path
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -233,13 +229,14 @@ def test_pool_smaller_than_one_sequence_fails_at_start(model_dir):
         tidejax.load(model_dir, engine={"max_context": 96, "kv_pool_tokens": 64})
 
 
-def test_decode_cost_does_not_grow_with_max_context(tmp_path):
+def test_decode_cost_does_not_grow_with_max_context(tiny_checkpoint):
     """Same position, max_context 1,024 against 65,536 (one pool size): the same cost within 5%;
     and position 4,000 costs more than position 20, so the measure sees attention."""
-    write_deepseek_v3(tmp_path, seed=2, max_position_embeddings=65536, **TWO_LAYERS)
+    model = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=2, num_hidden_layers=2,
+                            max_position_embeddings=65536)
     costs = {}
     for max_context in (1024, 65536):
-        engine = tidejax.load(tmp_path, engine={"lanes": 2, "max_context": max_context,
+        engine = tidejax.load(model, engine={"lanes": 2, "max_context": max_context,
                                                 "page_size": 64, "kv_pool_tokens": 65536})
         assert engine.max_context == max_context
         costs[max_context] = decode_cost(engine, 20)

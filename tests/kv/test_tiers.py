@@ -21,9 +21,7 @@ from tidejax.kv.tiers import DiskTier, Spilled
 from tidejax.runtime.api import EngineStats
 from tidejax.server.metrics import Metrics
 from tests.support.engine_probes import prefilled, serve
-from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
-TWO_LAYERS = dict(DEEPSEEK_V3_CONFIGS["qlora_groups"], num_hidden_layers=2)
 V41 = Path(__file__).parents[1] / "data" / "golden_v41" / "tiny_a"
 # a pool of 12 pages of 8 tokens: one sequence at max_context, so an 80-token prompt after a
 # conversation evicts most of the conversation's pages, and a second one the rest
@@ -48,10 +46,8 @@ def matched(engine, tier: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiers")
-    write_deepseek_v3(path, seed=5, **TWO_LAYERS)
-    return path
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
