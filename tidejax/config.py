@@ -103,6 +103,7 @@ class DistributedSection:
     process_id: int = 0
     tensor_parallel: int = 0  # the mesh's "tensor" axis: 0 = every device (of every process)
     timeout_s: int = 120  # how long a process waits for its peers at start
+    heartbeat_s: int = 10  # a peer unheard of this long is gone (jax's heartbeat, the channel's pings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,7 @@ _RANGES = {
     ("distributed", "process_id"): (0, None, False),
     ("distributed", "tensor_parallel"): (0, None, False),
     ("distributed", "timeout_s"): (1, None, False),
+    ("distributed", "heartbeat_s"): (2, None, False),
 }
 
 # settings that must be a power of two (the page size: the paged decode kernel's, default.toml)

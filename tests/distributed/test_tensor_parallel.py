@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -194,9 +196,53 @@ def _serving_pair(profile):
         peer.kill()
 
 
-def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, engine=ENGINE, **tables):
+def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, engine=ENGINE, heartbeat_s=10,
+                  **tables):
     return write_profile(path, model_dir, engine=engine, distributed={
-        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s}, **tables)
+        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s,
+        "heartbeat_s": heartbeat_s}, **tables)
+
+
+def _health(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # 503 unless ready
+        return json.loads(e.read())
+
+
+def test_a_peer_that_is_gone_stops_the_pair_cleanly(tmp_path):
+    """Process 1 killed while process 0 serves (idle): within distributed.heartbeat_s (2 s)
+    process 0's pings find it gone, /health says "failed" naming process 1, a request gets an
+    error at once; process 0 is still up after jax's heartbeat timeout has passed (it used to
+    abort there, SIGABRT) and SIGTERM stops it with exit code 0."""
+    profile = _pair_profile(tmp_path / "gone.toml", heartbeat_s=2)
+    peer = _peer(profile)
+    try:
+        proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
+        try:
+            assert _health(url)["status"] == "ready"
+            peer.kill()
+            peer.wait(timeout=30)
+            deadline = time.monotonic() + 8
+            while _health(url)["status"] != "failed" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            health = _health(url)
+            assert health["status"] == "failed" and "process 1 is gone" in health["reason"]
+            body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4}).encode()
+            request = urllib.request.Request(url + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code >= 500
+            time.sleep(6)  # past jax's heartbeat timeout (2 s) and its check of it
+            assert proc.poll() is None
+        finally:
+            code = stop_server(proc)
+        assert code == 0
+        assert "process 1 is gone" in server_log(profile)
+    finally:
+        peer.kill()
 
 
 def test_two_processes_serve_as_one(tmp_path, four_devices):

@@ -344,8 +344,10 @@ def test_a_failed_rebuild_reports_failed_and_refuses_requests(served):
     status, body = post(url, {"max_tokens": 4})
     assert status == 500 and body["error"]["message"] == GENERIC
     wait_for(lambda: engine.scheduler.status == "failed")
-    assert get(url, "/health") == (503, {"status": "failed", "model": "tiny", "lanes": 1,
-                                         "active": 0, "queued": 0})
+    assert get(url, "/health") == (503, {
+        "status": "failed", "model": "tiny", "lanes": 1, "active": 0, "queued": 0,
+        "reason": "the decode state could not be rebuilt after a failed step (the log has the "
+                  "details)"})
     status, body = post(url, {"max_tokens": 4})
     assert status == 500 and "no device" not in json.dumps(body)
 

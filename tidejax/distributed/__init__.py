@@ -7,6 +7,14 @@ the boot guard (guard.py: the same profile, checkpoint and versions, or a Config
 what differs), then `jax.distributed.initialize` joins them (CPU collectives through gloo), so
 jax.devices() lists every process's devices and tidejax.parallel's mesh spans them. Process 0
 serves HTTP and schedules; the others run its plans (peer.py: a runner fed process 0's plans).
+
+A peer that is gone (killed, its host down): process 0 notices within distributed.heartbeat_s
+(its pings, or the next plan or collective failing), fails the requests in flight and the
+queue, and reports "failed" with the reason on /health, serving nothing more until restarted;
+it does not abort (jax_enable_recoverability) and exits cleanly on SIGTERM. A peer whose
+process 0 is gone is ended by jax's coordination client (SIGABRT) as soon as that client sees
+the coordinator go: jax.distributed.initialize offers no way to take that error instead (the
+client's missed-heartbeat callback is not among its arguments).
 """
 
 from __future__ import annotations
@@ -45,9 +53,13 @@ def start(config: EngineConfig) -> Leader | Follower | None:
     else:
         channel = Follower(section, ours)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # without it, jax's coordination service aborts process 0 (SIGABRT) once a peer misses its
+    # heartbeats: process 0 fails its requests instead and says why (Leader.watch)
+    jax.config.update("jax_enable_recoverability", True)
     try:
         jax.distributed.initialize(section.coordinator, section.num_processes,
                                    section.process_id, initialization_timeout=section.timeout_s,
+                                   heartbeat_timeout_seconds=section.heartbeat_s,
                                    coordinator_bind_address=section.coordinator)  # not [::]
     except Exception as e:  # jax raises several kinds (RuntimeError, XlaRuntimeError)
         channel.close()

@@ -3,7 +3,9 @@
 Process 0 listens on the coordinator's host at the coordinator's port + 1; every peer connects
 at start, sends its boot-guard fingerprint and receives process 0's verdict; from then on
 process 0 sends, and the peers receive, its boot map, then each plan its runner carries out
-(tidejax.runtime.runner), then stop. Messages are pickled: the channel joins the processes of
+(tidejax.runtime.runner), then stop; between them process 0 pings every heartbeat_s / 5
+seconds (`Leader.watch`), so that a peer that is gone is noticed while nothing is asked of it:
+its connection refuses the next message. Messages are pickled: the channel joins the processes of
 one deployment, which trust each other (bind it to a private network).
 
 Why a socket and not what JAX offers. `multihost_utils.broadcast_one_to_all` sends arrays of a
@@ -18,15 +20,18 @@ gives them.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import socket
 import struct
+import threading
 import time
 
 from tidejax.config import DistributedSection
 from tidejax.errors import ConfigError
 
 _LENGTH = struct.Struct("<Q")
+log = logging.getLogger("tidejax")
 
 
 def channel_address(section: DistributedSection) -> tuple[str, int]:
@@ -93,14 +98,50 @@ class Leader:
         if verdict:
             raise ConfigError(verdict)
         self.peers = [peers[i] for i in sorted(peers)]
+        self.heartbeat_s = section.heartbeat_s
+        self.lost = ""  # why a peer is gone ("" while every one answers)
+        self._lock = threading.Lock()  # one message at a time: the plans' and the pings'
+        self._closed = threading.Event()
 
     def send(self, message) -> None:
-        for sock in self.peers:
-            _send(sock, message)
+        """To every peer; ConnectionError (naming the peer) once one is gone."""
+        with self._lock:
+            if self.lost:
+                raise ConnectionError(self.lost)
+            for process, sock in enumerate(self.peers, 1):
+                try:
+                    _send(sock, message)
+                except OSError as e:
+                    self.lost = f"distributed: process {process} is gone ({e})"
+                    raise ConnectionError(self.lost) from None
+
+    def watch(self, interval: float, on_lost) -> None:
+        """Pings the peers every `interval` seconds on a thread of its own; the first that fails
+        calls `on_lost(reason)` and the pings end (so do they at close)."""
+        def pings():
+            while not self._closed.wait(interval):
+                try:
+                    self.send(("ping",))
+                except ConnectionError:
+                    on_lost(self.lost)
+                    return
+        threading.Thread(target=pings, name="tidejax-peer-pings", daemon=True).start()
 
     def close(self) -> None:
-        for sock in self.peers:
-            sock.close()
+        """Waits (up to heartbeat_s each) for the peers to close their ends, which they do once
+        stopped and out of jax.distributed (peer.follow), then closes: a peer that still polled
+        process 0's coordination service when it went would be aborted by jax's client."""
+        self._closed.set()
+        with self._lock:
+            for sock in self.peers:
+                if not self.lost:
+                    sock.settimeout(self.heartbeat_s)
+                    try:
+                        while sock.recv(1 << 16):
+                            pass
+                    except OSError:
+                        pass
+                sock.close()
 
 
 class Follower:

@@ -2,13 +2,15 @@
 
 It loads the same model as process 0, then carries out the messages process 0's Runner sends
 (tidejax.runtime.runner): ("boot", slot_rows), then ("plan", StepPlan) for every plan, in order,
-until ("stop",). It decides nothing: admission, chunks, sampling keys and residency are process
+until ("stop",); ("ping",) between them only tells process 0 the connection holds. It decides nothing: admission, chunks, sampling keys and residency are process
 0's, and the peer's results (tokens, counters) are the same replicated values process 0 reads.
 """
 
 from __future__ import annotations
 
 import logging
+
+import jax
 
 from tidejax.config import EngineConfig
 from tidejax.runtime.build import LoadedModel
@@ -29,7 +31,10 @@ def follow(config: EngineConfig, channel) -> None:
             runner.boot(*args)
         elif kind == "plan":
             runner.run(*args)
-        else:
+        elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
+    # out of jax.distributed before process 0 is (it waits for this channel to close): jax's
+    # client aborts a process whose coordination service goes first
+    jax.distributed.shutdown()
     channel.close()
     log.info("process %d: process 0 stopped", config.distributed.process_id)

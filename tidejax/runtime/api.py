@@ -71,6 +71,7 @@ class EngineStats:
     """A snapshot for /health and /metrics, of plain Python values only."""
 
     status: str = "ready"  # "recovering" while a failed step's state is rebuilt; "failed"
+    failure: str = ""  # why the status is "failed"
     queued: int = 0  # requests waiting for a lane
     active: int = 0  # requests in a lane
     residency: dict = dataclasses.field(default_factory=dict)  # name -> number (a few labels)

@@ -79,7 +79,7 @@ class LocalEngineClient:
         return LocalRequestStream(self.scheduler, request)
 
     def stats(self) -> EngineStats:
-        return EngineStats(status=self.scheduler.status, queued=self.scheduler.queued,
-                           active=self.scheduler.active,
+        return EngineStats(status=self.scheduler.status, failure=self.scheduler.failure,
+                           queued=self.scheduler.queued, active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
                            kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats())

@@ -46,6 +46,8 @@ class Engine:
         self.loaded = LoadedModel(config)
         self.runner = Runner(self.loaded, channel)
         self.scheduler = Scheduler(self.loaded, self.runner)
+        if channel is not None:  # a peer that is gone stops the serving, saying why
+            channel.watch(config.distributed.heartbeat_s / 5, self.scheduler.peer_lost)
         self._closed = False
         if self.residency.needs_calibration:
             self._calibrate()

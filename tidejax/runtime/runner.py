@@ -241,11 +241,16 @@ class Runner:
         if self.peers is not None:
             self.peers.send((kind, *args))
 
+    def peers_lost(self) -> str:
+        """Why a peer process is gone ("" while none is, or alone)."""
+        return self.peers.lost if self.peers is not None else ""
+
     def stop_peers(self) -> None:
-        """Tells the peers to stop (Engine.close, last)."""
+        """Tells the peers to stop (Engine.close, last), those still there."""
         if self.peers is not None:
             self.model.residency.on_apply = None
-            self._send("stop")
+            if not self.peers.lost:
+                self._send("stop")
             self.peers.close()
             self.peers = None
 

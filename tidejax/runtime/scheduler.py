@@ -153,6 +153,8 @@ class Scheduler:
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
         self.status = "ready"  # "recovering" while `recover` rebuilds the state; "failed" after
+        self.failure = ""  # why the status is "failed"
+        self.lost = ""  # a peer process found gone (peer_lost), for the loop to act on
 
     # -- API -------------------------------------------------------------------------------
 
@@ -308,8 +310,12 @@ class Scheduler:
         while self.running:
             with self.wake:
                 while (self.running and not self._calls and not self.queue and not self.active
-                       and self._in_flight is None and self._plan.empty):
+                       and self._in_flight is None and self._plan.empty and not self.lost):
                     self.wake.wait()
+            if self.lost:
+                self._fail_lanes()
+                self.fail(self.lost)
+                break
             self._run_calls()
             if self.running:
                 try:
@@ -662,25 +668,41 @@ class Scheduler:
         is "recovering" meanwhile; should the rebuild fail too (or the engine span processes),
         "failed": the queue fails, the loop stops and later requests are refused."""
         self.status = "recovering"
-        self._in_flight = None
-        for lane, handle in enumerate(self.lane_of):
-            if handle is not None:
-                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+        self._fail_lanes()
         self.pages.drop_cached()  # the rebuilt cache holds none of their keys
         try:
             self.runner.rebuild()
         except Exception:
-            log.exception("rebuilding the decode state failed: the engine stops serving")
-            self._fail_all()
+            log.exception("rebuilding the decode state failed")
+            self.fail(self.runner.peers_lost() or "the decode state could not be rebuilt after "
+                      "a failed step (the log has the details)")
             return
         self.status = "ready"
         log.info("the decode state is rebuilt; serving on (%d queued)", len(self.queue))
 
-    def _fail_all(self) -> None:
-        """Status "failed": the loop stops, the queue fails, later requests are refused."""
-        self.status, self.running = "failed", False
+    def _fail_lanes(self) -> None:
+        """Every lane's request fails (STEP_FAILED); the steps in flight are dropped."""
+        self._in_flight = None
+        for lane, handle in enumerate(self.lane_of):
+            if handle is not None:
+                self._release(lane).on_event(ErrorEvent(STEP_FAILED))
+
+    def peer_lost(self, reason: str) -> None:
+        """A peer process is gone (the channel's pings, on their thread): the loop fails the
+        lanes' requests and stops serving at its next turn (`fail`)."""
+        with self.wake:
+            self.lost = reason
+            self.wake.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """Status "failed" for `reason`: the loop stops, the queue fails, later requests are
+        refused."""
+        if self.status != "failed":
+            log.error("the engine stops serving: %s", reason)
+        self.status, self.failure, self.running = "failed", reason, False
         with self.wake:
             failed, self.queue = list(self.queue), collections.deque()
+            self.wake.notify_all()
         for handle in failed:
             handle.on_event(ErrorEvent(STEP_FAILED))
 

@@ -262,13 +262,15 @@ async def model(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """"loading", then the engine's status: "ready", "recovering" (a failed step's state is
-    being rebuilt; requests queue) or "failed"; 200 only when ready."""
+    being rebuilt; requests queue) or "failed" (with the reason); 200 only when ready."""
     server = request.app[SERVER]
     body = {"status": server.status, "model": server.name}
     if server.client is not None:
         stats = server.client.stats()
         body.update(status=stats.status, lanes=server.client.info.lanes, active=stats.active,
                     queued=stats.queued)
+        if stats.failure:
+            body["reason"] = stats.failure
     return web.json_response(body, status=200 if body["status"] == "ready" else 503)
 
 
