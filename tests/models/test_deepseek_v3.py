@@ -21,15 +21,17 @@ from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec, init
 from tidejax.models.deepseek_v3.model import build
-from tidejax.models.deepseek_v3.weights import checkpoint_table, expert_specs, param_specs
+from tidejax.models.deepseek_v3.weights import (checkpoint_table, expert_specs, load_weights,
+                                               mtp_specs, param_specs)
 from tidejax.models.layers.mla import MLACache
+from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import all_resident_state
 from tests.support.declaration import check_forward_on_declared, param_paths
 from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits,
                                        deepseek_v3_config, relative_diff, served_greedy,
                                        state_dict, transformers_greedy, write_deepseek_v3,
-                                       write_fp8_copies, write_fused_copy)
+                                       write_fp8_copies, write_fused_copy, write_mtp_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 # 16-token chunks: PROMPT prefills in two, in the step shape the short prompts of the sampling
@@ -181,6 +183,49 @@ def test_bad_checkpoints_name_file_and_tensor(tiny, tmp_path):
     (no_field / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"config\.json.*kv_lora_rank"):
         tidejax.load(no_field)
+
+
+def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
+    """The published MTP (NextN) layer after the last decoder layer (an MLA layer with its own
+    routed experts, plus enorm, hnorm, eh_proj and shared_head.norm) is read into host arrays as
+    stored, apart from the decoder's params, every declared tensor named once by the table; one
+    missing fails the load naming it."""
+    name, path, model, engine = tiny
+    if name != "qlora_groups":
+        pytest.skip("one config is enough for the MTP layer")
+    out = tmp_path / "mtp"
+    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    n = model.config.num_hidden_layers
+    raw = json.loads((out / "config.json").read_text())
+    cfg = DeepseekV3Config.from_hf(raw)
+    assert cfg.num_mtp_layers == 1
+    table = checkpoint_table(cfg)
+    for p in param_paths(mtp_specs(cfg, jnp.float32)):
+        assert len(table.param_names(p)) == 1, p
+    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
+    layer = kept[f"layers_{n}"]
+    for tensor, got in ((f"model.layers.{n}.eh_proj.weight", layer["eh_proj"]["weight"]),
+                        (f"model.layers.{n}.hnorm.weight", layer["hnorm"]["weight"]),
+                        (f"model.layers.{n}.shared_head.norm.weight",
+                         layer["shared_head_norm"]["weight"]),
+                        (f"model.layers.{n}.self_attn.kv_b_proj.weight",
+                         layer["attn"]["kv_b_proj"]),
+                        (f"model.layers.{n}.mlp.experts.5.down_proj.weight",
+                         layer["moe"]["experts"]["5"]["down_proj"])):
+        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array)
+        np.testing.assert_array_equal(got, mtp[tensor])
+    # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
+    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
+    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+    reader = CheckpointReader(out, progress=False)
+    tensors = {k: reader.read(k) for k in reader.names()}
+    del tensors[f"model.layers.{n}.enorm.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.enorm\.weight"):
+        load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
 
 
 def test_half_resident_exact_equals_all_resident(tiny):

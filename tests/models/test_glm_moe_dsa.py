@@ -7,7 +7,6 @@ attention against numpy."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
 
 import tidejax
 from tidejax.checkpoint import CheckpointReader
@@ -38,7 +36,7 @@ from tests.support.tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights,
                                        cached_decode_logits, glm_moe_dsa_config, lower_index_ties,
                                        relative_diff, second_turn, served_greedy,
                                        transformers_greedy, write_fp8_copies, write_fused_copy,
-                                       write_glm_moe_dsa)
+                                       write_glm_moe_dsa, write_mtp_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -205,22 +203,11 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     name, path, model, engine = tiny
     if name != "topk_below":
         pytest.skip("one config is enough for the MTP layer")
-    out = shutil.copytree(path, tmp_path / "mtp")
-    n, d = model.config.num_hidden_layers, model.config.hidden_size
-    rng = np.random.RandomState(0)
-    reader = CheckpointReader(path, progress=False)
-    tensors = {k: reader.read(k) for k in reader.names()}
+    out = tmp_path / "mtp"
     # a DSA layer with an indexer (layer 0's attention) and a MoE (layer 1's), published names
-    mtp = {f"model.layers.{n}." + k.split(".", 3)[3]: rng.randn(*v.shape).astype(np.float32)
-           for k, v in tensors.items() if k.startswith("model.layers.0.self_attn.")
-           or k.startswith("model.layers.1.") and ".self_attn." not in k}
-    for part in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "eh_proj.weight"):
-        mtp[f"model.layers.{n}.{part}"] = rng.randn(*((d, 2 * d) if "proj" in part else (d,)))
-    mtp = {k: v.astype(np.float32) for k, v in mtp.items()}
-    save_file(tensors | mtp, str(out / "model.safetensors"))
-    raw = json.loads((out / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
-    (out / "config.json").write_text(json.dumps(raw))
-
+    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    n = model.config.num_hidden_layers
+    raw = json.loads((out / "config.json").read_text())
     cfg = GlmMoeDsaConfig.from_hf(raw)
     pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
     params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)

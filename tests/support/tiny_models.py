@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -352,3 +353,34 @@ def write_fp8_copies(path: Path, out: Path) -> tuple[Path, Path]:
     save_file(fp8_tensors, str(fp8 / "model.safetensors"))
     save_file(dq_tensors, str(dequant / "model.safetensors"))
     return fp8, dequant
+
+
+def write_mtp_copy(path: Path, out: Path, attention_from: int, moe_from: int,
+                   seed: int = 0) -> dict[str, np.ndarray]:
+    """Copies the checkpoint at `path` to `out` with one MTP (NextN) layer after the last decoder
+    layer, in the published names (transformers' classes have no MTP layer to save): random
+    tensors shaped as layer `attention_from`'s attention and layer `moe_from`'s MoE (per-expert
+    routed experts), plus enorm, hnorm, eh_proj [d, 2d] and shared_head.norm; the config gets
+    num_nextn_predict_layers = 1. Returns the MTP layer's tensors by name."""
+    from safetensors.numpy import save_file
+
+    from tests.support.checkpoint_fixtures import to_per_expert
+    from tidejax.checkpoint import CheckpointReader
+    shutil.copytree(path, out)
+    raw = json.loads((out / "config.json").read_text())
+    n, d = raw["num_hidden_layers"], raw["hidden_size"]
+    reader = CheckpointReader(path, progress=False)
+    tensors = {k: reader.read(k) for k in reader.names()}
+    rng = np.random.RandomState(seed)
+    attention, moe = f"model.layers.{attention_from}.self_attn.", f"model.layers.{moe_from}."
+    mtp = {f"model.layers.{n}." + k.split(".", 3)[3]: (0.1 * rng.randn(*v.shape)).astype(np.float32)
+           for k, v in to_per_expert(tensors).items() if k.startswith(attention)
+           or k.startswith(moe) and ".self_attn." not in k}
+    for part in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "eh_proj.weight"):
+        mtp[f"model.layers.{n}.{part}"] = rng.randn(
+            *((d, 2 * d) if "proj" in part else (d,))).astype(np.float32)
+    for name in [f for f in out.glob("*.safetensors*")]:
+        name.unlink()
+    save_file(tensors | mtp, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+    return mtp

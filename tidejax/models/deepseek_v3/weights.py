@@ -1,12 +1,16 @@
 """DeepSeek-V3 params, declared (the tree the flax model consumes), and the checkpoint table that
-fills them; loading, test init and memory estimates come from these declarations."""
+fills them; loading, test init and memory estimates come from these declarations. The MTP
+(NextN) layers a checkpoint carries are read into host arrays as stored, apart from the decoder's
+params (layers/decoder.py mtp_specs), for speculative decoding (not run yet)."""
 
 from __future__ import annotations
 
 from tidejax.checkpoint import Table
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import router_spec
-from tidejax.models.layers.decoder import decoder_expert_specs, decoder_specs, decoder_table
+from tidejax.models.layers.decoder import (decoder_expert_specs, decoder_specs, decoder_table,
+                                           mtp_rules)
+from tidejax.models.layers.decoder import mtp_specs as decoder_mtp_specs
 from tidejax.models.layers.mla import MLA_RULES, mla_specs
 from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
@@ -22,14 +26,22 @@ def expert_specs(cfg: DeepseekV3Config, dtype) -> dict:
     return decoder_expert_specs(cfg, dtype)
 
 
+def mtp_specs(cfg: DeepseekV3Config, dtype) -> dict:
+    """The MTP layers (layers/decoder.py), their attention MLA."""
+    return decoder_mtp_specs(cfg, router_spec(cfg), mla_specs(cfg, dtype), dtype)
+
+
 def checkpoint_table(cfg: DeepseekV3Config) -> Table:
-    """Hugging Face tensor names -> the declared params and the routed-expert rows (the MTP
-    layers and rotary caches ignored: layers/decoder.py)."""
-    return decoder_table(cfg, MLA_RULES)
+    """Hugging Face tensor names -> the declared params, the routed-expert rows and the MTP
+    layers (rotary caches ignored: layers/decoder.py)."""
+    return decoder_table(cfg, MLA_RULES, mtp_rules(cfg) if cfg.num_mtp_layers else None)
 
 
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
+    """(dense params, the MTP layers as the host-side aux: {"layers_{i}": their tensors}, or None
+    without them)."""
+    mtp = mtp_specs(cfg, dtype)
     params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
-                           expert_specs(cfg, dtype), put_row)
-    return params, None
+                           expert_specs(cfg, dtype), put_row, host_specs=mtp)
+    return params, {name: params.pop(name) for name in mtp} or None

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
-from tidejax.models.base import declare, serving
-from tidejax.models.layers.linear import embedding_specs, lm_logits
+from tidejax.models.base import ParamSpec, declare, serving
+from tidejax.models.layers.linear import embedding_specs, linear_specs, lm_logits
 from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
@@ -180,3 +180,41 @@ def decoder_table(cfg, attention_rules: tuple, mtp_rules: tuple | None = None) -
     return Table(decoder_rules(cfg) + attention_rules + (mtp_rules or ()),
                  ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
                  expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
+
+
+def mtp_layers(cfg) -> tuple[int, ...]:
+    """The checkpoint indices of the MTP (NextN) layers, after the last decoder layer."""
+    return tuple(range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers))
+
+
+def mtp_specs(cfg, router: RouterSpec, attention: dict, dtype) -> dict:
+    """The MTP layers as published (DeepSeek-V3's and GLM's NextN layers alike), kept on the host
+    as stored for speculative decoding, which no step runs yet: {"layers_{i}": a MoE decoder
+    layer with `attention` its attention's params and its own routed experts by id, and the MTP
+    glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)}; the embedding and head are the
+    main model's."""
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    experts = {str(e): {"gate_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),
+                        "up_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),
+                        "down_proj": ParamSpec((d, f), dtype, ("embed", "ffw"))}
+               for e in range(cfg.n_routed_experts)}
+    layer = {"input_norm": norm_specs(d, "embed", dtype), "attn": attention,
+             "post_attn_norm": norm_specs(d, "embed", dtype),
+             "moe": moe_specs(router, d, cfg.shared_intermediate_size, dtype)
+             | {"experts": experts},
+             "enorm": norm_specs(d, "embed", dtype), "hnorm": norm_specs(d, "embed", dtype),
+             "eh_proj": linear_specs(d, 2 * d, ("embed", None), dtype),
+             "shared_head_norm": norm_specs(d, "embed", dtype)}
+    return {f"layers_{i}": layer for i in mtp_layers(cfg)}
+
+
+def mtp_rules(cfg) -> tuple:
+    """The MTP layers' own tensors (the decoder's and attention's rules fill the rest of them)."""
+    mtp = "model.layers.{i:" + "|".join(map(str, mtp_layers(cfg))) + "}"
+    return (
+        Rule(mtp + ".{norm:enorm|hnorm}.weight", "layers_{i}.{norm}.weight"),
+        Rule(mtp + ".eh_proj.weight", "layers_{i}.eh_proj.weight"),
+        Rule(mtp + ".shared_head.norm.weight", "layers_{i}.shared_head_norm.weight"),
+        Rule(mtp + ".mlp.experts.{expert}.{proj:gate|up|down}_proj.weight",
+             "layers_{i}.moe.experts.{expert}.{proj}_proj"),
+    )
