@@ -28,6 +28,7 @@ family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepS
 from __future__ import annotations
 
 import argparse
+import logging
 import dataclasses
 import datetime
 import gc
@@ -414,6 +415,8 @@ def parse_set(items: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("tidejax.warmup").setLevel(logging.INFO)  # lowering and compile seconds
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="checkpoint directory")
     parser.add_argument("--trace", default="en", help="routing trace to replay ('' = the router's own)")

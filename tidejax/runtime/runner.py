@@ -26,7 +26,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -37,6 +39,8 @@ from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.plan import SequenceCopy, StepPlan
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import SavedSequence
+
+log = logging.getLogger("tidejax.warmup")  # the warm-up's timing (bench.roofline prints it)
 
 
 @dataclasses.dataclass
@@ -187,10 +191,21 @@ class Runner:
         workers = self.model.compile_workers(len(warmups))
         if workers < 2:
             return
+        start = time.perf_counter()
         lowered = [self.lower(self.model.warmup_inputs(*shape, swaps)) for shape, swaps in warmups]
+        lowering = time.perf_counter() - start
+
+        def compile_one(step) -> float:
+            begin = time.perf_counter()
+            step.compile()
+            return time.perf_counter() - begin
+
+        start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(lambda step: step.compile(), lowered):
-                pass
+            each = list(pool.map(compile_one, lowered))
+        log.info("warm-up: %d step shapes lowered one by one in %.1f s, then compiled on %d "
+                 "threads in %.1f s (%.1f to %.1f s each)", len(lowered), lowering, workers,
+                 time.perf_counter() - start, min(each), max(each))
 
     @_in_scope
     def lower(self, inputs):
