@@ -14,6 +14,7 @@ RESULTS.md, 2026-12-04), each timed alone on the device in its reference form be
   a prompt chunk's step now takes them (engram.prompt_rows).
 
     python -m bench.v41_parts [--tokens 4,2048] [--iters 20] [--sites 80] [--rows 4070432]
+        [--forms reference,unrolled,elementwise,triton]
 
 Per part and token count: seconds the first call took (compiling), ms a call (median of --reps,
 back to back, waited for), kernels a call (op executions in a profiler trace of one call) and the
@@ -94,9 +95,10 @@ def elementwise_sinkhorn(logits, *, hc_eps: float, iters: int):
     return jnp.stack([jnp.stack(row, -1) for row in entries], -2)
 
 
-SINKHORN_FORMS = {"loop (reference)": sinkhorn_reference, "loop unrolled": unrolled_sinkhorn,
-                  "elementwise loop body": elementwise_sinkhorn,
-                  "triton kernel": functools.partial(ops.sinkhorn, impl="pallas")}
+SINKHORN_FORMS = {"reference": ("loop (reference)", sinkhorn_reference),
+                  "unrolled": ("loop unrolled", unrolled_sinkhorn),
+                  "elementwise": ("elementwise loop body", elementwise_sinkhorn),
+                  "triton": ("triton kernel", functools.partial(ops.sinkhorn, impl="pallas"))}
 
 
 def chained_sinkhorn(form, sites: int, iters: int):
@@ -142,7 +144,13 @@ def main(argv=None) -> int:
     parser.add_argument("--sites", type=int, default=80, help="Sinkhorn sites a step")
     parser.add_argument("--rows", type=int, default=4_070_432, help="rows of each Engram table")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--forms", default=",".join(SINKHORN_FORMS),
+                        help="Sinkhorn forms, comma-separated, the first the one the others are "
+                             f"checked against (of {', '.join(SINKHORN_FORMS)})")
     args = parser.parse_args(argv)
+    forms = args.forms.split(",")
+    if unknown := set(forms) - set(SINKHORN_FORMS):
+        parser.error(f"--forms: unknown {sorted(unknown)}, expected some of {list(SINKHORN_FORMS)}")
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     eng = engram_tables(args.rows, rng)
@@ -154,22 +162,22 @@ def main(argv=None) -> int:
     for tokens in (int(x) for x in args.tokens.split(",")):
         logits = jnp.asarray(rng.normal(size=(tokens, 1, 4, 4)), jnp.float32)
         reference = None
-        for form, fn in SINKHORN_FORMS.items():
+        for form, fn in (SINKHORN_FORMS[name] for name in forms):
             compile_s, ms, kernels, out = timed(chained_sinkhorn(fn, args.sites, args.iters),
                                                 logits, reps=args.reps)
             reference = out if reference is None else reference
             diff = float(jnp.max(jnp.abs(out - reference)))
-            table.append(f"| sinkhorn x {args.sites} | {tokens} | {form} | {compile_s:.1f} | "
+            table.append(f"| sinkhorn x {args.sites} | {tokens} | {form} | {compile_s:.2f} | "
                          f"{ms:.3f} | {kernels} | {diff:.1e} |")
             print(table[-1], flush=True)
         ids = rng.integers(0, args.rows, (tokens, 1, ENGRAM_LAYERS, COLS)).astype(np.int32)
         compile_s, ms, kernels, looped = timed(gather, eng, jnp.asarray(ids), reps=args.reps)
-        table.append(f"| engram rows | {tokens} | loop | {compile_s:.1f} | {ms:.3f} | {kernels} "
+        table.append(f"| engram rows | {tokens} | loop | {compile_s:.2f} | {ms:.3f} | {kernels} "
                      "| 0 |")
         print(table[-1], flush=True)
         compile_s, ms, kernels, hosted = timed(host_gathered, eng, views, ids, reps=args.reps)
         diff = float(jnp.max(jnp.abs(hosted - looped)))
-        table.append(f"| engram rows | {tokens} | host gather | {compile_s:.1f} | {ms:.3f} | "
+        table.append(f"| engram rows | {tokens} | host gather | {compile_s:.2f} | {ms:.3f} | "
                      f"{kernels} | {diff:.1e} |")
         print(table[-1], flush=True)
     print("\n" + "\n".join(table))

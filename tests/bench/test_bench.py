@@ -222,3 +222,10 @@ def test_v41_parts_times_each_part_beside_its_candidate(capsys):
     for row in rows:
         assert float(row[3]) > 0 and float(row[4]) > 0 and int(row[5]) > 0
         assert float(row[6]) < 1e-5
+
+
+def test_v41_parts_refuses_an_unknown_form():
+    from bench import v41_parts
+
+    with pytest.raises(SystemExit):
+        v41_parts.main(["--forms", "reference,fused"])
