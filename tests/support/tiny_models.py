@@ -192,21 +192,60 @@ def write_glm_moe_dsa(path: Path, seed: int = 0, **overrides):
     return model
 
 
+QWEN3_MOE_CONFIGS = {
+    # (two layers each) Qwen3-30B-A3B's routing (top-k renormalized), two MoE layers, 2 query
+    # heads a KV head
+    "renormalized": dict(norm_topk_prob=True, num_key_value_heads=2),
+    # a dense layer (mlp_only_layers) then a MoE layer, top-k probabilities as they are, one KV
+    # head
+    "dense_first": dict(norm_topk_prob=False, mlp_only_layers=[0], num_key_value_heads=1),
+}
+
+
+def qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                num_experts=8, num_experts_per_tok=3, max_position_embeddings=256,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    base.update(overrides)
+    return Qwen3MoeConfig(**base)
+
+
+def write_qwen3_moe(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny Qwen3MoeForCausalLM checkpoint (random, float32) with a tokenizer; returns
+    the torch model (eval mode) for reference outputs."""
+    from transformers import Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(qwen3_moe_config(**overrides)).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model
+
+
 # family -> (writer, its named configs): what conftest.py's `tiny_checkpoint` writes
 FAMILIES = {
     "deepseek_v3": (write_deepseek_v3, DEEPSEEK_V3_CONFIGS),
     "glm4_moe": (write_glm4_moe, GLM4_MOE_CONFIGS),
     "glm_moe_dsa": (write_glm_moe_dsa, GLM_MOE_DSA_CONFIGS),
+    "qwen3_moe": (write_qwen3_moe, QWEN3_MOE_CONFIGS),
 }
 
 
 def randomize_moe(model) -> None:
-    """Random router biases (so the selection-only bias is exercised), expert weights of std
+    """Random router biases (so the selection-only bias is exercised) or, for a router without
+    one, a wider router weight; expert weights of std
     0.1 and, where attention has them, biases and q/k norm weights off their init."""
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                if hasattr(layer.mlp.gate, "e_score_correction_bias"):
+                    layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                else:  # a softmax router: logits spread wide enough that picks rarely near-tie
+                    layer.mlp.gate.weight.normal_(0, 0.5)
                 layer.mlp.experts.gate_up_proj.normal_(0, 0.1)
                 layer.mlp.experts.down_proj.normal_(0, 0.1)
             for name, param in layer.self_attn.named_parameters():

@@ -18,6 +18,7 @@ FAMILY_MODULES = {
     "deepseek_v4": "tidejax.models.deepseek_v4.family",
     "glm4_moe": "tidejax.models.glm4_moe.family",
     "glm_moe_dsa": "tidejax.models.glm_moe_dsa.family",
+    "qwen3_moe": "tidejax.models.qwen3_moe.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

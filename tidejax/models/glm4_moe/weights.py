@@ -4,11 +4,11 @@ the one transformers 5 holds in memory (fused experts)."""
 
 from __future__ import annotations
 
-from tidejax.checkpoint import Rule, Table
+from tidejax.checkpoint import Table
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
 from tidejax.models.glm4_moe.model import router_spec
-from tidejax.models.layers.decoder import LAYER, decoder_expert_specs, decoder_specs, decoder_table
-from tidejax.models.layers.gqa import gqa_specs
+from tidejax.models.layers.decoder import decoder_expert_specs, decoder_specs, decoder_table
+from tidejax.models.layers.gqa import GQA_RULES, gqa_specs
 from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 
@@ -23,18 +23,11 @@ def expert_specs(cfg: Glm4MoeConfig, dtype) -> dict:
     return decoder_expert_specs(cfg, dtype)
 
 
-ATTENTION_RULES = (
-    Rule(f"{LAYER}.self_attn.{{proj:q_proj|k_proj|v_proj|o_proj}}.{{kind:weight|bias}}",
-         "layers_{i}.attn.{proj}.{kind}"),
-    Rule(f"{LAYER}.self_attn.{{norm:q_norm|k_norm}}.weight", "layers_{i}.attn.{norm}.weight"),
-)
-
-
 def checkpoint_table(cfg: Glm4MoeConfig) -> Table:
     """Hugging Face tensor names -> the declared params and the routed-expert rows (the MTP
     layer, kept for speculative decoding by a later change, and rotary caches ignored:
     layers/decoder.py)."""
-    return decoder_table(cfg, ATTENTION_RULES)
+    return decoder_table(cfg, GQA_RULES)
 
 
 def load_weights(cfg: Glm4MoeConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,

@@ -1,5 +1,5 @@
-"""The decoder stack the DeepSeek-V3-shaped families share (DeepSeek-V3 with MLA, GLM-4.5 with
-GQA, GLM-5 with DSA): embed; per layer RMSNorm, attention over the paged pool, residual,
+"""The decoder stack the DeepSeek-V3-shaped families share (DeepSeek-V3 with MLA, GLM-4.5 and
+Qwen3-MoE with GQA, GLM-5 with DSA): embed; per layer RMSNorm, attention over the paged pool, residual,
 RMSNorm, a dense SwiGLU (the first layers) or the MoE layer, residual; final RMSNorm; lm_head
 (or the tied embedding).
 Also its declared params and the Hugging Face names of every tensor but attention's.

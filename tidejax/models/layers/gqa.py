@@ -13,7 +13,9 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax.checkpoint import Rule
 from tidejax.kv import paged
+from tidejax.models.layers.decoder import LAYER
 from tidejax.models.layers.linear import Linear, linear_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import apply_rope
@@ -55,6 +57,14 @@ def gqa_specs(cfg, dtype) -> dict:
     if cfg.use_qk_norm:
         specs |= {"q_norm": norm_specs(k, None, dtype), "k_norm": norm_specs(k, None, dtype)}
     return specs
+
+
+# Hugging Face names of GQAttention's tensors (q/k norm and biases where the checkpoint has them)
+GQA_RULES = (
+    Rule(f"{LAYER}.self_attn.{{proj:q_proj|k_proj|v_proj|o_proj}}.{{kind:weight|bias}}",
+         "layers_{i}.attn.{proj}.{kind}"),
+    Rule(f"{LAYER}.self_attn.{{norm:q_norm|k_norm}}.weight", "layers_{i}.attn.{norm}.weight"),
+)
 
 
 class GQAttention(nn.Module):

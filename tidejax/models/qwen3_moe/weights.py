@@ -1,0 +1,30 @@
+"""Qwen3-MoE params, declared, and the checkpoint table that fills them from the published
+layout (per-expert tensors) or the one transformers 5 holds in memory (fused experts): the
+shared decoder's names (layers/decoder.py) and GQA's."""
+
+from __future__ import annotations
+
+from tidejax.checkpoint import Table
+from tidejax.models.layers.decoder import decoder_expert_specs, decoder_specs, decoder_table
+from tidejax.models.layers.gqa import GQA_RULES, gqa_specs
+from tidejax.models.loading import load_by_table
+from tidejax.models.qwen3_moe.config import Qwen3MoeConfig
+from tidejax.models.qwen3_moe.model import router_spec
+from tidejax.residency.serve import ServeOptions
+
+
+def param_specs(cfg: Qwen3MoeConfig, dtype) -> dict:
+    """The dense params (everything but the routed experts) as ParamSpecs."""
+    return decoder_specs(cfg, router_spec(cfg), lambda layer: gqa_specs(cfg, dtype), dtype)
+
+
+def checkpoint_table(cfg: Qwen3MoeConfig) -> Table:
+    """Hugging Face tensor names -> the declared params and the routed-expert rows."""
+    return decoder_table(cfg, GQA_RULES)
+
+
+def load_weights(cfg: Qwen3MoeConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,
+                 put_row):
+    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
+                           decoder_expert_specs(cfg, dtype), put_row)
+    return params, None
