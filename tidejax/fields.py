@@ -48,3 +48,18 @@ class Fields:
             raise ConfigError(
                 f"{self.source}: field '{name}' should be {kind.__name__}, got {value!r}")
         return value
+
+    def one_of(self, name: str, default: str, supported: tuple[str, ...]) -> str:
+        """A string field that must be one of `supported` (absent: default)."""
+        value = self.opt(name, default, str)
+        if value not in supported:
+            raise ConfigError(f"{self.source}: field {name!r} = {value!r} is not supported "
+                              f"({', '.join(supported)})")
+        return value
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        """A field holding one token id or a list of them (absent: none)."""
+        value = self.raw.get(name)
+        if value is None:
+            return ()
+        return self.cast(name, value, tuple) if isinstance(value, list) else (self.cast(name, value, int),)

@@ -226,12 +226,45 @@ def write_qwen3_moe(path: Path, seed: int = 0, **overrides):
     return model
 
 
+MIXTRAL_CONFIGS = {
+    # (two layers each) Mixtral's top-2 of 8 with 2 query heads a KV head
+    "top2": dict(num_experts_per_tok=2, num_key_value_heads=2),
+    # top-3 with one KV head
+    "top3_mqa": dict(num_experts_per_tok=3, num_key_value_heads=1),
+}
+
+
+def mixtral_config(**overrides):
+    from transformers import MixtralConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8,
+                num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    base.update(overrides)
+    return MixtralConfig(**base)
+
+
+def write_mixtral(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny MixtralForCausalLM checkpoint (random, float32; save_pretrained writes the
+    published `block_sparse_moe` names) with a tokenizer; returns the torch model (eval mode)."""
+    from transformers import MixtralForCausalLM
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(mixtral_config(**overrides)).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model
+
+
 # family -> (writer, its named configs): what conftest.py's `tiny_checkpoint` writes
 FAMILIES = {
     "deepseek_v3": (write_deepseek_v3, DEEPSEEK_V3_CONFIGS),
     "glm4_moe": (write_glm4_moe, GLM4_MOE_CONFIGS),
     "glm_moe_dsa": (write_glm_moe_dsa, GLM_MOE_DSA_CONFIGS),
     "qwen3_moe": (write_qwen3_moe, QWEN3_MOE_CONFIGS),
+    "mixtral": (write_mixtral, MIXTRAL_CONFIGS),
 }
 
 

@@ -19,6 +19,7 @@ FAMILY_MODULES = {
     "glm4_moe": "tidejax.models.glm4_moe.family",
     "glm_moe_dsa": "tidejax.models.glm_moe_dsa.family",
     "qwen3_moe": "tidejax.models.qwen3_moe.family",
+    "mixtral": "tidejax.models.mixtral.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

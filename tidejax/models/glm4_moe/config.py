@@ -6,6 +6,7 @@ import dataclasses
 
 from tidejax.errors import ConfigError
 from tidejax.fields import Fields
+from tidejax.models.layers.gqa import read_heads
 from tidejax.models.layers.moe import read_groups
 from tidejax.models.layers.rope import RopeConfig
 
@@ -60,12 +61,7 @@ class Glm4MoeConfig:
         """Reads a published config.json (rope_theta, partial_rotary_factor at the top) or one
         transformers 5 wrote (both in rope_parameters); the defaults are transformers'."""
         f = Fields(raw, source)
-        hidden, heads = f.req("hidden_size"), f.req("num_attention_heads")
-        kv_heads = f.opt("num_key_value_heads", heads)
-        head_dim = f.opt("head_dim", None) or hidden // heads
-        if heads % kv_heads:
-            raise ConfigError(f"{source}: field 'num_key_value_heads' = {kv_heads} does not "
-                              f"divide num_attention_heads = {heads}")
+        heads, kv_heads, head_dim = read_heads(f)
         rope_parameters = Fields(raw.get("rope_parameters") or {}, f"{source}: rope_parameters")
         factor = rope_parameters.opt("partial_rotary_factor",
                                      f.opt("partial_rotary_factor", 0.5, float), float)
@@ -76,16 +72,12 @@ class Glm4MoeConfig:
                               "number, at least 2)")
         n_routed = f.req("n_routed_experts")
         n_group, topk_group = read_groups(f, n_routed)
-        act = f.opt("hidden_act", "silu", str)
-        if act != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (silu)")
+        f.one_of("hidden_act", "silu", ("silu",))
         max_pos = f.opt("max_position_embeddings", 131072)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return Glm4MoeConfig(
             model_type=f.req("model_type", str),
             vocab_size=f.req("vocab_size"),
-            hidden_size=hidden,
+            hidden_size=f.req("hidden_size"),
             intermediate_size=f.req("intermediate_size"),
             num_layers=f.req("num_hidden_layers"),
             num_heads=heads,
@@ -108,6 +100,6 @@ class Glm4MoeConfig:
             routed_scaling_factor=f.opt("routed_scaling_factor", 1.0, float),
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
             num_mtp_layers=f.opt("num_nextn_predict_layers", f.opt("num_mtp_layers", 1)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=f.token_ids("eos_token_id"),
             source=source,
         )

@@ -141,6 +141,18 @@ def decoder_expert_specs(cfg, dtype) -> dict:
 
 
 LAYER = "model.layers.{i}"  # a decoder layer's Hugging Face prefix (field i)
+ROTARY_CACHES = ("{prefix:.*}rotary_emb.inv_freq",)  # what some exports include, read past
+
+
+def stack_rules() -> tuple:
+    """The rules of the embedding, the head, the final norm and each layer's two norms."""
+    return (
+        Rule("model.embed_tokens.weight", "embed"),
+        Rule("model.norm.weight", "norm.weight"),
+        Rule("lm_head.weight", "lm_head"),
+        Rule(f"{LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
+        Rule(f"{LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
+    )
 
 
 def decoder_rules(cfg) -> tuple:
@@ -150,12 +162,7 @@ def decoder_rules(cfg) -> tuple:
     # the routed experts of the decoder layers, not of the MTP layers after them
     layer = r"model\.layers\." + (f"(?!(?:{mtp})\\.)" if mtp else "") + r"[0-9]+\.mlp"
     experts = "{layer:" + layer + "}.experts"
-    return (
-        Rule("model.embed_tokens.weight", "embed"),
-        Rule("model.norm.weight", "norm.weight"),
-        Rule("lm_head.weight", "lm_head"),
-        Rule(f"{LAYER}.input_layernorm.weight", "layers_{i}.input_norm.weight"),
-        Rule(f"{LAYER}.post_attention_layernorm.weight", "layers_{i}.post_attn_norm.weight"),
+    return stack_rules() + (
         Rule(f"{LAYER}.mlp.{{proj:gate|up|down}}_proj.weight", "layers_{i}.mlp.{proj}_proj.weight"),
         Rule(f"{LAYER}.mlp.gate.weight", "layers_{i}.moe.gate_weight"),
         Rule(f"{LAYER}.mlp.gate.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
@@ -178,7 +185,7 @@ def decoder_table(cfg, attention_rules: tuple, mtp_rules: tuple | None = None) -
     mtp = () if mtp_rules is not None else tuple(
         f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
     return Table(decoder_rules(cfg) + attention_rules + (mtp_rules or ()),
-                 ignore=mtp + ("{prefix:.*}rotary_emb.inv_freq",),
+                 ignore=mtp + ROTARY_CACHES,
                  expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
 
 

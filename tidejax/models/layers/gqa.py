@@ -14,8 +14,10 @@ import flax.struct
 import jax.numpy as jnp
 
 from tidejax.checkpoint import Rule
+from tidejax.errors import ConfigError
+from tidejax.fields import Fields
 from tidejax.kv import paged
-from tidejax.models.layers.decoder import LAYER
+from tidejax.models.layers.decoder import LAYER, expert_dims
 from tidejax.models.layers.linear import Linear, linear_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import apply_rope
@@ -44,6 +46,17 @@ class GQAPages:
     @staticmethod
     def bytes_per_token(cfg, dtype) -> int:
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def read_heads(f: Fields) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a config.json (`f`): KV heads default to the query
+    heads and must divide them; head_dim defaults to hidden_size / heads."""
+    heads = f.req("num_attention_heads")
+    kv_heads = f.opt("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{f.source}: field 'num_key_value_heads' = {kv_heads} does not "
+                          f"divide num_attention_heads = {heads}")
+    return heads, kv_heads, f.opt("head_dim", None) or f.req("hidden_size") // heads
 
 
 def gqa_specs(cfg, dtype) -> dict:
@@ -98,3 +111,11 @@ class GQAttention(nn.Module):
                                   scale=k ** -0.5)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
         return out, k_pages, v_pages
+
+
+# the Family fields (tidejax.models.base) every GQA family on the shared decoder has alike: its
+# routed experts, its pool (attention through kv.paged.gqa_attention, a loop over key blocks up to
+# the last position, so its block tables are max_context wide: Family.table_widths)
+GQA_FAMILY = dict(expert_dims=expert_dims, top_k=lambda cfg: cfg.num_experts_per_tok,
+                  create_cache=GQAPages.create, cache_axes=GQAPages.axes,
+                  cache_bytes_per_token=GQAPages.bytes_per_token)

@@ -52,6 +52,16 @@ def read_groups(f: Fields, n_routed: int) -> tuple[int, int]:
     return n_group, topk_group
 
 
+def read_top_k(f: Fields, n_experts: int, default: int | None = None) -> int:
+    """num_experts_per_tok of a config.json (`f`; required where no default), in 1..n_experts."""
+    top_k = f.req("num_experts_per_tok") if default is None else f.opt("num_experts_per_tok",
+                                                                         default)
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{f.source}: field 'num_experts_per_tok' = {top_k} must be in "
+                          f"1..{n_experts} (the routed experts)")
+    return top_k
+
+
 def noaux_router(cfg) -> RouterSpec:
     """DeepSeek-V3's noaux_tc routing as GLM-4.5 and GLM-5 have it (transformers'
     Glm4MoeTopkRouter, GlmMoeDsaTopkRouter): sigmoid scores; the correction bias shifts the

@@ -6,6 +6,8 @@ import dataclasses
 
 from tidejax.errors import ConfigError
 from tidejax.fields import Fields
+from tidejax.models.layers.gqa import read_heads
+from tidejax.models.layers.moe import read_top_k
 from tidejax.models.layers.rope import RopeConfig
 
 
@@ -50,19 +52,12 @@ class Qwen3MoeConfig:
         """Reads a published config.json or one transformers 5 wrote; the defaults are
         transformers'. What this family does not compute is refused naming the field."""
         f = Fields(raw, source)
-        hidden, heads = f.req("hidden_size"), f.req("num_attention_heads")
-        kv_heads = f.opt("num_key_value_heads", heads)
-        if heads % kv_heads:
-            raise ConfigError(f"{source}: field 'num_key_value_heads' = {kv_heads} does not "
-                              f"divide num_attention_heads = {heads}")
-        head_dim = f.opt("head_dim", None) or hidden // heads
+        heads, kv_heads, head_dim = read_heads(f)
         for name, unsupported in (("attention_bias", True), ("use_sliding_window", True)):
             if f.opt(name, False, bool) == unsupported:
                 raise ConfigError(f"{source}: field {name!r} = true is not supported (no "
                                   "published Qwen3-MoE checkpoint sets it)")
-        act = f.opt("hidden_act", "silu", str)
-        if act != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (silu)")
+        f.one_of("hidden_act", "silu", ("silu",))
         n_layers = f.req("num_hidden_layers")
         step = f.opt("decoder_sparse_step", 1)
         if step < 1:
@@ -73,17 +68,12 @@ class Qwen3MoeConfig:
                           else "num_local_experts")
         moe_layers = tuple(i for i in range(n_layers)
                            if i not in dense and n_experts > 0 and (i + 1) % step == 0)
-        top_k = f.req("num_experts_per_tok")
-        if not 0 < top_k <= n_experts:
-            raise ConfigError(f"{source}: field 'num_experts_per_tok' = {top_k} must be in "
-                              f"1..num_experts ({n_experts})")
+        top_k = read_top_k(f, n_experts)
         max_pos = f.opt("max_position_embeddings", 32768)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return Qwen3MoeConfig(
             model_type=f.req("model_type", str),
             vocab_size=f.req("vocab_size"),
-            hidden_size=hidden,
+            hidden_size=f.req("hidden_size"),
             intermediate_size=f.req("intermediate_size"),
             num_layers=n_layers,
             num_heads=heads,
@@ -98,6 +88,6 @@ class Qwen3MoeConfig:
             moe_layers=moe_layers,
             norm_topk_prob=f.opt("norm_topk_prob", False, bool),
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
-            eos_token_ids=eos_ids,
+            eos_token_ids=f.token_ids("eos_token_id"),
             source=source,
         )

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from tidejax.models.base import Family
-from tidejax.models.layers.decoder import expert_dims
-from tidejax.models.layers.gqa import GQAPages
+from tidejax.models.layers.gqa import GQA_FAMILY
 from tidejax.models.qwen3_moe.config import Qwen3MoeConfig
 from tidejax.models.qwen3_moe.model import build
 from tidejax.models.qwen3_moe.weights import load_weights
@@ -17,10 +16,6 @@ register(Family(
     config_from_hf=Qwen3MoeConfig.from_hf,
     build=build,
     load_weights=load_weights,
-    expert_dims=expert_dims,
-    top_k=lambda cfg: cfg.num_experts_per_tok,
-    create_cache=GQAPages.create,
-    cache_axes=GQAPages.axes,
-    cache_bytes_per_token=GQAPages.bytes_per_token,
+    **GQA_FAMILY,
     tool_formats={"qwen3_moe": HERMES},
 ))

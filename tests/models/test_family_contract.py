@@ -1,0 +1,90 @@
+"""One contract for a family, parametrised over the families it covers (the newest so far; the
+older ones keep their own modules): declared params = checkpoint table, fp32 logits within 1e-4
+of transformers' on tiny random checkpoints, greedy tokens, the paged cached decode = the full
+forward, half-resident `exact` = all-resident. A new family costs a writer and configs in
+tests/support/tiny_models.py and an entry here."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import tidejax
+from tidejax.kv.paged import PagedCache
+from tidejax.models.layers.decoder import decoder_expert_specs
+from tidejax.models.registry import family_of
+from tidejax.residency.serve import ServeOptions
+from tests.support.declaration import check_forward_on_declared, param_paths
+from tests.support.tiny_models import (FAMILIES, cached_decode_logits, mixtral_config,
+                                       qwen3_moe_config, relative_diff, served_greedy,
+                                       transformers_greedy)
+
+# family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
+CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config}
+CASES = [(family, config) for family in CONTRACT for config in sorted(FAMILIES[family][1])]
+PROMPT = np.random.RandomState(11).randint(3, 256, 32)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def tiny(request, tmp_path_factory):
+    family, config = request.param
+    writer, configs = FAMILIES[family]
+    path = tmp_path_factory.mktemp(config)
+    model = writer(path, seed=len(config), **configs[config])
+    return family, config, path, model, tidejax.load(path)
+
+
+@pytest.mark.parametrize("family", CONTRACT)
+def test_declared_params_are_what_the_model_consumes(family):
+    """In every config of the family: the forward reads each declared param, and the checkpoint
+    table fills each from exactly one name."""
+    weights = importlib.import_module(f"tidejax.models.{family}.weights")
+    fam = family_of(family)
+    for overrides in FAMILIES[family][1].values():
+        raw = CONTRACT[family](**overrides).to_dict()
+        cfg = fam.config_from_hf(raw)
+        tokens = jnp.zeros((1, 4), jnp.int32)
+        declared = weights.param_specs(cfg, jnp.float32)
+        check_forward_on_declared(
+            fam.build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32),
+            declared, decoder_expert_specs(cfg, jnp.float32), len(cfg.moe_layers),
+            (tokens, tokens, tokens > -1, PagedCache(fam.create_cache(cfg, 1, 4, jnp.float32)),
+             tokens[:, :1]))
+        table = weights.checkpoint_table(cfg)
+        for path in param_paths(declared):
+            assert len(table.param_names(path)) == 1, path
+
+
+def test_logits_match_transformers(tiny):
+    family, config, _, model, engine = tiny
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    diff = relative_diff(engine.logits(PROMPT), ref)
+    print(f"{family} {config}: max relative logit difference {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    *_, model, engine = tiny
+    assert served_greedy(engine, PROMPT, 16) == transformers_greedy(model, PROMPT, 16)
+
+
+def test_cached_decode_equals_full_forward(tiny):
+    *_, engine = tiny
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
+
+
+def test_half_resident_exact_equals_all_resident(tiny):
+    family, config, path, _, engine = tiny
+    if config != sorted(FAMILIES[family][1])[-1]:
+        pytest.skip("one config a family is enough for residency")
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    half = tidejax.load(path, residency={"budget_experts": n_moe * n_experts // 2,
+                                         "miss_policy": "exact"})
+    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
+    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
+    assert half.residency.stats()["misses"] > 0

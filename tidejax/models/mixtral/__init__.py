@@ -1,0 +1,1 @@
+"""The Mixtral family (mixtral): config, weights (declared params + checkpoint table), model, family."""
