@@ -19,12 +19,13 @@ from tidejax.models.layers.decoder import decoder_expert_specs
 from tidejax.models.registry import family_of
 from tidejax.residency.serve import ServeOptions
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.tiny_models import (FAMILIES, cached_decode_logits, mixtral_config,
-                                       qwen3_moe_config, relative_diff, served_greedy,
-                                       transformers_greedy)
+from tests.support.tiny_models import (FAMILIES, cached_decode_logits, minimax_m2_config,
+                                       mixtral_config, qwen3_moe_config, relative_diff,
+                                       served_greedy, transformers_greedy)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
-CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config}
+CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
+            "minimax_m2": minimax_m2_config}
 CASES = [(family, config) for family in CONTRACT for config in sorted(FAMILIES[family][1])]
 PROMPT = np.random.RandomState(11).randint(3, 256, 32)
 

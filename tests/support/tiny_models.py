@@ -258,6 +258,39 @@ def write_mixtral(path: Path, seed: int = 0, **overrides):
     return model
 
 
+MINIMAX_M2_CONFIGS = {
+    # (two layers each) MiniMax-M2's partial rotary (half of each head), 2 query heads a KV head
+    "half_rotary": dict(partial_rotary_factor=0.5, num_key_value_heads=2, num_experts_per_tok=3),
+    # every channel rotated, one KV head, top-2
+    "full_rotary": dict(partial_rotary_factor=1.0, num_key_value_heads=1, num_experts_per_tok=2),
+}
+
+
+def minimax_m2_config(partial_rotary_factor: float = 0.5, **overrides):
+    from transformers import MiniMaxM2Config
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8,
+                num_experts_per_tok=3, max_position_embeddings=256, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                 "partial_rotary_factor": partial_rotary_factor},
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    base.update(overrides)
+    return MiniMaxM2Config(**base)
+
+
+def write_minimax_m2(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny MiniMaxM2ForCausalLM checkpoint (random, float32; save_pretrained writes the
+    published `block_sparse_moe` names) with a tokenizer; returns the torch model (eval mode)."""
+    from transformers import MiniMaxM2ForCausalLM
+    torch.manual_seed(seed)
+    model = MiniMaxM2ForCausalLM(minimax_m2_config(**overrides)).eval()
+    randomize_moe(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model
+
+
 # family -> (writer, its named configs): what conftest.py's `tiny_checkpoint` writes
 FAMILIES = {
     "deepseek_v3": (write_deepseek_v3, DEEPSEEK_V3_CONFIGS),
@@ -265,6 +298,7 @@ FAMILIES = {
     "glm_moe_dsa": (write_glm_moe_dsa, GLM_MOE_DSA_CONFIGS),
     "qwen3_moe": (write_qwen3_moe, QWEN3_MOE_CONFIGS),
     "mixtral": (write_mixtral, MIXTRAL_CONFIGS),
+    "minimax_m2": (write_minimax_m2, MINIMAX_M2_CONFIGS),
 }
 
 
@@ -275,8 +309,11 @@ def randomize_moe(model) -> None:
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
-                if hasattr(layer.mlp.gate, "e_score_correction_bias"):
-                    layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                # the correction bias on the router (DeepSeek-V3, GLM) or on the block (MiniMax-M2)
+                owner = next((m for m in (layer.mlp.gate, layer.mlp)
+                              if hasattr(m, "e_score_correction_bias")), None)
+                if owner is not None:
+                    owner.e_score_correction_bias.normal_(0, 0.1)
                 else:  # a softmax router: logits spread wide enough that picks rarely near-tie
                     layer.mlp.gate.weight.normal_(0, 0.5)
                 layer.mlp.experts.gate_up_proj.normal_(0, 0.1)

@@ -20,6 +20,7 @@ FAMILY_MODULES = {
     "glm_moe_dsa": "tidejax.models.glm_moe_dsa.family",
     "qwen3_moe": "tidejax.models.qwen3_moe.family",
     "mixtral": "tidejax.models.mixtral.family",
+    "minimax_m2": "tidejax.models.minimax_m2.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -43,6 +43,7 @@ class Glm4MoeConfig:
     routed_scaling_factor: float
     tie_word_embeddings: bool
     num_mtp_layers: int = 0  # the multi-token-prediction layers after the last decoder layer
+    qk_norm_span: str = "head"  # q/k norm over each head (layers/gqa.py)
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""
 

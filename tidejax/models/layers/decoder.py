@@ -189,6 +189,23 @@ def decoder_table(cfg, attention_rules: tuple, mtp_rules: tuple | None = None) -
                  expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
 
 
+def block_sparse_moe_table(cfg, attention_rules: tuple) -> Table:
+    """Hugging Face tensor names -> the declared params and the routed-expert rows of the
+    families published with Mixtral's names (Mixtral, MiniMax-M2): the stack's, the family's
+    `attention_rules`, and each layer's `block_sparse_moe`: the router `gate`, the correction
+    bias where the family has one, per-expert w1 = gate, w3 = up, w2 = down."""
+    moe = f"{LAYER}.block_sparse_moe"
+    experts = r"{layer:model\.layers\.[0-9]+\.block_sparse_moe}.experts.{expert}"
+    return Table(stack_rules() + attention_rules + (
+        Rule(f"{moe}.gate.weight", "layers_{i}.moe.gate_weight"),
+        Rule(f"{moe}.e_score_correction_bias", "layers_{i}.moe.gate_bias"),
+        Experts(experts + ".w1.weight", part="gate"),
+        Experts(experts + ".w3.weight", part="up"),
+        Experts(experts + ".w2.weight", part="down"),
+    ), ignore=ROTARY_CACHES,
+        expert_layers=[f"model.layers.{i}.block_sparse_moe" for i in cfg.moe_layers])
+
+
 def mtp_layers(cfg) -> tuple[int, ...]:
     """The checkpoint indices of the MTP (NextN) layers, after the last decoder layer."""
     return tuple(range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers))

@@ -1,10 +1,12 @@
 """Grouped-query attention (GLM-4.5 and the Llama-shaped families) on the paged pool: q, k, v
-projections (with biases where the config says), RMSNorm of each query and key head (q/k norm)
-where it says, rotary on the first `rotary_dim` channels of each head (partial rotary,
-rotate-half), keys and values cached per KV head.
+projections (with biases where the config says), RMSNorm of the queries and keys (q/k norm) where
+it says, over each head (`qk_norm_span` "head": GLM-4.5, Qwen3) or over the whole projection of
+all heads ("projection": MiniMax-M2), rotary on the first `rotary_dim` channels of each head
+(partial rotary, rotate-half), keys and values cached per KV head.
 
 The config is read by field name (hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
-attention_bias, use_qk_norm, rms_norm_eps), so any family whose config has them uses this layer.
+attention_bias, use_qk_norm, qk_norm_span, rms_norm_eps), so any family whose config has them
+uses this layer.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ def gqa_specs(cfg, dtype) -> dict:
              "k_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
              "v_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
              "o_proj": linear_specs(d, h * k, ("embed", "heads"), dtype)}
-    if cfg.use_qk_norm:
-        specs |= {"q_norm": norm_specs(k, None, dtype), "k_norm": norm_specs(k, None, dtype)}
+    if cfg.use_qk_norm:  # over each head, or over the whole projection (qk_norm_span)
+        whole = cfg.qk_norm_span == "projection"
+        specs |= {"q_norm": norm_specs(h * k if whole else k, None, dtype),
+                  "k_norm": norm_specs(g * k if whole else k, None, dtype)}
     return specs
 
 
@@ -93,10 +97,14 @@ class GQAttention(nn.Module):
         cfg, dt = self.cfg, self.dtype
         b, t, _ = x.shape
         h, g, k, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
-        q = Linear(h * k, dt, cfg.attention_bias, name="q_proj")(x).reshape(b, t, h, k)
-        key = Linear(g * k, dt, cfg.attention_bias, name="k_proj")(x).reshape(b, t, g, k)
+        q = Linear(h * k, dt, cfg.attention_bias, name="q_proj")(x)
+        key = Linear(g * k, dt, cfg.attention_bias, name="k_proj")(x)
         value = Linear(g * k, dt, cfg.attention_bias, name="v_proj")(x).reshape(b, t, g, k)
-        if cfg.use_qk_norm:
+        if cfg.use_qk_norm and cfg.qk_norm_span == "projection":
+            q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
+            key = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(key)
+        q, key = q.reshape(b, t, h, k), key.reshape(b, t, g, k)
+        if cfg.use_qk_norm and cfg.qk_norm_span == "head":
             q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
             key = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(key)
 

@@ -1,19 +1,16 @@
-"""Mixtral params, declared, and the checkpoint table that fills them from the published layout:
-the shared decoder's embedding and norms, GQA's projections, and each layer's
-`block_sparse_moe` (the router `gate`, per-expert w1 = gate, w3 = up, w2 = down)."""
+"""Mixtral params, declared, and the checkpoint table that fills them from the published layout
+(layers/decoder.block_sparse_moe_table, with GQA's projections)."""
 
 from __future__ import annotations
 
-from tidejax.checkpoint import Experts, Rule, Table
-from tidejax.models.layers.decoder import (LAYER, ROTARY_CACHES, decoder_expert_specs,
-                                           decoder_specs, stack_rules)
+from tidejax.checkpoint import Table
+from tidejax.models.layers.decoder import (block_sparse_moe_table, decoder_expert_specs,
+                                           decoder_specs)
 from tidejax.models.layers.gqa import GQA_RULES, gqa_specs
 from tidejax.models.loading import load_by_table
 from tidejax.models.mixtral.config import MixtralConfig
 from tidejax.models.mixtral.model import router_spec
 from tidejax.residency.serve import ServeOptions
-
-_EXPERT = r"{layer:model\.layers\.[0-9]+\.block_sparse_moe}.experts.{expert}"
 
 
 def param_specs(cfg: MixtralConfig, dtype) -> dict:
@@ -23,13 +20,7 @@ def param_specs(cfg: MixtralConfig, dtype) -> dict:
 
 def checkpoint_table(cfg: MixtralConfig) -> Table:
     """Hugging Face tensor names -> the declared params and the routed-expert rows."""
-    return Table(stack_rules() + GQA_RULES + (
-        Rule(f"{LAYER}.block_sparse_moe.gate.weight", "layers_{i}.moe.gate_weight"),
-        Experts(_EXPERT + ".w1.weight", part="gate"),
-        Experts(_EXPERT + ".w3.weight", part="up"),
-        Experts(_EXPERT + ".w2.weight", part="down"),
-    ), ignore=ROTARY_CACHES,
-        expert_layers=[f"model.layers.{i}.block_sparse_moe" for i in cfg.moe_layers])
+    return block_sparse_moe_table(cfg, GQA_RULES)
 
 
 def load_weights(cfg: MixtralConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,

@@ -38,6 +38,7 @@ class Qwen3MoeConfig:
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""
     # what layers/gqa.py and layers/decoder.py read, fixed for this family
+    qk_norm_span: str = "head"
     use_qk_norm: bool = True
     attention_bias: bool = False
     shared_intermediate_size: int = 0
