@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from tidejax.kv.paged import PagedCache
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
@@ -39,6 +40,12 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp") / "ckpt"
     write_mtp_copy(tiny_checkpoint("deepseek_v3", "qlora_groups"), out, attention_from=0,
                    moe_from=1)
+    # the final norm's weight off its ones, so the hidden state before it and after it differ
+    # (as the MTP layer's hnorm sees them)
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.norm.weight"] = np.random.RandomState(1).uniform(
+        0.2, 2.0, tensors["model.norm.weight"].shape).astype(np.float32)
+    save_file(tensors, out / "model.safetensors")
     raw = json.loads((out / "config.json").read_text())
     cfg = DeepseekV3Config.from_hf(raw)
     # transformers finds the MTP tensors by the main class's ignore pattern, which names the
