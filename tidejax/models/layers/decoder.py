@@ -206,10 +206,10 @@ def mtp_layers(cfg) -> tuple[int, ...]:
 
 def mtp_specs(cfg, router: RouterSpec, attention: dict, dtype) -> dict:
     """The MTP layers as published (DeepSeek-V3's and GLM's NextN layers alike), kept on the host
-    as stored for speculative decoding, which no step runs yet: {"layers_{i}": a MoE decoder
-    layer with `attention` its attention's params and its own routed experts by id, and the MTP
-    glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)}; the embedding and head are the
-    main model's."""
+    as stored for speculative decoding (their draft forward: mtp.py), which no step runs yet:
+    {"layers_{i}": a MoE decoder layer with `attention` its attention's params and its own
+    routed experts by id, and the MTP glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)};
+    the embedding and head are the main model's."""
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
     experts = {str(e): {"gate_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),
                         "up_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),
