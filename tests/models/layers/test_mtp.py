@@ -40,14 +40,22 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp") / "ckpt"
     write_mtp_copy(tiny_checkpoint("deepseek_v3", "qlora_groups"), out, attention_from=0,
                    moe_from=1)
-    # the final norm's weight off its ones, so the hidden state before it and after it differ
-    # (as the MTP layer's hnorm sees them)
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.norm.weight"] = np.random.RandomState(1).uniform(
-        0.2, 2.0, tensors["model.norm.weight"].shape).astype(np.float32)
-    save_file(tensors, out / "model.safetensors")
     raw = json.loads((out / "config.json").read_text())
     cfg = DeepseekV3Config.from_hf(raw)
+    # Scales that let every part of the MTP layer show in its logits: write_mtp_copy's random
+    # norms (0.1 randn) would make the block's attention and experts ~1e-3 of the residual, and
+    # its eh_proj (randn) the residual ~sqrt(2d): norms near one, eh_proj to unit scale. And the
+    # final norm's weight off its ones, so the hidden state before it and after it differ (as
+    # the MTP layer's hnorm sees them).
+    rng = np.random.RandomState(1)
+    tensors = load_file(out / "model.safetensors")
+    mtp = f"model.layers.{cfg.num_layers}."
+    for name, w in tensors.items():
+        if name.startswith(mtp) and name.endswith("layernorm.weight"):
+            tensors[name] = (1 + 0.2 * rng.randn(*w.shape)).astype(np.float32)
+    tensors[mtp + "eh_proj.weight"] /= np.sqrt(2 * cfg.hidden_size)
+    tensors["model.norm.weight"] = rng.uniform(0.2, 2.0, cfg.hidden_size).astype(np.float32)
+    save_file(tensors, out / "model.safetensors")
     # transformers finds the MTP tensors by the main class's ignore pattern, which names the
     # published model's layer 61: here the layer after the tiny model's last
     pattern = [rf"model\.layers\.{cfg.num_layers}\..*"]
