@@ -1,6 +1,7 @@
 """DeepSeek-V3 (DeepSeek-V2-Lite shape, V3, R1, V3.1, Kimi K2): MLA attention, DeepSeekMoE with
 shared experts, dense MLPs in the first_k_dense_replace layers, on the shared decoder stack
-(layers/decoder.py); the paged pool holds each layer's MLA latent and rotated key.
+(layers/decoder.py); the paged pool holds each layer's MLA latent and rotated key. The MTP
+layers' draft forward (layers/mtp.py) on the same MLA attention, not run by any step yet.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.layers.decoder import Decoder
 from tidejax.models.layers.mla import MLAttention
 from tidejax.models.layers.moe import RouterSpec
+from tidejax.models.layers.mtp import MTP
 from tidejax.residency.serve import ServeOptions
 
 
@@ -29,3 +31,9 @@ def build(cfg: DeepseekV3Config, serve: ServeOptions, dtype) -> Decoder:
     return Decoder(cfg, router_spec(cfg),
                    lambda name, layer: MLAttention(cfg, dtype, name=name),
                    serve, dtype)
+
+
+def build_mtp(cfg: DeepseekV3Config, serve: ServeOptions, dtype, depth: int = 0) -> MTP:
+    """MTP layer `depth`'s draft forward (layers/mtp.py) with MLA attention."""
+    return MTP(cfg, router_spec(cfg), lambda name, layer: MLAttention(cfg, dtype, name=name),
+               serve, dtype, depth)

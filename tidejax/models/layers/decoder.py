@@ -17,7 +17,10 @@ num_mtp_layers.
 `Decoder.__call__(tokens, positions, token_mask, cache, block_table, experts)` is the one
 forward used for prefill chunks, decode steps and full-sequence scoring: each layer writes the
 chunk's keys into the row's pages at their positions first, then every query attends to its
-row's positions <= its own.
+row's positions <= its own. The pool may hold layer slots past num_layers (the MTP layers',
+layers/mtp.py): the forward passes them through untouched. With apply(..., mutable=
+["intermediates"]) it also returns the hidden state the head reads, [b, t, d] after the final
+norm, as {"intermediates": {"head_hidden": (x,)}} (what the MTP layers take).
 """
 
 from __future__ import annotations
@@ -54,21 +57,32 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, positions, token_mask, cos, sin, pages: tuple, slots, block_table,
                  experts, replay=None, carry=None):
-        cfg, dt = self.cfg, self.dtype
-        attn, *pages = self.attention("attn", self.layer)(
-            RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin, *pages,
-            slots, block_table, *((carry,) if self.carries else ()))
-        if self.carries:
-            *pages, carry = pages
-        x = x + attn
-        h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
-        if self.layer in cfg.moe_layers:
-            y, experts = MoE(self.router, cfg.moe_layers.index(self.layer),
-                             cfg.shared_intermediate_size, self.serve, dt,
-                             name="moe")(h, token_mask, experts, replay=replay)
-        else:
-            y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
-        return x + y, tuple(pages), experts, carry
+        cfg = self.cfg
+        moe_index = cfg.moe_layers.index(self.layer) if self.layer in cfg.moe_layers else None
+        return decoder_block(self, moe_index, x, positions, token_mask, cos, sin, pages, slots,
+                             block_table, experts, replay, carry)
+
+
+def decoder_block(module: nn.Module, moe_index: int | None, x, positions, token_mask, cos, sin,
+                  pages: tuple, slots, block_table, experts, replay=None, carry=None):
+    """A decoder layer's body, its params made in the scope of `module` (which has DecoderLayer's
+    fields): attention, residual, then the MoE layer routing by row `moe_index` of `experts`
+    (None: the dense SwiGLU), residual -> (x, pages, experts, carry). DecoderLayer's, and an MTP
+    layer's block (layers/mtp.py), whose glue shares its scope."""
+    cfg, dt = module.cfg, module.dtype
+    attn, *pages = module.attention("attn", module.layer)(
+        RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x), positions, cos, sin, *pages,
+        slots, block_table, *((carry,) if module.carries else ()))
+    if module.carries:
+        *pages, carry = pages
+    x = x + attn
+    h = RMSNorm(cfg.rms_norm_eps, dt, name="post_attn_norm")(x)
+    if moe_index is not None:
+        y, experts = MoE(module.router, moe_index, cfg.shared_intermediate_size, module.serve, dt,
+                         name="moe")(h, token_mask, experts, replay=replay)
+    else:
+        y = SwiGLU(cfg.intermediate_size, dt, name="mlp")(h)
+    return x + y, tuple(pages), experts, carry
 
 
 class Decoder(nn.Module):
@@ -105,6 +119,9 @@ class Decoder(nn.Module):
                 name=f"layers_{i}")(x, positions, token_mask, cos, sin, layers[i], slots,
                                     block_table, experts, replay, carry)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
+        # the hidden state the head reads (after the final norm), for the MTP layers (mtp.py):
+        # apply(..., mutable=["intermediates"]) returns it; the outputs are unchanged
+        self.sow("intermediates", "head_hidden", x)
         head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
         logits = lm_logits(x, head, logits_at)
         pages = cache.pages.replace(**{name: tuple(layer[j] for layer in layers)
@@ -213,10 +230,10 @@ def mtp_layers(cfg) -> tuple[int, ...]:
 
 def mtp_specs(cfg, router: RouterSpec, attention: dict, dtype) -> dict:
     """The MTP layers as published (DeepSeek-V3's and GLM's NextN layers alike), kept on the host
-    as stored for speculative decoding, which no step runs yet: {"layers_{i}": a MoE decoder
-    layer with `attention` its attention's params and its own routed experts by id, and the MTP
-    glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)}; the embedding and head are the
-    main model's."""
+    as stored for speculative decoding (their draft forward: mtp.py), which no step runs yet:
+    {"layers_{i}": a MoE decoder layer with `attention` its attention's params and its own
+    routed experts by id, and the MTP glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)};
+    the embedding and head are the main model's."""
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
     experts = {str(e): {"gate_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),
                         "up_proj": ParamSpec((f, d), dtype, ("ffw", "embed")),

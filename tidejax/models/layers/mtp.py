@@ -1,0 +1,151 @@
+"""The multi-token-prediction (MTP, "NextN") layer's draft forward, as DeepSeek-V3 publishes it
+and transformers computes it (modeling_layers.MtpLayer / MtpModel, a DeepSeek-V3 checkpoint's
+layer num_layers + k): for the main model's hidden state at position p and the token at p + 1,
+
+    x = eh_proj([enorm(embed(token)); hnorm(hidden)])        # [b, t, 2d] -> [b, t, d]
+    x = one MoE decoder block (the family's attention over the paged pool, its own experts)
+    x = shared_head.norm(x);  logits = lm_head(x)            # the main model's embed and head
+
+so logits at p draft the token at p + 2. `hidden` is the main model's hidden state as its head
+reads it, after the final norm (Decoder's "head_hidden": transformers' MTPCandidateGenerator
+feeds `hidden_states[-1]`, which transformers ties to the normed last_hidden_state).
+
+Where things live (this step: the model part, no step runs it yet):
+- The KV cache: the MTP layer k has layer slot num_layers + k of the main pool (its checkpoint
+  index), written through the same block table at the main model's positions p: the pool is the
+  family's cache created for num_layers + num_mtp_layers layers (`with_mtp_slots`), and the main
+  Decoder passes the slots past its own untouched. So its pages are the lane's pages, and
+  whatever moves a lane's pages (preemption, the prompt cache) moves the MTP keys with them.
+  Queries and keys are rotated at p + 1 (the token's position, as transformers' position_ids)
+  and attend the positions <= p of the row; attention scores depend only on the difference.
+- The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
+  loader (decoder.mtp_specs), put on the device by `mtp_params`.
+- The routed experts: NOT through residency yet. `mtp_expert_state` builds an all-resident
+  ExpertState of the layer's own rows (one MoE layer, moe index 0) from its loaded tensors;
+  serving them from the host pool needs residency work (issue 33).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.kv import paged
+from tidejax.kv.paged import PagedCache
+from tidejax.models.base import declare, serving
+from tidejax.models.layers.decoder import decoder_block
+from tidejax.models.layers.linear import Linear, embedding_specs, lm_logits
+from tidejax.models.layers.moe import RouterSpec
+from tidejax.models.layers.norm import RMSNorm
+from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import ExpertState, all_resident_state
+
+
+def with_mtp_slots(cfg):
+    """`cfg` with num_layers counting the MTP layers too: the family's cache `create(..)` of it
+    is a pool with the MTP layers' slots after the decoder's (only for creating the pool)."""
+    return dataclasses.replace(cfg, num_layers=cfg.num_layers + cfg.num_mtp_layers)
+
+
+class MTPLayer(nn.Module):
+    """MTP layer `layer` (its checkpoint index): the glue and a decoder block in one scope, the
+    params as decoder.mtp_specs declares them (input_norm, attn, post_attn_norm, moe, enorm,
+    hnorm, eh_proj, shared_head_norm). DecoderLayer's fields, for decoder_block."""
+
+    cfg: Any
+    layer: int
+    router: RouterSpec
+    attention: Callable[[str, int], nn.Module]
+    serve: ServeOptions
+    dtype: jnp.dtype
+    carries: bool = False
+
+    @nn.compact
+    def __call__(self, embedded, hidden, positions, token_mask, cos, sin, pages: tuple, slots,
+                 block_table, experts):
+        cfg, dt = self.cfg, self.dtype
+        x = jnp.concatenate([RMSNorm(cfg.rms_norm_eps, dt, name="enorm")(embedded),
+                             RMSNorm(cfg.rms_norm_eps, dt, name="hnorm")(hidden)], axis=-1)
+        x = Linear(cfg.hidden_size, dt, name="eh_proj")(x)  # [b, t, 2d] -> [b, t, d]
+        x, pages, experts, _ = decoder_block(self, 0, x, positions, token_mask, cos, sin, pages,
+                                             slots, block_table, experts)
+        return RMSNorm(cfg.rms_norm_eps, dt, name="shared_head_norm")(x), pages, experts
+
+
+class MTP(nn.Module):
+    """The draft forward of MTP layer `depth` (0 .. num_mtp_layers - 1). The config is read as
+    the Decoder reads it (decoder.py), num_mtp_layers included; the family gives the attention
+    factory the Decoder takes."""
+
+    cfg: Any
+    router: RouterSpec
+    attention: Callable[[str, int], nn.Module]
+    serve: ServeOptions
+    dtype: jnp.dtype = jnp.float32
+    depth: int = 0
+
+    @nn.compact
+    @serving
+    def __call__(self, hidden, tokens, positions, token_mask, cache: PagedCache, block_table,
+                 experts: ExpertState, logits_at=None):
+        """hidden [b, t, d]: the main model's hidden states at `positions` (its head's input,
+        Decoder's "head_hidden"); tokens [b, t] int32: the tokens at positions + 1; positions
+        [b, t] int32, token_mask [b, t] bool: the main model's; cache: the pool with the MTP
+        slots (with_mtp_slots); block_table [b, P]: each row's pages (the main model's);
+        experts: this layer's own state (mtp_expert_state); logits_at [b] as the Decoder's ->
+        draft logits [b, t or 1, vocab] float32 (at p: the token at p + 2), the MTP hidden
+        state [b, t, d] (after shared_head.norm: what transformers chains into depth + 1),
+        cache, experts."""
+        cfg, dt = self.cfg, self.dtype
+        index = cfg.num_layers + self.depth  # its checkpoint index, param scope and pool slot
+        embedding = declare(self, embedding_specs(cfg.vocab_size, cfg.hidden_size, dt,
+                                                  cfg.tie_word_embeddings))
+        embedded = jnp.take(embedding["embed"], tokens, axis=0)
+        inv_freq, attention_factor = rope_frequencies(cfg.rope)
+        cos, sin = rope_cos_sin(positions + 1, inv_freq, attention_factor)  # the tokens'
+        fields = [f.name for f in dataclasses.fields(cache.pages)]
+        layer = tuple(getattr(cache.pages, name)[index] for name in fields)
+        n_pages, page_size = layer[0].shape[:2]
+        slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
+        x, layer, experts = MTPLayer(cfg, index, self.router, self.attention, self.serve, dt,
+                                     name=f"layers_{index}")(
+            embedded, hidden.astype(embedded.dtype), positions, token_mask, cos, sin, layer,
+            slots, block_table, experts)
+        head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
+        pages = cache.pages.replace(**{
+            name: tuple(layer[j] if i == index else leaf
+                        for i, leaf in enumerate(getattr(cache.pages, name)))
+            for j, name in enumerate(fields)})
+        return lm_logits(x, head, logits_at), x, PagedCache(pages), experts
+
+
+def mtp_params(params: dict, kept: dict, cfg, depth: int = 0) -> dict:
+    """The MTP module's params: the main model's embedding and head (`params`, the Decoder's),
+    and MTP layer `depth` as the loader keeps it on the host (`kept`: {"layers_{i}": ...}, the
+    family's load_weights aux) put on the device as stored, its routed experts left out
+    (mtp_expert_state)."""
+    name = f"layers_{cfg.num_layers + depth}"
+    layer = dict(kept[name])
+    layer["moe"] = {k: v for k, v in layer["moe"].items() if k != "experts"}
+    head = {k: params[k] for k in ("embed", "lm_head") if k in params}
+    return head | {name: jax.tree.map(jnp.asarray, layer)}
+
+
+def mtp_expert_state(kept: dict, cfg, dtype, depth: int = 0) -> ExpertState:
+    """MTP layer `depth`'s routed experts (as kept: moe.experts.{e}.{gate,up,down}_proj) as an
+    all-resident expert state of one MoE layer, rows in the bank's format (gate_up [E, 2f, d]
+    with the gate rows first, down [E, d, f]). A stand-in until residency serves them."""
+    experts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"]
+    ids = range(cfg.n_routed_experts)
+    rows = {"gate_up": np.stack([np.concatenate([np.asarray(experts[str(e)]["gate_proj"]),
+                                                 np.asarray(experts[str(e)]["up_proj"])])
+                                 for e in ids]),
+            "down": np.stack([np.asarray(experts[str(e)]["down_proj"]) for e in ids])}
+    return all_resident_state({k: jnp.asarray(v, dtype) for k, v in rows.items()}, 1)
