@@ -268,7 +268,8 @@ def test_glm_hparams_are_llamacpps_glm4moe_keys(glm):
     cfg = json.loads((model / "config.json").read_text())
     a = "glm4moe"
     assert field(reader, "general.architecture") == a
-    # read without a default by llama.cpp (llama-model.cpp's load_hparams, glm4-moe.cpp's)
+    # what llama.cpp's glm4moe cannot load without (read without a default in llama-model.cpp's
+    # load_hparams or glm4-moe.cpp's, or asserted above 0: the expert counts)
     needed = {"context_length", "embedding_length", "block_count", "expert_feed_forward_length",
               "attention.layer_norm_rms_epsilon", "expert_count", "expert_used_count",
               "expert_shared_count"}
