@@ -7,8 +7,11 @@ tokens, with all routed experts on the GPU and with ~65% of them there.
         [--set table.key=value ...]
 
 BUILD_DIR holds llama.cpp's llama-bench and llama-batched-bench (tools/build_llamacpp.sh), the
-GGUF is tools/make_gguf.py's of SYNTHETIC_DIR (tools/make_synthetic.py). Both engines run the
-router's own routing on those weights (no replayed trace), all layers on the GPU.
+GGUF is tools/make_gguf.py's of SYNTHETIC_DIR (tools/make_synthetic.py): a DeepSeek-V3-family
+shape (llama.cpp's deepseek2) or a GLM-4.5 one (glm4moe: --shape glm45-air, glm45, glm-tiny).
+The split below is read from SYNTHETIC_DIR's config.json by its tidejax family, the same for
+both. Both engines run the router's own routing on those weights (no replayed trace), all layers
+on the GPU.
 
 A resident share s puts the routed experts of round((1 - s) x MoE layers) layers on the host:
 llama.cpp keeps the experts of its first K blocks in host memory and computes them on the CPU
@@ -53,7 +56,7 @@ from tidejax.fields import read_json
 from tidejax.models.registry import family_for
 
 ENGINES = ("llama.cpp", "tidejax")
-NGL = "99"  # every layer on the GPU (the synthetic shapes have at most 61)
+NGL = "99"  # every layer on the GPU (the synthetic shapes have at most 92, glm45's)
 
 
 def measures(lanes: list[int], prompts: list[int]) -> list[str]:
@@ -64,8 +67,8 @@ def measures(lanes: list[int], prompts: list[int]) -> list[str]:
 # -- the split between GPU and host ----------------------------------------------------------------
 
 def model_dims(model: Path) -> tuple[int, int, int]:
-    """(leading dense layers, MoE layers, routed experts a layer) of a DeepSeek-V3-family
-    checkpoint, whose MoE layers follow the dense ones (as llama.cpp's --n-cpu-moe assumes)."""
+    """(leading dense layers, MoE layers, routed experts a layer) of a checkpoint whose MoE layers
+    follow the dense ones (as llama.cpp's --n-cpu-moe assumes): DeepSeek-V3 family, GLM-4.5."""
     path = model / "config.json"
     raw = read_json(path)
     family = family_for(raw, str(path))
@@ -73,7 +76,7 @@ def model_dims(model: Path) -> tuple[int, int, int]:
     moe = list(getattr(cfg, "moe_layers", ()))
     if not moe or moe != list(range(moe[0], cfg.num_layers)):
         raise SystemExit(f"error: {path}: the MoE layers {moe} are not the trailing layers of "
-                         f"{cfg.num_layers} (a DeepSeek-V3-family checkpoint is needed)")
+                         f"{cfg.num_layers} (a DeepSeek-V3-family or GLM-4.5 checkpoint is needed)")
     return moe[0], len(moe), family.expert_dims(cfg)[1]
 
 

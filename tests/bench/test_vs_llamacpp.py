@@ -52,6 +52,18 @@ def test_the_split_matches_llamacpps_n_cpu_moe(tiny):
         vs.host_layers(0.0, 39)
 
 
+def test_a_glm45_checkpoint_splits_the_same_way(tmp_path):
+    """GLM-4.5 (llama.cpp's glm4moe): its leading dense layers, MoE layers and experts, read by
+    its family, as --n-cpu-moe counts them."""
+    glm = tmp_path / "glm"
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(glm), "--shape", "glm-tiny",
+                    "--layers", "4", "--dense-layers", "2", "--n-experts", "8", "--workers", "1"],
+                   cwd=REPO, check=True, capture_output=True)
+    assert vs.model_dims(glm) == (2, 2, 8)
+    args = vs.parse_args(["--model", str(glm), "--engines", "tidejax"])
+    assert args.model == glm
+
+
 def test_command_lines(tmp_path):
     exe, gguf = tmp_path / "llama-bench", tmp_path / "m.gguf"
     assert vs.llama_bench_cmd(exe, gguf, 15, [512, 4096], 512, 3, None) == [
