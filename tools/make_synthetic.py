@@ -35,6 +35,17 @@ has them), the routed experts fused per layer as for the V3 family (MXFP4 or `--
 `--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
 shape's own (1 for glm45-air, 3 for glm45). The MTP layer is left out (num_nextn_predict_layers 0).
 
+Shapes of the Qwen3-MoE family (model_type qwen3_moe: GQA attention with q/k norm, softmax-routed
+MoE, no shared expert), written as the published BF16 checkpoints are, the routed experts fused
+per layer as for the V3 family (MXFP4 or `--experts bf16`):
+  qwen3-235b  Qwen3-235B-A22B: 94 layers, hidden 4096, 64 heads of 128 over 4 KV heads, 128
+              experts of 1536, 8 a token, top-k renormalized, rope theta 1e6
+  qwen3-30b   Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads of 128 over 4 KV heads, 128 experts
+              of 768, 8 a token
+  qwen3-tiny  hidden 64, 4 heads of 16 over 2 KV heads, 16 experts of 32, 4 a token (tests)
+`--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` (default 0, as
+published) makes the first layers dense (mlp_only_layers).
+
 Shapes of the GLM-5 family (model_type glm_moe_dsa: MLA with DeepSeek Sparse Attention, a
 lightning indexer a layer, sigmoid-routed MoE with a shared expert), written as the published BF16
 checkpoint is (MLA's `self_attn.*` as DeepSeek-V3's, the indexer's `self_attn.indexer.{wq_b, wk,
@@ -164,6 +175,18 @@ GLM5_SHAPES = {
                       num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16,
                       index_topk=16, n_routed_experts=16, num_experts_per_tok=4, dense_layers=1),
+}
+
+QWEN3_SHAPES = {
+    "qwen3-235b": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                       num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                       num_experts=128, num_experts_per_tok=8, dense_layers=0),
+    "qwen3-30b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      num_experts=128, num_experts_per_tok=8, dense_layers=0),
+    "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=16, num_experts_per_tok=4, dense_layers=0),
 }
 
 # DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
@@ -297,6 +320,26 @@ def glm_config(shape: str, layers: int, dense_layers: int | None, vocab_size: in
         "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "initializer_range": 0.02,
         "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
+        **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
+    }
+
+
+def qwen3_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+                 max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """A config.json as Qwen publishes Qwen3-MoE's (rope_theta at the top level), cut to `layers`
+    layers, the first `dense_layers` of them dense (mlp_only_layers)."""
+    s = dict(QWEN3_SHAPES[shape]) | ({"num_experts": n_experts} if n_experts else {})
+    shape_dense = s.pop("dense_layers")
+    dense_layers = shape_dense if dense_layers is None else dense_layers
+    _check_dense_layers(dense_layers, layers)
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
+        "mlp_only_layers": list(range(dense_layers)), "decoder_sparse_step": 1,
+        "norm_topk_prob": True, "hidden_act": "silu", "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False,
+        "initializer_range": 0.02, "tie_word_embeddings": False,
         "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
         **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
     }
@@ -608,7 +651,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--shape",
-                        choices=sorted(SHAPES | GLM_SHAPES | GLM5_SHAPES | DS41_SHAPES),
+                        choices=sorted(SHAPES | GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES
+                                       | DS41_SHAPES),
                         default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
@@ -636,7 +680,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shape, args.layers = "tiny", 3
     shape = args.shape
     flags = (DS41_FLAGS if shape in DS41_SHAPES
-             else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES else V3_FLAGS)
+             else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES else V3_FLAGS)
     for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
         if getattr(args, name) is not None:
             raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
@@ -659,8 +703,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], Router
         cfg = ds41_config(shape, layers, vocab, special, compressed_token_map(backend),
                           args.n_experts, args.engram_gib)
     else:
-        make = glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES \
-            else hf_config
+        make = (glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES
+                else qwen3_config if shape in QWEN3_SHAPES else hf_config)
         cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
                    args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None
@@ -682,8 +726,9 @@ def main(argv=None) -> int:
                 f"{t['n_routed_experts']} FP4 experts, Engram tables of "
                 f"{t['engram_num_embeddings']} rows")
     else:
-        what = (f"{layers} layers ({layers - cfg['first_k_dense_replace']} MoE x "
-                f"{cfg['n_routed_experts']} experts, {args.experts})")
+        family_cfg = Declared.of(cfg).cfg
+        what = (f"{layers} layers ({len(family_cfg.moe_layers)} MoE x "
+                f"{family_cfg.n_routed_experts} experts, {args.experts})")
     total = write_checkpoint(args.out, cfg, shards, args.tokenizer, args.seed, args.workers)
     print(f"{args.out}: {shape}, {what}, vocab {vocab}, "
           f"{total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")

@@ -124,11 +124,13 @@ class Declared:
     def routers(self) -> list[tuple[int, str, str | None]]:
         """(layer, router weight name, correction bias name or None) of each MoE layer."""
         out = []
-        for path, _ in flatten(self.params):
+        declared = {path for path, _ in flatten(self.params)}
+        for path in declared:
             if path[-1] == "gate_weight":
                 bias = (*path[:-1], "gate_bias")
                 out.append((int(path[0].removeprefix("layers_")), self.name(path, Layout()),
-                            self.name(bias, Layout()) if self.table.param_names(bias) else None))
+                            self.name(bias, Layout()) if bias in declared else None))
+        out.sort()
         return out
 
 
