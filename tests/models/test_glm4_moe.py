@@ -18,6 +18,7 @@ import torch
 from safetensors.numpy import save_file
 
 import tidejax
+from tidejax import ops
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache, gqa_attention
@@ -100,6 +101,24 @@ def test_a_second_turn_shares_the_first_turns_pages(tiny):
 def test_cached_decode_equals_full_forward(tiny):
     _, _, _, engine = tiny
     assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
+
+
+def test_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch):
+    """The decode steps' attention on the paged GQA decode kernel (ops.paged_gqa_decode forced to
+    "pallas": Triton's interpreter here; the other ops as served): the cached decode's logits
+    against transformers' full forward, as on the reference."""
+    _, _, model, engine = tiny
+    kernel, calls = ops.paged_gqa_decode, []
+
+    def forced(*args, **kwargs):
+        calls.append(kwargs.pop("impl"))
+        return kernel(*args, **kwargs, impl="pallas")
+
+    monkeypatch.setattr(ops, "paged_gqa_decode", forced)
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-4
+    assert calls == [None] * engine.cfg.num_layers  # traced once: every layer's decode, no impl
 
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):

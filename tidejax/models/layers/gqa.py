@@ -13,6 +13,7 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.kv import paged
 from tidejax.models.layers.linear import Linear, linear_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
@@ -84,7 +85,7 @@ class GQAttention(nn.Module):
         q, key = rotate(q), rotate(key)
         k_pages = paged.write(k_pages, key, slots)
         v_pages = paged.write(v_pages, value, slots)
-        out = paged.gqa_attention(q, k_pages, v_pages, block_table, positions,
-                                  scale=k ** -0.5)
+        # a decode step's one token: the paged GQA decode kernel on a GPU; a chunk: the jnp loop
+        out = ops.gqa_attention(q, k_pages, v_pages, block_table, positions, scale=k ** -0.5)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
         return out, k_pages, v_pages
