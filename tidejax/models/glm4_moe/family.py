@@ -19,8 +19,8 @@ register(Family(
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,
-    # attention through ops.gqa_attention (decode: the paged GQA decode kernel or its reference;
-    # a chunk: kv.paged.gqa_attention), both reading up to the rows' lengths: its block tables are max_context wide (Family.table_widths)
+    # attention through ops.gqa_attention (the paged GQA kernel or its reference, both reading up
+    # to the rows' positions): its block tables are max_context wide (Family.table_widths)
     create_cache=GQAPages.create,
     cache_axes=GQAPages.axes,
     cache_bytes_per_token=GQAPages.bytes_per_token,

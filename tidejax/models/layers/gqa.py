@@ -85,7 +85,7 @@ class GQAttention(nn.Module):
         q, key = rotate(q), rotate(key)
         k_pages = paged.write(k_pages, key, slots)
         v_pages = paged.write(v_pages, value, slots)
-        # a decode step's one token: the paged GQA decode kernel on a GPU; a chunk: the jnp loop
+        # the paged GQA kernel (decode or a prompt chunk) on a GPU, its jnp reference elsewhere
         out = ops.gqa_attention(q, k_pages, v_pages, block_table, positions, scale=k ** -0.5)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
         return out, k_pages, v_pages
