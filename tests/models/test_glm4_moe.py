@@ -18,6 +18,7 @@ import torch
 from safetensors.numpy import save_file
 
 import tidejax
+from tidejax import ops
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache, gqa_attention
@@ -100,6 +101,30 @@ def test_a_second_turn_shares_the_first_turns_pages(tiny):
 def test_cached_decode_equals_full_forward(tiny):
     _, _, _, engine = tiny
     assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
+
+
+def test_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch):
+    """The attention on the paged GQA kernel (ops.paged_gqa_prefill and paged_gqa_decode forced
+    to "pallas": Triton's interpreter here; the other ops as served), a 16-token prompt chunk then
+    one token a step: the cached decode's logits against transformers' full forward."""
+    _, _, model, engine = tiny
+    calls = []
+
+    def forced(op):
+        kernel = getattr(ops, op)
+
+        def call(*args, **kwargs):
+            calls.append((op, kwargs.pop("impl")))
+            return kernel(*args, **kwargs, impl="pallas")
+        return call
+
+    for op in ("paged_gqa_prefill", "paged_gqa_decode"):
+        monkeypatch.setattr(ops, op, forced(op))
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-4
+    n = engine.cfg.num_layers  # each shape traced once: every layer's attention, given no impl
+    assert calls == [("paged_gqa_prefill", None)] * n + [("paged_gqa_decode", None)] * n
 
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):

@@ -1,6 +1,6 @@
 """Device side of the paged KV pool: writes at a sequence's positions, reads of its own pages, and
-the attentions over them that have no GPU kernel (GQA, sparse MLA over picked entries). The
-paged kernels' ops (MLA attention, index scores) are tidejax.ops.
+GQA's jnp attention (the reference of the paged GQA kernel) and sparse MLA over picked entries
+(no kernel). The paged kernels' ops (MLA and GQA attention, index scores) are tidejax.ops.
 
 A pool leaf is [n_pages, rows, ...]: `rows` entries a page, page_size of them for per-token keys
 (MLA's latent), fewer for a leaf that keeps one entry per `ratio` tokens (DeepSeek-V4.1's
@@ -120,7 +120,8 @@ KEY_BLOCK = 512  # keys the GQA attention attends a loop step (whole pages; at l
 
 
 def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
-    """Grouped-query attention over each row's pages (jnp; no GPU kernel yet): q [b, t, h, k];
+    """Grouped-query attention over each row's pages (jnp; the reference of the paged GQA kernel,
+    pallas.paged_gqa): q [b, t, h, k];
     k_pages, v_pages [n_pages, page_size, g, k] (g KV heads, each serving h / g query heads);
     block_table [b, P]; positions [b, t] (a query sees positions <= its own) -> out [b, t, h, k]
     in the queries' dtype.

@@ -10,6 +10,9 @@ set for a family's forward from its ServeOptions), and `impl=` is for tests and 
     paged_mla_prefill    a prompt chunk's MLA attention over the paged latent cache
     mla_attention        either of the two by the chunk's length, split over "tensor" by heads
     paged_index_scores   a lightning indexer's scores over its paged keys
+    paged_gqa_decode     grouped-query decode attention over the paged KV pool (GLM-4.5): Triton
+    paged_gqa_prefill    a prompt chunk's GQA over the paged KV pool: the same Triton kernel
+    gqa_attention        either of the two by the chunk's length, split over "tensor" by heads
     sinkhorn             mHC's Sinkhorn normalization (DeepSeek-V4 / V4.1): one Triton kernel
     reads_by_length      whether a paged op, on given shapes, reads each row's pages only up to its
                          length (its kernel) or every page its table holds (its reference)
@@ -26,13 +29,15 @@ import jax
 
 from tidejax import parallel
 from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
-from tidejax.pallas import attention, index_scores, sinkhorn as sinkhorn_forms
+from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
 from tidejax.pallas.demand import Demand
 from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
 from tidejax.pallas.moe import moe_grouped_reference
 
-__all__ = ["Demand", "IMPLS", "fp8_block_matmul", "kernels", "mla_attention", "moe_grouped",
-           "paged_index_scores", "paged_mla_decode", "paged_mla_prefill", "reads_by_length", "sinkhorn"]
+__all__ = ["Demand", "IMPLS", "fp8_block_matmul", "gqa_attention", "kernels", "mla_attention",
+           "moe_grouped", "paged_gqa_decode", "paged_gqa_prefill", "paged_index_scores",
+           "paged_mla_decode",
+           "paged_mla_prefill", "reads_by_length", "sinkhorn"]
 
 
 def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
@@ -154,6 +159,67 @@ def mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table, posit
     heads = (None, None, "heads", None)  # [b, t, h, c]
     return parallel.over_tensor(attend, (heads, heads, None, None, None, None), (heads,))(
         q_latent, q_rope, latent_pages, rope_pages, block_table, positions)[0]
+
+
+def _gqa_fits(q, k_pages, v_pages, *_) -> bool:
+    return paged_gqa.triton_supports(q, k_pages, v_pages)
+
+
+def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale,
+                     impl: str | None = None):
+    """Grouped-query decode attention over the paged KV pool, one query token a row: q [b, h, k],
+    k_pages [n_pages, page_size, g, k], v_pages [n_pages, page_size, g, v] (query head j reads KV
+    head j // (h / g)), block_table [b, P], lengths [b] (a row sees its positions 0..length-1)
+    -> out [b, h, v] float32, zeros for a row of length 0 (pallas.paged_gqa).
+
+    impl: "auto" (the Triton kernel through jax-triton on a GPU, where jax-triton is installed and
+    pallas.paged_gqa.triton_supports takes the shapes; the reference elsewhere) | "pallas" (the
+    kernel; Triton's interpreter off the GPU) | "reference"; None: the policy in force. Both read
+    each row's pages up to its length (the reference: up to the longest row's). The kernel
+    against the float32 reference, in Triton's interpreter: ~1e-7 for float32 pools; bf16 pools
+    ~1e-2 of the values' scale (probabilities rounded to bf16 for the value dot). Not yet run or
+    timed on a GPU."""
+    args = (q, k_pages, v_pages, block_table, lengths)
+    return run("paged_gqa_decode", impl, lambda: _gqa_fits(*args),
+               paged_gqa.paged_gqa_decode_reference, paged_gqa.paged_gqa_decode_triton, *args,
+               scale=float(scale))
+
+
+def paged_gqa_prefill(q, k_pages, v_pages, block_table, positions, *, scale,
+                      impl: str | None = None):
+    """Causal GQA of a prompt chunk's queries over their rows' pages: q [b, t, h, k], the pools
+    and table as paged_gqa_decode's, positions [b, t] (a query sees positions <= its own; none,
+    so zeros, when negative) -> out [b, t, h, v] float32 (pallas.paged_gqa).
+
+    impl: as paged_gqa_decode's. The kernel against the reference: as paged_gqa_decode's (the
+    same kernel: a program's dot rows are queries x the heads of one KV head). Not yet run or
+    timed on a GPU."""
+    args = (q, k_pages, v_pages, block_table, positions)
+    return run("paged_gqa_prefill", impl, lambda: _gqa_fits(*args),
+               paged_gqa.paged_gqa_reference, paged_gqa.paged_gqa_triton, *args,
+               scale=float(scale))
+
+
+def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float,
+                  impl: str | None = None):
+    """Grouped-query attention over each row's pages: q [b, t, h, k], k_pages, v_pages [n_pages,
+    page_size, g, k | v], block_table [b, P], positions [b, t] (a query sees positions <= its
+    own) -> out [b, t, h, v] in the queries' dtype. Decode (t = 1) is paged_gqa_decode, a prompt
+    chunk paged_gqa_prefill (either reads each row's pages up to its positions, no more). Where
+    the mesh splits "tensor", each device attends its query and KV heads
+    (parallel.over_tensor: the kernels see one device's shard)."""
+    def attend(q, k_pages, v_pages, block_table, positions):
+        if q.shape[1] == 1:
+            out = paged_gqa_decode(q[:, 0], k_pages, v_pages, block_table, positions[:, 0] + 1,
+                                   scale=float(scale), impl=impl)[:, None]
+        else:
+            out = paged_gqa_prefill(q, k_pages, v_pages, block_table, positions,
+                                    scale=float(scale), impl=impl)
+        return (out.astype(q.dtype),)
+
+    heads = (None, None, "heads", None)  # q [b, t, h, k] and the pools [n_pages, page_size, g, k]
+    return parallel.over_tensor(attend, (heads, heads, heads, None, None), (heads,))(
+        q, k_pages, v_pages, block_table, positions)[0]
 
 
 def paged_index_scores(q, weights, key_pages, block_table, counts, *, scale,

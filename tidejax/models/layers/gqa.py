@@ -15,6 +15,7 @@ import flax.linen as nn
 import flax.struct
 import jax.numpy as jnp
 
+from tidejax import ops
 from tidejax.checkpoint import Rule
 from tidejax.errors import ConfigError
 from tidejax.fields import Fields
@@ -115,15 +116,16 @@ class GQAttention(nn.Module):
         q, key = rotate(q), rotate(key)
         k_pages = paged.write(k_pages, key, slots)
         v_pages = paged.write(v_pages, value, slots)
-        out = paged.gqa_attention(q, k_pages, v_pages, block_table, positions,
-                                  scale=k ** -0.5)
+        # the paged GQA kernel (decode or a prompt chunk) on a GPU, its jnp reference elsewhere
+        out = ops.gqa_attention(q, k_pages, v_pages, block_table, positions, scale=k ** -0.5)
         out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
         return out, k_pages, v_pages
 
 
 # the Family fields (tidejax.models.base) every GQA family on the shared decoder has alike: its
-# routed experts, its pool (attention through kv.paged.gqa_attention, a loop over key blocks up to
-# the last position, so its block tables are max_context wide: Family.table_widths)
+# routed experts, its pool (attention through ops.gqa_attention, the paged GQA kernel or its
+# reference, both reading up to the rows' positions: its block tables are max_context wide,
+# Family.table_widths)
 GQA_FAMILY = dict(expert_dims=expert_dims, top_k=lambda cfg: cfg.num_experts_per_tok,
                   create_cache=GQAPages.create, cache_axes=GQAPages.axes,
                   cache_bytes_per_token=GQAPages.bytes_per_token)

@@ -1,0 +1,187 @@
+"""Paged grouped-query attention (GLM-4.5) over each row's pages: decode (one query a row) and
+prefill (a prompt chunk's queries). For row i, query head j (KV head j // R, R = h / g heads
+sharing each) and a query at position q, over the positions p <= q of the row's pages (position
+p in page block_table[i, p // page_size], row p % page_size):
+    out[i, j] = softmax_p(q[i, j] . k[p, j // R] * scale) @ v[p, j // R]    (float32)
+tidejax.ops.paged_gqa_decode and paged_gqa_prefill pick between:
+
+- `paged_gqa_reference` (and `paged_gqa_decode_reference`): jnp, kv.paged.gqa_attention's flash
+  loop (key blocks gathered through the table up to the chunk's last position, float32, HIGHEST
+  precision dots).
+- `paged_gqa_triton` (and `paged_gqa_decode_triton`): paged_gqa_kernel, called through
+  jax-triton on the GPU (Pallas's Triton lowering is deprecated since jax 0.11): program (row,
+  KV head, query block x split) takes BQ queries x the R heads of one KV head as the rows of its
+  dots and walks its split's share of the keys up to its last query's position; the splits'
+  partial sums are combined by log-sum-exp in jnp. Dots take the pool's dtype with float32
+  accumulation (bf16 pools: bf16 dots, a float32 query as two bf16 terms, the probabilities
+  rounded to bf16 for the value dot, as in FlashAttention; float32 pools: IEEE float32 dots).
+  Off the GPU (interpret=True, tests) the same kernel runs in Triton's interpreter on the host
+  (through jax.pure_callback and torch tensors), its dots in float32 on the same rounded
+  operands (the interpreter's bf16 dots are wrong). Not yet run or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tidejax.kv.paged import gqa_attention
+
+F32 = jnp.float32
+POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MAX_HEAD_DIM = 256  # channels a head (k and v): a program holds [BLOCK_N, head_dim] of each
+MAX_GROUP = 64  # query heads a KV head: a program's dot rows take at least one query's
+ROWS = 64  # dot rows a program aims at: BQ = ROWS // R queries (at least 1) of R heads
+BLOCK_N = 64  # keys a loop step (a page, part of one, or several small pages gathered)
+NUM_WARPS = 4
+# programs the grid aims at (two waves of the H200's 132 multiprocessors) and the fewest key
+# blocks a split takes (a split writes [rows, v] float32 partials); not tuned on a GPU yet
+TARGET_PROGRAMS = 264
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def _check_args(op, q, k_pages, v_pages, block_table, positions):
+    """q [b, *lead, h, k] against the pools [n_pages, page_size, g, k | v], block_table [b, P]
+    and positions | lengths [b, *lead]."""
+    *lead, h, dk = q.shape
+    n, ps, g, _ = k_pages.shape
+    if (h % g or k_pages.shape[3] != dk or v_pages.shape[:3] != (n, ps, g)
+            or block_table.ndim != 2 or block_table.shape[0] != lead[0]
+            or positions.shape != tuple(lead)):
+        raise ValueError(f"{op}: q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, "
+                         f"block_table {block_table.shape} and positions / lengths "
+                         f"{positions.shape} do not fit (q [b, (t,) h, k], pools [n_pages, "
+                         f"page_size, g, k | v] with h a multiple of g, block_table [b, P])")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"{op}: k_pages {k_pages.dtype} and v_pages {v_pages.dtype} must share "
+                         f"a dtype")
+
+
+def paged_gqa_reference(q, k_pages, v_pages, block_table, positions, *, scale):
+    """q [b, t, h, k], k_pages [n_pages, page_size, g, k], v_pages [n_pages, page_size, g, v],
+    block_table [b, P] int32, positions [b, t] int32 (a query sees positions <= its own; none,
+    so zeros, when negative) -> out [b, t, h, v] float32. Reads the table's pages up to the
+    chunk's last position, never the pool."""
+    _check_args("paged_gqa_prefill", q, k_pages, v_pages, block_table, positions)
+    return gqa_attention(q.astype(F32), k_pages, v_pages, block_table, positions, scale=scale)
+
+
+def paged_gqa_decode_reference(q, k_pages, v_pages, block_table, lengths, *, scale):
+    """q [b, h, k], the pools as paged_gqa_reference's, lengths [b] int32 (a row sees its
+    positions 0..length-1) -> out [b, h, v] float32, zeros for a row of length 0."""
+    _check_args("paged_gqa_decode", q, k_pages, v_pages, block_table, lengths)
+    return paged_gqa_reference(q[:, None], k_pages, v_pages, block_table,
+                               (lengths - 1)[:, None], scale=scale)[:, 0]
+
+
+def _pow2_at_least(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def triton_supports(q, k_pages, v_pages) -> bool:
+    """Whether the kernel takes these shapes here: head dims up to MAX_HEAD_DIM, up to MAX_GROUP
+    query heads a KV head, bf16 or float32 pools and queries, and jax-triton installed (the GPU
+    path's only way in)."""
+    h, g = q.shape[-2], k_pages.shape[2]
+    dtypes = {jnp.dtype(a.dtype) for a in (q, k_pages, v_pages)}
+    return (max(k_pages.shape[3], v_pages.shape[3]) <= MAX_HEAD_DIM and h // g <= MAX_GROUP
+            and dtypes <= set(POOL_DTYPES) and importlib.util.find_spec("jax_triton") is not None)
+
+
+def choose_splits(programs: int, n_table: int, page_size: int) -> int:
+    """Splits of each query block's key blocks (static), given the programs without splits:
+    enough programs to fill the GPU, none that could not get MIN_BLOCKS_PER_SPLIT blocks of a
+    full table."""
+    max_blocks = -(-n_table * page_size // BLOCK_N)
+    want = -(-TARGET_PROGRAMS // max(1, programs))
+    return max(1, min(want, max_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def _meta(q, k_pages, v_pages, interpret: bool) -> dict:
+    t, h, dk = q.shape[1:]
+    _, ps, g, dv = v_pages.shape
+    r = h // g
+    bq = max(1, min(ROWS // r, t))
+    two_terms = k_pages.dtype == jnp.bfloat16 and q.dtype == F32
+    return dict(T=t, H=h, G=g, R=r, BQ=bq, M_P=_pow2_at_least(bq * r), DK=dk,
+                DK_P=_pow2_at_least(dk), DV=dv, DV_P=_pow2_at_least(dv), PS=ps, BLOCK_N=BLOCK_N,
+                MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT, Q_TERMS=2 if two_terms else 1,
+                PRECISION="ieee" if interpret or k_pages.dtype == F32 else "tf32",
+                DOT_F32=interpret)
+
+
+def _torch(a: np.ndarray):
+    """A host array as a writable torch tensor (bf16 through its bits: numpy has no bf16)."""
+    import torch
+
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(np.array(a).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def _interpreted(q, k_pages, v_pages, block_table, positions, *, scale: float, meta: dict,
+                 grid: tuple):
+    """The kernel in Triton's interpreter on the host -> (acc, top, total) float32."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tidejax.pallas.paged_gqa_kernel import paged_gqa_kernel
+
+    b, g, s, t, r = q.shape[0], meta["G"], meta["SPLITS"], meta["T"], meta["R"]
+    acc = torch.zeros((b, g, s, t, r, meta["DV"]), dtype=torch.float32)
+    top = torch.zeros((b, g, s, t, r), dtype=torch.float32)
+    total = torch.zeros_like(top)
+    InterpretedFunction(paged_gqa_kernel.fn)[grid](
+        _torch(q), _torch(k_pages), _torch(v_pages), _torch(block_table), _torch(positions),
+        acc, top, total, block_table.shape[1], float(scale), **meta)
+    return acc.numpy(), top.numpy(), total.numpy()
+
+
+def paged_gqa_triton(q, k_pages, v_pages, block_table, positions, *, scale,
+                     interpret: bool = False):
+    """paged_gqa_reference's result by the Triton kernel (same shapes)."""
+    _check_args("paged_gqa_prefill", q, k_pages, v_pages, block_table, positions)
+    b, t, h, _ = q.shape
+    n_table = block_table.shape[1]
+    _, ps, g, dv = v_pages.shape
+    if b * t == 0:
+        return jnp.zeros((b, t, h, dv), F32)
+    meta = _meta(q, k_pages, v_pages, interpret)
+    q_blocks = -(-t // meta["BQ"])
+    splits = meta["SPLITS"] = choose_splits(b * g * q_blocks, n_table, ps)
+    grid, r = (b, g, q_blocks * splits), h // g
+    shapes = (jax.ShapeDtypeStruct((b, g, splits, t, r, dv), F32),
+              jax.ShapeDtypeStruct((b, g, splits, t, r), F32),
+              jax.ShapeDtypeStruct((b, g, splits, t, r), F32))
+    table, positions = block_table.astype(jnp.int32), positions.astype(jnp.int32)
+    if interpret:
+        acc, top, total = jax.pure_callback(
+            functools.partial(_interpreted, scale=float(scale), meta=meta, grid=grid), shapes,
+            q, k_pages, v_pages, table, positions)
+    else:
+        import jax_triton
+
+        from tidejax.pallas.paged_gqa_kernel import paged_gqa_kernel
+
+        acc, top, total = jax_triton.triton_call(
+            q, k_pages, v_pages, table, positions, n_table, float(scale),
+            kernel=paged_gqa_kernel, out_shape=shapes, grid=grid, num_warps=NUM_WARPS,
+            num_stages=2, **meta)
+    # the splits by log-sum-exp: [b, g, S, t, r, ...] -> [b, g, t, r, ...]
+    best = jnp.max(top, axis=2, keepdims=True)
+    weight = jnp.exp(top - best)  # 1 for every split of a query with no keys (their sums are 0)
+    total = jnp.sum(total * weight, axis=2)
+    out = jnp.sum(acc * weight[..., None], axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return jnp.moveaxis(out, 1, 2).reshape(b, t, h, dv)  # [b, t, g, r, v] -> [b, t, h, v]
+
+
+def paged_gqa_decode_triton(q, k_pages, v_pages, block_table, lengths, *, scale,
+                            interpret: bool = False):
+    """paged_gqa_decode_reference's result by the Triton kernel (same shapes)."""
+    _check_args("paged_gqa_decode", q, k_pages, v_pages, block_table, lengths)
+    return paged_gqa_triton(q[:, None], k_pages, v_pages, block_table, (lengths - 1)[:, None],
+                            scale=scale, interpret=interpret)[:, 0]
