@@ -45,6 +45,7 @@ class Stream:
     first: float | None = None  # first streamed text
     last: float | None = None  # last chunk
     tokens: int = 0  # completion tokens (the server's usage count)
+    text: str = ""  # the streamed content
     engine_tps: float = 0.0  # x_engine_stats.decode_tps
 
     @property
@@ -66,8 +67,9 @@ def stream_chat(client, model: str, prompt: str, max_tokens: int, temperature: f
         extra_body={"ignore_eos": True})
     for chunk in chunks:
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta.content and s.first is None:
-            s.first = now
+        if chunk.choices and chunk.choices[0].delta.content:
+            s.first = now if s.first is None else s.first
+            s.text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             s.tokens = chunk.usage.completion_tokens
         stats = (chunk.model_extra or {}).get("x_engine_stats")

@@ -112,7 +112,8 @@ def test_bench_against_a_live_server(tiny_bf16, tmp_path):
             cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
         soak = subprocess.run(
             [sys.executable, "-m", "bench.soak", "--url", url, "--clients", "2",
-             "--minutes", "0.1", "--max-tokens", "12", "--rss-every", "1"],
+             "--minutes", "0.1", "--max-tokens", "12", "--rss-every", "1", "--greedy", "0.5",
+             "--greedy-tokens", "8", "--drop", "0.2"],
             cwd=REPO, check=True, capture_output=True, text=True, timeout=300).stdout
     rows = [r for r in result.stdout.splitlines() if r.startswith(("| prose", "| code"))]
     assert len(rows) == 8  # 2 prompts x 2 concurrencies, printed live and in the table
@@ -123,6 +124,10 @@ def test_bench_against_a_live_server(tiny_bf16, tmp_path):
     # bench/soak.py: two clients for six seconds, every request served, the memory sampled
     served = re.search(r"2 clients for 0\.\d min: (\d+) requests, 0 errors, (\d+) tokens", soak)
     assert served and int(served.group(1)) >= 2 and int(served.group(2)) >= 16, soak
+    # greedy texts under load equal the same requests alone; dropped streams cost nothing
+    mixed = re.search(r"alone: (\d+) \(0 differ\); streams dropped by the client: (\d+); "
+                      r"preemptions: \d+", soak)
+    assert mixed and int(mixed.group(1)) >= 1 and int(mixed.group(2)) >= 1, soak
     assert re.search(r"^\| TTFT \| \d", soak, re.M) and re.search(r"^\| total \| \d", soak, re.M)
     rss = re.search(r"^\| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [+-][\d.]+ \|", soak, re.M)
     assert rss and 10 < float(rss.group(1)) <= float(rss.group(3)), soak
