@@ -27,6 +27,8 @@ import struct
 import threading
 import time
 
+import jax
+
 from tidejax.config import DistributedSection
 from tidejax.errors import ConfigError
 
@@ -171,6 +173,10 @@ class Follower:
         return _receive(self.sock)
 
     def close(self) -> None:
+        """Leaves jax.distributed, then closes: process 0 waits for this end to close before it
+        stops its coordination service, and jax's client aborts a process whose coordination
+        service goes first."""
+        jax.distributed.shutdown()
         self.sock.close()
 
 

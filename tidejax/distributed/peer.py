@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
-
 from tidejax.config import EngineConfig
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.runner import Runner
@@ -33,8 +31,5 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
-    # out of jax.distributed before process 0 is (it waits for this channel to close): jax's
-    # client aborts a process whose coordination service goes first
-    jax.distributed.shutdown()
-    channel.close()
+    channel.close()  # out of jax.distributed first (Follower.close)
     log.info("process %d: process 0 stopped", config.distributed.process_id)
