@@ -4,11 +4,20 @@ the target distribution exactly."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from scipy.stats import chi2
 
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, lane_keys,
+                                      probabilities, process, sample)
+from tidejax.runtime.speculative import accept, draw
 from tests.support.tiny_models import write_mtp_copy
 
 
@@ -46,3 +55,105 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
     write_mtp_copy(plain, with_mtp, attention_from=0, moe_from=1)
     with pytest.raises(ConfigError, match=r"verify step is not run by the engine yet"):
         LoadedModel(profile(with_mtp, method="mtp", tokens=3))
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance rule, on a tiny vocabulary
+
+TRIALS = 20000  # lanes, each an independent trial with its own seed
+VOCAB = 8
+# every sampling parameter the server takes (thinking budget aside: it forces one token)
+SAMPLED = dict(temperature=0.8, top_k=6, top_p=0.95, min_p=0.03, presence_penalty=0.5,
+               frequency_penalty=0.3, repetition_penalty=1.3, logit_bias=((2, 1.0),))
+# a chi-square bound with a one-in-10^4 false alarm for a correct sampler (the seeds are fixed,
+# so a run that passes passes every time)
+ALARM = 1e-4
+
+
+def lanes(params: SamplingParams, trials: int = TRIALS) -> LaneSampling:
+    """`trials` lanes with `params` and seeds 0..trials-1, which have generated tokens 1, 1, 3
+    and seen 0 in the prompt (so the penalties move the logits)."""
+    rows = LaneParams.of([dataclasses.replace(params, seed=i) for i in range(trials)])
+    counts = np.zeros((trials, VOCAB), np.int32)
+    counts[:, 1], counts[:, 3] = 2, 1
+    seen = counts > 0
+    seen[:, 0] = True
+    return jax.tree.map(jnp.asarray, LaneSampling(rows, counts, seen))
+
+
+def distributions(logits, sampling: LaneSampling):
+    """logits [n, v] (one lane's at n positions) -> [trials, n, v]: each position's distribution
+    after the penalties, bias, temperature and truncation, the same for every lane."""
+    rows = [probabilities(process(jnp.broadcast_to(row, (TRIALS, VOCAB)), sampling),
+                          sampling.params) for row in logits]
+    return jnp.stack(rows, axis=1)
+
+
+def chi_square(tokens, expected) -> float:
+    """Pearson's statistic of tokens [m] against expected [v] (numpy) over the bound for the
+    tokens that can be drawn (inf where a token of probability 0 was drawn)."""
+    counts = np.bincount(tokens, minlength=VOCAB)
+    if counts[expected == 0].sum():
+        print(f"tokens of probability 0 drawn: {counts} against {expected}")
+        return np.inf
+    live = expected > 0
+    want = expected[live] * len(tokens)
+    stat = float(((counts[live] - want) ** 2 / want).sum())
+    bound = chi2.ppf(1 - ALARM, live.sum() - 1)
+    print(f"chi-square {stat:.1f} (bound {bound:.1f}, {live.sum()} tokens, {len(tokens)} draws)")
+    return stat / bound  # below 1: within the bound
+
+
+@pytest.fixture(scope="module")
+def sampled_verdict():
+    """k = 2 drafts from a draft model unlike the target, verified over TRIALS lanes:
+    (target distributions [3, v], drafts [trials, 2], Verdict)."""
+    rng = np.random.RandomState(3)
+    target = jnp.asarray(rng.randn(3, VOCAB).astype(np.float32) * 1.5)
+    draft = target[:2] + jnp.asarray(rng.randn(2, VOCAB).astype(np.float32))
+    sampling = lanes(SamplingParams(**SAMPLED))
+    p, q = distributions(target, sampling), distributions(draft, sampling)
+    keys = lane_keys(sampling.params.seed, jnp.full(TRIALS, 10))
+    draft_keys = jax.vmap(lambda key: jax.random.split(key, 3))(
+        lane_keys(sampling.params.seed, jnp.full(TRIALS, 11)))
+    drafts = jnp.stack([draw(q[:, i], draft_keys[:, i]) for i in range(2)], axis=1)
+    verdict = jax.jit(accept)(p, q, drafts, keys)
+    return np.asarray(p[0]), np.asarray(drafts), jax.tree.map(np.asarray, verdict), sampling, target
+
+
+def test_rejection_sampling_keeps_the_target_distribution(sampled_verdict):
+    """Each emitted token follows the target's distribution (penalties, bias, temperature, top_k,
+    top_p, min_p applied) within the chi-square bound, as the non-speculative sampler's tokens
+    do over the same seeds; the draft's own tokens, taken as they are, do not."""
+    p, drafts, verdict, sampling, target = sampled_verdict
+    accepted, tokens = verdict.accepted, verdict.tokens
+    assert 0 < (accepted > 0).mean() < 1 and (accepted == 2).any()  # both branches taken
+    assert chi_square(tokens[:, 0], p[0]) < 1
+    # the token at position i, where the step emits it, follows p_i (the target's distributions
+    # here do not depend on the tokens before, so the events before it are independent of it)
+    assert chi_square(tokens[accepted >= 1, 1], p[1]) < 1
+    assert chi_square(tokens[accepted == 2, 2], p[2]) < 1
+    plain = sample(jnp.broadcast_to(target[0], (TRIALS, VOCAB)), sampling, jnp.full(TRIALS, 10))
+    assert chi_square(np.asarray(plain.tokens), p[0]) < 1
+    assert chi_square(drafts[:, 0], p[0]) > 1  # the bound has the power to tell them apart
+
+
+def test_greedy_acceptance_is_the_longest_matching_prefix():
+    """Greedy lanes (p, q one-hot): the drafts kept are the longest prefix equal to the target's
+    argmax, and the step's token is the target's argmax after them, whatever the keys."""
+    rng = np.random.RandomState(5)
+    b, k = 64, 3
+    target = rng.randn(b, k + 1, VOCAB).astype(np.float32)
+    best = target.argmax(-1)  # [b, k + 1]
+    # drafts agreeing with the target for a random number of leading positions, then not
+    agree = rng.randint(0, k + 1, b)
+    drafts = np.where(np.arange(k)[None] < agree[:, None], best[:, :k], (best[:, :k] + 1) % VOCAB)
+    greedy = LaneParams.of([SamplingParams()] * b)
+    p = jnp.stack([probabilities(jnp.asarray(target[:, i]), greedy) for i in range(k + 1)], 1)
+    q = jax.nn.one_hot(drafts, VOCAB)
+    verdict = accept(p, q, jnp.asarray(drafts, jnp.int32), lane_keys(jnp.arange(b), jnp.zeros(b, int)))
+    np.testing.assert_array_equal(verdict.accepted, agree)
+    for lane in range(b):
+        n = agree[lane]
+        np.testing.assert_array_equal(verdict.tokens[lane, :n + 1], best[lane, :n + 1])
+        assert (np.asarray(verdict.tokens[lane, n + 1:]) == 0).all()
