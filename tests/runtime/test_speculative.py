@@ -5,6 +5,7 @@ the target distribution exactly."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,16 @@ from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, lane_keys,
                                       probabilities, process, sample)
 from tidejax.runtime.speculative import accept, draw
+from tidejax.kv.paged import PagedCache
+from tidejax.models.deepseek_v3.config import DeepseekV3Config
+from tidejax.models.deepseek_v3.model import build, build_mtp
+from tidejax.models.deepseek_v3.weights import load_weights
+from tidejax.models.layers.mla import MLACache
+from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slots
+from tidejax.models.loading import ExpertPool
+from tidejax.residency.serve import ServeOptions
+from tidejax.residency.state import all_resident_state
+from tidejax.runtime.speculative import Speculator
 from tests.support.tiny_models import write_mtp_copy
 
 
@@ -157,3 +168,139 @@ def test_greedy_acceptance_is_the_longest_matching_prefix():
         n = agree[lane]
         np.testing.assert_array_equal(verdict.tokens[lane, :n + 1], best[lane, :n + 1])
         assert (np.asarray(verdict.tokens[lane, n + 1:]) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify rounds over a tiny DeepSeek-V3 with one MTP layer (the model alone; the engine does not
+# run them yet)
+
+SERVE = ServeOptions(kernel="reference", all_resident=True)
+PAGE = 4
+PROMPT = [5, 9, 17, 33, 2, 60, 7]
+NEW = 24  # greedy tokens compared
+SCALE = 0.3  # repeating_mtp's: its greedy output repeats for runs and leaves them (both paths)
+
+
+def repeating_mtp(path, out, scale: float):
+    """A copy of `path` whose main model often repeats its last token (lm_head tied to the
+    embedding, the final norm ones, the layers' outputs scaled by `scale`, so the residual stream
+    keeps the input token's embedding) and whose MTP layer drafts "the main model's next token again": eh_proj
+    passes the normed hidden state alone, the block's attention and experts add nothing, the
+    norms are ones; its logits are then the main head's at a positive scale of the same hidden
+    state, so it drafts the token at p + 1 for p + 2, right wherever the target repeats."""
+    from safetensors.numpy import load_file, save_file
+    write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    tensors = load_file(out / "model.safetensors")
+    n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{n}."
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.norm.weight"] = np.ones_like(tensors["model.norm.weight"])
+    for name, w in tensors.items():
+        if not name.startswith(mtp):
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = w * scale
+            continue
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones_like(w)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(w)
+    d = tensors[mtp + "eh_proj.weight"].shape[0]
+    tensors[mtp + "eh_proj.weight"] = np.concatenate([np.zeros((d, d)), np.eye(d)], 1).astype(
+        np.float32)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tiny_checkpoint, tmp_path_factory):
+    """{"random": random MTP weights, "repeating": repeating_mtp's} -> (cfg, params, experts,
+    MTP params, MTP experts, plain greedy output), on one base checkpoint."""
+    base = tiny_checkpoint("deepseek_v3", "qlora_groups")
+    folder = tmp_path_factory.mktemp("spec")
+    out = {}
+    for name in ("random", "repeating"):
+        path = folder / name
+        if name == "random":
+            write_mtp_copy(base, path, attention_from=0, moe_from=1)
+        else:
+            repeating_mtp(base, path, SCALE)
+        raw = json.loads((path / "config.json").read_text())
+        cfg = DeepseekV3Config.from_hf(raw)
+        pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+        params, kept = load_weights(cfg, path, raw, SERVE, jnp.float32, pool.put_row)
+        out[name] = (cfg, params, all_resident_state(pool.result(), len(cfg.moe_layers)),
+                     mtp_params(params, kept, cfg), mtp_expert_state(kept, cfg, jnp.float32))
+    out = {name: (*model, plain_greedy(model)) for name, model in out.items()}
+    return out
+
+
+def greedy_judge(logits):
+    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=logits.dtype)
+
+
+def pool(cfg):
+    """A fresh pool with the MTP slot and a shuffled block table [1, P] covering everything."""
+    pages = (len(PROMPT) + NEW + 8 + PAGE) // PAGE
+    cache = PagedCache(MLACache.create(with_mtp_slots(cfg), pages, PAGE, jnp.float32))
+    return cache, jnp.asarray(np.random.RandomState(0).permutation(pages)[None].astype(np.int32))
+
+
+def plain_greedy(model) -> list[int]:
+    """One token a step through the main model."""
+    cfg, params, experts = model[:3]
+    main = jax.jit(lambda *a: build(cfg, SERVE, jnp.float32).apply({"params": params}, *a))
+    cache, table = pool(cfg)
+    tokens = jnp.asarray([PROMPT])
+    positions = jnp.arange(len(PROMPT))[None]
+    out = []
+    while len(out) < NEW:
+        logits, cache, experts = main(tokens, positions, tokens > -1, cache, table, experts)
+        out.append(int(logits[0, -1].argmax()))
+        tokens, positions = jnp.asarray([[out[-1]]]), positions[:, -1:] + 1
+    return out
+
+
+def speculative_greedy(model, k: int) -> tuple[list[int], int, int]:
+    """The prompt, a first draft, then verify rounds -> (tokens, rounds, drafts accepted)."""
+    cfg, params, experts, mparams, mexperts = model[:5]
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
+                      greedy_judge)
+    cache, table = pool(cfg)
+    n = len(PROMPT)
+    prompt, positions = jnp.asarray([PROMPT]), jnp.arange(n)[None]
+    (logits, cache, experts), seen = spec.main.apply(
+        {"params": params}, prompt, positions, prompt > -1, cache, table, experts,
+        mutable=["intermediates"])
+    out = [int(logits[0, -1].argmax())]
+    keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+    drafts, q, cache, mexperts = jax.jit(spec.draft)(
+        mparams, seen["intermediates"]["head_hidden"][0], jnp.asarray([PROMPT[1:] + out]),
+        positions, prompt > -1, jnp.asarray([n - 1]), cache, table, mexperts, keys)
+    verify = jax.jit(spec.verify)
+    rounds = accepted = 0
+    while len(out) < NEW:
+        tokens = jnp.concatenate([jnp.asarray([[out[-1]]]), drafts], 1)
+        positions = n + len(out) - 1 + jnp.arange(k + 1)[None]
+        verdict, drafts, q, cache, experts, mexperts = verify(
+            params, mparams, tokens, positions, tokens > -1, q, cache, table, experts, mexperts,
+            keys)
+        a = int(verdict.accepted[0])
+        out += [int(t) for t in verdict.tokens[0, :a + 1]]
+        rounds, accepted = rounds + 1, accepted + a
+    return out[:NEW], rounds, accepted
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_rounds_decode_what_greedy_decodes(mtp_models, k):
+    """Greedy output is token for token the one-token-a-step decode's, with random MTP weights
+    (drafts rejected: the rollback path) and with the repeating MTP layer, where drafts are
+    accepted and the decode takes fewer rounds than tokens."""
+    for name, model in mtp_models.items():
+        want = model[-1]
+        got, rounds, accepted = speculative_greedy(model, k)
+        print(f"{name} k={k}: {rounds} rounds for {NEW} tokens, {accepted} drafts accepted; "
+              f"{want}")
+        assert got == want, name
+        if name == "repeating":
+            assert accepted > 0 and rounds < NEW - 1
+            assert accepted < NEW - 1  # and rejections too

@@ -16,6 +16,8 @@ own next token, so its output equals one-token-a-step decoding token for token.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +62,66 @@ def accept(p, q, drafts, keys) -> Verdict:
     tokens = jnp.where(index < accepted[:, None], padded,
                        jnp.where(index == accepted[:, None], final[:, None], 0))
     return Verdict(accepted, tokens.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculator:
+    """A verify round over rows (lanes) of one sequence each, given the main model (a Decoder,
+    which sows its head's hidden state) and the MTP draft module (layers/mtp.py), both over one
+    paged pool with the MTP slots.
+
+    verify runs k + 1 positions a row, [latest token, d_1 .. d_k] at n .. n + k; the rows' KV
+    past what is kept needs no undoing: the next round starts at the first position not kept
+    and rewrites every position it reads before reading it (attention reads positions <= its
+    own). Then the MTP layer drafts again from the main model's hidden state at the last kept
+    position, the MTP pass masked past it. With one MTP layer and k > 1 the layer is chained on
+    its own output hidden state, as DeepSeek's k > 1 drafting with one layer does; the chain
+    writes MTP keys at up to n + 2k - 1, so a row's pages must cover that.
+    judge: a row's logits [b, v] -> the distribution it draws from [b, v] (greedy: one-hot).
+    """
+
+    main: Any
+    mtp: Any
+    k: int
+    judge: Callable
+
+    def draft(self, mtp_params, hidden, next_tokens, positions, mask, at, cache, table, experts,
+              keys):
+        """hidden [b, t, d]: the main model's at positions [b, t]; next_tokens [b, t]: the token
+        at each position + 1; mask [b, t]: the positions whose MTP keys are written; at [b]:
+        the last kept position's index -> (drafts [b, k] int32, q [b, k, v], cache, experts)."""
+        b = hidden.shape[0]
+        rows = jnp.arange(b)
+        logits, x, cache, experts = self.mtp.apply(
+            {"params": mtp_params}, hidden, next_tokens, positions, mask, cache, table, experts,
+            logits_at=at)
+        x, position, live = x[rows, at][:, None], positions[rows, at][:, None], mask[:, :1]
+        drafts, qs = [], []
+        for j in range(self.k):
+            q = self.judge(logits[:, 0])
+            token = draw(q, jax.vmap(jax.random.fold_in, (0, None))(keys, j))
+            drafts.append(token)
+            qs.append(q)
+            if j + 1 < self.k:  # the chain: its own hidden state, the draft as the next token
+                position = position + 1
+                logits, x, cache, experts = self.mtp.apply(
+                    {"params": mtp_params}, x, token[:, None], position, live, cache, table,
+                    experts)
+        return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache, experts
+
+    def verify(self, params, mtp_params, tokens, positions, mask, q, cache, table, experts,
+               mtp_experts, keys):
+        """tokens, positions, mask [b, k + 1]: each row's latest token and its k drafts (drawn
+        from q [b, k, v]); keys [b] -> (Verdict, next drafts [b, k], their q, cache, experts,
+        mtp_experts)."""
+        (logits, cache, experts), seen = self.main.apply(
+            {"params": params}, tokens, positions, mask, cache, table, experts,
+            mutable=["intermediates"])
+        hidden = seen["intermediates"]["head_hidden"][0]
+        p = jnp.stack([self.judge(logits[:, i]) for i in range(self.k + 1)], 1)
+        verdict = accept(p, q, tokens[:, 1:], jax.vmap(jax.random.fold_in, (0, None))(keys, self.k))
+        kept = mask & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
+        drafts, q, cache, mtp_experts = self.draft(
+            mtp_params, hidden, verdict.tokens, positions, kept, verdict.accepted, cache, table,
+            mtp_experts, keys)
+        return verdict, drafts, q, cache, experts, mtp_experts
