@@ -304,3 +304,28 @@ def test_verify_rounds_decode_what_greedy_decodes(mtp_models, k):
         if name == "repeating":
             assert accepted > 0 and rounds < NEW - 1
             assert accepted < NEW - 1  # and rejections too
+
+
+def test_verify_round_picks_are_counted_as_demand(mtp_models):
+    """The verify round's k + 1 positions a row go through the MoE layers' demand counting like
+    any step's tokens: each MoE layer's wanted picks grow by (k + 1) x top_k, a one-token step's
+    by top_k."""
+    cfg, params, experts, mparams, mexperts = mtp_models["random"][:5]
+    k = 3
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
+                      greedy_judge)
+    cache, table = pool(cfg)
+    tokens = jnp.asarray([PROMPT[:k + 1]])
+    q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
+    keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+    before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
+    _, _, _, _, after, _ = jax.jit(spec.verify)(
+        params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
+        mexperts, keys)
+    np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
+                               (k + 1) * cfg.num_experts_per_tok)
+    one = jnp.asarray([PROMPT[:1]])
+    _, _, single = spec.main.apply({"params": params}, one, jnp.zeros((1, 1), jnp.int32), one > -1,
+                                   cache, table, experts)
+    np.testing.assert_allclose(np.asarray(single.counts).sum(axis=1) - before,
+                               cfg.num_experts_per_tok)
