@@ -329,3 +329,37 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
                                    cache, table, experts)
     np.testing.assert_allclose(np.asarray(single.counts).sum(axis=1) - before,
                                cfg.num_experts_per_tok)
+
+
+def test_sampled_verify_rounds_complete_and_accept(mtp_models):
+    """Sampled rounds (temperature 0.5, top_p 0.9: the judge is sampling.probabilities, as for
+    p and q in the engine) on the repeating MTP layer run to the end, accepting drafts; the same
+    seed gives the same tokens."""
+    cfg, params, experts, mparams, mexperts = mtp_models["repeating"][:5]
+    k = 2
+    lane = LaneParams.of([SamplingParams(temperature=0.5, top_p=0.9, seed=3)])
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
+                      lambda logits: probabilities(logits, lane))
+    verify = jax.jit(spec.verify)
+
+    def run():
+        cache, table = pool(cfg)
+        tokens = jnp.asarray([PROMPT[-1:] + PROMPT[:k]])
+        q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
+        out, accepted, position = [], 0, len(PROMPT) - 1
+        state = (experts, mexperts)
+        while len(out) < 16:
+            keys = lane_keys(jnp.asarray([3]), jnp.asarray([position]))
+            verdict, drafts, q, cache, *state = verify(
+                params, mparams, tokens, position + jnp.arange(k + 1)[None], tokens > -1, q,
+                cache, table, *state, keys)
+            a = int(verdict.accepted[0])
+            out += [int(t) for t in verdict.tokens[0, :a + 1]]
+            accepted, position = accepted + a, position + a + 1
+            tokens = jnp.concatenate([jnp.asarray([[out[-1]]]), drafts], 1)
+        return out, accepted
+
+    out, accepted = run()
+    print(f"sampled: {out}, {accepted} drafts accepted")
+    assert accepted > 0
+    assert run() == (out, accepted)
