@@ -177,7 +177,9 @@ def test_greedy_acceptance_is_the_longest_matching_prefix():
 SERVE = ServeOptions(kernel="reference", all_resident=True)
 PAGE = 4
 PROMPT = [5, 9, 17, 33, 2, 60, 7]
-NEW = 24  # greedy tokens compared
+NEW = 20  # greedy tokens compared
+# four lanes' prompts, of two lengths (the first alone is the one-lane case)
+ROWS = [PROMPT, PROMPT[::-1], [t + 1 for t in PROMPT], PROMPT[:5]]
 SCALE = 0.3  # repeating_mtp's: its greedy output repeats for runs and leaves them (both paths)
 
 
@@ -214,7 +216,7 @@ def repeating_mtp(path, out, scale: float):
 @pytest.fixture(scope="module")
 def mtp_models(tiny_checkpoint, tmp_path_factory):
     """{"random": random MTP weights, "repeating": repeating_mtp's} -> (cfg, params, experts,
-    MTP params, MTP experts, plain greedy output), on one base checkpoint."""
+    MTP params, MTP experts, plain greedy output of each of ROWS), on one base checkpoint."""
     base = tiny_checkpoint("deepseek_v3", "qlora_groups")
     folder = tmp_path_factory.mktemp("spec")
     out = {}
@@ -230,80 +232,104 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
         params, kept = load_weights(cfg, path, raw, SERVE, jnp.float32, pool.put_row)
         out[name] = (cfg, params, all_resident_state(pool.result(), len(cfg.moe_layers)),
                      mtp_params(params, kept, cfg), mtp_expert_state(kept, cfg, jnp.float32))
-    out = {name: (*model, plain_greedy(model)) for name, model in out.items()}
-    return out
+    return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 
 def greedy_judge(logits):
     return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=logits.dtype)
 
 
-def pool(cfg):
-    """A fresh pool with the MTP slot and a shuffled block table [1, P] covering everything."""
+def pool(cfg, rows: int):
+    """A fresh pool with the MTP slot and shuffled block tables [rows, P] covering everything."""
     pages = (len(PROMPT) + NEW + 8 + PAGE) // PAGE
-    cache = PagedCache(MLACache.create(with_mtp_slots(cfg), pages, PAGE, jnp.float32))
-    return cache, jnp.asarray(np.random.RandomState(0).permutation(pages)[None].astype(np.int32))
+    cache = PagedCache(MLACache.create(with_mtp_slots(cfg), rows * pages, PAGE, jnp.float32))
+    table = np.random.RandomState(0).permutation(rows * pages).reshape(rows, pages)
+    return cache, jnp.asarray(table.astype(np.int32))
 
 
-def plain_greedy(model) -> list[int]:
-    """One token a step through the main model."""
+def padded(prompts):
+    """Prompts -> (tokens [b, T] padded with 0, positions [b, T], mask [b, T], lengths [b])."""
+    lengths = np.array([len(p) for p in prompts])
+    tokens = np.zeros((len(prompts), lengths.max()), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    positions = np.broadcast_to(np.arange(lengths.max()), tokens.shape)
+    return (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(positions < lengths[:, None]),
+            lengths)
+
+
+def plain_greedy(model, prompts) -> list[list[int]]:
+    """One token a step for every row through the main model."""
     cfg, params, experts = model[:3]
-    main = jax.jit(lambda *a: build(cfg, SERVE, jnp.float32).apply({"params": params}, *a))
-    cache, table = pool(cfg)
-    tokens = jnp.asarray([PROMPT])
-    positions = jnp.arange(len(PROMPT))[None]
-    out = []
+    main = jax.jit(lambda *a, at=None: build(cfg, SERVE, jnp.float32).apply(
+        {"params": params}, *a, logits_at=at))
+    cache, table = pool(cfg, len(prompts))
+    tokens, positions, mask, lengths = padded(prompts)
+    logits, cache, experts = main(tokens, positions, mask, cache, table, experts,
+                                  at=jnp.asarray(lengths - 1))
+    out = [logits[:, 0].argmax(-1)]
+    positions = jnp.asarray(lengths)[:, None]
     while len(out) < NEW:
-        logits, cache, experts = main(tokens, positions, tokens > -1, cache, table, experts)
-        out.append(int(logits[0, -1].argmax()))
-        tokens, positions = jnp.asarray([[out[-1]]]), positions[:, -1:] + 1
-    return out
+        logits, cache, experts = main(out[-1][:, None], positions, positions > -1, cache, table,
+                                      experts)
+        out.append(logits[:, 0].argmax(-1))
+        positions = positions + 1
+    return np.stack(out, 1).tolist()
 
 
-def speculative_greedy(model, k: int) -> tuple[list[int], int, int]:
-    """The prompt, a first draft, then verify rounds -> (tokens, rounds, drafts accepted)."""
+def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, int, int]:
+    """Every row's prompt, a first draft, then verify rounds over all rows together until each
+    row has NEW tokens -> (each row's tokens, rounds, drafts accepted in all, rows' rounds that
+    rejected a draft)."""
     cfg, params, experts, mparams, mexperts = model[:5]
     spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
                       greedy_judge)
-    cache, table = pool(cfg)
-    n = len(PROMPT)
-    prompt, positions = jnp.asarray([PROMPT]), jnp.arange(n)[None]
-    (logits, cache, experts), seen = spec.main.apply(
-        {"params": params}, prompt, positions, prompt > -1, cache, table, experts,
-        mutable=["intermediates"])
-    out = [int(logits[0, -1].argmax())]
-    keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+    b = len(prompts)
+    cache, table = pool(cfg, b)
+    tokens, positions, mask, lengths = padded(prompts)
+    (logits, cache, experts), seen = jax.jit(lambda *a: spec.main.apply(
+        {"params": params}, *a, mutable=["intermediates"]))(
+        tokens, positions, mask, cache, table, experts)
+    at = jnp.asarray(lengths - 1)
+    first = logits[jnp.arange(b), at].argmax(-1)
+    out = [[int(t)] for t in first]
+    following = jnp.where(positions == at[:, None], first[:, None], jnp.roll(tokens, -1, 1))
+    keys = lane_keys(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
     drafts, q, cache, mexperts = jax.jit(spec.draft)(
-        mparams, seen["intermediates"]["head_hidden"][0], jnp.asarray([PROMPT[1:] + out]),
-        positions, prompt > -1, jnp.asarray([n - 1]), cache, table, mexperts, keys)
+        mparams, seen["intermediates"]["head_hidden"][0], following, positions, mask, at, cache,
+        table, mexperts, keys)
     verify = jax.jit(spec.verify)
-    rounds = accepted = 0
-    while len(out) < NEW:
-        tokens = jnp.concatenate([jnp.asarray([[out[-1]]]), drafts], 1)
-        positions = n + len(out) - 1 + jnp.arange(k + 1)[None]
+    rounds = accepted = rejecting = 0
+    while min(len(row) for row in out) < NEW:
+        tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
+        starts = np.array([n + len(row) - 1 for n, row in zip(lengths, out)])
         verdict, drafts, q, cache, experts, mexperts = verify(
-            params, mparams, tokens, positions, tokens > -1, q, cache, table, experts, mexperts,
-            keys)
-        a = int(verdict.accepted[0])
-        out += [int(t) for t in verdict.tokens[0, :a + 1]]
-        rounds, accepted = rounds + 1, accepted + a
-    return out[:NEW], rounds, accepted
+            params, mparams, tokens, jnp.asarray(starts[:, None] + np.arange(k + 1)),
+            tokens > -1, q, cache, table, experts, mexperts, keys)
+        for row, a in enumerate(np.asarray(verdict.accepted)):
+            out[row] += [int(t) for t in verdict.tokens[row, :a + 1]]
+            accepted, rejecting = accepted + int(a), rejecting + int(a < k)
+        rounds += 1
+    return [row[:NEW] for row in out], rounds, accepted, rejecting
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_verify_rounds_decode_what_greedy_decodes(mtp_models, k):
-    """Greedy output is token for token the one-token-a-step decode's, with random MTP weights
-    (drafts rejected: the rollback path) and with the repeating MTP layer, where drafts are
-    accepted and the decode takes fewer rounds than tokens."""
+@pytest.mark.parametrize("lanes, k", [(1, 1), (1, 3), (4, 1), (4, 3)])
+def test_verify_rounds_decode_what_greedy_decodes(mtp_models, k, lanes):
+    """Greedy output is token for token the one-token-a-step decode's, at 1 and 4 lanes (each
+    lane accepting its own number of drafts), with random MTP weights (drafts rejected: the
+    rollback path) and with the repeating MTP layer, where drafts are accepted and a lane's
+    decode takes fewer rounds than tokens."""
     for name, model in mtp_models.items():
-        want = model[-1]
-        got, rounds, accepted = speculative_greedy(model, k)
-        print(f"{name} k={k}: {rounds} rounds for {NEW} tokens, {accepted} drafts accepted; "
-              f"{want}")
+        want = model[-1][:lanes]
+        got, rounds, accepted, rejecting = speculative_greedy(model, k, ROWS[:lanes])
+        print(f"{name} k={k} lanes={lanes}: {rounds} rounds for {NEW} tokens a lane, "
+              f"{accepted} drafts accepted, {rejecting} lane rounds rejecting one")
         assert got == want, name
+        assert rejecting > 0
         if name == "repeating":
-            assert accepted > 0 and rounds < NEW - 1
-            assert accepted < NEW - 1  # and rejections too
+            assert accepted > 0
+            if lanes == 1:  # (with more, the lane accepting least sets the rounds)
+                assert rounds < NEW - 1
 
 
 def test_verify_round_picks_are_counted_as_demand(mtp_models):
@@ -314,7 +340,7 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
     k = 3
     spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
                       greedy_judge)
-    cache, table = pool(cfg)
+    cache, table = pool(cfg, 1)
     tokens = jnp.asarray([PROMPT[:k + 1]])
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
@@ -343,7 +369,7 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
     verify = jax.jit(spec.verify)
 
     def run():
-        cache, table = pool(cfg)
+        cache, table = pool(cfg, 1)
         tokens = jnp.asarray([PROMPT[-1:] + PROMPT[:k]])
         q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
         out, accepted, position = [], 0, len(PROMPT) - 1
