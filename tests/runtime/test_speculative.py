@@ -235,8 +235,8 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
     return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 
-def greedy_judge(logits):
-    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=logits.dtype)
+def greedy_lanes(b: int, vocab: int) -> LaneSampling:
+    return jax.tree.map(jnp.asarray, LaneSampling.create(b, vocab))
 
 
 def pool(cfg, rows: int):
@@ -282,8 +282,7 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     row has NEW tokens -> (each row's tokens, rounds, drafts accepted in all, rows' rounds that
     rejected a draft)."""
     cfg, params, experts, mparams, mexperts = model[:5]
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
-                      greedy_judge)
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
     b = len(prompts)
     cache, table = pool(cfg, b)
     tokens, positions, mask, lengths = padded(prompts)
@@ -295,17 +294,18 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     out = [[int(t)] for t in first]
     following = jnp.where(positions == at[:, None], first[:, None], jnp.roll(tokens, -1, 1))
     keys = lane_keys(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
+    sampling = greedy_lanes(b, cfg.vocab_size)
     drafts, q, cache, mexperts = jax.jit(spec.draft)(
         mparams, seen["intermediates"]["head_hidden"][0], following, positions, mask, at, cache,
-        table, mexperts, keys)
+        table, mexperts, sampling, keys)
     verify = jax.jit(spec.verify)
     rounds = accepted = rejecting = 0
     while min(len(row) for row in out) < NEW:
         tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
         starts = np.array([n + len(row) - 1 for n, row in zip(lengths, out)])
-        verdict, drafts, q, cache, experts, mexperts = verify(
+        verdict, drafts, q, cache, experts, mexperts, sampling = verify(
             params, mparams, tokens, jnp.asarray(starts[:, None] + np.arange(k + 1)),
-            tokens > -1, q, cache, table, experts, mexperts, keys)
+            tokens > -1, q, cache, table, experts, mexperts, sampling, keys)
         for row, a in enumerate(np.asarray(verdict.accepted)):
             out[row] += [int(t) for t in verdict.tokens[row, :a + 1]]
             accepted, rejecting = accepted + int(a), rejecting + int(a < k)
@@ -338,16 +338,15 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
     by top_k."""
     cfg, params, experts, mparams, mexperts = mtp_models["random"][:5]
     k = 3
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
-                      greedy_judge)
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
     cache, table = pool(cfg, 1)
     tokens = jnp.asarray([PROMPT[:k + 1]])
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
     before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
-    _, _, _, _, after, _ = jax.jit(spec.verify)(
+    _, _, _, _, after, _, _ = jax.jit(spec.verify)(
         params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
-        mexperts, keys)
+        mexperts, greedy_lanes(1, cfg.vocab_size), keys)
     np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
                                (k + 1) * cfg.num_experts_per_tok)
     one = jnp.asarray([PROMPT[:1]])
@@ -358,31 +357,38 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
 
 
 def test_sampled_verify_rounds_complete_and_accept(mtp_models):
-    """Sampled rounds (temperature 0.5, top_p 0.9: the judge is sampling.probabilities, as for
-    p and q in the engine) on the repeating MTP layer run to the end, accepting drafts; the same
-    seed gives the same tokens."""
+    """Sampled rounds (temperature, top_p and the penalties, each position's p and each draft's
+    q with the tokens before it counted) on the repeating MTP layer run to the end, accepting
+    drafts; the lane's token counts afterwards are those of the tokens emitted; the same seed
+    gives the same tokens."""
     cfg, params, experts, mparams, mexperts = mtp_models["repeating"][:5]
     k = 2
-    lane = LaneParams.of([SamplingParams(temperature=0.5, top_p=0.9, seed=3)])
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k,
-                      lambda logits: probabilities(logits, lane))
+    lane = LaneParams.of([SamplingParams(temperature=0.5, top_p=0.9, seed=3, min_p=0.01,
+                                         frequency_penalty=0.4, presence_penalty=0.2,
+                                         repetition_penalty=1.1)])
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
     verify = jax.jit(spec.verify)
 
     def run():
         cache, table = pool(cfg, 1)
+        sampling = dataclasses.replace(greedy_lanes(1, cfg.vocab_size),
+                                       params=jax.tree.map(jnp.asarray, lane))
         tokens = jnp.asarray([PROMPT[-1:] + PROMPT[:k]])
         q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
-        out, accepted, position = [], 0, len(PROMPT) - 1
+        out, accepted, position = [PROMPT[-1]], 0, len(PROMPT) - 1
         state = (experts, mexperts)
         while len(out) < 16:
             keys = lane_keys(jnp.asarray([3]), jnp.asarray([position]))
-            verdict, drafts, q, cache, *state = verify(
+            verdict, drafts, q, cache, *state, sampling = verify(
                 params, mparams, tokens, position + jnp.arange(k + 1)[None], tokens > -1, q,
-                cache, table, *state, keys)
+                cache, table, *state, sampling, keys)
             a = int(verdict.accepted[0])
             out += [int(t) for t in verdict.tokens[0, :a + 1]]
             accepted, position = accepted + a, position + a + 1
             tokens = jnp.concatenate([jnp.asarray([[out[-1]]]), drafts], 1)
+        # counted: every token emitted but the last (the next round's input)
+        np.testing.assert_array_equal(np.asarray(sampling.counts[0]),
+                                      np.bincount(out[:-1], minlength=cfg.vocab_size))
         return out, accepted
 
     out, accepted = run()

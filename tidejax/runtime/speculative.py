@@ -16,11 +16,12 @@ own next token, so its output equals one-token-a-step decoding token for token.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from tidejax.runtime.sampling import LaneSampling, probabilities, process
 
 
 @jax.tree_util.register_dataclass
@@ -77,32 +78,36 @@ class Speculator:
     position, the MTP pass masked past it. With one MTP layer and k > 1 the layer is chained on
     its own output hidden state, as DeepSeek's k > 1 drafting with one layer does; the chain
     writes MTP keys at up to n + 2k - 1, so a row's pages must cover that.
-    judge: a row's logits [b, v] -> the distribution it draws from [b, v] (greedy: one-hot).
+    Each position's p, and each draft's q, is drawn by the lane's sampling (LaneSampling) with
+    the tokens before it counted, as one token a step would count them (its input first); the
+    sampling state a round returns counts the kept tokens alone.
     """
 
     main: Any
     mtp: Any
     k: int
-    judge: Callable
 
     def draft(self, mtp_params, hidden, next_tokens, positions, mask, at, cache, table, experts,
-              keys):
+              sampling: LaneSampling, keys):
         """hidden [b, t, d]: the main model's at positions [b, t]; next_tokens [b, t]: the token
         at each position + 1; mask [b, t]: the positions whose MTP keys are written; at [b]:
-        the last kept position's index -> (drafts [b, k] int32, q [b, k, v], cache, experts)."""
+        the last kept position's index; sampling: the lanes' with every token up to that
+        position counted -> (drafts [b, k] int32, q [b, k, v], cache, experts)."""
         b = hidden.shape[0]
         rows = jnp.arange(b)
         logits, x, cache, experts = self.mtp.apply(
             {"params": mtp_params}, hidden, next_tokens, positions, mask, cache, table, experts,
             logits_at=at)
         x, position, live = x[rows, at][:, None], positions[rows, at][:, None], mask[:, :1]
+        sampling = sampling.generated(next_tokens[rows, at], live[:, 0])
         drafts, qs = [], []
         for j in range(self.k):
-            q = self.judge(logits[:, 0])
+            q = distribution(logits[:, 0], sampling)
             token = draw(q, jax.vmap(jax.random.fold_in, (0, None))(keys, j))
             drafts.append(token)
             qs.append(q)
             if j + 1 < self.k:  # the chain: its own hidden state, the draft as the next token
+                sampling = sampling.generated(token, live[:, 0])
                 position = position + 1
                 logits, x, cache, experts = self.mtp.apply(
                     {"params": mtp_params}, x, token[:, None], position, live, cache, table,
@@ -110,18 +115,31 @@ class Speculator:
         return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache, experts
 
     def verify(self, params, mtp_params, tokens, positions, mask, q, cache, table, experts,
-               mtp_experts, keys):
+               mtp_experts, sampling: LaneSampling, keys):
         """tokens, positions, mask [b, k + 1]: each row's latest token and its k drafts (drawn
-        from q [b, k, v]); keys [b] -> (Verdict, next drafts [b, k], their q, cache, experts,
-        mtp_experts)."""
+        from q [b, k, v]); sampling: the lanes' before the latest token is counted; keys [b]
+        -> (Verdict, next drafts [b, k], their q, cache, experts, mtp_experts, sampling with the
+        kept tokens counted)."""
         (logits, cache, experts), seen = self.main.apply(
             {"params": params}, tokens, positions, mask, cache, table, experts,
             mutable=["intermediates"])
         hidden = seen["intermediates"]["head_hidden"][0]
-        p = jnp.stack([self.judge(logits[:, i]) for i in range(self.k + 1)], 1)
-        verdict = accept(p, q, tokens[:, 1:], jax.vmap(jax.random.fold_in, (0, None))(keys, self.k))
+        states, p = [], []
+        for i in range(self.k + 1):  # position i's p counts the tokens up to its input
+            sampling = sampling.generated(tokens[:, i], mask[:, i])
+            states.append(sampling)
+            p.append(distribution(logits[:, i], sampling))
+        verdict = accept(jnp.stack(p, 1), q, tokens[:, 1:],
+                         jax.vmap(jax.random.fold_in, (0, None))(keys, self.k))
+        rows = jnp.arange(tokens.shape[0])
+        sampling = jax.tree.map(lambda *s: jnp.stack(s)[verdict.accepted, rows], *states)
         kept = mask & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
         drafts, q, cache, mtp_experts = self.draft(
             mtp_params, hidden, verdict.tokens, positions, kept, verdict.accepted, cache, table,
-            mtp_experts, keys)
-        return verdict, drafts, q, cache, experts, mtp_experts
+            mtp_experts, sampling, keys)
+        return verdict, drafts, q, cache, experts, mtp_experts, sampling
+
+
+def distribution(logits, sampling: LaneSampling):
+    """What each lane draws from at one position, logits [b, v] -> [b, v] (module docstring)."""
+    return probabilities(process(logits, sampling), sampling.params)
