@@ -5,6 +5,7 @@ the target distribution exactly."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -235,6 +236,16 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
     return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 
+@functools.cache
+def jitted(cfg, k: int):
+    """(Speculator, its prefill forward, draft and verify, jitted) for `cfg` and k: the models
+    share their config, so every test's calls of a shape compile once."""
+    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
+    prefill = jax.jit(lambda params, *a: spec.main.apply({"params": params}, *a,
+                                                         mutable=["intermediates"]))
+    return spec, prefill, jax.jit(spec.draft), jax.jit(spec.verify)
+
+
 def greedy_lanes(b: int, vocab: int) -> LaneSampling:
     return jax.tree.map(jnp.asarray, LaneSampling.create(b, vocab))
 
@@ -282,23 +293,21 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     row has NEW tokens -> (each row's tokens, rounds, drafts accepted in all, rows' rounds that
     rejected a draft)."""
     cfg, params, experts, mparams, mexperts = model[:5]
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
+    spec, prefill, draft, verify = jitted(cfg, k)
     b = len(prompts)
     cache, table = pool(cfg, b)
     tokens, positions, mask, lengths = padded(prompts)
-    (logits, cache, experts), seen = jax.jit(lambda *a: spec.main.apply(
-        {"params": params}, *a, mutable=["intermediates"]))(
-        tokens, positions, mask, cache, table, experts)
+    (logits, cache, experts), seen = prefill(params, tokens, positions, mask, cache, table,
+                                             experts)
     at = jnp.asarray(lengths - 1)
     first = logits[jnp.arange(b), at].argmax(-1)
     out = [[int(t)] for t in first]
     following = jnp.where(positions == at[:, None], first[:, None], jnp.roll(tokens, -1, 1))
     keys = lane_keys(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
     sampling = greedy_lanes(b, cfg.vocab_size)
-    drafts, q, cache, mexperts = jax.jit(spec.draft)(
+    drafts, q, cache, mexperts = draft(
         mparams, seen["intermediates"]["head_hidden"][0], following, positions, mask, at, cache,
         table, mexperts, sampling, keys)
-    verify = jax.jit(spec.verify)
     rounds = accepted = rejecting = 0
     while min(len(row) for row in out) < NEW:
         tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
@@ -338,20 +347,20 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
     by top_k."""
     cfg, params, experts, mparams, mexperts = mtp_models["random"][:5]
     k = 3
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
+    _, prefill, _, verify = jitted(cfg, k)
     cache, table = pool(cfg, 1)
     tokens = jnp.asarray([PROMPT[:k + 1]])
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
     before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
-    _, _, _, _, after, _, _ = jax.jit(spec.verify)(
+    _, _, _, _, after, _, _ = verify(
         params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
         mexperts, greedy_lanes(1, cfg.vocab_size), keys)
     np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
                                (k + 1) * cfg.num_experts_per_tok)
     one = jnp.asarray([PROMPT[:1]])
-    _, _, single = spec.main.apply({"params": params}, one, jnp.zeros((1, 1), jnp.int32), one > -1,
-                                   cache, table, experts)
+    (_, _, single), _ = prefill(params, one, jnp.zeros((1, 1), jnp.int32), one > -1, cache,
+                                table, experts)
     np.testing.assert_allclose(np.asarray(single.counts).sum(axis=1) - before,
                                cfg.num_experts_per_tok)
 
@@ -362,12 +371,11 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
     drafts; the lane's token counts afterwards are those of the tokens emitted; the same seed
     gives the same tokens."""
     cfg, params, experts, mparams, mexperts = mtp_models["repeating"][:5]
-    k = 2
+    k = 3  # the shapes the greedy tests compiled
     lane = LaneParams.of([SamplingParams(temperature=0.5, top_p=0.9, seed=3, min_p=0.01,
                                          frequency_penalty=0.4, presence_penalty=0.2,
                                          repetition_penalty=1.1)])
-    spec = Speculator(build(cfg, SERVE, jnp.float32), build_mtp(cfg, SERVE, jnp.float32), k)
-    verify = jax.jit(spec.verify)
+    verify = jitted(cfg, k)[3]
 
     def run():
         cache, table = pool(cfg, 1)
