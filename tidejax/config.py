@@ -117,6 +117,14 @@ class CacheSection:
     disk_dir: str = ""  # their folder ("" = residency.state_dir; neither: no disk tier)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSection:
+    """Speculative decoding: k tokens drafted a step and verified together (runtime/speculative.py)."""
+
+    method: str = "none"  # "none" | "mtp": the checkpoint's own multi-token-prediction layer drafts
+    tokens: int = 1  # k, the tokens drafted a step (a verify step runs k + 1 positions a lane)
+
+
 # [distributed] key -> the environment variable it is also read from
 DISTRIBUTED_ENV = {"coordinator": "TIDEJAX_COORDINATOR", "num_processes": "TIDEJAX_NUM_PROCESSES",
                    "process_id": "TIDEJAX_PROCESS_ID"}
@@ -131,6 +139,7 @@ _CHOICES = {
     ("engine", "kernel"): IMPLS,
     ("residency", "geometry"): ("per_layer", "arena"),
     ("residency", "miss_policy"): MISS_POLICIES,
+    ("speculative", "method"): ("none", "mtp"),
 }
 
 # (table, key) -> (lowest, highest or None, lowest excluded); every float must also be finite
@@ -167,6 +176,7 @@ _RANGES = {
     ("distributed", "tensor_parallel"): (0, None, False),
     ("distributed", "timeout_s"): (1, None, False),
     ("distributed", "heartbeat_s"): (2, None, False),
+    ("speculative", "tokens"): (1, 4, False),
 }
 
 # settings that must be a power of two (the page size: the paged decode kernel's, default.toml)
@@ -185,6 +195,7 @@ _SECTIONS = {
     "server": ServerSection,
     "distributed": DistributedSection,
     "cache": CacheSection,
+    "speculative": SpeculativeSection,
 }
 
 
@@ -198,6 +209,7 @@ class EngineConfig:
     server: ServerSection = ServerSection()
     distributed: DistributedSection = DistributedSection()
     cache: CacheSection = CacheSection()
+    speculative: SpeculativeSection = SpeculativeSection()
     source: str = "<defaults>"
     given: tuple[tuple[str, str], ...] = ()  # ("table.key", who gave its value), latest last
 

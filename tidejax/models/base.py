@@ -141,6 +141,8 @@ class Family:
         routing, and Engine.set_routing_replay refuses)
     dense_fp8: whether load_weights takes dense_format="fp8" (the profile's model.dense_format:
         dense projections kept FP8 as stored, models.loading.fp8_specs)
+    build_mtp(cfg, serve_options, dtype, depth) -> MTP layer `depth`'s draft forward
+        (layers/mtp.py), or None: the family drafts nothing ([speculative] method "mtp" refused)
     tool_formats: model_type -> the text.toolcalls.ToolFormat its checkpoints write tool calls
         in, where their chat template does not show it (a model type not named: none)
     """
@@ -164,6 +166,7 @@ class Family:
     prompt_rows: Callable | None = None
     swiglu_limit: Callable = lambda cfg: 0.0
     dense_fp8: bool = False
+    build_mtp: Callable | None = None
     tool_formats: dict = dataclasses.field(default_factory=dict)
 
     def table_widths(self, cfg, page_size: int, dtype, serve) -> tuple[bool, bool]:

@@ -91,6 +91,7 @@ class LoadedModel:
         source = str(model_dir / "config.json")
         self.family = family_for(raw, source)
         self.cfg = self.family.config_from_hf(raw, source)
+        check_speculative(config, self.family, self.cfg, source)
         self.tokenizer = Tokenizer(model_dir)
         self.model_dir = model_dir
         self.served_name = config.model.served_name or model_dir.name
@@ -486,6 +487,23 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype,
                                       pool_rows(pool.put_row, parallel.tensor_size(mesh)), **fmt)
     return params, aux, pool.result()
+
+
+def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
+    """[speculative] method "mtp" needs a family that drafts with its MTP layers and a checkpoint
+    that has one (config.json's num_nextn_predict_layers); and, until the engine runs the verify
+    step, it is refused after those checks rather than accepted and ignored."""
+    if config.speculative.method != "mtp":
+        return
+    given = config.source_of("speculative.method")
+    if family.build_mtp is None:
+        raise ConfigError(f"{given}: 'speculative.method' = 'mtp': the {family.name} family has "
+                          "no MTP draft forward")
+    if not getattr(cfg, "num_mtp_layers", 0):
+        raise ConfigError(f"{given}: 'speculative.method' = 'mtp' but {source} has no MTP layer "
+                          "(field 'num_nextn_predict_layers' is 0 or absent)")
+    raise ConfigError(f"{given}: 'speculative.method' = 'mtp': the verify step is not run by the "
+                      "engine yet (issue 33); use 'none'")
 
 
 @contextlib.contextmanager

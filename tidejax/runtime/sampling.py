@@ -257,7 +257,25 @@ def sample(logits, lanes: LaneSampling, positions) -> Sampled:
     return Sampled(tokens, *jax.lax.cond(jnp.any(p.logprobs), logprobs, none))
 
 
-def _sample(logits, p: LaneParams, positions, greedy):
+def probabilities(logits, p: LaneParams):
+    """The distribution each lane draws from, processed logits [b, v] float32 -> [b, v] float32
+    in vocabulary order: the argmax one-hot for a greedy lane, else the tempered softmax over what
+    top_k, top_p and min_p keep (what `sample` draws by; speculative decoding's p and q)."""
+    order, kept = _kept(logits, p)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    probs = jnp.zeros_like(logits).at[rows, order].set(jax.nn.softmax(kept, axis=-1))
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=logits.dtype)
+    return jnp.where(p.temperature[:, None] > 0, probs, greedy)
+
+
+def lane_keys(seed, positions):
+    """Each lane's random key for the token at positions [b]: its request's seed [b], folded."""
+    return jax.vmap(lambda s, q: jax.random.fold_in(jax.random.key(s), q))(seed, positions)
+
+
+def _kept(logits, p: LaneParams):
+    """(order [b, v] best first, the tempered logits [b, v] in that order, -inf where top_k,
+    top_p or min_p drop them)."""
     order = jnp.argsort(-logits, axis=-1)  # [b, v] best first
     ranked = jnp.take_along_axis(logits, order, axis=-1)
     scaled = ranked / jnp.maximum(p.temperature, 1e-6)[:, None]
@@ -267,7 +285,11 @@ def _sample(logits, p: LaneParams, positions, greedy):
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of better tokens
     keep &= (before < p.top_p[:, None]) | (rank == 0)
     keep &= probs >= p.min_p[:, None] * probs[:, :1]
-    keys = jax.vmap(lambda s, q: jax.random.fold_in(jax.random.key(s), q))(p.seed, positions)
-    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
+    return order, jnp.where(keep, scaled, -jnp.inf)
+
+
+def _sample(logits, p: LaneParams, positions, greedy):
+    order, kept = _kept(logits, p)
+    choice = jax.vmap(jax.random.categorical)(lane_keys(p.seed, positions), kept)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(p.temperature > 0, sampled, greedy)

@@ -10,7 +10,8 @@ so logits at p draft the token at p + 2. `hidden` is the main model's hidden sta
 reads it, after the final norm (Decoder's "head_hidden": transformers' MTPCandidateGenerator
 feeds `hidden_states[-1]`, which transformers ties to the normed last_hidden_state).
 
-Where things live (this step: the model part, no step runs it yet):
+Where things live (the model part; runtime/speculative.Speculator runs verify rounds over it, no
+engine step yet):
 - The KV cache: the MTP layer k has layer slot num_layers + k of the main pool (its checkpoint
   index), written through the same block table at the main model's positions p: the pool is the
   family's cache created for num_layers + num_mtp_layers layers (`with_mtp_slots`), and the main
