@@ -15,17 +15,16 @@ import torch
 
 import tidejax
 from tidejax.kv.paged import PagedCache
-from tidejax.models.layers.decoder import decoder_expert_specs
 from tidejax.models.registry import family_of
 from tidejax.residency.serve import ServeOptions
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.tiny_models import (FAMILIES, cached_decode_logits, minimax_m2_config,
-                                       mixtral_config, qwen3_moe_config, relative_diff,
-                                       served_greedy, transformers_greedy)
+from tests.support.tiny_models import (FAMILIES, cached_decode_logits, gpt_oss_config,
+                                       minimax_m2_config, mixtral_config, qwen3_moe_config,
+                                       relative_diff, served_greedy, transformers_greedy)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
 CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
-            "minimax_m2": minimax_m2_config}
+            "minimax_m2": minimax_m2_config, "gpt_oss": gpt_oss_config}
 CASES = [(family, config) for family in CONTRACT for config in sorted(FAMILIES[family][1])]
 PROMPT = np.random.RandomState(11).randint(3, 256, 32)
 
@@ -52,7 +51,7 @@ def test_declared_params_are_what_the_model_consumes(family):
         declared = weights.param_specs(cfg, jnp.float32)
         check_forward_on_declared(
             fam.build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32),
-            declared, decoder_expert_specs(cfg, jnp.float32), len(cfg.moe_layers),
+            declared, weights.expert_specs(cfg, jnp.float32), len(cfg.moe_layers),
             (tokens, tokens, tokens > -1, PagedCache(fam.create_cache(cfg, 1, 4, jnp.float32)),
              tokens[:, :1]))
         table = weights.checkpoint_table(cfg)

@@ -49,7 +49,8 @@ log = logging.getLogger("tidejax.residency")
 
 class Residency:
     def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
-                 *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
+                 *, kernel: str = "auto", swiglu_limit: float = 0.0,
+                 swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
                  window: int = 64):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them);
@@ -105,6 +106,7 @@ class Residency:
         self.on_apply = None
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
+                                    swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
                                     count=section.count, all_resident=self.all_resident,
                                     cpu=self.cpu, exact_budget=section.exact_budget)
 
