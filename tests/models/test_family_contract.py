@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tidejax
+from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache
 from tidejax.models.registry import family_of
 from tidejax.residency.serve import ServeOptions
@@ -88,3 +89,13 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.residency.stats()["resident"] == n_moe * n_experts // 2
     np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
     assert half.residency.stats()["misses"] > 0
+
+
+def test_gpt_oss_refuses_the_host_miss_policies(tmp_path):
+    """gpt-oss's experts (biases, (u + 1) * glu) are not what the host kernel computes: the
+    `cpu` and `auto` miss policies are refused at load, naming the key."""
+    writer, configs = FAMILIES["gpt_oss"]
+    writer(tmp_path, **configs["window8"])
+    for policy in ("cpu", "auto"):
+        with pytest.raises(ConfigError, match="miss_policy"):
+            tidejax.load(tmp_path, residency={"budget_experts": 8, "miss_policy": policy})

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from tidejax.config import ResidencySection
+from tidejax.contract import plain
 from tidejax.errors import ConfigError
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
@@ -57,6 +58,7 @@ class Residency:
         max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
         slots: min(E, max_tokens * top_k))."""
         self.section = section
+        self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
         total = n_rows(pool_rows)
         if total % n_layers:
@@ -154,6 +156,11 @@ class Residency:
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
         if self.section.miss_policy in ("cpu", "auto"):
+            if not plain(pool, *self.swiglu_form):
+                raise ConfigError(f"[residency] miss_policy = {self.section.miss_policy!r} computes "
+                                  "misses on the host, whose kernel takes no expert biases and "
+                                  "only silu(g) * u (this model's experts, gpt-oss's, have "
+                                  "both): use 'exact', 'substitute' or 'ring'")
             self.cpu = CpuExperts(pool, self.n_experts)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             ring_copies=self.ring_per_step, transient=self.n_transient)
