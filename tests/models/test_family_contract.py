@@ -21,7 +21,8 @@ from tidejax.residency.serve import ServeOptions
 from tests.support.declaration import check_forward_on_declared, param_paths
 from tests.support.tiny_models import (FAMILIES, cached_decode_logits, gpt_oss_config,
                                        minimax_m2_config, mixtral_config, qwen3_moe_config,
-                                       relative_diff, served_greedy, transformers_greedy)
+                                       relative_diff, served_greedy, transformers_greedy,
+                                       write_gpt_oss_mxfp4_copies)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
 CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
@@ -91,11 +92,17 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.residency.stats()["misses"] > 0
 
 
-def test_gpt_oss_refuses_the_host_miss_policies(tmp_path):
-    """gpt-oss's experts (biases, (u + 1) * glu) are not what the host kernel computes: the
-    `cpu` and `auto` miss policies are refused at load, naming the key."""
+def test_gpt_oss_published_mxfp4_experts_and_the_host_policies(tmp_path):
+    """The published layout (MXFP4 blocks and scales, gate/up rows interleaved) loads, kept
+    MXFP4, to the same logits as its values dequantized in transformers' float layout; the `cpu`
+    and `auto` miss policies (the host kernel takes no biases nor (u + 1) * glu) are refused at
+    load, naming the key."""
     writer, configs = FAMILIES["gpt_oss"]
-    writer(tmp_path, **configs["window8"])
+    model = writer(tmp_path / "model", **configs["window8"])
+    packed, dense = write_gpt_oss_mxfp4_copies(model, tmp_path / "model", tmp_path)
+    engine = tidejax.load(packed)
+    assert "gate_up_blocks" in engine.state.experts.bank
+    assert relative_diff(engine.logits(PROMPT), tidejax.load(dense).logits(PROMPT)) < 1e-5
     for policy in ("cpu", "auto"):
         with pytest.raises(ConfigError, match="miss_policy"):
-            tidejax.load(tmp_path, residency={"budget_experts": 8, "miss_policy": policy})
+            tidejax.load(packed, residency={"budget_experts": 8, "miss_policy": policy})

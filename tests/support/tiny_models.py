@@ -469,6 +469,32 @@ def state_dict(model) -> dict:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
+def write_gpt_oss_mxfp4_copies(model, path: Path, out: Path) -> tuple[Path, Path]:
+    """Two copies of gpt-oss checkpoint `path`: its experts' gate_up_proj and down_proj as the
+    published checkpoints store them (MXFP4 `_blocks` / `_scales`, [E, 2I, D/32, 16] with the
+    gate and up rows interleaved, [E, D, I/32, 16]), and the same values dequantized in
+    transformers' float layout ([E, D, 2I], [E, I, D]): (mxfp4, float)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from tidejax.checkpoint import mxfp4
+    state = state_dict(model)
+    packed, dense = dict(state), dict(state)
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(np.swapaxes(state[name], 1, 2))  # [E, out, in]
+        packed.pop(name)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        dense[name] = np.swapaxes(mxfp4.dequantize(blocks, scales, np.float32), 1, 2).copy()
+    copies = (out / "mxfp4", out / "float")
+    for copy, tensors in zip(copies, (packed, dense)):
+        shutil.copytree(path, copy)
+        (copy / "model.safetensors").unlink()
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                  str(copy / "model.safetensors"))
+    return copies
+
+
 def write_fused_copy(model, path: Path, out: Path) -> Path:
     """A copy of checkpoint `path` whose tensors are the model's in-memory ones (transformers 5's
     fused experts, gate_up_proj [E, 2I, D] and down_proj [E, D, I])."""

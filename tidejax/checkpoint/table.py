@@ -111,6 +111,8 @@ class Experts:
     source: str
     part: str = "{part}"
     transform: Transform | None = None  # applied to each expert's slice (after the read)
+    packed: Transform | None = None  # in its place where the tensor is MXFP4 (blocks and scales
+    # alike, on the logical shape): a published layout that differs from the float one
 
 
 class Table:
@@ -324,12 +326,13 @@ class _Plan:
             return
         want = (self.n_experts, *self.part_shapes[part]) if fused else self.part_shapes[part]
         shape = tuple(tensor.shape)
-        if rule.transform is not None:  # on each expert's slice
-            shape = ((shape[0], *rule.transform.shape(shape[1:])) if fused
-                     else tuple(rule.transform.shape(shape)))
+        transform = rule.packed if tensor.format == "mxfp4" else rule.transform
+        if transform is not None:  # on each expert's slice
+            shape = ((shape[0], *transform.shape(shape[1:])) if fused
+                     else tuple(transform.shape(shape)))
         if shape != want:
             self.tried.add((m, part))
-            how = f" ({rule.transform.name}: {list(shape)})" if rule.transform else ""
+            how = f" ({transform.name}: {list(shape)})" if transform else ""
             self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}{how}, the "
                                 f"routed experts' '{part}' of layer '{layer}' expects {list(want)}")
             return
@@ -343,7 +346,7 @@ class _Plan:
             if part in row:
                 duplicates[(row[part][0].name, name, layer, part)] = None
             else:
-                row[part] = (tensor, fused, rule.transform)
+                row[part] = (tensor, fused, transform)
 
     def _check_unfilled(self) -> None:
         filled_scales = {self.scale_of[p] for p in self.params if p in self.scale_of}
@@ -359,7 +362,8 @@ class _Plan:
             return
         for m, layer in enumerate(self.table.expert_layers):
             rows = [self.rows.get((m, e), {}) for e in range(self.n_experts)]
-            tensors = {t.name: t for row in rows for t, *_ in row.values()}
+            tensors = {t.name: t for row in rows for part, (t, *_) in row.items()
+                       if not part.endswith("_bias")}  # biases stay float beside MXFP4
             if len({t.format == "mxfp4" for t in tensors.values()}) > 1:
                 self._problem(next(iter(tensors)), f"layer '{layer}' mixes MXFP4 and dense "
                                                    f"routed experts")

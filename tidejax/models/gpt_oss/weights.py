@@ -1,7 +1,10 @@
 """gpt-oss params, declared, and the checkpoint table that fills them from the layout
 transformers 5 writes (bf16 or float32: the fused experts as it holds them, gate_up_proj
-[E, D, 2I] with the gate and up columns interleaved, down_proj [E, I, D], their biases): the
-shared decoder's names (layers/decoder.py), GQA's, the sinks and the router's."""
+[E, D, 2I] with the gate and up columns interleaved, down_proj [E, I, D], their biases) or the
+published one (MXFP4 gate_up_proj_blocks / _scales [E, 2I, D/32, ...] with the gate and up rows
+interleaved, down_proj_blocks / _scales [E, D, I/32, ...], kept MXFP4 as stored; the reader pairs
+blocks and scales into one tensor of the float name): the shared decoder's names
+(layers/decoder.py), GQA's, the sinks and the router's."""
 
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ def _gate_then_up(a: np.ndarray) -> np.ndarray:
 
 
 # each expert's slice: gate_up [D, 2I] interleaved -> [2I, D] gate rows then up; down [I, D] ->
-# [D, I]; gate_up_bias [2I] interleaved -> gate then up
+# [D, I]; gate_up_bias [2I] interleaved -> gate then up (MXFP4: Experts.packed, else as stored)
 GATE_UP = Transform("transposed, gate/up de-interleaved", lambda shape: shape[::-1],
                     lambda a: _gate_then_up(np.transpose(a)))
-GATE_UP_BIAS = Transform("gate/up de-interleaved", lambda shape: shape, _gate_then_up)
+DEINTERLEAVED = Transform("gate/up de-interleaved", lambda shape: shape, _gate_then_up)
 DOWN = Transform("transposed", lambda shape: shape[::-1], np.transpose)
 
 
@@ -49,9 +52,10 @@ def checkpoint_table(cfg: GptOssConfig) -> Table:
         Rule(f"{LAYER}.self_attn.sinks", "layers_{i}.attn.sinks"),
         Rule(f"{LAYER}.mlp.router.weight", "layers_{i}.moe.gate_weight"),
         Rule(f"{LAYER}.mlp.router.bias", "layers_{i}.moe.gate_bias"),
-        Experts(experts + ".gate_up_proj", part="gate_up", transform=GATE_UP),
-        Experts(experts + ".gate_up_proj_bias", part="gate_up_bias", transform=GATE_UP_BIAS),
-        Experts(experts + ".down_proj", part="down", transform=DOWN),
+        Experts(experts + ".gate_up_proj", part="gate_up", transform=GATE_UP,
+                packed=DEINTERLEAVED),  # MXFP4: rows already [2I, ...], still interleaved
+        Experts(experts + ".gate_up_proj_bias", part="gate_up_bias", transform=DEINTERLEAVED),
+        Experts(experts + ".down_proj", part="down", transform=DOWN),  # MXFP4: [D, I] as stored
         Experts(experts + ".down_proj_bias", part="down_bias"),
     ), ignore=ROTARY_CACHES, expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
 
