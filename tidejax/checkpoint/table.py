@@ -431,8 +431,9 @@ class _Plan:
                 else:
                     parts[part] = self.reader.read(tensor.name)
                 if transform is not None:  # MXFP4: on the blocks and the scales alike
-                    parts[part] = (tuple(map(transform.apply, parts[part]))
-                                   if isinstance(parts[part], tuple) else transform.apply(parts[part]))
+                    read = parts[part]
+                    parts[part] = (tuple(map(transform.apply, read)) if isinstance(read, tuple)
+                                   else transform.apply(read))
             put_row(row, _expert_row(parts))
 
         for _ in _in_threads(one, range(len(self.table.expert_layers) * self.n_experts)):

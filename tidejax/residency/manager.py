@@ -157,8 +157,8 @@ class Residency:
         pool = host_pool(pool_rows)
         if self.section.miss_policy in ("cpu", "auto"):
             if not plain(pool, *self.swiglu_form):
-                raise ConfigError(f"[residency] miss_policy = {self.section.miss_policy!r} computes "
-                                  "misses on the host, whose kernel takes no expert biases and "
+                raise ConfigError(f"[residency] miss_policy = {self.section.miss_policy!r} "
+                                  "computes misses on the host, whose kernel takes no expert biases and "
                                   "only silu(g) * u (this model's experts, gpt-oss's, have "
                                   "both): use 'exact', 'substitute' or 'ring'")
             self.cpu = CpuExperts(pool, self.n_experts)

@@ -1,1 +1,2 @@
-"""The gpt-oss family (gpt_oss): config, weights (declared params + checkpoint table), model, family."""
+"""The gpt-oss family (gpt_oss): config, weights (declared params + checkpoint table), model,
+family."""
