@@ -8,9 +8,16 @@ reference, the host kernel's numpy fallback (tidejax.residency.cpu) and the mode
 shared-expert MLPs (layers/mlp.py) compute; the C kernel (residency/cpu_kernel.c) computes the
 same in C.
 
-Bias. None: a bank's leaves are its gate_up and down projections (or their MXFP4 blocks and
-scales), and no kernel or reference adds a bias to either. `bank_format` refuses any other leaf,
-so a family whose experts carry biases has to add them here first.
+Activation variant (gpt-oss): g * sigmoid(alpha * g) * (u + up_shift) with the same clamps;
+alpha = 1, up_shift = 0 is silu(g) * u. The jnp reference and the host's numpy path compute it;
+the Pallas kernel and the C kernel take only the plain form (the ops route the rest to the
+reference, and refuse it where a kernel is asked for by name).
+
+Bias. Optional leaves beside either format: gate_up_bias [N, 2I] (added to the gate_up
+projection, same row order) and down_bias [N, D] (added to each expert's output before its
+routing weight), both float (gpt-oss). The jnp reference and the host's numpy path add them; the
+Pallas kernel and the C kernel take banks without them only. Under a tensor split down_bias would
+be summed once a device: refused (interleave_gate_up).
 
     dense:  {"gate_up": [N, 2I, D], "down": [N, D, I]}  (bf16 or float32)
     mxfp4:  {"gate_up_blocks": [N, 2I, D/32, 16], "gate_up_scales": [N, 2I, D/32],
@@ -41,20 +48,28 @@ import numpy as np
 
 DENSE_KEYS = frozenset({"gate_up", "down"})
 MXFP4_KEYS = frozenset({"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"})
+BIAS_KEYS = frozenset({"gate_up_bias", "down_bias"})
 
 
-def swiglu(g, u, swiglu_limit: float):
-    """silu(g) * u of the gate and up projections, with g <= L and |u| <= L when swiglu_limit
-    L > 0 (the reference's and the kernels' one definition; numpy in, numpy out: the host
-    kernel's fallback, tidejax.residency.cpu)."""
+def swiglu(g, u, swiglu_limit: float, alpha: float = 1.0, up_shift: float = 0.0):
+    """g * sigmoid(alpha * g) * (u + up_shift) of the gate and up projections (silu(g) * u with
+    the defaults), with g <= L and |u| <= L when swiglu_limit L > 0 (the reference's and the
+    kernels' one definition; numpy in, numpy out: the host kernel's fallback,
+    tidejax.residency.cpu)."""
     xp = np if isinstance(g, np.ndarray) else jnp
     if swiglu_limit > 0:
         g = xp.minimum(g, swiglu_limit)
         u = xp.clip(u, -swiglu_limit, swiglu_limit)
+    u = u + up_shift if up_shift else u
     if xp is np:
         with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as wanted
-            return g * (1 / (1 + np.exp(-g))) * u
-    return g * jax.nn.sigmoid(g) * u
+            return g * (1 / (1 + np.exp(-alpha * g))) * u
+    return g * jax.nn.sigmoid(alpha * g if alpha != 1.0 else g) * u
+
+
+def plain(bank, alpha: float = 1.0, up_shift: float = 0.0) -> bool:
+    """Whether a bank and activation are what every kernel takes: no bias leaves, silu(g) * u."""
+    return not (BIAS_KEYS & set(bank)) and alpha == 1.0 and up_shift == 0.0
 
 
 def split_gate_up(h):
@@ -64,15 +79,16 @@ def split_gate_up(h):
 
 
 def bank_format(bank) -> str:
-    """'dense' or 'mxfp4', from the leaf names; anything else is an error naming the keys."""
-    keys = frozenset(bank)
+    """'dense' or 'mxfp4', from the leaf names (bias leaves aside); anything else is an error
+    naming the keys."""
+    keys = frozenset(bank) - BIAS_KEYS
     if keys == DENSE_KEYS:
         return "dense"
     if keys == MXFP4_KEYS:
         return "mxfp4"
     raise ValueError(
         f"expert bank has keys {sorted(keys)}; expected {sorted(DENSE_KEYS)} (dense) "
-        f"or {sorted(MXFP4_KEYS)} (mxfp4)"
+        f"or {sorted(MXFP4_KEYS)} (mxfp4), with {sorted(BIAS_KEYS)} optional"
     )
 
 
@@ -81,7 +97,8 @@ def expert_axes(bank, rows: str = "slots") -> dict:
     bank_format(bank)  # checks the keys
     gate_up, down = (rows, "ffw", "embed"), (rows, "embed", "ffw")  # [N, 2I, D], [N, D, I]
     by_name = {"gate_up": gate_up, "down": down, "gate_up_blocks": gate_up + (None,),
-               "gate_up_scales": gate_up, "down_blocks": down + (None,), "down_scales": down}
+               "gate_up_scales": gate_up, "down_blocks": down + (None,), "down_scales": down,
+               "gate_up_bias": gate_up[:2], "down_bias": down[:2]}
     return {name: by_name[name] for name in bank}
 
 
@@ -90,8 +107,11 @@ def interleave_gate_up(row: dict, tensor: int) -> dict:
     gate_up rows interleaved by `tensor` blocks (module docstring); down is split along I as it
     is."""
     bank_format(row)  # checks the keys
+    if "down_bias" in row and tensor > 1:
+        raise ValueError("routed experts with a down_bias under distributed.tensor_parallel > 1 "
+                         "are not supported (the bias would be summed once a device)")
     out = dict(row)
-    for name in ("gate_up", "gate_up_blocks", "gate_up_scales"):
+    for name in ("gate_up", "gate_up_blocks", "gate_up_scales", "gate_up_bias"):
         if name in row:
             leaf = row[name]
             two_i = leaf.shape[0]

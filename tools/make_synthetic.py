@@ -46,6 +46,15 @@ per layer as for the V3 family (MXFP4 or `--experts bf16`):
 `--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` (default 0, as
 published) makes the first layers dense (mlp_only_layers).
 
+Shapes of the gpt-oss family (model_type gpt_oss: GQA with biases and attention sinks,
+sliding-window (128) and full layers alternating, YaRN rope; every layer a MoE with biases),
+written as the published checkpoints are: the routed experts MXFP4 (`_blocks`, `_scales`, the
+gate and up rows interleaved as published; `--experts mxfp4` only), their biases BF16:
+  gpt-oss-120b  36 layers, hidden 2880, 64 heads of 64 over 8 KV heads, 128 experts of 2880,
+                4 a token
+  gpt-oss-20b   24 layers, the same widths, 32 experts of 2880, 4 a token
+`--layers` (default 4) and `--n-experts` cut a shape down; no dense layers.
+
 Shapes of the GLM-5 family (model_type glm_moe_dsa: MLA with DeepSeek Sparse Attention, a
 lightning indexer a layer, sigmoid-routed MoE with a shared expert), written as the published BF16
 checkpoint is (MLA's `self_attn.*` as DeepSeek-V3's, the indexer's `self_attn.indexer.{wq_b, wk,
@@ -188,6 +197,12 @@ QWEN3_SHAPES = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        num_experts=16, num_experts_per_tok=4, dense_layers=0),
 }
+
+GPT_OSS_SHAPES = {
+    "gpt-oss-120b": dict(num_local_experts=128),
+    "gpt-oss-20b": dict(num_local_experts=32),
+}
+
 
 # DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
 DS41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
@@ -339,6 +354,31 @@ def qwen3_config(shape: str, layers: int, dense_layers: int | None, vocab_size: 
         "mlp_only_layers": list(range(dense_layers)), "decoder_sparse_step": 1,
         "norm_topk_prob": True, "hidden_act": "silu", "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False,
+        "initializer_range": 0.02, "tie_word_embeddings": False,
+        "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
+        **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
+    }
+
+
+def gpt_oss_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+                   max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """A config.json as OpenAI publishes gpt-oss's (the widths both sizes share), cut to `layers`
+    layers (sliding and full alternating, the first sliding)."""
+    if dense_layers:
+        raise SystemExit(f"error: --dense-layers {dense_layers}: gpt-oss has no dense layers")
+    s = dict(GPT_OSS_SHAPES[shape]) | ({"num_local_experts": n_experts} if n_experts else {})
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": vocab_size, "num_hidden_layers": layers, **s,
+        "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "num_experts_per_tok": 4,
+        "sliding_window": 128, "attention_bias": True, "hidden_act": "silu",
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(layers)],
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0,
         "initializer_range": 0.02, "tie_word_embeddings": False,
         "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
         **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
@@ -652,7 +692,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--shape",
                         choices=sorted(SHAPES | GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES
-                                       | DS41_SHAPES),
+                                       | GPT_OSS_SHAPES | DS41_SHAPES),
                         default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
@@ -680,7 +720,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shape, args.layers = "tiny", 3
     shape = args.shape
     flags = (DS41_FLAGS if shape in DS41_SHAPES
-             else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES else V3_FLAGS)
+             else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES | GPT_OSS_SHAPES
+             else V3_FLAGS)
     for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
         if getattr(args, name) is not None:
             raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
@@ -704,7 +745,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], Router
                           args.n_experts, args.engram_gib)
     else:
         make = (glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES
-                else qwen3_config if shape in QWEN3_SHAPES else hf_config)
+                else qwen3_config if shape in QWEN3_SHAPES
+                else gpt_oss_config if shape in GPT_OSS_SHAPES else hf_config)
         cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
                    args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None

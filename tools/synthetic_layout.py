@@ -202,11 +202,18 @@ def _routed(declared: Declared, layout: Layout, experts: str) -> list[tuple]:
             continue
         for part in ("gate_up", "down"):
             (name,), (rows_out, inn) = table.expert_names(layer, part), dims[part]
+            if experts != "mxfp4" and any(rule.transform for rule, _, _ in table.matches(name)):
+                raise ValueError(f"synthetic: '{name}' is transformed on load in its float "
+                                 "layout; write the experts MXFP4 (as published)")
             if experts == "mxfp4":
                 out += [(f"{name}_blocks", U8, (e, rows_out, inn // 32, 16), CODES),
                         (f"{name}_scales", U8, (e, rows_out, inn // 32), scales(inn))]
             else:
                 out.append((name, BF16, (e, rows_out, inn), uniform(inn)))
+        for part, width in (("gate_up_bias", two_f), ("down_bias", d)):  # where declared
+            if part in declared.experts:
+                (name,) = table.expert_names(layer, part)
+                out.append((name, BF16, (e, width), const(0.0, BF16)))
     return out
 
 

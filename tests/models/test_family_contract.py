@@ -14,18 +14,19 @@ import pytest
 import torch
 
 import tidejax
+from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache
-from tidejax.models.layers.decoder import decoder_expert_specs
 from tidejax.models.registry import family_of
 from tidejax.residency.serve import ServeOptions
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.tiny_models import (FAMILIES, cached_decode_logits, minimax_m2_config,
-                                       mixtral_config, qwen3_moe_config, relative_diff,
-                                       served_greedy, transformers_greedy)
+from tests.support.tiny_models import (FAMILIES, cached_decode_logits, gpt_oss_config,
+                                       minimax_m2_config, mixtral_config, qwen3_moe_config,
+                                       relative_diff, served_greedy, transformers_greedy,
+                                       write_gpt_oss_mxfp4_copies)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
 CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
-            "minimax_m2": minimax_m2_config}
+            "minimax_m2": minimax_m2_config, "gpt_oss": gpt_oss_config}
 CASES = [(family, config) for family in CONTRACT for config in sorted(FAMILIES[family][1])]
 PROMPT = np.random.RandomState(11).randint(3, 256, 32)
 
@@ -52,7 +53,7 @@ def test_declared_params_are_what_the_model_consumes(family):
         declared = weights.param_specs(cfg, jnp.float32)
         check_forward_on_declared(
             fam.build(cfg, ServeOptions(kernel="reference", all_resident=True), jnp.float32),
-            declared, decoder_expert_specs(cfg, jnp.float32), len(cfg.moe_layers),
+            declared, weights.expert_specs(cfg, jnp.float32), len(cfg.moe_layers),
             (tokens, tokens, tokens > -1, PagedCache(fam.create_cache(cfg, 1, 4, jnp.float32)),
              tokens[:, :1]))
         table = weights.checkpoint_table(cfg)
@@ -89,3 +90,19 @@ def test_half_resident_exact_equals_all_resident(tiny):
     assert half.residency.stats()["resident"] == n_moe * n_experts // 2
     np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
     assert half.residency.stats()["misses"] > 0
+
+
+def test_gpt_oss_published_mxfp4_experts_and_the_host_policies(tmp_path):
+    """The published layout (MXFP4 blocks and scales, gate/up rows interleaved) loads, kept
+    MXFP4, to the same logits as its values dequantized in transformers' float layout; the `cpu`
+    and `auto` miss policies (the host kernel takes no biases nor (u + 1) * glu) are refused at
+    load, naming the key."""
+    writer, configs = FAMILIES["gpt_oss"]
+    model = writer(tmp_path / "model", **configs["window8"])
+    packed, dense = write_gpt_oss_mxfp4_copies(model, tmp_path / "model", tmp_path)
+    engine = tidejax.load(packed)
+    assert "gate_up_blocks" in engine.state.experts.bank
+    assert relative_diff(engine.logits(PROMPT), tidejax.load(dense).logits(PROMPT)) < 1e-5
+    for policy in ("cpu", "auto"):
+        with pytest.raises(ConfigError, match="miss_policy"):
+            tidejax.load(packed, residency={"budget_experts": 8, "miss_policy": policy})

@@ -36,9 +36,10 @@ def paged_case(rng, h, g, ps, k=24, v=24, lengths=(1, 6, 0, 17), width=6, nan_pa
     return q, k_pages, v_pages, table, np.asarray(lengths, np.int32)
 
 
-def numpy_attention(q, k_pages, v_pages, table, positions, scale):
+def numpy_attention(q, k_pages, v_pages, table, positions, scale, sinks=None, window=0):
     """float64: q [b, t, h, k]; each query over its row's positions 0..its own through the
-    table (zeros where negative)."""
+    table (zeros where negative); with `window` only the last `window` of them; `sinks` [h]: a
+    logit per head in the denominator."""
     b, t, h, _ = q.shape
     _, ps, g, v = v_pages.shape
     out = np.zeros((b, t, h, v))
@@ -49,9 +50,12 @@ def numpy_attention(q, k_pages, v_pages, table, positions, scale):
             n = positions[row, i] + 1
             for head in range(h if n > 0 else 0):
                 kv = head // (h // g)
-                scores = keys[:n, kv] @ q[row, i, head].astype(np.float64) * scale
-                p = np.exp(scores - scores.max())
-                out[row, i, head] = p @ values[:n, kv] / p.sum()
+                first = max(0, n - window) if window else 0
+                scores = keys[first:n, kv] @ q[row, i, head].astype(np.float64) * scale
+                top = scores.max() if sinks is None else max(scores.max(), sinks[head])
+                p = np.exp(scores - top)
+                sink = 0.0 if sinks is None else np.exp(sinks[head] - top)
+                out[row, i, head] = p @ values[first:n, kv] / (p.sum() + sink)
     return out
 
 
@@ -137,3 +141,30 @@ def test_auto_takes_the_kernel_only_where_it_fits():
     assert not forms.triton_supports(jnp.zeros((2, 8, 512), BF16), wide, wide)
     assert not forms.triton_supports(jnp.zeros((2, 256, 128), BF16), pool[:, :, :2], pool)
     assert not forms.triton_supports(q.astype(jnp.float16), pool, pool)
+
+
+def test_sinks_and_a_window_in_the_reference(rng, monkeypatch):
+    """gpt-oss's attention: a sink logit per head and a sliding window of 5, the reference (key
+    blocks of one page of 4, so whole blocks before the window are skipped) against float64
+    numpy, decode and a prompt chunk; the kernel path refuses both by name."""
+    from tidejax.kv import paged
+    monkeypatch.setattr(paged, "KEY_BLOCK", 4)
+    h, g = 4, 2
+    q, k_pages, v_pages, table, lengths = paged_case(rng, h, g, 4, lengths=(18, 12), width=8)
+    sinks = rng.normal(0, 2, h).astype(np.float32)
+    pools = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    positions = np.array([list(range(11, 18)), [0, 1, 2, 3, 4, -1, -1]], np.int32)
+    chunk = rng.normal(0, 1, (2, 7, h, 24)).astype(np.float32)
+    got = ops.paged_gqa_prefill(jnp.asarray(chunk), *pools, jnp.asarray(table),
+                                jnp.asarray(positions), scale=0.2,
+                                sinks=jnp.asarray(sinks), window=5, impl="reference")
+    want = numpy_attention(chunk, k_pages, v_pages, table, positions, 0.2, sinks, 5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = ops.paged_gqa_decode(jnp.asarray(q), *pools, jnp.asarray(table), jnp.asarray(lengths),
+                               scale=0.2, sinks=jnp.asarray(sinks), window=5, impl="reference")
+    want = numpy_attention(q[:, None], k_pages, v_pages, table, (lengths - 1)[:, None], 0.2,
+                           sinks, 5)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no attention sinks and no sliding window"):
+        ops.paged_gqa_decode(q, k_pages, v_pages, table, lengths, scale=0.2, window=5,
+                             impl="pallas")

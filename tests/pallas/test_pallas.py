@@ -31,18 +31,22 @@ def make_bank(rng, fmt, n, d, i):
     return bank, as64(bank["gate_up"]), as64(bank["down"])
 
 
-def numpy_moe(x, gate_up, down, slot_ids, weights, limit):
-    """Float64, one pick at a time: y[t] = sum_j w[t,j] * down_s(silu(g) * u)."""
+def numpy_moe(x, gate_up, down, slot_ids, weights, limit, alpha=1.0, up_shift=0.0,
+              gate_up_bias=None, down_bias=None):
+    """Float64, one pick at a time: y[t] = sum_j w[t,j] * down_s(silu(g) * u); with alpha,
+    up_shift and the biases gpt-oss's g * sigmoid(alpha * g) * (u + up_shift) and
+    down_s(.) + down_bias_s over gate_up_s x + gate_up_bias_s."""
     x = np.asarray(x, np.float64)
     i = down.shape[-1]
     y = np.zeros_like(x)
     for t, j in zip(*np.nonzero(slot_ids >= 0)):
         s = slot_ids[t, j]
-        h = gate_up[s] @ x[t]
+        h = gate_up[s] @ x[t] + (0 if gate_up_bias is None else gate_up_bias[s])
         g, u = h[:i], h[i:]
         if limit > 0:
             g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-        y[t] += weights[t, j] * (down[s] @ (g / (1 + np.exp(-g)) * u))
+        out = down[s] @ (g / (1 + np.exp(-alpha * g)) * (u + up_shift))
+        y[t] += weights[t, j] * (out + (0 if down_bias is None else down_bias[s]))
     return y
 
 
@@ -116,6 +120,26 @@ def test_reference_matches_float64(rng, fmt, t):
     got = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(
         x, bank, slot_ids, weights, swiglu_limit=0.5)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
+@pytest.mark.parametrize("t", [3, 40])  # gathers the picked slots / scans over the slots
+def test_reference_with_biases_and_gpt_oss_activation_matches_float64(rng, fmt, t):
+    """gpt-oss's experts (tidejax.contract): bias leaves beside either format, the clamped
+    g * sigmoid(1.702 g) * (u + 1); the kernel refuses them by name."""
+    n, k = 12, 3
+    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
+    bank["gate_up_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
+    bank["down_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
+    x = rng.standard_normal((t, 64)).astype(np.float32)
+    slot_ids, weights = random_picks(rng, t, k, n)
+    want = numpy_moe(x, gate_up, down, slot_ids, weights, 0.5, 1.702, 1.0,
+                     bank["gate_up_bias"].astype(np.float64), bank["down_bias"].astype(np.float64))
+    got = moe_grouped(x, bank, slot_ids, weights, swiglu_limit=0.5, swiglu_alpha=1.702,
+                      swiglu_up_shift=1.0, impl="auto")
+    assert rel_err(got, want) < 1e-5
+    with pytest.raises(ValueError, match="no expert biases"):
+        moe_grouped(x, bank, slot_ids, weights, swiglu_limit=0.5, impl="pallas")
 
 
 def test_auto_on_cpu_is_the_reference_and_keeps_dtype(rng):

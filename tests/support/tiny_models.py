@@ -291,6 +291,51 @@ def write_minimax_m2(path: Path, seed: int = 0, **overrides):
     return model
 
 
+GPT_OSS_CONFIGS = {
+    # (two layers: sliding window 8, then full) top-2 of 8, 2 query heads a KV head, YaRN rope,
+    # a clamp low enough that the experts' activations reach it
+    "window8": dict(sliding_window=8, num_experts_per_tok=2, swiglu_limit=1.0),
+}
+
+
+def gpt_oss_config(**overrides):
+    from transformers import GptOssConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                rms_norm_eps=1e-5, rope_parameters={
+                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+                bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    base.update(overrides)
+    return GptOssConfig(**base)
+
+
+def write_gpt_oss(path: Path, seed: int = 0, **overrides):
+    """Writes a tiny GptOssForCausalLM checkpoint (random, float32; save_pretrained writes the
+    fused experts as transformers holds them) with a tokenizer; returns the torch model (eval
+    mode). The router, the experts' weights and biases and the sinks are drawn off their init
+    (zeros or std 0.02), so each one matters."""
+    from transformers import GptOssForCausalLM
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(gpt_oss_config(**overrides)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.weight.normal_(0, 0.5)
+            layer.mlp.router.bias.normal_(0, 0.5)
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(layer.mlp.experts, name).normal_(0, 0.2)
+                getattr(layer.mlp.experts, name + "_bias").normal_(0, 0.2)
+            layer.self_attn.sinks.normal_(0, 1.0)
+            for name, param in layer.self_attn.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model
+
+
 # family -> (writer, its named configs): what conftest.py's `tiny_checkpoint` writes
 FAMILIES = {
     "deepseek_v3": (write_deepseek_v3, DEEPSEEK_V3_CONFIGS),
@@ -299,6 +344,7 @@ FAMILIES = {
     "qwen3_moe": (write_qwen3_moe, QWEN3_MOE_CONFIGS),
     "mixtral": (write_mixtral, MIXTRAL_CONFIGS),
     "minimax_m2": (write_minimax_m2, MINIMAX_M2_CONFIGS),
+    "gpt_oss": (write_gpt_oss, GPT_OSS_CONFIGS),
 }
 
 
@@ -421,6 +467,32 @@ def cached_decode_logits(engine, prompt, prefill: int):
 def state_dict(model) -> dict:
     """The torch model's tensors as numpy arrays, as transformers 5 holds them in memory."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def write_gpt_oss_mxfp4_copies(model, path: Path, out: Path) -> tuple[Path, Path]:
+    """Two copies of gpt-oss checkpoint `path`: its experts' gate_up_proj and down_proj as the
+    published checkpoints store them (MXFP4 `_blocks` / `_scales`, [E, 2I, D/32, 16] with the
+    gate and up rows interleaved, [E, D, I/32, 16]), and the same values dequantized in
+    transformers' float layout ([E, D, 2I], [E, I, D]): (mxfp4, float)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from tidejax.checkpoint import mxfp4
+    state = state_dict(model)
+    packed, dense = dict(state), dict(state)
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(np.swapaxes(state[name], 1, 2))  # [E, out, in]
+        packed.pop(name)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        dense[name] = np.swapaxes(mxfp4.dequantize(blocks, scales, np.float32), 1, 2).copy()
+    copies = (out / "mxfp4", out / "float")
+    for copy, tensors in zip(copies, (packed, dense)):
+        shutil.copytree(path, copy)
+        (copy / "model.safetensors").unlink()
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                  str(copy / "model.safetensors"))
+    return copies
 
 
 def write_fused_copy(model, path: Path, out: Path) -> Path:

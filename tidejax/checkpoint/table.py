@@ -56,7 +56,7 @@ from tidejax.errors import CheckpointError
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 ParamPath = tuple  # keys of nested dicts, e.g. ("layers_3", "attn", "q_a_proj", "weight")
-EXPERT_PARTS = ("gate", "up", "gate_up", "down")
+EXPERT_PARTS = ("gate", "up", "gate_up", "down", "gate_up_bias", "down_bias")
 _FIELD = re.compile(r"\{(\w+)(?::([^{}]*))?\}")
 _SHOWN = 20  # problems listed in one error
 READ_WORKERS = min(16, os.cpu_count() or 1)  # threads reading tensors (see _in_threads)
@@ -110,6 +110,9 @@ class Experts:
     `part`: one of EXPERT_PARTS, or a pattern of them over the source's fields."""
     source: str
     part: str = "{part}"
+    transform: Transform | None = None  # applied to each expert's slice (after the read)
+    packed: Transform | None = None  # in its place where the tensor is MXFP4 (blocks and scales
+    # alike, on the logical shape): a published layout that differs from the float one
 
 
 class Table:
@@ -260,7 +263,10 @@ class _Plan:
             raise ValueError(f"checkpoint table: {rows} expert rows for {n_layers} MoE layers")
         gate_up, down = tuple(experts["gate_up"].shape[1:]), tuple(experts["down"].shape[1:])
         half = (gate_up[0] // 2, *gate_up[1:])
-        return rows // n_layers, {"gate": half, "up": half, "gate_up": gate_up, "down": down}
+        biases = {k: tuple(experts[k].shape[1:]) for k in ("gate_up_bias", "down_bias")
+                  if k in experts}  # declared biases are required parts
+        return rows // n_layers, {"gate": half, "up": half, "gate_up": gate_up, "down": down,
+                                  **biases}
 
     def _param(self, tensor: Tensor, rule: Rule, target, fields) -> None:
         name, path = tensor.name, tuple(target.format(fields).split("."))
@@ -314,11 +320,21 @@ class _Plan:
             raise ValueError(f"checkpoint table: rule {rule} gives part {part!r}, not one of "
                              f"{EXPERT_PARTS}")
         m, fused = self.table.expert_layers.index(layer), "expert" not in fields
+        if part not in self.part_shapes:
+            self._problem(name, f"tensor '{name}' is the routed experts' '{part}' of layer "
+                                f"'{layer}', which this model does not declare")
+            return
         want = (self.n_experts, *self.part_shapes[part]) if fused else self.part_shapes[part]
-        if tuple(tensor.shape) != want:
+        shape = tuple(tensor.shape)
+        transform = rule.packed if tensor.format == "mxfp4" else rule.transform
+        if transform is not None:  # on each expert's slice
+            shape = ((shape[0], *transform.shape(shape[1:])) if fused
+                     else tuple(transform.shape(shape)))
+        if shape != want:
             self.tried.add((m, part))
-            self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}, the routed "
-                                f"experts' '{part}' of layer '{layer}' expects {list(want)}")
+            how = f" ({transform.name}: {list(shape)})" if transform else ""
+            self._problem(name, f"tensor '{name}' has shape {list(tensor.shape)}{how}, the "
+                                f"routed experts' '{part}' of layer '{layer}' expects {list(want)}")
             return
         experts = range(self.n_experts) if fused else [int(fields["expert"])]
         if experts[-1] >= self.n_experts:
@@ -330,7 +346,7 @@ class _Plan:
             if part in row:
                 duplicates[(row[part][0].name, name, layer, part)] = None
             else:
-                row[part] = (tensor, fused)
+                row[part] = (tensor, fused, transform)
 
     def _check_unfilled(self) -> None:
         filled_scales = {self.scale_of[p] for p in self.params if p in self.scale_of}
@@ -346,7 +362,8 @@ class _Plan:
             return
         for m, layer in enumerate(self.table.expert_layers):
             rows = [self.rows.get((m, e), {}) for e in range(self.n_experts)]
-            tensors = {t.name: t for row in rows for t, _ in row.values()}
+            tensors = {t.name: t for row in rows for part, (t, *_) in row.items()
+                       if not part.endswith("_bias")}  # biases stay float beside MXFP4
             if len({t.format == "mxfp4" for t in tensors.values()}) > 1:
                 self._problem(next(iter(tensors)), f"layer '{layer}' mixes MXFP4 and dense "
                                                    f"routed experts")
@@ -357,7 +374,7 @@ class _Plan:
                     self._problem(split, f"layer '{layer}' holds routed expert {e} in both the "
                                          f"fused and the per-expert layout ('{row['gate_up'][0].name}'"
                                          f" and '{split}')")
-                for part in _missing_parts(row):
+                for part in _missing_parts(row, self.part_shapes):
                     if (m, part) not in self.tried:
                         missing.setdefault(part, []).append(e)
             for part, es in missing.items():
@@ -406,13 +423,17 @@ class _Plan:
         def one(row: int) -> None:
             m, e = divmod(row, self.n_experts)
             parts = {}
-            for part, (tensor, fused) in self.rows[(m, e)].items():
+            for part, (tensor, fused, transform) in self.rows[(m, e)].items():
                 if fused:
                     parts[part] = self.reader.read_row(tensor.name, e)
                 elif tensor.format == "mxfp4":
                     parts[part] = self.reader.read_mxfp4(tensor.name)
                 else:
                     parts[part] = self.reader.read(tensor.name)
+                if transform is not None:  # MXFP4: on the blocks and the scales alike
+                    read = parts[part]
+                    parts[part] = (tuple(map(transform.apply, read)) if isinstance(read, tuple)
+                                   else transform.apply(read))
             put_row(row, _expert_row(parts))
 
         for _ in _in_threads(one, range(len(self.table.expert_layers) * self.n_experts)):
@@ -432,13 +453,15 @@ def _set(tree: dict, path: ParamPath, value) -> None:
     tree[path[-1]] = value
 
 
-def _missing_parts(row: Mapping[str, Any]) -> list[str]:
-    """What a row lacks: gate_up (or the missing half of gate + up), down."""
+def _missing_parts(row: Mapping[str, Any], declared: Mapping[str, Any]) -> list[str]:
+    """What a row lacks: gate_up (or the missing half of gate + up), down, and the biases where
+    they are `declared`."""
     need = []
     if "gate_up" not in row:
         halves = [p for p in ("gate", "up") if p not in row]
         need += halves if len(halves) == 1 else (["gate_up"] if halves else [])
-    return need + ([] if "down" in row else ["down"])
+    return need + [p for p in ("down", "gate_up_bias", "down_bias")
+                   if p in declared and p not in row]
 
 
 def _expert_row(parts: dict) -> dict:
@@ -450,7 +473,8 @@ def _expert_row(parts: dict) -> dict:
     else:
         gate_up = np.concatenate([parts["gate"], parts["up"]])
     down = parts["down"]
+    biases = {k: parts[k] for k in ("gate_up_bias", "down_bias") if k in parts}
     if isinstance(gate_up, tuple):
         return {"gate_up_blocks": gate_up[0], "gate_up_scales": gate_up[1],
-                "down_blocks": down[0], "down_scales": down[1]}
-    return {"gate_up": gate_up, "down": down}
+                "down_blocks": down[0], "down_scales": down[1], **biases}
+    return {"gate_up": gate_up, "down": down, **biases}

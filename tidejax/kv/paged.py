@@ -119,12 +119,14 @@ def sparse_mla_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
 KEY_BLOCK = 512  # keys the GQA attention attends a loop step (whole pages; at least one page)
 
 
-def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
+def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float, sinks=None,
+                  window: int = 0):
     """Grouped-query attention over each row's pages (jnp; the reference of the paged GQA kernel,
     pallas.paged_gqa): q [b, t, h, k];
     k_pages, v_pages [n_pages, page_size, g, k] (g KV heads, each serving h / g query heads);
     block_table [b, P]; positions [b, t] (a query sees positions <= its own) -> out [b, t, h, k]
-    in the queries' dtype.
+    in the queries' dtype. sinks [h] (gpt-oss): a logit per head in each softmax's denominator
+    that attends to nothing; window > 0: a query at q sees only positions > q - window.
 
     Flash attention: KEY_BLOCK keys at a time gathered page by page from the table, a running max
     and sum in float32 (HIGHEST precision dots); the loop stops at the block holding the last
@@ -140,6 +142,8 @@ def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
     width = block_table.shape[1]
     table = jnp.pad(block_table, ((0, 0), (0, -width % per_block)))  # padding: page 0, masked
     n_blocks = jnp.clip(jnp.max(positions) // keys + 1, 0, table.shape[1] // per_block)
+    # a window's first block: none before the lowest query's window
+    first = jnp.maximum(jnp.min(positions) - window + 1, 0) // keys if window else 0
     qg = q.astype(f32).reshape(b, t, g, h // g, dk)  # [b, t, g, r, k]: query heads by KV head
 
     def attend_block(i, carry):
@@ -148,7 +152,10 @@ def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
         k = k_pages[pages].reshape(b, keys, g, dk).astype(f32)  # [b, s, g, k]
         v = v_pages[pages].reshape(b, keys, g, dv).astype(f32)
         scores = jnp.einsum("btgrk,bsgk->bgrts", qg, k, precision=HIGHEST) * scale
-        visible = i * keys + jnp.arange(keys)[None, None, :] <= positions[:, :, None]  # [b, t, s]
+        key_pos = i * keys + jnp.arange(keys)[None, None, :]
+        visible = key_pos <= positions[:, :, None]  # [b, t, s]
+        if window:
+            visible &= key_pos > positions[:, :, None] - window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
         probs = jnp.exp(scores - new_top[..., None])
@@ -157,9 +164,13 @@ def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float):
             "bgrts,bsgv->btgrv", probs, v, precision=HIGHEST)
         return new_top, total * keep + jnp.sum(probs, axis=-1), acc
 
-    start = (jnp.full((b, g, h // g, t), -1e30, f32), jnp.zeros((b, g, h // g, t), f32),
-             jnp.zeros((b, t, g, h // g, dv), f32))
-    _, total, acc = jax.lax.fori_loop(0, n_blocks, attend_block, start)
+    if sinks is None:
+        top, total = jnp.full((b, g, h // g, t), -1e30, f32), jnp.zeros((b, g, h // g, t), f32)
+    else:  # the sink enters as a key of its own (logit sink, value 0) before the first block
+        top = jnp.broadcast_to(sinks.astype(f32).reshape(1, g, h // g, 1), (b, g, h // g, t))
+        total = jnp.ones((b, g, h // g, t), f32)
+    start = (top, total, jnp.zeros((b, t, g, h // g, dv), f32))
+    _, total, acc = jax.lax.fori_loop(first, n_blocks, attend_block, start)
     total = jnp.moveaxis(total, 3, 1)[..., None]  # [b, t, g, r, 1]
     out = acc / jnp.where(total > 0, total, 1.0)
     return out.reshape(b, t, h, dv).astype(q.dtype)

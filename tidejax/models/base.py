@@ -165,6 +165,7 @@ class Family:
     step_tables: Callable = lambda cfg, aux: None
     prompt_rows: Callable | None = None
     swiglu_limit: Callable = lambda cfg: 0.0
+    swiglu_form: Callable = lambda cfg: (1.0, 0.0)  # (alpha, up_shift): tidejax.contract.swiglu
     dense_fp8: bool = False
     build_mtp: Callable | None = None
     tool_formats: dict = dataclasses.field(default_factory=dict)

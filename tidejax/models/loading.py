@@ -24,6 +24,7 @@ import numpy as np
 
 from tidejax import parallel
 from tidejax.checkpoint import CheckpointReader, Rule, Table, fp8, load, mxfp4
+from tidejax.contract import BIAS_KEYS
 from tidejax.errors import ConfigError
 from tidejax.models.base import ParamSpec, abstract, nbytes
 
@@ -72,8 +73,9 @@ class ExpertPool:
 
     def _convert(self, arrays: dict) -> dict:
         packed = "gate_up_blocks" in arrays
+        biases = {k: np.asarray(arrays[k], np.float32) for k in BIAS_KEYS & set(arrays)}
         if self.held_as == "mxfp4" and not packed:
-            out = {}
+            out = dict(biases)
             for name in ("gate_up", "down"):
                 w = np.asarray(arrays[name], np.float32)
                 if w.shape[-1] % 32:
@@ -84,7 +86,7 @@ class ExpertPool:
             return out
         if packed and self.held_as != "mxfp4" and self.held_as != "checkpoint":
             arrays = {name: mxfp4.dequantize(arrays[f"{name}_blocks"], arrays[f"{name}_scales"])
-                      for name in ("gate_up", "down")}
+                      for name in ("gate_up", "down")} | biases
             packed = False
         if packed:
             return arrays

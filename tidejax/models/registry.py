@@ -21,6 +21,7 @@ FAMILY_MODULES = {
     "qwen3_moe": "tidejax.models.qwen3_moe.family",
     "mixtral": "tidejax.models.mixtral.family",
     "minimax_m2": "tidejax.models.minimax_m2.family",
+    "gpt_oss": "tidejax.models.gpt_oss.family",
 }
 _FAMILIES: dict[str, Family] = {}
 

@@ -28,6 +28,7 @@ import math
 import jax
 
 from tidejax import parallel
+from tidejax.contract import plain
 from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
 from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
 from tidejax.pallas.demand import Demand
@@ -69,13 +70,14 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
                hc_eps=float(hc_eps), iters=int(iters))
 
 
-def _moe_fits(bank) -> bool:
+def _moe_fits(bank, alpha: float, up_shift: float) -> bool:
     from tidejax.pallas.moe_kernel import pallas_supports  # here: the Triton lowering loads on use
 
-    return pallas_supports(bank)
+    return plain(bank, alpha, up_shift) and pallas_supports(bank)
 
 
-def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: str | None = None,
+def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
+                swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0, impl: str | None = None,
                 demand: Demand | None = None):
     """Routed experts of one MoE layer over the bank: y[t] = sum_j w[t,j] * down_s(swiglu(g, u)),
     s = slot_ids[t,j] (-1 skips); shapes: pallas.moe.moe_grouped_reference.
@@ -87,13 +89,22 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, impl: 
     accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32 ones (rounded to bf16).
     demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
     first pass); then returns (y, counts, weight_sums).
+    swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): the
+    reference only ("auto" picks it; "pallas" refuses them).
     """
-    impl = choose_impl("moe_grouped", impl, fits=lambda: _moe_fits(bank))
+    impl = choose_impl("moe_grouped", impl,
+                       fits=lambda: _moe_fits(bank, swiglu_alpha, swiglu_up_shift))
     with jax.named_scope(f"moe_grouped_{impl}"):
         if impl == "reference":
             return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
-                                         demand=demand)
+                                         swiglu_alpha=swiglu_alpha,
+                                         swiglu_up_shift=swiglu_up_shift, demand=demand)
         from tidejax.pallas.moe_kernel import moe_grouped_pallas
+
+        if not plain(bank, swiglu_alpha, swiglu_up_shift):
+            raise ValueError("moe_grouped(impl='pallas'): the kernel takes no expert biases and "
+                             "only silu(g) * u (swiglu_alpha 1, swiglu_up_shift 0); use the "
+                             "reference")
 
         return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
                                   demand=demand)
@@ -165,8 +176,20 @@ def _gqa_fits(q, k_pages, v_pages, *_) -> bool:
     return paged_gqa.triton_supports(q, k_pages, v_pages)
 
 
-def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale,
-                     impl: str | None = None):
+def _gqa_run(op: str, impl, args, reference, kernel, scale, sinks, window: int):
+    """One of the two paged GQA ops: sinks or a window (gpt-oss) on the reference only ("auto"
+    picks it; "pallas" refuses them: the Triton kernel takes neither yet)."""
+    if sinks is None and not window:
+        return run(op, impl, lambda: _gqa_fits(*args), reference, kernel, *args,
+                   scale=float(scale))
+    if choose_impl(op, impl, lambda: False) != "reference":
+        raise ValueError(f"{op}(impl='pallas'): the Triton kernel takes no attention sinks and no "
+                         "sliding window; use the reference")
+    return reference(*args, scale=float(scale), sinks=sinks, window=int(window))
+
+
+def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale, sinks=None,
+                     window: int = 0, impl: str | None = None):
     """Grouped-query decode attention over the paged KV pool, one query token a row: q [b, h, k],
     k_pages [n_pages, page_size, g, k], v_pages [n_pages, page_size, g, v] (query head j reads KV
     head j // (h / g)), block_table [b, P], lengths [b] (a row sees its positions 0..length-1)
@@ -178,48 +201,50 @@ def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale,
     each row's pages up to its length (the reference: up to the longest row's). The kernel
     against the float32 reference, in Triton's interpreter: ~1e-7 for float32 pools; bf16 pools
     ~1e-2 of the values' scale (probabilities rounded to bf16 for the value dot). Not yet run or
-    timed on a GPU."""
+    timed on a GPU. sinks [h] (a logit per head in the softmax's denominator) and window > 0 (a
+    query at q sees positions > q - window): gpt-oss, the reference only."""
     args = (q, k_pages, v_pages, block_table, lengths)
-    return run("paged_gqa_decode", impl, lambda: _gqa_fits(*args),
-               paged_gqa.paged_gqa_decode_reference, paged_gqa.paged_gqa_decode_triton, *args,
-               scale=float(scale))
+    return _gqa_run("paged_gqa_decode", impl, args, paged_gqa.paged_gqa_decode_reference,
+                    paged_gqa.paged_gqa_decode_triton, scale, sinks, window)
 
 
-def paged_gqa_prefill(q, k_pages, v_pages, block_table, positions, *, scale,
-                      impl: str | None = None):
+def paged_gqa_prefill(q, k_pages, v_pages, block_table, positions, *, scale, sinks=None,
+                      window: int = 0, impl: str | None = None):
     """Causal GQA of a prompt chunk's queries over their rows' pages: q [b, t, h, k], the pools
     and table as paged_gqa_decode's, positions [b, t] (a query sees positions <= its own; none,
     so zeros, when negative) -> out [b, t, h, v] float32 (pallas.paged_gqa).
 
     impl: as paged_gqa_decode's. The kernel against the reference: as paged_gqa_decode's (the
     same kernel: a program's dot rows are queries x the heads of one KV head). Not yet run or
-    timed on a GPU."""
+    timed on a GPU. sinks, window: as paged_gqa_decode's."""
     args = (q, k_pages, v_pages, block_table, positions)
-    return run("paged_gqa_prefill", impl, lambda: _gqa_fits(*args),
-               paged_gqa.paged_gqa_reference, paged_gqa.paged_gqa_triton, *args,
-               scale=float(scale))
+    return _gqa_run("paged_gqa_prefill", impl, args, paged_gqa.paged_gqa_reference,
+                    paged_gqa.paged_gqa_triton, scale, sinks, window)
 
 
-def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float,
-                  impl: str | None = None):
+def gqa_attention(q, k_pages, v_pages, block_table, positions, *, scale: float, sinks=None,
+                  window: int = 0, impl: str | None = None):
     """Grouped-query attention over each row's pages: q [b, t, h, k], k_pages, v_pages [n_pages,
     page_size, g, k | v], block_table [b, P], positions [b, t] (a query sees positions <= its
     own) -> out [b, t, h, v] in the queries' dtype. Decode (t = 1) is paged_gqa_decode, a prompt
     chunk paged_gqa_prefill (either reads each row's pages up to its positions, no more). Where
     the mesh splits "tensor", each device attends its query and KV heads
-    (parallel.over_tensor: the kernels see one device's shard)."""
-    def attend(q, k_pages, v_pages, block_table, positions):
+    (parallel.over_tensor: the kernels see one device's shard). sinks [h], window: as
+    paged_gqa_decode's."""
+    def attend(q, k_pages, v_pages, block_table, positions, sinks):
         if q.shape[1] == 1:
             out = paged_gqa_decode(q[:, 0], k_pages, v_pages, block_table, positions[:, 0] + 1,
-                                   scale=float(scale), impl=impl)[:, None]
+                                   scale=float(scale), sinks=sinks, window=window,
+                                   impl=impl)[:, None]
         else:
             out = paged_gqa_prefill(q, k_pages, v_pages, block_table, positions,
-                                    scale=float(scale), impl=impl)
+                                    scale=float(scale), sinks=sinks, window=window, impl=impl)
         return (out.astype(q.dtype),)
 
     heads = (None, None, "heads", None)  # q [b, t, h, k] and the pools [n_pages, page_size, g, k]
-    return parallel.over_tensor(attend, (heads, heads, heads, None, None), (heads,))(
-        q, k_pages, v_pages, block_table, positions)[0]
+    sink_axes = None if sinks is None else ("heads",)
+    return parallel.over_tensor(attend, (heads, heads, heads, None, None, sink_axes), (heads,))(
+        q, k_pages, v_pages, block_table, positions, sinks)[0]
 
 
 def paged_index_scores(q, weights, key_pages, block_table, counts, *, scale,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tidejax.checkpoint import mxfp4
-from tidejax.contract import bank_format
+from tidejax.contract import BIAS_KEYS, bank_format
 
 
 def bank_dims(bank) -> tuple[int, int, int]:
@@ -26,10 +26,13 @@ def bank_dims(bank) -> tuple[int, int, int]:
 
 
 def dequantized(bank, dtype=jnp.float32) -> dict:
-    """{"gate_up", "down"} of `dtype` for every row of `bank` (a bank or a gathered part of one)."""
+    """{"gate_up", "down"} of `dtype` for every row of `bank` (a bank or a gathered part of one),
+    and its bias leaves where it has them."""
+    biases = {k: bank[k].astype(dtype) for k in BIAS_KEYS & set(bank)}
     if bank_format(bank) == "dense":
-        return {"gate_up": bank["gate_up"].astype(dtype), "down": bank["down"].astype(dtype)}
+        return {"gate_up": bank["gate_up"].astype(dtype), "down": bank["down"].astype(dtype),
+                **biases}
     return {
         "gate_up": mxfp4.dequantize(bank["gate_up_blocks"], bank["gate_up_scales"], dtype),
-        "down": mxfp4.dequantize(bank["down_blocks"], bank["down_scales"], dtype),
+        "down": mxfp4.dequantize(bank["down_blocks"], bank["down_scales"], dtype), **biases,
     }

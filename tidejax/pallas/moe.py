@@ -37,11 +37,13 @@ GATHER_PICKS = 64
 
 
 def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
+                          swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0,
                           demand: Demand | None = None):
     """x [T, D], slot_ids [T, k] int32 (-1 = skip), weights [T, k] -> y [T, D] of x.dtype; with
     `demand`, (y, counts, weight_sums) after `count_demand_reference` of its picks.
 
-    Float32 throughout (HIGHEST precision dots). Up to GATHER_PICKS picks it gathers their weights;
+    The activation and the optional bias leaves: tidejax.contract. Float32 throughout (HIGHEST
+    precision dots). Up to GATHER_PICKS picks it gathers their weights;
     otherwise it scans over the slots, so memory stays at one slot's weights (dequantized) plus
     [T, 2I] activations and the [T, k, D] per-pick outputs.
     """
@@ -49,20 +51,28 @@ def moe_grouped_reference(x, bank, slot_ids, weights, *, swiglu_limit: float = 0
     xf = x.astype(jnp.float32)
     picked = slot_ids >= 0
     w = jnp.where(picked, weights.astype(jnp.float32), 0.0)  # [T, k]
+
+    def act(h, row):  # gate_up projection [..., 2I] -> activation [..., I]
+        if "gate_up_bias" in row:
+            h = h + row["gate_up_bias"]
+        return swiglu(*split_gate_up(h), swiglu_limit, swiglu_alpha, swiglu_up_shift)
+
+    def biased(out, row):
+        return out + row["down_bias"] if "down_bias" in row else out
+
     if slot_ids.size <= GATHER_PICKS:
         rows = jax.tree.map(lambda a: a[jnp.maximum(slot_ids, 0)], bank)  # [T, k, ...]
         rows = dequantized(rows)
         h = jnp.einsum("td,tkfd->tkf", xf, rows["gate_up"], precision=HIGHEST)
-        act = swiglu(*split_gate_up(h), swiglu_limit)
-        per_pick = jnp.einsum("tki,tkdi->tkd", act, rows["down"], precision=HIGHEST)
+        per_pick = biased(jnp.einsum("tki,tkdi->tkd", act(h, rows), rows["down"],
+                                     precision=HIGHEST), rows)
     else:
         def one_slot(acc, slot_and_row):
             slot, row = slot_and_row
             row = dequantized(row)
             hits = slot_ids == slot  # [T, k]
             h = jnp.dot(xf, row["gate_up"].T, precision=HIGHEST)  # [T, 2I]
-            act = swiglu(*split_gate_up(h), swiglu_limit)  # [T, I]
-            out = jnp.dot(act, row["down"].T, precision=HIGHEST)  # [T, D]
+            out = biased(jnp.dot(act(h, row), row["down"].T, precision=HIGHEST), row)  # [T, D]
             return jnp.where(hits[:, :, None], out[:, None, :], acc), None
 
         # Each pick's output lands in its own [T, k] cell and the weighted sum runs in pick order,

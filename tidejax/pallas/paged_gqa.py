@@ -61,21 +61,26 @@ def _check_args(op, q, k_pages, v_pages, block_table, positions):
                          f"a dtype")
 
 
-def paged_gqa_reference(q, k_pages, v_pages, block_table, positions, *, scale):
+def paged_gqa_reference(q, k_pages, v_pages, block_table, positions, *, scale, sinks=None,
+                        window: int = 0):
     """q [b, t, h, k], k_pages [n_pages, page_size, g, k], v_pages [n_pages, page_size, g, v],
     block_table [b, P] int32, positions [b, t] int32 (a query sees positions <= its own; none,
     so zeros, when negative) -> out [b, t, h, v] float32. Reads the table's pages up to the
-    chunk's last position, never the pool."""
+    chunk's last position, never the pool. sinks [h], window: kv.paged.gqa_attention's (the
+    Triton kernel takes neither yet)."""
     _check_args("paged_gqa_prefill", q, k_pages, v_pages, block_table, positions)
-    return gqa_attention(q.astype(F32), k_pages, v_pages, block_table, positions, scale=scale)
+    return gqa_attention(q.astype(F32), k_pages, v_pages, block_table, positions, scale=scale,
+                         sinks=sinks, window=window)
 
 
-def paged_gqa_decode_reference(q, k_pages, v_pages, block_table, lengths, *, scale):
+def paged_gqa_decode_reference(q, k_pages, v_pages, block_table, lengths, *, scale, sinks=None,
+                               window: int = 0):
     """q [b, h, k], the pools as paged_gqa_reference's, lengths [b] int32 (a row sees its
     positions 0..length-1) -> out [b, h, v] float32, zeros for a row of length 0."""
     _check_args("paged_gqa_decode", q, k_pages, v_pages, block_table, lengths)
     return paged_gqa_reference(q[:, None], k_pages, v_pages, block_table,
-                               (lengths - 1)[:, None], scale=scale)[:, 0]
+                               (lengths - 1)[:, None], scale=scale, sinks=sinks,
+                               window=window)[:, 0]
 
 
 def _pow2_at_least(n: int, least: int = 16) -> int:

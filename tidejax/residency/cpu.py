@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax import parallel
-from tidejax.contract import bank_format, split_gate_up, swiglu
+from tidejax.contract import BIAS_KEYS, bank_format, split_gate_up, swiglu
 from tidejax.pallas.bank import bank_dims, dequantized
 
 try:
@@ -188,6 +188,9 @@ class CpuExperts:
         if via not in ("custom_call", "callback"):
             raise ValueError(f"via={via!r}, expected 'custom_call' or 'callback'")
         n, d, inter = bank_dims(pool)  # checks the format
+        if BIAS_KEYS & set(pool):
+            raise ValueError("the cpu miss policy takes routed experts without biases (gpt-oss's "
+                             "have them); use miss policy 'exact' or 'substitute'")
         self.n_experts = n_experts
         self.views = {k: host_view(pool[k]) for k in pool}
         self.isa = isa or kernel_isa()

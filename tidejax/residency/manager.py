@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from tidejax.config import ResidencySection
+from tidejax.contract import plain
 from tidejax.errors import ConfigError
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
@@ -49,13 +50,15 @@ log = logging.getLogger("tidejax.residency")
 
 class Residency:
     def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
-                 *, kernel: str = "auto", swiglu_limit: float = 0.0, max_tokens: int = 1,
+                 *, kernel: str = "auto", swiglu_limit: float = 0.0,
+                 swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
                  window: int = 64):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them);
         max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
         slots: min(E, max_tokens * top_k))."""
         self.section = section
+        self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
         total = n_rows(pool_rows)
         if total % n_layers:
@@ -105,6 +108,7 @@ class Residency:
         self.on_apply = None
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
+                                    swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
                                     count=section.count, all_resident=self.all_resident,
                                     cpu=self.cpu, exact_budget=section.exact_budget)
 
@@ -152,6 +156,11 @@ class Residency:
                  self.n_ring, self.n_transient, source)
         pool = host_pool(pool_rows)
         if self.section.miss_policy in ("cpu", "auto"):
+            if not plain(pool, *self.swiglu_form):
+                raise ConfigError(f"[residency] miss_policy = {self.section.miss_policy!r} "
+                                  "computes misses on the host, whose kernel takes no expert biases and "
+                                  "only silu(g) * u (this model's experts, gpt-oss's, have "
+                                  "both): use 'exact', 'substitute' or 'ring'")
             self.cpu = CpuExperts(pool, self.n_experts)
         state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                             ring_copies=self.ring_per_step, transient=self.n_transient)

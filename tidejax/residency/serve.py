@@ -41,6 +41,8 @@ class ServeOptions:
     miss_policy: str = "exact"
     kernel: str = "auto"  # the ops' implementation in a forward served with these (ops.kernels)
     swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0  # the activation's variant (tidejax.contract.swiglu): gpt-oss
+    swiglu_up_shift: float = 0.0
     count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
     all_resident: bool = False  # every expert has a slot: skip the miss machinery
     cpu: CpuExperts | None = None  # the host pool "cpu" and "auto" compute misses from
@@ -72,6 +74,9 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
         if policy == "exact":
             slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
         elif policy in ("cpu", "auto"):  # the host's slots stay -1: skipped on the device
+            if options.swiglu_alpha != 1.0 or options.swiglu_up_shift:
+                raise ValueError(f"miss policy {policy!r}: the host kernel computes only "
+                                 "silu(g) * u (this family's experts use another activation)")
             if options.cpu is None:
                 raise ValueError(f"miss policy {policy!r} needs the host experts "
                                  "(ServeOptions.cpu)")
@@ -123,7 +128,8 @@ def _grouped(moe_index: int, x, bank, slots, ids, weights, token_mask, state: Ex
                                                           token_mask)
         with ops.kernels(options.kernel):  # as a forward served with these options runs it
             out = ops.moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
-                                  demand=demand)
+                                  swiglu_alpha=options.swiglu_alpha,
+                                  swiglu_up_shift=options.swiglu_up_shift, demand=demand)
         return (out, None) if demand is None else (out[0], out[1:])
 
     return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, ("sum", None))(

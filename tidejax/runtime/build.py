@@ -105,9 +105,11 @@ class LoadedModel:
         self.prefill_chunk = min(config.engine.prefill_chunk, self.max_context)
         self.eos_ids = end_of_turn_ids(model_dir, getattr(self.cfg, "eos_token_ids", ()),
                                        self.tokenizer.eos_id)
+        alpha, up_shift = self.family.swiglu_form(self.cfg)
         serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
-            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), count=config.residency.count)
+            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
+            swiglu_up_shift=float(up_shift), count=config.residency.count)
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
                                                     self.dtype, config.model.experts,
@@ -116,7 +118,7 @@ class LoadedModel:
             pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
             config.residency,
             kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
-            max_tokens=self.max_context)
+            swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)

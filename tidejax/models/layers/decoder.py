@@ -151,10 +151,11 @@ def expert_dims(cfg) -> tuple[int, int, int, int]:
     return len(cfg.moe_layers), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
 
-def decoder_expert_specs(cfg, dtype) -> dict:
-    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
+def decoder_expert_specs(cfg, dtype, bias: bool = False) -> dict:
+    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert), with their
+    biases where `bias` (gpt-oss)."""
     n_moe, n_experts, hidden, inter = expert_dims(cfg)
-    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype)
+    return routed_expert_specs(n_moe * n_experts, hidden, inter, dtype, bias)
 
 
 LAYER = "model.layers.{i}"  # a decoder layer's Hugging Face prefix (field i)

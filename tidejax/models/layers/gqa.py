@@ -6,7 +6,9 @@ all heads ("projection": MiniMax-M2), rotary on the first `rotary_dim` channels 
 
 The config is read by field name (hidden_size, num_heads, num_kv_heads, head_dim, rotary_dim,
 attention_bias, use_qk_norm, qk_norm_span, rms_norm_eps), so any family whose config has them
-uses this layer.
+uses this layer. Per layer, from the family's factory: `window` (> 0: a sliding window of that
+many positions), `sinks` (a learned logit per head in the softmax's denominator) and `o_bias`
+(the output projection's bias): gpt-oss.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tidejax.checkpoint import Rule
 from tidejax.errors import ConfigError
 from tidejax.fields import Fields
 from tidejax.kv import paged
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.decoder import LAYER, expert_dims
 from tidejax.models.layers.linear import Linear, linear_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
@@ -62,14 +65,17 @@ def read_heads(f: Fields) -> tuple[int, int, int]:
     return heads, kv_heads, f.opt("head_dim", None) or f.req("hidden_size") // heads
 
 
-def gqa_specs(cfg, dtype) -> dict:
-    """GQAttention's declared params (the config fields of the module docstring)."""
+def gqa_specs(cfg, dtype, sinks: bool = False, o_bias: bool = False) -> dict:
+    """GQAttention's declared params (the config fields of the module docstring; `sinks` and
+    `o_bias` as the module's fields)."""
     d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     bias = cfg.attention_bias
     specs = {"q_proj": linear_specs(h * k, d, ("heads", "embed"), dtype, bias),
              "k_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
              "v_proj": linear_specs(g * k, d, ("heads", "embed"), dtype, bias),
-             "o_proj": linear_specs(d, h * k, ("embed", "heads"), dtype)}
+             "o_proj": linear_specs(d, h * k, ("embed", "heads"), dtype, o_bias)}
+    if sinks:
+        specs["sinks"] = ParamSpec((h,), jnp.float32, ("heads",), init="zeros")
     if cfg.use_qk_norm:  # over each head, or over the whole projection (qk_norm_span)
         whole = cfg.qk_norm_span == "projection"
         specs |= {"q_norm": norm_specs(h * k if whole else k, None, dtype),
@@ -88,6 +94,9 @@ GQA_RULES = (
 class GQAttention(nn.Module):
     cfg: object  # a config with the fields the module docstring names
     dtype: jnp.dtype
+    window: int = 0  # > 0: a query at q sees positions > q - window
+    sinks: bool = False  # a learned sink logit per head
+    o_bias: bool = False
 
     @nn.compact
     def __call__(self, x, positions, cos, sin, k_pages, v_pages, slots, block_table):
@@ -96,6 +105,7 @@ class GQAttention(nn.Module):
         (tidejax.kv.paged.token_slots); block_table [b, P]: each row's pages
         -> (out [b, t, d], k_pages, v_pages)."""
         cfg, dt = self.cfg, self.dtype
+        p = declare(self, gqa_specs(cfg, dt, self.sinks, self.o_bias))
         b, t, _ = x.shape
         h, g, k, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
         q = Linear(h * k, dt, cfg.attention_bias, name="q_proj")(x)
@@ -117,8 +127,9 @@ class GQAttention(nn.Module):
         k_pages = paged.write(k_pages, key, slots)
         v_pages = paged.write(v_pages, value, slots)
         # the paged GQA kernel (decode or a prompt chunk) on a GPU, its jnp reference elsewhere
-        out = ops.gqa_attention(q, k_pages, v_pages, block_table, positions, scale=k ** -0.5)
-        out = Linear(cfg.hidden_size, dt, name="o_proj")(out.reshape(b, t, h * k))
+        out = ops.gqa_attention(q, k_pages, v_pages, block_table, positions, scale=k ** -0.5,
+                                sinks=p.get("sinks"), window=self.window)
+        out = Linear(cfg.hidden_size, dt, self.o_bias, name="o_proj")(out.reshape(b, t, h * k))
         return out, k_pages, v_pages
 
 

@@ -28,12 +28,14 @@ from tidejax.residency.state import ExpertState
 class RouterSpec:
     n_experts: int
     top_k: int
-    scoring: str = "sigmoid"  # "sigmoid" | "softmax" | "sqrtsoftplus" (DeepSeek-V4)
+    scoring: str = "sigmoid"  # "sigmoid" | "softmax" | "sqrtsoftplus" (DeepSeek-V4) |
+    # "topk_softmax" (gpt-oss: top-k of the logits, softmax over the k picked)
     temperature: float = 1.0  # logits are divided by it before scoring
     n_group: int = 1
     topk_group: int = 1
     group_score: str = "top2_sum"  # "top2_sum" (noaux_tc) | "max" (group_limited_greedy)
     use_bias: bool = True  # e_score_correction_bias, for selection only
+    logit_bias: bool = False  # the router Linear's own bias, added to the logits (gpt-oss)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     hash_vocab: int = 0  # > 0: a fixed token -> experts table picks (DeepSeek-V4's hash layers)
@@ -77,7 +79,7 @@ def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) 
     """MoE's declared params: the router (float32, as the references keep it), shared experts."""
     e = router.n_experts
     specs = {"gate_weight": ParamSpec((e, hidden), jnp.float32, ("experts", "embed"))}
-    if router.use_bias:
+    if router.use_bias or router.logit_bias:
         specs["gate_bias"] = ParamSpec((e,), jnp.float32, ("experts",), init="zeros")
     if router.hash_vocab:  # token -> experts (DeepSeek-V4's hash layers)
         specs["tid2eid"] = ParamSpec((router.hash_vocab, router.top_k), jnp.int32, ("vocab", None),
@@ -87,11 +89,20 @@ def moe_specs(router: RouterSpec, hidden: int, shared_intermediate: int, dtype) 
     return specs
 
 
-def routed_expert_specs(rows: int, hidden: int, intermediate: int, dtype) -> dict:
+def routed_expert_specs(rows: int, hidden: int, intermediate: int, dtype,
+                        bias: bool = False) -> dict:
     """The routed experts as host-pool rows (row = moe layer * experts + expert): gate_up
-    [rows, 2f, d] (gate rows, then up rows) and down [rows, d, f]."""
-    return {"gate_up": ParamSpec((rows, 2 * intermediate, hidden), dtype, ("experts", "ffw", "embed")),
-            "down": ParamSpec((rows, hidden, intermediate), dtype, ("experts", "embed", "ffw"))}
+    [rows, 2f, d] (gate rows, then up rows) and down [rows, d, f]; with `bias` gate_up_bias
+    [rows, 2f] and down_bias [rows, d] (tidejax.contract)."""
+    specs = {"gate_up": ParamSpec((rows, 2 * intermediate, hidden), dtype,
+                                  ("experts", "ffw", "embed")),
+             "down": ParamSpec((rows, hidden, intermediate), dtype, ("experts", "embed", "ffw"))}
+    if bias:
+        specs |= {"gate_up_bias": ParamSpec((rows, 2 * intermediate), dtype, ("experts", "ffw"),
+                                            init="zeros"),
+                  "down_bias": ParamSpec((rows, hidden), dtype, ("experts", "embed"),
+                                         init="zeros")}
+    return specs
 
 
 def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
@@ -104,12 +115,16 @@ def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
     """
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), weight.astype(jnp.float32),
                         precision=HIGHEST)  # [T, e]
+    if spec.logit_bias:  # the router's own bias (gpt-oss), not a correction of the choice
+        logits, bias = logits + bias, None
     if spec.temperature != 1.0:
         logits = logits / spec.temperature
     if spec.scoring == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     elif spec.scoring == "sqrtsoftplus":
         scores = jnp.sqrt(jax.nn.softplus(logits))
+    elif spec.scoring == "topk_softmax":  # the softmax runs over the picked logits (below)
+        scores = logits
     else:
         scores = jax.nn.softmax(logits, -1)
     choice = scores + bias if bias is not None else scores
@@ -128,6 +143,8 @@ def route(x, weight, bias, spec: RouterSpec, replayed_ids=None):
     if replayed_ids is not None:
         ids = replayed_ids
     weights = jnp.take_along_axis(scores, ids, axis=1)
+    if spec.scoring == "topk_softmax":
+        weights = jax.nn.softmax(weights, -1)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * spec.routed_scaling_factor

@@ -18,6 +18,11 @@ def param_specs(cfg: MiniMaxM2Config, dtype) -> dict:
     return decoder_specs(cfg, router_spec(cfg), lambda layer: gqa_specs(cfg, dtype), dtype)
 
 
+def expert_specs(cfg: MiniMaxM2Config, dtype) -> dict:
+    """The routed experts as host-pool rows (moe layer * n_routed_experts + expert)."""
+    return decoder_expert_specs(cfg, dtype)
+
+
 def checkpoint_table(cfg: MiniMaxM2Config) -> Table:
     """Hugging Face tensor names -> the declared params and the routed-expert rows."""
     return block_sparse_moe_table(cfg, GQA_RULES)
@@ -26,5 +31,5 @@ def checkpoint_table(cfg: MiniMaxM2Config) -> Table:
 def load_weights(cfg: MiniMaxM2Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
     params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
-                           decoder_expert_specs(cfg, dtype), put_row)
+                           expert_specs(cfg, dtype), put_row)
     return params, None
