@@ -28,6 +28,8 @@ class Progress:
 
     def advance(self, items: int = 0, nbytes: int = 0) -> None:
         with self._lock:
+            if self.closed:  # reads after the load (the residency disk tier's) are not shown
+                return
             self.items += items
             self.nbytes += nbytes
             if self.items >= self.total_items:
