@@ -16,6 +16,8 @@ import pytest
 import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.errors import CheckpointError
+from tidejax.runtime.client import LocalEngineClient
+from tidejax.server.metrics import Metrics
 from tests.support.tiny_models import served_greedy
 
 PROMPT = np.random.RandomState(11).randint(3, 256, 24)
@@ -52,6 +54,10 @@ def test_exact_over_disk_equals_all_in_host(checkpoint, all_in_host):
     assert stats["disk_reads"] > 0 and stats["disk_read_bytes"] > 0
     assert stats["disk_read_bytes"] == stats["disk_reads"] * engine.residency.row_bytes
     assert 0 < stats["host_cold_share_total"] <= stats["cold_share_total"]
+    shown = Metrics().render(LocalEngineClient(engine).stats(), 0)
+    for key in ("disk_reads", "disk_read_bytes", "disk_read_seconds", "host_cold_share_total",
+                "cold_share_total"):
+        assert f"tidejax_residency_{key} {stats[key]}" in shown
 
 
 def test_substitute_reads_only_what_the_planner_asks(checkpoint):

@@ -40,6 +40,12 @@ class Progress:
                 self._shown = now
                 self._show(now, final=False)
 
+    def leave_out(self, items: int, nbytes: int) -> None:
+        """Takes work that is not done here off the totals (rows read later, as needed)."""
+        with self._lock:
+            self.total_items -= items
+            self.total_bytes -= nbytes
+
     def close(self) -> None:
         with self._lock:
             self._close()

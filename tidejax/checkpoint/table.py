@@ -179,7 +179,9 @@ def load(reader: CheckpointReader, table: Table, params: Mapping, experts: Mappi
     out = plan.read_params(put)
     if isinstance(put_row, Deferred):
         put_row.source = RowSource(plan)
-        reader.progress.close()  # the rows are read later, as they are needed
+        reader.later({t.name: t for r in range(put_row.source.n_rows)
+                      for t in put_row.source.tensors(r)}.values())
+        reader.progress.close()
     elif experts is not None:
         plan.read_experts(put_row)
     return out

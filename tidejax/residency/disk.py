@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from tidejax.errors import CheckpointError
+from tidejax.residency.pool import row_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ class PreparedRows:
 
     def __init__(self, path: Path, layout: dict):
         self.path, self.layout = Path(path), layout
-        self.row_bytes = sum(_leaf_bytes(v) for v in layout.values())
+        self.row_bytes = row_bytes(layout)
         self.files = Files([self.path])
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -107,10 +108,6 @@ class PreparedRows:
                                       f"{begin + self.row_bytes}, the file at {begin + done}")
             done += n
         return out
-
-
-def _leaf_bytes(leaf) -> int:
-    return int(np.prod(leaf.shape[1:])) * np.dtype(leaf.dtype).itemsize
 
 
 def _from(buffers: list, skip: int) -> list:

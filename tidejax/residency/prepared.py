@@ -25,6 +25,7 @@ from tidejax.checkpoint.table import READ_WORKERS
 from tidejax.errors import ConfigError
 from tidejax.residency.disk import CheckpointRows, Fingerprint, PreparedRows
 from tidejax.residency.persist import clear_torn, write_atomic
+from tidejax.residency.pool import row_bytes as pool_row_bytes
 
 log = logging.getLogger("tidejax.residency")
 
@@ -93,9 +94,7 @@ def _write(rows: CheckpointRows, path: Path) -> None:
     then fsync and rename over `path`."""
     clear_torn(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    n = rows.source.n_rows
-    row_bytes = sum(int(np.prod(v.shape[1:])) * np.dtype(v.dtype).itemsize
-                    for v in rows.layout.values())
+    n, row_bytes = rows.source.n_rows, pool_row_bytes(rows.layout)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     progress = Progress("preparing experts", n, n * row_bytes)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
