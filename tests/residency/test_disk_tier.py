@@ -15,7 +15,8 @@ import pytest
 
 import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
-from tidejax.errors import CheckpointError
+from tidejax.errors import CheckpointError, ConfigError
+from tidejax.residency.hostcache import HostCache
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.metrics import Metrics
 from tests.support.tiny_models import served_greedy
@@ -41,11 +42,16 @@ def _load(path, **residency):
     return tidejax.load(path, engine=ENGINE, residency={**TIERS, **residency})
 
 
-def test_exact_over_disk_equals_all_in_host(checkpoint, all_in_host):
+@pytest.fixture(scope="module")
+def over_disk(checkpoint):
+    return _load(checkpoint, miss_policy="exact")
+
+
+def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     full, tokens, logits = all_in_host
     n_moe, n_experts = full.family.expert_dims(full.cfg)[:2]
     assert n_moe * n_experts == ROWS
-    engine = _load(checkpoint, miss_policy="exact")
+    engine = over_disk
     assert engine.residency.disk_rows.where == "checkpoint"  # float32 as stored: in place
     assert served_greedy(engine, PROMPT, 12) == tokens
     np.testing.assert_array_equal(engine.logits(PROMPT), logits)
@@ -58,6 +64,38 @@ def test_exact_over_disk_equals_all_in_host(checkpoint, all_in_host):
     for key in ("disk_reads", "disk_read_bytes", "disk_read_seconds", "host_cold_share_total",
                 "cold_share_total"):
         assert f"tidejax_residency_{key} {stats[key]}" in shown
+
+
+def test_commit_evicts_the_least_demanded_row_the_bank_does_not_hold(over_disk):
+    rows = over_disk.residency.disk_rows
+    cache = HostCache(rows, 3)
+    cache.fill([0, 1, 2])
+    demand = np.arange(ROWS, dtype=np.float64)
+    demand[1] = 100.0  # row 0 (least demand) is in the bank: row 2 goes
+    cache.request([9])
+    cache.wait([9])
+    waited = []
+    assert cache.commit(demand, pinned=[0], protect=(), wait_steps=lambda: waited.append(1))
+    assert waited and cache.slot_of[9] == 2 and cache.slot_of[2] == -1
+    assert cache.slot_of[0] == 0 and cache.slot_of[1] == 1
+    for name, leaf in cache.pool.items():
+        np.testing.assert_array_equal(np.asarray(leaf)[2], rows.read(9)[name])
+    cache.read_now(3)  # less demand than any row it could take the place of: dropped
+    assert cache.commit(demand, pinned=[0], protect=(), wait_steps=lambda: None)
+    assert cache.slot_of[3] == -1 and cache.stats()["host_reads_dropped"] == 1
+    cache.read_now(4)  # unless a queued swap wants it
+    cache.commit(demand, pinned=[0], protect=[4], wait_steps=lambda: None)
+    assert cache.slot_of[4] >= 0 and cache.stats()["host_evictions"] == 2
+    assert cache.stats()["disk_reads"] == 6
+
+
+@pytest.mark.parametrize("residency, message", [
+    ({"host_budget_experts": ROWS // 4}, "more than the bank's 4 experts"),
+    ({"miss_policy": "ring", "ring_slots": 2}, "miss_policy 'ring' over the disk tier"),
+    ({"budget_experts": 0}, "set budget_experts or budget_gib")])
+def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, residency, message):
+    with pytest.raises(ConfigError, match=f"host_budget_experts.*{message}"):
+        _load(checkpoint, **residency)
 
 
 def test_substitute_reads_only_what_the_planner_asks(checkpoint):
