@@ -28,6 +28,8 @@ class Progress:
 
     def advance(self, items: int = 0, nbytes: int = 0) -> None:
         with self._lock:
+            if self.closed:  # reads after the load (the residency disk tier's) are not shown
+                return
             self.items += items
             self.nbytes += nbytes
             if self.items >= self.total_items:
@@ -37,6 +39,12 @@ class Progress:
             if now - self._shown >= self.every_s:
                 self._shown = now
                 self._show(now, final=False)
+
+    def leave_out(self, items: int, nbytes: int) -> None:
+        """Takes work that is not done here off the totals (rows read later, as needed)."""
+        with self._lock:
+            self.total_items -= items
+            self.total_bytes -= nbytes
 
     def close(self) -> None:
         with self._lock:

@@ -161,6 +161,12 @@ class CheckpointReader:
         """Count `tensor` as done on the progress line (read, or ignored unread)."""
         self.progress.advance(len(tensor.parts), self._nbytes(tensor))
 
+    def later(self, tensors) -> None:
+        """Takes `tensors` off the progress line: they are read after the load, as needed."""
+        tensors = list(tensors)
+        self.progress.leave_out(sum(len(t.parts) for t in tensors),
+                                sum(self._nbytes(t) for t in tensors))
+
     # -- internals ------------------------------------------------------------------------
     def _file(self, name: str) -> SafetensorsFile:
         f = self._where.get(name)

@@ -50,7 +50,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tidejax.checkpoint import fp8
+from tidejax.checkpoint import fp8, mxfp4
 from tidejax.checkpoint.reader import CheckpointReader, Tensor
 from tidejax.errors import CheckpointError
 
@@ -180,9 +180,74 @@ def load(reader: CheckpointReader, table: Table, params: Mapping, experts: Mappi
     fp8.dividing_block (its block is then shape / scale shape)."""
     plan = _Plan(reader, table, params, experts, host or {})
     out = plan.read_params(put)
-    if experts is not None:
+    if isinstance(put_row, Deferred):
+        put_row.source = RowSource(plan)
+        reader.later({t.name: t for r in range(put_row.source.n_rows)
+                      for t in put_row.source.tensors(r)}.values())
+        reader.progress.close()
+    elif experts is not None:
         plan.read_experts(put_row)
     return out
+
+
+class Deferred:
+    """A put_row for `load` that reads no expert row: after the header checks it is handed the
+    checked `RowSource` (`.source`), and rows are read later, one at a time, as they are needed
+    (the residency disk tier: tidejax.residency.disk)."""
+
+    source: "RowSource | None" = None
+
+
+class RowSource:
+    """The routed-expert rows of a checked checkpoint, read one at a time from the tensors'
+    safetensors offsets: `read(row)` is what `load` hands put_row for that row."""
+
+    def __init__(self, plan: "_Plan"):
+        self._plan = plan
+        self.n_rows = len(plan.table.expert_layers) * plan.n_experts
+
+    def read(self, row: int) -> dict:
+        """Row `row` (moe_layer * E + expert) as stored: {"gate_up", "down"} (FP8 as float32)
+        or MXFP4 blocks and scales (_expert_row)."""
+        return _expert_row(self._plan.row_parts(row))
+
+    def tensors(self, row: int) -> list[Tensor]:
+        return [tensor for tensor, _, _ in
+                self._plan.rows[divmod(row, self._plan.n_experts)].values()]
+
+    def files(self, row: int | None = None) -> list:
+        """The files holding row `row`'s tensors (None: every expert row's), sorted."""
+        rows = range(self.n_rows) if row is None else (row,)
+        return sorted({self._plan.reader.file_of(t.name) for r in rows for t in self.tensors(r)})
+
+    def stored_as_read(self) -> bool:
+        """Whether a row reads as its files' bytes: no FP8 tensor (those are dequantized) and
+        no transform (a change of layout)."""
+        return all(t.format != "fp8" and transform is None for r in range(self.n_rows)
+                   for t, _, transform in self._plan.rows[divmod(r, self._plan.n_experts)].values())
+
+    def empty_row(self) -> dict:
+        """A row of zeros shaped and typed as `read` gives one, without reading any data."""
+        reader, parts = self._plan.reader, {}
+        for part, (tensor, fused, transform) in self._plan.rows[(0, 0)].items():
+            shape = tensor.shape[1:] if fused else tensor.shape
+            if tensor.format == "mxfp4":
+                groups = (*shape[:-1], shape[-1] // mxfp4.BLOCK)
+                parts[part] = (np.zeros((*groups, mxfp4.BLOCK // 2), np.uint8),
+                               np.zeros(groups, np.uint8))
+            else:
+                dtype = np.float32 if tensor.format == "fp8" else reader.dtype(tensor.parts[0])
+                parts[part] = np.zeros(shape, dtype)
+            parts[part] = _transformed(parts[part], transform)
+        return _expert_row(parts)
+
+
+def _transformed(read, transform: Transform | None):
+    """An expert's part as read, through its rule's transform (MXFP4: on the blocks and the
+    scales alike)."""
+    if transform is None:
+        return read
+    return tuple(map(transform.apply, read)) if isinstance(read, tuple) else transform.apply(read)
 
 
 def _flatten(tree: Mapping, prefix: ParamPath = ()) -> Iterator[tuple[ParamPath, Any]]:
@@ -419,22 +484,24 @@ class _Plan:
                 _set(out, path, put(path, value) if placed else value)
         return out
 
+    def row_parts(self, row: int) -> dict:
+        """The stored parts of expert row `row`, read from the files (gate / up / gate_up /
+        down: arrays, or MXFP4 (blocks, scales))."""
+        m, e = divmod(row, self.n_experts)
+        parts = {}
+        for part, (tensor, fused, transform) in self.rows[(m, e)].items():
+            if fused:
+                parts[part] = self.reader.read_row(tensor.name, e)
+            elif tensor.format == "mxfp4":
+                parts[part] = self.reader.read_mxfp4(tensor.name)
+            else:
+                parts[part] = self.reader.read(tensor.name)
+            parts[part] = _transformed(parts[part], transform)
+        return parts
+
     def read_experts(self, put_row) -> None:
         def one(row: int) -> None:
-            m, e = divmod(row, self.n_experts)
-            parts = {}
-            for part, (tensor, fused, transform) in self.rows[(m, e)].items():
-                if fused:
-                    parts[part] = self.reader.read_row(tensor.name, e)
-                elif tensor.format == "mxfp4":
-                    parts[part] = self.reader.read_mxfp4(tensor.name)
-                else:
-                    parts[part] = self.reader.read(tensor.name)
-                if transform is not None:  # MXFP4: on the blocks and the scales alike
-                    read = parts[part]
-                    parts[part] = (tuple(map(transform.apply, read)) if isinstance(read, tuple)
-                                   else transform.apply(read))
-            put_row(row, _expert_row(parts))
+            put_row(row, _expert_row(self.row_parts(row)))
 
         for _ in _in_threads(one, range(len(self.table.expert_layers) * self.n_experts)):
             pass

@@ -31,21 +31,53 @@ from tidejax.models.base import ParamSpec, abstract, nbytes
 log = logging.getLogger(__name__)
 
 
+class RowFormat:
+    """How routed-expert rows are held: held_as "checkpoint" (as stored; dense rows in `dtype`),
+    "bf16" or "mxfp4". `convert` turns a row as the checkpoint table reads it into that format;
+    the host pool and the residency disk tier both hold rows through it."""
+
+    def __init__(self, held_as: str, dtype):
+        self.held_as, self.dtype = held_as, np.dtype(dtype)
+        self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
+
+    def convert(self, arrays: dict) -> dict:
+        packed = "gate_up_blocks" in arrays
+        biases = {k: np.asarray(arrays[k], np.float32) for k in BIAS_KEYS & set(arrays)}
+        if self.held_as == "mxfp4" and not packed:
+            out = dict(biases)
+            for name in ("gate_up", "down"):
+                w = np.asarray(arrays[name], np.float32)
+                if w.shape[-1] % 32:
+                    raise ConfigError(f"experts = 'mxfp4' needs input sizes that are multiples of "
+                                      f"32; '{name}' has {w.shape[-1]}")
+                out[f"{name}_blocks"], out[f"{name}_scales"] = (
+                    np.asarray(a) for a in self._quantize(jnp.asarray(w)))
+            return out
+        if packed and self.held_as != "mxfp4" and self.held_as != "checkpoint":
+            arrays = {name: mxfp4.dequantize(arrays[f"{name}_blocks"], arrays[f"{name}_scales"])
+                      for name in ("gate_up", "down")} | biases
+            packed = False
+        if packed:
+            return arrays
+        dtype = np.dtype(jnp.bfloat16) if self.held_as == "bf16" else self.dtype
+        return {k: np.asarray(v).astype(dtype, copy=False) for k, v in arrays.items()}
+
+
 class ExpertPool:
-    """held_as: "checkpoint" (as stored; dense rows in `dtype`), "bf16" or "mxfp4". place: a
-    dict of arrays [rows, ...] -> the same placed in host memory (None: the pool stays numpy)."""
+    """held_as: "checkpoint" (as stored; dense rows in `dtype`), "bf16" or "mxfp4" (RowFormat).
+    place: a dict of arrays [rows, ...] -> the same placed in host memory (None: the pool stays
+    numpy)."""
 
     def __init__(self, rows: int, held_as: str, dtype, place=None):
-        self.rows, self.held_as, self.dtype = rows, held_as, np.dtype(dtype)
+        self.rows, self.format = rows, RowFormat(held_as, dtype)
         self.place = place
         self.pool: dict | None = None  # the numpy pool, or the placed one
         self._views: dict | None = None  # {name: [(index, numpy view)]} the rows are written into
         self._filled_in_numpy = False  # the pool is numpy, to be placed when filled
         self._lock = threading.Lock()
-        self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
 
     def put_row(self, row: int, arrays: dict) -> None:
-        arrays = self._convert(arrays)
+        arrays = self.format.convert(arrays)
         with self._lock:
             if self._views is None:
                 self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
@@ -70,28 +102,6 @@ class ExpertPool:
                 self._filled_in_numpy = True
                 log.warning("the expert pool is filled in numpy, then placed: it is held twice "
                             "while placed (%s)", e)
-
-    def _convert(self, arrays: dict) -> dict:
-        packed = "gate_up_blocks" in arrays
-        biases = {k: np.asarray(arrays[k], np.float32) for k in BIAS_KEYS & set(arrays)}
-        if self.held_as == "mxfp4" and not packed:
-            out = dict(biases)
-            for name in ("gate_up", "down"):
-                w = np.asarray(arrays[name], np.float32)
-                if w.shape[-1] % 32:
-                    raise ConfigError(f"experts = 'mxfp4' needs input sizes that are multiples of "
-                                      f"32; '{name}' has {w.shape[-1]}")
-                out[f"{name}_blocks"], out[f"{name}_scales"] = (
-                    np.asarray(a) for a in self._quantize(jnp.asarray(w)))
-            return out
-        if packed and self.held_as != "mxfp4" and self.held_as != "checkpoint":
-            arrays = {name: mxfp4.dequantize(arrays[f"{name}_blocks"], arrays[f"{name}_scales"])
-                      for name in ("gate_up", "down")} | biases
-            packed = False
-        if packed:
-            return arrays
-        dtype = np.dtype(jnp.bfloat16) if self.held_as == "bf16" else self.dtype
-        return {k: np.asarray(v).astype(dtype, copy=False) for k, v in arrays.items()}
 
     def result(self) -> dict:
         """The pool: placed where `place` was given, else numpy."""

@@ -37,7 +37,9 @@ from tidejax.contract import plain
 from tidejax.errors import ConfigError
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
+from tidejax import parallel
 from tidejax.residency.history import History
+from tidejax.residency.hostcache import HostCache
 from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
@@ -49,22 +51,24 @@ log = logging.getLogger("tidejax.residency")
 
 
 class Residency:
-    def __init__(self, pool_rows: dict, n_layers: int, top_k: int, section: ResidencySection,
-                 *, kernel: str = "auto", swiglu_limit: float = 0.0,
+    def __init__(self, pool_rows: dict | None, n_layers: int, top_k: int,
+                 section: ResidencySection, *, kernel: str = "auto", swiglu_limit: float = 0.0,
                  swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
-                 window: int = 64):
+                 window: int = 64, disk_rows=None):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
-        numpy, or already placed in host memory, as runtime.build.load_weights gives them);
-        max_tokens: the most tokens one step sends through a MoE layer (sizes `exact`'s transient
-        slots: min(E, max_tokens * top_k))."""
+        numpy, or already placed in host memory, as runtime.build.load_weights gives them); or
+        None and `disk_rows` (residency.disk: the rows on disk, of which the host pool caches
+        section.host_budget_experts); max_tokens: the most tokens one step sends through a MoE
+        layer (sizes `exact`'s transient slots: min(E, max_tokens * top_k))."""
         self.section = section
         self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
-        total = n_rows(pool_rows)
+        layout = pool_rows if disk_rows is None else disk_rows.layout
+        total = n_rows(layout)
         if total % n_layers:
             raise ValueError(f"expert pool has {total} rows, not a multiple of {n_layers} layers")
         self.n_experts = total // n_layers
-        self.row_bytes = row_bytes(pool_rows)
+        self.row_bytes = row_bytes(layout)
         slots = budget_slots(section.budget_experts, section.budget_gib, self.row_bytes, total)
         self.all_resident = slots >= total
         self.geometry = section.geometry
@@ -78,6 +82,10 @@ class Residency:
         self.n_ring = section.ring_slots if policy == "ring" and not self.all_resident else 0
         self.n_transient = (min(self.n_experts, max_tokens * top_k)
                             if policy == "exact" and not self.all_resident else 0)
+        self.disk_rows = disk_rows
+        self.cache: HostCache | None = None  # the host pool as a cache of disk_rows (at boot)
+        if disk_rows is not None:
+            self._check_host_budget(total)
         self.state_dir = Path(section.state_dir) if section.state_dir else None
         self.history = None
         self.counters = collections.Counter()
@@ -106,11 +114,27 @@ class Residency:
         # called with each batch applied between steps, before it runs (process 0's runner
         # sends it to its peers as a plan: tidejax.runtime.runner)
         self.on_apply = None
+        self._in_flight = None  # the last step's (or batch's) Tallies: done when it is
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
                                     swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
                                     count=section.count, all_resident=self.all_resident,
-                                    cpu=self.cpu, exact_budget=section.exact_budget)
+                                    cpu=self.cpu, exact_budget=section.exact_budget,
+                                    disk=self.cache if policy == "exact" else None)
+
+    def _check_host_budget(self, total: int) -> None:
+        """The host cache's budget against the bank's and the policy (ConfigError)."""
+        key, host = "[residency] host_budget_experts", self.section.host_budget_experts
+        if self.all_resident:
+            raise ConfigError(f"{key} = {host} holds fewer experts than the bank (every expert "
+                              f"is resident on the device): set budget_experts or budget_gib")
+        if host <= self.n_resident:
+            raise ConfigError(f"{key} = {host}: the host holds every bank expert and room to read "
+                              f"one more: more than the bank's {self.n_resident} experts")
+        if self.section.miss_policy not in ("exact", "substitute"):
+            raise ConfigError(f"{key} = {host} < {total} experts: miss_policy "
+                              f"{self.section.miss_policy!r} over the disk tier is not built yet "
+                              f"(exact or substitute)")
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -154,21 +178,44 @@ class Residency:
         log.info("residency: %d of %d experts resident (%s), %d ring + %d transient slots; boot "
                  "map from %s", self.n_resident, self.n_layers * self.n_experts, self.geometry,
                  self.n_ring, self.n_transient, source)
-        pool = host_pool(pool_rows)
-        if self.section.miss_policy in ("cpu", "auto"):
-            if not plain(pool, *self.swiglu_form):
-                raise ConfigError(f"[residency] miss_policy = {self.section.miss_policy!r} "
-                                  "computes misses on the host, whose kernel takes no expert biases and "
-                                  "only silu(g) * u (this model's experts, gpt-oss's, have "
-                                  "both): use 'exact', 'substitute' or 'ring'")
-            self.cpu = CpuExperts(pool, self.n_experts)
-        state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
-                            ring_copies=self.ring_per_step, transient=self.n_transient)
+        if self.disk_rows is not None:
+            state = self._boot_cache(resident)
+        else:
+            pool = host_pool(pool_rows)
+            if self.section.miss_policy in ("cpu", "auto"):
+                if not plain(pool, *self.swiglu_form):
+                    raise ConfigError(
+                        f"[residency] miss_policy = {self.section.miss_policy!r} computes misses "
+                        "on the host, whose kernel takes no expert biases and only silu(g) * u "
+                        "(this model's experts, gpt-oss's, have both): use 'exact', 'substitute' "
+                        "or 'ring'")
+                self.cpu = CpuExperts(pool, self.n_experts)
+            state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
+                                ring_copies=self.ring_per_step, transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
         self.version = 0
         self._slot_changed = np.zeros(len(self.slot_rows), np.int64)  # map version of last change
         self.boot_rows = self.slot_rows.copy()
         return state
+
+    def _boot_cache(self, resident: np.ndarray) -> ExpertState:
+        """The host cache at boot: the bank's rows, then (with a saved history) the busiest of
+        the others up to the host budget; nothing else is read."""
+        capacity = self.section.host_budget_experts
+        held = [int(r) for r in resident if r >= 0]
+        if self.history.steps:
+            order = np.argsort(-self.history.demand.reshape(-1), kind="stable")
+            rest = [int(r) for r in order if r not in set(held)]
+            held += rest[:capacity - len(held)]
+        self.cache = HostCache(self.disk_rows, capacity)
+        self.cache.fill(held)
+        log.info("residency: %d of %d experts in host memory, the rest read from the %s as "
+                 "needed", capacity, self.n_layers * self.n_experts, self.disk_rows.where)
+        self._host_map = self.cache.slot_of
+        self._device_map = parallel.replicated(self._host_map)
+        return build_state(self.cache.pool, self.n_layers, resident, ring=self.n_ring,
+                           ring_copies=self.ring_per_step, transient=self.n_transient,
+                           host_slots=self._host_map)
 
     # -- between steps ---------------------------------------------------------------------
 
@@ -176,18 +223,45 @@ class Residency:
         """The batch the next step applies at its start: up to max_swaps_per_step queued swaps,
         each checked against the map (stale ones rejected); whether it drains (every drain_every
         steps); whether the ring copies (not frozen). From here the host map holds the swaps as
-        applied: the step that takes the batch applies them."""
+        applied: the step that takes the batch applies them. Over the disk tier the rows read
+        since are committed to host slots first, and a swap whose row is still on disk waits
+        in the queue for its read (queued here)."""
         n = self.section.max_swaps_per_step
-        queued, self._queue = self._queue[:n], self._queue[n:]
+        ready = self._queue
+        if self.cache is not None:
+            self._commit()
+            ready = [s for s in self._queue if self._host_map[s.row] >= 0]
+            waiting = [s for s in self._queue if self._host_map[s.row] < 0]
+            self.cache.request(s.row for s in waiting)
+        queued, self._queue = ready[:n], ready[n:]
+        if self.cache is not None:
+            self._queue += waiting
         pairs = self._accept(queued, "swaps_applied")
         # the drain_every-th step since the last drain drains at its end
         self._draining = self.options.count and self._since_drain + 1 >= self.section.drain_every
         return SwapBatch.of(pairs, self.batch_length if pairs else 0, self._draining,
-                            self.exact_weight, ring=not self.frozen)
+                            self.exact_weight, ring=not self.frozen, host_slots=self._batch_map())
+
+    def _batch_map(self):
+        """The host cache's map as the steps take it (None without a disk tier)."""
+        return None if self.cache is None else self._device_map
+
+    def _commit(self, protect=()) -> None:
+        """The rows read from disk since into host slots (HostCache.commit), after the steps in
+        flight; the map the next batches carry follows."""
+        protect = set(protect) | {s.row for s in self._queue}
+        if self.cache.commit(self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
+                             protect, self._wait_in_flight):
+            self._host_map = self.cache.slot_of
+            self._device_map = parallel.replicated(self._host_map)
+
+    def _wait_in_flight(self) -> None:
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
 
     def idle_batch(self) -> SwapBatch:
         """A batch that changes nothing (warm-up, lowering): no swaps, no drain, no ring copy."""
-        return SwapBatch.of([], 0, exact_weight=self.exact_weight)
+        return SwapBatch.of([], 0, exact_weight=self.exact_weight, host_slots=self._batch_map())
 
     def warmup_batches(self) -> list[SwapBatch]:
         """One idle batch of each length a step meets: 0 (most steps) and, where experts can
@@ -196,7 +270,8 @@ class Residency:
         the next step's launches stop overlapping this one's (40-layer V3-family synthetic at
         65% resident: 15.4 ms a bare step with the loop in every step, 8.8 ms of kernels)."""
         return [self.idle_batch()] + ([SwapBatch.of([], self.batch_length,
-                                                    exact_weight=self.exact_weight)]
+                                                    exact_weight=self.exact_weight,
+                                                    host_slots=self._batch_map())]
                                       if self.batch_length else [])
 
     def after_step(self, tallies: Tallies, tokens: int) -> None:
@@ -207,6 +282,7 @@ class Residency:
         sent through each MoE layer."""
         self.counters["steps"] += 1
         self._since_drain += 1
+        self._in_flight = tallies
         self._finish_drain()
         if self._draining:
             self._start_drain(tallies)
@@ -214,7 +290,8 @@ class Residency:
         if not self.all_resident and (self.options.count or self.options.miss_policy == "ring"):
             for tally in (tallies.misses, tallies.approx, tallies.ring_hits, tallies.ring_copies):
                 tally.copy_to_host_async()
-            self._tallies.append((tallies, tokens))
+            self._tallies.append((tallies, tokens,
+                                  None if self.cache is None else self._host_map))
             self._read_tallies(keep=1)
 
     def flush(self) -> None:
@@ -226,8 +303,10 @@ class Residency:
         """Reads all but the newest `keep` step tallies into the cold share, the approximate
         share and the ring's counts ("auto"'s threshold)."""
         while len(self._tallies) > keep:
-            tallies, tokens = self._tallies.popleft()
+            tallies, tokens, host_map = self._tallies.popleft()
             new = np.asarray(tallies.misses, np.float64)  # [L_moe, E] the step's misses
+            if host_map is not None:  # those of rows on disk when the step ran
+                self.counters["host_misses"] += int(new.reshape(-1)[host_map < 0].sum())
             wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
             approx_weight = float(np.asarray(tallies.approx, np.float64).sum())
             copies = int(tallies.ring_copies)
@@ -257,7 +336,8 @@ class Residency:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans;
         now, waiting for the device."""
         self.flush()
-        state, tallies = self._apply_now(state, SwapBatch.of([], 0, drain=True))
+        state, tallies = self._apply_now(state, SwapBatch.of([], 0, drain=True,
+                                                             host_slots=self._batch_map()))
         self._start_drain(tallies)
         self._finish_drain()
         return state
@@ -321,15 +401,32 @@ class Residency:
         if self.all_resident:
             raise ValueError("every expert is resident: there is nothing to swap")
         pairs = self._accept(swaps, "swaps_applied")
-        for start in range(0, len(pairs), self.batch_length):
-            state, _ = self._apply_now(state, SwapBatch.of(pairs[start:start + self.batch_length],
-                                                           self.batch_length))
+        step = self.batch_length
+        if self.cache is not None:  # the host holds the bank and this many rows besides
+            step = min(step, self.cache.capacity - self.n_resident)
+        for start in range(0, len(pairs), step):
+            chunk = pairs[start:start + step]
+            if self.cache is not None:
+                self._bring([row for _, row in chunk])
+            state, _ = self._apply_now(state, SwapBatch.of(chunk, self.batch_length,
+                                                           host_slots=self._batch_map()))
         return state
+
+    def _bring(self, rows: list[int]) -> None:
+        """Reads `rows` into host memory now, waiting (between steps)."""
+        self.cache.request(rows)
+        self.cache.wait(rows)
+        self._commit(protect=rows)
+        missing = [r for r in rows if self._host_map[r] < 0]
+        if missing:
+            raise RuntimeError(f"rows {missing[:4]} did not fit the host cache")
 
     def _apply_now(self, state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tallies]:
         if self.on_apply is not None:
             self.on_apply(batch)
-        return apply_now(state, batch)
+        state, tallies = apply_now(state, batch)
+        self._in_flight = tallies
+        return state, tallies
 
     def reseed(self, state: ExpertState) -> ExpertState:
         """Drains the counters (e.g. of a calibration prefill) and moves the whole resident set to
@@ -368,7 +465,8 @@ class Residency:
         if self.all_resident:
             return all_resident_state(rows, self.n_layers)
         return build_state(rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
-                           ring_copies=self.ring_per_step, transient=self.n_transient)
+                           ring_copies=self.ring_per_step, transient=self.n_transient,
+                           host_slots=None if self.cache is None else self._host_map)
 
     # -- control and telemetry -------------------------------------------------------------
 
@@ -431,6 +529,14 @@ class Residency:
         run, so a step still in flight may be missing)."""
         return self.cpu.picks if self.cpu else 0
 
+    def _disk_stats(self) -> dict:
+        """The disk tier's reads (HostCache.stats), zeros without one."""
+        if self.cache is not None:
+            return self.cache.stats()
+        return {"disk_reads": 0, "disk_read_bytes": 0, "disk_read_seconds": 0.0,
+                "disk_reads_queued": 0, "host_evictions": 0, "host_reads_dropped": 0,
+                "host_held": self.n_layers * self.n_experts}
+
     def stats(self) -> dict:
         c = self.counters
         last = self._window[-1] if self._window else (0, 0, 0.0, 0)
@@ -439,6 +545,9 @@ class Residency:
             "cold_share_step": last[0] / last[1] if last[1] else 0.0,
             "cold_share_window": self.window_cold_share(),
             "cold_share_total": c["misses"] / c["wanted"] if c["wanted"] else 0.0,
+            # wanted picks of experts in neither the bank nor host memory (the disk tier's)
+            "host_cold_share_total": c["host_misses"] / c["wanted"] if c["wanted"] else 0.0,
+            "host_misses": c["host_misses"],
             "window_steps": len(self._window),
             "misses": c["misses"],
             "hits": c["wanted"] - c["misses"],
@@ -465,6 +574,9 @@ class Residency:
             "save_failures": c["save_failures"],
             "rebuilds": c["rebuilds"],
             "resident": self.n_resident,
+            "host_resident": (self.cache.capacity if self.cache else
+                              self.n_layers * self.n_experts),
+            **self._disk_stats(),
             "experts": self.n_layers * self.n_experts,
             "geometry": self.geometry,
             "miss_policy": self.options.miss_policy,

@@ -31,7 +31,8 @@ from tidejax import ops, parallel
 from tidejax.config import MISS_POLICIES
 from tidejax.contract import expert_axes
 from tidejax.residency.cpu import CpuExperts
-from tidejax.residency.state import ExpertState, fetch_row, write_row
+from tidejax.residency.hostcache import HostCache
+from tidejax.residency.state import ExpertState, read_row, write_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class ServeOptions:
     count: bool = True  # demand counters and miss tallies on (off only to measure their cost)
     all_resident: bool = False  # every expert has a slot: skip the miss machinery
     cpu: CpuExperts | None = None  # the host pool "cpu" and "auto" compute misses from
+    disk: HostCache | None = None  # "exact": where the host pool is a cache, misses on disk
     exact_budget: int = 0  # "auto": picks computed on the host a step at most (0: no cap)
 
     def __post_init__(self):
@@ -72,7 +74,7 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
         shares = weight_shares(weights)  # [T, k]
         approx = None  # [T, k]: the misses served approximately (substituted)
         if policy == "exact":
-            slots, state = _fetch_misses(moe_index, ids, miss, slots, state)
+            slots, state = _fetch_misses(moe_index, ids, miss, slots, state, options.disk)
         elif policy in ("cpu", "auto"):  # the host's slots stay -1: skipped on the device
             if options.swiglu_alpha != 1.0 or options.swiglu_up_shift:
                 raise ValueError(f"miss policy {policy!r}: the host kernel computes only "
@@ -163,8 +165,9 @@ def _exact_picks(miss, shares, state: ExpertState, budget: int):
     return exact, state
 
 
-def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):
-    """Copies each distinct missing expert's pool row into a transient slot; returns the slots."""
+def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState, disk=None):
+    """Copies each distinct missing expert's pool row into a transient slot (a row on disk
+    read by `disk`, waiting: state.read_row); returns the slots."""
     t, k = ids.shape
     n_experts = state.n_experts
     most = min(t * k, n_experts)  # distinct misses possible in this layer
@@ -179,7 +182,7 @@ def _fetch_misses(moe_index: int, ids, miss, slots, state: ExpertState):
     base = state.transient_base
 
     def fetch(i, bank):
-        return write_row(bank, base + i, fetch_row(state.pool, moe_index * n_experts + order[i]))
+        return write_row(bank, base + i, read_row(state, moe_index * n_experts + order[i], disk))
 
     bank = jax.lax.fori_loop(0, need.sum(), fetch, state.bank)
     slots = jnp.where(miss, base + rank[ids], slots).astype(jnp.int32)

@@ -42,9 +42,13 @@ class ExpertState:
     ring_rows: jax.Array  # [R] int32: pool rows the next step fetches for the ring (-1: none)
     ring_staged_rows: jax.Array  # [R] int32: the pool rows of ring_staged (-1: none)
     ring_next: jax.Array  # int32 scalar: the ring slot (0 .. ring - 1) the next copy takes
-    pool: dict | None  # leaves [L_moe * E, ...], pinned host memory where the backend has it
+    pool: dict | None  # leaves [L_moe * E, ...] (or [host slots, ...] where host_slots maps
+    # rows to them: the host cache, residency/hostcache.py), pinned host memory where the backend
+    # has it
     ring_staged: dict | None = None  # leaves [R, ...] on the device: rows the last step fetched,
     # which the next writes into ring slots (residency/ring.py)
+    host_slots: jax.Array | None = None  # [L_moe * E] int32: each row's pool index, -1 on disk
+    # (the host cache's map, set from each SwapBatch); None: the pool holds every row in order
     resident: int = struct.field(pytree_node=False, default=0)
     ring: int = struct.field(pytree_node=False, default=0)
     transient: int = struct.field(pytree_node=False, default=0)
@@ -112,7 +116,8 @@ def all_resident_state(pool: dict, n_layers: int) -> ExpertState:
 def _placed(state: ExpertState) -> ExpertState:
     """The bank and the ring's staged rows put by their logical axes, the map and counters
     replicated; the pool stays put."""
-    names = ("rowmap", "slot_rows") + COUNTERS
+    names = ("rowmap", "slot_rows") + COUNTERS + (() if state.host_slots is None
+                                                  else ("host_slots",))
     maps = parallel.replicated(tuple(getattr(state, name) for name in names))
     staged = state.ring_staged
     return state.replace(bank=parallel.put(state.bank, expert_axes(state.bank)),
@@ -122,14 +127,17 @@ def _placed(state: ExpertState) -> ExpertState:
 
 
 def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int = 0,
-                ring_copies: int = 0, transient: int = 0) -> ExpertState:
+                ring_copies: int = 0, transient: int = 0,
+                host_slots: np.ndarray | None = None) -> ExpertState:
     """A state whose resident slots hold the pool rows `slot_rows` [resident] (-1 = empty slot);
     `ring` slots of which a step refills up to `ring_copies`.
 
     `pool` must already be placed (see tidejax.residency.pool.host_pool); the bank is filled from it
-    on the device, ring and transient slots start empty (zeros).
+    on the device, ring and transient slots start empty (zeros). `host_slots` [L_moe * E]: where
+    the pool is a host cache, each row's index in it (-1: on disk); every resident row must be
+    there.
     """
-    n_rows = jax.tree.leaves(pool)[0].shape[0]
+    n_rows = jax.tree.leaves(pool)[0].shape[0] if host_slots is None else len(host_slots)
     if n_rows % n_layers:
         raise ValueError(f"expert pool has {n_rows} rows, not a multiple of {n_layers} MoE layers")
     n_experts = n_rows // n_layers
@@ -145,12 +153,19 @@ def build_state(pool: dict, n_layers: int, slot_rows: np.ndarray, *, ring: int =
     all_rows[:resident] = slot_rows
     rowmap = np.full(n_rows, -1, np.int32)
     rowmap[held] = np.nonzero(slot_rows >= 0)[0]
-    bank = _fill_bank(pool, jnp.asarray(np.maximum(all_rows, 0)), jnp.asarray(all_rows >= 0))
+    at = np.maximum(all_rows, 0)
+    if host_slots is not None:
+        at = np.asarray(host_slots)[at]
+        if (at[all_rows >= 0] < 0).any():
+            raise ValueError("a resident row is not in the host cache")
+    bank = _fill_bank(pool, jnp.asarray(np.maximum(at, 0)), jnp.asarray(all_rows >= 0))
     staged = (jax.tree.map(lambda leaf: np.zeros((ring_copies,) + leaf.shape[1:], leaf.dtype), pool)
               if ring_copies else None)
     # committed to the device, as the steps return it: the first step compiles once, not twice
     return _placed(ExpertState(bank=bank, rowmap=rowmap.reshape(n_layers, n_experts),
                                slot_rows=all_rows, pool=pool, ring_staged=staged,
+                               host_slots=None if host_slots is None else np.asarray(
+                                   host_slots, np.int32),
                                resident=resident, ring=ring,
                                transient=transient,
                                **zero_counters(n_layers, n_experts, ring_copies)))
@@ -161,6 +176,19 @@ def fetch_row(pool: dict, row) -> dict:
     return jax.tree.map(
         lambda leaf: parallel.to_device(jax.lax.dynamic_index_in_dim(leaf, row, keepdims=False)),
         pool)
+
+
+def read_row(state: ExpertState, row, disk=None) -> dict:
+    """Pool row `row` (a traced int) as device arrays: through the host cache's map where there
+    is one; a row on disk is read by `disk` (hostcache.HostCache.fetch: a host callback that
+    waits for the read), which the caller gives where such a row can be asked for."""
+    if state.host_slots is None:
+        return fetch_row(state.pool, row)
+    at = state.host_slots[row]
+    if disk is None:
+        return fetch_row(state.pool, jnp.maximum(at, 0))
+    return jax.lax.cond(at >= 0, lambda: fetch_row(state.pool, jnp.maximum(at, 0)),
+                        lambda: jax.tree.map(parallel.to_device, disk.fetch(row)))
 
 
 def write_row(bank: dict, slot, row: dict) -> dict:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.residency import ring
-from tidejax.residency.state import ExpertState, fetch_row, write_row
+from tidejax.residency.state import ExpertState, read_row, write_row
 
 
 @jax.tree_util.register_dataclass
@@ -39,17 +39,19 @@ class SwapBatch:
     drain: jax.Array
     exact_weight: jax.Array
     ring: jax.Array
+    host_slots: jax.Array | None = None  # [L_moe * E] int32: the host cache's map for the step
+    # (ExpertState.host_slots); None where the pool holds every row
 
     @staticmethod
     def of(pairs: list[tuple[int, int]], length: int, drain: bool = False,
-           exact_weight: float = 0.0, ring: bool = False) -> "SwapBatch":
+           exact_weight: float = 0.0, ring: bool = False, host_slots=None) -> "SwapBatch":
         if len(pairs) > length:
             raise ValueError(f"{len(pairs)} swaps do not fit a batch of {length}")
         slots, rows = np.zeros(length, np.int32), np.zeros(length, np.int32)
         for i, (slot, row) in enumerate(pairs):
             slots[i], rows[i] = slot, row
         return SwapBatch(slots, rows, np.int32(len(pairs)), np.bool_(drain),
-                         np.float32(exact_weight), np.bool_(ring))
+                         np.float32(exact_weight), np.bool_(ring), host_slots)
 
 
 @jax.tree_util.register_dataclass
@@ -69,10 +71,11 @@ class Tallies:
     ring_copies: jax.Array
 
 
-def _swap(pool, maps, slot, row):
+def _swap(state: ExpertState, maps, slot, row):
     """maps = (bank, rowmap, slot_rows) with pool row `row` (= moe_layer * E + expert) written
     into `slot`: the slot's previous expert and any other slot holding `row` become
-    non-resident; row -1 empties the slot."""
+    non-resident; row -1 empties the slot. (Residency hands out a swap only once its row is in
+    host memory.)"""
     bank, rowmap, slot_rows = maps
     old = slot_rows[slot]
     flat = rowmap.reshape(-1)
@@ -80,14 +83,14 @@ def _swap(pool, maps, slot, row):
     flat = flat.at[jnp.where(old >= 0, old, nowhere)].set(-1, mode="drop")
     flat = flat.at[jnp.where(row >= 0, row, nowhere)].set(slot, mode="drop")
     slot_rows = jnp.where((slot_rows == row) & (row >= 0), -1, slot_rows).at[slot].set(row)
-    bank = write_row(bank, slot, fetch_row(pool, row))
+    bank = write_row(bank, slot, read_row(state, row))
     return bank, flat.reshape(rowmap.shape), slot_rows
 
 
 def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
     """Applies the first `count` swaps (slots[i], rows[i]), in order: bank, rowmap and its inverse
     are updated in place where the state is donated into the jit that traces this."""
-    maps = jax.lax.fori_loop(0, count, lambda i, m: _swap(state.pool, m, slots[i], rows[i]),
+    maps = jax.lax.fori_loop(0, count, lambda i, m: _swap(state, m, slots[i], rows[i]),
                              (state.bank, state.rowmap, state.slot_rows))
     return state.replace(bank=maps[0], rowmap=maps[1], slot_rows=maps[2])
 
@@ -95,6 +98,8 @@ def swap_rows(state: ExpertState, slots, rows, count) -> ExpertState:
 def apply_batch(state: ExpertState, batch: SwapBatch) -> ExpertState:
     """A step's start (traced inside it): the batch's swaps and threshold, then the ring's
     copies (ring.start: the rows fetched by the step before written, the next ones fetched)."""
+    if batch.host_slots is not None:
+        state = state.replace(host_slots=batch.host_slots)
     if batch.slots.shape[0]:  # static: an all-resident engine's batches are empty
         state = swap_rows(state, batch.slots, batch.rows, batch.count)
     return ring.start(state.replace(exact_weight=batch.exact_weight), batch.ring)

@@ -29,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax import parallel
-from tidejax.config import EngineConfig
+from tidejax.config import EngineConfig, ResidencySection
 from tidejax.errors import ConfigError
 from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
-from tidejax.models.loading import ExpertPool
+from tidejax.checkpoint.table import Deferred
+from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
 from tidejax.residency.pool import host_pool, pool_rows
+from tidejax.residency.prepared import open_rows
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
@@ -113,12 +115,15 @@ class LoadedModel:
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
                                                     self.dtype, config.model.experts,
-                                                    config.model.dense_format, self.mesh)
+                                                    config.model.dense_format, self.mesh,
+                                                    config.residency)
+        on_disk = not isinstance(pool, dict)
         self.residency = Residency(
-            pool, self.family.expert_dims(self.cfg)[0], self.family.top_k(self.cfg),
-            config.residency,
+            None if on_disk else pool, self.family.expert_dims(self.cfg)[0],
+            self.family.top_k(self.cfg), config.residency,
             kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
-            swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context)
+            swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,
+            disk_rows=pool if on_disk else None)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)
@@ -469,13 +474,16 @@ class LoadedModel:
 
 
 def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, dtype,
-                 held_as: str, dense_format: str = "float",
-                 mesh=None) -> tuple[dict, object, dict]:
+                 held_as: str, dense_format: str = "float", mesh=None,
+                 residency: ResidencySection | None = None) -> tuple[dict, object, object]:
     """(dense params on the device, the family's aux, the routed experts' pool in host memory):
     the pool is placed first and filled in place as the rows are read, so it is never held twice
     (models.loading.ExpertPool with residency.pool.host_pool). dense_format "fp8" (only for a
     family with Family.dense_fp8): the projections stored FP8 stay FP8 on the device. mesh: the
-    model's (None: parallel.current_mesh); named to the pool, which the reading threads place."""
+    model's (None: parallel.current_mesh); named to the pool, which the reading threads place.
+    Where `residency.host_budget_experts` holds fewer than every expert, no row is read here:
+    the third item is then the rows on disk (residency.prepared.open_rows), which the host
+    cache reads from as needed."""
     mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
     fmt = {}
@@ -484,6 +492,14 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
             raise ConfigError(f"model.dense_format = {dense_format!r}: the {family.name} family "
                               f"keeps its dense weights float (use 'float')")
         fmt = {"dense_format": dense_format}
+    if residency is not None and 0 < residency.host_budget_experts < n_moe * n_experts:
+        if parallel.tensor_size(mesh) > 1:
+            raise ConfigError("[residency] host_budget_experts: the disk tier is not built for a "
+                              "mesh that splits 'tensor' yet (distributed.tensor_parallel)")
+        deferred = Deferred()
+        params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, deferred, **fmt)
+        return params, aux, open_rows(deferred.source, RowFormat(held_as, dtype),
+                                      residency.state_dir)
     pool = ExpertPool(n_moe * n_experts, held_as, dtype,
                       place=functools.partial(host_pool, mesh=mesh))
     params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype,

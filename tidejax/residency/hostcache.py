@@ -1,0 +1,160 @@
+"""The host pool as a cache over the experts on disk (residency.host_budget_experts): `capacity`
+host slots, which row each holds, reads by demand and their commit between steps.
+
+The pool keeps its place in the state (ExpertState.pool, leaves [capacity, ...] in host memory a
+jit reads); `slot_of` [L_moe * E] maps a pool row (moe_layer * E + expert) to its host slot or -1
+(on disk). The steps read the map from their SwapBatch (swap.apply_batch), so a row is read
+through it wherever a step reads the pool (swaps, `exact`'s fetch, the bank's fill).
+
+Reads run in a small thread pool, overlapped with the steps: `request` queues rows (the
+planner's swaps that need a row not in host memory); `read_now` is `exact`'s miss of a row on
+disk, called from inside the step by a host callback (`fetch`), which waits for the read. A read
+row lands beside the pool and is written into a host slot by `commit`, between steps, after the
+steps in flight are done (a step may read any slot it maps: `exact`), evicting the rows of least
+demand (the planner's decayed History) that the bank does not hold. A bank row is always held in
+host memory too (the bank is refilled from the pool after a failed step: Residency.rebuild).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+
+import jax
+import numpy as np
+
+from tidejax import parallel
+from tidejax.residency.pool import host_pool, n_rows, row_bytes
+
+READ_WORKERS = 4  # threads reading rows from disk
+
+
+class HostCache:
+    def __init__(self, rows, capacity: int):
+        """rows: residency.disk's CheckpointRows or PreparedRows; capacity: host slots."""
+        self.rows, self.capacity = rows, capacity
+        self.row_bytes = row_bytes(rows.layout)
+        self.pool = host_pool({k: np.zeros((capacity, *v.shape[1:]), v.dtype)
+                               for k, v in rows.layout.items()})
+        self._views = {k: parallel.host_buffer(v) for k, v in self.pool.items()}
+        # row -> host slot or -1; replaced, never changed in place, so a step's copy stays valid
+        self.slot_of = np.full(n_rows(rows.layout), -1, np.int32)
+        self.row_at = np.full(capacity, -1, np.int32)  # host slot -> row, or -1 (free)
+        self.counters = collections.Counter()  # reads, read_bytes, read_ns, evictions, dropped
+        self._lock = threading.Lock()
+        self._pending: dict[int, concurrent.futures.Future] = {}  # row -> its read
+        self._landed: dict[int, dict] = {}  # row -> arrays read, not yet in a slot
+        self._threads = concurrent.futures.ThreadPoolExecutor(READ_WORKERS, "tidejax-disk")
+
+    # -- reads (any thread) ---------------------------------------------------------------
+
+    def _read(self, row: int) -> dict:
+        t0 = time.perf_counter_ns()
+        arrays = self.rows.read(row)
+        with self._lock:
+            self.counters["reads"] += 1
+            self.counters["read_bytes"] += self.row_bytes
+            self.counters["read_ns"] += time.perf_counter_ns() - t0
+        return arrays
+
+    def fill(self, rows) -> None:
+        """Boot: `rows` read (in threads) into the first slots; nothing else is read."""
+        rows = [int(r) for r in rows]
+        if len(rows) > self.capacity:
+            raise ValueError(f"{len(rows)} rows do not fit {self.capacity} host slots")
+        slot_of = self.slot_of.copy()
+        for slot, (row, arrays) in enumerate(zip(rows, self._threads.map(self._read, rows))):
+            self._write(slot, row, arrays, slot_of)
+        self.slot_of = slot_of
+
+    def request(self, rows) -> None:
+        """Queues reads of the rows neither in host memory nor read or being read."""
+        with self._lock:
+            for row in map(int, rows):
+                if self.slot_of[row] < 0 and row not in self._pending and row not in self._landed:
+                    self._pending[row] = self._threads.submit(self._read, row)
+
+    def read_now(self, row: int) -> dict:
+        """Row `row` now, waiting for its read (`exact`'s miss of a row on disk); it lands for
+        the next commit."""
+        with self._lock:
+            arrays, future = self._landed.get(row), self._pending.get(row)
+        if arrays is None:
+            arrays = future.result() if future is not None else self._read(row)
+            with self._lock:
+                self._landed[row] = arrays
+                self._pending.pop(row, None)
+        return arrays
+
+    def fetch(self, row) -> dict:
+        """Inside a jit: pool row `row` (traced) read from disk by a host callback that waits."""
+        shapes = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                  for k, v in self.rows.layout.items()}
+        return jax.pure_callback(lambda r: self.read_now(int(r)), shapes, row)
+
+    @property
+    def queued(self) -> int:
+        """Reads queued or running."""
+        with self._lock:
+            return len(self._pending)
+
+    def wait(self, rows) -> None:
+        """Until the reads of `rows` that are queued have landed."""
+        with self._lock:
+            futures = [self._pending[r] for r in map(int, rows) if r in self._pending]
+        for future in futures:
+            future.result()
+
+    # -- between steps --------------------------------------------------------------------
+
+    def commit(self, demand: np.ndarray, pinned, protect, wait_steps) -> bool:
+        """The rows landed so far into host slots: free slots first, then over the held rows of
+        least demand (`demand` [L_moe * E], the planner's) that are not `pinned` (in the bank),
+        rows in `protect` (wanted by queued swaps) last; a landed row of less demand than every
+        such row is dropped, unless protected. `wait_steps()` is called before the first write
+        (the steps in flight may read the slots). A failed read raises here. Whether the map
+        changed."""
+        with self._lock:
+            for row, future in list(self._pending.items()):
+                if future.done():
+                    self._landed[row] = future.result()
+                    del self._pending[row]
+            landed, self._landed = self._landed, {}
+        landed = {r: a for r, a in landed.items() if self.slot_of[r] < 0}
+        if not landed:
+            return False
+        pinned, protect = set(map(int, pinned)), set(map(int, protect))
+        free = [int(s) for s in np.nonzero(self.row_at < 0)[0]][::-1]
+        victims = sorted((int(s) for s in np.nonzero(self.row_at >= 0)[0]
+                          if int(self.row_at[s]) not in pinned),
+                         key=lambda s: (int(self.row_at[s]) in protect, demand[self.row_at[s]]),
+                         reverse=True)  # the least valuable last: popped first
+        wait_steps()
+        slot_of = self.slot_of.copy()
+        for row in sorted(landed, key=lambda r: (r in protect, demand[r]), reverse=True):
+            if free:
+                slot = free.pop()
+            elif victims and (row in protect or demand[self.row_at[victims[-1]]] <= demand[row]):
+                slot = victims.pop()
+                slot_of[self.row_at[slot]] = -1
+                self.counters["evictions"] += 1
+            else:
+                self.counters["dropped"] += 1
+                continue
+            self._write(slot, row, landed[row], slot_of)
+        self.slot_of = slot_of
+        return True
+
+    def _write(self, slot: int, row: int, arrays: dict, slot_of: np.ndarray) -> None:
+        for k, view in self._views.items():
+            view[slot] = arrays[k]
+        self.row_at[slot], slot_of[row] = row, slot
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"disk_reads": c["reads"], "disk_read_bytes": c["read_bytes"],
+                "disk_read_seconds": c["read_ns"] / 1e9, "disk_reads_queued": self.queued,
+                "host_evictions": c["evictions"], "host_reads_dropped": c["dropped"],
+                "host_held": int((self.row_at >= 0).sum())}
