@@ -11,10 +11,10 @@ The format (version 1), stable; readers use `read_trace(folder)`:
     <state_dir>/routing/header.json    written atomically when the recorder starts:
         format             "tidejax-routing-trace"
         version            1
-        model              the served model's name (the checkpoint folder's name)
+        model              the served model's name (model.served_name, else the checkpoint
+                           folder's name)
         model_type         config.json's model_type
         n_layers           L: the MoE layers (the rows of the resident map and the counters)
-        moe_layers         [L] each MoE layer's index among the model's layers
         n_experts          E: routed experts per MoE layer
         top_k              k: picks per token and MoE layer
         trace_every_steps  the sampling period
@@ -37,7 +37,11 @@ The format (version 1), stable; readers use `read_trace(folder)`:
                                     when the step routed it; False: a miss, served by the policy
 
 A header that differs from the running engine's (another model or geometry) sets the old folder
-aside as `routing.old-<UTC time>` with one warning. Chunks are closed every `CHUNK_STEPS`
-recorded steps and at Engine.close(); before a chunk is written the oldest chunks are removed
-until the folder stays within trace_max_mib.
+aside as `routing.old-<unix time>` with one warning. A chunk is written when the records it
+holds reach a quarter of trace_max_mib (at most CHUNK_BYTES) and at Engine.close(); before a
+chunk is written the oldest chunks are removed until the folder stays within trace_max_mib (a
+chunk larger than the whole bound, one step of many tokens under a tiny bound, is dropped with a
+warning). Steps run with tracing on and the engine's own counters agree: the picks of a trace
+recorded at every step, counted per (layer, expert), are the demand counts the engine drained
+(tests/server/test_dashboard.py).
 """
