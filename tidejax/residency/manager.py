@@ -576,6 +576,16 @@ class Residency:
                 "disk_reads_queued": 0, "host_evictions": 0, "host_reads_dropped": 0,
                 "host_held": self.n_layers * self.n_experts}
 
+    def expert_map(self) -> dict:
+        """The decayed demand [L_moe, E] (History.demand: routing weight) and the resident set
+        [L_moe, E] (a slot of the host map's resident region holds the expert), as lists: the
+        dashboard's heatmap. Safe from other threads (each read is one copy)."""
+        held = np.asarray(self.slot_rows[:self.n_resident]).copy()
+        resident = np.zeros(self.n_layers * self.n_experts, bool)
+        resident[held[held >= 0]] = True
+        return {"demand": np.array(self.history.demand, np.float64).tolist(),
+                "resident": resident.reshape(self.n_layers, self.n_experts).tolist()}
+
     def stats(self) -> dict:
         c = self.counters
         last = self._window[-1] if self._window else (0, 0, 0.0, 0)
