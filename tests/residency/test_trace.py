@@ -49,7 +49,8 @@ def test_an_engine_traces_the_picks_it_counts(tmp_path):
                                rtol=1e-6)
     np.testing.assert_allclose(np.bincount(ids.reshape(-1), weights.reshape(-1), minlength=E),
                                history.demand[0], rtol=1e-5)
-    assert (np.diff(weights, axis=-1) <= 0).all()  # the router's order: best first
+    # the router's order, best first (this checkpoint's correction bias is zero)
+    assert (np.diff(weights, axis=-1) <= 0).all()
 
 
 def step_picks(step: int, tokens: int) -> Picks:

@@ -29,21 +29,24 @@ The format (version 1), stable; readers use `read_trace(folder)`:
         tokens      int32 [R]       real tokens the step routed (its prompt chunk's, then its
                                     decoding lanes'; padding left out)
         map_version int64 [R]       the version of the resident map the step ran on
-        ids         int16 [N, L, k] picked expert ids, the router's order (best first); N =
-                                    tokens.sum(), record r's rows start at tokens[:r].sum()
+        ids         int16 [N, L, k] picked expert ids in the router's order (best choice score
+                                    first; a correction bias shifts the choice, not the
+                                    weights, so weights need not descend); N = tokens.sum(),
+                                    record r's rows start at tokens[:r].sum()
         weights     float32 [N, L, k]  the router's weights of those picks (what the demand
                                     counters sum: History.demand's unit)
         resident    bool [N, L, k]  whether the pick's expert had a bank slot (resident or ring)
                                     when the step routed it; False: a miss, served by the policy
 
-A header that differs from the running engine's (another model or geometry) sets the old folder
-aside as `routing.old-<unix time>` with one warning. A chunk is written when the records it
-holds reach a quarter of trace_max_mib (at most CHUNK_BYTES) and at Engine.close(); before a
-chunk is written the oldest chunks are removed until the folder stays within trace_max_mib (a
-chunk larger than the whole bound, one step of many tokens under a tiny bound, is dropped with a
-warning). Steps run with tracing on and the engine's own counters agree: the picks of a trace
-recorded at every step, counted per (layer, expert), are the demand counts the engine drained
-(tests/server/test_dashboard.py).
+Recorded steps are the engine's serving steps and its scoring forwards (Engine.logits, the
+boot's calibration), as the counters count them. A header that differs from the running
+engine's (another model, geometry or [residency] setting) sets the old folder aside as
+`routing.old-<unix time>` with one warning. A chunk is written when the records it holds reach a
+quarter of trace_max_mib (at most CHUNK_BYTES) and at Engine.close(); before a chunk is written
+the oldest chunks are removed until the folder stays within trace_max_mib (a chunk larger than
+the whole bound, one step of many tokens under a tiny bound, is dropped with a warning). A trace
+recorded at every step, counted per (layer, expert), is the demand the engine counted and
+drained (tests/residency/test_trace.py).
 """
 
 from __future__ import annotations
