@@ -77,6 +77,10 @@ class ResidencySection:
     count: bool = True
     seed_map: str = ""
     state_dir: str = ""
+    # routing traces (residency/trace.py): every trace_every_steps-th step's picks recorded under
+    # state_dir/routing (0: off), the chunks kept within trace_max_mib (the oldest removed first)
+    trace_every_steps: int = 0
+    trace_max_mib: float = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +98,7 @@ class ServerSection:
     max_requests_per_key: int = 0
     request_timeout_s: float = 600.0  # from arrival to the last token; 0: no deadline
     body_timeout_s: float = 30.0  # to receive a request's body, once its headers are in
+    dashboard: bool = True  # GET /dashboard (the residency dashboard) and its state.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +171,8 @@ _RANGES = {
     ("residency", "exact_weight"): (0, None, False),
     ("residency", "exact_budget"): (0, None, False),
     ("residency", "max_approx_share"): (0, 1, False),
+    ("residency", "trace_every_steps"): (0, None, False),
+    ("residency", "trace_max_mib"): (0, None, True),
     ("server", "port"): (1, 65535, False),
     ("server", "max_body_bytes"): (1, None, False),
     ("server", "max_tokens_limit"): (1, None, False),
@@ -247,6 +254,7 @@ class EngineConfig:
             raise ConfigError(f"{source}: unknown table [{sorted(unknown)[0]}] "
                               f"(known: {', '.join(_SECTIONS)})")
         _check_auto_keys(source, sections["residency"])
+        _check_trace(source, sections["residency"], sections["distributed"])
         _check_distributed(source, sections["distributed"])
         given = base.given + tuple((f"{name}.{key}", source) for name in _SECTIONS
                                    for key in tables.get(name, {}))
@@ -332,6 +340,20 @@ def _check_auto_keys(source: str, section: ResidencySection) -> None:
         if value != getattr(defaults, key):
             raise ConfigError(f"{source}: 'residency.{key}' = {value!r} is read by miss_policy "
                               f"'auto' only (miss_policy is {section.miss_policy!r})")
+
+
+def _check_trace(source: str, section: ResidencySection,
+                 distributed: DistributedSection) -> None:
+    """Routing traces are written under state_dir by one process: on without a state_dir, or
+    across processes (not built), is refused."""
+    every = section.trace_every_steps
+    if every and not section.state_dir:
+        raise ConfigError(f"{source}: 'residency.trace_every_steps' = {every} writes routing "
+                          "traces under residency.state_dir, which is not set")
+    if every and distributed.num_processes > 1:
+        raise ConfigError(f"{source}: 'residency.trace_every_steps' = {every}: routing traces "
+                          "are not recorded across processes yet (distributed.num_processes = "
+                          f"{distributed.num_processes})")
 
 
 def _check_distributed(source: str, section: DistributedSection) -> None:

@@ -24,6 +24,7 @@ its way. The ring's copies never wait for the host: the steps choose and copy th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import time
@@ -44,7 +45,8 @@ from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
 from tidejax.residency.serve import ServeOptions
-from tidejax.residency.state import ExpertState, all_resident_state, build_state
+from tidejax.residency.state import ExpertState, Picks, all_resident_state, build_state
+from tidejax.residency.trace import TraceRecorder, trace_folder
 from tidejax.residency.swap import SwapBatch, Tallies, apply_now
 
 log = logging.getLogger("tidejax.residency")
@@ -115,6 +117,8 @@ class Residency:
         # sends it to its peers as a plan: tidejax.runtime.runner)
         self.on_apply = None
         self._in_flight = None  # the last step's (or batch's) Tallies: done when it is
+        self.recorder: TraceRecorder | None = None  # routing traces (start_trace)
+        self._trace_rows = 0  # the Picks buffer's rows (start_trace)
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
                                     swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
@@ -147,6 +151,36 @@ class Residency:
     def ring_per_step(self) -> int:
         """Rows a step copies into ring slots at most (residency/ring.py)."""
         return min(self.n_ring, max(1, self.section.max_swaps_per_step)) if self.n_ring else 0
+
+    def start_trace(self, model: str, model_type: str, rows: int) -> None:
+        """Routing traces on (section.trace_every_steps): the steps record their picks in an
+        ExpertState.picks buffer of `rows` rows (the most tokens one step routes), which
+        after_step hands to the recorder (residency/trace.py)."""
+        section = self.section
+        header = dict(model=model, model_type=model_type, n_layers=self.n_layers,
+                      n_experts=self.n_experts, top_k=self.top_k,
+                      resident_slots=min(self.n_resident, self.n_layers * self.n_experts),
+                      residency=dataclasses.asdict(section))
+        self.recorder = TraceRecorder(trace_folder(self.state_dir), header,
+                                      section.trace_every_steps,
+                                      int(section.trace_max_mib * 2**20))
+        self._trace_rows = rows
+        self._state = self._with_picks(self._state)
+        log.info("residency: recording the routing of every %d-th step under %s (at most "
+                 "%g MiB)", section.trace_every_steps, self.recorder.folder,
+                 section.trace_max_mib)
+
+    def _with_picks(self, state: ExpertState) -> ExpertState:
+        """`state` with an empty Picks buffer where routing traces are on."""
+        if not self._trace_rows:
+            return state
+        return state.replace(picks=parallel.replicated(
+            Picks.empty(self._trace_rows, self.n_layers, self.top_k)))
+
+    def close_trace(self) -> None:
+        """Writes the routing trace's last records (Engine.close)."""
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- boot ------------------------------------------------------------------------------
 
@@ -280,6 +314,8 @@ class Residency:
         drained, its counters start for the host, and the history
         update, persisting and planning follow at the next call. `tokens` = real tokens the step
         sent through each MoE layer."""
+        if self.recorder is not None:
+            self.recorder.after_step(self.counters["steps"], tallies.picks, self.version)
         self.counters["steps"] += 1
         self._since_drain += 1
         self._in_flight = tallies
@@ -298,6 +334,8 @@ class Residency:
         """Reads the tallies and the drain still on their way (waits for their steps)."""
         self._read_tallies(keep=0)
         self._finish_drain()
+        if self.recorder is not None:
+            self.recorder.flush()
 
     def _read_tallies(self, keep: int) -> None:
         """Reads all but the newest `keep` step tallies into the cold share, the approximate
@@ -463,10 +501,11 @@ class Residency:
         self._drain, self._draining, self._since_drain = None, False, 0
         self.counters["rebuilds"] += 1
         if self.all_resident:
-            return all_resident_state(rows, self.n_layers)
-        return build_state(rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
-                           ring_copies=self.ring_per_step, transient=self.n_transient,
-                           host_slots=None if self.cache is None else self._host_map)
+            return self._with_picks(all_resident_state(rows, self.n_layers))
+        return self._with_picks(build_state(
+            rows, self.n_layers, self.slot_rows[:self.n_resident], ring=self.n_ring,
+            ring_copies=self.ring_per_step, transient=self.n_transient,
+            host_slots=None if self.cache is None else self._host_map))
 
     # -- control and telemetry -------------------------------------------------------------
 
@@ -536,6 +575,16 @@ class Residency:
         return {"disk_reads": 0, "disk_read_bytes": 0, "disk_read_seconds": 0.0,
                 "disk_reads_queued": 0, "host_evictions": 0, "host_reads_dropped": 0,
                 "host_held": self.n_layers * self.n_experts}
+
+    def expert_map(self) -> dict:
+        """The decayed demand [L_moe, E] (History.demand: routing weight) and the resident set
+        [L_moe, E] (a slot of the host map's resident region holds the expert), as lists: the
+        dashboard's heatmap. Safe from other threads (each read is one copy)."""
+        held = np.asarray(self.slot_rows[:self.n_resident]).copy()
+        resident = np.zeros(self.n_layers * self.n_experts, bool)
+        resident[held[held >= 0]] = True
+        return {"demand": np.array(self.history.demand, np.float64).tolist(),
+                "resident": resident.reshape(self.n_layers, self.n_experts).tolist()}
 
     def stats(self) -> dict:
         c = self.counters

@@ -17,7 +17,8 @@ Miss policies (DESIGN.md "Miss policies"):
   the step's `exact_budget` of such picks lasts (the layers in order); the other misses are
   substituted as under "substitute".
 Demand counters always record the *wanted* picks, resident or not; the step tallies its misses
-and, for the picks it substituted, their routing weight shares (`ExpertState.approx`).
+and, for the picks it substituted, their routing weight shares (`ExpertState.approx`); where
+routing traces are on, the picks themselves go into `ExpertState.picks`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
     layer_map = state.rowmap[moe_index]  # [E]
     slots = layer_map[ids]  # [T, k]
     live = token_mask[:, None]  # [T, 1]
+    if state.picks is not None:  # routing traces (residency/trace.py)
+        state = state.replace(picks=state.picks.write(moe_index, ids, weights, slots >= 0,
+                                                      token_mask))
     host = None  # [T, D] float32: the picks computed on the host ("cpu", "auto")
     if not options.all_resident:
         policy = options.miss_policy

@@ -26,6 +26,39 @@ from tidejax.contract import expert_axes
 
 
 @struct.dataclass
+class Picks:
+    """The router's picks of one step, every MoE layer, for routing traces (residency/trace.py):
+    ids [rows, L_moe, k] int32 (-1: no token: padding, or rows the step did not fill), weights
+    [rows, L_moe, k] float32, resident [rows, L_moe, k] bool (the pick had a bank slot); `at`
+    (int32 scalar): the row the next forward's first token takes (a step's prompt chunk, then its
+    decoding lanes). Rows past the buffer are dropped."""
+
+    ids: jax.Array
+    weights: jax.Array
+    resident: jax.Array
+    at: jax.Array
+
+    @staticmethod
+    def empty(rows: int, n_layers: int, top_k: int) -> "Picks":
+        shape = (rows, n_layers, top_k)
+        return Picks(jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32),
+                     jnp.zeros(shape, bool), jnp.zeros((), jnp.int32))
+
+    def write(self, moe_index: int, ids, weights, resident, live) -> "Picks":
+        """One MoE layer's picks of the forward's tokens: ids, weights, resident [T, k], live [T]
+        (False: padding, written as id -1)."""
+        rows = self.at + jnp.arange(ids.shape[0])
+        put = lambda buf, value: buf.at[rows, moe_index].set(value, mode="drop")
+        return self.replace(ids=put(self.ids, jnp.where(live[:, None], ids, -1)),
+                            weights=put(self.weights, weights.astype(jnp.float32)),
+                            resident=put(self.resident, resident))
+
+    def advanced(self, tokens: int) -> "Picks":
+        """After a forward of `tokens` tokens: the next one's rows follow."""
+        return self.replace(at=self.at + tokens)
+
+
+@struct.dataclass
 class ExpertState:
     bank: dict  # leaves [S_total, ...] on the device
     rowmap: jax.Array  # [L_moe, E] int32: slot (resident or ring) or -1
@@ -49,6 +82,7 @@ class ExpertState:
     # which the next writes into ring slots (residency/ring.py)
     host_slots: jax.Array | None = None  # [L_moe * E] int32: each row's pool index, -1 on disk
     # (the host cache's map, set from each SwapBatch); None: the pool holds every row in order
+    picks: Picks | None = None  # the step's picks where routing traces are on (residency/trace.py)
     resident: int = struct.field(pytree_node=False, default=0)
     ring: int = struct.field(pytree_node=False, default=0)
     transient: int = struct.field(pytree_node=False, default=0)

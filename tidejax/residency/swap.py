@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.residency import ring
-from tidejax.residency.state import ExpertState, read_row, write_row
+from tidejax.residency.state import ExpertState, Picks, read_row, write_row
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +61,8 @@ class Tallies:
     miss); approx [L_moe, E] (the routing weight shares of those served approximately); counts,
     weight_sums [L_moe, E] (the counters through the step, read where its batch drained);
     ring_hits (float32 scalar: wanted picks served from ring slots), ring_copies (int32 scalar:
-    rows written into ring slots)."""
+    rows written into ring slots); picks: the step's Picks where routing traces are on, else
+    None."""
 
     misses: jax.Array
     approx: jax.Array
@@ -69,6 +70,7 @@ class Tallies:
     weight_sums: jax.Array
     ring_hits: jax.Array
     ring_copies: jax.Array
+    picks: Picks | None = None
 
 
 def _swap(state: ExpertState, maps, slot, row):
@@ -112,8 +114,12 @@ def finish_batch(state: ExpertState, batch: SwapBatch) -> tuple[ExpertState, Tal
     state = ring.choose(state, batch.ring)
     zeros = jnp.zeros_like(state.counts)
     out = Tallies(state.misses, state.approx, state.counts, state.weight_sums, state.ring_hits,
-                  state.ring_copied)
-    return state.replace(counts=jnp.where(batch.drain, zeros, state.counts),
+                  state.ring_copied, state.picks)
+    picks = state.picks
+    if picks is not None:  # the next step's picks start at row 0 of an empty buffer
+        picks = picks.replace(ids=jnp.full_like(picks.ids, -1), at=jnp.zeros_like(picks.at))
+    return state.replace(picks=picks,
+                         counts=jnp.where(batch.drain, zeros, state.counts),
                          weight_sums=jnp.where(batch.drain, zeros, state.weight_sums),
                          misses=zeros, approx=zeros,
                          exact_used=jnp.zeros_like(state.exact_used),

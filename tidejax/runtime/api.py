@@ -109,3 +109,7 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """Now: the queue, the lanes in use and the expert residency's counters."""
+
+    def expert_map(self) -> dict:
+        """Now: {"demand": [L_moe][E] decayed routing weight, "resident": [L_moe][E] bool} (the
+        dashboard's heatmap; plain lists)."""

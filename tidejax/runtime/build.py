@@ -124,6 +124,9 @@ class LoadedModel:
             kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
             swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,
             disk_rows=pool if on_disk else None)
+        if config.residency.trace_every_steps:  # a step routes a prompt chunk and the lanes
+            self.residency.start_trace(self.served_name, raw.get("model_type", ""),
+                                       self.max_context + config.engine.lanes)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)

@@ -83,3 +83,6 @@ class LocalEngineClient:
                            queued=self.scheduler.queued, active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
                            kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats())
+
+    def expert_map(self) -> dict:
+        return self.engine.residency.expert_map()

@@ -81,6 +81,10 @@ class Engine:
                     log.info("saved the demand history and the residency stats under %s",
                              state_dir)
         try:
+            self.scheduler.call(self.residency.close_trace)
+        except Exception:
+            log.exception("could not write the routing trace's last records at close")
+        try:
             self.scheduler.call(self.scheduler.close_tiers)
         except Exception:
             log.exception("could not write the prompt cache's host tier to disk at close")

@@ -326,14 +326,19 @@ class Scheduler:
                     self.recover()
 
     def step(self) -> bool:
-        """One iteration; returns whether any work remains."""
+        """One iteration; returns whether any work remains. Where none does, residency's
+        tallies and drain still on their way are read (Residency.flush), so its stats, the
+        history and /metrics at rest count every step served."""
         self._release_cancelled()
         self._make_room()
         self._admit()
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
             self._deliver(previous)  # waits for it; the step just queued keeps the device busy
-        return bool(self.active or self.queue or self._in_flight or not self._plan.empty)
+        busy = bool(self.active or self.queue or self._in_flight or not self._plan.empty)
+        if not busy:
+            self.model.residency.flush()
+        return busy
 
     def _release_cancelled(self) -> None:
         for lane, handle in enumerate(self.lane_of):

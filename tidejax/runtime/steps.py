@@ -206,8 +206,12 @@ class Steps:
         optional = {} if routes is None else {"replay": routes}  # a family may take neither
         if rows is not None:
             optional["prompt_rows"] = rows
-        return self.model.apply({"params": params}, tokens, positions, mask, cache, table,
-                                experts, *extra, **optional, logits_at=logits_at)
+        logits, cache, experts = self.model.apply({"params": params}, tokens, positions, mask,
+                                                  cache, table, experts, *extra, **optional,
+                                                  logits_at=logits_at)
+        if experts.picks is not None:  # the next forward's picks follow these tokens'
+            experts = experts.replace(picks=experts.picks.advanced(tokens.size))
+        return logits, cache, experts
 
     def _prefill(self, params, tables, chunk: PrefillInputs, cache: PagedCache, experts, routes):
         """The logits [1, 1, vocab] at the chunk's last token: it writes the shared pool through

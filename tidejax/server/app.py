@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError, RequestError
-from tidejax.server import anthropic_api, openai_api
+from tidejax.server import anthropic_api, dashboard, openai_api
 from tidejax.runtime.api import EngineClient, EngineStats
 from tidejax.server.admission import Admission
 from tidejax.server.errors import APIError, dialect_of, error_response
@@ -90,9 +90,14 @@ class Server:
         auth = request.headers.get("Authorization", "")
         given = [auth[7:].strip()] if auth[:7].lower() == "bearer " else []
         given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+        if dashboard.is_dashboard(request.path):  # a browser's ways (server/dashboard.py)
+            given += [v for v in (request.cookies.get(dashboard.COOKIE),
+                                  request.query.get("key")) if v]
         if not given:
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or "
-                                "'x-api-key: KEY'", code="invalid_api_key")
+                                "'x-api-key: KEY'" + (" (a browser: open /dashboard?key=KEY)"
+                                                      if dashboard.is_dashboard(request.path)
+                                                      else ""), code="invalid_api_key")
         found = None
         for i, key in enumerate(self.keys):  # every key compared, in constant time each
             for g in given:  # as sent: aiohttp decodes header bytes with surrogateescape
@@ -299,4 +304,6 @@ def build_app(server: Server) -> web.Application:
     app.router.add_get("/v1/models/{id}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if server.config.server.dashboard:
+        dashboard.add_routes(app, server)
     return app

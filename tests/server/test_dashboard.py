@@ -1,0 +1,166 @@
+"""The residency dashboard (server/dashboard.py) in a real headless Chromium over the DevTools
+protocol, against `python -m tidejax.server` serving the tiny DeepSeek-V3 checkpoint with half its
+experts resident: after a few requests the page's numbers are /metrics' and its heatmap is the
+demand history the server saved. One server for the module; routing traces left off (their
+default), so it also shows that a server with a state_dir writes no trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+
+from tidejax.config import EngineConfig
+from tidejax.residency.history import History
+from tidejax.server.app import Server
+from tests.support.browser import Page, chromium_path
+from tests.support.server_fixtures import (live_server, serve_app, server_log, write_chat_model,
+                                           write_profile)
+
+KEY = "sk-dashboard-test"
+PROMPT = "The tide comes in over the flats and the boats lift from the mud"  # 36 tokens
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dashboard")
+    model_dir = write_chat_model(root / "tiny")
+    state_dir = root / "state"
+    # drain_every 1 and no decay: the history saved at each drain is every step's demand;
+    # chunks of 16 tokens: every prompt's steps are one shape (a compile each costs seconds)
+    profile = write_profile(root / "dash.toml", model_dir,
+                            engine={"max_context": 256, "lanes": 2, "prefill_chunk": 16,
+                                    "page_size": 16},
+                            residency={"budget_experts": 4, "miss_policy": "substitute",
+                                       "drain_every": 1, "half_life": 1e9,
+                                       "state_dir": str(state_dir)},
+                            server={"api_keys": [KEY]})
+    with live_server(profile) as url:
+        yield {"url": url, "root": root, "state_dir": state_dir, "profile": profile}
+    assert (state_dir / "history.npz").exists(), server_log(profile)
+    assert not (state_dir / "routing").exists()  # traces are off unless trace_every_steps is set
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {name without the prefix: value}, labelled samples summed."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^tidejax_(\w+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+READ_PAGE = """(() => {
+  const value = id => Number(document.getElementById(id).dataset.value);
+  const ids = ["cold-window", "cold-total", "swaps", "kv-pages", "preemptions", "cache-hits",
+               "lanes", "queued", "decode-tps", "miss-exact", "miss-cpu", "miss-substitute",
+               "miss-ring", "resident"];
+  const series = id => Number(document.getElementById(id).dataset.last);
+  return JSON.stringify({
+    status: document.getElementById("status").textContent,
+    values: Object.fromEntries(ids.map(id => [id, value(id)])),
+    series: {cold: series("series-cold"), swaps: series("series-swaps")},
+    cells: [...document.querySelectorAll("#heatmap .cell")].map(c => [
+      Number(c.dataset.layer), Number(c.dataset.expert), Number(c.dataset.demand),
+      c.dataset.resident === "true" && c.classList.contains("resident")]),
+  });
+})()"""
+
+
+async def read_dashboard(url: str, folder) -> tuple[dict, list[str], list[str], object]:
+    """Opens the dashboard as a browser does (?key= once, then its cookie), waits for three
+    polls; (what the page shows, console errors, the URLs it asked for, its screenshot)."""
+    async with Page.open(folder) as page:
+        await page.goto(f"{url}/dashboard?key={KEY}")
+        await page.wait_for("Number(document.getElementById('series-cold').dataset.points) >= 3")
+        shown = json.loads(await page.evaluate(READ_PAGE))
+        shot = await page.screenshot(folder / "dashboard.png")
+        return shown, page.errors, page.requests, shot
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_page_shows_the_engines_numbers(served):
+    url = served["url"]
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    for _ in range(2):  # the second prefills only past the first's cached pages
+        oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    oai.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                messages=[{"role": "user", "content": "Tell me about the sea."}])
+    engine = metrics(url)  # the server is idle: nothing changes from here
+    shown, errors, requested, shot = asyncio.run(read_dashboard(url, served["root"]))
+    print(f"dashboard screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+    assert errors == []
+    assert requested and all(u.startswith(url + "/dashboard") for u in requested), requested
+    assert shown["status"] == "ready"
+    values = shown["values"]
+    expected = {
+        "cold-window": engine["residency_cold_share_window"],
+        "cold-total": engine["residency_cold_share_total"],
+        "swaps": engine["residency_swaps_applied"],
+        "resident": engine["residency_resident"],
+        "kv-pages": engine["kv_pages_in_use"],
+        "preemptions": engine["kv_preemptions"],
+        "cache-hits": engine["prompt_cache_matched_tokens_total"],
+        "lanes": engine["lanes_active"],
+        "queued": engine["queue_waiting"],
+        "decode-tps": engine["decode_tokens_per_second"],
+        # "substitute" serves every miss with a resident expert
+        "miss-exact": 0, "miss-cpu": engine["residency_cpu_picks"],
+        "miss-substitute": engine["residency_misses"], "miss-ring": engine["residency_ring_hits"],
+    }
+    assert values == pytest.approx(expected, rel=1e-9)
+    assert values["miss-substitute"] > 0 and values["cache-hits"] > 0
+    assert values["decode-tps"] > 0 and values["cold-total"] > 0
+    assert shown["series"] == pytest.approx({"cold": expected["cold-window"],
+                                             "swaps": expected["swaps"]})
+    history = History.read(served["state_dir"] / "history.npz")
+    demand = np.zeros_like(history.demand)
+    resident = np.zeros(demand.shape, bool)
+    for layer, expert, value, is_resident in shown["cells"]:
+        demand[layer, expert], resident[layer, expert] = value, is_resident
+    assert len(shown["cells"]) == demand.size
+    np.testing.assert_allclose(demand, history.demand, rtol=1e-9)
+    assert demand.sum() > 0
+    assert resident.sum(axis=1).tolist() == [engine["residency_resident"] // len(demand)] * len(
+        demand)
+
+
+def test_keys_guard_the_dashboard(served):
+    url = served["url"]
+    for path in ("/dashboard/state.json?key=wrong", "/dashboard", "/dashboard/state.json"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + path, timeout=10)
+        assert refused.value.code == 401
+    assert "/dashboard?key=KEY" in refused.value.read().decode()  # the missing key's hint
+    request = urllib.request.Request(url + "/dashboard/state.json",
+                                     headers={"x-api-key": KEY})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        state = json.load(r)
+    assert state["model"] == "tiny" and len(state["experts"]["demand"]) == 1
+    # the key in a query opens the page only through the cookie, for /dashboard alone
+    with pytest.raises(urllib.error.HTTPError) as elsewhere:
+        urllib.request.urlopen(f"{url}/v1/models?key={KEY}", timeout=10)
+    assert elsewhere.value.code == 401
+
+
+def test_a_profile_switch_leaves_the_dashboard_out():
+    for on in (True, False):
+        server = Server(EngineConfig.from_dict({"server": {"dashboard": on}}))
+        with serve_app(server) as url:
+            try:
+                with urllib.request.urlopen(url + "/dashboard", timeout=10) as r:
+                    status, page = r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                status, page = e.code, ""
+        assert status == (200 if on else 404)
+        if on:  # one page: no script, style or font from elsewhere
+            assert "<script>" in page and not re.search(r"""(src|href)=["']?(https?:)?//""", page)
