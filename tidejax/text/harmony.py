@@ -60,13 +60,12 @@ class HarmonyParser:
         self.pending += text
         while self.pending:
             if self.header is not None:
-                at = self.pending.find(_HEADER_END)
+                self.header, self.pending = self.header + self.pending, ""
+                at = self.header.find(_HEADER_END)
                 if at < 0:
-                    self.header += self.pending
-                    self.pending = ""
                     break
-                self._open(self.header + self.pending[:at])
-                self.header, self.pending = None, self.pending[at + len(_HEADER_END):]
+                self._open(self.header[:at])
+                self.header, self.pending = None, self.header[at + len(_HEADER_END):]
                 continue
             found = [(i, m) for m in _MESSAGE_ENDS if (i := self.pending.find(m)) >= 0]
             if found:
@@ -89,9 +88,8 @@ class HarmonyParser:
         content as written."""
         if self.header is None:
             out = self._body(self.pending)
-        else:
-            rest = self.header + self.pending
-            out = [("content", rest)] if rest.strip() else []
+        else:  # pending is empty
+            out = [("content", self.header)] if self.header.strip() else []
         self.header, self.pending = "", ""
         calls, self.calls = self.calls, []
         for recipient, raw, body in calls:
