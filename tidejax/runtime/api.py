@@ -16,8 +16,8 @@ from typing import Protocol
 
 from tidejax.runtime.sampling import SamplingError, SamplingParams
 from tidejax.text.chat_template import ChatTemplate
-from tidejax.text.tokenizer import Tokenizer
 from tidejax.text.harmony import HarmonyFormat
+from tidejax.text.tokenizer import Tokenizer
 from tidejax.text.toolcalls import ToolFormat
 
 __all__ = ["DoneEvent", "EngineClient", "EngineInfo", "EngineStats", "ErrorEvent", "Event",
