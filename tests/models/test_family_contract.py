@@ -1,24 +1,36 @@
 """One contract for a family, parametrised over the families it covers (the newest so far; the
 older ones keep their own modules): declared params = checkpoint table, fp32 logits within 1e-4
 of transformers' on tiny random checkpoints, greedy tokens, the paged cached decode = the full
-forward, half-resident `exact` = all-resident. A new family costs a writer and configs in
-tests/support/tiny_models.py and an entry here."""
+forward, half-resident `exact` = all-resident; and for the families with a published chat
+template kept in tests/data/chat_templates, a tool call and its result through the app to the
+openai and anthropic clients. A new family costs a writer and configs in
+tests/support/tiny_models.py and an entry here (and its chat vocabulary in
+tests/support/chat_models.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import json
 
+import anthropic
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 import torch
 
 import tidejax
+from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache
 from tidejax.models.registry import family_of
 from tidejax.residency.serve import ServeOptions
+from tidejax.runtime.client import LocalEngineClient
+from tidejax.server.app import Server
+from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER, write_chat_model
 from tests.support.declaration import check_forward_on_declared, param_paths
+from tests.support.server_fixtures import serve_app
 from tests.support.tiny_models import (FAMILIES, cached_decode_logits, gpt_oss_config,
                                        minimax_m2_config, mixtral_config, qwen3_moe_config,
                                        relative_diff, served_greedy, transformers_greedy,
@@ -106,3 +118,83 @@ def test_gpt_oss_published_mxfp4_experts_and_the_host_policies(tmp_path):
     for policy in ("cpu", "auto"):
         with pytest.raises(ConfigError, match="miss_policy"):
             tidejax.load(packed, residency={"budget_experts": 8, "miss_policy": policy})
+
+
+@pytest.fixture(scope="module", params=sorted(CHAT_FAMILIES))
+def served(request, tmp_path_factory):
+    """The app over a tiny chat checkpoint of the family (its published template; weights that
+    write reasoning and then a call of get_weather in the family's format) on a loopback port:
+    (family, its path, the base URL)."""
+    family = request.param
+    path = write_chat_model(family, tmp_path_factory.mktemp(f"{family}-chat"))
+    # prompt chunks of 64: one prefill shape; warmup off: each shape compiles when first met
+    engine = tidejax.load(path, engine={"lanes": 2, "max_context": 512, "prefill_chunk": 64,
+                                        "warmup": False})
+    client = LocalEngineClient(engine)
+    asyncio.run(client.start())
+    server = Server(EngineConfig().with_overrides({"model": {"path": str(path)}}))
+    server.attach(client)
+    try:
+        with serve_app(server) as url:
+            yield family, path, url, engine.served_name
+    finally:
+        client.stop()
+
+
+def reference_prompt_tokens(path, messages, **kwargs) -> int:
+    """The prompt length of transformers' own rendering of the checkpoint's template."""
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    return len(tokenizer.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True,
+                                             return_dict=True, **kwargs)["input_ids"])
+
+
+def test_tool_call_and_result_through_the_openai_client(served):
+    """The model's reply in the family's format comes back as reasoning_content and an OpenAI
+    tool call, whole and streamed; the call's history (its reasoning under the field the
+    template reads) and the tool's result render into the next prompt as transformers renders
+    them."""
+    family, path, url, name = served
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kwargs = dict(model=name, tools=[WEATHER], temperature=0, max_tokens=24)
+    first = oai.chat.completions.create(messages=messages, **kwargs)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                         {"city": CITY})
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    assert first.usage.prompt_tokens == reference_prompt_tokens(path, messages)
+
+    chunks = list(oai.chat.completions.create(messages=messages, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == THOUGHT
+    assert [(t.function.name, json.loads(t.function.arguments)) for d in deltas
+            for t in d.tool_calls or []] == [("get_weather", {"city": CITY})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = oai.chat.completions.create(messages=history, **kwargs)
+    reasoning_key = "thinking" if family == "gpt_oss" else "reasoning_content"
+    reference = messages + [
+        {"role": "assistant", "content": "", reasoning_key: THOUGHT, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": CITY}}}]},
+        history[-1]]
+    assert second.usage.prompt_tokens == reference_prompt_tokens(path, reference)
+
+
+def test_tool_use_through_the_anthropic_client(served):
+    _, _, url, name = served
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    reply = claude.messages.create(model=name, max_tokens=24, tools=[tool], extra_body={
+        "temperature": 0}, messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert reply.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "thinking", None)) for b in reply.content][0] == (
+        "thinking", THOUGHT)
+    assert [(b.name, b.input) for b in reply.content if b.type == "tool_use"] == [
+        ("get_weather", {"city": CITY})]

@@ -90,18 +90,17 @@ def write_chat_model(path: Path, seed: int = 0) -> Path:
 
 
 def write_chain(model, chain: list[int]) -> None:
-    """Edits a DeepseekV3ForCausalLM so that greedy decoding maps each token of `chain` to the
-    next (the module docstring says how); the model never writes chain[0] itself."""
+    """Edits a transformers causal LM of the DeepSeek-V3 shape (a residual stream written by
+    attention's o_proj and the MLPs' down_proj) so that greedy decoding maps each token of
+    `chain` to the next (the module docstring says how); the model never writes chain[0]
+    itself."""
     hidden = model.config.hidden_size
-    reserved = list(range(hidden - len(chain) + 1, hidden))  # one dimension per chain source
+    reserved = torch.tensor(range(hidden - len(chain) + 1, hidden))  # a dimension per source
     with torch.no_grad():
         for name, w in model.named_parameters():
-            if name.endswith("o_proj.weight") or "down_proj" in name:
+            if name.endswith(("o_proj.weight", "o_proj.bias")) or "down_proj" in name:
                 # nothing but the embedding writes the reserved dimensions of the residual
-                if w.dim() == 3:  # fused experts [E, D, I]
-                    w[:, reserved] = 0
-                else:  # [D, in]
-                    w[reserved] = 0
+                w.index_fill_(_residual_axis(name, w, hidden), reserved, 0)
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         head.normal_(0, 1.0)  # well separated logits: greedy choices robust to rounding
         embed[:, reserved] = 0
@@ -111,6 +110,17 @@ def write_chain(model, chain: list[int]) -> None:
             embed[source, dim] = 1.0
             head[target] = 0
             head[target, dim] = 40.0
+
+
+def _residual_axis(name: str, w, hidden: int) -> int:
+    """The axis along which a parameter writes the residual stream: a bias's, a Linear weight's
+    first ([out, in]), fused experts' hidden one ([E, D, I]; gpt-oss's [E, I, D])."""
+    if name.endswith("bias"):
+        return w.dim() - 1
+    if w.dim() == 2:
+        return 0
+    [axis] = [i for i in (1, 2) if w.shape[i] == hidden]
+    return axis
 
 
 def free_port() -> int:

@@ -144,7 +144,8 @@ class Family:
     build_mtp(cfg, serve_options, dtype, depth) -> MTP layer `depth`'s draft forward
         (layers/mtp.py), or None: the family drafts nothing ([speculative] method "mtp" refused)
     tool_formats: model_type -> the text.toolcalls.ToolFormat its checkpoints write tool calls
-        in, where their chat template does not show it (a model type not named: none)
+        in (gpt-oss: text.harmony.HARMONY, its whole reply's format), where their chat template
+        does not show it (a model type not named: none)
     """
 
     name: str

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from tidejax.runtime.sampling import SamplingError, SamplingParams
 from tidejax.text.chat_template import ChatTemplate
+from tidejax.text.harmony import HarmonyFormat
 from tidejax.text.tokenizer import Tokenizer
 from tidejax.text.toolcalls import ToolFormat
 
@@ -61,7 +62,8 @@ class EngineInfo:
     name: str  # the model name requests must give
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None  # None: the checkpoint has none (no chat routes)
-    tool_format: ToolFormat | None  # how the model writes tool calls; None: not parsed
+    tool_format: ToolFormat | HarmonyFormat | None  # how the model writes tool calls (and, for
+    # harmony, its whole reply); None: not parsed
     lanes: int  # requests decoded together
     max_context: int  # prompt and generated tokens of one request, together
 

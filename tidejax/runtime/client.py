@@ -12,13 +12,15 @@ import asyncio
 from tidejax.models.registry import family_of
 from tidejax.runtime.api import (DoneEvent, EngineInfo, EngineStats, ErrorEvent, Event,
                                  GenerationRequest)
-from tidejax.text.toolcalls import TOOL_FORMATS, ToolFormat
+from tidejax.text.harmony import HARMONY
+from tidejax.text.toolcalls import TOOL_FORMATS
 
 
-def tool_format_for(model_type: str, template_source: str) -> ToolFormat | None:
+def tool_format_for(model_type: str, template_source: str):
     """The format the chat template teaches (what taught the model), else the one the model
-    type's family names (Family.tool_formats), else None."""
-    for fmt in TOOL_FORMATS:
+    type's family names (Family.tool_formats), else None: a text.toolcalls.ToolFormat or
+    gpt-oss's text.harmony.HARMONY."""
+    for fmt in (HARMONY, *TOOL_FORMATS):
         if fmt.template_marker in template_source:
             return fmt
     family = family_of(model_type)

@@ -133,10 +133,10 @@ class Server:
         prompt_ids, in_reasoning = model.chat_prompt(chat)
         options = model.options(chat.options, chat.thinking)
         max_new = model.budget(len(prompt_ids), options)
-        tool_format = model.info.tool_format if chat.tools else None
+        fmt = model.info.tool_format
         return (self.generations(prefix, prompt_ids, options, max_new, arrived),
-                [OutputParser(tool_format, in_reasoning, chat.tools)
-                 for _ in range(options.n)])
+                [fmt.parser(in_reasoning, chat.tools) if fmt is not None
+                 else OutputParser(None, in_reasoning, chat.tools) for _ in range(options.n)])
 
 
 SERVER = web.AppKey("server", Server)

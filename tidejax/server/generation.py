@@ -5,7 +5,8 @@ of one request merged as they come.
 
 A request's reasoning field (OpenAI `reasoning_effort`, Anthropic `thinking`) is mapped onto the
 chat template's own thinking control, the variables it reads: `reasoning_effort` takes the
-effort as given; a switch (`enable_thinking`, `thinking`) is set on, or off for the efforts
+effort as given (one of the model format's `efforts` where it names them: gpt-oss's low, medium,
+high); a switch (`enable_thinking`, `thinking`) is set on, or off for the efforts
 "none" and "minimal" and for Anthropic's "disabled". A template with neither gets a 400 naming
 the field. Anthropic's `budget_tokens` becomes the sampler's thinking budget: after that many
 tokens without a `</think>`, the next token is `</think>` (runtime/sampling.py)."""
@@ -66,8 +67,8 @@ class ServedModel:
         if self.info.chat_template is None:
             raise RequestError(f"model {self.name!r} has no chat template: use /v1/completions")
         messages = chat.messages
-        if tool_format is not None and tool_format.arguments_as_dict:
-            messages = [_arguments_as_dicts(m, i) for i, m in enumerate(messages)]
+        if tool_format is not None:
+            messages = [_as_template_reads(m, i, tool_format) for i, m in enumerate(messages)]
         kwargs = {**chat.template_kwargs, **self._thinking_kwargs(chat)}
         try:
             ids, text = self.info.tokenizer.chat_prompt(messages, tools=chat.tools,
@@ -85,6 +86,11 @@ class ServedModel:
             return {}
         variables = self.info.chat_template.variables
         if thinking.effort is not None and EFFORT_VARIABLE in variables:
+            efforts = self.info.tool_format.efforts if self.info.tool_format else None
+            if efforts is not None and thinking.effort not in efforts:
+                raise RequestError(f"'reasoning_effort' = {thinking.effort!r}: the chat template "
+                                   f"of {self.name!r} takes {', '.join(efforts)}",
+                                   field="reasoning_effort")
             kwargs = {EFFORT_VARIABLE: thinking.effort}
         else:
             kwargs = {name: thinking.enabled for name in THINKING_SWITCHES if name in variables}
@@ -144,6 +150,17 @@ class ServedModel:
                                f"{prompt_len} tokens and the context is {self.info.max_context}",
                                field=param, code="context_length_exceeded")
         return max_tokens
+
+
+def _as_template_reads(message: dict, i: int, tool_format) -> dict:
+    """Message `i` as the model's template reads it: a tool call's arguments as a mapping where
+    it iterates them or writes them as JSON itself, the reasoning under the field it reads."""
+    if tool_format.arguments_as_dict:
+        message = _arguments_as_dicts(message, i)
+    key = tool_format.reasoning_key
+    if "reasoning_content" in message and key != "reasoning_content":
+        message = {(key if k == "reasoning_content" else k): v for k, v in message.items()}
+    return message
 
 
 def _arguments_as_dicts(message: dict, i: int) -> dict:

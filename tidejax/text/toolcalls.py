@@ -3,7 +3,8 @@
 Each model family writes tool calls in its own format; one `ToolFormat` per format parses them,
 and the engine client names the served model's (`EngineInfo.tool_format`). `OutputParser`
 splits a stream of text into `<think>` reasoning, visible content and the tool-call section,
-holding back only the few characters that might be the start of a marker.
+holding back only the few characters that might be the start of a marker. (gpt-oss's replies
+are harmony messages, not one text with tags: text/harmony.py.)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _loads(text: str):
         return _NOT_JSON
 
 
-def _json_object(text: str) -> str | None:
+def json_object(text: str) -> str | None:
     """`text` as compact JSON if it is a JSON object, else None."""
     value = _loads(text)
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
@@ -58,7 +59,9 @@ class ToolFormat:
     the template reads an assistant tool call's arguments as a mapping (else as a JSON string);
     `tokens`: the control tokens a call holds besides those naming a tool (the text the parser
     reads keeps them). `parse_call(body, schemas)` reads one call; `schemas`
-    (`parameter_schemas` of the request's tools) types arguments a format writes untyped."""
+    (`parameter_schemas` of the request's tools) types arguments a format writes untyped.
+    `reasoning_key`: the assistant message field the template reads earlier reasoning from;
+    `efforts`: the reasoning_effort values the template takes (None: any it reads)."""
 
     name: str
     start: str
@@ -67,6 +70,13 @@ class ToolFormat:
     parse_call: Callable[[str, dict[str, dict]], ToolCall | None]
     arguments_as_dict: bool
     tokens: tuple[str, ...] = ()
+    reasoning_key: str = "reasoning_content"
+    efforts: tuple[str, ...] | None = None
+
+    def parser(self, in_reasoning: bool, tools: list[dict] | None) -> "OutputParser":
+        """The parser of one reply; the tool-call section is read only where tools were
+        offered."""
+        return OutputParser(self if tools else None, in_reasoning, tools)
 
     def parse(self, section: str, tools: list[dict] | None = None) -> list[ToolCall] | None:
         """The calls in a tool-call section (arguments typed by the request's `tools` where the
@@ -88,7 +98,7 @@ def _call_deepseek_v3(body: str) -> ToolCall | None:
         return None
     fenced = re.fullmatch(r"\s*([^\n]+)\n```(?:json)?\n(.*?)\n```\s*", rest, re.S)
     name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
-    args = _json_object(args)
+    args = json_object(args)
     return ToolCall(name.strip(), args) if args is not None and name.strip() else None
 
 
@@ -96,23 +106,38 @@ _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_va
 
 
 def _call_glm(body: str, schemas: dict[str, dict]) -> ToolCall | None:
-    # "NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...": GLM's templates write V as is
-    # for a string and as JSON otherwise, so V stays text where the tool's schema says string,
-    # else it is parsed as JSON where it parses
+    # "NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...": V typed by the tool's schema
     name, sep, rest = body.partition("<arg_key>")
     name, rest = name.strip(), sep + rest
     if not name or _GLM_ARGUMENT.sub("", rest).strip():  # no name, or a broken argument
         return None
+    return _typed_call(name, _GLM_ARGUMENT.findall(rest), schemas)
+
+
+def _typed_call(name: str, pairs: list[tuple[str, str]], schemas: dict[str, dict]) -> ToolCall:
+    """A call from (argument, value text) pairs of a format that writes a string value as it is
+    and anything else as JSON (GLM's, MiniMax-M2's): the value stays text where the tool's
+    schema says string, else it is parsed as JSON where it parses."""
     properties = schemas.get(name, {})
     arguments = {}
-    for key, value in _GLM_ARGUMENT.findall(rest):
+    for key, value in pairs:
         key = key.strip()
-        if _is_string(properties.get(key)):
-            arguments[key] = value
-            continue
-        parsed = _loads(value)
+        parsed = _NOT_JSON if _is_string(properties.get(key)) else _loads(value)
         arguments[key] = value if parsed is _NOT_JSON else parsed
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.S)
+
+
+def _call_minimax_m2(body: str, schemas: dict[str, dict]) -> ToolCall | None:
+    # '"NAME">\n<parameter name="K">V</parameter>\n...' (the inside of one <invoke name=...>):
+    # V typed by the tool's schema
+    name, sep, rest = body.partition(">")
+    name = name.strip().strip('"')
+    if not sep or not name or _MINIMAX_PARAMETER.sub("", rest).strip():
+        return None
+    return _typed_call(name, _MINIMAX_PARAMETER.findall(rest), schemas)
 
 
 def _is_string(schema) -> bool:
@@ -129,7 +154,7 @@ def _call_kimi_k2(body: str) -> ToolCall | None:
     stem, colon, index = head.rpartition(":")
     indexed = bool(colon) and index.isdigit()
     name = (stem if indexed else head).removeprefix("functions.")
-    args = _json_object(args)
+    args = json_object(args)
     if not sep or args is None or not name:
         return None
     return ToolCall(name, args, head) if indexed else ToolCall(name, args)
@@ -160,6 +185,10 @@ KIMI_K2 = ToolFormat(
     name="kimi_k2", start="<|tool_calls_section_begin|>", template_marker="<|tool_call_begin|>",
     call_pattern=re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.S),
     parse_call=lambda body, _: _call_kimi_k2(body), arguments_as_dict=False)
+MINIMAX_M2 = ToolFormat(
+    name="minimax_m2", start="<minimax:tool_call>", template_marker="<minimax:tool_call>",
+    call_pattern=re.compile(r"<invoke name=(.*?)</invoke>", re.S), parse_call=_call_minimax_m2,
+    arguments_as_dict=True)
 HERMES = ToolFormat(
     name="hermes", start="<tool_call>", template_marker="<tool_call>",
     call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S),
@@ -167,7 +196,7 @@ HERMES = ToolFormat(
     arguments_as_dict=True)
 
 # most specific template marker first: GLM's templates also contain "<tool_call>"
-TOOL_FORMATS = (DEEPSEEK_V3, KIMI_K2, GLM, HERMES)
+TOOL_FORMATS = (DEEPSEEK_V3, KIMI_K2, GLM, MINIMAX_M2, HERMES)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -8,6 +8,7 @@ from tidejax.models.minimax_m2.config import MiniMaxM2Config
 from tidejax.models.minimax_m2.model import build
 from tidejax.models.minimax_m2.weights import load_weights
 from tidejax.models.registry import register
+from tidejax.text.toolcalls import MINIMAX_M2
 
 register(Family(
     name="minimax_m2",
@@ -16,4 +17,5 @@ register(Family(
     build=build,
     load_weights=load_weights,
     **GQA_FAMILY,
+    tool_formats={"minimax_m2": MINIMAX_M2},
 ))
