@@ -20,6 +20,7 @@ from tidejax.errors import ConfigError
 from tidejax.residency import seedmap, simulate
 from tidejax.residency.history import History
 from tidejax.residency.persist import write_atomic
+from tidejax.residency.pool import row_bytes
 
 
 def main(argv=None) -> int:
@@ -73,7 +74,7 @@ def _simulate_arguments(sim: argparse.ArgumentParser) -> None:
                         "state")
     sim.add_argument("--top-k", type=int, help="picks per token (with --history)")
     sim.add_argument("--budgets", type=_numbers(int), help="resident expert slots, e.g. 24,48 "
-                     "(default: eight from one a layer to all)")
+                     "(default: eight from one a layer to all, and the recording engine's)")
     sim.add_argument("--geometries", type=_numbers(str), help="per_layer,arena (default: the "
                      "trace's, else per_layer)")
     sim.add_argument("--set", action="append", default=[], metavar="residency.KEY=VALUE",
@@ -122,45 +123,46 @@ def _run_simulation(args) -> int:
     if args.lanes < 1:
         raise ValueError(f"--lanes = {args.lanes}: must be >= 1")
     machine = _machine(args)
+    if args.target_tps and machine is None:
+        raise ValueError("--target-tps needs --expert-bytes, --hbm-gbps and --h2d-gbps, or "
+                         "--measure")
+    trace = history = None
     if args.trace:
         trace = simulate.read_trace(args.trace)
         settings = simulate.settings_of(trace.settings, overrides)
-        shape = (trace.n_layers, trace.n_experts)
+        n_layers, n_experts = trace.n_layers, trace.n_experts
     else:
         if not args.top_k or args.top_k < 1:
             raise ValueError("--history needs --top-k (the model's picks per token)")
         history = History.read(args.history)
         settings = simulate.settings_of({}, overrides)
-        shape = history.shape
-    n_layers, n_experts = shape
-    seed_map = args.seed_map or (settings.seed_map if args.trace else "")
-    boot = seedmap.read(seed_map, *shape) if seed_map else np.zeros(0, np.int32)
+        n_layers, n_experts = history.shape
+    seed_map = args.seed_map or (settings.seed_map if trace else "")
+    boot = seedmap.read(seed_map, n_layers, n_experts) if seed_map else np.zeros(0, np.int32)
     geometries = args.geometries or [settings.geometry]
-
+    for geometry in geometries:
+        if geometry not in ("per_layer", "arena"):
+            raise ValueError(f"--geometries: {geometry!r} (per_layer or arena)")
     outcomes = {}
 
     def outcome(budget: int, geometry: str) -> simulate.Outcome:
         if (budget, geometry) not in outcomes:
             section = dataclasses.replace(settings, geometry=geometry)
-            if args.trace:
-                outcomes[budget, geometry] = simulate.replay(trace, section, budget, args.lanes,
-                                                             boot)
-            else:
-                outcomes[budget, geometry] = simulate.steady_state(
-                    history, args.top_k, budget, geometry, settings.miss_policy, args.lanes)
+            outcomes[budget, geometry] = (
+                simulate.replay(trace, section, budget, args.lanes, boot) if trace else
+                simulate.steady_state(history, args.top_k, budget, geometry,
+                                      settings.miss_policy, args.lanes))
         return outcomes[budget, geometry]
 
-    asked = args.budgets or [round(n_layers * (1 + (n_experts - 1) * i / 7)) for i in range(8)]
+    asked = args.budgets or [round(n_layers * (1 + (n_experts - 1) * i / 7)) for i in range(8)
+                             ] + ([trace.resident_slots] if trace and trace.resident_slots else [])
     rows = []
     for geometry in geometries:
         for budget in sorted({simulate.resolve_budget(b, n_layers, n_experts, geometry)
                               for b in asked}):
             rows.append(_row(outcome(budget, geometry), machine))
-    _print_table(rows, args, settings, seed_map, trace if args.trace else None)
+    _print_table(rows, args, settings, seed_map, trace)
     if args.target_tps:
-        if machine is None:
-            raise ValueError("--target-tps needs the bandwidths: --hbm-gbps and --h2d-gbps, "
-                             "or --measure")
         for geometry in geometries:
             step = n_layers if geometry == "per_layer" else 1
             found = simulate.smallest_budget(
@@ -205,7 +207,7 @@ def _measure(dims: list[int], fmt: str, given: dict) -> dict:
         raise ValueError("--measure runs the benchmarks of bench/: run it from the repository "
                          "root, or give the bandwidths") from None
     pool = cpu_experts.random_pool(fmt, 16, *dims)
-    measured = {"expert_bytes": roofline.row_bytes(pool)}
+    measured = {"expert_bytes": row_bytes(pool)}
     if not given["hbm_gbps"]:
         measured["hbm_gbps"] = ceilings.hbm_read_gbps(1 << 28)
     if not given["h2d_gbps"]:
