@@ -2,10 +2,10 @@
 engine's own budget, predicts the cold share the engine measured on it; --target-tps, the PNG,
 the steady state of a history and bad input.
 
-The routing trace recorder (tidejax/residency/trace.py) is on another branch: until it is
-merged, the trace is written here in its documented format from what the engine's steps hand
-residency (Residency.next_batch / after_step: each step's drained counters and miss tallies),
-its picks laid out token by token from those per-(layer, expert) counts.
+The routing trace recorder (tidejax/residency/trace.py, issue 36 item 2) is on its own branch:
+where it is not there, the trace is written here in its documented format from what the
+engine's steps hand residency (Residency.next_batch / after_step: each step's drained counters
+and miss tallies), its picks laid out token by token from those per-(layer, expert) counts.
 """
 
 import dataclasses
@@ -18,6 +18,11 @@ import pytest
 import tidejax
 from tidejax.residency import seedmap, simulate
 from tidejax.residency.__main__ import main as residency_cli
+
+try:  # the recorder, where its branch is merged
+    from tidejax.residency import trace as recorder
+except ImportError:
+    recorder = None
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 72  # of 3 x 48: 24 a layer
@@ -97,18 +102,23 @@ def recorded(tmp_path_factory):
     seedmap.write({"format": seedmap.FORMAT, "geometry": "per_layer", "n_layers": n_layers,
                    "n_experts": n_experts, "budget": BUDGET, "rows": boot}, tmp / "boot.json")
     residency = SETTINGS | {"seed_map": str(tmp / "boot.json"), "state_dir": str(tmp / "state")}
+    if recorder is not None:
+        residency["trace_every_steps"] = 1
     engine = tidejax.load(REPO / "models" / "demo", residency=residency,
                           engine={"max_context": 128, "prefill_chunk": 16, "lanes": 2})
     assert engine.family.expert_dims(engine.cfg)[:2] == (n_layers, n_experts)
-    tap = StepTap(engine.residency)
+    tap = StepTap(engine.residency) if recorder is None else None
     engine.generate(PROMPTS, max_new_tokens=40)
     engine.residency.flush()
     stats = engine.residency.stats()
-    write_trace(tmp / "routing", tap.steps, engine.family.top_k(engine.cfg), {
-        "n_layers": n_layers, "n_experts": n_experts, "resident_slots": stats["resident"],
-        "residency": residency})
-    engine.close()  # drains and saves the history under state_dir
-    return tmp / "routing", stats, tmp / "state"
+    folder = tmp / "state" / "routing"  # the recorder's
+    if tap is not None:
+        folder = tmp / "routing"
+        write_trace(folder, tap.steps, engine.family.top_k(engine.cfg), {
+            "n_layers": n_layers, "n_experts": n_experts, "resident_slots": stats["resident"],
+            "residency": residency})
+    engine.close()  # drains and saves the history under state_dir (and the trace's last chunk)
+    return folder, stats, tmp / "state"
 
 
 def test_replay_at_the_engines_budget_predicts_its_cold_share(recorded, tmp_path, capsys):

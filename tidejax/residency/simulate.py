@@ -206,7 +206,7 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
         missed = int((wanted & ~held).sum())  # distinct experts the step wants and misses
         step = {"tokens": tokens, "wanted": counts.sum(), "misses": counts[~held].sum(),
                 "swaps": len(batch), "fetched": missed if policy == "exact" else 0}
-        if tokens <= lanes:
+        if 0 < tokens <= lanes:
             step |= {"decode_steps": 1, "decode_tokens": tokens,
                      "reads": int((wanted & held).sum()), "pcie": step["fetched"] + len(batch),
                      "host": missed if policy == "cpu" else 0}
