@@ -208,8 +208,10 @@ def _bad_chunk(folder: Path) -> None:
     (None, ["--trace", "{tmp}/nowhere"], "{tmp}/nowhere: not a routing trace (no header.json)"),
     (lambda f: (f / "header.json").write_text('{"format": "other"}'), ["--trace", "{tmp}"],
      "{tmp}/header.json: field 'format' should be 'tidejax-routing-trace'"),
-    (_bad_chunk, ["--trace", "{tmp}"], "{tmp}/trace-000000000000.npz: field 'ids' has shape "
-     "(2, 3, 5), expected (2, 3, 6) (tokens.sum(), n_layers, top_k)"),
+    (_bad_chunk, ["--trace", "{tmp}"], "{tmp}: field 'ids' has shape (2, 3, 5), expected "
+     "(2, 3, 6) (tokens.sum(), n_layers, top_k)"),
+    (lambda f: _bad_chunk(f) or (f / "trace-000000000001.npz").write_bytes(b"torn"),
+     ["--trace", "{tmp}"], "{tmp}/trace-000000000001.npz: not a routing trace chunk"),
     (lambda f: (f / "h.npz").write_bytes(b"not numpy"), ["--history", "{tmp}/h.npz",
      "--top-k", "6"], "{tmp}/h.npz: not a demand history"),
     (None, ["--history", "{tmp}/h.npz"], "--history needs --top-k (the model's picks per "

@@ -241,10 +241,15 @@ def _print_table(rows: list[dict], args, settings, seed_map: str, trace) -> None
           "decode tok/s |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['budget']} | {row['geometry']} | {row.get('budget_gib', float('nan')):.3g} "
-              f"| {row['cold_share']:.4f} | {row['swaps_per_1k_tokens']:.2f} | "
-              f"{row.get('pcie_bytes_per_token', float('nan')):.4g} | "
-              f"{row.get('decode_tps', float('nan')):.1f} |")
+        cells = [row["budget"], row["geometry"], _cell(row, "budget_gib", "{:.3g}"),
+                 f"{row['cold_share']:.4f}", f"{row['swaps_per_1k_tokens']:.2f}",
+                 _cell(row, "pcie_bytes_per_token", "{:.4g}"), _cell(row, "decode_tps", "{:.1f}")]
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+def _cell(row: dict, key: str, form: str) -> str:
+    """A table cell: the value, or "-" where there is no prediction (no bandwidths)."""
+    return form.format(row[key]) if key in row else "-"
 
 
 def _pyplot():

@@ -68,56 +68,62 @@ class Trace:
 
 
 def read_trace(folder: str | Path) -> Trace:
-    """A routing trace folder (header.json and trace-*.npz chunks); a ValueError naming the
-    file and what is wrong with it."""
+    """A routing trace folder as a Trace; a ValueError naming the file or field that is wrong."""
     folder = Path(folder)
-    header_path = folder / "header.json"
-    if not header_path.is_file():
-        raise ValueError(f"{folder}: not a routing trace (no header.json)")
-    try:
-        header = json.loads(header_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{header_path}: not JSON ({e})") from None
-    if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
-        raise ValueError(f"{header_path}: field 'format' should be {TRACE_FORMAT!r}")
-    if header.get("version") != TRACE_VERSION:
-        raise ValueError(f"{header_path}: field 'version' = {header.get('version')!r}, this "
-                         f"reader knows {TRACE_VERSION}")
+    header, arrays = load_trace(folder)
+    where = folder / "header.json"
     for field in ("n_layers", "n_experts", "top_k", "trace_every_steps"):
         if type(header.get(field)) is not int or header[field] < 1:
-            raise ValueError(f"{header_path}: field '{field}' should be a positive integer")
+            raise ValueError(f"{where}: field '{field}' should be a positive integer")
     n_layers, n_experts, k = header["n_layers"], header["n_experts"], header["top_k"]
-    chunks = sorted(folder.glob("trace-*.npz"))
-    if not chunks:
-        raise ValueError(f"{folder}: the trace has no recorded steps (no trace-*.npz)")
-    parts = [_read_chunk(path, n_layers, n_experts, k) for path in chunks]
-    tokens, ids, weights, resident = (np.concatenate(p) for p in zip(*parts))
-    rows = (np.arange(n_layers, dtype=np.int32)[None, :, None] * n_experts
-            + ids.astype(np.int32))
+    tokens, ids = arrays["tokens"].astype(np.int64), arrays["ids"]
+    if not tokens.size:
+        raise ValueError(f"{folder}: the trace has no recorded steps")
+    if tokens.ndim != 1 or (tokens < 0).any():
+        raise ValueError(f"{folder}: field 'tokens' should be counts [steps]")
+    want = (int(tokens.sum()), n_layers, k)
+    for name in ("ids", "weights", "resident"):
+        if arrays[name].shape != want:
+            raise ValueError(f"{folder}: field '{name}' has shape {arrays[name].shape}, "
+                             f"expected {want} (tokens.sum(), n_layers, top_k)")
+    if ids.min() < 0 or ids.max() >= n_experts:
+        raise ValueError(f"{folder}: field 'ids' should be expert ids in [0, {n_experts})")
+    rows = np.arange(n_layers, dtype=np.int32)[None, :, None] * n_experts + ids.astype(np.int32)
     settings = header.get("residency") if isinstance(header.get("residency"), dict) else {}
     slots = header.get("resident_slots")
-    return Trace(n_layers, n_experts, tokens, rows, weights, resident,
-                 header["trace_every_steps"], settings, slots if type(slots) is int else 0)
+    return Trace(n_layers, n_experts, tokens, rows, arrays["weights"].astype(np.float64),
+                 arrays["resident"].astype(bool), header["trace_every_steps"], settings,
+                 slots if type(slots) is int else 0)
 
 
-def _read_chunk(path: Path, n_layers: int, n_experts: int, k: int):
-    """tokens [R], ids, weights, resident [N, L, k] of one chunk, checked against the header."""
+def load_trace(folder: Path) -> tuple[dict, dict]:
+    """(header, arrays): header.json and the tokens, ids, weights and resident arrays of the
+    trace-*.npz chunks, concatenated in step order. The minimal loader of the recorder's format:
+    its own `trace.read_trace` (the same pair) takes its place once both branches are merged."""
+    where = folder / "header.json"
+    if not where.is_file():
+        raise ValueError(f"{folder}: not a routing trace (no header.json)")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            tokens, ids = z["tokens"].astype(np.int64), z["ids"]
-            weights, resident = z["weights"].astype(np.float64), z["resident"].astype(bool)
-    except Exception as e:  # a torn or foreign file: name it
-        raise ValueError(f"{path}: not a routing trace chunk ({type(e).__name__}: {e})") from None
-    if tokens.ndim != 1 or (tokens < 0).any():
-        raise ValueError(f"{path}: field 'tokens' should be counts [R]")
-    want = (int(tokens.sum()), n_layers, k)
-    for name, array in (("ids", ids), ("weights", weights), ("resident", resident)):
-        if array.shape != want:
-            raise ValueError(f"{path}: field '{name}' has shape {array.shape}, expected {want} "
-                             "(tokens.sum(), n_layers, top_k)")
-    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
-        raise ValueError(f"{path}: field 'ids' should be expert ids in [0, {n_experts})")
-    return tokens, ids, weights, resident
+        header = json.loads(where.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{where}: field 'format' should be {TRACE_FORMAT!r}")
+    if header.get("version") != TRACE_VERSION:
+        raise ValueError(f"{where}: field 'version' = {header.get('version')!r}, this reader "
+                         f"knows {TRACE_VERSION}")
+    parts = {name: [] for name in ("tokens", "ids", "weights", "resident")}
+    for chunk in sorted(folder.glob("trace-*.npz")):
+        try:
+            with np.load(chunk, allow_pickle=False) as z:
+                for name, part in parts.items():
+                    part.append(z[name])
+        except Exception as e:  # a torn or foreign file: name it
+            raise ValueError(f"{chunk}: not a routing trace chunk ({type(e).__name__}: "
+                             f"{e})") from None
+    if not parts["tokens"]:
+        raise ValueError(f"{folder}: the trace has no recorded steps (no trace-*.npz)")
+    return header, {name: np.concatenate(part) for name, part in parts.items()}
 
 
 def settings_of(recorded: dict, overrides: list[dict]) -> ResidencySection:
