@@ -187,7 +187,7 @@ def test_a_history_gives_its_steady_state(recorded, tmp_path):
     history = recorded[2] / "history.npz"
     rows_json = tmp_path / "rows.json"
     assert residency_cli(["simulate", "--history", str(history), "--top-k", "6", "--budgets",
-                          "24,72,144", "--json", str(rows_json), "--lanes", "2", *MACHINE]) == 0
+                          "24,72,144", "--json", str(rows_json), *MACHINE]) == 0
     rows = json.loads(rows_json.read_text())
     assert [r["swaps_per_1k_tokens"] for r in rows] == [0, 0, 0]
     cold = [r["cold_share"] for r in rows]
@@ -216,6 +216,8 @@ def _bad_chunk(folder: Path) -> None:
      "--top-k", "6"], "{tmp}/h.npz: not a demand history"),
     (None, ["--history", "{tmp}/h.npz"], "--history needs --top-k (the model's picks per "
      "token)"),
+    (None, ["--history", "{tmp}/none.npz", "--top-k", "6"], "{tmp}/none.npz: No such file"),
+    (None, ["--trace", "{tmp}", "--top-k", "6"], "--top-k does not apply here"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, make, args, message):
     if make:

@@ -81,8 +81,8 @@ def _simulate_arguments(sim: argparse.ArgumentParser) -> None:
                      help="a [residency] setting over the trace's (repeatable)")
     sim.add_argument("--seed-map", help="boot map (default: the trace's residency.seed_map; "
                      "none: the first slots of each layer)")
-    sim.add_argument("--lanes", type=int, default=1, help="a step of at most this many tokens "
-                     "is a decode step (default 1)")
+    sim.add_argument("--lanes", type=int, help="a step of at most this many tokens is a "
+                     "decode step (default 1)")
     sim.add_argument("--expert-bytes", type=int, help="bytes of one expert row as held "
                      "(Residency.row_bytes)")
     sim.add_argument("--step-mib", type=float, default=0.0, help="MiB every decode step reads "
@@ -93,8 +93,8 @@ def _simulate_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--measure", type=_numbers(int), metavar="D,I", help="measure the "
                      "bandwidths not given on this machine (bench/), on experts of hidden D and "
                      "intermediate I")
-    sim.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp4"),
-                     help="the measured experts' format (with --measure)")
+    sim.add_argument("--expert-format", choices=("bf16", "mxfp4"),
+                     help="the measured experts' format (with --measure; default bf16)")
     sim.add_argument("--target-tps", type=float, help="answer the smallest budget reaching "
                      "this decode tok/s")
     sim.add_argument("--png", help="write cold share and predicted tok/s against budget "
@@ -108,7 +108,7 @@ def _simulate(args) -> int:
         if args.png:
             _pyplot()  # refused before any replay
         return _run_simulation(args)
-    except (ValueError, ConfigError, FileNotFoundError) as e:
+    except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -120,9 +120,14 @@ def _run_simulation(args) -> int:
     overrides = [parse_set(item) for item in args.set]
     if any(set(o) != {"residency"} for o in overrides):
         raise ValueError("--set takes residency.KEY=VALUE keys only")
-    if args.lanes < 1:
-        raise ValueError(f"--lanes = {args.lanes}: must be >= 1")
+    _refuse_unused(args)
+    lanes = 1 if args.lanes is None else args.lanes
+    if lanes < 1:
+        raise ValueError(f"--lanes = {lanes}: must be >= 1")
     machine = _machine(args)
+    if machine is None and (args.step_mib or args.lanes is not None):
+        raise ValueError("--step-mib and --lanes shape the tok/s prediction: give "
+                         "--expert-bytes, --hbm-gbps and --h2d-gbps (or --measure D,I)")
     if args.target_tps and machine is None:
         raise ValueError("--target-tps needs --expert-bytes, --hbm-gbps and --h2d-gbps, or "
                          "--measure")
@@ -149,9 +154,9 @@ def _run_simulation(args) -> int:
         if (budget, geometry) not in outcomes:
             section = dataclasses.replace(settings, geometry=geometry)
             outcomes[budget, geometry] = (
-                simulate.replay(trace, section, budget, args.lanes, boot) if trace else
+                simulate.replay(trace, section, budget, lanes, boot) if trace else
                 simulate.steady_state(history, args.top_k, budget, geometry,
-                                      settings.miss_policy, args.lanes))
+                                      settings.miss_policy, lanes))
         return outcomes[budget, geometry]
 
     asked = args.budgets or [round(n_layers * (1 + (n_experts - 1) * i / 7)) for i in range(8)
@@ -179,13 +184,24 @@ def _run_simulation(args) -> int:
     return 0
 
 
+def _refuse_unused(args) -> None:
+    """A flag the chosen input would not read is refused, not ignored."""
+    unused = {"--top-k": args.trace and args.top_k is not None,
+              "--seed-map": args.history and args.seed_map,
+              "--expert-format": args.expert_format and not args.measure}
+    for flag, refused in unused.items():
+        if refused:
+            raise ValueError(f"{flag} does not apply here (--top-k: with --history; --seed-map: "
+                             "with --trace; --expert-format: with --measure)")
+
+
 def _machine(args) -> simulate.Machine | None:
     """The sizes and bandwidths the prediction uses: given, else measured (--measure); None
     where there are none (no tok/s)."""
     given = {"expert_bytes": args.expert_bytes, "hbm_gbps": args.hbm_gbps,
              "h2d_gbps": args.h2d_gbps, "host_gbps": args.host_gbps}
     if args.measure:
-        given = {**_measure(args.measure, args.expert_format, given), **{
+        given = {**_measure(args.measure, args.expert_format or "bf16", given), **{
             key: value for key, value in given.items() if value}}
     if not (given["expert_bytes"] and given["hbm_gbps"] and given["h2d_gbps"]):
         if any(given.values()):
