@@ -49,6 +49,7 @@ from tidejax import config
 from tidejax.errors import ConfigError
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.residency import cpu
+from tidejax.residency.simulate import step_seconds
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent
 
 HELDOUT = traces.HELDOUT
@@ -133,8 +134,8 @@ def step_limit(engine, batch: int, context: float, distinct: float, cold: float,
     device = (dense_bytes(engine) + engine.cache_bytes_per_token() * context * batch
               + (distinct - missed) * expert)
     host = missed * expert + swapped_bytes_per_step
-    seconds = device / (read * 1e9) + swapped_bytes_per_step / (h2d * 1e9) + (
-        missed * expert / (cpu_gbps * 1e9) if policy == "cpu" else missed * expert / (h2d * 1e9))
+    on_host = missed * expert if policy == "cpu" else 0.0  # streamed by the host kernel
+    seconds = step_seconds(device, host - on_host, on_host, read, h2d, cpu_gbps)
     return Limit(batch / seconds, device, host)
 
 

@@ -176,17 +176,27 @@ def read_trace(folder: str | os.PathLike) -> tuple[dict, dict]:
         header = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: no routing trace header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: no routing trace header (not a JSON object)")
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ValueError(f"{path}: format {header.get('format')!r} version "
                          f"{header.get('version')!r}, expected {FORMAT!r} {VERSION}")
+    for field in ("n_layers", "n_experts", "top_k", "trace_every_steps"):
+        if type(header.get(field)) is not int or header[field] < 1:
+            raise ValueError(f"{path}: field '{field}' should be a positive integer")
     parts = {name: [] for name in FIELDS}
     for chunk in chunk_files(folder):
-        with np.load(chunk, allow_pickle=False) as npz:
-            missing = set(FIELDS) - set(npz.files)
-            if missing:
-                raise ValueError(f"{chunk}: not a routing trace chunk (no {sorted(missing)[0]!r})")
-            for name in FIELDS:
-                parts[name].append(npz[name])
+        try:
+            with np.load(chunk, allow_pickle=False) as npz:
+                read = {name: npz[name] for name in FIELDS if name in npz.files}
+        except Exception as e:  # a torn or foreign file: named
+            raise ValueError(f"{chunk}: not a routing trace chunk ({type(e).__name__}: "
+                             f"{e})") from None
+        missing = set(FIELDS) - set(read)
+        if missing:
+            raise ValueError(f"{chunk}: not a routing trace chunk (no {sorted(missing)[0]!r})")
+        for name in FIELDS:
+            parts[name].append(read[name])
     shape = (0, header["n_layers"], header["top_k"])
     empty = dict(step=np.zeros(0, np.int64), tokens=np.zeros(0, np.int32),
                  map_version=np.zeros(0, np.int64), ids=np.zeros(shape, np.int16),

@@ -1,0 +1,234 @@
+"""python -m tidejax.residency simulate: a trace recorded from the demo engine, replayed at the
+engine's own budget, predicts the cold share the engine measured on it; --target-tps, the PNG,
+the steady state of a history and bad input.
+
+The routing trace recorder (tidejax/residency/trace.py, issue 36 item 2) is on its own branch:
+where it is not there, the trace is written here in its documented format from what the
+engine's steps hand residency (Residency.next_batch / after_step: each step's drained counters
+and miss tallies), its picks laid out token by token from those per-(layer, expert) counts.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.residency import seedmap, simulate
+from tidejax.residency.__main__ import main as residency_cli
+
+try:  # the recorder, where its branch is merged
+    from tidejax.residency import trace as recorder
+except ImportError:
+    recorder = None
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET = 72  # of 3 x 48: 24 a layer
+SETTINGS = {"budget_experts": BUDGET, "miss_policy": "substitute", "drain_every": 4,
+            "half_life": 16.0, "max_swaps_per_step": 4}
+PROMPTS = ["def parse(line):", "Le chat dort dans le jardin.", "The tide comes in and",
+           "Package: python3-numpy\nDescription:"]
+MACHINE = ["--lanes", "2", "--expert-bytes", "200000", "--step-mib", "4", "--hbm-gbps", "50",
+           "--h2d-gbps", "10"]
+
+
+class StepTap:
+    """Each step's counts, routing-weight sums and misses [L_moe, E] and tokens, from the
+    tallies the scheduler hands Residency.after_step (counters since the last drain: a step's own
+    are the difference with the step before unless that one drained)."""
+
+    def __init__(self, residency):
+        self.steps, self._drains, self._last = [], [], None
+        next_batch, after_step = residency.next_batch, residency.after_step
+
+        def tapped_batch():
+            batch = next_batch()
+            self._drains.append(bool(batch.drain))
+            return batch
+
+        def tapped_after(tallies, tokens):
+            counts, weights = (np.asarray(tallies.counts, np.float64),
+                               np.asarray(tallies.weight_sums, np.float64))
+            own_counts, own_weights = counts, weights
+            if self._last is not None and not self._drains[-2]:
+                own_counts, own_weights = counts - self._last[0], weights - self._last[1]
+            self._last = (counts, weights)
+            self.steps.append((np.rint(own_counts).astype(int), own_weights,
+                               np.rint(np.asarray(tallies.misses)).astype(int), tokens))
+            after_step(tallies, tokens)
+
+        residency.next_batch, residency.after_step = tapped_batch, tapped_after
+
+
+def write_trace(folder: Path, steps, top_k: int, header: dict) -> None:
+    """The steps as a routing trace of the documented format: per step and layer, each expert's
+    picks (its count of them, the mean weight each, the missed ones last) filled token by token."""
+    folder.mkdir(parents=True)
+    ids, weights, resident = [], [], []
+    for counts, sums, misses, tokens in steps:
+        n_layers = counts.shape[0]
+        step_ids = np.zeros((tokens * top_k, n_layers), np.int16)
+        step_weights = np.zeros((tokens * top_k, n_layers), np.float32)
+        step_resident = np.zeros((tokens * top_k, n_layers), bool)
+        for layer in range(n_layers):
+            experts = np.nonzero(counts[layer])[0]
+            n = counts[layer, experts]
+            assert n.sum() == tokens * top_k  # every token's k picks, nothing else
+            step_ids[:, layer] = np.repeat(experts, n)
+            step_weights[:, layer] = np.repeat(sums[layer, experts] / n, n)
+            hits = n - misses[layer, experts]
+            step_resident[:, layer] = np.concatenate([np.arange(c) < h for c, h in zip(n, hits)])
+        for out, array in ((ids, step_ids), (weights, step_weights),
+                           (resident, step_resident)):
+            out.append(array.reshape(tokens, top_k, n_layers).transpose(0, 2, 1))
+    np.savez(folder / "trace-000000000000.npz", step=np.arange(len(steps)),
+             tokens=np.array([s[3] for s in steps], np.int32),
+             map_version=np.zeros(len(steps), np.int64), ids=np.concatenate(ids),
+             weights=np.concatenate(weights), resident=np.concatenate(resident))
+    (folder / "header.json").write_text(json.dumps({
+        "format": "tidejax-routing-trace", "version": 1, "trace_every_steps": 1,
+        "top_k": top_k, **header}))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(trace folder, the engine's residency stats, its state_dir): the demo engine at 24 of 48
+    experts a layer, booted from a map of its least wanted experts, adapting while it serves."""
+    tmp = tmp_path_factory.mktemp("simulate")
+    n_layers, n_experts = 3, 48
+    boot = [layer * n_experts + e for layer in range(n_layers) for e in range(24, 48)]
+    seedmap.write({"format": seedmap.FORMAT, "geometry": "per_layer", "n_layers": n_layers,
+                   "n_experts": n_experts, "budget": BUDGET, "rows": boot}, tmp / "boot.json")
+    residency = SETTINGS | {"seed_map": str(tmp / "boot.json"), "state_dir": str(tmp / "state")}
+    if recorder is not None:
+        residency["trace_every_steps"] = 1
+    engine = tidejax.load(REPO / "models" / "demo", residency=residency,
+                          engine={"max_context": 128, "prefill_chunk": 16, "lanes": 2})
+    assert engine.family.expert_dims(engine.cfg)[:2] == (n_layers, n_experts)
+    tap = StepTap(engine.residency) if recorder is None else None
+    engine.generate(PROMPTS, max_new_tokens=40)
+    engine.residency.flush()
+    stats = engine.residency.stats()
+    folder = tmp / "state" / "routing"  # the recorder's
+    if tap is not None:
+        folder = tmp / "routing"
+        write_trace(folder, tap.steps, engine.family.top_k(engine.cfg), {
+            "n_layers": n_layers, "n_experts": n_experts, "resident_slots": stats["resident"],
+            "residency": residency})
+    engine.close()  # drains and saves the history under state_dir (and the trace's last chunk)
+    return folder, stats, tmp / "state"
+
+
+def test_replay_at_the_engines_budget_predicts_its_cold_share(recorded, tmp_path, capsys):
+    folder, stats, _ = recorded
+    assert stats["swaps_applied"] > 0 and stats["drains"] > 2  # the map moved while serving
+    trace = simulate.read_trace(folder)
+    # the laid-out trace holds the engine's own tally: its recorded resident flags
+    assert trace.measured_cold_share() == pytest.approx(stats["cold_share_total"], abs=1e-9)
+    rows_json = tmp_path / "rows.json"
+    assert residency_cli(["simulate", "--trace", str(folder), "--budgets", f"24,{BUDGET},144",
+                          "--json", str(rows_json), *MACHINE]) == 0
+    rows = {row["budget"]: row for row in json.loads(rows_json.read_text())}
+    assert abs(rows[BUDGET]["cold_share"] - stats["cold_share_total"]) <= 0.02
+    # the swaps the replay planned are the engine's, per 1K routed tokens
+    assert rows[BUDGET]["swaps_per_1k_tokens"] == pytest.approx(
+        1000 * stats["swaps_applied"] / trace.tokens.sum(), rel=0.1)
+    assert rows[144]["cold_share"] == 0 and rows[24]["cold_share"] > rows[BUDGET]["cold_share"]
+    assert f"measured a cold share of {stats['cold_share_total']:.4f}" in capsys.readouterr().out
+    # under exact every distinct miss crosses PCIe too: more budget, fewer bytes, faster
+    assert residency_cli(["simulate", "--trace", str(folder), "--budgets", f"24,{BUDGET},144",
+                          "--set", "residency.miss_policy=exact", "--json", str(rows_json),
+                          *MACHINE]) == 0
+    exact = {row["budget"]: row for row in json.loads(rows_json.read_text())}
+    assert exact[BUDGET]["cold_share"] == rows[BUDGET]["cold_share"]
+    assert exact[BUDGET]["pcie_bytes_per_token"] > rows[BUDGET]["pcie_bytes_per_token"]
+    assert exact[24]["decode_tps"] < exact[BUDGET]["decode_tps"] < exact[144]["decode_tps"]
+
+
+def test_target_tps_answers_the_smallest_budget_that_reaches_it(recorded, capsys):
+    folder = recorded[0]
+    trace = simulate.read_trace(folder)
+    section = simulate.settings_of(trace.settings, [])
+    boot = seedmap.read(section.seed_map, 3, 48)
+    section = dataclasses.replace(section, miss_policy="exact")
+    machine = simulate.Machine(200000, 4 * 2**20, 50.0, 10.0)
+
+    def tps(budget):
+        return machine.decode_tps(simulate.replay(trace, section, budget, 2, boot))
+    target = (tps(48) + tps(96)) / 2
+    assert residency_cli(["simulate", "--trace", str(folder), "--budgets", "72",
+                          "--set", "residency.miss_policy=exact",
+                          "--target-tps", f"{target}", *MACHINE]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    answer = int(line.split(": ")[1].split()[0])
+    assert tps(answer) >= target > tps(answer - 3)
+    assert residency_cli(["simulate", "--trace", str(folder), "--budgets", "72",
+                          "--target-tps", "1e9", *MACHINE]) == 0
+    assert "not reached" in capsys.readouterr().out
+
+
+def test_png_or_a_clear_refusal(recorded, tmp_path, capsys):
+    png = tmp_path / "budget.png"
+    code = residency_cli(["simulate", "--trace", str(recorded[0]), "--budgets", "48,96",
+                          "--png", str(png), *MACHINE])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and not png.exists()
+        assert capsys.readouterr().err.strip() == (
+            "error: --png needs matplotlib, an optional extra: pip install 'tidejax[plot]'")
+        return
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_history_gives_its_steady_state(recorded, tmp_path):
+    history = recorded[2] / "history.npz"
+    rows_json = tmp_path / "rows.json"
+    assert residency_cli(["simulate", "--history", str(history), "--top-k", "6", "--budgets",
+                          "24,72,144", "--json", str(rows_json), *MACHINE]) == 0
+    rows = json.loads(rows_json.read_text())
+    assert [r["swaps_per_1k_tokens"] for r in rows] == [0, 0, 0]
+    cold = [r["cold_share"] for r in rows]
+    assert cold[0] > cold[1] > cold[2] == 0
+    assert rows[0]["decode_tps"] < rows[1]["decode_tps"] < rows[2]["decode_tps"]
+
+
+def _bad_chunk(folder: Path) -> None:
+    (folder / "header.json").write_text(json.dumps({
+        "format": "tidejax-routing-trace", "version": 1, "n_layers": 3, "n_experts": 48,
+        "top_k": 6, "trace_every_steps": 1}))
+    np.savez(folder / "trace-000000000000.npz", tokens=np.array([2], np.int32),
+             ids=np.zeros((2, 3, 5), np.int16), weights=np.zeros((2, 3, 5), np.float32),
+             resident=np.ones((2, 3, 5), bool))
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (None, ["--trace", "{tmp}/nowhere"], "{tmp}/nowhere: not a routing trace (no header.json)"),
+    (lambda f: (f / "header.json").write_text('{"format": "other"}'), ["--trace", "{tmp}"],
+     "{tmp}/header.json: field 'format' should be 'tidejax-routing-trace'"),
+    (_bad_chunk, ["--trace", "{tmp}"], "{tmp}: field 'ids' has shape (2, 3, 5), expected "
+     "(2, 3, 6) (tokens.sum(), n_layers, top_k)"),
+    (lambda f: _bad_chunk(f) or (f / "trace-000000000001.npz").write_bytes(b"torn"),
+     ["--trace", "{tmp}"], "{tmp}/trace-000000000001.npz: not a routing trace chunk"),
+    (lambda f: (f / "h.npz").write_bytes(b"not numpy"), ["--history", "{tmp}/h.npz",
+     "--top-k", "6"], "{tmp}/h.npz: not a demand history"),
+    (None, ["--history", "{tmp}/h.npz"], "--history needs --top-k (the model's picks per "
+     "token)"),
+    (None, ["--history", "{tmp}/none.npz", "--top-k", "6"], "{tmp}/none.npz: No such file"),
+    (None, ["--trace", "{tmp}", "--top-k", "6"], "--top-k does not apply here"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, capsys, make, args, message):
+    if make:
+        make(tmp_path)
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert residency_cli(["simulate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: " + message.format(tmp=tmp_path))
+
+
+def test_policies_not_simulated_are_refused(recorded, capsys):
+    assert residency_cli(["simulate", "--trace", str(recorded[0]), "--set",
+                          "residency.miss_policy=ring"]) == 2
+    assert "miss_policy = 'ring' is not simulated yet" in capsys.readouterr().err

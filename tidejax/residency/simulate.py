@@ -1,0 +1,272 @@
+"""What a budget would give: a recorded routing trace replayed through the planner at other
+budgets and geometries (or a demand history's steady state), and the decode speed predicted
+from bandwidths (`python -m tidejax.residency simulate`; DESIGN.md "Simulating a budget").
+
+The replay is the manager's loop (residency/manager.py) over recorded picks instead of a step:
+each step applies up to max_swaps_per_step queued swaps at its start, its picks hit or miss the
+map, every drain_every steps its counters join a History, and the drain is planned by
+`planner.plan` one step later, as `after_step` finishes a drain. The prediction counts, per
+decode step, the bytes read from device memory (the fixed `step_bytes` and each distinct
+resident expert wanted), the rows crossing PCIe (swaps, and `exact`'s distinct missed experts)
+and the rows the host kernel streams (`cpu`'s distinct missed experts).
+
+The trace is the recorder's format (tidejax/residency/trace.py on the dash branch, version 1):
+`read_trace` here is a minimal loader of it, to give way to the recorder's own reader once both
+are merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tidejax.config import EngineConfig, ResidencySection
+from tidejax.residency.history import History
+from tidejax.residency import trace as trace_file
+from tidejax.residency.planner import Swap, fit_rows, place, plan
+from tidejax.residency.pool import layer_slots
+
+# the [residency] keys a replay follows; a recorded trace brings its engine's
+SETTINGS = ("geometry", "miss_policy", "drain_every", "half_life", "hysteresis",
+            "max_swaps_per_layer", "max_swaps_per_step", "adapt", "seed_map")
+POLICIES = ("exact", "substitute", "cpu")  # ring and auto: not simulated yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """Recorded steps: tokens [S] routed by each, and their picks as pool rows (layer * E +
+    expert) rows / weights [N, L, k] (record r's from tokens[:r].sum()); `every`: steps each
+    record stands for; resident [N, L, k]: whether the engine had each pick's expert in a slot;
+    settings: the [residency] table the engine ran with."""
+
+    n_layers: int
+    n_experts: int
+    tokens: np.ndarray
+    rows: np.ndarray
+    weights: np.ndarray
+    resident: np.ndarray
+    every: int = 1
+    settings: dict = dataclasses.field(default_factory=dict)
+    resident_slots: int = 0  # the recording engine's bank (0: not said)
+
+    def measured_cold_share(self) -> float:
+        """The share of the recorded picks the engine served by a miss."""
+        return float(1.0 - self.resident.mean()) if self.resident.size else 0.0
+
+    def steps(self):
+        """(counts, weight sums) [L * E] float64 and tokens of each recorded step."""
+        size = self.n_layers * self.n_experts
+        ends = np.cumsum(self.tokens)
+        for start, end, tokens in zip(ends - self.tokens, ends, self.tokens):
+            rows = self.rows[start:end].reshape(-1)
+            yield (np.bincount(rows, minlength=size).astype(np.float64),
+                   np.bincount(rows, self.weights[start:end].reshape(-1), minlength=size),
+                   int(tokens))
+
+
+def read_trace(folder: str | Path) -> Trace:
+    """A routing trace folder as a Trace; a ValueError naming the file or field that is wrong."""
+    folder = Path(folder)
+    header, arrays = trace_file.read_trace(folder)
+    n_layers, n_experts, k = header["n_layers"], header["n_experts"], header["top_k"]
+    tokens, ids = arrays["tokens"].astype(np.int64), arrays["ids"]
+    if not tokens.size:
+        raise ValueError(f"{folder}: the trace has no recorded steps")
+    if tokens.ndim != 1 or (tokens < 0).any():
+        raise ValueError(f"{folder}: field 'tokens' should be counts [steps]")
+    want = (int(tokens.sum()), n_layers, k)
+    for name in ("ids", "weights", "resident"):
+        if arrays[name].shape != want:
+            raise ValueError(f"{folder}: field '{name}' has shape {arrays[name].shape}, "
+                             f"expected {want} (tokens.sum(), n_layers, top_k)")
+    if ids.min() < 0 or ids.max() >= n_experts:
+        raise ValueError(f"{folder}: field 'ids' should be expert ids in [0, {n_experts})")
+    rows = np.arange(n_layers, dtype=np.int32)[None, :, None] * n_experts + ids.astype(np.int32)
+    settings = header.get("residency") if isinstance(header.get("residency"), dict) else {}
+    slots = header.get("resident_slots")
+    return Trace(n_layers, n_experts, tokens, rows, arrays["weights"].astype(np.float64),
+                 arrays["resident"].astype(bool), header["trace_every_steps"], settings,
+                 slots if type(slots) is int else 0)
+
+
+def settings_of(recorded: dict, overrides: list[dict]) -> ResidencySection:
+    """The [residency] keys a replay follows: the recorded engine's (SETTINGS of them), then
+    each --set, checked as a profile's are (ConfigError naming the key)."""
+    config = EngineConfig.from_dict(
+        {"residency": {key: recorded[key] for key in SETTINGS if key in recorded}},
+        source="the trace's header")
+    for override in overrides:
+        config = config.with_overrides(override, source="--set")
+    section = config.residency
+    if section.miss_policy not in POLICIES:
+        raise ValueError(f"residency.miss_policy = {section.miss_policy!r} is not simulated yet "
+                         f"(one of {', '.join(POLICIES)}: --set residency.miss_policy=...)")
+    return section
+
+
+def resolve_budget(budget: int, n_layers: int, n_experts: int, geometry: str) -> int:
+    """Resident slots a budget of experts gives, as the engine rounds it (per_layer: a whole
+    number a layer)."""
+    total = n_layers * n_experts
+    if not 0 < budget <= total:
+        raise ValueError(f"budget {budget} must be in [1, {total}]")
+    per = layer_slots(budget, n_layers, geometry, source="--budgets")
+    return per * n_layers if per else budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A replay's tallies. Over all steps: tokens, wanted picks, misses, swaps, rows copied over
+    PCIe by `exact` (`fetched`); over its decode steps: their count and tokens, the distinct
+    experts read from the bank (`reads`), rows over PCIe (`pcie`: fetched and swapped in) and rows
+    the host kernel streamed (`host`)."""
+
+    budget: int
+    geometry: str
+    policy: str
+    tokens: float
+    wanted: float
+    misses: float
+    swaps: float
+    fetched: float
+    decode_steps: float
+    decode_tokens: float
+    reads: float
+    pcie: float
+    host: float
+
+    @property
+    def cold_share(self) -> float:
+        return self.misses / self.wanted if self.wanted else 0.0
+
+    @property
+    def swaps_per_1k_tokens(self) -> float:
+        return 1000.0 * self.swaps / self.tokens if self.tokens else 0.0
+
+    def pcie_bytes_per_token(self, expert_bytes: float) -> float:
+        return (self.fetched + self.swaps) * expert_bytes / self.tokens if self.tokens else 0.0
+
+
+def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
+           boot_rows: np.ndarray) -> Outcome:
+    """The trace's steps through the manager's loop at `budget` resident slots (resolved) in
+    `section.geometry`, the map booted from `boot_rows` (busiest first; none: the first slots of
+    each group, as the engine's boot without a map or history). A step of at most `lanes` tokens
+    is a decode step."""
+    n_layers, n_experts, every = trace.n_layers, trace.n_experts, trace.every
+    geometry, policy = section.geometry, section.miss_policy
+    slot_rows = place(boot_rows, budget, n_layers, n_experts, geometry)
+    history = History(n_layers, n_experts, section.half_life)
+    per_step = max(1, section.max_swaps_per_step) * every
+    queue: list[Swap] = []
+    drain = None  # (counts, weight sums, steps) started at a step's end, finished at the next's
+    since_drain = 0
+    counted = np.zeros((2, n_layers * n_experts))  # counts and weight sums since the last drain
+    totals = dict.fromkeys(("tokens", "wanted", "misses", "swaps", "fetched", "decode_steps",
+                            "decode_tokens", "reads", "pcie", "host"), 0.0)
+    for counts, weights, tokens in trace.steps():
+        batch, queue = queue[:per_step], queue[per_step:]
+        for swap in batch:
+            slot_rows[swap.slot] = swap.row
+        draining = since_drain + every >= section.drain_every
+        held = np.zeros(n_layers * n_experts, bool)
+        held[slot_rows[slot_rows >= 0]] = True
+        wanted = counts > 0
+        missed = int((wanted & ~held).sum())  # distinct experts the step wants and misses
+        step = {"tokens": tokens, "wanted": counts.sum(), "misses": counts[~held].sum(),
+                "swaps": len(batch), "fetched": missed if policy == "exact" else 0}
+        if 0 < tokens <= lanes:
+            step |= {"decode_steps": 1, "decode_tokens": tokens,
+                     "reads": int((wanted & held).sum()), "pcie": step["fetched"] + len(batch),
+                     "host": missed if policy == "cpu" else 0}
+        for key, value in step.items():
+            totals[key] += value
+        counted += (counts, weights)
+        since_drain += every
+        if drain is not None:
+            history.add(*drain)
+            drain = None
+            if section.adapt:
+                queue = plan(history.demand, slot_rows, geometry, section.hysteresis,
+                             section.max_swaps_per_layer)
+        if draining:
+            drain = (*counted.reshape(2, n_layers, n_experts), since_drain)
+            counted, since_drain = np.zeros_like(counted), 0
+    return Outcome(budget, geometry, policy, **totals)
+
+
+def steady_state(history: History, top_k: int, budget: int, geometry: str, policy: str,
+                 lanes: int) -> Outcome:
+    """A history's steady state at `budget` (resolved): the map the planner tends to
+    (`fit_rows` of its demand) held still, so no swaps; the cold share from the history's
+    counts, and one decode step of `lanes` tokens whose picks are drawn independently, each
+    token picking expert e of a layer with chance top_k x its share of the layer's counts
+    (the expected distinct experts it wants)."""
+    counts = history.counts  # [L_moe, E]
+    held = np.zeros(counts.size, bool)
+    held[fit_rows(history.demand, budget, geometry)] = True
+    held = held.reshape(counts.shape)
+    layer_picks = counts.sum(1, keepdims=True)
+    chance = np.minimum(1.0, top_k * np.divide(counts, layer_picks, out=np.zeros_like(counts),
+                                               where=layer_picks > 0))
+    distinct = 1.0 - (1.0 - chance) ** lanes  # [L_moe, E]: each expert wanted by the step
+    missed = float(distinct[~held].sum())
+    fetched = missed if policy == "exact" else 0.0
+    return Outcome(budget, geometry, policy, tokens=lanes, wanted=float(counts.sum()),
+                   misses=float(counts[~held].sum()), swaps=0.0, fetched=fetched,
+                   decode_steps=1.0, decode_tokens=lanes, reads=float(distinct[held].sum()),
+                   pcie=fetched, host=missed if policy == "cpu" else 0.0)
+
+
+def step_seconds(device_bytes: float, pcie_bytes: float, host_bytes: float, hbm_gbps: float,
+                 h2d_gbps: float, host_gbps: float = 0.0) -> float:
+    """A step's time as its transfers one after another: bytes read from device memory at
+    hbm_gbps, copied host-to-device at h2d_gbps, streamed by the host kernel at host_gbps (no
+    host bytes: host_gbps unused)."""
+    host = host_bytes / (host_gbps * 1e9) if host_bytes else 0.0
+    return device_bytes / (hbm_gbps * 1e9) + pcie_bytes / (h2d_gbps * 1e9) + host
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """expert_bytes: one expert row as held; step_bytes: what every decode step reads from device
+    memory besides the routed experts (dense weights, KV cache); bandwidths in GB/s."""
+
+    expert_bytes: float
+    step_bytes: float
+    hbm_gbps: float
+    h2d_gbps: float
+    host_gbps: float = 0.0
+
+    def decode_tps(self, outcome: Outcome) -> float:
+        """Predicted decode tok/s: the outcome's decode tokens over its decode steps' time."""
+        if not outcome.decode_steps:
+            raise ValueError("no decode step to predict from (none routed at most --lanes "
+                             "tokens)")
+        if outcome.host and not self.host_gbps:
+            raise ValueError("miss_policy 'cpu' streams misses on the host: give --host-gbps "
+                             "or --measure")
+        row = self.expert_bytes
+        seconds = step_seconds(outcome.decode_steps * self.step_bytes + outcome.reads * row,
+                               outcome.pcie * row, outcome.host * row, self.hbm_gbps,
+                               self.h2d_gbps, self.host_gbps)
+        return outcome.decode_tokens / seconds
+
+
+def smallest_budget(target_tps: float, tps_at, budgets: list[int]) -> int | None:
+    """The smallest of `budgets` (ascending) whose predicted tok/s `tps_at(budget)` reaches
+    `target_tps`, by bisection (tok/s taken to grow with the budget); None where the largest
+    does not."""
+    lo, hi = -1, len(budgets) - 1
+    if tps_at(budgets[hi]) < target_tps:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tps_at(budgets[mid]) >= target_tps:
+            hi = mid
+        else:
+            lo = mid
+    return budgets[hi]
