@@ -54,8 +54,8 @@ def test_speculative_table_defaults_and_ranges():
 
 def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
     """method = "mtp" on a checkpoint without an MTP layer names config.json's field; on a family
-    without an MTP draft forward names the family; on a checkpoint that has one, says the verify
-    step is not run yet (refused, not accepted and ignored). "none" loads either."""
+    without an MTP draft forward names the family; a checkpoint that has one loads with k drafts
+    a lane and the MTP layer's slot in the pool's bytes a token."""
     plain = tiny_checkpoint("deepseek_v3", "qlora_groups")
     with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but "
                                           r".*config.json has no MTP layer .*"
@@ -65,8 +65,12 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
         LoadedModel(profile(tiny_checkpoint("mixtral", "top2"), method="mtp"))
     with_mtp = tmp_path / "mtp"
     write_mtp_copy(plain, with_mtp, attention_from=0, moe_from=1)
-    with pytest.raises(ConfigError, match=r"verify step is not run by the engine yet"):
-        LoadedModel(profile(with_mtp, method="mtp", tokens=3))
+    plain, speculating = LoadedModel(profile(with_mtp)), LoadedModel(profile(with_mtp, method="mtp",
+                                                                              tokens=3))
+    assert (plain.speculating, speculating.speculating) == (0, 3)
+    layers = plain.cfg.num_layers
+    assert speculating.cache_bytes_per_token() * layers == plain.cache_bytes_per_token() * (
+        layers + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +316,7 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     while min(len(row) for row in out) < NEW:
         tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
         starts = np.array([n + len(row) - 1 for n, row in zip(lengths, out)])
-        verdict, drafts, q, cache, experts, mexperts, sampling = verify(
+        verdict, _, drafts, q, cache, experts, mexperts, sampling = verify(
             params, mparams, tokens, jnp.asarray(starts[:, None] + np.arange(k + 1)),
             tokens > -1, q, cache, table, experts, mexperts, sampling, keys)
         for row, a in enumerate(np.asarray(verdict.accepted)):
@@ -353,7 +357,7 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
     before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
-    _, _, _, _, after, _, _ = verify(
+    _, _, _, _, _, after, _, _ = verify(
         params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
         mexperts, greedy_lanes(1, cfg.vocab_size), keys)
     np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
@@ -387,7 +391,7 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
         state = (experts, mexperts)
         while len(out) < 16:
             keys = lane_keys(jnp.asarray([3]), jnp.asarray([position]))
-            verdict, drafts, q, cache, *state, sampling = verify(
+            verdict, _, drafts, q, cache, *state, sampling = verify(
                 params, mparams, tokens, position + jnp.arange(k + 1)[None], tokens > -1, q,
                 cache, table, *state, sampling, keys)
             a = int(verdict.accepted[0])

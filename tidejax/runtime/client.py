@@ -82,4 +82,5 @@ class LocalEngineClient:
         return EngineStats(status=self.scheduler.status, failure=self.scheduler.failure,
                            queued=self.scheduler.queued, active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
-                           kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats())
+                           kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats(),
+                           speculative=self.scheduler.speculative_stats())
