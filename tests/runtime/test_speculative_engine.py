@@ -85,7 +85,7 @@ def test_greedy_output_is_the_plain_engines_alone_and_in_four_preempting_lanes(p
 # every sampling parameter the server takes that changes the distribution (thinking budget
 # aside: it forces one token), top_k small so that a pair of tokens has few outcomes
 SAMPLED = dict(temperature=0.9, top_k=3, top_p=0.97, min_p=0.05, presence_penalty=0.4,
-               frequency_penalty=0.3, repetition_penalty=1.2)
+               frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={17: 3.0})
 SEEDS = 240  # requests, one seed each
 ALARM = 1e-4  # the chi-square bound's false alarm for a correct sampler (the seeds are fixed)
 
@@ -138,7 +138,8 @@ def test_sampled_pairs_follow_the_plain_samplers_distribution(speculating):
 
 def test_stats_through_the_live_server(speculating):
     """x_engine_stats of a completion through the openai client carries the request's drafted
-    and accepted tokens and acceptance; /metrics counts them since start."""
+    and accepted tokens and acceptance, its logprobs one a token; /metrics counts the drafts
+    since start."""
     import openai
     import urllib.request
     client = LocalEngineClient(speculating)
@@ -149,10 +150,15 @@ def test_stats_through_the_live_server(speculating):
         with serve_app(server) as url:
             api = openai.OpenAI(base_url=url + "/v1", api_key="none")
             reply = api.completions.create(model=speculating.served_name, prompt=PROMPTS[0],
-                                           max_tokens=12, temperature=0,
+                                           max_tokens=12, temperature=0, logprobs=2,
                                            extra_body={"ignore_eos": True})
             stats = reply.model_extra["x_engine_stats"]
             assert reply.usage.completion_tokens == 12
+            # every token's logprob, those of kept drafts included: greedy, the most likely one
+            logprobs = reply.choices[0].logprobs
+            assert len(logprobs.token_logprobs) == 12
+            for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+                assert logprob < 0 and logprob == pytest.approx(max(top.values()))
             assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0
             assert stats["acceptance"] == stats["accepted_tokens"] / stats["drafted_tokens"]
             with urllib.request.urlopen(url + "/metrics") as r:
