@@ -13,6 +13,7 @@ import pytest
 from scipy.stats import chi2
 
 import tidejax
+from tidejax.runtime.build import VERIFY
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, probabilities,
                                       process)
@@ -23,13 +24,13 @@ from tests.support.server_fixtures import serve_app
 from tests.support.tiny_models import repeating_mtp
 
 K = 2  # drafts a lane a step
-# a pool of 64 tokens (8 pages) for four lanes of up to 48: preemption; warm-up off (the steps
+# a pool of 64 tokens (8 pages) for four lanes of up to 32: preemption; warm-up off (the steps
 # compile as the requests meet them)
-ENGINE = {"lanes": 4, "max_context": 48, "page_size": 8, "prefill_chunk": 16,
+ENGINE = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16,
           "kv_pool_tokens": 64, "warmup": False}
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
            for s, n in ((1, 14), (2, 9), (3, 11), (4, 6))]
-NEW = 24
+NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,10 @@ def test_stats_through_the_live_server(speculating):
     since start."""
     import openai
     import urllib.request
+    # the warm-up the server runs at start compiles the verify step beside the mixed ones
+    shapes = speculating.loaded.warmup_shapes([len(PROMPTS[0])])
+    assert {size for size, *_ in shapes} == {VERIFY, 0, 16}
+    speculating.warmup([len(PROMPTS[0])])
     client = LocalEngineClient(speculating)
     asyncio.run(client.start())
     server = Server(speculating.config)
