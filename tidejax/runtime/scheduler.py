@@ -14,6 +14,13 @@ delivers step N's tokens, and step N+1 takes its input tokens from step N's outp
 step already queued for that lane computes a token nobody receives, at a position its next
 request overwrites. Length limits are known ahead, so no step runs past them.
 
+Speculative decoding ([speculative] method "mtp": runtime/speculative.py): a step that carries
+no prompt chunk is a verify step, each decoding lane's latest token and its k drafts; the lane
+emits its kept drafts and the step's token, one by one as a plain step's (so a stop or a length
+limit ends it there), then takes the last one's position and gives back the pages past it. No
+step is in flight: each step's tokens are read before the next is planned, and a lane's pages
+cover its position + 2k (the drafts, and the MTP chain's keys after the last kept one).
+
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
 and its lane's fixed rows (DeepSeek-V4.1's window rings and Engram look-back) are copied to host
 memory and it waits at the head of the queue, to resume where it was (same positions, same

@@ -7,6 +7,12 @@
         last real token's sample goes to its lane); then every decoding lane's next token, its
         input token counted first; the counters' Tallies at the end. Sampled holds the tokens
         [lanes] and their log-probabilities.
+    verify(params, state, VerifyInputs) -> ((Sampled [lanes, k + 1], accepted [lanes]), state,
+        Tallies)  (a DonatingStep; speculative decoding, runtime/speculative.py)
+        every decoding lane's latest token and its k drafts judged in one forward, then the
+        next drafts. With a Speculator, `step` also drafts (the MTP layer) for the lanes it
+        decodes and for a prompt's last chunk, and the params of both are (params,
+        DraftParams).
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
     read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
