@@ -61,8 +61,9 @@ def greedy(engine, prompts):
 def test_greedy_output_is_the_plain_engines_alone_and_in_four_preempting_lanes(plain,
                                                                               speculating):
     """One request alone, then four together in a pool that holds two of them: the tokens are
-    those of the engine without speculation, token for token; drafts were accepted and
-    rejected, lanes were preempted and resumed while speculating, and no page is held after."""
+    those of the engine without speculation, token for token, and a stop token ends a request
+    where it comes; drafts were accepted and rejected, lanes were preempted and resumed while
+    speculating, and no page is held after."""
     alone, stats = greedy(speculating, PROMPTS[:1])
     assert alone == greedy(plain, PROMPTS[:1])[0]
     assert 0 < stats[0]["accepted_tokens"] <= stats[0]["drafted_tokens"]
@@ -71,6 +72,12 @@ def test_greedy_output_is_the_plain_engines_alone_and_in_four_preempting_lanes(p
     before = speculating.scheduler.totals["steps"]
     greedy(speculating, PROMPTS[:1])
     assert speculating.scheduler.totals["steps"] - before < NEW
+    # a stop token ends the request there, whichever of a step's tokens it is
+    stop = alone[0][NEW // 2]
+    events = run(speculating, [GenerationRequest(PROMPTS[0], NEW, stop_token_ids=(stop,),
+                                                 ignore_eos=True)])[0]
+    assert tokens_of(events) == alone[0][:alone[0].index(stop)]
+    assert events[-1].finish_reason == "stop"
 
     preempted = speculating.scheduler.totals["preemptions"]
     together, stats = greedy(speculating, PROMPTS)
