@@ -182,12 +182,12 @@ class Runner:
 
     @_in_scope
     def dispatch(self, inputs) -> tuple:
-        """The jitted step alone over the state (donated): (Sampled, Tallies). Plans are the
-        serving path; benchmarks time this one bare."""
+        """The jitted step alone over the state (donated): (Sampled, or a verify step's
+        (Sampled, accepted); Tallies). Plans are the serving path; benchmarks time this one
+        bare."""
         self._own()
-        steps = self.model.steps
-        step = steps.verify if isinstance(inputs, VerifyInputs) else steps.step
-        sampled, self.state, tallies = step(self.model.step_params, self.state, inputs)
+        sampled, self.state, tallies = self._jitted(inputs)(self.model.step_params, self.state,
+                                                            inputs)
         return sampled, tallies
 
     @_in_scope
@@ -219,9 +219,13 @@ class Runner:
     @_in_scope
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
+        return self._jitted(inputs).lower(self.model.step_params, self.state, inputs)
+
+    def _jitted(self, inputs):
+        """The jitted step that takes `inputs`: the verify step's (speculative decoding) or the
+        mixed step's."""
         steps = self.model.steps
-        step = steps.verify if isinstance(inputs, VerifyInputs) else steps.step
-        return step.lower(self.model.step_params, self.state, inputs)
+        return steps.verify if isinstance(inputs, VerifyInputs) else steps.step
 
     @_in_scope
     def update_experts(self, fn) -> None:
