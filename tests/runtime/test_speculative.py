@@ -154,6 +154,24 @@ def test_rejection_sampling_keeps_the_target_distribution(sampled_verdict):
     assert chi_square(drafts[:, 0], p[0]) > 1  # the bound has the power to tell them apart
 
 
+def test_drafts_not_live_are_neither_kept_nor_subtracted():
+    """Drafts marked not live (a lane without current drafts) are rejected whatever the keys,
+    and the step's token follows the target's p itself, not the residual max(0, p - q)."""
+    rng = np.random.RandomState(7)
+    target = jnp.asarray(rng.randn(2, VOCAB).astype(np.float32) * 1.5)
+    sampling = lanes(SamplingParams(**SAMPLED))
+    p = distributions(jnp.concatenate([target, target[:1]]), sampling)
+    q = distributions(target + jnp.asarray(rng.randn(2, VOCAB).astype(np.float32)), sampling)
+    keys = lane_keys(sampling.params.seed, jnp.full(TRIALS, 4))
+    drafts = jnp.stack([draw(q[:, i], jax.random.split(keys[0], TRIALS)) for i in range(2)], 1)
+    verdict = jax.jit(accept)(p, q, drafts, keys, jnp.zeros((TRIALS, 2), bool))
+    assert (np.asarray(verdict.accepted) == 0).all()
+    p0, q0 = np.asarray(p[0, 0]), np.asarray(q[0, 0])
+    assert chi_square(np.asarray(verdict.tokens[:, 0]), p0) < 1
+    residual = np.maximum(p0 - q0, 0)
+    assert chi_square(np.asarray(verdict.tokens[:, 0]), residual / residual.sum()) > 1
+
+
 def test_greedy_acceptance_is_the_longest_matching_prefix():
     """Greedy lanes (p, q one-hot): the drafts kept are the longest prefix equal to the target's
     argmax, and the step's token is the target's argmax after them, whatever the keys."""

@@ -50,7 +50,7 @@ def accept(p, q, drafts, keys, live=None) -> Verdict:
     the draft's, which drafts [b, k] int32 were drawn from; keys [b]: each lane's random key for
     this step (sampling.lane_keys); live [b, k] bool (None: all): the drafts to judge. A draft
     not live is rejected with q taken as 0 there, so the step's token is then drawn from p
-    itself (a lane without drafts, a position past the context) -> Verdict."""
+    itself (a lane without current drafts) -> Verdict."""
     b, k = drafts.shape
     if live is not None:
         q = jnp.where(live[..., None], q, 0.0)
