@@ -68,6 +68,10 @@ def test_page_table_hands_out_and_takes_back():
         table.grow(2, 13)
     table.release(1)
     assert table.free == 6 and table.grow(2, 13) == [0, 1, 2, 3]
+    table.shrink(2, 5)  # the pages past position 4's (speculative decoding's rejected drafts)
+    assert table.pages_of(2) == [0, 1] and table.free == 4
+    table.shrink(2, 8)
+    assert table.pages_of(2) == [0, 1] and table.grow(2, 9) == [0, 1, 2]
     assert [page_bucket(n, 64) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 64]
 
 

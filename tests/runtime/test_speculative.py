@@ -30,7 +30,7 @@ from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import all_resident_state
 from tidejax.runtime.speculative import Speculator
-from tests.support.tiny_models import write_mtp_copy
+from tests.support.tiny_models import repeating_mtp, write_mtp_copy
 
 
 def profile(path, **speculative) -> EngineConfig:
@@ -54,8 +54,8 @@ def test_speculative_table_defaults_and_ranges():
 
 def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
     """method = "mtp" on a checkpoint without an MTP layer names config.json's field; on a family
-    without an MTP draft forward names the family; on a checkpoint that has one, says the verify
-    step is not run yet (refused, not accepted and ignored). "none" loads either."""
+    without an MTP draft forward names the family; a checkpoint that has one loads with k drafts
+    a lane and the MTP layer's slot in the pool's bytes a token."""
     plain = tiny_checkpoint("deepseek_v3", "qlora_groups")
     with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but "
                                           r".*config.json has no MTP layer .*"
@@ -65,8 +65,12 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
         LoadedModel(profile(tiny_checkpoint("mixtral", "top2"), method="mtp"))
     with_mtp = tmp_path / "mtp"
     write_mtp_copy(plain, with_mtp, attention_from=0, moe_from=1)
-    with pytest.raises(ConfigError, match=r"verify step is not run by the engine yet"):
-        LoadedModel(profile(with_mtp, method="mtp", tokens=3))
+    plain, speculating = LoadedModel(profile(with_mtp)), LoadedModel(profile(with_mtp, method="mtp",
+                                                                              tokens=3))
+    assert (plain.speculating, speculating.speculating) == (0, 3)
+    layers = plain.cfg.num_layers
+    assert speculating.cache_bytes_per_token() * layers == plain.cache_bytes_per_token() * (
+        layers + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +154,24 @@ def test_rejection_sampling_keeps_the_target_distribution(sampled_verdict):
     assert chi_square(drafts[:, 0], p[0]) > 1  # the bound has the power to tell them apart
 
 
+def test_drafts_not_live_are_neither_kept_nor_subtracted():
+    """Drafts marked not live (a lane without current drafts) are rejected whatever the keys,
+    and the step's token follows the target's p itself, not the residual max(0, p - q)."""
+    rng = np.random.RandomState(7)
+    target = jnp.asarray(rng.randn(2, VOCAB).astype(np.float32) * 1.5)
+    sampling = lanes(SamplingParams(**SAMPLED))
+    p = distributions(jnp.concatenate([target, target[:1]]), sampling)
+    q = distributions(target + jnp.asarray(rng.randn(2, VOCAB).astype(np.float32)), sampling)
+    keys = lane_keys(sampling.params.seed, jnp.full(TRIALS, 4))
+    drafts = jnp.stack([draw(q[:, i], jax.random.split(keys[0], TRIALS)) for i in range(2)], 1)
+    verdict = jax.jit(accept)(p, q, drafts, keys, jnp.zeros((TRIALS, 2), bool))
+    assert (np.asarray(verdict.accepted) == 0).all()
+    p0, q0 = np.asarray(p[0, 0]), np.asarray(q[0, 0])
+    assert chi_square(np.asarray(verdict.tokens[:, 0]), p0) < 1
+    residual = np.maximum(p0 - q0, 0)
+    assert chi_square(np.asarray(verdict.tokens[:, 0]), residual / residual.sum()) > 1
+
+
 def test_greedy_acceptance_is_the_longest_matching_prefix():
     """Greedy lanes (p, q one-hot): the drafts kept are the longest prefix equal to the target's
     argmax, and the step's token is the target's argmax after them, whatever the keys."""
@@ -182,36 +204,6 @@ NEW = 20  # greedy tokens compared
 # four lanes' prompts, of two lengths (the first alone is the one-lane case)
 ROWS = [PROMPT, PROMPT[::-1], [t + 1 for t in PROMPT], PROMPT[:5]]
 SCALE = 0.3  # repeating_mtp's: its greedy output repeats for runs and leaves them (both paths)
-
-
-def repeating_mtp(path, out, scale: float):
-    """A copy of `path` whose main model often repeats its last token (lm_head tied to the
-    embedding, the final norm ones, the layers' outputs scaled by `scale`, so the residual stream
-    keeps the input token's embedding) and whose MTP layer drafts "the main model's next token again": eh_proj
-    passes the normed hidden state alone, the block's attention and experts add nothing, the
-    norms are ones; its logits are then the main head's at a positive scale of the same hidden
-    state, so it drafts the token at p + 1 for p + 2, right wherever the target repeats."""
-    from safetensors.numpy import load_file, save_file
-    write_mtp_copy(path, out, attention_from=0, moe_from=1)
-    tensors = load_file(out / "model.safetensors")
-    n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
-    mtp = f"model.layers.{n}."
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    tensors["model.norm.weight"] = np.ones_like(tensors["model.norm.weight"])
-    for name, w in tensors.items():
-        if not name.startswith(mtp):
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                tensors[name] = w * scale
-            continue
-        if name.endswith("norm.weight"):
-            tensors[name] = np.ones_like(w)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = np.zeros_like(w)
-    d = tensors[mtp + "eh_proj.weight"].shape[0]
-    tensors[mtp + "eh_proj.weight"] = np.concatenate([np.zeros((d, d)), np.eye(d)], 1).astype(
-        np.float32)
-    save_file(tensors, out / "model.safetensors")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +304,7 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     while min(len(row) for row in out) < NEW:
         tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
         starts = np.array([n + len(row) - 1 for n, row in zip(lengths, out)])
-        verdict, drafts, q, cache, experts, mexperts, sampling = verify(
+        verdict, _, drafts, q, cache, experts, mexperts, sampling = verify(
             params, mparams, tokens, jnp.asarray(starts[:, None] + np.arange(k + 1)),
             tokens > -1, q, cache, table, experts, mexperts, sampling, keys)
         for row, a in enumerate(np.asarray(verdict.accepted)):
@@ -353,7 +345,7 @@ def test_verify_round_picks_are_counted_as_demand(mtp_models):
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
     before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
-    _, _, _, _, after, _, _ = verify(
+    _, _, _, _, _, after, _, _ = verify(
         params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
         mexperts, greedy_lanes(1, cfg.vocab_size), keys)
     np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
@@ -387,7 +379,7 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
         state = (experts, mexperts)
         while len(out) < 16:
             keys = lane_keys(jnp.asarray([3]), jnp.asarray([position]))
-            verdict, drafts, q, cache, *state, sampling = verify(
+            verdict, _, drafts, q, cache, *state, sampling = verify(
                 params, mparams, tokens, position + jnp.arange(k + 1)[None], tokens > -1, q,
                 cache, table, *state, sampling, keys)
             a = int(verdict.accepted[0])

@@ -565,3 +565,34 @@ def write_mtp_copy(path: Path, out: Path, attention_from: int, moe_from: int,
     save_file(tensors | mtp, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
     return mtp
+
+
+def repeating_mtp(path, out, scale: float):
+    """A copy of `path` whose main model often repeats its last token (lm_head tied to the
+    embedding, the final norm ones, the layers' outputs scaled by `scale`, so the residual stream
+    keeps the input token's embedding) and whose MTP layer drafts "the main model's next token
+    again": eh_proj passes the normed hidden state alone, the block's attention and experts add
+    nothing, the norms are ones; its logits are then the main head's at a positive scale of the
+    same hidden state, so it drafts the token at p + 1 for p + 2, right wherever the target
+    repeats."""
+    from safetensors.numpy import load_file, save_file
+    write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    tensors = load_file(out / "model.safetensors")
+    n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{n}."
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.norm.weight"] = np.ones_like(tensors["model.norm.weight"])
+    for name, w in tensors.items():
+        if not name.startswith(mtp):
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = w * scale
+            continue
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones_like(w)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(w)
+    d = tensors[mtp + "eh_proj.weight"].shape[0]
+    tensors[mtp + "eh_proj.weight"] = np.concatenate([np.zeros((d, d)), np.eye(d)], 1).astype(
+        np.float32)
+    save_file(tensors, out / "model.safetensors")
+    return out

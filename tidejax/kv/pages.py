@@ -161,6 +161,24 @@ class PageTable:
             held.append(page)
         return held
 
+    def shrink(self, seq: int, n_tokens: int) -> None:
+        """`seq` lets go of its pages past those holding positions 0..n_tokens-1 (speculative
+        decoding: pages that held only rejected drafts' keys), as `release` lets go of all."""
+        held = self._held.get(seq, [])
+        keep = pages_for(n_tokens, self.page_size)
+        while len(held) > keep:
+            self._let_go(held.pop())
+
+    def _let_go(self, page: int) -> None:
+        """One sequence fewer holds `page`: held by none, it stays cached where indexed, else
+        goes back to the unused stack."""
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._hash_of:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+
     def _evict(self) -> int:
         page, _ = self._idle.popitem(last=False)
         digest = self._hash_of.pop(page)
@@ -190,12 +208,7 @@ class PageTable:
         """`seq` lets go of its pages: an indexed page no other sequence holds stays cached, the
         sequence's last page the first evicted; any other goes back to the unused stack."""
         for page in reversed(self._held.pop(seq, [])):
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if page in self._hash_of:
-                    self._idle[page] = None
-                else:
-                    self._free.append(page)
+            self._let_go(page)
 
     def drop_cached(self) -> None:
         """Forgets the prefix index (the pool's contents are gone: a rebuilt cache); cached

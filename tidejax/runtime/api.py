@@ -81,6 +81,8 @@ class EngineStats:
     # the prompt cache's counters since start: matched_tokens (not prefilled), evictions (pages),
     # tiers: {device / host / disk: both per tier} (Scheduler.cache_stats)
     cache: dict = dataclasses.field(default_factory=dict)
+    # speculative decoding's drafted_tokens, accepted_tokens and acceptance since start ({}: off)
+    speculative: dict = dataclasses.field(default_factory=dict)
 
 
 class RequestStream(Protocol):

@@ -19,6 +19,7 @@ pages (Steps).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +36,7 @@ from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.checkpoint.table import Deferred
+from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slots
 from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
@@ -44,13 +46,15 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
 from tidejax.runtime.state import DecodeState
+from tidejax.runtime.speculative import DraftParams, Speculator
 from tidejax.runtime.steps import (DecodeInputs, DecodeRows, PrefillChunk, PrefillInputs, Replay,
-                                   ScoreInputs, StepInputs, Steps)
+                                   ScoreInputs, StepInputs, Steps, VerifyInputs)
 from tidejax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tidejax")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+VERIFY = -1  # a warm-up shape's chunk size that stands for the verify step (warmup_inputs)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -128,6 +132,9 @@ class LoadedModel:
             self.residency.start_trace(self.served_name, raw.get("model_type", ""),
                                        self.max_context + config.engine.lanes)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
+        self.speculator, self.step_params = self._speculation(config)
+        # the pool's layers: the MTP layers' slots after the decoder's where they draft
+        self.cache_cfg = self.cfg if self.speculator is None else with_mtp_slots(self.cfg)
         self.page_size = config.engine.page_size
         self.kv_pages = self._pool_pages(config)
         self.max_pages = pages_for(self.max_context, self.page_size)
@@ -141,13 +148,41 @@ class LoadedModel:
         self.prefix_caching = self._prefix_caching(config)
         # whether a cached prefix needs its lane's rows restored (a snapshot)
         self.lane_snapshots = self.prefix_caching and self.lane_bytes() > 0
-        self.steps = Steps(self.module, self.max_pages)
+        self.steps = Steps(self.module, self.max_pages, self.speculator)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
         self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32), self.mesh)
+
+    def _speculation(self, config: EngineConfig) -> tuple:
+        """(the Speculator, the steps' params: (params, DraftParams)) with [speculative]
+        method "mtp"; (None, params) without. The MTP layer's routed experts are an all-resident
+        expert state of their own (mtp.mtp_expert_state), not served through residency."""
+        if config.speculative.method != "mtp":
+            return None, self.params
+        if parallel.tensor_size(self.mesh) > 1:  # the MTP params and experts are not split
+            raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
+                              "'mtp' is not served on a mesh that splits 'tensor' "
+                              "(distributed.tensor_parallel)")
+        if config.residency.trace_every_steps:  # the verify round routes outside _forward
+            raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
+                              "'mtp' does not record routing traces yet (set "
+                              "residency.trace_every_steps = 0)")
+        serve = dataclasses.replace(self.residency.options, all_resident=True)
+        mtp = self.family.build_mtp(self.cfg, serve, self.dtype)
+        draft = DraftParams(mtp_params(self.params, self._aux, self.cfg),
+                            mtp_expert_state(self._aux, self.cfg, self.dtype))
+        log.info("speculative decoding: the MTP layer drafts %d tokens a lane, verified in one "
+                 "step of %d positions", config.speculative.tokens, config.speculative.tokens + 1)
+        return (Speculator(self.module, mtp, config.speculative.tokens),
+                (self.params, parallel.replicated(draft, self.mesh)))
+
+    @property
+    def speculating(self) -> int:
+        """k, the tokens drafted a lane a step; 0 without speculative decoding."""
+        return 0 if self.speculator is None else self.speculator.k
 
     @staticmethod
     def _mesh(config: EngineConfig):
@@ -189,7 +224,8 @@ class LoadedModel:
             parallel.put(cache.pages, axes(cache.pages), self.mesh) if axes
             else parallel.replicated(cache.pages, self.mesh),
             parallel.replicated(cache.lanes, self.mesh))
-        return DecodeState.create(cache, experts, self.lanes, self.vocab_size, self.mesh)
+        return DecodeState.create(cache, experts, self.lanes, self.vocab_size, self.mesh,
+                                  self.speculating)
 
     @property
     def vocab_size(self) -> int:
@@ -198,7 +234,8 @@ class LoadedModel:
 
     def new_cache(self, n_pages: int, lanes: int) -> PagedCache:
         """A zeroed cache: a pool of n_pages pages and the rows of `lanes` lanes."""
-        return PagedCache(self.family.create_cache(self.cfg, n_pages, self.page_size, self.dtype),
+        return PagedCache(self.family.create_cache(self.cache_cfg, n_pages, self.page_size,
+                                                   self.dtype),
                           self.family.create_lane_cache(self.cfg, lanes, self.max_context,
                                                         self.dtype))
 
@@ -316,11 +353,23 @@ class LoadedModel:
             self.lanes if decode is not None else 0)
         return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
 
+    def verify_inputs(self, decode: DecodeRows, swaps: SwapBatch) -> VerifyInputs:
+        """A verify step's inputs (every input token from the host); decode.pages cover each
+        lane's positions up to the MTP chain's last (Scheduler.lookahead)."""
+        width = self._decode_width(max((len(p) for p in decode.pages), default=1))
+        return VerifyInputs(decode.tokens.astype(np.int32), decode.positions.astype(np.int32),
+                            decode.active.astype(bool), decode.drafted.astype(np.int32),
+                            self._table(decode.pages, width), swaps)
+
     def warmup_inputs(self, size: int, prefill_width: int | None, decode_width: int,
-                      swaps: SwapBatch) -> StepInputs:
+                      swaps: SwapBatch) -> StepInputs | VerifyInputs:
         """A step of one shape with every token masked out (nothing written, counted or sampled
-        into a lane): a chunk bucket `size` (0: decode only) beside all lanes."""
+        into a lane): a chunk bucket `size` (0: decode only; VERIFY: the verify step) beside
+        all lanes."""
         idle = np.zeros(self.lanes, np.int32)
+        if size == VERIFY:
+            return VerifyInputs(idle, idle, idle > 0, idle,
+                                np.zeros((self.lanes, decode_width), np.int32), swaps)
 
         def table(rows, width):
             return np.zeros((rows, width), np.int32)
@@ -334,7 +383,8 @@ class LoadedModel:
             prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                     lane=np.int32(0), last=np.int32(0),
                                     table=table(1, prefill_width),
-                                    rows=self._prompt_rows([], [], 0, size))
+                                    rows=self._prompt_rows([], [], 0, size),
+                                    following=np.int32(-1) if self.speculating else None)
         return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
                           swaps)
 
@@ -353,7 +403,8 @@ class LoadedModel:
             chunks = self._chunk_shapes()
             decode = {self._decode_width(n) for n in range(1, self.max_pages + 1)}
         return ({(size, width, d) for size, width in chunks for d in decode}
-                | {(0, None, d) for d in decode})
+                | {(0, None, d) for d in decode}
+                | {(VERIFY, None, d) for d in decode if self.speculating})
 
     def _chunk_shapes(self) -> set[tuple[int, int]]:
         """(bucket, prefill table width) of every chunk of every prompt of 1..max_context - 1
@@ -416,7 +467,8 @@ class LoadedModel:
             tokens=tokens, positions=np.arange(prefill.start, prefill.start + size, dtype=np.int32)[None],
             mask=mask, lane=np.int32(prefill.lane), last=np.int32(n - 1),
             table=self._table([prefill.pages], width),
-            rows=self._prompt_rows(prefill.context, prefill.tokens, prefill.start, size))
+            rows=self._prompt_rows(prefill.context, prefill.tokens, prefill.start, size),
+            following=np.int32(prefill.following) if self.speculating else None)
 
     def _prompt_rows(self, context, tokens, start: int, size: int):
         """What the family reads on the host for a prompt chunk (Family.prompt_rows), or None."""
@@ -435,6 +487,8 @@ class LoadedModel:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
         token in order and cyclically, instead of by the router's own choice; None turns it off.
         Benchmarks use it to give random-weight models a trained model's routing."""
+        if picks is not None and self.speculator is not None:
+            raise ValueError("routing replay is not served with speculative decoding")
         if picks is not None and not self.family.replays:
             raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
         if picks is not None:
@@ -456,7 +510,8 @@ class LoadedModel:
         return Replay(self._replay, np.int32(cursor))
 
     def cache_bytes_per_token(self) -> int:
-        return self.family.cache_bytes_per_token(self.cfg, self.dtype)
+        """The pool's bytes a token adds (the MTP layers' slots included where they draft)."""
+        return self.family.cache_bytes_per_token(self.cache_cfg, self.dtype)
 
     def lane_bytes(self) -> int:
         """Cache bytes each decode lane keeps whatever its context (DeepSeek-V4.1's window rings,
@@ -511,9 +566,9 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
 
 
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
-    """[speculative] method "mtp" needs a family that drafts with its MTP layers and a checkpoint
-    that has one (config.json's num_nextn_predict_layers); and, until the engine runs the verify
-    step, it is refused after those checks rather than accepted and ignored."""
+    """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
+    that has one (config.json's num_nextn_predict_layers); LoadedModel._speculation refuses a
+    mesh that splits 'tensor'."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")
@@ -523,8 +578,6 @@ def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     if not getattr(cfg, "num_mtp_layers", 0):
         raise ConfigError(f"{given}: 'speculative.method' = 'mtp' but {source} has no MTP layer "
                           "(field 'num_nextn_predict_layers' is 0 or absent)")
-    raise ConfigError(f"{given}: 'speculative.method' = 'mtp': the verify step is not run by the "
-                      "engine yet (issue 33); use 'none'")
 
 
 @contextlib.contextmanager

@@ -84,7 +84,8 @@ class LocalEngineClient:
         return EngineStats(status=self.scheduler.status, failure=self.scheduler.failure,
                            queued=self.scheduler.queued, active=self.scheduler.active,
                            residency=self.engine.residency.stats(),
-                           kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats())
+                           kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats(),
+                           speculative=self.scheduler.speculative_stats())
 
     def expert_map(self) -> dict:
         return self.engine.residency.expert_map()

@@ -77,6 +77,11 @@ class StepPlan:
     warmup: tuple | None = None
 
     @property
+    def verify(self) -> bool:
+        """Whether the step is a verify step (speculative decoding: DecodeRows.drafted set)."""
+        return self.decode is not None and self.decode.drafted is not None
+
+    @property
     def steps(self) -> bool:
         """Whether the plan runs the mixed step."""
         return self.decode is not None or self.prefill is not None
@@ -91,5 +96,7 @@ class StepPlan:
     @property
     def routed(self) -> int:
         """Real tokens the step sends through each MoE layer (residency's after_step)."""
+        if self.verify:  # each active lane's token and its drafts
+            return int((self.decode.active * (1 + self.decode.drafted)).sum())
         return (len(self.prefill.tokens) if self.prefill is not None else 0) + (
             int(self.decode.active.sum()) if self.decode is not None else 0)

@@ -38,7 +38,7 @@ from tidejax.residency.swap import Tallies, apply_now
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.plan import SequenceCopy, StepPlan
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
-from tidejax.runtime.steps import SavedSequence
+from tidejax.runtime.steps import SavedSequence, VerifyInputs
 
 log = logging.getLogger("tidejax.warmup")  # the warm-up's timing (bench.roofline prints it)
 
@@ -51,10 +51,12 @@ class StepResult:
     sampled: Sampled | None = None  # each lane's next token [lanes] and its logprobs
     tallies: Tallies | None = None  # for residency's after_step (step or scoring forward)
     logits: jax.Array | None = None  # the scoring forward's [1, T, vocab]
+    # a verify step's drafts kept per lane [lanes] (its Sampled is [lanes, k + 1]); else None
+    accepted: jax.Array | None = None
     saved: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)  # copy -> read
 
     def tokens(self) -> np.ndarray:
-        """The step's tokens [lanes] (waits for the step)."""
+        """The step's tokens [lanes] ([lanes, k + 1] of a verify step; waits for the step)."""
         return np.asarray(self.sampled.tokens)
 
     def logprobs(self) -> Sampled:
@@ -126,7 +128,7 @@ class Runner:
         elif plan.score is not None:
             inputs, _ = self.model.score_inputs(plan.score, plan.swaps)
             result.logits, self.state, result.tallies = self.model.steps.score(
-                self.model.params, self.state, inputs)
+                self.model.step_params, self.state, inputs)
         elif plan.warmup is not None:
             self.dispatch(self.model.warmup_inputs(*plan.warmup, plan.swaps))
         return result
@@ -138,9 +140,14 @@ class Runner:
                 raise ValueError(f"a step's previous tokens must be the last step's output "
                                  f"(step {plan.previous} is not the last)")
             previous = self.last[1]
-        inputs = self.model.step_inputs(plan.decode, plan.prefill, previous, plan.swaps)
+        if plan.verify:
+            inputs = self.model.verify_inputs(plan.decode, plan.swaps)
+        else:
+            inputs = self.model.step_inputs(plan.decode, plan.prefill, previous, plan.swaps)
         with jax.profiler.TraceAnnotation("decode" if plan.prefill is None else "prefill"):
             sampled, tallies = self.dispatch(inputs)
+        if plan.verify:
+            sampled, result.accepted = sampled
         for leaf in jax.tree.leaves(sampled) if plan.logprobs else [sampled.tokens]:
             leaf.copy_to_host_async()  # on its way as soon as the step ends
         self._steps += 1
@@ -175,10 +182,12 @@ class Runner:
 
     @_in_scope
     def dispatch(self, inputs) -> tuple:
-        """The jitted step alone over the state (donated): (Sampled, Tallies). Plans are the
-        serving path; benchmarks time this one bare."""
+        """The jitted step alone over the state (donated): (Sampled, or a verify step's
+        (Sampled, accepted); Tallies). Plans are the serving path; benchmarks time this one
+        bare."""
         self._own()
-        sampled, self.state, tallies = self.model.steps.step(self.model.params, self.state, inputs)
+        sampled, self.state, tallies = self._jitted(inputs)(self.model.step_params, self.state,
+                                                            inputs)
         return sampled, tallies
 
     @_in_scope
@@ -210,7 +219,13 @@ class Runner:
     @_in_scope
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
-        return self.model.steps.step.lower(self.model.params, self.state, inputs)
+        return self._jitted(inputs).lower(self.model.step_params, self.state, inputs)
+
+    def _jitted(self, inputs):
+        """The jitted step that takes `inputs`: the verify step's (speculative decoding) or the
+        mixed step's."""
+        steps = self.model.steps
+        return steps.verify if isinstance(inputs, VerifyInputs) else steps.step
 
     @_in_scope
     def update_experts(self, fn) -> None:

@@ -241,6 +241,12 @@ def sample(logits, lanes: LaneSampling, positions) -> Sampled:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(p.temperature > 0),
                           lambda: _sample(logits, p, positions, greedy), lambda: greedy)
+    return with_logprobs(logits, tokens, jnp.any(p.logprobs))
+
+
+def with_logprobs(logits, tokens, wanted) -> Sampled:
+    """Processed logits [n, v] float32 and the tokens [n] drawn from them -> Sampled, its
+    log-probabilities computed only where `wanted` (a bool scalar), else zeros."""
     k = min(TOP_LOGPROBS, logits.shape[-1])
 
     def logprobs():
@@ -254,7 +260,7 @@ def sample(logits, lanes: LaneSampling, positions) -> Sampled:
         return (jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.int32),
                 jnp.zeros((b, k), jnp.float32))
 
-    return Sampled(tokens, *jax.lax.cond(jnp.any(p.logprobs), logprobs, none))
+    return Sampled(tokens, *jax.lax.cond(wanted, logprobs, none))
 
 
 def probabilities(logits, p: LaneParams):

@@ -14,6 +14,13 @@ delivers step N's tokens, and step N+1 takes its input tokens from step N's outp
 step already queued for that lane computes a token nobody receives, at a position its next
 request overwrites. Length limits are known ahead, so no step runs past them.
 
+Speculative decoding ([speculative] method "mtp": runtime/speculative.py): a step that carries
+no prompt chunk is a verify step, each decoding lane's latest token and its k drafts; the lane
+emits its kept drafts and the step's token, one by one as a plain step's (so a stop or a length
+limit ends it there), then takes the last one's position and gives back the pages past it. No
+step is in flight: each step's tokens are read before the next is planned, and a lane's pages
+cover its position + 2k (the drafts, and the MTP chain's keys after the last kept one).
+
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
 and its lane's fixed rows (DeepSeek-V4.1's window rings and Engram look-back) are copied to host
 memory and it waits at the head of the queue, to resume where it was (same positions, same
@@ -85,6 +92,8 @@ class RequestHandle:
         self.hashes: list[bytes] | None = None  # its prompt's full pages' block hashes
         self.output: list[int] = []  # the tokens delivered (their pages are cached at release)
         self.first_token_at = 0.0
+        self.drafted = 0  # speculative decoding: drafts its verify steps judged
+        self.accepted = 0  # and of them, those kept
         self.cpu_picks_at_start = 0  # the engine's host-computed picks when its prefill began
         self.approx_at_start = (0.0, 0.0)  # and its residency.approx_tally()
         self.saved: _Saved | None = None  # while preempted
@@ -113,6 +122,7 @@ class _Step:
     result: StepResult  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
     positions: np.ndarray  # [lanes] the position of each lane's next token
+    drafted: np.ndarray | None = None  # a verify step's drafts judged per lane; else None
 
 
 def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
@@ -155,6 +165,12 @@ class Scheduler:
         self.status = "ready"  # "recovering" while `recover` rebuilds the state; "failed" after
         self.failure = ""  # why the status is "failed"
         self.lost = ""  # a peer process found gone (peer_lost), for the loop to act on
+        # speculative decoding: k drafts a lane (0: off); whether each lane's drafts are
+        # current (a step that decoded it or ended its prompt drafted them); positions past a
+        # lane's next that its steps write (the verify step's k drafts, the MTP chain's k - 1)
+        self.k = model.speculating
+        self.has_drafts = np.zeros(lanes, bool)
+        self.lookahead = 2 * self.k if self.k else 1
 
     # -- API -------------------------------------------------------------------------------
 
@@ -328,10 +344,16 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration; returns whether any work remains. Where none does, residency's
         tallies and drain still on their way are read (Residency.flush), so its stats, the
-        history and /metrics at rest count every step served."""
+        history and /metrics at rest count every step served. Speculating, a step's tokens are
+        read before the next is planned (how far each lane got decides the next positions)."""
         self._release_cancelled()
         self._make_room()
         self._admit()
+        if self.k:
+            queued = self._dispatch(None)
+            if queued is not None:
+                self._deliver(queued)
+            return bool(self.active or self.queue or not self._plan.empty)
         previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
         if previous is not None:
             self._deliver(previous)  # waits for it; the step just queued keeps the device busy
@@ -361,8 +383,12 @@ class Scheduler:
 
     def _pages_wanted(self) -> int:
         """Pages the decoding lanes need beyond those they hold, for their next positions."""
-        return sum(self.pages.shortfall(self.lane_of[lane].id, int(self.positions[lane]) + 1)
+        return sum(self.pages.shortfall(self.lane_of[lane].id, self._reach(self.positions[lane]))
                    for lane in range(self.model.lanes) if self._decoding(lane))
+
+    def _reach(self, position) -> int:
+        """Positions a lane's pages cover for a step from `position`: the step's writes."""
+        return min(int(position) + self.lookahead, self.model.max_context)
 
     def _make_room(self) -> None:
         """Preempts the newest requests until every decoding lane has a page for its next token.
@@ -403,6 +429,7 @@ class Scheduler:
             self.lane_of[lane] = handle
             handle.admitted_at = next(self._admissions)
             self._plan.lanes[lane] = handle.request.sampling
+            self.has_drafts[lane] = False
             if handle.saved is not None:
                 self._resume(lane, handle)
                 continue
@@ -482,13 +509,12 @@ class Scheduler:
         need = self.pages.takes(self._tokens_held(handle), shared)
         return need + self._pages_wanted() <= self.pages.free
 
-    @staticmethod
-    def _tokens_held(handle: RequestHandle) -> int:
+    def _tokens_held(self, handle: RequestHandle) -> int:
         """Positions a request's pages cover once (re)admitted: its whole prompt while it
-        prefills, up to its next position once it decodes."""
+        prefills, up to its next position once it decodes (and the lookahead's)."""
         if handle.saved is None or handle.prefilled < len(handle.request.prompt_ids):
-            return len(handle.request.prompt_ids) + 1
-        return handle.saved.position + 1
+            return self._reach(len(handle.request.prompt_ids))
+        return self._reach(handle.saved.position)
 
     def _resume(self, lane: int, handle: RequestHandle) -> None:
         pages = self.pages.grow(handle.id, self._tokens_held(handle))
@@ -521,10 +547,16 @@ class Scheduler:
         # one compiled step a chunk size, not two.
         fresh = np.array([previous is None or previous.handles[lane] is not handle
                           for lane, handle in enumerate(handles)])
-        pages = [self.pages.grow(h.id, int(self.positions[lane]) + 1) if h else []
+        pages = [self.pages.grow(h.id, self._reach(self.positions[lane])) if h else []
                  for lane, h in enumerate(handles)]
         decode = DecodeRows(self.tokens.copy(), fresh, np.where(active, self.positions, 0), active,
                             pages)
+        if self.k and chunk is None:  # a verify step
+            decode.drafted = np.where(active & self.has_drafts, self.k, 0).astype(np.int32)
+            result = self.run_step(decode, None, logprobs=_logprobs_wanted(handles))
+            self.totals["steps"] += 1
+            self.has_drafts |= active
+            return _Step(result, handles, np.where(active, self.positions + 1, 0), decode.drafted)
         sampled_for = list(handles)  # the request each lane's sampled token belongs to
         prompt = self._prefilling
         completes = chunk is not None and prompt.prefilled == len(prompt.request.prompt_ids)
@@ -535,9 +567,11 @@ class Scheduler:
         self.positions[active] += 1
         self.totals["steps"] += 1
         produced = np.where(active, self.positions, 0)
+        self.has_drafts |= active
         if completes:
             self.positions[chunk.lane] = produced[chunk.lane] = chunk.start + len(chunk.tokens)
             self._prefilling = None
+            self.has_drafts[chunk.lane] = True
         if chunk is not None:
             self._snapshot(prompt, chunk.lane)
         return _Step(result, sampled_for, produced)
@@ -554,8 +588,9 @@ class Scheduler:
         self.totals["prefilled_tokens"] += len(ids)
         if self.caching:  # the chunk's full pages, for the prompts after it (its step runs first)
             self.pages.publish(handle.id, handle.hashes[:handle.prefilled // self.pages.page_size])
+        following = prompt[handle.prefilled] if handle.prefilled < len(prompt) else -1
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id),
-                            prompt[:start])
+                            prompt[:start], following)
 
     def _snapshot(self, handle: RequestHandle, lane: int) -> None:
         """After the step of a prompt chunk that ends a page (published): the lane's rows and
@@ -574,12 +609,40 @@ class Scheduler:
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
         their lanes: not to one finished, cancelled or replaced since the step was queued."""
+        if step.drafted is not None:
+            self._deliver_verified(step)
+            return
         tokens = step.result.tokens()
         sampled = step.result.logprobs() if _logprobs_wanted(step.handles) else None
         for lane, handle in enumerate(step.handles):
             if handle is not None and self.lane_of[lane] is handle:
                 self._emit(lane, int(tokens[lane]), step.positions[lane],
                            _logprobs(sampled, lane, handle.request.sampling.logprobs))
+
+    def _deliver_verified(self, step: _Step) -> None:
+        """A verify step's tokens: each lane's kept drafts and the step's own token after them,
+        emitted in order until its request ends (a stop token, max_new_tokens, the context: the
+        rest are dropped); a lane that goes on takes the position of its last token, and the
+        pages past its next position, which held only rejected drafts' keys, go back."""
+        tokens, accepted = step.result.tokens(), np.asarray(step.result.accepted)
+        sampled = step.result.logprobs() if _logprobs_wanted(step.handles) else None
+        for lane, handle in enumerate(step.handles):
+            if handle is None or self.lane_of[lane] is not handle:
+                continue
+            kept = int(accepted[lane])
+            handle.drafted += int(step.drafted[lane])
+            handle.accepted += kept
+            self.totals["drafted_tokens"] += int(step.drafted[lane])
+            self.totals["accepted_tokens"] += kept
+            for j in range(kept + 1):
+                at = None if sampled is None else jax.tree.map(lambda a: a[:, j], sampled)
+                self._emit(lane, int(tokens[lane, j]), step.positions[lane] + j,
+                           _logprobs(at, lane, handle.request.sampling.logprobs))
+                if self.lane_of[lane] is not handle:
+                    break
+            else:
+                self.positions[lane] = step.positions[lane] + kept
+                self.pages.shrink(handle.id, int(self.positions[lane]) + 1)
 
     def _emit(self, lane: int, token: int, position: int, logprobs: dict) -> None:
         """Delivers `token` (at `position`, with its TokenEvent `logprobs` fields) for the
@@ -630,7 +693,20 @@ class Scheduler:
             # the share of routing weight served approximately over the same steps
             "approx_weight_share": _share_since(self.model.residency.approx_tally(),
                                                 handle.approx_at_start),
+            **self._speculation_stats(handle.drafted, handle.accepted),
         }
+
+    def _speculation_stats(self, drafted: int, accepted: int) -> dict:
+        """Speculative decoding's drafts judged, those kept and their share ({} when off)."""
+        if not self.k:
+            return {}
+        return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance": accepted / drafted if drafted else 0.0}
+
+    def speculative_stats(self) -> dict:
+        """_speculation_stats over every request since start (/metrics)."""
+        return self._speculation_stats(self.totals["drafted_tokens"],
+                                       self.totals["accepted_tokens"])
 
     def _vacate(self, lane: int) -> None:
         """Frees a lane and its request's pages; the next plan sets the lane back to greedy

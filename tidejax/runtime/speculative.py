@@ -11,6 +11,10 @@ p_k. p and q are `sampling.probabilities` of the logits after `sampling.process`
 sampling parameter applies to both. A greedy lane's p and q are one-hot, and the rule becomes
 greedy acceptance: the longest prefix of drafts equal to the target's argmax, then the target's
 own next token, so its output equals one-token-a-step decoding token for token.
+
+The engine runs it through `Speculator` (runtime/steps.py: `Steps.verify`, and drafting in the
+mixed step), each lane's drafts kept in the DecodeState (`Drafts`), the MTP layer's params and
+experts a constant input beside the main model's (`DraftParams`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tidejax.runtime.sampling import LaneSampling, probabilities, process
+from tidejax.runtime.sampling import LaneSampling, probabilities, process, with_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -40,16 +45,22 @@ def draw(probs, keys):
     return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
 
 
-def accept(p, q, drafts, keys) -> Verdict:
+def accept(p, q, drafts, keys, live=None) -> Verdict:
     """p [b, k + 1, v]: the target's distributions at the verify step's positions; q [b, k, v]:
     the draft's, which drafts [b, k] int32 were drawn from; keys [b]: each lane's random key for
-    this step (sampling.lane_keys) -> Verdict."""
+    this step (sampling.lane_keys); live [b, k] bool (None: all): the drafts to judge. A draft
+    not live is rejected with q taken as 0 there, so the step's token is then drawn from p
+    itself (a lane without current drafts) -> Verdict."""
     b, k = drafts.shape
+    if live is not None:
+        q = jnp.where(live[..., None], q, 0.0)
     split = jax.vmap(jax.random.split)(keys)  # [b, 2]
     u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(split[:, 0])  # [b, k]
     p_x = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [b, k]
     q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     keep = u * q_x < p_x  # u < p(x) / q(x), without dividing by a q(x) of 0
+    if live is not None:
+        keep &= live
     accepted = jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)  # [b]
     # [b, k + 1, v]: where the step's token comes from after each possible number kept
     residual = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], axis=1)
@@ -63,6 +74,36 @@ def accept(p, q, drafts, keys) -> Verdict:
     tokens = jnp.where(index < accepted[:, None], padded,
                        jnp.where(index == accepted[:, None], final[:, None], 0))
     return Verdict(accepted, tokens.astype(jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafts:
+    """Each lane's drafts for its next verify step, in the DecodeState: tokens [lanes, k] int32
+    and the distributions q [lanes, k, vocab] float32 they were drawn from. Which lanes' are
+    current is the scheduler's to know (a lane resumed or just admitted has none)."""
+
+    tokens: jax.Array
+    q: jax.Array
+
+    @staticmethod
+    def create(lanes: int, k: int, vocab: int) -> "Drafts":
+        return Drafts(np.zeros((lanes, k), np.int32), np.zeros((lanes, k, vocab), np.float32))
+
+    def put(self, where, tokens, q) -> "Drafts":
+        """These with rows where [lanes] bool from tokens [lanes, k] and q [lanes, k, v]."""
+        return Drafts(jnp.where(where[:, None], tokens, self.tokens),
+                      jnp.where(where[:, None, None], q, self.q))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftParams:
+    """What the MTP draft forward reads beside the main model's params: its params (mtp.py
+    mtp_params) and its routed experts, all resident (mtp_expert_state)."""
+
+    params: dict
+    experts: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,27 +158,34 @@ class Speculator:
     def verify(self, params, mtp_params, tokens, positions, mask, q, cache, table, experts,
                mtp_experts, sampling: LaneSampling, keys):
         """tokens, positions, mask [b, k + 1]: each row's latest token and its k drafts (drawn
-        from q [b, k, v]); sampling: the lanes' before the latest token is counted; keys [b]
-        -> (Verdict, next drafts [b, k], their q, cache, experts, mtp_experts, sampling with the
-        kept tokens counted)."""
+        from q [b, k, v]; a draft masked out is not judged: `accept`'s live); sampling: the
+        lanes' before the latest token is counted; keys [b] -> (Verdict, Sampled [b, k + 1]:
+        the verdict's tokens with their log-probabilities where a lane asked for them, next
+        drafts [b, k], their q, cache, experts, mtp_experts, sampling with the kept tokens
+        counted)."""
         (logits, cache, experts), seen = self.main.apply(
             {"params": params}, tokens, positions, mask, cache, table, experts,
             mutable=["intermediates"])
         hidden = seen["intermediates"]["head_hidden"][0]
-        states, p = [], []
+        states, p, processed = [], [], []
         for i in range(self.k + 1):  # position i's p counts the tokens up to its input
             sampling = sampling.generated(tokens[:, i], mask[:, i])
             states.append(sampling)
-            p.append(distribution(logits[:, i], sampling))
+            processed.append(process(logits[:, i], sampling))
+            p.append(probabilities(processed[-1], sampling.params))
         verdict = accept(jnp.stack(p, 1), q, tokens[:, 1:],
-                         jax.vmap(jax.random.fold_in, (0, None))(keys, self.k))
-        rows = jnp.arange(tokens.shape[0])
+                         jax.vmap(jax.random.fold_in, (0, None))(keys, self.k), live=mask[:, 1:])
+        b = tokens.shape[0]
+        rows = jnp.arange(b)
+        sampled = with_logprobs(jnp.stack(processed, 1).reshape(b * (self.k + 1), -1),
+                                verdict.tokens.reshape(-1), jnp.any(sampling.params.logprobs))
+        sampled = jax.tree.map(lambda a: a.reshape(b, self.k + 1, *a.shape[1:]), sampled)
         sampling = jax.tree.map(lambda *s: jnp.stack(s)[verdict.accepted, rows], *states)
-        kept = mask & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
+        kept = mask[:, :1] & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
         drafts, q, cache, mtp_experts = self.draft(
             mtp_params, hidden, verdict.tokens, positions, kept, verdict.accepted, cache, table,
             mtp_experts, sampling, keys)
-        return verdict, drafts, q, cache, experts, mtp_experts, sampling
+        return verdict, sampled, drafts, q, cache, experts, mtp_experts, sampling
 
 
 def distribution(logits, sampling: LaneSampling):

@@ -7,6 +7,12 @@
         last real token's sample goes to its lane); then every decoding lane's next token, its
         input token counted first; the counters' Tallies at the end. Sampled holds the tokens
         [lanes] and their log-probabilities.
+    verify(params, state, VerifyInputs) -> ((Sampled [lanes, k + 1], accepted [lanes]), state,
+        Tallies)  (a DonatingStep; speculative decoding, runtime/speculative.py)
+        every decoding lane's latest token and its k drafts judged in one forward, then the
+        next drafts. With a Speculator, `step` also drafts (the MTP layer) for the lanes it
+        decodes and for a prompt's last chunk, and the params of both are (params,
+        DraftParams).
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
     read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
@@ -36,7 +42,8 @@ import numpy as np
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket
 from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
-from tidejax.runtime.sampling import LaneParams, LaneSampling, sample
+from tidejax.runtime.sampling import LaneParams, LaneSampling, lane_keys, sample
+from tidejax.runtime.speculative import DraftParams, Speculator
 from tidejax.runtime.state import DecodeState
 
 
@@ -68,6 +75,24 @@ class PrefillInputs:
     last: jax.Array
     table: jax.Array
     rows: object = None
+    # with speculation: the prompt token after the chunk, or -1 where the chunk ends the prompt
+    # (then the token sampled after it): the MTP layer's input at the chunk's last position
+    following: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyInputs:
+    """A verify step (speculative decoding): each lane's latest token, the position of it and
+    active [lanes]; drafted [lanes] int32: how many of the lane's drafts in the state are
+    current (k, or 0: it decodes one token); table [lanes, P]; swaps as in StepInputs."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    active: jax.Array
+    drafted: jax.Array
+    table: jax.Array
+    swaps: SwapBatch
 
 
 @jax.tree_util.register_dataclass
@@ -128,6 +153,9 @@ class DecodeRows:
     positions: np.ndarray
     active: np.ndarray
     pages: list[list[int]] | None = None
+    # a verify step (speculative decoding) where not None: the drafts each lane has current
+    # (k; 0 for a lane resumed since its last step, which then decodes one token)
+    drafted: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -140,6 +168,7 @@ class PrefillChunk:
     start: int
     pages: list[int] | None = None
     context: list[int] = dataclasses.field(default_factory=list)  # the tokens before start
+    following: int = -1  # the prompt's token after the chunk; -1: the chunk ends the prompt
 
 
 class DonatingStep:
@@ -196,75 +225,144 @@ class Steps:
 
     model: object
     max_pages: int  # the most pages a sequence holds (max_context)
+    # speculative decoding (runtime/speculative.py) where set: `step` drafts for the lanes it
+    # decodes and for a prompt's last chunk, and takes its params as (params, DraftParams)
+    speculator: Speculator | None = None
 
     def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
                  logits_at=None, rows=None):
         """tables: the family's step tables or None; routes: replayed picks [b, t, L_moe, k] or
         None; logits_at [b]: the one position of each row to compute logits at (None: all);
-        rows: a prompt chunk's host-read rows (Family.prompt_rows) or None."""
+        rows: a prompt chunk's host-read rows (Family.prompt_rows) or None. -> (logits, cache,
+        experts, the head's hidden state [b, t, d] where speculating, else None)."""
         extra = () if tables is None else (tables,)
         optional = {} if routes is None else {"replay": routes}  # a family may take neither
         if rows is not None:
             optional["prompt_rows"] = rows
-        logits, cache, experts = self.model.apply({"params": params}, tokens, positions, mask,
-                                                  cache, table, experts, *extra, **optional,
-                                                  logits_at=logits_at)
+        args = ({"params": params}, tokens, positions, mask, cache, table, experts, *extra)
+        hidden = None
+        if self.speculator is None:
+            logits, cache, experts = self.model.apply(*args, **optional, logits_at=logits_at)
+        else:
+            (logits, cache, experts), seen = self.model.apply(
+                *args, **optional, logits_at=logits_at, mutable=["intermediates"])
+            hidden = seen["intermediates"]["head_hidden"][0]
         if experts.picks is not None:  # the next forward's picks follow these tokens'
             experts = experts.replace(picks=experts.picks.advanced(tokens.size))
-        return logits, cache, experts
+        return logits, cache, experts, hidden
 
     def _prefill(self, params, tables, chunk: PrefillInputs, cache: PagedCache, experts, routes):
-        """The logits [1, 1, vocab] at the chunk's last token: it writes the shared pool through
-        its block table and its lane's slice of the per-lane rows."""
+        """The logits [1, 1, vocab] at the chunk's last token (and _forward's hidden state): it
+        writes the shared pool through its block table and its lane's slice of the per-lane
+        rows."""
         lane = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk.lane, 1, 0), cache.lanes)
-        logits, out, experts = self._forward(params, tables, chunk.tokens, chunk.positions,
-                                             chunk.mask, PagedCache(cache.pages, lane), chunk.table,
-                                             experts, routes, jnp.reshape(chunk.last, (1,)),
-                                             chunk.rows)
+        logits, out, experts, hidden = self._forward(
+            params, tables, chunk.tokens, chunk.positions, chunk.mask,
+            PagedCache(cache.pages, lane), chunk.table, experts, routes,
+            jnp.reshape(chunk.last, (1,)), chunk.rows)
         lanes = jax.tree.map(lambda a, u: jax.lax.dynamic_update_slice_in_dim(a, u, chunk.lane, 0),
                              cache.lanes, out.lanes)
-        return logits, PagedCache(out.pages, lanes), experts
+        return logits, PagedCache(out.pages, lanes), experts, hidden
+
+    def _draft(self, draft: DraftParams, hidden, next_tokens, positions, mask, at, cache, table,
+               sampling: LaneSampling):
+        """The MTP layer over rows the step ran (Speculator.draft), its keys written into the
+        pool; each row's random key from its seed and its position `at` -> (drafts [b, k],
+        q [b, k, v], cache)."""
+        rows = jnp.arange(hidden.shape[0])
+        keys = lane_keys(sampling.params.seed, positions[rows, at])
+        drafts, q, out, _ = self.speculator.draft(
+            draft.params, hidden, next_tokens, positions, mask, at, PagedCache(cache.pages), table,
+            draft.experts, sampling, keys)
+        return drafts, q, PagedCache(out.pages, cache.lanes)
 
     @functools.cached_property
     def step(self):
         def step(params, state: DecodeState, inputs: StepInputs):
             prefill, decode, replay = inputs.prefill, inputs.decode, inputs.replay
-            cache, sampling = state.cache, state.sampling
+            cache, sampling, drafts = state.cache, state.sampling, state.drafts
+            params, draft = params if self.speculator is not None else (params, None)
             experts = apply_batch(state.experts, inputs.swaps)
             lanes = sampling.counts.shape[0]
             offset = 0  # the replay rows the chunk took
             if prefill is not None:
                 routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
                 offset = prefill.tokens.size
-                logits, cache, experts = self._prefill(params, inputs.tables, prefill,
-                                                       cache, experts, routes)
+                logits, cache, experts, hidden = self._prefill(params, inputs.tables, prefill,
+                                                               cache, experts, routes)
                 sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
                 first = sample(logits[:, 0], sampling.lane(prefill.lane),
                                prefill.positions[:, prefill.last] + 1)
+                if draft is not None:  # the MTP keys of the chunk; drafts after a last chunk
+                    after = jnp.where(prefill.following >= 0, prefill.following, first.tokens[0])
+                    following = jnp.roll(prefill.tokens, -1, axis=1).at[0, prefill.last].set(after)
+                    chunk_drafts, chunk_q, cache = self._draft(
+                        draft, hidden, following, prefill.positions, prefill.mask,
+                        jnp.reshape(prefill.last, (1,)), cache, prefill.table,
+                        sampling.lane(prefill.lane))
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
                 sampling = sampling.generated(tokens, decode.active)
                 routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
-                logits, cache, experts = self._forward(
+                logits, cache, experts, hidden = self._forward(
                     params, inputs.tables, tokens[:, None], decode.positions[:, None],
                     decode.active[:, None], cache, decode.table, experts, routes)
                 out = sample(logits[:, 0], sampling, decode.positions + 1)
+                if draft is not None:
+                    new, q, cache = self._draft(draft, hidden, out.tokens[:, None],
+                                                decode.positions[:, None], decode.active[:, None],
+                                                jnp.zeros(lanes, jnp.int32), cache, decode.table,
+                                                sampling)
+                    drafts = drafts.put(decode.active, new, q)
             else:
                 out = jax.tree.map(lambda a: jnp.zeros((lanes, *a.shape[1:]), a.dtype), first)
             if prefill is not None:
                 out = out.at(prefill.lane, first)
+                if draft is not None:
+                    drafts = drafts.put(jnp.arange(lanes) == prefill.lane,
+                                        jnp.broadcast_to(chunk_drafts, drafts.tokens.shape),
+                                        jnp.broadcast_to(chunk_q, drafts.q.shape))
             experts, tallies = finish_batch(experts, inputs.swaps)
-            return out, DecodeState(cache, experts, sampling), tallies
+            return out, DecodeState(cache, experts, sampling, drafts), tallies
         return DonatingStep(step)
+
+    @functools.cached_property
+    def verify(self):
+        """The verify step of speculative decoding (runtime/speculative.py): every decoding
+        lane's latest token and its k drafts at k + 1 positions, judged by `accept`, then the
+        next drafts -> ((Sampled [lanes, k + 1], accepted [lanes]), state, tallies); a lane
+        emits its tokens 0..accepted."""
+        spec = self.speculator
+        width = jnp.arange(spec.k + 1)[None]
+
+        def verify(params, state: DecodeState, inputs: VerifyInputs):
+            params, draft = params
+            experts = apply_batch(state.experts, inputs.swaps)
+            tokens = jnp.concatenate([inputs.tokens[:, None], state.drafts.tokens], 1)
+            positions = inputs.positions[:, None] + width  # [lanes, k + 1]
+            mask = inputs.active[:, None] & (width <= inputs.drafted[:, None])
+            keys = lane_keys(state.sampling.params.seed, inputs.positions)
+            verdict, sampled, new, q, cache, experts, _, sampling = spec.verify(
+                params, draft.params, tokens, positions, mask, state.drafts.q,
+                PagedCache(state.cache.pages), inputs.table, experts, draft.experts,
+                state.sampling, keys)
+            drafts = state.drafts.put(inputs.active, new, q)
+            experts, tallies = finish_batch(experts, inputs.swaps)
+            cache = PagedCache(cache.pages, state.cache.lanes)
+            return ((sampled, verdict.accepted), DecodeState(cache, experts, sampling, drafts),
+                    tallies)
+        return DonatingStep(verify)
 
     @functools.cached_property
     def score(self):
         def score(params, state: DecodeState, inputs: ScoreInputs):
             experts = apply_batch(state.experts, inputs.swaps)
             routes = inputs.replay.ids(*inputs.tokens.shape) if inputs.replay is not None else None
-            logits, _, experts = self._forward(params, inputs.tables, inputs.tokens, inputs.positions,
-                                               inputs.mask, inputs.cache, inputs.table, experts,
-                                               routes)
+            if self.speculator is not None:
+                params = params[0]
+            logits, _, experts, _ = self._forward(params, inputs.tables, inputs.tokens,
+                                                  inputs.positions, inputs.mask, inputs.cache,
+                                                  inputs.table, experts, routes)
             experts, tallies = finish_batch(experts, inputs.swaps)
             return logits, state.replace(experts=experts), tallies
         return DonatingStep(score)

@@ -221,9 +221,13 @@ class Generation:
 
     @property
     def engine_stats(self) -> dict:
+        """x_engine_stats: the speeds and residency's shares, and speculative decoding's drafted
+        and accepted tokens and acceptance where it is on."""
         return {k: self.stats.get(k, 0.0)
                 for k in ("prefill_tps", "decode_tps", "cold_share", "cpu_picks",
-                          "approx_weight_share")}
+                          "approx_weight_share")} | {
+            k: self.stats[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance")
+            if k in self.stats}
 
     async def texts(self):
         detok = IncrementalDetokenizer(self.model.info.tokenizer, keep=self.model.keep_special)

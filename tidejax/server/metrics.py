@@ -77,6 +77,13 @@ class Metrics:
                    "tier is on; host: to disk where that is; disk: deleted), by tier",
                    [({"tier": tier}, counts["evictions"])
                     for tier, counts in stats.cache["tiers"].items()])
+        if stats.speculative:
+            metric("speculative_drafted_tokens_total", "counter",
+                   "drafted tokens the verify steps judged", [({}, stats.speculative[
+                       "drafted_tokens"])])
+            metric("speculative_accepted_tokens_total", "counter",
+                   "drafted tokens the verify steps kept", [({}, stats.speculative[
+                       "accepted_tokens"])])
         metric("lanes_active", "gauge", "requests decoding now", [({}, stats.active)])
         metric("queue_waiting", "gauge", "requests waiting for a lane", [({}, stats.queued)])
         metric("requests_held", "gauge", "engine requests the server holds (in lanes, waiting, "

@@ -1,7 +1,8 @@
 """DeepSeek-V3 (DeepSeek-V2-Lite shape, V3, R1, V3.1, Kimi K2): MLA attention, DeepSeekMoE with
 shared experts, dense MLPs in the first_k_dense_replace layers, on the shared decoder stack
 (layers/decoder.py); the paged pool holds each layer's MLA latent and rotated key. The MTP
-layers' draft forward (layers/mtp.py) on the same MLA attention, not run by any step yet.
+layers' draft forward (layers/mtp.py) on the same MLA attention, which the engine's steps run
+with [speculative] method "mtp" (runtime/speculative.py).
 """
 
 from __future__ import annotations

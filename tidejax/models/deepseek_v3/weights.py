@@ -1,7 +1,7 @@
 """DeepSeek-V3 params, declared (the tree the flax model consumes), and the checkpoint table that
 fills them; loading, test init and memory estimates come from these declarations. The MTP
 (NextN) layers a checkpoint carries are read into host arrays as stored, apart from the decoder's
-params (layers/decoder.py mtp_specs), for speculative decoding (not run yet)."""
+params (layers/decoder.py mtp_specs), for speculative decoding (runtime/speculative.py)."""
 
 from __future__ import annotations
 

@@ -231,7 +231,8 @@ def mtp_layers(cfg) -> tuple[int, ...]:
 
 def mtp_specs(cfg, router: RouterSpec, attention: dict, dtype) -> dict:
     """The MTP layers as published (DeepSeek-V3's and GLM's NextN layers alike), kept on the host
-    as stored for speculative decoding (their draft forward: mtp.py), which no step runs yet:
+    as stored for speculative decoding (their draft forward: mtp.py; the engine runs the
+    DeepSeek-V3 family's):
     {"layers_{i}": a MoE decoder layer with `attention` its attention's params and its own
     routed experts by id, and the MTP glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)};
     the embedding and head are the main model's."""

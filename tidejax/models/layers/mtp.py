@@ -10,8 +10,8 @@ so logits at p draft the token at p + 2. `hidden` is the main model's hidden sta
 reads it, after the final norm (Decoder's "head_hidden": transformers' MTPCandidateGenerator
 feeds `hidden_states[-1]`, which transformers ties to the normed last_hidden_state).
 
-Where things live (the model part; runtime/speculative.Speculator runs verify rounds over it, no
-engine step yet):
+Where things live (the model part; runtime/speculative.Speculator runs verify rounds over it,
+the engine's steps through it: runtime/steps.py):
 - The KV cache: the MTP layer k has layer slot num_layers + k of the main pool (its checkpoint
   index), written through the same block table at the main model's positions p: the pool is the
   family's cache created for num_layers + num_mtp_layers layers (`with_mtp_slots`), and the main
@@ -21,9 +21,10 @@ engine step yet):
   and attend the positions <= p of the row; attention scores depend only on the difference.
 - The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
   loader (decoder.mtp_specs), put on the device by `mtp_params`.
-- The routed experts: NOT through residency yet. `mtp_expert_state` builds an all-resident
+- The routed experts: not through residency. `mtp_expert_state` builds an all-resident
   ExpertState of the layer's own rows (one MoE layer, moe index 0) from its loaded tensors;
-  serving them from the host pool needs residency work (issue 33).
+  serving them from the host pool would need residency work (docs/DESIGN.md, "Speculative
+  decoding").
 """
 
 from __future__ import annotations
