@@ -1,12 +1,7 @@
 """python -m tidejax.residency simulate: a trace recorded from the demo engine, replayed at the
 engine's own budget, predicts the cold share the engine measured on it; --target-tps, the PNG,
-the steady state of a history and bad input.
-
-The routing trace recorder (tidejax/residency/trace.py, issue 36 item 2) is on its own branch:
-where it is not there, the trace is written here in its documented format from what the
-engine's steps hand residency (Residency.next_batch / after_step: each step's drained counters
-and miss tallies), its picks laid out token by token from those per-(layer, expert) counts.
-"""
+the steady state of a history and bad input. The trace is the engine's own, by its routing trace
+recorder (tidejax/residency/trace.py)."""
 
 import dataclasses
 import json
@@ -19,11 +14,6 @@ import tidejax
 from tidejax.residency import seedmap, simulate
 from tidejax.residency.__main__ import main as residency_cli
 
-try:  # the recorder, where its branch is merged
-    from tidejax.residency import trace as recorder
-except ImportError:
-    recorder = None
-
 REPO = Path(__file__).resolve().parents[2]
 BUDGET = 72  # of 3 x 48: 24 a layer
 SETTINGS = {"budget_experts": BUDGET, "miss_policy": "substitute", "drain_every": 4,
@@ -32,64 +22,6 @@ PROMPTS = ["def parse(line):", "Le chat dort dans le jardin.", "The tide comes i
            "Package: python3-numpy\nDescription:"]
 MACHINE = ["--lanes", "2", "--expert-bytes", "200000", "--step-mib", "4", "--hbm-gbps", "50",
            "--h2d-gbps", "10"]
-
-
-class StepTap:
-    """Each step's counts, routing-weight sums and misses [L_moe, E] and tokens, from the
-    tallies the scheduler hands Residency.after_step (counters since the last drain: a step's own
-    are the difference with the step before unless that one drained)."""
-
-    def __init__(self, residency):
-        self.steps, self._drains, self._last = [], [], None
-        next_batch, after_step = residency.next_batch, residency.after_step
-
-        def tapped_batch():
-            batch = next_batch()
-            self._drains.append(bool(batch.drain))
-            return batch
-
-        def tapped_after(tallies, tokens):
-            counts, weights = (np.asarray(tallies.counts, np.float64),
-                               np.asarray(tallies.weight_sums, np.float64))
-            own_counts, own_weights = counts, weights
-            if self._last is not None and not self._drains[-2]:
-                own_counts, own_weights = counts - self._last[0], weights - self._last[1]
-            self._last = (counts, weights)
-            self.steps.append((np.rint(own_counts).astype(int), own_weights,
-                               np.rint(np.asarray(tallies.misses)).astype(int), tokens))
-            after_step(tallies, tokens)
-
-        residency.next_batch, residency.after_step = tapped_batch, tapped_after
-
-
-def write_trace(folder: Path, steps, top_k: int, header: dict) -> None:
-    """The steps as a routing trace of the documented format: per step and layer, each expert's
-    picks (its count of them, the mean weight each, the missed ones last) filled token by token."""
-    folder.mkdir(parents=True)
-    ids, weights, resident = [], [], []
-    for counts, sums, misses, tokens in steps:
-        n_layers = counts.shape[0]
-        step_ids = np.zeros((tokens * top_k, n_layers), np.int16)
-        step_weights = np.zeros((tokens * top_k, n_layers), np.float32)
-        step_resident = np.zeros((tokens * top_k, n_layers), bool)
-        for layer in range(n_layers):
-            experts = np.nonzero(counts[layer])[0]
-            n = counts[layer, experts]
-            assert n.sum() == tokens * top_k  # every token's k picks, nothing else
-            step_ids[:, layer] = np.repeat(experts, n)
-            step_weights[:, layer] = np.repeat(sums[layer, experts] / n, n)
-            hits = n - misses[layer, experts]
-            step_resident[:, layer] = np.concatenate([np.arange(c) < h for c, h in zip(n, hits)])
-        for out, array in ((ids, step_ids), (weights, step_weights),
-                           (resident, step_resident)):
-            out.append(array.reshape(tokens, top_k, n_layers).transpose(0, 2, 1))
-    np.savez(folder / "trace-000000000000.npz", step=np.arange(len(steps)),
-             tokens=np.array([s[3] for s in steps], np.int32),
-             map_version=np.zeros(len(steps), np.int64), ids=np.concatenate(ids),
-             weights=np.concatenate(weights), resident=np.concatenate(resident))
-    (folder / "header.json").write_text(json.dumps({
-        "format": "tidejax-routing-trace", "version": 1, "trace_every_steps": 1,
-        "top_k": top_k, **header}))
 
 
 @pytest.fixture(scope="module")
@@ -101,31 +33,23 @@ def recorded(tmp_path_factory):
     boot = [layer * n_experts + e for layer in range(n_layers) for e in range(24, 48)]
     seedmap.write({"format": seedmap.FORMAT, "geometry": "per_layer", "n_layers": n_layers,
                    "n_experts": n_experts, "budget": BUDGET, "rows": boot}, tmp / "boot.json")
-    residency = SETTINGS | {"seed_map": str(tmp / "boot.json"), "state_dir": str(tmp / "state")}
-    if recorder is not None:
-        residency["trace_every_steps"] = 1
+    residency = SETTINGS | {"seed_map": str(tmp / "boot.json"), "state_dir": str(tmp / "state"),
+                            "trace_every_steps": 1}
     engine = tidejax.load(REPO / "models" / "demo", residency=residency,
                           engine={"max_context": 128, "prefill_chunk": 16, "lanes": 2})
     assert engine.family.expert_dims(engine.cfg)[:2] == (n_layers, n_experts)
-    tap = StepTap(engine.residency) if recorder is None else None
     engine.generate(PROMPTS, max_new_tokens=40)
     engine.residency.flush()
     stats = engine.residency.stats()
-    folder = tmp / "state" / "routing"  # the recorder's
-    if tap is not None:
-        folder = tmp / "routing"
-        write_trace(folder, tap.steps, engine.family.top_k(engine.cfg), {
-            "n_layers": n_layers, "n_experts": n_experts, "resident_slots": stats["resident"],
-            "residency": residency})
     engine.close()  # drains and saves the history under state_dir (and the trace's last chunk)
-    return folder, stats, tmp / "state"
+    return tmp / "state" / "routing", stats, tmp / "state"
 
 
 def test_replay_at_the_engines_budget_predicts_its_cold_share(recorded, tmp_path, capsys):
     folder, stats, _ = recorded
     assert stats["swaps_applied"] > 0 and stats["drains"] > 2  # the map moved while serving
     trace = simulate.read_trace(folder)
-    # the laid-out trace holds the engine's own tally: its recorded resident flags
+    # the trace holds the engine's own tally: its recorded resident flags
     assert trace.measured_cold_share() == pytest.approx(stats["cold_share_total"], abs=1e-9)
     rows_json = tmp_path / "rows.json"
     assert residency_cli(["simulate", "--trace", str(folder), "--budgets", f"24,{BUDGET},144",
@@ -205,9 +129,9 @@ def _bad_chunk(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("make, args, message", [
-    (None, ["--trace", "{tmp}/nowhere"], "{tmp}/nowhere: not a routing trace (no header.json)"),
+    (None, ["--trace", "{tmp}/nowhere"], "{tmp}/nowhere/header.json: no routing trace header"),
     (lambda f: (f / "header.json").write_text('{"format": "other"}'), ["--trace", "{tmp}"],
-     "{tmp}/header.json: field 'format' should be 'tidejax-routing-trace'"),
+     "{tmp}/header.json: format 'other' version None, expected 'tidejax-routing-trace' 1"),
     (_bad_chunk, ["--trace", "{tmp}"], "{tmp}: field 'ids' has shape (2, 3, 5), expected "
      "(2, 3, 6) (tokens.sum(), n_layers, top_k)"),
     (lambda f: _bad_chunk(f) or (f / "trace-000000000001.npz").write_bytes(b"torn"),
