@@ -123,7 +123,8 @@ def _bad_chunk(folder: Path) -> None:
     (folder / "header.json").write_text(json.dumps({
         "format": "tidejax-routing-trace", "version": 1, "n_layers": 3, "n_experts": 48,
         "top_k": 6, "trace_every_steps": 1}))
-    np.savez(folder / "trace-000000000000.npz", tokens=np.array([2], np.int32),
+    np.savez(folder / "trace-000000000000.npz", step=np.zeros(1, np.int64),
+             map_version=np.zeros(1, np.int64), tokens=np.array([2], np.int32),
              ids=np.zeros((2, 3, 5), np.int16), weights=np.zeros((2, 3, 5), np.float32),
              resident=np.ones((2, 3, 5), bool))
 
