@@ -392,9 +392,17 @@ def warnings(profile) -> int:
 
 
 def make_unwritable(state_dir):
-    for f in state_dir.iterdir():
-        f.unlink()
-    state_dir.rmdir()
+    """The state folder replaced by a file. The server may be saving at rest (the scheduler
+    reads residency's last step once it runs out of work), so files may come back until the
+    folder is gone."""
+    for _ in range(50):
+        for f in state_dir.iterdir():
+            f.unlink(missing_ok=True)
+        try:
+            state_dir.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
     state_dir.write_text("a file again")
 
 
