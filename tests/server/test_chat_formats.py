@@ -223,6 +223,12 @@ def test_mistral_call_ids_are_what_its_template_takes():
     assert len(made.id) == 9 and made.id.isalnum()
 
 
+def test_mistral_lists_one_after_another_are_all_read():
+    text = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+            '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]')
+    assert parse(MISTRAL, text, 5)[1] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+
+
 def test_broken_mistral_calls_stay_content():
     for bad in ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}] and more',
                 '[TOOL_CALLS] [{"arguments": {}}]', '[TOOL_CALLS] {"name": "f"}',
