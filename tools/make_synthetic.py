@@ -55,6 +55,28 @@ gate and up rows interleaved as published; `--experts mxfp4` only), their biases
   gpt-oss-20b   24 layers, the same widths, 32 experts of 2880, 4 a token
 `--layers` (default 4) and `--n-experts` cut a shape down; no dense layers.
 
+Shapes of the Mixtral family (model_type mixtral: GQA, every channel rotated; every layer a MoE
+of 8 SwiGLU experts, softmax top-2) and of MiniMax-M2 (model_type minimax_m2: GQA with q/k norm
+over the whole projection, half of each head rotated; every layer a MoE, sigmoid-routed with a
+correction bias, top-8), written as the published BF16 checkpoints are, the routed experts per
+expert (`block_sparse_moe.experts.{x}.w1 / w3 / w2`; `--experts bf16` only):
+  mixtral-8x7b   Mixtral-8x7B: 32 layers, hidden 4096, 32 heads of 128 over 8 KV heads, 8 experts
+                 of 14336, 2 a token, rope theta 1e6
+  mixtral-8x22b  Mixtral-8x22B: 56 layers, hidden 6144, 48 heads of 128 over 8 KV heads, 8 experts
+                 of 16384, 2 a token, rope theta 1e6
+  minimax-m2     MiniMax-M2: 62 layers, hidden 3072, 48 heads of 128 over 8 KV heads (64 channels
+                 rotated), 256 experts of 1536, 8 a token, rope theta 5e6 (its MTP modules left out)
+`--layers` (default 4) and `--n-experts` cut a shape down; no dense layers.
+What the whole shapes need in BF16, as published: the routed experts in host memory (the pool);
+on the GPU the dense weights, the KV pool (bf16 keys and values of every layer and KV head) and
+the expert bank. With 32,768 tokens of KV and ~8 GiB of working memory, the bank holds:
+  mixtral-8x7b   256 experts of 336 MiB (84 GiB), 3.0 GiB dense, KV 128 KiB a token: every
+                 expert on one H200 (141 GB), ~70% of them on an 80 GB H100
+  mixtral-8x22b  448 experts of 576 MiB (252 GiB), 9.9 GiB dense, KV 224 KiB a token: ~40% of
+                 the experts on one H200, ~20% on an H100
+  minimax-m2     15,872 experts of 27 MiB (418 GiB), 7.5 GiB dense, KV 248 KiB a token: ~25% of
+                 the experts on one H200, ~12% on an H100
+
 Shapes of the GLM-5 family (model_type glm_moe_dsa: MLA with DeepSeek Sparse Attention, a
 lightning indexer a layer, sigmoid-routed MoE with a shared expert), written as the published BF16
 checkpoint is (MLA's `self_attn.*` as DeepSeek-V3's, the indexer's `self_attn.indexer.{wq_b, wk,
@@ -203,6 +225,23 @@ GPT_OSS_SHAPES = {
     "gpt-oss-20b": dict(num_local_experts=32),
 }
 
+# Mixtral's and MiniMax-M2's config.json fields as published (`block_sparse_moe`: the experts
+# stored per expert; no dense layers)
+_MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_key_value_heads=8,
+                num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
+                sliding_window=None, router_aux_loss_coef=0.02)
+BLOCK_SPARSE_SHAPES = {
+    "mixtral-8x7b": _MIXTRAL | dict(hidden_size=4096, intermediate_size=14336,
+                                    num_attention_heads=32),
+    "mixtral-8x22b": _MIXTRAL | dict(hidden_size=6144, intermediate_size=16384,
+                                     num_attention_heads=48),
+    "minimax-m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2",
+                       hidden_size=3072, intermediate_size=1536, num_attention_heads=48,
+                       num_key_value_heads=8, head_dim=128, rotary_dim=64,
+                       num_local_experts=256, num_experts_per_tok=8, rope_theta=5e6,
+                       rms_norm_eps=1e-6, scoring_func="sigmoid", use_qk_norm=True,
+                       qk_norm_type="per_layer", use_routing_bias=True, use_mtp=False),
+}
 
 # DeepSeek-V4.1-Flash's layer schedule (40 layers) and its text_config fields
 DS41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
@@ -380,6 +419,21 @@ def gpt_oss_config(shape: str, layers: int, dense_layers: int | None, vocab_size
                          "original_max_position_embeddings": 4096},
         "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0,
         "initializer_range": 0.02, "tie_word_embeddings": False,
+        "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
+        **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
+    }
+
+
+def block_sparse_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+                        max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """A config.json as Mistral publishes Mixtral's and MiniMax MiniMax-M2's, cut to `layers`
+    layers (every one a MoE)."""
+    if dense_layers:
+        raise SystemExit(f"error: --dense-layers {dense_layers}: {shape} has no dense layers")
+    s = BLOCK_SPARSE_SHAPES[shape] | ({"num_local_experts": n_experts} if n_experts else {})
+    return {
+        **s, "vocab_size": vocab_size, "num_hidden_layers": layers, "hidden_act": "silu",
+        "attention_dropout": 0.0, "initializer_range": 0.02, "tie_word_embeddings": False,
         "max_position_embeddings": max_positions, "use_cache": True, "torch_dtype": "bfloat16",
         **special, "tidejax_synthetic": {"shape": shape, "random_weights": True},
     }
@@ -683,6 +737,7 @@ def write_checkpoint(out: Path, cfg: dict, shards: list[tuple[str, list]], token
 # flags of one family's shapes, with their defaults (GLM's --dense-layers: the shape's own)
 V3_FLAGS = {"dense_layers": 1, "experts": "mxfp4", "max_positions": 16384}
 GLM_FLAGS = {"dense_layers": None, "experts": "mxfp4", "max_positions": 16384}
+BLOCK_SPARSE_FLAGS = {"dense_layers": None, "experts": "bf16", "max_positions": 16384}
 DS41_FLAGS = {"engram_gib": None}
 
 
@@ -692,7 +747,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--shape",
                         choices=sorted(SHAPES | GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES
-                                       | GPT_OSS_SHAPES | DS41_SHAPES),
+                                       | GPT_OSS_SHAPES | BLOCK_SPARSE_SHAPES | DS41_SHAPES),
                         default="v41-flash")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny --layers 3 (tests)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
@@ -721,7 +776,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape = args.shape
     flags = (DS41_FLAGS if shape in DS41_SHAPES
              else GLM_FLAGS if shape in GLM_SHAPES | GLM5_SHAPES | QWEN3_SHAPES | GPT_OSS_SHAPES
-             else V3_FLAGS)
+             else BLOCK_SPARSE_FLAGS if shape in BLOCK_SPARSE_SHAPES else V3_FLAGS)
     for name in (DS41_FLAGS | V3_FLAGS).keys() - flags.keys():
         if getattr(args, name) is not None:
             raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to --shape {shape}")
@@ -746,7 +801,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], Router
     else:
         make = (glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES
                 else qwen3_config if shape in QWEN3_SHAPES
-                else gpt_oss_config if shape in GPT_OSS_SHAPES else hf_config)
+                else gpt_oss_config if shape in GPT_OSS_SHAPES
+                else block_sparse_config if shape in BLOCK_SPARSE_SHAPES else hf_config)
         cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
                    args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None

@@ -184,8 +184,9 @@ def _fp8(name: str, shape: tuple, fan_in: int, block: tuple[int, int]) -> list[t
 
 
 def _routed(declared: Declared, layout: Layout, experts: str) -> list[tuple]:
-    """The routed experts of every MoE layer under the table's expert names: per expert in FP4,
-    or fused [E, ...] in MXFP4 (`_blocks`, `_scales`) or BF16."""
+    """The routed experts of every MoE layer under the table's expert names: per expert in FP4
+    or (where the table names no fused tensors) BF16, or fused [E, ...] in MXFP4 (`_blocks`,
+    `_scales`) or BF16."""
     table = declared.table
     rows, two_f, d = declared.experts["gate_up"].shape
     f = declared.experts["down"].shape[-1]
@@ -199,6 +200,14 @@ def _routed(declared: Declared, layout: Layout, experts: str) -> list[tuple]:
                     (name,), (rows_out, inn) = table.expert_names(layer, part, x), dims[part]
                     out += [(name, I8, (rows_out, inn // 2), CODES),
                             (fp8.scale_names(name)[1], E8M0, (rows_out, inn // 32), scales(inn))]
+            continue
+        if not table.expert_names(layer, "gate_up"):  # published per expert (Mixtral's names)
+            if experts != "bf16":
+                raise ValueError(f"synthetic: {layer}'s experts are published per expert in "
+                                 "BF16; write them --experts bf16")
+            out += [(name, BF16, dims[part], uniform(dims[part][1])) for x in range(e)
+                    for part in ("gate", "up", "down")
+                    for name in table.expert_names(layer, part, x)]
             continue
         for part in ("gate_up", "down"):
             (name,), (rows_out, inn) = table.expert_names(layer, part), dims[part]

@@ -1,8 +1,8 @@
 """One contract for a family, parametrised over the families it covers (the newest so far; the
 older ones keep their own modules): declared params = checkpoint table, fp32 logits within 1e-4
 of transformers' on tiny random checkpoints, greedy tokens, the paged cached decode = the full
-forward, half-resident `exact` = all-resident; and for the families with a published chat
-template kept in tests/data/chat_templates, a tool call and its result through the app to the
+forward, half-resident `exact` = all-resident; and for the families with a chat template kept
+in tests/data/chat_templates, a tool call and its result through the app to the
 openai and anthropic clients. A new family costs a writer and configs in
 tests/support/tiny_models.py and an entry here (and its chat vocabulary in
 tests/support/chat_models.py)."""
@@ -150,11 +150,12 @@ def reference_prompt_tokens(path, messages, **kwargs) -> int:
 
 
 def test_tool_call_and_result_through_the_openai_client(served):
-    """The model's reply in the family's format comes back as reasoning_content and an OpenAI
-    tool call, whole and streamed; the call's history (its reasoning under the field the
-    template reads) and the tool's result render into the next prompt as transformers renders
-    them."""
+    """The model's reply in the family's format comes back as reasoning_content (where the
+    family reasons) and an OpenAI tool call, whole and streamed; the call's history (its
+    reasoning under the field the template reads) and the tool's result render into the next
+    prompt as transformers renders them."""
     family, path, url, name = served
+    thought = THOUGHT if CHAT_FAMILIES[family].reasons else None
     oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     kwargs = dict(model=name, tools=[WEATHER], temperature=0, max_tokens=24)
@@ -164,12 +165,13 @@ def test_tool_call_and_result_through_the_openai_client(served):
     [call] = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
                                                                          {"city": CITY})
-    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    assert choice.message.model_extra.get("reasoning_content") == thought
     assert first.usage.prompt_tokens == reference_prompt_tokens(path, messages)
 
     chunks = list(oai.chat.completions.create(messages=messages, stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == THOUGHT
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (
+        thought or "")
     assert [(t.function.name, json.loads(t.function.arguments)) for d in deltas
             for t in d.tool_calls or []] == [("get_weather", {"city": CITY})]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
@@ -179,7 +181,7 @@ def test_tool_call_and_result_through_the_openai_client(served):
     second = oai.chat.completions.create(messages=history, **kwargs)
     reasoning_key = "thinking" if family == "gpt_oss" else "reasoning_content"
     reference = messages + [
-        {"role": "assistant", "content": "", reasoning_key: THOUGHT, "tool_calls": [
+        {"role": "assistant", "content": "", reasoning_key: thought, "tool_calls": [
             {"id": call.id, "type": "function",
              "function": {"name": "get_weather", "arguments": {"city": CITY}}}]},
         history[-1]]
@@ -187,14 +189,15 @@ def test_tool_call_and_result_through_the_openai_client(served):
 
 
 def test_tool_use_through_the_anthropic_client(served):
-    _, _, url, name = served
+    family, _, url, name = served
     claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
     tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
             "input_schema": WEATHER["function"]["parameters"]}
     reply = claude.messages.create(model=name, max_tokens=24, tools=[tool], extra_body={
         "temperature": 0}, messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert reply.stop_reason == "tool_use"
-    assert [(b.type, getattr(b, "thinking", None)) for b in reply.content][0] == (
-        "thinking", THOUGHT)
+    if CHAT_FAMILIES[family].reasons:
+        assert [(b.type, getattr(b, "thinking", None)) for b in reply.content][0] == (
+            "thinking", THOUGHT)
     assert [(b.name, b.input) for b in reply.content if b.type == "tool_use"] == [
         ("get_weather", {"city": CITY})]

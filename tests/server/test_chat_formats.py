@@ -1,5 +1,5 @@
-"""The chat formats of gpt-oss (harmony), Qwen3 and MiniMax-M2 without an engine: the prompt the
-server renders from an OpenAI request with each family's published template (tool call, its
+"""The chat formats of gpt-oss (harmony), Qwen3, MiniMax-M2 and Mixtral without an engine: the
+prompt the server renders from an OpenAI request with each family's template (tool call, its
 reasoning, tool result, the thinking controls) against transformers' apply_chat_template on the
 messages as the template reads them, token for token; and fixed replies in each format through
 the output parsers, streamed in chunks of every size and whole."""
@@ -18,15 +18,16 @@ from tidejax.server.generation import ServedModel
 from tidejax.server.schemas import Fields, parse_chat
 from tidejax.text.harmony import HARMONY
 from tidejax.text.tokenizer import Tokenizer
-from tidejax.text.toolcalls import HERMES, MINIMAX_M2
+from tidejax.text.toolcalls import HERMES, MINIMAX_M2, MISTRAL
 
-CALL = {"id": "call_1", "type": "function",
+# Mixtral's template takes only ids of 9 letters or digits
+CALL = {"id": "call00001", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
 CONVERSATION = [  # as an OpenAI client sends it
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": None, "reasoning_content": THOUGHT, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
 ]
 
 
@@ -66,6 +67,7 @@ THINKING = {
                   ({"chat_template_kwargs": {"enable_thinking": False}},
                    {"enable_thinking": False})],
     "minimax_m2": [({}, {})],
+    "mixtral": [({}, {})],
 }
 
 
@@ -100,7 +102,8 @@ def test_thinking_controls_each_template_lacks_are_refused(tokenizers):
 
 
 def test_formats_are_read_from_the_templates_and_the_families():
-    for family, fmt in (("gpt_oss", HARMONY), ("qwen3_moe", HERMES), ("minimax_m2", MINIMAX_M2)):
+    for family, fmt in (("gpt_oss", HARMONY), ("qwen3_moe", HERMES), ("minimax_m2", MINIMAX_M2),
+                        ("mixtral", MISTRAL)):
         assert tool_format_for("unknown", CHAT_FAMILIES[family].template) is fmt
         assert tool_format_for(family, "{{ messages }}") is fmt
 
@@ -193,3 +196,41 @@ def test_broken_minimax_m2_invokes_stay_content():
                 '<minimax:tool_call><invoke name="f"><parameter name="a">1</invoke>'
                 '</minimax:tool_call>'):
         assert parse(MINIMAX_M2, bad, 4) == ({"reasoning": "", "content": bad}, [])
+
+
+MISTRAL_REPLY = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
+                 '"Paris", "days": 3}, "id": "a1B2c3D4e"}, {"name": "get_time", "arguments": '
+                 '"{}"}]')
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 10_000])
+def test_mistral_tool_call_list_at_any_chunking(chunk):
+    """Mixtral's [TOOL_CALLS] list: the text before it is content, each call of the list a call
+    (arguments an object or its JSON text)."""
+    assert parse(MISTRAL, MISTRAL_REPLY, chunk) == (
+        {"reasoning": "", "content": "Let me check. "},
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})])
+
+
+def test_mistral_call_ids_are_what_its_template_takes():
+    """A written id of 9 letters or digits is kept; a call without one, or with another, gets
+    one of 9: the template refuses any other id in the history."""
+    parser = MISTRAL.parser(False, [WEATHER])
+    parser.feed(MISTRAL_REPLY.replace('"get_time", ', '"get_time", "id": "call_1", '))
+    parser.finish()
+    kept, made = parser.tool_calls
+    assert kept.id == "a1B2c3D4e"
+    assert len(made.id) == 9 and made.id.isalnum()
+
+
+def test_mistral_lists_one_after_another_are_all_read():
+    text = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+            '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]')
+    assert parse(MISTRAL, text, 5)[1] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+
+
+def test_broken_mistral_calls_stay_content():
+    for bad in ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}] and more',
+                '[TOOL_CALLS] [{"arguments": {}}]', '[TOOL_CALLS] {"name": "f"}',
+                '[TOOL_CALLS] [{"name": "f", "arguments": [1]}]', '[TOOL_CALLS] []'):
+        assert parse(MISTRAL, bad, 4) == ({"reasoning": "", "content": bad}, [])

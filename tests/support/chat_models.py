@@ -1,8 +1,12 @@
 """Tiny chat checkpoints of the families whose published chat templates the tests keep
-(tests/data/chat_templates/: gpt-oss's harmony, Qwen3's, MiniMax-M2's): a byte-level BPE with the
-family's control tokens and template, and transformers' model of the family whose weights write
-one fixed reply (server_fixtures.write_chain): reasoning, then a call of get_weather for Paris
-in the family's format. Each chain starts at the last token of the family's generation prompt.
+(tests/data/chat_templates/: gpt-oss's harmony, Qwen3's, MiniMax-M2's; Mixtral's is the template
+Mistral's own mistral_common 1.12.0 writes for its v3 SentencePiece tokenizer, Mixtral-8x22B's,
+`generate_chat_template(spm=True, tokenizer_version=v3)`, as no copy of the published
+tokenizer_config.json is at hand): a byte-level BPE with the family's control tokens and template,
+and transformers' model of the family whose weights write one fixed reply
+(server_fixtures.write_chain): reasoning (where the family reasons), then a call of get_weather
+for Paris in the family's format. Each chain starts at the last token of the family's generation
+prompt.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from tests.support.server_fixtures import write_chain
 from tests.support.tiny_models import (FAMILIES, TEXT, gpt_oss_config, minimax_m2_config,
-                                       qwen3_moe_config, randomize_moe)
+                                       mixtral_config, qwen3_moe_config, randomize_moe)
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 THOUGHT, CITY = "Checking the weather.", "Paris"
@@ -32,6 +36,7 @@ HARMONY_ARGS = json.dumps({"city": CITY})
 HERMES_CALL = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 MINIMAX_INVOKE = ('\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
                   '</invoke>\n')
+MISTRAL_CALL = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +45,7 @@ class ChatFamily:
     text (the reply's pieces, so that each is one token), `chain` the token texts the weights
     map each to the next (its first: the generation prompt's last token), `eos` the end-of-turn
     tokens, `bos`; `model`: transformers' class, `config` its tiny config builder
-    (tests/support/tiny_models.py)."""
+    (tests/support/tiny_models.py); `reasons`: whether the reply opens with THOUGHT."""
 
     name: str
     model: str
@@ -50,6 +55,7 @@ class ChatFamily:
     chain: tuple[str, ...]
     eos: tuple[str, ...]
     bos: str | None = None
+    reasons: bool = True
 
     @property
     def template(self) -> str:
@@ -86,6 +92,13 @@ CHAT_FAMILIES = {
         chain=("\n", THOUGHT, "</think>", "<minimax:tool_call>", MINIMAX_INVOKE,
                "</minimax:tool_call>", "[e~["),
         eos=("[e~[",), bos="]~!b["),
+    # [INST] ...[/INST] | [TOOL_CALLS] [{"name": ..., "arguments": {...}}]</s>
+    "mixtral": ChatFamily(
+        "mixtral", "MixtralForCausalLM", mixtral_config,
+        special=("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                 "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+        plain=(MISTRAL_CALL,), chain=("[/INST]", "[TOOL_CALLS]", MISTRAL_CALL, "</s>"),
+        eos=("</s>",), bos="<s>", reasons=False),
 }
 
 

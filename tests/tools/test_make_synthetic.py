@@ -45,3 +45,10 @@ def test_a_table_that_gives_a_param_two_names_needs_a_preference():
     assert declared.table.param_names(("lm_head",)) == ["lm_head.weight", "head.weight"]
     with pytest.raises(ValueError, match=r"params \('lm_head',\).*Layout.prefer must pick one"):
         declared.name(("lm_head",), Layout())
+
+
+def test_experts_published_per_expert_are_written_bf16_only():
+    args = make_synthetic.parse_args(["out", "--shape", "mixtral-8x7b", "--layers", "1",
+                                      "--experts", "mxfp4"])
+    with pytest.raises(ValueError, match="published per expert in BF16"):
+        make_synthetic.plan(args)

@@ -58,16 +58,17 @@ class ToolFormat:
     `template_marker` identifies the format in a chat template; `arguments_as_dict` says whether
     the template reads an assistant tool call's arguments as a mapping (else as a JSON string);
     `tokens`: the control tokens a call holds besides those naming a tool (the text the parser
-    reads keeps them). `parse_call(body, schemas)` reads one call; `schemas`
-    (`parameter_schemas` of the request's tools) types arguments a format writes untyped.
+    reads keeps them). `parse_calls(body, schemas)` reads the calls of one match of
+    `call_pattern` (one call, or Mistral's list of them); `schemas` (`parameter_schemas` of the
+    request's tools) types arguments a format writes untyped.
     `reasoning_key`: the assistant message field the template reads earlier reasoning from;
     `efforts`: the reasoning_effort values the template takes (None: any it reads)."""
 
     name: str
     start: str
     template_marker: str
-    call_pattern: re.Pattern  # group 1: one call's body
-    parse_call: Callable[[str, dict[str, dict]], ToolCall | None]
+    call_pattern: re.Pattern  # group 1: the body of one call (or of one list of calls)
+    parse_calls: Callable[[str, dict[str, dict]], list[ToolCall] | None]
     arguments_as_dict: bool
     tokens: tuple[str, ...] = ()
     reasoning_key: str = "reasoning_content"
@@ -84,11 +85,19 @@ class ToolFormat:
         schemas = parameter_schemas(tools)
         calls = []
         for match in self.call_pattern.finditer(section):
-            call = self.parse_call(match.group(1), schemas)
-            if call is None:
+            found = self.parse_calls(match.group(1), schemas)
+            if found is None:
                 return None
-            calls.append(call)
+            calls += found
         return calls or None
+
+
+def _one(parse_call: Callable[[str, dict[str, dict]], ToolCall | None]) -> Callable:
+    """`parse_calls` of a format whose call_pattern matches one call at a time."""
+    def parse_calls(body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        call = parse_call(body, schemas)
+        return None if call is None else [call]
+    return parse_calls
 
 
 def _call_deepseek_v3(body: str) -> ToolCall | None:
@@ -162,7 +171,12 @@ def _call_kimi_k2(body: str) -> ToolCall | None:
 
 def _call_hermes(body: str) -> ToolCall | None:
     # {"name": NAME, "arguments": {...}}
-    value = _loads(body)
+    return _named_call(_loads(body))
+
+
+def _named_call(value) -> ToolCall | None:
+    """A call from a parsed {"name": NAME, "arguments": {...}} (or "parameters"; the arguments
+    an object or its JSON text), else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     args = value.get("arguments", value.get("parameters", {}))
@@ -173,30 +187,58 @@ def _call_hermes(body: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
 
 
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _calls_mistral(body: str) -> list[ToolCall] | None:
+    # ' [{"name": NAME, "arguments": {...}, "id": ID}, ...]' (Mistral's v3 tokenizer: Mixtral);
+    # its template refuses a call in the history whose id is not 9 letters or digits, so a call
+    # keeps such an id where the model wrote one and is given one where it did not
+    value = _loads(body)
+    if not isinstance(value, list):
+        return None
+    calls = []
+    for item in value:
+        call = _named_call(item)
+        if call is None:
+            return None
+        written = item.get("id")
+        keep = isinstance(written, str) and _MISTRAL_ID.fullmatch(written)
+        calls.append(ToolCall(call.name, call.arguments,
+                              written if keep else uuid.uuid4().hex[:9]))
+    return calls or None
+
+
 DEEPSEEK_V3 = ToolFormat(
     name="deepseek_v3", start="<｜tool▁calls▁begin｜>", template_marker="tool▁calls▁begin",
     call_pattern=re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.S),
-    parse_call=lambda body, _: _call_deepseek_v3(body), arguments_as_dict=False)
+    parse_calls=_one(lambda body, _: _call_deepseek_v3(body)), arguments_as_dict=False)
 GLM = ToolFormat(
     name="glm", start="<tool_call>", template_marker="<arg_key>",
-    call_pattern=re.compile(r"<tool_call>(.*?)</tool_call>", re.S), parse_call=_call_glm,
+    call_pattern=re.compile(r"<tool_call>(.*?)</tool_call>", re.S),
+    parse_calls=_one(_call_glm),
     arguments_as_dict=True, tokens=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
 KIMI_K2 = ToolFormat(
     name="kimi_k2", start="<|tool_calls_section_begin|>", template_marker="<|tool_call_begin|>",
     call_pattern=re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.S),
-    parse_call=lambda body, _: _call_kimi_k2(body), arguments_as_dict=False)
+    parse_calls=_one(lambda body, _: _call_kimi_k2(body)), arguments_as_dict=False)
 MINIMAX_M2 = ToolFormat(
     name="minimax_m2", start="<minimax:tool_call>", template_marker="<minimax:tool_call>",
-    call_pattern=re.compile(r"<invoke name=(.*?)</invoke>", re.S), parse_call=_call_minimax_m2,
+    call_pattern=re.compile(r"<invoke name=(.*?)</invoke>", re.S),
+    parse_calls=_one(_call_minimax_m2),
     arguments_as_dict=True)
 HERMES = ToolFormat(
     name="hermes", start="<tool_call>", template_marker="<tool_call>",
     call_pattern=re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S),
-    parse_call=lambda body, _: _call_hermes(body),
+    parse_calls=_one(lambda body, _: _call_hermes(body)),
     arguments_as_dict=True)
+MISTRAL = ToolFormat(
+    name="mistral", start="[TOOL_CALLS]", template_marker="[TOOL_CALLS]",
+    call_pattern=re.compile(r"\[TOOL_CALLS\]((?:(?!\[TOOL_CALLS\]).)*)", re.S),
+    parse_calls=lambda body, _: _calls_mistral(body), arguments_as_dict=True)
 
 # most specific template marker first: GLM's templates also contain "<tool_call>"
-TOOL_FORMATS = (DEEPSEEK_V3, KIMI_K2, GLM, MINIMAX_M2, HERMES)
+TOOL_FORMATS = (DEEPSEEK_V3, KIMI_K2, GLM, MINIMAX_M2, MISTRAL, HERMES)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

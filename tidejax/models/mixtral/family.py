@@ -8,6 +8,7 @@ from tidejax.models.mixtral.config import MixtralConfig
 from tidejax.models.mixtral.model import build
 from tidejax.models.mixtral.weights import load_weights
 from tidejax.models.registry import register
+from tidejax.text.toolcalls import MISTRAL
 
 register(Family(
     name="mixtral",
@@ -16,4 +17,5 @@ register(Family(
     build=build,
     load_weights=load_weights,
     **GQA_FAMILY,
+    tool_formats={"mixtral": MISTRAL},
 ))
