@@ -18,7 +18,6 @@ import torch
 from safetensors.numpy import save_file
 
 import tidejax
-from tidejax import ops
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache, gqa_attention
@@ -31,6 +30,7 @@ from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
 from tests.support.declaration import check_forward_on_declared, param_paths
+from tests.support.engine_probes import force_gqa_kernel
 from tests.support.server_fixtures import serve_app, write_chain
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights,
                                        cached_decode_logits, glm4_moe_config, randomize_moe,
@@ -108,18 +108,7 @@ def test_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch)
     to "pallas": Triton's interpreter here; the other ops as served), a 16-token prompt chunk then
     one token a step: the cached decode's logits against transformers' full forward."""
     _, _, model, engine = tiny
-    calls = []
-
-    def forced(op):
-        kernel = getattr(ops, op)
-
-        def call(*args, **kwargs):
-            calls.append((op, kwargs.pop("impl")))
-            return kernel(*args, **kwargs, impl="pallas")
-        return call
-
-    for op in ("paged_gqa_prefill", "paged_gqa_decode"):
-        monkeypatch.setattr(ops, op, forced(op))
+    calls = force_gqa_kernel(monkeypatch)
     with torch.no_grad():
         ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
     assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-4

@@ -143,28 +143,72 @@ def test_auto_takes_the_kernel_only_where_it_fits():
     assert not forms.triton_supports(q.astype(jnp.float16), pool, pool)
 
 
-def test_sinks_and_a_window_in_the_reference(rng, monkeypatch):
-    """gpt-oss's attention: a sink logit per head and a sliding window of 5, the reference (key
-    blocks of one page of 4, so whole blocks before the window are skipped) against float64
-    numpy, decode and a prompt chunk; the kernel path refuses both by name."""
+def poison_before_the_window(k_pages, v_pages, table, positions, window, block) -> list:
+    """NaN in each row's pages that lie wholly before the key block holding its lowest query's
+    first visible position (a loop that read them would carry NaN into the output) -> the rows
+    that got some."""
+    poisoned, ps = [], k_pages.shape[1]
+    for row, pos in enumerate(positions):
+        seen = pos[pos >= 0]
+        pages = table[row, :max(0, seen.min() - window + 1) // block * block // ps] if (
+            seen.size and window) else []
+        if len(pages):
+            k_pages[pages] = v_pages[pages] = np.nan
+            poisoned.append(row)
+    return poisoned
+
+
+@pytest.mark.parametrize("window,with_sinks", [
+    (3, True),  # shorter than a page (4)
+    (10, False),  # longer than a page, shorter than a key block (16)
+    (40, True),  # several key blocks
+    (1000, True),  # longer than every context: all of it
+    (0, True),  # sinks alone
+])
+def test_a_window_and_sinks_on_the_kernel(rng, monkeypatch, window, with_sinks):
+    """gpt-oss's attention on the kernel, decode and a prompt chunk, against float64 numpy: a
+    sink logit per head (or none) and a sliding window (or none). Key blocks of 16 over pages of
+    4, a split a block (so splits > 1), query blocks of 4 (ROWS 8, R 2); rows of lengths 90, 21
+    and 0 (decode) and chunks at 83..89 and 0..4 with two padding queries (prefill). Every table
+    entry past a row's pages holds NaN, and so does every page before the block where the
+    row's windows begin: the loop starts at the window's first block. The reference (key blocks
+    of one page) against numpy too, on pools without NaN."""
     from tidejax.kv import paged
+    monkeypatch.setattr(forms, "BLOCK_N", 16)
+    monkeypatch.setattr(forms, "MIN_BLOCKS_PER_SPLIT", 1)
+    monkeypatch.setattr(forms, "ROWS", 8)
     monkeypatch.setattr(paged, "KEY_BLOCK", 4)
+    assert forms.choose_splits(3 * 2, 24, 4, window, 1) > 1
     h, g = 4, 2
-    q, k_pages, v_pages, table, lengths = paged_case(rng, h, g, 4, lengths=(18, 12), width=8)
-    sinks = rng.normal(0, 2, h).astype(np.float32)
-    pools = jnp.asarray(k_pages), jnp.asarray(v_pages)
-    positions = np.array([list(range(11, 18)), [0, 1, 2, 3, 4, -1, -1]], np.int32)
+    q, k_pages, v_pages, table, lengths = paged_case(rng, h, g, 4, lengths=(90, 21, 0),
+                                                     width=24, nan_padding=True)
+    sinks = rng.normal(0, 2, h).astype(np.float32) if with_sinks else None
     chunk = rng.normal(0, 1, (2, 7, h, 24)).astype(np.float32)
-    got = ops.paged_gqa_prefill(jnp.asarray(chunk), *pools, jnp.asarray(table),
-                                jnp.asarray(positions), scale=0.2,
-                                sinks=jnp.asarray(sinks), window=5, impl="reference")
-    want = numpy_attention(chunk, k_pages, v_pages, table, positions, 0.2, sinks, 5)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    got = ops.paged_gqa_decode(jnp.asarray(q), *pools, jnp.asarray(table), jnp.asarray(lengths),
-                               scale=0.2, sinks=jnp.asarray(sinks), window=5, impl="reference")
-    want = numpy_attention(q[:, None], k_pages, v_pages, table, (lengths - 1)[:, None], 0.2,
-                           sinks, 5)[:, 0]
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="no attention sinks and no sliding window"):
-        ops.paged_gqa_decode(q, k_pages, v_pages, table, lengths, scale=0.2, window=5,
-                             impl="pallas")
+    positions = np.array([list(range(83, 90)), [0, 1, 2, 3, 4, -1, -1]], np.int32)
+    # op -> (queries [b, t, h, k], the table's rows, positions [b, t], the op's last argument)
+    cases = {"decode": (q[:, None], table, (lengths - 1)[:, None], lengths),
+             "prefill": (chunk, table[:2], positions, positions)}
+    for op, (queries, rows, at, last) in cases.items():
+        clean = [np.nan_to_num(a) for a in (k_pages, v_pages)]
+        poisoned = [a.copy() for a in (k_pages, v_pages)]
+        assert bool(poison_before_the_window(*poisoned, rows, at, window, 16)) == (
+            0 < window < 83)  # the long row's early pages, at least
+        want = numpy_attention(queries, *clean, rows, at, 0.2, sinks, window)
+        for impl, pools in (("pallas", poisoned), ("reference", clean)):
+            got = getattr(ops, f"paged_gqa_{op}")(
+                jnp.asarray(queries[:, 0] if op == "decode" else queries),
+                *map(jnp.asarray, (*pools, rows, last)), scale=0.2,
+                sinks=None if sinks is None else jnp.asarray(sinks), window=window, impl=impl)
+            got = np.asarray(got).reshape(want.shape)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{op} {impl}")
+
+
+def test_bad_sinks_and_windows_are_named():
+    q, pool = jnp.zeros((2, 4, 16)), jnp.zeros((4, 4, 2, 16))
+    table, lengths = jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32)
+    for impl in ("pallas", "reference"):
+        with pytest.raises(ValueError, match="sinks .* must be"):
+            ops.paged_gqa_decode(q, pool, pool, table, lengths, scale=1.0, sinks=jnp.zeros(2),
+                                 impl=impl)
+        with pytest.raises(ValueError, match="window -1 must be"):
+            ops.paged_gqa_decode(q, pool, pool, table, lengths, scale=1.0, window=-1, impl=impl)

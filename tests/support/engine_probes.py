@@ -1,10 +1,11 @@
-"""Driving an engine from a test: requests through its scheduler to idle, and the cost of its
-compiled decode step."""
+"""Driving an engine from a test: requests through its scheduler to idle, the cost of its
+compiled decode step, and its GQA attention forced onto the paged kernel."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from tidejax import ops
 from tidejax.kv.pages import PageTable
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
@@ -56,3 +57,22 @@ def decode_cost(engine, position: int) -> tuple[float, float]:
     cost = engine.runner.lower(inputs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return cost["flops"], cost["bytes accessed"]
+
+
+def force_gqa_kernel(monkeypatch) -> list:
+    """ops.paged_gqa_prefill and paged_gqa_decode forced to "pallas" (Triton's interpreter off
+    the GPU; the other ops as served) -> the list each call appends (op, the impl it was given)
+    to, so a test sees that the forward went through them."""
+    calls = []
+
+    def forced(op):
+        kernel = getattr(ops, op)
+
+        def call(*args, **kwargs):
+            calls.append((op, kwargs.pop("impl")))
+            return kernel(*args, **kwargs, impl="pallas")
+        return call
+
+    for op in ("paged_gqa_prefill", "paged_gqa_decode"):
+        monkeypatch.setattr(ops, op, forced(op))
+    return calls

@@ -177,15 +177,9 @@ def _gqa_fits(q, k_pages, v_pages, *_) -> bool:
 
 
 def _gqa_run(op: str, impl, args, reference, kernel, scale, sinks, window: int):
-    """One of the two paged GQA ops: sinks or a window (gpt-oss) on the reference only ("auto"
-    picks it; "pallas" refuses them: the Triton kernel takes neither yet)."""
-    if sinks is None and not window:
-        return run(op, impl, lambda: _gqa_fits(*args), reference, kernel, *args,
-                   scale=float(scale))
-    if choose_impl(op, impl, lambda: False) != "reference":
-        raise ValueError(f"{op}(impl='pallas'): the Triton kernel takes no attention sinks and no "
-                         "sliding window; use the reference")
-    return reference(*args, scale=float(scale), sinks=sinks, window=int(window))
+    """One of the two paged GQA ops, sinks and window passed to either implementation."""
+    return run(op, impl, lambda: _gqa_fits(*args), reference, kernel, *args, scale=float(scale),
+               sinks=sinks, window=window)
 
 
 def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale, sinks=None,
@@ -201,8 +195,10 @@ def paged_gqa_decode(q, k_pages, v_pages, block_table, lengths, *, scale, sinks=
     each row's pages up to its length (the reference: up to the longest row's). The kernel
     against the float32 reference, in Triton's interpreter: ~1e-7 for float32 pools; bf16 pools
     ~1e-2 of the values' scale (probabilities rounded to bf16 for the value dot). Not yet run or
-    timed on a GPU. sinks [h] (a logit per head in the softmax's denominator) and window > 0 (a
-    query at q sees positions > q - window): gpt-oss, the reference only."""
+    timed on a GPU. sinks [h] (a logit per head in the softmax's denominator) and window > 0, a
+    static int (a query at q sees positions > q - window): gpt-oss, on either implementation
+    (the kernel: the window compiled in, its loop from the window's first block; the sinks in
+    the combine of its splits)."""
     args = (q, k_pages, v_pages, block_table, lengths)
     return _gqa_run("paged_gqa_decode", impl, args, paged_gqa.paged_gqa_decode_reference,
                     paged_gqa.paged_gqa_decode_triton, scale, sinks, window)

@@ -6,11 +6,14 @@ Program (sequence, KV head, query block x split) stacks BQ queries x the R query
 share one KV head as the rows of its dots (padded to M_P >= 16 rows, tl.dot's least width; a
 decode step is BQ = 1: the R heads of its one query) and walks its split's share of the
 BLOCK_N-key blocks up to the block's last query position (loaded, so one compile serves any
-length): each block's keys and values are gathered row by row through the block table (a block
-may span pages or be part of one) and read once for all its rows; a row sees the keys at
-positions <= its query's. Online softmax in float32 (running max and sum); the split's
-unnormalized output, max and sum are written for a log-sum-exp combine in jnp. Padding is a
-finite -3e38, never -inf.
+length), starting at the first block any of its rows can see (a sliding window's: so a long
+context costs the window, not the sequence): each block's keys and values are gathered row by
+row through the block table (a block may span pages or be part of one) and read once for all its
+rows; a row sees the keys at positions <= its query's (and, with a window W, > its query's - W).
+The window is a constexpr: its mask and loop start are compiled out for full attention, and a
+model has few distinct windows (gpt-oss one), a compile each. Online softmax in float32 (running
+max and sum); the split's unnormalized output, max and sum are written for a log-sum-exp combine
+in jnp (where attention sinks join the denominator). Padding is a finite -3e38, never -inf.
 """
 
 import triton
@@ -31,15 +34,23 @@ def _larger(a, b):
 
 
 @triton.jit
-def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, table_ptr, positions_ptr, acc_ptr, top_ptr, total_ptr,
-                     n_table, scale, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+def _smaller(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, table_ptr, positions_ptr, n_table, scale, acc_ptr,
+                     top_ptr, total_ptr, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
                      R: tl.constexpr, BQ: tl.constexpr, M_P: tl.constexpr, DK: tl.constexpr,
                      DK_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, PS: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
-                     PRECISION: tl.constexpr, Q_TERMS: tl.constexpr, DOT_F32: tl.constexpr):
+                     WINDOW: tl.constexpr, PRECISION: tl.constexpr, Q_TERMS: tl.constexpr,
+                     DOT_F32: tl.constexpr):
     """q [b, T, H, DK]; k, v pools [n_pages, PS, G, DK | DV]; table [b, n_table] int32;
     positions [b, T] int32 -> acc [b, G, SPLITS, T, R, DV], top and total [b, G, SPLITS, T, R]
-    (float32)."""
+    (float32). The outputs come after the inputs and scalars: jax-triton binds the operands it
+    is given to the first parameters and the outputs to the rest. WINDOW > 0: a row at position
+    p sees only the keys at positions > p - WINDOW."""
     seq, kvh = tl.program_id(0), tl.program_id(1)
     qb, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
     m = tl.arange(0, M_P)  # dot rows: (query qb * BQ + m // R, head kvh * R + m % R)
@@ -59,13 +70,18 @@ def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, table_ptr, positions_ptr, acc_ptr, top
         q_hi = q_hi.to(tl.float32)  # to the pool's dtype as on the GPU, enter float32 dots
         q_lo = q_lo.to(tl.float32)  # (exact products: only the order of the sums differs)
 
-    # each row sees positions 0..pos (none where pos < 0); the block reads up to its last
+    # each row sees positions 0..pos (none where pos < 0), the last WINDOW of them where WINDOW
+    # > 0; the program reads from the first block any row's window reaches up to its last row's
     pos = tl.load(positions_ptr + seq * T + t, mask=row_ok, other=-1)  # [M_P]
-    pos = tl.minimum(pos, n_table * PS - 1)
-    length = tl.reduce(pos, 0, _larger) + 1
+    seen = tl.minimum(pos, n_table * PS - 1)  # a row's last key: the table's end at most
+    length = tl.reduce(seen, 0, _larger) + 1
     n_blocks = (tl.maximum(length, 0) + BLOCK_N - 1) // BLOCK_N
-    per_split = tl.maximum((n_blocks + SPLITS - 1) // SPLITS, MIN_BLOCKS)
-    first = tl.minimum(split * per_split, n_blocks)
+    start = 0
+    if WINDOW > 0:  # the lowest position of a row that sees any keys, less the window
+        lowest = tl.reduce(tl.where(pos >= 0, pos, n_table * PS), 0, _smaller)
+        start = tl.minimum(tl.maximum(lowest - WINDOW + 1, 0) // BLOCK_N, n_blocks)
+    per_split = tl.maximum((n_blocks - start + SPLITS - 1) // SPLITS, MIN_BLOCKS)
+    first = tl.minimum(start + split * per_split, n_blocks)
     last = tl.minimum(first + per_split, n_blocks)
 
     top = tl.full([M_P], -3.0e38, tl.float32)  # finite: a row with no keys keeps a 0 sum
@@ -89,7 +105,9 @@ def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, table_ptr, positions_ptr, acc_ptr, top
         s = tl.dot(q_hi, kt, input_precision=PRECISION)  # [M_P, BLOCK_N]
         if Q_TERMS == 2:
             s += tl.dot(q_lo, kt, input_precision=PRECISION)
-        visible = key_pos[None, :] <= pos[:, None]  # [M_P, BLOCK_N]
+        visible = key_pos[None, :] <= seen[:, None]  # [M_P, BLOCK_N]
+        if WINDOW > 0:
+            visible = visible & (key_pos[None, :] > pos[:, None] - WINDOW)
         s = tl.where(visible, s, -3.0e38)
         new_top = tl.maximum(top, tl.reduce(s, 1, _larger))
         keep = tl.exp(top - new_top)
