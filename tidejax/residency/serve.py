@@ -64,7 +64,8 @@ class ServeOptions:
 def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, state: ExpertState,
                  options: ServeOptions):
     """x [T, D]; ids / weights [T, k] the router's wanted picks; choice_scores [T, E] (higher =
-    preferred); token_mask [T] bool (False = padding, computes nothing) -> (y [T, D], state)."""
+    preferred); token_mask [T] bool (False = padding, computes nothing) -> (y [T, D], state).
+    moe_index: an int, or an int32 scalar (a scanned layer's) but under "cpu" and "auto"."""
     layer_map = state.rowmap[moe_index]  # [E]
     slots = layer_map[ids]  # [T, k]
     live = token_mask[:, None]  # [T, 1]
@@ -108,7 +109,7 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
         # The reference scans every slot; under the identity map this layer's experts are one
         # contiguous block, so scan only those (the GPU kernel reads just the picked slots).
         e = state.n_experts
-        bank = jax.tree.map(lambda a: a[moe_index * e:(moe_index + 1) * e], bank)
+        bank = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, moe_index * e, e), bank)
         slots = slots - moe_index * e
     slots = jnp.where(live, slots, -1)
     # beside host picks the resident part stays float32 until the two are summed

@@ -71,6 +71,43 @@ class V41Config:
     def owns_index_keys(self, layer: int) -> bool:
         return layer in self.kv_sources and layer in self.index_sources
 
+    def layer_kind(self, layer: int) -> tuple:
+        """What a layer's body depends on besides its params, MoE row and cache rows: two layers
+        of one kind run the same computation."""
+        return (self.compress_ratios[layer], layer in self.kv_sources,
+                layer in self.index_sources, layer == self.candidate_source,
+                0 <= self.candidate_source < layer, layer in self.engram_layers)
+
+    def layer_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(first, period, repeats) of each run of layers the forward scans: `repeats` >= 2
+        blocks of `period` layers, each block the same kinds in the same order, none a KV source
+        (it writes its own pool) or an Engram layer (it reads its own table); at each layer the
+        period that covers the most layers (the shortest of those)."""
+        n_layers = self.num_layers
+        free = [i not in self.kv_sources and i not in self.engram_layers for i in range(n_layers)]
+
+        def repeats(first: int, period: int) -> int:
+            def same(block: int) -> bool:
+                return all(free[first + block * period + k] and self.layer_kind(
+                    first + block * period + k) == self.layer_kind(first + k)
+                    for k in range(period))
+            n = 0
+            while first + (n + 1) * period <= n_layers and same(n):
+                n += 1
+            return n
+
+        runs, first = [], 0
+        while first < n_layers:
+            best = max(((repeats(first, p), p) for p in range(1, (n_layers - first) // 2 + 1)),
+                       key=lambda run: (run[0] * run[1] if run[0] > 1 else 0, -run[1]),
+                       default=(0, 1))
+            if best[0] > 1:
+                runs.append((first, best[1], best[0]))
+                first += best[0] * best[1]
+            else:
+                first += 1
+        return tuple(runs)
+
     @property
     def engram_cols(self) -> int:
         return (self.engram_max_ngram - 1) * self.engram_heads

@@ -22,6 +22,9 @@ k head width, d model width, n streams (hc), i index heads.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -310,9 +313,11 @@ class Engram(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: V41Config
-    layer: int
+    layer: int  # its kind (V41Config.layer_kind): the first layer of a scanned run's block
     serve: ServeOptions
     dtype: jnp.dtype = F32  # of its params but mHC's and the router's (float32)
+    moe_index: Any = None  # its MoE's row of the expert state (traced in a scanned run);
+    # None: `layer`
 
     @nn.compact
     def __call__(self, streams, pre, positions, token_mask, n_valid, window, shared, src_cache,
@@ -331,16 +336,58 @@ class DecoderLayer(nn.Module):
 
         pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="ffn_norm")(hc_collapse(streams, pre_a))
-        y, experts = MoE(router_spec(cfg), self.layer, cfg.moe_intermediate_size, self.serve, dt,
+        moe_index = self.layer if self.moe_index is None else self.moe_index
+        y, experts = MoE(router_spec(cfg), moe_index, cfg.moe_intermediate_size, self.serve, dt,
                          act_dtype=F32, name="ffn")(x, token_mask, experts, replay=replay)
         streams = hc_expand(y, streams, post_f, comb_f)
         return streams, pre_f, window, shared, src_cache, experts
+
+
+def scanned_runs(cfg: V41Config, serve: ServeOptions) -> tuple[tuple[int, int, int], ...]:
+    """The runs of layers (V41Config.layer_runs) the forward scans, each compiled once: none
+    where misses are computed on the host ("cpu", "auto"), whose callback takes its layer as
+    a constant."""
+    host = serve.miss_policy in ("cpu", "auto") and not serve.all_resident
+    return () if host else cfg.layer_runs()
+
+
+class LayerBlock(nn.Module):
+    """One block of a scanned run (nn.scan over its repeats): `period` layers of the kinds of
+    first..first+period-1, each given its window ring and MoE row; the params of its layer k
+    are the run's layers first + j * period + k stacked on a leading axis (weights.stack_runs).
+    -> (carry, (windows, and with `keep` each layer's streams and selection, for the sows))."""
+
+    cfg: V41Config
+    first: int
+    period: int
+    serve: ServeOptions
+    dtype: jnp.dtype = F32
+    keep: bool = False
+
+    @nn.compact
+    def __call__(self, carry, per_block, inputs):
+        streams, pre, shared, experts = carry
+        windows, moe_rows = per_block  # period x [b, W-1, k]; [period] int32
+        positions, token_mask, n_valid, block_table, replay = inputs
+        windows, kept = list(windows), []
+        for k in range(self.period):
+            layer = self.first + k
+            streams, pre, windows[k], shared, _, experts = DecoderLayer(
+                self.cfg, layer, self.serve, self.dtype, moe_rows[k], name=f"layer_{k}")(
+                streams, pre, positions, token_mask, n_valid, windows[k], shared, None,
+                block_table, None, experts, replay)
+            if self.keep:
+                kept.append((streams, shared["selection"] if layer in self.cfg.index_sources
+                             else None))
+        return (streams, pre, shared, experts), (tuple(windows), tuple(kept))
 
 
 class DeepseekV41(nn.Module):
     cfg: V41Config
     serve: ServeOptions  # how routed experts are served (miss policy) and the ops run (kernel)
     dtype: jnp.dtype = F32  # of the dense params but mHC's, the sinks and the routers (float32)
+    scan: bool = True  # scan the runs of like layers (scanned_runs; their params stacked:
+    # weights.stack_runs); False: every layer unrolled, its params its own (as loaded)
 
     @nn.compact
     @serving
@@ -357,8 +404,10 @@ class DeepseekV41(nn.Module):
         the step reads them, gather_rows)
         -> (logits [b, t or 1, vocab] float32, cache, experts).
 
+        Runs of like layers run under nn.scan (scanned_runs, LayerBlock) unless `scan` is off.
         Sows "streams" (each layer's output streams) and "selection" (each index source's
-        selection) into the "intermediates" collection for parity checks."""
+        selection) into the "intermediates" collection for parity checks, per layer in order,
+        scanned or not."""
         cfg = self.cfg
         b, t = tokens.shape
         n_valid = jnp.sum(token_mask, 1).astype(jnp.int32)
@@ -376,7 +425,29 @@ class DeepseekV41(nn.Module):
         windows = list(lanes.window)
         sources = [list(z) for z in zip(pages.entries, pages.index_keys, lanes.buf_kv, lanes.buf_gate)]
         shared: dict = {}
-        for i in range(cfg.num_layers):
+        runs = {first: (period, n) for first, period, n in
+                (scanned_runs(cfg, self.serve) if self.scan else ())}
+        keep = self.is_mutable_collection("intermediates")
+        i = 0
+        while i < cfg.num_layers:
+            if i in runs:
+                period, n = runs[i]
+                layers = jnp.arange(i, i + period * n, dtype=jnp.int32).reshape(n, period)
+                block = nn.scan(LayerBlock, variable_axes={"params": 0},
+                                split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=n)
+                (streams, pre, shared, experts), (ring, kept) = block(
+                    cfg, i, period, self.serve, self.dtype, keep,
+                    name=f"layers_{i}_{i + period * n - 1}")(
+                    (streams, pre, shared, experts),
+                    (tuple(jnp.stack(windows[i + k:i + period * n:period]) for k in range(period)),
+                     layers), (positions, token_mask, n_valid, block_table, replay))
+                for j, k in itertools.product(range(n), range(period)):
+                    windows[i + j * period + k] = ring[k][j]
+                    if keep:
+                        self._sow_layer(i + j * period + k, kept[k][0][j], jax.tree.map(
+                            lambda a, j=j: a[j], kept[k][1]), block_table, shared)
+                i += period * n
+                continue
             src = cfg.kv_sources.index(i) if i in cfg.kv_sources else None
             rows = (engram_rows[:, :, cfg.engram_layers.index(i)]
                     if i in cfg.engram_layers else None)
@@ -387,11 +458,8 @@ class DeepseekV41(nn.Module):
                 replay)
             if src is not None:
                 sources[src] = list(src_cache)
-            self.sow("intermediates", "streams", streams)
-            if i in cfg.index_sources:  # dense [b, t, G] masks, for parity checks only
-                g = block_table.shape[1] * shared["entries"].shape[1]  # P * rows
-                self.sow("intermediates", f"selection_{i}",
-                         jax.vmap(selection_mask, (0, 0, None))(*shared["selection"], g))
+            self._sow_layer(i, streams, shared.get("selection"), block_table, shared)
+            i += 1
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hc_collapse(streams, pre))
         head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
         logits = lm_logits(x, head, logits_at)
@@ -399,3 +467,12 @@ class DeepseekV41(nn.Module):
         cache = PagedCache(V41Pages(entries, index_keys),
                            V41Lanes(tuple(windows), buf_kv, buf_gate, history))
         return logits, cache, experts
+
+    def _sow_layer(self, layer: int, streams, selection, block_table, shared) -> None:
+        """Layer `layer`'s output streams and, at an index source, its selection as dense
+        [b, t, G] masks (parity checks only)."""
+        self.sow("intermediates", "streams", streams)
+        if layer in self.cfg.index_sources:
+            g = block_table.shape[1] * shared["entries"].shape[1]  # P * rows
+            self.sow("intermediates", f"selection_{layer}",
+                     jax.vmap(selection_mask, (0, 0, None))(*selection, g))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from tidejax.checkpoint import Experts, Rule, Table
@@ -32,7 +33,8 @@ from tidejax.fields import read_json
 from tidejax.models.base import ParamSpec
 from tidejax.models.deepseek_v41.config import V41Config
 from tidejax.models.deepseek_v41.engram import EngramLayout, EngramTables, compressed_token_map
-from tidejax.models.deepseek_v41.model import ATTN_NAMES, engram_specs, router_spec
+from tidejax.models.deepseek_v41.model import (ATTN_NAMES, engram_specs, router_spec,
+                                                scanned_runs)
 from tidejax.models.layers.latent_window import attention_specs
 from tidejax.models.layers.linear import embedding_specs, linear_specs
 from tidejax.models.layers.mhc import mhc_specs
@@ -79,6 +81,20 @@ def param_specs(cfg: V41Config, dtype) -> dict:
             layer["engram"] = engram_specs(cfg, dtype)
         specs[f"layers_{i}"] = layer
     return specs
+
+
+def stack_runs(params: dict, runs) -> dict:
+    """The loaded params (per layer, as param_specs declares them) with the layers of each
+    scanned run ((first, period, repeats): model.scanned_runs) stacked as model.LayerBlock takes
+    them: {"layers_{first}_{last}": {"layer_{k}": layers first + j * period + k on a leading
+    axis j}}. The per-layer arrays are dropped as each run is stacked."""
+    params = dict(params)
+    for first, period, repeats in runs:
+        params[f"layers_{first}_{first + period * repeats - 1}"] = {
+            f"layer_{k}": jax.tree.map(lambda *layers: jnp.stack(layers), *[
+                params.pop(f"layers_{first + j * period + k}") for j in range(repeats)])
+            for k in range(period)}
+    return params
 
 
 def host_specs(cfg: V41Config) -> dict:
@@ -201,5 +217,6 @@ def load_weights(cfg: V41Config, model_dir, raw_config: dict, serve, dtype, put_
     """The family's loader: (dense params, placed by their declared axes; the checkpoint as the
     aux: its `engram` is what every step's forward takes beside the params)."""
     checkpoint = load(model_dir, dtype=dtype, put_row=put_row, dense_format=dense_format)
-    return checkpoint.params["params"], checkpoint
+    params = stack_runs(checkpoint.params.pop("params"), scanned_runs(cfg, serve))
+    return params, checkpoint
 
