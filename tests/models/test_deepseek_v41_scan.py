@@ -12,7 +12,9 @@ import numpy as np
 import tidejax
 from tidejax.models.deepseek_v41.model import DeepseekV41
 from tidejax.models.deepseek_v41.weights import load
+from tidejax.residency.history import History
 from tidejax.residency.serve import ServeOptions
+from tidejax.residency.trace import read_trace
 from tests.support.v41_runner import new_cache
 from tools import make_synthetic
 
@@ -37,10 +39,21 @@ def test_engine_scans_the_runs_and_equals_the_unrolled_forward(tmp_path):
     got = engine.logits(ids)
     assert np.abs(got - np.asarray(want[0])).max() <= 1e-4
 
-    # half resident, "exact": the scanned layers fetch their misses by their traced MoE rows
+    # half resident, "exact": the scanned layers fetch their misses by their traced MoE rows,
+    # and record their picks in the routing trace by them (drain_every 1 and no decay: the
+    # saved history is every step's counts)
     n_layers, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    state_dir = tmp_path / "state"
     half = tidejax.load(tmp_path, engine={"lanes": 1, "max_context": 64},
                         residency={"budget_experts": n_layers * n_experts // 2,
-                                   "miss_policy": "exact"})
+                                   "miss_policy": "exact", "drain_every": 1, "half_life": 1e9,
+                                   "state_dir": str(state_dir), "trace_every_steps": 1})
     np.testing.assert_array_equal(half.logits(ids), got)
     assert half.residency.stats()["misses"] > 0
+    half.generate("The tide comes in", max_new_tokens=3)
+    half.close()
+    _, trace = read_trace(state_dir / "routing")
+    counts = History.read(state_dir / "history.npz").counts  # [MoE layers, E]
+    for layer in range(n_layers):
+        np.testing.assert_allclose(np.bincount(trace["ids"][:, layer].reshape(-1),
+                                               minlength=n_experts), counts[layer], rtol=1e-6)
