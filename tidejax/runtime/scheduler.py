@@ -349,14 +349,14 @@ class Scheduler:
         self._release_cancelled()
         self._make_room()
         self._admit()
-        if self.k:
+        if self.k:  # nothing in flight: this step's tokens decide the next positions
             queued = self._dispatch(None)
             if queued is not None:
                 self._deliver(queued)
-            return bool(self.active or self.queue or not self._plan.empty)
-        previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
-        if previous is not None:
-            self._deliver(previous)  # waits for it; the step just queued keeps the device busy
+        else:
+            previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
+            if previous is not None:
+                self._deliver(previous)  # waits for it; the step just queued keeps the device busy
         busy = bool(self.active or self.queue or self._in_flight or not self._plan.empty)
         if not busy:
             self.model.residency.flush()
