@@ -30,9 +30,9 @@ from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.app import Server
 from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER, write_chat_model
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.engine_probes import force_gqa_kernel
 from tests.support.server_fixtures import serve_app
-from tests.support.tiny_models import (FAMILIES, cached_decode_logits, gpt_oss_config,
+from tests.support.tiny_models import (FAMILIES, cached_decode_logits,
+                                       check_cached_decode_on_the_gqa_kernel, gpt_oss_config,
                                        minimax_m2_config, mixtral_config, qwen3_moe_config,
                                        relative_diff, served_greedy, transformers_greedy,
                                        write_gpt_oss_mxfp4_copies)
@@ -100,12 +100,7 @@ def test_gpt_oss_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monk
     family, _, _, model, engine = tiny
     if family != "gpt_oss":
         pytest.skip("the kernel's sinks and window: gpt-oss's")
-    calls = force_gqa_kernel(monkeypatch)
-    with torch.no_grad():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-4
-    n = engine.cfg.num_layers  # each shape traced once: every layer's attention, given no impl
-    assert calls == [("paged_gqa_prefill", None)] * n + [("paged_gqa_decode", None)] * n
+    check_cached_decode_on_the_gqa_kernel(engine, model, PROMPT, monkeypatch)
 
 
 def test_half_resident_exact_equals_all_resident(tiny):

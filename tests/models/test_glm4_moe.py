@@ -30,13 +30,13 @@ from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.engine_probes import force_gqa_kernel
 from tests.support.server_fixtures import serve_app, write_chain
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights,
-                                       cached_decode_logits, glm4_moe_config, randomize_moe,
-                                       relative_diff, second_turn, served_greedy, state_dict,
-                                       transformers_greedy, write_fp8_copies, write_fused_copy,
-                                       write_glm4_moe)
+                                       cached_decode_logits,
+                                       check_cached_decode_on_the_gqa_kernel, glm4_moe_config,
+                                       randomize_moe, relative_diff, second_turn, served_greedy,
+                                       state_dict, transformers_greedy, write_fp8_copies,
+                                       write_fused_copy, write_glm4_moe)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -104,16 +104,10 @@ def test_cached_decode_equals_full_forward(tiny):
 
 
 def test_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch):
-    """The attention on the paged GQA kernel (ops.paged_gqa_prefill and paged_gqa_decode forced
-    to "pallas": Triton's interpreter here; the other ops as served), a 16-token prompt chunk then
-    one token a step: the cached decode's logits against transformers' full forward."""
+    """GLM-4.5's cached decode with its attention on the paged GQA kernel against transformers
+    (check_cached_decode_on_the_gqa_kernel)."""
     _, _, model, engine = tiny
-    calls = force_gqa_kernel(monkeypatch)
-    with torch.no_grad():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-4
-    n = engine.cfg.num_layers  # each shape traced once: every layer's attention, given no impl
-    assert calls == [("paged_gqa_prefill", None)] * n + [("paged_gqa_decode", None)] * n
+    check_cached_decode_on_the_gqa_kernel(engine, model, PROMPT, monkeypatch)
 
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):

@@ -464,6 +464,21 @@ def cached_decode_logits(engine, prompt, prefill: int):
     return np.concatenate(stepped)
 
 
+
+def check_cached_decode_on_the_gqa_kernel(engine, model, prompt, monkeypatch) -> None:
+    """The attention on the paged GQA kernel (ops.paged_gqa_prefill and paged_gqa_decode forced
+    to "pallas": Triton's interpreter here; the other ops as served), a 16-token prompt chunk then
+    one token a step: the cached decode's logits against transformers' full forward, and every
+    layer's attention through the forced ops (each shape traced once, given no impl)."""
+    from tests.support.engine_probes import force_gqa_kernel
+
+    calls = force_gqa_kernel(monkeypatch)
+    with torch.no_grad():
+        ref = model(torch.tensor(prompt)[None]).logits[0].numpy()
+    assert relative_diff(cached_decode_logits(engine, prompt, 16), ref) < 1e-4
+    n = engine.cfg.num_layers
+    assert calls == [("paged_gqa_prefill", None)] * n + [("paged_gqa_decode", None)] * n
+
 def state_dict(model) -> dict:
     """The torch model's tensors as numpy arrays, as transformers 5 holds them in memory."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
