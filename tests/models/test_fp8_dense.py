@@ -79,7 +79,7 @@ def test_fp8_on_the_device_gives_the_float_logits_in_fewer_bytes(published):
     attn = as_stored.params["params"]["layers_1"]["attn"]
     assert attn["wq_b"]["weight"].dtype == E4M3 and attn["indexer"]["wq_b"]["scale"].shape == (2, 1)
     assert as_stored.params["params"]["layers_1"]["engram"]["wkv"]["scale"].shape == (5, 3)
-    assert attn["wo_a"].dtype == jnp.float32  # not a Linear: dequantized
+    assert attn["wo_a"]["weight"].dtype == E4M3 and "scale" in attn["wo_a"]  # the grouped one too
     fp8_bytes, float_bytes = _bytes(as_stored.params), _bytes(dequantized.params)
     print(f"dense params on the device: {float_bytes} B float32, {fp8_bytes} B with FP8")
     assert fp8_bytes < 0.8 * float_bytes

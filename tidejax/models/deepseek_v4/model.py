@@ -33,7 +33,7 @@ from tidejax.models.base import ParamSpec, declare, serving
 from tidejax.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from tidejax.models.layers.compress import pool_groups, top_k_select
 from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
-                                                 grouped_low_rank, ring_update, window_keys)
+                                                 GroupedLowRank, ring_update, window_keys)
 from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
@@ -213,8 +213,8 @@ class Attention(nn.Module):
         out = attend_with_sink(q.astype(x.dtype), keys.astype(x.dtype), mask, sinks, extra,
                                extra_mask)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
-        y = Linear(cfg.hidden_size, dt, name="o_b_proj")(
-            grouped_low_rank(out, p["o_a_proj"], cfg.o_groups))
+        low_rank = GroupedLowRank(cfg.o_groups, cfg.o_lora_rank, dt, name="o_a_proj")(out)
+        y = Linear(cfg.hidden_size, dt, name="o_b_proj")(low_rank)
         return y, window, state
 
 

@@ -87,7 +87,7 @@ RULES = (
     Rule(f"{_LAYER}.attn_norm.weight", "layers_{i}_input_layernorm.weight"),
     Rule(f"{_LAYER}.ffn_norm.weight", "layers_{i}_post_attention_layernorm.weight"),
     Rule(f"{_LAYER}.attn.attn_sink", f"{_TO_ATTN}.sinks"),
-    Rule(f"{_LAYER}.attn.wo_a.weight", f"{_TO_ATTN}.o_a_proj"),
+    Rule(f"{_LAYER}.attn.wo_a.weight", f"{_TO_ATTN}.o_a_proj.weight"),
     *(Rule(f"{_LAYER}.attn.{theirs}.weight", f"{_TO_ATTN}.{ours}.weight")
       for theirs, ours in _ATTN.items()),
     *(Rule(f"{_LAYER}.attn.{where}.{theirs}.weight", f"{_TO_ATTN}.compressor.{to}.{ours}.weight")

@@ -39,7 +39,7 @@ from tidejax.models.deepseek_v41.engram import EngramTables, dequantized, gather
 from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selection_mask,
                                             top_k_select)
 from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
-                                                 grouped_low_rank, ring_update, window_keys)
+                                                 GroupedLowRank, ring_update, window_keys)
 from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
 from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
@@ -236,7 +236,8 @@ class Attention(nn.Module):
         out = attend_with_sink(q.astype(x.dtype), keys.astype(x.dtype), mask, sink, picked, valid)
         out = rope_tail(out, cos, sin, inverse=True).astype(x.dtype)
 
-        y = Linear(cfg.hidden_size, dt, name="wo_b")(grouped_low_rank(out, p["wo_a"], cfg.o_groups))
+        low_rank = GroupedLowRank(cfg.o_groups, cfg.o_lora_rank, dt, name="wo_a")(out)
+        y = Linear(cfg.hidden_size, dt, name="wo_b")(low_rank)
         return y, window, shared, src_cache
 
     def _compressed(self, x, q_res, positions, n_valid, shared, src_cache, block_table):

@@ -120,7 +120,7 @@ RULES = (
     Rule(f"{_LAYER}.{{norm:attn_norm|ffn_norm}}.weight", "layers_{i}.{norm}.weight"),
     Rule(f"{_LAYER}.{{site:hc_attn|hc_ffn}}_{{part:fn|base|scale}}", "layers_{i}.{site}_{part}"),
     Rule(f"{_LAYER}.attn.attn_sink", "layers_{i}.attn.attn_sink"),
-    Rule(f"{_LAYER}.attn.wo_a.weight", "layers_{i}.attn.wo_a"),
+    Rule(f"{_LAYER}.attn.wo_a.weight", "layers_{i}.attn.wo_a.weight"),
     Rule(f"{_LAYER}.attn.{{m:wq_a|q_norm|wq_b|wkv|kv_norm|wo_b}}.weight", "layers_{i}.attn.{m}.weight"),
     Rule(f"{_LAYER}.attn.compressor.{{m:wkv|wgate|norm}}.weight",
          "layers_{i}.attn.compressor.{m}.weight"),
@@ -173,9 +173,9 @@ def load(model_dir, tokenizer=None, *, dtype=jnp.float32, put_row=None,
     dtype: the model's, of the dense params (param_specs). put_row(layer * E + expert, row): where the
     routed experts go (a host pool, for residency); without it they are stacked into an
     all-resident expert state (`V41Checkpoint.experts`), which only suits models that fit.
-    dense_format "fp8": the projections stored FP8 (wq_a, wq_b, wkv, wo_b, the compressors',
-    indexers' and Engram's, the shared experts') stay FP8 on the device (loading.fp8_specs);
-    wo_a (a grouped einsum, not a Linear) is dequantized."""
+    dense_format "fp8": the projections stored FP8 (wq_a, wq_b, wkv, wo_a, wo_b, the
+    compressors', indexers' and Engram's, the shared experts') stay FP8 on the device
+    (loading.fp8_specs)."""
     model_dir = Path(model_dir)
     raw = read_json(model_dir / "config.json")
     cfg = V41Config.from_hf(raw, str(model_dir / "config.json"))

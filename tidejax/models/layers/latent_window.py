@@ -10,12 +10,15 @@ Einsum letters: b batch, t queries, s keys, h heads, k head width, g output grou
 from __future__ import annotations
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax.models.base import ParamSpec
+from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.linear import HIGHEST, linear_specs
+from tidejax.ops import fp8_block_matmul
 from tidejax.models.layers.norm import norm_specs
 
 F32 = jnp.float32
@@ -35,7 +38,7 @@ def attention_specs(cfg, names: dict[str, str], dtype, norm_dtype) -> dict:
              "kv": linear_specs(k, d, (None, "embed"), dtype),  # one KV head: never split
              "kv_norm": norm_specs(k, None, norm_dtype),
              "sink": ParamSpec((h,), F32, ("heads",), init="zeros"),
-             "o_a": ParamSpec((rank, h * k // cfg.o_groups), dtype, (None, None)),
+             "o_a": linear_specs(rank, h * k // cfg.o_groups, (None, None), dtype),
              "o_b": linear_specs(d, rank, ("embed", None), dtype)}
     return {names[part]: specs[part] for part in PARTS}
 
@@ -140,10 +143,31 @@ def _attend_banded(q, keys, mask, sink, extra, extra_mask, block: int):
     return out.reshape(b, n * block, h, k)[:, :t]
 
 
-def grouped_low_rank(out, wo_a, groups: int):
+class GroupedLowRank(nn.Module):
     """out [b, t, h, k] -> [b, t, groups * rank]: the heads split into `groups`, each projected by
-    its own block of wo_a [groups * rank, h * k / groups] (the output's first, low-rank half)."""
-    b, t = out.shape[:2]
-    w = wo_a.reshape(groups, wo_a.shape[0] // groups, -1).astype(out.dtype)
-    grouped = jnp.einsum("btgi,goi->btgo", out.reshape(b, t, groups, -1), w, precision=HIGHEST)
-    return grouped.reshape(b, t, -1)
+    its own block of the weight [groups * rank, h * k / groups] (the output's first, low-rank half).
+    A weight kept FP8 (a "scale" beside it: models.loading.fp8_specs) is read as stored, a group
+    at a time through fp8_block_matmul, as a Linear's is: dequantized it would be twice the bytes
+    a decode step reads (for V4.1-Flash 67 of 34 MB a layer)."""
+
+    groups: int
+    rank: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, out):
+        b, t = out.shape[:2]
+        x = out.reshape(b, t, self.groups, -1)  # [b, t, g, i]
+        p = declare(self, linear_specs(self.groups * self.rank, x.shape[-1], (None, None),
+                                       self.dtype))
+        w = p["weight"].reshape(self.groups, self.rank, -1)  # [g, o, i]
+        if not self.has_variable("params", "scale"):
+            grouped = jnp.einsum("btgi,goi->btgo", x, w.astype(x.dtype), precision=HIGHEST)
+            return grouped.reshape(b, t, -1)
+        scales = self.get_variable("params", "scale")  # [g * o / bo, i / bi]
+        bo, bi = p["weight"].shape[0] // scales.shape[0], p["weight"].shape[1] // scales.shape[1]
+        rows = math.gcd(bo, self.rank)  # a block of rows inside one group: its scales repeated
+        scales = jnp.repeat(scales, bo // rows, axis=0).reshape(self.groups, self.rank // rows, -1)
+        grouped = jax.vmap(lambda xg, wg, sg: fp8_block_matmul(xg, wg, sg, (rows, bi)),
+                           in_axes=(2, 0, 0), out_axes=2)(x, w, scales)
+        return grouped.reshape(b, t, -1)
