@@ -40,7 +40,7 @@ from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
 from tidejax import parallel
 from tidejax.residency.history import History
-from tidejax.residency.hostcache import HostCache
+from tidejax.residency.hostcache import HostCache, disk_stats
 from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
 from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
@@ -289,6 +289,14 @@ class Residency:
             self._host_map = self.cache.slot_of
             self._device_map = parallel.replicated(self._host_map)
 
+    def _read_ahead(self) -> None:
+        """Host prefetch, at a drain's plan: the rows on disk whose demand would earn them a
+        host slot (HostCache.worth_reading, by the same history and hysteresis as the bank's
+        plan) read while decoding goes on; committed by a later next_batch."""
+        self.cache.prefetch(self.cache.worth_reading(
+            self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
+            self.section.hysteresis))
+
     def _wait_in_flight(self) -> None:
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
@@ -345,6 +353,9 @@ class Residency:
             new = np.asarray(tallies.misses, np.float64)  # [L_moe, E] the step's misses
             if host_map is not None:  # those of rows on disk when the step ran
                 self.counters["host_misses"] += int(new.reshape(-1)[host_map < 0].sum())
+                # and those found in host memory because a prefetch had read them
+                self.counters["host_prefetch_hits"] += int(
+                    new.reshape(-1)[(host_map >= 0) & self.cache.prefetched].sum())
             wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
             approx_weight = float(np.asarray(tallies.approx, np.float64).sum())
             copies = int(tallies.ring_copies)
@@ -403,6 +414,8 @@ class Residency:
                         self.history.demand, self.slot_rows[:self.n_resident], self.geometry,
                         self.section.hysteresis, self.section.max_swaps_per_layer)]
                 self.counters["planned"] += len(self._queue)
+                if self.cache is not None:
+                    self._read_ahead()
             self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
             if self.state_dir:
                 self._persist()
@@ -572,9 +585,7 @@ class Residency:
         """The disk tier's reads (HostCache.stats), zeros without one."""
         if self.cache is not None:
             return self.cache.stats()
-        return {"disk_reads": 0, "disk_read_bytes": 0, "disk_read_seconds": 0.0,
-                "disk_reads_queued": 0, "host_evictions": 0, "host_reads_dropped": 0,
-                "host_held": self.n_layers * self.n_experts}
+        return disk_stats(collections.Counter(), held=self.n_layers * self.n_experts)
 
     def expert_map(self) -> dict:
         """The decayed demand [L_moe, E] (History.demand: routing weight) and the resident set
@@ -597,6 +608,8 @@ class Residency:
             # wanted picks of experts in neither the bank nor host memory (the disk tier's)
             "host_cold_share_total": c["host_misses"] / c["wanted"] if c["wanted"] else 0.0,
             "host_misses": c["host_misses"],
+            # wanted picks missing the bank that a host prefetch had brought into host memory
+            "host_prefetch_hits": c["host_prefetch_hits"],
             "window_steps": len(self._window),
             "misses": c["misses"],
             "hits": c["wanted"] - c["misses"],
