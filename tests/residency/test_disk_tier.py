@@ -7,8 +7,12 @@ restart and rebuilt when its source changes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import pytest
 import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.errors import CheckpointError, ConfigError
+from tidejax.residency.disk import ALIGN, DirectFile
 from tidejax.residency.hostcache import HostCache
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.metrics import Metrics
@@ -34,7 +39,10 @@ def checkpoint(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def all_in_host(checkpoint):
-    engine = tidejax.load(checkpoint, engine=ENGINE)
+    """Every expert in host memory: a host_budget_gib above the experts' bytes (the pool read
+    whole after the header checks, as without a host budget)."""
+    engine = tidejax.load(checkpoint, engine=ENGINE, residency={"host_budget_gib": 1.0})
+    assert engine.residency.cache is None and engine.residency.host_capacity == ROWS
     return engine, served_greedy(engine, PROMPT, 12), engine.logits(PROMPT)
 
 
@@ -44,7 +52,8 @@ def _load(path, **residency):
 
 @pytest.fixture(scope="module")
 def over_disk(checkpoint):
-    return _load(checkpoint, miss_policy="exact")
+    """Drains every 2 steps, the host prefetch taking any row busier than a held one."""
+    return _load(checkpoint, miss_policy="exact", drain_every=2, hysteresis=1.0)
 
 
 def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
@@ -60,9 +69,13 @@ def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     assert stats["disk_reads"] > 0 and stats["disk_read_bytes"] > 0
     assert stats["disk_read_bytes"] == stats["disk_reads"] * engine.residency.row_bytes
     assert 0 < stats["host_cold_share_total"] <= stats["cold_share_total"]
+    # the host prefetch read rows off the steps' path, and later steps found them in host memory
+    assert stats["disk_prefetches"] > 0 and stats["host_prefetch_hits"] > 0
+    assert stats["disk_reads"] > stats["disk_reads_in_step"] and stats["disk_read_gbps"] > 0
     shown = Metrics().render(LocalEngineClient(engine).stats(), 0)
     for key in ("disk_reads", "disk_read_bytes", "disk_read_seconds", "host_cold_share_total",
-                "cold_share_total"):
+                "cold_share_total", "disk_prefetches", "host_prefetch_hits", "disk_read_gbps",
+                "disk_reads_queued"):
         assert f"tidejax_residency_{key} {stats[key]}" in shown
 
 
@@ -92,14 +105,18 @@ def test_commit_evicts_the_least_demanded_row_the_bank_does_not_hold(over_disk):
 @pytest.mark.parametrize("residency, message", [
     ({"host_budget_experts": ROWS // 4}, "more than the bank's 4 experts"),
     ({"miss_policy": "ring", "ring_slots": 2}, "miss_policy 'ring' over the disk tier"),
-    ({"budget_experts": 0}, "set budget_experts or budget_gib")])
+    ({"budget_experts": 0}, "set budget_experts or budget_gib"),
+    ({"host_budget_gib": 0.5}, "or host_budget_gib, not both")])
 def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, residency, message):
     with pytest.raises(ConfigError, match=f"host_budget_experts.*{message}"):
         _load(checkpoint, **residency)
 
 
-def test_substitute_reads_only_what_the_planner_asks(checkpoint):
-    engine = _load(checkpoint, miss_policy="substitute", drain_every=4)
+def test_substitute_reads_only_what_the_planner_asks(checkpoint, over_disk, tmp_path):
+    """Then, with the history saved, a restart needs no calibration: the host cache (given in
+    GiB) is filled with the bank's experts and the busiest others, and nothing else is read."""
+    state = {"state_dir": str(tmp_path / "state")}
+    engine = _load(checkpoint, miss_policy="substitute", drain_every=4, **state)
     residency = engine.residency
     residency.freeze()
     before = residency.stats()
@@ -114,17 +131,14 @@ def test_substitute_reads_only_what_the_planner_asks(checkpoint):
     assert (after["disk_reads"] - frozen["disk_reads"]
             <= after["swaps_planned"] + after["disk_prefetches"])
     assert after["host_held"] <= ROWS // 2
-
-
-def test_boot_reads_what_the_budgets_keep(checkpoint, tmp_path):
-    """With a saved history the boot map needs no calibration: the host cache is filled with
-    the bank's experts and the busiest others, and nothing else is read."""
-    state = {"state_dir": str(tmp_path / "state")}
-    first = _load(checkpoint, miss_policy="substitute", **state)
-    served_greedy(first, PROMPT, 4)
-    first.close()
-    second = _load(checkpoint, miss_policy="substitute", **state)
-    assert second.residency.stats()["disk_reads"] == ROWS // 2
+    engine.close()
+    gib = (ROWS // 2) * over_disk.residency.row_bytes / 2**30
+    again = tidejax.load(checkpoint, engine=ENGINE, residency={
+        "budget_experts": ROWS // 4, "host_budget_gib": gib, "miss_policy": "substitute",
+        **state})
+    assert not again.residency.needs_calibration
+    stats = again.residency.stats()
+    assert stats["host_resident"] == ROWS // 2 and stats["disk_reads"] == ROWS // 2
 
 
 def _damage(path, how: str) -> None:
@@ -164,6 +178,7 @@ def test_prepared_copy_reused_and_rebuilt(checkpoint, tmp_path):
     first = load()
     rows = first.residency.disk_rows
     assert rows.where == "prepared" and rows.path.parent == tmp_path / "state" / "experts"
+    assert rows.stride % ALIGN == 0 and rows.direct  # read with O_DIRECT (ext4 / tmpfs >= 6.6)
     written = os.stat(rows.path)
     logits = first.logits(PROMPT)
     first.close()
@@ -196,3 +211,69 @@ def test_a_cut_prepared_copy_is_rebuilt_at_start_and_refused_while_served(checkp
     again = tidejax.load(checkpoint, engine=ENGINE, model={"experts": "bf16"},
                          residency={**TIERS, **options})
     assert os.path.getsize(again.residency.disk_rows.path) == rows.stride * ROWS
+
+
+def test_direct_reads_fall_back_to_buffered_where_refused(tmp_path, monkeypatch, caplog):
+    """A filesystem that refuses O_DIRECT (EINVAL at open, as tmpfs before Linux 6.6) is read
+    buffered, said once; the bytes are the file's either way, at an aligned address."""
+    data = np.random.RandomState(0).randint(0, 256, 3 * ALIGN + 100).astype(np.uint8)
+    path = tmp_path / "rows"
+    data.tofile(path)
+    direct = DirectFile(path)
+    assert direct.direct
+    read = direct.read(ALIGN, 2 * ALIGN + 100)
+    np.testing.assert_array_equal(read, data[ALIGN:])
+    assert read.ctypes.data % ALIGN == 0
+    plain_open = os.open
+
+    def refusing(name, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(name))
+        return plain_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with caplog.at_level("WARNING", "tidejax.residency"):
+        buffered = DirectFile(path)
+        np.testing.assert_array_equal(buffered.read(0, 3 * ALIGN + 100), data)
+        buffered.read(ALIGN, 10)
+    assert not buffered.direct
+    assert [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()] == [
+        f"residency: {path} refuses O_DIRECT (Invalid argument); its rows are read buffered, "
+        f"through the page cache"]
+    with pytest.raises(CheckpointError, match=f"{path}: truncated"):
+        buffered.read(3 * ALIGN, ALIGN)
+
+
+KILLED = """
+import sys, numpy as np, tidejax
+from tests.support.tiny_models import served_greedy
+engine = tidejax.load(sys.argv[1], engine={engine}, model={{"experts": "bf16"}},
+                      residency={residency})
+while True:  # serves until killed: reads and saves (drain_every 1) all along
+    print(served_greedy(engine, {prompt}, 6), engine.residency.stats()["disk_reads"], flush=True)
+"""
+
+
+def test_killed_while_reading_restarts_on_the_same_state_dir(checkpoint, tmp_path):
+    """A server process killed with SIGKILL while it reads rows and saves its state: a restart
+    on the same state_dir reuses the prepared copy (nothing half-written taken for whole) and
+    serves the same greedy tokens."""
+    residency = {**TIERS, "miss_policy": "exact", "drain_every": 1, "hysteresis": 1.0,
+                 "state_dir": str(tmp_path / "state")}
+    code = KILLED.format(engine=ENGINE, residency=residency, prompt=PROMPT.tolist())
+    child = subprocess.Popen([sys.executable, "-c", code, str(checkpoint)],
+                             stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        lines = [child.stdout.readline() for _ in range(3)]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    tokens, reads = lines[0].rsplit(" ", 1)
+    assert int(lines[-1].rsplit(" ", 1)[1]) > int(reads)  # it was reading all along
+    copy = next((tmp_path / "state" / "experts").glob("*.rows"))
+    inode = os.stat(copy).st_ino
+    again = tidejax.load(checkpoint, engine=ENGINE, model={"experts": "bf16"},
+                         residency=residency)
+    assert again.residency.disk_rows.path == copy and os.stat(copy).st_ino == inode  # reused
+    assert str(served_greedy(again, PROMPT, 6)) == tokens

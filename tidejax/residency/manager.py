@@ -43,7 +43,8 @@ from tidejax.residency.history import History
 from tidejax.residency.hostcache import HostCache, disk_stats
 from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
-from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
+from tidejax.residency.pool import (budget_slots, host_pool, host_slots, layer_slots,
+                                    n_rows, row_bytes)
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, Picks, all_resident_state, build_state
 from tidejax.residency.trace import TraceRecorder, trace_folder
@@ -60,7 +61,7 @@ class Residency:
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them); or
         None and `disk_rows` (residency.disk: the rows on disk, of which the host pool caches
-        section.host_budget_experts); max_tokens: the most tokens one step sends through a MoE
+        pool.host_slots: host_budget_experts, or host_budget_gib of rows); max_tokens: the most tokens one step sends through a MoE
         layer (sizes `exact`'s transient slots: min(E, max_tokens * top_k))."""
         self.section = section
         self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
@@ -86,6 +87,8 @@ class Residency:
                             if policy == "exact" and not self.all_resident else 0)
         self.disk_rows = disk_rows
         self.cache: HostCache | None = None  # the host pool as a cache of disk_rows (at boot)
+        # rows the host pool holds (every row but over the disk tier)
+        self.host_capacity = host_slots(section, self.row_bytes, total)
         if disk_rows is not None:
             self._check_host_budget(total)
         self.state_dir = Path(section.state_dir) if section.state_dir else None
@@ -128,15 +131,17 @@ class Residency:
 
     def _check_host_budget(self, total: int) -> None:
         """The host cache's budget against the bank's and the policy (ConfigError)."""
-        key, host = "[residency] host_budget_experts", self.section.host_budget_experts
+        section, host = self.section, self.host_capacity
+        key = (f"[residency] host_budget_gib = {section.host_budget_gib} ({host} experts)"
+               if section.host_budget_gib else f"[residency] host_budget_experts = {host}")
         if self.all_resident:
-            raise ConfigError(f"{key} = {host} holds fewer experts than the bank (every expert "
+            raise ConfigError(f"{key} holds fewer experts than the bank (every expert "
                               f"is resident on the device): set budget_experts or budget_gib")
         if host <= self.n_resident:
-            raise ConfigError(f"{key} = {host}: the host holds every bank expert and room to read "
+            raise ConfigError(f"{key}: the host holds every bank expert and room to read "
                               f"one more: more than the bank's {self.n_resident} experts")
         if self.section.miss_policy not in ("exact", "substitute"):
-            raise ConfigError(f"{key} = {host} < {total} experts: miss_policy "
+            raise ConfigError(f"{key} < {total} experts: miss_policy "
                               f"{self.section.miss_policy!r} over the disk tier is not built yet "
                               f"(exact or substitute)")
 
@@ -235,7 +240,7 @@ class Residency:
     def _boot_cache(self, resident: np.ndarray) -> ExpertState:
         """The host cache at boot: the bank's rows, then (with a saved history) the busiest of
         the others up to the host budget; nothing else is read."""
-        capacity = self.section.host_budget_experts
+        capacity = self.host_capacity
         held = [int(r) for r in resident if r >= 0]
         if self.history.steps:
             order = np.argsort(-self.history.demand.reshape(-1), kind="stable")

@@ -33,10 +33,10 @@ log = logging.getLogger("tidejax.residency")
 PREPARED_FORMAT = "tidejax-prepared-experts/2"  # /2: rows at ALIGN-aligned strides
 
 
-def open_rows(source, fmt, state_dir: str, key: str = "[residency] host_budget_experts"):
-    """The disk tier's rows: CheckpointRows where the held format is the files' (no FP8 to
-    dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`."""
-    rows = CheckpointRows(source, fmt)
+def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host budget"):
+    """The disk tier's rows: `rows` (read in place) where the held format is the files' (no FP8
+    to dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`."""
+    source, fmt = rows.source, rows.fmt
     stored = source.empty_row()
     same = source.stored_as_read() and all(
         name in stored and stored[name].dtype == leaf.dtype for name, leaf in rows.layout.items())
