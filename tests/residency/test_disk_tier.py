@@ -109,9 +109,33 @@ def test_commit_evicts_the_least_demanded_row_the_bank_does_not_hold(over_disk):
     assert cache.stats()["disk_reads"] == 6
 
 
+def test_ring_over_disk_copies_from_host_memory_and_reads_the_rest_off_the_step(
+        checkpoint, engine, all_in_host):
+    """`ring` with a ring slot for every expert outside the bank: a step copies only rows in
+    host memory and never waits for the disk; the misses on disk are read by the host beside
+    the steps, so after a few forwards the ring holds every miss and the logits are exact's."""
+    ring = _load(checkpoint, engine, miss_policy="ring", ring_slots=ROWS - ROWS // 4,
+                 drain_every=1000)
+    want, stats = all_in_host[2], ring.residency.stats
+    first = ring.logits(PROMPT)
+    assert stats()["misses"] > 0 and not np.allclose(first, want, atol=1e-5)
+    for _ in range(10):  # until a forward misses nothing (7 forwards here)
+        misses = stats()["misses"]
+        got = ring.logits(PROMPT)
+        if stats()["misses"] == misses:
+            break
+    assert stats()["misses"] == misses and stats()["ring_hits"] > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    after = stats()
+    assert after["disk_prefetches"] > 0 and after["disk_reads_in_step"] == 0
+    assert after["disk_read_waits_in_step"] == 0
+    # the boot's (the bank's rows: no history) and the reads ahead, nothing else
+    assert after["disk_reads"] <= ROWS // 4 + after["disk_prefetches"]
+
+
 @pytest.mark.parametrize("residency, message", [
     ({"host_budget_experts": ROWS // 4}, "more than the bank's 4 experts"),
-    ({"miss_policy": "ring", "ring_slots": 2}, "miss_policy 'ring' over the disk tier"),
+    ({"miss_policy": "cpu"}, "miss_policy 'cpu' over the disk tier"),
     ({"budget_experts": 0}, "set budget_experts or budget_gib"),
     ({"host_budget_gib": 0.5}, "or host_budget_gib, not both")])
 def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, engine, residency, message):

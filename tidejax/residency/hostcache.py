@@ -107,8 +107,7 @@ class HostCache:
         slot, or the place of a held row the bank does not hold (`pinned`) whose demand is
         below 1 / `hysteresis` of its own, pairing the busiest rows on disk with the least
         busy held ones; not those queued or landed already."""
-        with self._lock:
-            busy = set(self._pending) | set(self._landed)
+        busy = self.reading()
         pinned = set(map(int, pinned))
         free = int((self.row_at < 0).sum())
         held = [int(r) for r in self.row_at if r >= 0 and int(r) not in pinned]
@@ -128,15 +127,20 @@ class HostCache:
             out.append(row)
         return out
 
-    def prefetch(self, rows) -> int:
-        """Reads ahead of the rows (worth_reading's), until PREFETCH_DEPTH reads are queued or
-        running; how many were queued."""
+    def prefetch(self, rows) -> list[int]:
+        """Reads ahead of the rows (worth_reading's, or `ring`'s misses), until PREFETCH_DEPTH
+        reads are queued or running; the rows queued."""
         room = max(0, PREFETCH_DEPTH - self.queued)
         queued = self.request(list(rows)[:room])
         with self._lock:
             self._ahead.update(queued)
             self.counters["prefetched"] += len(queued)
-        return len(queued)
+        return queued
+
+    def reading(self) -> set[int]:
+        """The rows whose reads are queued, running or landed (not yet committed)."""
+        with self._lock:
+            return set(self._pending) | set(self._landed)
 
     def read_now(self, row: int) -> dict:
         """Row `row` now (`exact`'s miss of a row on disk): landed already, or waiting for its

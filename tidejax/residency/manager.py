@@ -87,6 +87,7 @@ class Residency:
                             if policy == "exact" and not self.all_resident else 0)
         self.disk_rows = disk_rows
         self.cache: HostCache | None = None  # the host pool as a cache of disk_rows (at boot)
+        self._hot: set[int] = set()  # `ring`'s misses on disk being read (kept when they land)
         # rows the host pool holds (every row but over the disk tier)
         self.host_capacity = host_slots(section, self.row_bytes, total)
         if disk_rows is not None:
@@ -140,10 +141,10 @@ class Residency:
         if host <= self.n_resident:
             raise ConfigError(f"{key}: the host holds every bank expert and room to read "
                               f"one more: more than the bank's {self.n_resident} experts")
-        if self.section.miss_policy not in ("exact", "substitute"):
+        if self.section.miss_policy not in ("exact", "substitute", "ring"):
             raise ConfigError(f"{key} < {total} experts: miss_policy "
                               f"{self.section.miss_policy!r} over the disk tier is not built yet "
-                              f"(exact or substitute)")
+                              f"(exact, substitute or ring)")
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -288,11 +289,12 @@ class Residency:
     def _commit(self, protect=()) -> None:
         """The rows read from disk since into host slots (HostCache.commit), after the steps in
         flight; the map the next batches carry follows."""
-        protect = set(protect) | {s.row for s in self._queue}
+        protect = set(protect) | {s.row for s in self._queue} | self._hot
         if self.cache.commit(self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
                              protect, self._wait_in_flight):
             self._host_map = self.cache.slot_of
             self._device_map = parallel.replicated(self._host_map)
+        self._hot &= self.cache.reading()
 
     def _read_ahead(self) -> None:
         """Host prefetch, at a drain's plan: the rows on disk whose demand would earn them a
@@ -301,6 +303,13 @@ class Residency:
         self.cache.prefetch(self.cache.worth_reading(
             self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
             self.section.hysteresis))
+
+    def _read_hot(self, approx: np.ndarray, host_map: np.ndarray) -> None:
+        """`ring` over the disk tier: a step's substituted misses of rows on disk, heaviest
+        routing weight first, read into host memory off the step's path (the ring copies only
+        rows held there: residency/ring.py)."""
+        hot = np.nonzero((approx > 0) & (host_map < 0))[0]
+        self._hot.update(self.cache.prefetch(hot[np.argsort(-approx[hot], kind="stable")]))
 
     def _wait_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -362,7 +371,10 @@ class Residency:
                 self.counters["host_prefetch_hits"] += int(
                     new.reshape(-1)[(host_map >= 0) & self.cache.prefetched].sum())
             wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
-            approx_weight = float(np.asarray(tallies.approx, np.float64).sum())
+            approx = np.asarray(tallies.approx, np.float64)  # [L_moe, E]
+            approx_weight = float(approx.sum())
+            if host_map is not None and self.n_ring and not self.frozen:
+                self._read_hot(approx.reshape(-1), host_map)
             copies = int(tallies.ring_copies)
             self.counters["ring_hits"] += int(tallies.ring_hits)
             self.counters["ring_copies"] += copies
