@@ -20,7 +20,7 @@ import pytest
 import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.errors import CheckpointError, ConfigError
-from tidejax.residency.disk import ALIGN, DirectFile
+from tidejax.checkpoint.direct import ALIGN, DirectFile
 from tidejax.residency.hostcache import HostCache
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.metrics import Metrics
@@ -69,6 +69,7 @@ def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     assert n_moe * n_experts == ROWS
     engine = over_disk
     assert engine.residency.disk_rows.where == "checkpoint"  # float32 as stored: in place
+    assert engine.residency.disk_rows.direct  # with O_DIRECT (ext4; tmpfs from Linux 6.6)
     assert served_greedy(engine, PROMPT, 12) == tokens
     np.testing.assert_array_equal(engine.logits(PROMPT), logits)
     stats = engine.residency.stats()
@@ -79,6 +80,7 @@ def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     # the host prefetch read rows off the steps' path, and later steps found them in host memory
     assert stats["disk_prefetches"] > 0 and stats["host_prefetch_hits"] > 0
     assert stats["disk_reads"] > stats["disk_reads_in_step"] and stats["disk_read_gbps"] > 0
+    assert stats["disk_direct"] == 1
     shown = Metrics().render(LocalEngineClient(engine).stats(), 0)
     for key in ("disk_reads", "disk_read_bytes", "disk_read_seconds", "host_cold_share_total",
                 "cold_share_total", "disk_prefetches", "host_prefetch_hits", "disk_read_gbps",
@@ -209,7 +211,7 @@ def test_prepared_copy_rebuilt_when_its_checkpoint_changes(checkpoint, engine, t
     first = load()
     rows = first.residency.disk_rows
     assert rows.where == "prepared" and rows.path.parent == tmp_path / "state" / "experts"
-    assert rows.stride % ALIGN == 0 and rows.direct  # read with O_DIRECT (ext4 / tmpfs >= 6.6)
+    assert rows.stride % ALIGN == 0 and rows.direct
     written = os.stat(rows.path)
     logits = first.logits(PROMPT)
     assert first.residency.stats()["disk_direct"] == 1

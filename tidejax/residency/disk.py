@@ -4,12 +4,12 @@ from the files' (`PreparedRows`, written once by residency/prepared.py). Both gi
 `read(row) -> {leaf: numpy array}` in the host pool's format and `layout` ({leaf:
 ShapeDtypeStruct [rows, ...]}, what residency.pool's n_rows / row_bytes read).
 
-A prepared copy is read with O_DIRECT (`DirectFile`): its rows start at multiples of ALIGN, and
-each is read into a page-aligned buffer whose leaves are the arrays handed back (no page cache, no
-copy). Where the filesystem refuses O_DIRECT (tmpfs on kernels before 6.6, some network
-filesystems) the file is read buffered, said once in the log and in `direct` (the stats'
-`disk_direct`). Rows read in place from a checkpoint go through its reader's buffered preads
-(their offsets are the safetensors file's, not aligned).
+Both read with O_DIRECT (checkpoint.direct.DirectFile: no page cache, so a budget of host
+memory is what the tier holds there). A prepared copy's rows start at multiples of ALIGN, each
+read into a page-aligned buffer whose leaves are the arrays handed back (no copy); a row in place
+is read as the aligned span around each of its tensors' bytes, which are copied out. Where the
+filesystem refuses O_DIRECT the files are read buffered, said once in the log and in `direct`
+(the stats' `disk_direct`).
 
 Every file is fingerprinted (size, mtime, inode) when it is opened; a read from a file that has
 changed or been cut short since is refused with a CheckpointError naming it, before any of its
@@ -19,8 +19,6 @@ bytes are used (a row of the old layout read at the new file's offsets would be 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import logging
 import os
 from pathlib import Path
 
@@ -28,11 +26,8 @@ import jax
 import numpy as np
 
 from tidejax.errors import CheckpointError
+from tidejax.checkpoint.direct import ALIGN, DirectFile, aligned
 from tidejax.residency.pool import row_bytes
-
-log = logging.getLogger("tidejax.residency")
-
-ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; >= logical blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,79 +77,16 @@ class CheckpointRows:
     tensors' safetensors offsets), in the pool's format (`fmt`: models.loading.RowFormat)."""
 
     where = "checkpoint"
-    direct = False  # the checkpoint reader's buffered preads
 
     def __init__(self, source, fmt):
         self.source, self.fmt = source, fmt
         self.layout = layout_of(fmt.convert(source.empty_row()), source.n_rows)
         self.files = Files(source.files())
+        self.direct = source.read_direct()  # the weights are loaded: from here rows only
 
     def read(self, row: int) -> dict:
         self.files.check(self.source.files(row))
         return self.fmt.convert(self.source.read(row))
-
-
-def aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to a multiple of ALIGN."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 array of `nbytes` (rounded up to ALIGN) starting at an ALIGN-aligned address."""
-    raw = np.empty(aligned(nbytes) + ALIGN, np.uint8)
-    skip = -raw.ctypes.data % ALIGN
-    return raw[skip:skip + aligned(nbytes)]
-
-
-class DirectFile:
-    """One file read with O_DIRECT into page-aligned buffers, or buffered where the filesystem
-    refuses O_DIRECT (at open or at the first read: EINVAL), which is logged once."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.direct = hasattr(os, "O_DIRECT")
-        self._fd = None
-        self._fd = self._open()
-
-    def _open(self) -> int:
-        if self.direct:
-            try:
-                return os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._buffered(e)
-        return os.open(self.path, os.O_RDONLY)
-
-    def _buffered(self, why: OSError) -> None:
-        self.direct = False
-        log.warning("residency: %s refuses O_DIRECT (%s); its rows are read buffered, through "
-                    "the page cache", self.path, why.strerror)
-
-    def __del__(self):
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-
-    def read(self, begin: int, nbytes: int) -> np.ndarray:
-        """Bytes [begin, begin + nbytes) (begin a multiple of ALIGN) as a uint8 array at an
-        aligned address; CheckpointError naming the file where it ends before them."""
-        out, done = aligned_buffer(nbytes), 0
-        while done < nbytes:
-            try:
-                n = os.preadv(self._fd, [memoryview(out[done:])], begin + done)
-            except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
-                    raise
-                self._buffered(e)
-                os.close(self._fd)
-                self._fd = None
-                self._fd = self._open()
-                continue
-            if n == 0:
-                raise CheckpointError(f"{self.path}: truncated: bytes up to {begin + nbytes} "
-                                      f"are read, the file ends at {begin + done}")
-            done += n
-        return out[:nbytes]
 
 
 class PreparedRows:
