@@ -235,6 +235,17 @@ def test_a_cut_prepared_copy_is_rebuilt_at_start_and_refused_while_served(checkp
     os.truncate(rows.path, rows.stride * (ROWS - 1))
     with pytest.raises(CheckpointError, match=f"{rows.path}: truncated since it was opened"):
         rows.read(0)
+    cache, refused = HostCache(rows, ROWS // 2), f"{rows.path}: truncated"
+    cache.request([0, 1])
+    with pytest.raises(CheckpointError, match=refused):
+        cache.read_now(0)  # waits for the queued read, which failed
+    with pytest.raises(CheckpointError, match=refused):
+        cache.wait([1])
+    demand = np.ones(ROWS)
+    with pytest.raises(CheckpointError, match=refused):
+        cache.commit(demand, pinned=(), protect=(), wait_steps=lambda: None)
+    # each failed read raised once: nothing is left to raise again, and a row is read anew
+    assert cache.queued == 0 and not cache.commit(demand, (), (), lambda: None)
     served.close()
     again = tidejax.load(checkpoint, engine=engine, model={"experts": "bf16"},
                          residency={**TIERS, **options})

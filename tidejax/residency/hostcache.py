@@ -148,12 +148,15 @@ class HostCache:
         with self._lock:
             arrays, future = self._landed.get(row), self._pending.get(row)
         if arrays is None:
-            if future is not None:
-                self.counters["waited"] += 1
-                arrays = future.result()
-            else:
-                self.counters["in_step"] += 1
-                arrays = self._read(row)
+            self.counters["waited" if future is not None else "in_step"] += 1
+            try:
+                arrays = future.result() if future is not None else self._read(row)
+            except Exception:  # raised once: the row is read anew when next asked for
+                with self._lock:
+                    if future is not None and self._pending.get(row) is future:
+                        del self._pending[row]
+                        self._ahead.discard(row)
+                raise
             with self._lock:
                 self._landed[row] = arrays
                 self._pending.pop(row, None)
@@ -186,12 +189,14 @@ class HostCache:
         rows in `protect` (wanted by queued swaps) last; a landed row of less demand than every
         such row is dropped, unless protected. `wait_steps()` is called before the first write
         over a held row (the steps in flight may read it; a free slot no map names). A failed
-        read raises here. Whether the map changed."""
+        read raises here, once (its row is read anew when next asked for). Whether the map
+        changed."""
         with self._lock:
             for row, future in list(self._pending.items()):
                 if future.done():
-                    self._landed[row] = future.result()
                     del self._pending[row]
+                    self._ahead.discard(row)
+                    self._landed[row] = future.result()
             landed, self._landed = self._landed, {}
             ahead = self._ahead & set(landed)
             self._ahead -= set(landed)
