@@ -25,11 +25,11 @@ rows at random offsets in the tier's threads); each row then gives the host tier
 (wanted picks of rows on disk) beside the bank's. The issue-34 run: `--resident 1.0,0.25
 --host 1.0,0.5 --trace ''` on the V4.1 synthetic, with and without `--router-skew`.
 
-Each configuration (resident share x miss policy x host share) is a fresh `tidejax.load`; at a share below 1 it
-boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed trace, and
-adapts. Prints a markdown table, then per configuration the KV cache bytes a token of context
-and the device memory in use, and writes them to $OUT/roofline.md when $OUT is set. Any model
-family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepSeek-V4.1).
+Each configuration (resident share x miss policy x host share) is a fresh `tidejax.load`; at a
+share below 1 it boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed
+trace, and adapts. Prints a markdown table, then per configuration the KV cache bytes a token of
+context and the device memory in use, and writes them to $OUT/roofline.md when $OUT is set. Any
+model family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepSeek-V4.1).
 """
 
 from __future__ import annotations

@@ -147,8 +147,9 @@ class HostCache:
         queued read alone, or read here; it lands for the next commit."""
         with self._lock:
             arrays, future = self._landed.get(row), self._pending.get(row)
+            if arrays is None:
+                self.counters["waited" if future is not None else "in_step"] += 1
         if arrays is None:
-            self.counters["waited" if future is not None else "in_step"] += 1
             try:
                 arrays = future.result() if future is not None else self._read(row)
             except Exception:  # raised once: the row is read anew when next asked for

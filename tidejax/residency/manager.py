@@ -61,8 +61,9 @@ class Residency:
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them); or
         None and `disk_rows` (residency.disk: the rows on disk, of which the host pool caches
-        pool.host_slots: host_budget_experts, or host_budget_gib of rows); max_tokens: the most tokens one step sends through a MoE
-        layer (sizes `exact`'s transient slots: min(E, max_tokens * top_k))."""
+        pool.host_slots: host_budget_experts, or host_budget_gib of rows); max_tokens: the most
+        tokens one step sends through a MoE layer (sizes `exact`'s transient slots: min(E,
+        max_tokens * top_k))."""
         self.section = section
         self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
