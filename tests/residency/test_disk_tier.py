@@ -71,6 +71,8 @@ def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     assert engine.residency.disk_rows.where == "checkpoint"  # float32 as stored: in place
     assert engine.residency.disk_rows.direct  # with O_DIRECT (ext4; tmpfs from Linux 6.6)
     assert served_greedy(engine, PROMPT, 12) == tokens
+    cache = engine.residency.cache
+    cache.wait(cache.reading())  # the reads still going on land before the next forward
     np.testing.assert_array_equal(engine.logits(PROMPT), logits)
     stats = engine.residency.stats()
     assert stats["host_resident"] == ROWS // 2 and stats["host_held"] <= ROWS // 2

@@ -196,8 +196,11 @@ class HostCache:
             for row, future in list(self._pending.items()):
                 if future.done():
                     del self._pending[row]
-                    self._ahead.discard(row)
-                    self._landed[row] = future.result()
+                    try:
+                        self._landed[row] = future.result()
+                    except Exception:
+                        self._ahead.discard(row)
+                        raise
             landed, self._landed = self._landed, {}
             ahead = self._ahead & set(landed)
             self._ahead -= set(landed)
