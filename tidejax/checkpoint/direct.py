@@ -57,9 +57,9 @@ class DirectFile:
         log.warning("residency: %s refuses O_DIRECT (%s); its rows are read buffered, through "
                     "the page cache", self.path, why.strerror)
 
-    def __del__(self):
+    def __del__(self, close=os.close):  # bound here: at interpreter exit `os` may be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            close(self._fd)
 
     def read(self, begin: int, nbytes: int) -> np.ndarray:
         """Bytes [begin, begin + nbytes) (begin a multiple of ALIGN) as a uint8 array at an
