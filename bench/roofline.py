@@ -1,8 +1,8 @@
 """Decode roofline: tok/s measured in-process beside the limit that the bytes it must move set.
 
     python -m bench.roofline MODEL_DIR [--trace en] [--resident 1.0,0.65]
-        [--policies exact,substitute,ring] [--lanes 1,4] [--tokens 256] [--ttft 8192]
-        [--set table.key=value ...] [--ceiling-mib 1024]
+        [--policies exact,substitute,ring] [--host 1.0,0.5] [--lanes 1,4] [--tokens 256]
+        [--ttft 8192] [--set table.key=value ...] [--ceiling-mib 1024]
 
 Per step the engine must read: the dense weights (every param but the embedding table, once per
 step whatever the batch), the KV cache up to each active lane's position, and each distinct
@@ -18,11 +18,18 @@ device bank) of expert-sized rows. Distinct experts per step come from the repla
 trace (bench/traces.py) when there is one; otherwise batch x top-k per layer (an upper bound).
 DeepSeek-V4.1's Engram rows (read from host memory inside the step) are not in the byte count.
 
-Each configuration (resident share x miss policy) is a fresh `tidejax.load`; at a share below 1 it
-boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed trace, and
-adapts. Prints a markdown table, then per configuration the KV cache bytes a token of context
-and the device memory in use, and writes them to $OUT/roofline.md when $OUT is set. Any model
-family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepSeek-V4.1).
+`--host` below 1 (with a resident share below 1) holds that share of the experts in host memory
+and the rest on disk (residency.host_budget_experts: the disk tier), and measures the disk's raw
+direct-read bandwidth over the tier's own files in the same run (`disk_gbps`: O_DIRECT reads of
+rows at random offsets in the tier's threads); each row then gives the host tier's cold share
+(wanted picks of rows on disk) beside the bank's. The issue-34 run: `--resident 1.0,0.25
+--host 1.0,0.5 --trace ''` on the V4.1 synthetic, with and without `--router-skew`.
+
+Each configuration (resident share x miss policy x host share) is a fresh `tidejax.load`; at a
+share below 1 it boots from a seed map fitted (`python -m tidejax.residency fit`) on the replayed
+trace, and adapts. Prints a markdown table, then per configuration the KV cache bytes a token of
+context and the device memory in use, and writes them to $OUT/roofline.md when $OUT is set. Any
+model family whose layers can replay recorded routing works (DeepSeek-V3 family, DeepSeek-V4.1).
 """
 
 from __future__ import annotations
@@ -77,6 +84,31 @@ def h2d_gbps(bank: dict, rows: int = 16) -> float:
 
     seconds = median_seconds(lambda: jax.block_until_ready(fetch_all(pool, scratch)), reps=5)
     return rows * row_bytes(bank) / seconds / 1e9
+
+
+def disk_gbps(rows, nbytes: int) -> float:
+    """GB/s of O_DIRECT reads of row-sized spans at random aligned offsets of the disk tier's
+    files (residency.disk: the checkpoint's, or the prepared copy), `nbytes` in all, in the
+    tier's reading threads: the raw bandwidth its reads can reach."""
+    import concurrent.futures
+
+    from tidejax.checkpoint.direct import ALIGN, DirectFile, aligned
+    from tidejax.residency.hostcache import READ_WORKERS
+    from tidejax.residency.pool import row_bytes as layout_row_bytes
+
+    files = [DirectFile(path) for path in rows.files.prints]
+    span = aligned(layout_row_bytes(rows.layout))
+    rng = np.random.default_rng(0)
+    reads = []
+    for _ in range(max(1, nbytes // span)):
+        f = files[rng.integers(len(files))]
+        size = f.path.stat().st_size
+        if size >= span:
+            reads.append((f, int(rng.integers(0, (size - span) // ALIGN + 1)) * ALIGN))
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(READ_WORKERS) as pool:
+        list(pool.map(lambda r: r[0].read(r[1], span), reads))
+    return len(reads) * span / (time.perf_counter() - start) / 1e9
 
 
 def host_kernel_gbps(bank: dict, experts: int) -> float:
@@ -269,18 +301,21 @@ class Row:
     cold: float
     copies: int
     ttft_s: float | None = None
+    host: float = 1.0  # the share of the experts in host memory (the rest on disk)
+    host_cold: float = 0.0  # the share of wanted picks of rows on disk
 
     def cells(self) -> list[str]:
         return [f"{self.resident:.0%}", self.policy, str(self.lanes), f"{self.tok_s:.1f}",
                 f"{self.limit.tokens_per_s:.1f}", f"{self.tok_s / self.limit.tokens_per_s:.2f}",
                 f"{self.limit.device_bytes / 1e9:.2f}", f"{self.limit.host_bytes / 1e9:.3f}",
                 f"{self.cold:.3f}", str(self.copies),
-                f"{self.ttft_s:.3f}" if self.ttft_s is not None else ""]
+                f"{self.ttft_s:.3f}" if self.ttft_s is not None else "",
+                f"{self.host:.0%}", f"{self.host_cold:.3f}"]
 
 
 PROMPT_TOKENS = 64  # prompt of each decode measurement
 HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | device GB/step | "
-          "host GB/step | cold share | copies | TTFT s |")
+          "host GB/step | cold share | copies | TTFT s | in host | host cold share |")
 
 
 def steady_decode(engine, lanes: int, tokens: int, domain: str) -> tuple[list, list]:
@@ -295,7 +330,8 @@ def steady_decode(engine, lanes: int, tokens: int, domain: str) -> tuple[list, l
 
 
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
-                   read: float, h2d: float, resident: float, cpu_gbps: float = 0.0) -> Row:
+                   read: float, h2d: float, resident: float, cpu_gbps: float = 0.0,
+                   host: float = 1.0) -> Row:
     before = residency_stats(engine)
     records, steady = steady_decode(engine, lanes, tokens, domain)
     after = residency_stats(engine)
@@ -307,8 +343,10 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        read, h2d, cpu_gbps)
+    wanted = after["wanted"] - before["wanted"]
+    host_cold = (after["host_misses"] - before["host_misses"]) / wanted if wanted else 0.0
     return Row(resident, policy, lanes, lanes / step_s, limit, cold,
-               after["copies"] - before["copies"])
+               after["copies"] - before["copies"], host=host, host_cold=host_cold)
 
 
 def moe_dims(model: str) -> tuple[int, int, int]:
@@ -335,10 +373,11 @@ def memory_line(engine) -> str:
 
 
 def load_config(model: str, resident: float, policy: str | None, args, overrides: dict,
-                workdir: Path, max_context: int):
+                workdir: Path, max_context: int, host: float = 1.0):
     """A fresh engine for one configuration (engine.lanes = the most of args.lanes; below
     `resident` 1, residency.budget_experts, the miss `policy` (None: the profile's) and a seed map
-    fitted on the replayed args.trace), replaying the trace; returns (engine, picks)."""
+    fitted on the replayed args.trace; below `host` 1, residency.host_budget_experts, a prepared
+    copy where one is needed under workdir), replaying the trace; returns (engine, picks)."""
     import tidejax
 
     n_moe, n_experts, top_k = moe_dims(model)
@@ -362,6 +401,10 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
             res["miss_policy"] = policy
         if policy == "ring":
             res.setdefault("ring_slots", max(8, n_experts // 16))
+        if host < 1.0:
+            res["host_budget_experts"] = max(budget + 1, int(round(host * n_moe * n_experts)))
+            res.setdefault("state_dir", str(workdir / "state"))
+            label = f"{label[:-1]}, {host:.0%} in host]"
         if picks is not None:
             res.setdefault("seed_map", str(seed_map_from_picks(
                 picks, n_experts, budget, workdir / f"seed-{resident}-{policy}.json")))
@@ -374,7 +417,7 @@ def load_config(model: str, resident: float, policy: str | None, args, overrides
 
 
 def run_config(engine, picks, resident: float, policy: str, args, read: float,
-               h2d: float, cpu_gbps: float = 0.0) -> list[Row]:
+               h2d: float, cpu_gbps: float = 0.0, host: float = 1.0) -> list[Row]:
     drains = engine.config.residency.drain_every <= args.tokens + PROMPT_TOKENS
     start = time.perf_counter()
     engine.warmup()  # the server's: every step shape a request can meet
@@ -385,7 +428,7 @@ def run_config(engine, picks, resident: float, policy: str, args, read: float,
     rows = []
     for lanes in args.lanes:
         row = measure_decode(engine, picks, lanes, args.tokens, args.domain, policy, read, h2d,
-                             resident, cpu_gbps)
+                             resident, cpu_gbps, host)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
         rows.append(row)
     if args.ttft and policy == "exact":  # the worst case: every miss copied in
@@ -424,6 +467,9 @@ def main(argv=None) -> int:
     parser.add_argument("--domain", default="en", help="held-out text for the prompts")
     parser.add_argument("--resident", default="1.0", help="resident shares, comma-separated")
     parser.add_argument("--policies", default="exact,substitute,ring")
+    parser.add_argument("--host", default="1.0",
+                        help="shares of the experts in host memory, the rest on disk (below 1 "
+                             "with a resident share below 1), comma-separated")
     parser.add_argument("--lanes", default="1,4")
     parser.add_argument("--tokens", type=int, default=256, help="decoded tokens per request")
     parser.add_argument("--ttft", type=int, default=8192, help="prompt tokens for TTFT (0 = skip)")
@@ -433,17 +479,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.lanes = [int(x) for x in args.lanes.split(",")]
     overrides = parse_set(args.set)
-    configs = [(share, policy) for share in (float(x) for x in args.resident.split(","))
-               for policy in (args.policies.split(",") if share < 1.0 else ["exact"])]
+    configs = [(share, policy, host) for share in (float(x) for x in args.resident.split(","))
+               for policy in (args.policies.split(",") if share < 1.0 else ["exact"])
+               for host in ([float(x) for x in args.host.split(",")] if share < 1.0 else [1.0])]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     ceiling_bytes = args.ceiling_mib << 20
     read, copy = hbm_read_gbps(ceiling_bytes), copy_gbps(ceiling_bytes)
     h2d, rows, memory = None, [], []
     cpu_gbps = 0.0  # the host kernel's rate, measured where a configuration runs `cpu`
+    disk = 0.0  # the disk tier's raw direct reads, measured where a configuration has one
     with tempfile.TemporaryDirectory() as tmp:
-        for share, policy in configs:
+        for share, policy, host in configs:
             engine, picks = load_config(args.model, share, policy, args, overrides, Path(tmp),
-                                        max(args.ttft, 64 + args.tokens) + 64)
+                                        max(args.ttft, 64 + args.tokens) + 64, host)
+            if engine.residency.cache is not None and not disk:
+                disk = disk_gbps(engine.residency.disk_rows, ceiling_bytes)
+                print(f"disk direct reads {disk:.2f} GB/s ({engine.residency.disk_rows.where}, "
+                      f"O_DIRECT {bool(engine.residency.disk_rows.direct)})", flush=True)
             if h2d is None:
                 h2d = h2d_gbps(engine.state.experts.bank)
                 print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write); "
@@ -454,18 +506,19 @@ def main(argv=None) -> int:
                 cpu_gbps = host_kernel_gbps(engine.state.experts.bank, top_k)
                 print(f"host kernel {cpu_gbps:.1f} GB/s ({cpu.kernel_isa()}, {top_k} experts a "
                       "token)", flush=True)
-            rows += run_config(engine, picks, share, policy, args, read, h2d, cpu_gbps)
-            memory.append(f"- {share:.0%} {policy}: {memory_line(engine)}")
+            rows += run_config(engine, picks, share, policy, args, read, h2d, cpu_gbps, host)
+            memory.append(f"- {share:.0%} {policy} {host:.0%} in host: {memory_line(engine)}")
             print(memory[-1], flush=True)
             del engine
             gc.collect()  # the engine and its scheduler refer to each other: free the pool and
             # the bank (pinned host and device memory) before the next configuration loads
-    table = "\n".join([HEADER, "|" + " --- |" * 11]
+    table = "\n".join([HEADER, "|" + " --- |" * 13]
                       + ["| " + " | ".join(r.cells()) + " |" for r in rows])
     text = (f"{datetime.date.today()}, jax {jax.__version__} on {jax.devices()[0].device_kind}: "
             f"HBM read {read:.0f} GB/s (the roofline's divisor), device copy {copy:.0f} GB/s, "
             f"host-to-device {h2d:.1f} GB/s"
             + (f", host kernel {cpu_gbps:.1f} GB/s ({cpu.kernel_isa()})" if cpu_gbps else "")
+            + (f", disk direct reads {disk:.2f} GB/s" if disk else "")
             + f"\n\n{table}\n\n"
             "Memory after each configuration's runs (peak: since the process started):\n"
             + "\n".join(memory) + "\n")

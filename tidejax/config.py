@@ -58,6 +58,7 @@ class ResidencySection:
     # routed experts held in host memory; 0 = every expert (the host pool holds them all). Fewer:
     # the host pool is a cache of the experts on disk (residency/hostcache.py), above the bank
     host_budget_experts: int = 0
+    host_budget_gib: float = 0.0  # the same budget in GiB of rows as served (not both)
     geometry: str = "per_layer"  # "per_layer" | "arena"
     miss_policy: str = "exact"  # "exact" | "substitute" | "ring" | "cpu" | "auto"
     ring_slots: int = 0
@@ -162,6 +163,7 @@ _RANGES = {
     ("residency", "budget_experts"): (0, None, False),
     ("residency", "budget_gib"): (0, None, False),
     ("residency", "host_budget_experts"): (0, None, False),
+    ("residency", "host_budget_gib"): (0, None, False),
     ("residency", "ring_slots"): (0, None, False),
     ("residency", "drain_every"): (1, None, False),
     ("residency", "half_life"): (0, None, True),

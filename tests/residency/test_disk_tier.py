@@ -7,8 +7,12 @@ restart and rebuilt when its source changes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import pytest
 import tidejax
 from tidejax.checkpoint.safetensors_io import SafetensorsFile
 from tidejax.errors import CheckpointError, ConfigError
+from tidejax.checkpoint.direct import ALIGN, DirectFile
 from tidejax.residency.hostcache import HostCache
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.metrics import Metrics
@@ -33,18 +38,29 @@ def checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def all_in_host(checkpoint):
-    engine = tidejax.load(checkpoint, engine=ENGINE)
-    return engine, served_greedy(engine, PROMPT, 12), engine.logits(PROMPT)
-
-
-def _load(path, **residency):
-    return tidejax.load(path, engine=ENGINE, residency={**TIERS, **residency})
+def engine(tmp_path_factory):
+    """The engine section of every load here: one compile cache, so the engines of a shape
+    compile it once (the killed process's steps are the prepared copy test's)."""
+    return {**ENGINE, "compile_cache": str(tmp_path_factory.mktemp("jit"))}
 
 
 @pytest.fixture(scope="module")
-def over_disk(checkpoint):
-    return _load(checkpoint, miss_policy="exact")
+def all_in_host(checkpoint, engine):
+    """Every expert in host memory: a host_budget_gib above the experts' bytes (the pool read
+    whole after the header checks, as without a host budget)."""
+    full = tidejax.load(checkpoint, engine=engine, residency={"host_budget_gib": 1.0})
+    assert full.residency.cache is None and full.residency.host_capacity == ROWS
+    return full, served_greedy(full, PROMPT, 12), full.logits(PROMPT)
+
+
+def _load(path, engine, **residency):
+    return tidejax.load(path, engine=engine, residency={**TIERS, **residency})
+
+
+@pytest.fixture(scope="module")
+def over_disk(checkpoint, engine):
+    """Drains every 2 steps, the host prefetch taking any row busier than a held one."""
+    return _load(checkpoint, engine, miss_policy="exact", drain_every=2, hysteresis=1.0)
 
 
 def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
@@ -53,16 +69,24 @@ def test_exact_over_disk_equals_all_in_host(over_disk, all_in_host):
     assert n_moe * n_experts == ROWS
     engine = over_disk
     assert engine.residency.disk_rows.where == "checkpoint"  # float32 as stored: in place
+    assert engine.residency.disk_rows.direct  # with O_DIRECT (ext4; tmpfs from Linux 6.6)
     assert served_greedy(engine, PROMPT, 12) == tokens
+    cache = engine.residency.cache
+    cache.wait(cache.reading())  # the reads still going on land before the next forward
     np.testing.assert_array_equal(engine.logits(PROMPT), logits)
     stats = engine.residency.stats()
     assert stats["host_resident"] == ROWS // 2 and stats["host_held"] <= ROWS // 2
     assert stats["disk_reads"] > 0 and stats["disk_read_bytes"] > 0
     assert stats["disk_read_bytes"] == stats["disk_reads"] * engine.residency.row_bytes
     assert 0 < stats["host_cold_share_total"] <= stats["cold_share_total"]
+    # the host prefetch read rows off the steps' path, and later steps found them in host memory
+    assert stats["disk_prefetches"] > 0 and stats["host_prefetch_hits"] > 0
+    assert stats["disk_reads"] > stats["disk_reads_in_step"] and stats["disk_read_gbps"] > 0
+    assert stats["disk_direct"] == 1
     shown = Metrics().render(LocalEngineClient(engine).stats(), 0)
     for key in ("disk_reads", "disk_read_bytes", "disk_read_seconds", "host_cold_share_total",
-                "cold_share_total"):
+                "cold_share_total", "disk_prefetches", "host_prefetch_hits", "disk_read_gbps",
+                "disk_reads_queued"):
         assert f"tidejax_residency_{key} {stats[key]}" in shown
 
 
@@ -89,41 +113,67 @@ def test_commit_evicts_the_least_demanded_row_the_bank_does_not_hold(over_disk):
     assert cache.stats()["disk_reads"] == 6
 
 
+def test_ring_over_disk_copies_from_host_memory_and_reads_the_rest_off_the_step(
+        checkpoint, engine, all_in_host):
+    """`ring` with a ring slot for every expert outside the bank: a step copies only rows in
+    host memory and never waits for the disk; the misses on disk are read by the host beside
+    the steps, so after a few forwards the ring holds every miss and the logits are exact's."""
+    ring = _load(checkpoint, engine, miss_policy="ring", ring_slots=ROWS - ROWS // 4,
+                 drain_every=1000)
+    want, stats = all_in_host[2], ring.residency.stats
+    first = ring.logits(PROMPT)
+    assert stats()["misses"] > 0 and not np.allclose(first, want, atol=1e-5)
+    for _ in range(10):  # until a forward misses nothing (7 forwards here)
+        misses = stats()["misses"]
+        got = ring.logits(PROMPT)
+        if stats()["misses"] == misses:
+            break
+    assert stats()["misses"] == misses and stats()["ring_hits"] > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    after = stats()
+    assert after["disk_prefetches"] > 0 and after["disk_reads_in_step"] == 0
+    assert after["disk_read_waits_in_step"] == 0
+    # the boot's (the bank's rows: no history) and the reads ahead, nothing else
+    assert after["disk_reads"] <= ROWS // 4 + after["disk_prefetches"]
+
+
 @pytest.mark.parametrize("residency, message", [
     ({"host_budget_experts": ROWS // 4}, "more than the bank's 4 experts"),
-    ({"miss_policy": "ring", "ring_slots": 2}, "miss_policy 'ring' over the disk tier"),
-    ({"budget_experts": 0}, "set budget_experts or budget_gib")])
-def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, residency, message):
+    ({"miss_policy": "cpu"}, "miss_policy 'cpu' over the disk tier"),
+    ({"budget_experts": 0}, "set budget_experts or budget_gib"),
+    ({"host_budget_gib": 0.5}, "or host_budget_gib, not both")])
+def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, engine, residency, message):
     with pytest.raises(ConfigError, match=f"host_budget_experts.*{message}"):
-        _load(checkpoint, **residency)
+        _load(checkpoint, engine, **residency)
 
 
-def test_substitute_reads_only_what_the_planner_asks(checkpoint):
-    engine = _load(checkpoint, miss_policy="substitute", drain_every=4)
-    residency = engine.residency
+def test_substitute_reads_only_what_the_planner_asks(checkpoint, engine, over_disk, tmp_path):
+    """Then, with the history saved, a restart needs no calibration: the host cache (given in
+    GiB) is filled with the bank's experts and the busiest others, and nothing else is read."""
+    state = {"state_dir": str(tmp_path / "state")}
+    first = _load(checkpoint, engine, miss_policy="substitute", drain_every=4, **state)
+    residency = first.residency
     residency.freeze()
     before = residency.stats()
-    served_greedy(engine, PROMPT, 8)
+    served_greedy(first, PROMPT, 8)
     frozen = residency.stats()
     assert frozen["host_misses"] > before["host_misses"]  # misses of rows on disk, served...
     assert frozen["disk_reads"] == before["disk_reads"]  # ...without reading them
     residency.unfreeze()
-    served_greedy(engine, PROMPT, 16)
+    served_greedy(first, PROMPT, 16)
     after = residency.stats()
-    # a planned swap reads its row at most once while it waits in the queue
-    assert after["disk_reads"] - frozen["disk_reads"] <= after["swaps_planned"]
+    # a planned swap reads its row at most once while it waits in the queue, a prefetch once
+    assert (after["disk_reads"] - frozen["disk_reads"]
+            <= after["swaps_planned"] + after["disk_prefetches"])
     assert after["host_held"] <= ROWS // 2
-
-
-def test_boot_reads_what_the_budgets_keep(checkpoint, tmp_path):
-    """With a saved history the boot map needs no calibration: the host cache is filled with
-    the bank's experts and the busiest others, and nothing else is read."""
-    state = {"state_dir": str(tmp_path / "state")}
-    first = _load(checkpoint, miss_policy="substitute", **state)
-    served_greedy(first, PROMPT, 4)
     first.close()
-    second = _load(checkpoint, miss_policy="substitute", **state)
-    assert second.residency.stats()["disk_reads"] == ROWS // 2
+    gib = (ROWS // 2) * over_disk.residency.row_bytes / 2**30
+    again = tidejax.load(checkpoint, engine=engine, residency={
+        "budget_experts": ROWS // 4, "host_budget_gib": gib, "miss_policy": "substitute",
+        **state})
+    assert not again.residency.needs_calibration
+    stats = again.residency.stats()
+    assert stats["host_resident"] == ROWS // 2 and stats["disk_reads"] == ROWS // 2
 
 
 def _damage(path, how: str) -> None:
@@ -141,57 +191,130 @@ def _damage(path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["truncated", "changed"])
-def test_a_changed_checkpoint_is_refused_naming_it(checkpoint, tmp_path, how):
+def test_a_changed_checkpoint_is_refused_naming_it(checkpoint, engine, tmp_path, how):
     folder = shutil.copytree(checkpoint, tmp_path / "ckpt")
-    engine = _load(folder, miss_policy="exact")
+    served = _load(folder, engine, miss_policy="exact")
     _damage(folder / "model.safetensors", how)
     with pytest.raises(Exception, match=f"{folder / 'model.safetensors'}: {how} since it was "
                                         f"opened"):
         for _ in range(4):  # until a miss of a row on disk
-            engine.logits(np.random.RandomState(len(how)).randint(3, 256, 32))
-            engine.residency.freeze()
+            served.logits(np.random.RandomState(len(how)).randint(3, 256, 32))
+            served.residency.freeze()
 
 
-def test_prepared_copy_reused_and_rebuilt(checkpoint, tmp_path):
+def test_prepared_copy_rebuilt_when_its_checkpoint_changes(checkpoint, engine, tmp_path):
     folder = shutil.copytree(checkpoint, tmp_path / "ckpt")
     options = dict(miss_policy="exact", state_dir=str(tmp_path / "state"))
 
     def load():
-        return tidejax.load(folder, engine=ENGINE, model={"experts": "bf16"},
+        return tidejax.load(folder, engine=engine, model={"experts": "bf16"},
                             residency={**TIERS, **options})
 
     first = load()
     rows = first.residency.disk_rows
     assert rows.where == "prepared" and rows.path.parent == tmp_path / "state" / "experts"
+    assert rows.stride % ALIGN == 0 and rows.direct
     written = os.stat(rows.path)
     logits = first.logits(PROMPT)
+    assert first.residency.stats()["disk_direct"] == 1
     first.close()
-
-    again = load()  # a restart reuses the copy as it is
-    assert again.residency.disk_rows.path == rows.path
-    assert os.stat(rows.path).st_ino == written.st_ino
-    assert os.stat(rows.path).st_mtime_ns == written.st_mtime_ns
-    np.testing.assert_array_equal(again.logits(PROMPT), logits)
-    again.close()
-
+    # (a restart reuses the copy as it is: test_killed_while_reading_restarts_on_the_same_state_dir)
     _damage(folder / "model.safetensors", "changed")
     rebuilt = load()
     assert os.stat(rows.path).st_ino != written.st_ino  # written anew, renamed over
-    reference = tidejax.load(folder, engine=ENGINE, model={"experts": "bf16"})
+    reference = tidejax.load(folder, engine=engine, model={"experts": "bf16"})
     changed = reference.logits(PROMPT)
     assert not np.array_equal(changed, logits)
     np.testing.assert_array_equal(rebuilt.logits(PROMPT), changed)
 
 
-def test_a_cut_prepared_copy_is_rebuilt_at_start_and_refused_while_served(checkpoint, tmp_path):
+def test_a_cut_prepared_copy_is_rebuilt_at_start_and_refused_while_served(checkpoint, engine,
+                                                                         tmp_path):
     options = dict(miss_policy="exact", state_dir=str(tmp_path / "state"))
-    engine = tidejax.load(checkpoint, engine=ENGINE, model={"experts": "bf16"},
+    served = tidejax.load(checkpoint, engine=engine, model={"experts": "bf16"},
                           residency={**TIERS, **options})
-    rows = engine.residency.disk_rows
-    os.truncate(rows.path, rows.row_bytes * (ROWS - 1))
+    rows = served.residency.disk_rows
+    os.truncate(rows.path, rows.stride * (ROWS - 1))
     with pytest.raises(CheckpointError, match=f"{rows.path}: truncated since it was opened"):
         rows.read(0)
-    engine.close()
-    again = tidejax.load(checkpoint, engine=ENGINE, model={"experts": "bf16"},
+    cache, refused = HostCache(rows, ROWS // 2), f"{rows.path}: truncated"
+    cache.request([0, 1])
+    with pytest.raises(CheckpointError, match=refused):
+        cache.read_now(0)  # waits for the queued read, which failed
+    with pytest.raises(CheckpointError, match=refused):
+        cache.wait([1])
+    demand = np.ones(ROWS)
+    with pytest.raises(CheckpointError, match=refused):
+        cache.commit(demand, pinned=(), protect=(), wait_steps=lambda: None)
+    # each failed read raised once: nothing is left to raise again, and a row is read anew
+    assert cache.queued == 0 and not cache.commit(demand, (), (), lambda: None)
+    served.close()
+    again = tidejax.load(checkpoint, engine=engine, model={"experts": "bf16"},
                          residency={**TIERS, **options})
-    assert os.path.getsize(again.residency.disk_rows.path) == rows.row_bytes * ROWS
+    assert os.path.getsize(again.residency.disk_rows.path) == rows.stride * ROWS
+
+
+def test_direct_reads_fall_back_to_buffered_where_refused(tmp_path, monkeypatch, caplog):
+    """A filesystem that refuses O_DIRECT (EINVAL at open, as tmpfs before Linux 6.6) is read
+    buffered, said once; the bytes are the file's either way, at an aligned address."""
+    data = np.random.RandomState(0).randint(0, 256, 3 * ALIGN + 100).astype(np.uint8)
+    path = tmp_path / "rows"
+    data.tofile(path)
+    direct = DirectFile(path)
+    assert direct.direct
+    read = direct.read(ALIGN, 2 * ALIGN + 100)
+    np.testing.assert_array_equal(read, data[ALIGN:])
+    assert read.ctypes.data % ALIGN == 0
+    plain_open = os.open
+
+    def refusing(name, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(name))
+        return plain_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with caplog.at_level("WARNING", "tidejax.residency"):
+        buffered = DirectFile(path)
+        np.testing.assert_array_equal(buffered.read(0, 3 * ALIGN + 100), data)
+        buffered.read(ALIGN, 10)
+    assert not buffered.direct
+    assert [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()] == [
+        f"residency: {path} refuses O_DIRECT (Invalid argument); its rows are read buffered, "
+        f"through the page cache"]
+    with pytest.raises(CheckpointError, match=f"{path}: truncated"):
+        buffered.read(3 * ALIGN, ALIGN)
+
+
+KILLED = """
+import sys, numpy as np, tidejax
+from tests.support.tiny_models import served_greedy
+engine = tidejax.load(sys.argv[1], engine={engine}, model={{"experts": "bf16"}},
+                      residency={residency})
+while True:  # serves until killed: reads and saves (drain_every 1) all along
+    print(served_greedy(engine, {prompt}, 6), engine.residency.stats()["disk_reads"], flush=True)
+"""
+
+
+def test_killed_while_reading_restarts_on_the_same_state_dir(checkpoint, engine, tmp_path):
+    """A server process killed with SIGKILL while it reads rows and saves its state: a restart
+    on the same state_dir reuses the prepared copy (nothing half-written taken for whole) and
+    serves the same greedy tokens."""
+    residency = {**TIERS, "miss_policy": "exact", "drain_every": 1, "hysteresis": 1.0,
+                 "state_dir": str(tmp_path / "state")}
+    code = KILLED.format(engine=engine, residency=residency, prompt=PROMPT.tolist())
+    child = subprocess.Popen([sys.executable, "-c", code, str(checkpoint)],
+                             stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        lines = [child.stdout.readline() for _ in range(2)]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    tokens, reads = lines[0].rsplit(" ", 1)
+    assert int(lines[-1].rsplit(" ", 1)[1]) > int(reads)  # it was reading all along
+    copy = next((tmp_path / "state" / "experts").glob("*.rows"))
+    inode = os.stat(copy).st_ino
+    again = tidejax.load(checkpoint, engine=engine, model={"experts": "bf16"},
+                         residency=residency)
+    assert again.residency.disk_rows.path == copy and os.stat(copy).st_ino == inode  # reused
+    assert str(served_greedy(again, PROMPT, 6)) == tokens

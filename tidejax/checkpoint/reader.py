@@ -78,6 +78,11 @@ class CheckpointReader:
         self._rows_lock = threading.Lock()
         self._rows_left: dict[str, int] = {}  # rows of each tensor read_row has not given yet
 
+    def read_direct(self) -> bool:
+        """Every file read with O_DIRECT from here (SafetensorsFile.read_direct); whether all
+        of them are."""
+        return all([f.read_direct() for f in set(self._where.values())])
+
     # -- what is there (stored tensors) ----------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self._where)

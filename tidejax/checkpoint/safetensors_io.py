@@ -20,6 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from tidejax.checkpoint.direct import DirectFile
 from tidejax.errors import CheckpointError
 
 
@@ -68,19 +69,31 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorInfo] = _read_header(self.path)
         self._mmap: np.memmap | None = None
         self._fd = os.open(self.path, os.O_RDONLY)
+        self._direct: DirectFile | None = None  # reads past the page cache (read_direct)
 
     def __del__(self):
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
 
+    def read_direct(self) -> bool:
+        """From here, reads with O_DIRECT (checkpoint.direct) where the filesystem takes it:
+        the residency disk tier's rows, which host memory must not hold twice. Whether it does."""
+        if self._direct is None:
+            self._direct = DirectFile(self.path)
+        return self._direct.direct
+
     def read(self, name: str, row: int | None = None) -> np.ndarray:
-        """Tensor `name` (or its leading-axis row `row`) as a fresh array, read by pread."""
+        """Tensor `name` (or its leading-axis row `row`) as a fresh array, read by pread (past
+        the page cache after read_direct)."""
         info = self.tensors[name]
         shape, begin = info.shape, info.begin
         if row is not None:
             shape = info.shape[1:]
             begin += row * (info.nbytes // info.shape[0])
         out = np.empty(shape, info.dtype)
+        if self._direct is not None:
+            out.reshape(-1).view(np.uint8)[:] = self._direct.read_span(begin, out.nbytes)
+            return out
         buffer, done = memoryview(out.reshape(-1).view(np.uint8)), 0
         while done < out.nbytes:
             n = os.preadv(self._fd, [buffer[done:]], begin + done)

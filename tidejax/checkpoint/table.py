@@ -211,6 +211,15 @@ class RowSource:
         or MXFP4 blocks and scales (_expert_row)."""
         return _expert_row(self._plan.row_parts(row))
 
+    def read_direct(self) -> bool:
+        """Rows read past the page cache from here (CheckpointReader.read_direct); whether
+        every file takes O_DIRECT."""
+        return self._plan.reader.read_direct()
+
+    def read_all(self, put_row) -> None:
+        """Every row read (in threads) and handed to put_row(row, arrays), as `load` does."""
+        self._plan.read_experts(put_row)
+
     def tensors(self, row: int) -> list[Tensor]:
         return [tensor for tensor, _, _ in
                 self._plan.rows[divmod(row, self._plan.n_experts)].values()]

@@ -4,6 +4,13 @@ from the files' (`PreparedRows`, written once by residency/prepared.py). Both gi
 `read(row) -> {leaf: numpy array}` in the host pool's format and `layout` ({leaf:
 ShapeDtypeStruct [rows, ...]}, what residency.pool's n_rows / row_bytes read).
 
+Both read with O_DIRECT (checkpoint.direct.DirectFile: no page cache, so a budget of host
+memory is what the tier holds there). A prepared copy's rows start at multiples of ALIGN, each
+read into a page-aligned buffer whose leaves are the arrays handed back (no copy); a row in place
+is read as the aligned span around each of its tensors' bytes, which are copied out. Where the
+filesystem refuses O_DIRECT the files are read buffered, said once in the log and in `direct`
+(the stats' `disk_direct`).
+
 Every file is fingerprinted (size, mtime, inode) when it is opened; a read from a file that has
 changed or been cut short since is refused with a CheckpointError naming it, before any of its
 bytes are used (a row of the old layout read at the new file's offsets would be silent garbage).
@@ -19,6 +26,7 @@ import jax
 import numpy as np
 
 from tidejax.errors import CheckpointError
+from tidejax.checkpoint.direct import ALIGN, DirectFile, aligned
 from tidejax.residency.pool import row_bytes
 
 
@@ -74,6 +82,7 @@ class CheckpointRows:
         self.source, self.fmt = source, fmt
         self.layout = layout_of(fmt.convert(source.empty_row()), source.n_rows)
         self.files = Files(source.files())
+        self.direct = source.read_direct()  # the weights are loaded: from here rows only
 
     def read(self, row: int) -> dict:
         self.files.check(self.source.files(row))
@@ -81,42 +90,28 @@ class CheckpointRows:
 
 
 class PreparedRows:
-    """Rows of a prepared copy: row r's leaves back to back at r * row_bytes, in `layout`'s
-    order, read by os.preadv into fresh numpy arrays."""
+    """Rows of a prepared copy: row r's leaves back to back at r * stride (row_bytes rounded up
+    to ALIGN), in `layout`'s order, each row read by one direct read (DirectFile) whose buffer
+    the arrays are views of."""
 
     where = "prepared"
 
     def __init__(self, path: Path, layout: dict):
         self.path, self.layout = Path(path), layout
         self.row_bytes = row_bytes(layout)
+        self.stride = aligned(self.row_bytes)
         self.files = Files([self.path])
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self.file = DirectFile(self.path)
 
-    def __del__(self):
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+    @property
+    def direct(self) -> bool:
+        return self.file.direct
 
     def read(self, row: int) -> dict:
         self.files.check([self.path])
-        out = {k: np.empty(v.shape[1:], v.dtype) for k, v in self.layout.items()}
-        buffers = [memoryview(a.reshape(-1).view(np.uint8)) for a in out.values()]
-        begin, done = row * self.row_bytes, 0
-        while done < self.row_bytes:
-            n = os.preadv(self._fd, _from(buffers, done), begin + done)
-            if n == 0:
-                raise CheckpointError(f"{self.path}: truncated: row {row} ends at byte "
-                                      f"{begin + self.row_bytes}, the file at {begin + done}")
-            done += n
+        data, out, at = self.file.read(row * self.stride, self.row_bytes), {}, 0
+        for k, v in self.layout.items():
+            n = int(np.prod(v.shape[1:])) * np.dtype(v.dtype).itemsize
+            out[k] = data[at:at + n].view(v.dtype).reshape(v.shape[1:])
+            at += n
         return out
-
-
-def _from(buffers: list, skip: int) -> list:
-    """The buffers past their first `skip` bytes (a short preadv resumes there)."""
-    out = []
-    for b in buffers:
-        if skip >= len(b):
-            skip -= len(b)
-            continue
-        out.append(b[skip:])
-        skip = 0
-    return out

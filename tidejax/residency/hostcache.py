@@ -7,12 +7,16 @@ jit reads); `slot_of` [L_moe * E] maps a pool row (moe_layer * E + expert) to it
 through it wherever a step reads the pool (swaps, `exact`'s fetch, the bank's fill).
 
 Reads run in a small thread pool, overlapped with the steps: `request` queues rows (the
-planner's swaps that need a row not in host memory); `read_now` is `exact`'s miss of a row on
-disk, called from inside the step by a host callback (`fetch`), which waits for the read. A read
-row lands beside the pool and is written into a host slot by `commit`, between steps, after the
-steps in flight are done (a step may read any slot it maps: `exact`), evicting the rows of least
-demand (the planner's decayed History) that the bank does not hold. A bank row is always held in
-host memory too (the bank is refilled from the pool after a failed step: Residency.rebuild).
+planner's swaps that need a row not in host memory), `prefetch` the rows of most demand not in
+host memory that would displace held rows of less (`worth_reading`), at most PREFETCH_DEPTH
+queued at once; `read_now` is `exact`'s miss of a row on disk, called from inside the step by a
+host callback (`fetch`), which waits for that row's read alone (queued or running already: its
+future; else it reads it). A read row lands beside the pool and is written into a host slot by
+`commit`, between steps: into a free slot at once (no map names one), over a held row only after
+the steps in flight are done (a step may read any slot it maps: `exact`), evicting the rows of
+least demand (the planner's decayed History) that the bank does not hold. A bank row is always
+held in host memory too (the bank is refilled from the pool after a failed step:
+Residency.rebuild).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tidejax import parallel
 from tidejax.residency.pool import host_pool, n_rows, row_bytes
 
 READ_WORKERS = 4  # threads reading rows from disk
+PREFETCH_DEPTH = 2 * READ_WORKERS  # reads queued or running a prefetch tops up to
 
 
 class HostCache:
@@ -42,21 +47,38 @@ class HostCache:
         # row -> host slot or -1; replaced, never changed in place, so a step's copy stays valid
         self.slot_of = np.full(n_rows(rows.layout), -1, np.int32)
         self.row_at = np.full(capacity, -1, np.int32)  # host slot -> row, or -1 (free)
-        self.counters = collections.Counter()  # reads, read_bytes, read_ns, evictions, dropped
+        # reads, read_bytes, read_ns (the threads' time), busy_ns (wall time with a read
+        # running), in_step (reads `exact`'s callback ran itself), waited (its waits for a
+        # queued read), prefetched, evictions, dropped, commit_waits
+        self.counters = collections.Counter()
+        self.prefetched = np.zeros(len(self.slot_of), bool)  # held since a prefetch read it
         self._lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}  # row -> its read
         self._landed: dict[int, dict] = {}  # row -> arrays read, not yet in a slot
+        self._ahead: set[int] = set()  # rows queued or landed by `prefetch`
+        self._running, self._busy_since = 0, 0
         self._threads = concurrent.futures.ThreadPoolExecutor(READ_WORKERS, "tidejax-disk")
 
     # -- reads (any thread) ---------------------------------------------------------------
 
     def _read(self, row: int) -> dict:
-        t0 = time.perf_counter_ns()
-        arrays = self.rows.read(row)
+        with self._lock:
+            t0 = time.perf_counter_ns()
+            if not self._running:
+                self._busy_since = t0
+            self._running += 1
+        try:
+            arrays = self.rows.read(row)
+        finally:
+            with self._lock:
+                t1 = time.perf_counter_ns()
+                self._running -= 1
+                if not self._running:
+                    self.counters["busy_ns"] += t1 - self._busy_since
         with self._lock:
             self.counters["reads"] += 1
             self.counters["read_bytes"] += self.row_bytes
-            self.counters["read_ns"] += time.perf_counter_ns() - t0
+            self.counters["read_ns"] += t1 - t0
         return arrays
 
     def fill(self, rows) -> None:
@@ -69,20 +91,73 @@ class HostCache:
             self._write(slot, row, arrays, slot_of)
         self.slot_of = slot_of
 
-    def request(self, rows) -> None:
-        """Queues reads of the rows neither in host memory nor read or being read."""
+    def request(self, rows) -> list[int]:
+        """Queues reads of the rows neither in host memory nor read or being read; the rows
+        queued."""
+        queued = []
         with self._lock:
             for row in map(int, rows):
                 if self.slot_of[row] < 0 and row not in self._pending and row not in self._landed:
                     self._pending[row] = self._threads.submit(self._read, row)
+                    queued.append(row)
+        return queued
+
+    def worth_reading(self, demand: np.ndarray, pinned, hysteresis: float) -> list[int]:
+        """The rows on disk a read ahead brings in, most demand first: each would take a free
+        slot, or the place of a held row the bank does not hold (`pinned`) whose demand is
+        below 1 / `hysteresis` of its own, pairing the busiest rows on disk with the least
+        busy held ones; not those queued or landed already."""
+        busy = self.reading()
+        pinned = set(map(int, pinned))
+        free = int((self.row_at < 0).sum())
+        held = [int(r) for r in self.row_at if r >= 0 and int(r) not in pinned]
+        held.sort(key=lambda r: demand[r])  # the least demand first
+        cold = np.nonzero((self.slot_of < 0) & (demand > 0))[0]
+        out = []
+        for row in cold[np.argsort(-demand[cold], kind="stable")]:
+            row = int(row)
+            if row in busy:
+                continue
+            if free:
+                free -= 1
+            elif held and demand[row] >= hysteresis * demand[held[0]]:
+                held.pop(0)
+            else:
+                break
+            out.append(row)
+        return out
+
+    def prefetch(self, rows) -> list[int]:
+        """Reads ahead of the rows (worth_reading's, or `ring`'s misses), until PREFETCH_DEPTH
+        reads are queued or running; the rows queued."""
+        room = max(0, PREFETCH_DEPTH - self.queued)
+        queued = self.request(list(rows)[:room])
+        with self._lock:
+            self._ahead.update(queued)
+            self.counters["prefetched"] += len(queued)
+        return queued
+
+    def reading(self) -> set[int]:
+        """The rows whose reads are queued, running or landed (not yet committed)."""
+        with self._lock:
+            return set(self._pending) | set(self._landed)
 
     def read_now(self, row: int) -> dict:
-        """Row `row` now, waiting for its read (`exact`'s miss of a row on disk); it lands for
-        the next commit."""
+        """Row `row` now (`exact`'s miss of a row on disk): landed already, or waiting for its
+        queued read alone, or read here; it lands for the next commit."""
         with self._lock:
             arrays, future = self._landed.get(row), self._pending.get(row)
+            if arrays is None:
+                self.counters["waited" if future is not None else "in_step"] += 1
         if arrays is None:
-            arrays = future.result() if future is not None else self._read(row)
+            try:
+                arrays = future.result() if future is not None else self._read(row)
+            except Exception:  # raised once: the row is read anew when next asked for
+                with self._lock:
+                    if future is not None and self._pending.get(row) is future:
+                        del self._pending[row]
+                        self._ahead.discard(row)
+                raise
             with self._lock:
                 self._landed[row] = arrays
                 self._pending.pop(row, None)
@@ -114,14 +189,21 @@ class HostCache:
         least demand (`demand` [L_moe * E], the planner's) that are not `pinned` (in the bank),
         rows in `protect` (wanted by queued swaps) last; a landed row of less demand than every
         such row is dropped, unless protected. `wait_steps()` is called before the first write
-        (the steps in flight may read the slots). A failed read raises here. Whether the map
+        over a held row (the steps in flight may read it; a free slot no map names). A failed
+        read raises here, once (its row is read anew when next asked for). Whether the map
         changed."""
         with self._lock:
             for row, future in list(self._pending.items()):
                 if future.done():
-                    self._landed[row] = future.result()
                     del self._pending[row]
+                    try:
+                        self._landed[row] = future.result()
+                    except Exception:
+                        self._ahead.discard(row)
+                        raise
             landed, self._landed = self._landed, {}
+            ahead = self._ahead & set(landed)
+            self._ahead -= set(landed)
         landed = {r: a for r, a in landed.items() if self.slot_of[r] < 0}
         if not landed:
             return False
@@ -131,19 +213,25 @@ class HostCache:
                           if int(self.row_at[s]) not in pinned),
                          key=lambda s: (int(self.row_at[s]) in protect, demand[self.row_at[s]]),
                          reverse=True)  # the least valuable last: popped first
-        wait_steps()
+        waited = False
         slot_of = self.slot_of.copy()
         for row in sorted(landed, key=lambda r: (r in protect, demand[r]), reverse=True):
             if free:
                 slot = free.pop()
             elif victims and (row in protect or demand[self.row_at[victims[-1]]] <= demand[row]):
+                if not waited:
+                    wait_steps()
+                    waited = True
+                    self.counters["commit_waits"] += 1
                 slot = victims.pop()
                 slot_of[self.row_at[slot]] = -1
+                self.prefetched[self.row_at[slot]] = False
                 self.counters["evictions"] += 1
             else:
                 self.counters["dropped"] += 1
                 continue
             self._write(slot, row, landed[row], slot_of)
+            self.prefetched[row] = row in ahead
         self.slot_of = slot_of
         return True
 
@@ -153,8 +241,20 @@ class HostCache:
         self.row_at[slot], slot_of[row] = row, slot
 
     def stats(self) -> dict:
-        c = self.counters
-        return {"disk_reads": c["reads"], "disk_read_bytes": c["read_bytes"],
-                "disk_read_seconds": c["read_ns"] / 1e9, "disk_reads_queued": self.queued,
-                "host_evictions": c["evictions"], "host_reads_dropped": c["dropped"],
-                "host_held": int((self.row_at >= 0).sum())}
+        return disk_stats(self.counters, self.queued, self.rows.direct,
+                          int((self.row_at >= 0).sum()))
+
+
+def disk_stats(counters, queued: int = 0, direct: bool = False, held: int = 0) -> dict:
+    """The disk tier's stats (Residency.stats, so /metrics) from a HostCache's counters; with
+    an empty Counter, the zeros of an engine without one."""
+    c = counters
+    return {"disk_reads": c["reads"], "disk_read_bytes": c["read_bytes"],
+            "disk_read_seconds": c["read_ns"] / 1e9,  # the reading threads' time
+            # bytes over the wall time with a read running: the tier's delivered bandwidth
+            "disk_read_gbps": c["read_bytes"] / c["busy_ns"] if c["busy_ns"] else 0.0,
+            "disk_reads_queued": queued, "disk_direct": int(direct),
+            "disk_reads_in_step": c["in_step"], "disk_read_waits_in_step": c["waited"],
+            "disk_prefetches": c["prefetched"],
+            "host_evictions": c["evictions"], "host_reads_dropped": c["dropped"],
+            "host_commit_waits": c["commit_waits"], "host_held": held}

@@ -40,10 +40,11 @@ from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
 from tidejax import parallel
 from tidejax.residency.history import History
-from tidejax.residency.hostcache import HostCache
+from tidejax.residency.hostcache import HostCache, disk_stats
 from tidejax.residency.persist import resume_stats, save_stats
 from tidejax.residency.planner import Swap, fit_rows, place, plan, slot_groups
-from tidejax.residency.pool import budget_slots, host_pool, layer_slots, n_rows, row_bytes
+from tidejax.residency.pool import (budget_slots, host_pool, host_slots, layer_slots,
+                                    n_rows, row_bytes)
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState, Picks, all_resident_state, build_state
 from tidejax.residency.trace import TraceRecorder, trace_folder
@@ -60,8 +61,9 @@ class Residency:
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them); or
         None and `disk_rows` (residency.disk: the rows on disk, of which the host pool caches
-        section.host_budget_experts); max_tokens: the most tokens one step sends through a MoE
-        layer (sizes `exact`'s transient slots: min(E, max_tokens * top_k))."""
+        pool.host_slots: host_budget_experts, or host_budget_gib of rows); max_tokens: the most
+        tokens one step sends through a MoE layer (sizes `exact`'s transient slots: min(E,
+        max_tokens * top_k))."""
         self.section = section
         self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
@@ -86,6 +88,9 @@ class Residency:
                             if policy == "exact" and not self.all_resident else 0)
         self.disk_rows = disk_rows
         self.cache: HostCache | None = None  # the host pool as a cache of disk_rows (at boot)
+        self._hot: set[int] = set()  # `ring`'s misses on disk being read (kept when they land)
+        # rows the host pool holds (every row but over the disk tier)
+        self.host_capacity = host_slots(section, self.row_bytes, total)
         if disk_rows is not None:
             self._check_host_budget(total)
         self.state_dir = Path(section.state_dir) if section.state_dir else None
@@ -128,17 +133,19 @@ class Residency:
 
     def _check_host_budget(self, total: int) -> None:
         """The host cache's budget against the bank's and the policy (ConfigError)."""
-        key, host = "[residency] host_budget_experts", self.section.host_budget_experts
+        section, host = self.section, self.host_capacity
+        key = (f"[residency] host_budget_gib = {section.host_budget_gib} ({host} experts)"
+               if section.host_budget_gib else f"[residency] host_budget_experts = {host}")
         if self.all_resident:
-            raise ConfigError(f"{key} = {host} holds fewer experts than the bank (every expert "
+            raise ConfigError(f"{key} holds fewer experts than the bank (every expert "
                               f"is resident on the device): set budget_experts or budget_gib")
         if host <= self.n_resident:
-            raise ConfigError(f"{key} = {host}: the host holds every bank expert and room to read "
+            raise ConfigError(f"{key}: the host holds every bank expert and room to read "
                               f"one more: more than the bank's {self.n_resident} experts")
-        if self.section.miss_policy not in ("exact", "substitute"):
-            raise ConfigError(f"{key} = {host} < {total} experts: miss_policy "
+        if self.section.miss_policy not in ("exact", "substitute", "ring"):
+            raise ConfigError(f"{key} < {total} experts: miss_policy "
                               f"{self.section.miss_policy!r} over the disk tier is not built yet "
-                              f"(exact or substitute)")
+                              f"(exact, substitute or ring)")
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -235,7 +242,7 @@ class Residency:
     def _boot_cache(self, resident: np.ndarray) -> ExpertState:
         """The host cache at boot: the bank's rows, then (with a saved history) the busiest of
         the others up to the host budget; nothing else is read."""
-        capacity = self.section.host_budget_experts
+        capacity = self.host_capacity
         held = [int(r) for r in resident if r >= 0]
         if self.history.steps:
             order = np.argsort(-self.history.demand.reshape(-1), kind="stable")
@@ -283,11 +290,27 @@ class Residency:
     def _commit(self, protect=()) -> None:
         """The rows read from disk since into host slots (HostCache.commit), after the steps in
         flight; the map the next batches carry follows."""
-        protect = set(protect) | {s.row for s in self._queue}
+        protect = set(protect) | {s.row for s in self._queue} | self._hot
         if self.cache.commit(self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
                              protect, self._wait_in_flight):
             self._host_map = self.cache.slot_of
             self._device_map = parallel.replicated(self._host_map)
+        self._hot &= self.cache.reading()
+
+    def _read_ahead(self) -> None:
+        """Host prefetch, at a drain's plan: the rows on disk whose demand would earn them a
+        host slot (HostCache.worth_reading, by the same history and hysteresis as the bank's
+        plan) read while decoding goes on; committed by a later next_batch."""
+        self.cache.prefetch(self.cache.worth_reading(
+            self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
+            self.section.hysteresis))
+
+    def _read_hot(self, approx: np.ndarray, host_map: np.ndarray) -> None:
+        """`ring` over the disk tier: a step's substituted misses of rows on disk, heaviest
+        routing weight first, read into host memory off the step's path (the ring copies only
+        rows held there: residency/ring.py)."""
+        hot = np.nonzero((approx > 0) & (host_map < 0))[0]
+        self._hot.update(self.cache.prefetch(hot[np.argsort(-approx[hot], kind="stable")]))
 
     def _wait_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -345,8 +368,14 @@ class Residency:
             new = np.asarray(tallies.misses, np.float64)  # [L_moe, E] the step's misses
             if host_map is not None:  # those of rows on disk when the step ran
                 self.counters["host_misses"] += int(new.reshape(-1)[host_map < 0].sum())
+                # and those found in host memory because a prefetch had read them
+                self.counters["host_prefetch_hits"] += int(
+                    new.reshape(-1)[(host_map >= 0) & self.cache.prefetched].sum())
             wanted, routed = tokens * self.top_k * self.n_layers, tokens * self.n_layers
-            approx_weight = float(np.asarray(tallies.approx, np.float64).sum())
+            approx = np.asarray(tallies.approx, np.float64)  # [L_moe, E]
+            approx_weight = float(approx.sum())
+            if host_map is not None and self.n_ring and not self.frozen:
+                self._read_hot(approx.reshape(-1), host_map)
             copies = int(tallies.ring_copies)
             self.counters["ring_hits"] += int(tallies.ring_hits)
             self.counters["ring_copies"] += copies
@@ -403,6 +432,8 @@ class Residency:
                         self.history.demand, self.slot_rows[:self.n_resident], self.geometry,
                         self.section.hysteresis, self.section.max_swaps_per_layer)]
                 self.counters["planned"] += len(self._queue)
+                if self.cache is not None:
+                    self._read_ahead()
             self.counters["drain_seconds_x1e6"] += int((time.perf_counter() - t0) * 1e6)
             if self.state_dir:
                 self._persist()
@@ -572,9 +603,7 @@ class Residency:
         """The disk tier's reads (HostCache.stats), zeros without one."""
         if self.cache is not None:
             return self.cache.stats()
-        return {"disk_reads": 0, "disk_read_bytes": 0, "disk_read_seconds": 0.0,
-                "disk_reads_queued": 0, "host_evictions": 0, "host_reads_dropped": 0,
-                "host_held": self.n_layers * self.n_experts}
+        return disk_stats(collections.Counter(), held=self.n_layers * self.n_experts)
 
     def expert_map(self) -> dict:
         """The decayed demand [L_moe, E] (History.demand: routing weight) and the resident set
@@ -597,6 +626,8 @@ class Residency:
             # wanted picks of experts in neither the bank nor host memory (the disk tier's)
             "host_cold_share_total": c["host_misses"] / c["wanted"] if c["wanted"] else 0.0,
             "host_misses": c["host_misses"],
+            # wanted picks missing the bank that a host prefetch had brought into host memory
+            "host_prefetch_hits": c["host_prefetch_hits"],
             "window_steps": len(self._window),
             "misses": c["misses"],
             "hits": c["wanted"] - c["misses"],

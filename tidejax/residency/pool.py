@@ -37,23 +37,33 @@ def n_rows(rows: dict) -> int:
 
 
 def budget_slots(budget_experts: int, budget_gib: float, bytes_per_row: int, total_rows: int,
-                 source: str = "[residency]") -> int:
-    """Resident slots for a budget: `budget_experts`, else `budget_gib` of rows, else every row
-    (0 and 0 = all resident). Never more than there are rows."""
+                 source: str = "[residency]",
+                 names: tuple[str, str] = ("budget_experts", "budget_gib")) -> int:
+    """Slots for a budget: `budget_experts`, else `budget_gib` of rows, else every row (0 and 0
+    = all). Never more than there are rows. `names`: the two fields, as errors name them (the
+    bank's, or the host pool's: host_slots)."""
+    count, gib = names
     if budget_experts < 0 or budget_gib < 0:
-        raise ConfigError(f"{source}: budget_experts and budget_gib must not be negative")
+        raise ConfigError(f"{source}: {count} and {gib} must not be negative")
     if budget_experts and budget_gib:
-        raise ConfigError(f"{source}: give budget_experts or budget_gib, not both")
+        raise ConfigError(f"{source}: give {count} or {gib}, not both")
     if budget_experts:
         slots = budget_experts
     elif budget_gib:
         slots = int(budget_gib * 2**30 // bytes_per_row)
         if slots == 0:
-            raise ConfigError(f"{source}: budget_gib = {budget_gib} holds no expert row "
+            raise ConfigError(f"{source}: {gib} = {budget_gib} holds no expert row "
                               f"({bytes_per_row} bytes each)")
     else:
         slots = total_rows
     return min(slots, total_rows)
+
+
+def host_slots(section, bytes_per_row: int, total_rows: int) -> int:
+    """Rows the host pool holds for a ResidencySection: host_budget_experts, else
+    host_budget_gib of rows as served, else every row."""
+    return budget_slots(section.host_budget_experts, section.host_budget_gib, bytes_per_row,
+                        total_rows, names=("host_budget_experts", "host_budget_gib"))
 
 
 def layer_slots(slots: int, n_layers: int, geometry: str, source: str = "[residency]") -> int:

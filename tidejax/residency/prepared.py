@@ -1,7 +1,8 @@
 """Where the disk tier reads its rows from (`open_rows`): the checkpoint in place where a row as
 read is the row as served, else a prepared copy under state_dir, written once and reused.
 
-A prepared copy is `state_dir/experts/<key>.rows` (row r at r * row_bytes, leaves back to back)
+A prepared copy is `state_dir/experts/<key>.rows` (row r at r * stride, its leaves back to back;
+the stride is the row's bytes rounded up to disk.ALIGN, so each row is one direct read)
 and its manifest `<key>.json`: the format, the layout, each source file's size and mtime, and the
 copy's own. It is reused while the manifest matches the sources and the copy; otherwise it is
 rebuilt (the reason logged, naming the file): written to a temporary file in threads with a
@@ -23,19 +24,19 @@ import numpy as np
 from tidejax.checkpoint.progress import Progress
 from tidejax.checkpoint.table import READ_WORKERS
 from tidejax.errors import ConfigError
-from tidejax.residency.disk import CheckpointRows, Fingerprint, PreparedRows
+from tidejax.residency.disk import ALIGN, CheckpointRows, Fingerprint, PreparedRows, aligned
 from tidejax.residency.persist import clear_torn, write_atomic
 from tidejax.residency.pool import row_bytes as pool_row_bytes
 
 log = logging.getLogger("tidejax.residency")
 
-PREPARED_FORMAT = "tidejax-prepared-experts/1"
+PREPARED_FORMAT = "tidejax-prepared-experts/2"  # /2: rows at ALIGN-aligned strides
 
 
-def open_rows(source, fmt, state_dir: str, key: str = "[residency] host_budget_experts"):
-    """The disk tier's rows: CheckpointRows where the held format is the files' (no FP8 to
-    dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`."""
-    rows = CheckpointRows(source, fmt)
+def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host budget"):
+    """The disk tier's rows: `rows` (read in place) where the held format is the files' (no FP8
+    to dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`."""
+    source, fmt = rows.source, rows.fmt
     stored = source.empty_row()
     same = source.stored_as_read() and all(
         name in stored and stored[name].dtype == leaf.dtype for name, leaf in rows.layout.items())
@@ -55,7 +56,7 @@ def prepare(rows: CheckpointRows, folder: Path) -> PreparedRows:
     (re)written."""
     sources = {str(p): f.as_json() for p, f in sorted(rows.files.prints.items())}
     layout = {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in rows.layout.items()}
-    expected = {"format": PREPARED_FORMAT, "held_as": rows.fmt.held_as,
+    expected = {"format": PREPARED_FORMAT, "align": ALIGN, "held_as": rows.fmt.held_as,
                 "dtype": str(rows.fmt.dtype), "layout": layout, "sources": sources}
     key = hashlib.sha256(json.dumps([sorted(sources), rows.fmt.held_as, str(rows.fmt.dtype)])
                          .encode()).hexdigest()[:16]
@@ -95,17 +96,18 @@ def _write(rows: CheckpointRows, path: Path) -> None:
     clear_torn(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n, row_bytes = rows.source.n_rows, pool_row_bytes(rows.layout)
+    stride = aligned(row_bytes)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     progress = Progress("preparing experts", n, n * row_bytes)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(fd, n * row_bytes)
+        os.ftruncate(fd, n * stride)
 
         def one(row: int) -> None:
             arrays = rows.read(row)
             data = b"".join(np.ascontiguousarray(arrays[k], v.dtype).tobytes()
                             for k, v in rows.layout.items())
-            os.pwrite(fd, data, row * row_bytes)
+            os.pwrite(fd, data, row * stride)
             progress.advance(1, row_bytes)
 
         with concurrent.futures.ThreadPoolExecutor(READ_WORKERS, "tidejax-prepare") as pool:

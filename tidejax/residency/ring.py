@@ -19,6 +19,12 @@ pool row 0, which is never written. While residency is frozen (`on` False) the r
 the staged rows are fetched again, nothing is written or chosen. The ring's slots are the
 device's own: the host's map holds the resident slots; a row the planner swaps in leaves its
 ring slot (swap._swap), and a row already in the bank is never written into one.
+
+Over the disk tier (residency.host_budget_experts) the ring copies only rows in host memory (the
+step's `host_slots` map): `choose` passes over a miss of a row on disk, and `start` drops a chosen
+row that a commit has taken out of host memory since. Those misses are read from disk by the
+host instead (Residency._read_tallies: the heaviest first, off the step's path), so a later step
+can choose them; the step itself never waits for the disk.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tidejax.residency.state import ExpertState, fetch_row
+from tidejax.residency.state import ExpertState, read_row
 
 
 def start(state: ExpertState, on) -> ExpertState:
@@ -37,8 +43,10 @@ def start(state: ExpertState, on) -> ExpertState:
     with jax.named_scope("ring_write"):
         state = _write_staged(state, on)
     rows = jnp.where(on, state.ring_rows, state.ring_staged_rows)  # [R]
+    if state.host_slots is not None:  # over the disk tier: rows in host memory only
+        rows = jnp.where(state.host_slots[jnp.maximum(rows, 0)] >= 0, rows, -1)
     with jax.named_scope("ring_fetch"):  # the name a profile finds the copies by
-        fetched = [fetch_row(state.pool, jnp.maximum(rows[i], 0)) for i in range(rows.shape[0])]
+        fetched = [read_row(state, jnp.maximum(rows[i], 0)) for i in range(rows.shape[0])]
         staged = jax.tree.map(lambda *r: jnp.stack(r), *fetched)
     return state.replace(ring_staged=staged, ring_staged_rows=rows)
 
@@ -54,6 +62,8 @@ def choose(state: ExpertState, on) -> ExpertState:
     staged = jnp.zeros(flat.shape, bool).at[jnp.where(pending >= 0, pending, flat.size)].set(
         True, mode="drop")
     weight = jnp.where((flat >= 0) | staged, 0.0, state.approx.reshape(-1))
+    if state.host_slots is not None:  # a row on disk is read by the host, not copied
+        weight = jnp.where(state.host_slots >= 0, weight, 0.0)
     top, heavy = jax.lax.top_k(weight, rows.shape[0])
     return state.replace(ring_rows=jnp.where(on, jnp.where(top > 0, heavy, -1), rows)
                          .astype(jnp.int32))

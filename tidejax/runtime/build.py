@@ -40,7 +40,8 @@ from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slo
 from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
-from tidejax.residency.pool import host_pool, pool_rows
+from tidejax.residency.disk import CheckpointRows
+from tidejax.residency.pool import host_pool, host_slots, pool_rows, row_bytes
 from tidejax.residency.prepared import open_rows
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
@@ -539,9 +540,9 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     (models.loading.ExpertPool with residency.pool.host_pool). dense_format "fp8" (only for a
     family with Family.dense_fp8): the projections stored FP8 stay FP8 on the device. mesh: the
     model's (None: parallel.current_mesh); named to the pool, which the reading threads place.
-    Where `residency.host_budget_experts` holds fewer than every expert, no row is read here:
-    the third item is then the rows on disk (residency.prepared.open_rows), which the host
-    cache reads from as needed."""
+    Where `residency.host_budget_experts` (or host_budget_gib, of rows as served) holds fewer
+    than every expert, no row is read here: the third item is then the rows on disk
+    (residency.prepared.open_rows), which the host cache reads from as needed."""
     mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
     fmt = {}
@@ -550,19 +551,23 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
             raise ConfigError(f"model.dense_format = {dense_format!r}: the {family.name} family "
                               f"keeps its dense weights float (use 'float')")
         fmt = {"dense_format": dense_format}
-    if residency is not None and 0 < residency.host_budget_experts < n_moe * n_experts:
-        if parallel.tensor_size(mesh) > 1:
-            raise ConfigError("[residency] host_budget_experts: the disk tier is not built for a "
-                              "mesh that splits 'tensor' yet (distributed.tensor_parallel)")
-        deferred = Deferred()
-        params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, deferred, **fmt)
-        return params, aux, open_rows(deferred.source, RowFormat(held_as, dtype),
-                                      residency.state_dir)
     pool = ExpertPool(n_moe * n_experts, held_as, dtype,
                       place=functools.partial(host_pool, mesh=mesh))
-    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype,
-                                      pool_rows(pool.put_row, parallel.tensor_size(mesh)), **fmt)
-    return params, aux, pool.result()
+    put_row = pool_rows(pool.put_row, parallel.tensor_size(mesh))
+    if residency is None or not (residency.host_budget_experts or residency.host_budget_gib):
+        params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, put_row, **fmt)
+        return params, aux, pool.result()
+    deferred = Deferred()  # a host budget: how many rows it holds is known from the headers
+    params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, deferred, **fmt)
+    rows = CheckpointRows(deferred.source, RowFormat(held_as, dtype))
+    if host_slots(residency, row_bytes(rows.layout), n_moe * n_experts) == n_moe * n_experts:
+        deferred.source.read_all(put_row)  # the budget holds every expert: the host pool
+        return params, aux, pool.result()
+    if parallel.tensor_size(mesh) > 1:
+        raise ConfigError("[residency] host_budget_experts / host_budget_gib: the disk tier is "
+                          "not built for a mesh that splits 'tensor' yet "
+                          "(distributed.tensor_parallel)")
+    return params, aux, open_rows(rows, residency.state_dir)
 
 
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
