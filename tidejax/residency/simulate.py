@@ -5,14 +5,15 @@ from bandwidths (`python -m tidejax.residency simulate`; DESIGN.md "Simulating a
 The replay is the manager's loop (residency/manager.py) over recorded picks instead of a step:
 each step applies up to max_swaps_per_step queued swaps at its start, its picks hit or miss the
 map, every drain_every steps its counters join a History, and the drain is planned by
-`planner.plan` one step later, as `after_step` finishes a drain. The prediction counts, per
-decode step, the bytes read from device memory (the fixed `step_bytes` and each distinct
-resident expert wanted), the rows crossing PCIe (swaps, and `exact`'s distinct missed experts)
-and the rows the host kernel streams (`cpu`'s distinct missed experts).
+`planner.plan` one step later, as `after_step` finishes a drain. What the step does with a miss
+(`ring`'s copies, `auto`'s host picks and threshold) and the host cache over the disk are
+residency/replay.py's models. The prediction counts, per decode step, the bytes read from device
+memory (the fixed `step_bytes` and each distinct resident expert wanted), the rows crossing PCIe
+(swaps, `exact`'s distinct missed experts, the ring's fetches), the rows the host kernel streams
+(`cpu`'s and `auto`'s host picks' distinct experts) and the rows read from disk.
 
-The trace is the recorder's format (tidejax/residency/trace.py on the dash branch, version 1):
-`read_trace` here is a minimal loader of it, to give way to the recorder's own reader once both
-are merged.
+The trace is the recorder's format (tidejax/residency/trace.py), read by its `read_trace` and
+checked here against its header.
 """
 
 from __future__ import annotations
