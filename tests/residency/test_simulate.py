@@ -141,6 +141,15 @@ def test_a_history_gives_its_steady_state(recorded, tmp_path):
     cold = [r["cold_share"] for r in rows]
     assert cold[0] > cold[1] > cold[2] == 0
     assert rows[0]["decode_tps"] < rows[1]["decode_tps"] < rows[2]["decode_tps"]
+    # 96 in host memory: the picks of the other 48 come from disk; `exact` reads them in the step
+    assert residency_cli(["simulate", "--history", str(history), "--top-k", "6", "--budgets",
+                          "72", "--host-budgets", "96,0", "--set", "residency.miss_policy=exact",
+                          "--json", str(rows_json), *MACHINE]) == 0
+    all_in_host, tiered = json.loads(rows_json.read_text())  # host budgets in order
+    assert tiered["cold_share"] == all_in_host["cold_share"] == cold[1]
+    assert 0 < tiered["host_cold_share"] < tiered["cold_share"]
+    assert tiered["disk_bytes_per_token"] > 0 == all_in_host["disk_bytes_per_token"]
+    assert tiered["decode_tps"] < all_in_host["decode_tps"]
 
 
 def _bad_chunk(folder: Path) -> None:

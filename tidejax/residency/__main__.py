@@ -177,6 +177,9 @@ def _run_simulation(args) -> int:
                                   for b in asked}):
                 if not host_budget or budget < host_budget:  # the engine's rule (manager)
                     rows.append(_row(outcome(budget, geometry, host_budget), machine))
+    if not rows:
+        raise ValueError(f"--budgets {asked}: none below the host budgets {host_budgets} (the "
+                         "host holds every bank expert and one more)")
     _print_table(rows, args, settings, seed_map, trace)
     if args.target_tps:
         for geometry in geometries:
