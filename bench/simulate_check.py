@@ -17,7 +17,9 @@ every decode step reads besides the routed experts (the dense weights and the KV
 lanes at their mean context), and its decode tok/s is set beside the measured one.
 
 Prints a markdown table (and writes it to $OUT/simulate_check.md where $OUT is set): resident
-share, budget, cold share (engine, simulate), measured and predicted tok/s and the error
+share, budget, the decode steps' cold share (the engine's, from its trace's resident flags, and
+simulate's: the steps the prediction counts; a load without a seed map calibrates on a scoring
+forward the replay runs on the calibrated map), measured and predicted tok/s and the error
 (predicted / measured - 1).
 """
 
@@ -36,12 +38,12 @@ import jax
 from bench.ceilings import hbm_read_gbps
 from bench.roofline import (PROMPT_TOKENS, dense_bytes, h2d_gbps, host_kernel_gbps, load_config,
                             parse_set, report, steady_decode)
-from tidejax.residency import seedmap
+from tidejax.residency import seedmap, simulate
 from tidejax.residency.__main__ import main as residency_cli
 
 OWN_PICKS = "the router's own picks"
-HEADER = ("| resident | budget | policy | lanes | cold share: engine / simulate | measured tok/s | "
-          "predicted tok/s | error |")
+HEADER = ("| resident | budget | policy | lanes | decode cold share: engine / simulate | "
+          "measured tok/s | predicted tok/s | error |")
 
 
 def check_share(model: str, share: float, args, overrides: dict, workdir: Path,
@@ -65,8 +67,6 @@ def check_share(model: str, share: float, args, overrides: dict, workdir: Path,
     engine.warmup([PROMPT_TOKENS])  # the step shapes of this workload's prompts
     _, steady = steady_decode(engine, args.lanes, args.tokens, args.domain)
     measured = args.lanes / sorted(r.seconds for r in steady)[len(steady) // 2]
-    engine.residency.flush()
-    stats = engine.residency.stats()
     context = PROMPT_TOKENS + args.tokens / 2  # the lanes' mean position while decoding
     step_mib = (dense_bytes(engine)
                 + engine.cache_bytes_per_token() * context * args.lanes) / 2**20
@@ -87,8 +87,9 @@ def check_share(model: str, share: float, args, overrides: dict, workdir: Path,
         raise RuntimeError(f"simulate failed on the trace of share {share}")
     row = json.loads(rows_json.read_text())[0]
     predicted = row["decode_tps"]
+    cold = simulate.read_trace(state_dir / "routing").measured_cold_share(args.lanes)
     return (f"| {share:.0%} | {budget} | {args.policy} | {args.lanes} | "
-            f"{stats['cold_share_total']:.4f} / {row['cold_share']:.4f} | {measured:.1f} | "
+            f"{cold:.4f} / {row['decode_cold_share']:.4f} | {measured:.1f} | "
             f"{predicted:.1f} | {predicted / measured - 1:+.1%} |")
 
 

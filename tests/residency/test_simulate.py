@@ -76,6 +76,7 @@ def test_replay_at_the_engines_budget_predicts_its_cold_share(recorded, tmp_path
     assert (144, HOST_BUDGET) not in both  # a bank as large as the host's: the engine refuses
     rows = {budget: both[budget, HOST_BUDGET] for budget in (24, BUDGET)} | {144: both[144, 0]}
     assert abs(rows[BUDGET]["cold_share"] - stats["cold_share_total"]) <= 0.02
+    assert abs(rows[BUDGET]["decode_cold_share"] - trace.measured_cold_share(lanes=2)) <= 0.02
     # the swaps the replay planned are the engine's, per 1K routed tokens
     assert rows[BUDGET]["swaps_per_1k_tokens"] == pytest.approx(
         1000 * stats["swaps_applied"] / trace.tokens.sum(), rel=0.1)

@@ -276,7 +276,8 @@ def _measure(dims: list[int], fmt: str, given: dict) -> dict:
 def _row(outcome: simulate.Outcome, machine: simulate.Machine | None) -> dict:
     row = {"budget": outcome.budget, "geometry": outcome.geometry,
            "host_budget": outcome.host_budget, "miss_policy": outcome.policy,
-           "cold_share": outcome.cold_share, "host_cold_share": outcome.host_cold_share,
+           "cold_share": outcome.cold_share, "decode_cold_share": outcome.decode_cold_share,
+           "host_cold_share": outcome.host_cold_share,
            "swaps_per_1k_tokens": outcome.swaps_per_1k_tokens,
            "approx_weight_share": outcome.approx_weight_share,
            "host_picks": outcome.host_picks, "ring_copies": outcome.ring_copies,

@@ -54,9 +54,14 @@ class Trace:
     settings: dict = dataclasses.field(default_factory=dict)
     resident_slots: int = 0  # the recording engine's bank (0: not said)
 
-    def measured_cold_share(self) -> float:
-        """The share of the recorded picks the engine served by a miss."""
-        return float(1.0 - self.resident.mean()) if self.resident.size else 0.0
+    def measured_cold_share(self, lanes: int = 0) -> float:
+        """The share of the recorded picks the engine served by a miss (with `lanes`: of its
+        decode steps', those routing at most `lanes` tokens)."""
+        resident = self.resident
+        if lanes:
+            decode = np.repeat((self.tokens > 0) & (self.tokens <= lanes), self.tokens)
+            resident = resident[decode]
+        return float(1.0 - resident.mean()) if resident.size else 0.0
 
     def steps(self):
         """Each recorded step's picks: rows [T, L, k] and their weights [T, L, k] float32."""
@@ -128,7 +133,8 @@ class Outcome:
     (`ring_copies`) and picks it served (`ring_hits`), picks the host computed (`host_picks`),
     routing weight served approximately and all routed (in serve.weight_shares), `auto`'s
     threshold at the end and the steps that lowered it, picks of rows on disk (`host_misses`)
-    and rows read from disk (`disk_reads`); over its decode steps: their count and tokens, the
+    and rows read from disk (`disk_reads`); over its decode steps: their count, tokens, wanted
+    picks and misses, the
     distinct experts read from the bank (`reads`), rows over PCIe in the step's path (`pcie`:
     fetched and swapped in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`),
     rows read from disk in the step's path (`disk`: `exact`'s) and beside it
@@ -161,10 +167,17 @@ class Outcome:
     ring_pcie: float = 0.0
     disk: float = 0.0
     disk_background: float = 0.0
+    decode_wanted: float = 0.0
+    decode_misses: float = 0.0
 
     @property
     def cold_share(self) -> float:
         return self.misses / self.wanted if self.wanted else 0.0
+
+    @property
+    def decode_cold_share(self) -> float:
+        """The cold share of the decode steps' picks (those the tok/s prediction counts)."""
+        return self.decode_misses / self.decode_wanted if self.decode_wanted else 0.0
 
     @property
     def host_cold_share(self) -> float:
@@ -213,7 +226,7 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
                             "decode_tokens", "reads", "pcie", "host", "ring_fetched",
                             "ring_copies", "ring_hits", "host_picks", "approx_weight",
                             "routed_weight", "threshold_lowered", "host_misses", "ring_pcie",
-                            "disk", "disk_background"), 0.0)
+                            "disk", "disk_background", "decode_wanted", "decode_misses"), 0.0)
     for rows, weights in trace.steps():
         tokens = len(rows)
         background = 0
@@ -253,8 +266,10 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
                  "ring_hits": int((~miss & ~resident[rows]).sum()),
                  "host_misses": 0 if host is None else int((miss & ~host.held[rows]).sum())}
         if 0 < tokens <= lanes:
-            step |= {"decode_steps": 1, "decode_tokens": tokens,
-                     "reads": len(np.unique(rows[~miss])), "pcie": step["fetched"] + len(batch),
+            step |= {"decode_steps": 1, "decode_tokens": tokens, "decode_wanted": miss.size,
+                     "decode_misses": step["misses"],
+                     "reads": bank_reads(rows, miss, approx, held, n_layers),
+                     "pcie": step["fetched"] + len(batch),
                      "ring_pcie": step.get("ring_fetched", 0),
                      "host": len(np.unique(rows[on_host])), "disk": disk_read,
                      "disk_background": background}
@@ -286,6 +301,18 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
                    disk_reads=host.reads if host is not None else 0.0, **totals)
 
 
+def bank_reads(rows: np.ndarray, miss: np.ndarray, substituted: np.ndarray, held: np.ndarray,
+               n_layers: int) -> int:
+    """Experts a step reads from the bank: each distinct held expert its picks want, and, per
+    layer, one for each substituted pick up to the held experts not wanted (a substitute is an
+    expert its token did not pick; exact for a step of one token, an upper bound for more: two
+    tokens' substitutes may share an expert). rows, miss, substituted [T, L, k]; held [L * E]."""
+    wanted = np.zeros(held.size, bool)
+    wanted[rows[~miss]] = True
+    unread = (held & ~wanted).reshape(n_layers, -1).sum(1)  # [L]
+    return int(wanted.sum() + np.minimum(substituted.sum((0, 2)), unread).sum())
+
+
 def steady_state(history: History, top_k: int, budget: int, geometry: str, policy: str,
                  lanes: int, host_budget: int = 0) -> Outcome:
     """A history's steady state at `budget` (resolved): the map the planner tends to
@@ -314,9 +341,15 @@ def steady_state(history: History, top_k: int, budget: int, geometry: str, polic
     missed = float(distinct[~held].sum())
     fetched = missed if policy == "exact" else 0.0
     disk = float(distinct[~in_host].sum()) if policy == "exact" else 0.0
+    # substitute: the step's expected missed picks, each read as another held expert (bank_reads)
+    substituted = (lanes * top_k * np.divide(np.where(held, 0.0, counts).sum(1), layer_picks[:, 0],
+                                             out=np.zeros(len(counts)), where=layer_picks[:, 0] > 0)
+                   if policy == "substitute" else np.zeros(len(counts)))
+    unread = np.where(held, 1.0 - distinct, 0.0).sum(1)  # [L_moe]
+    reads = float(distinct[held].sum() + np.minimum(substituted, unread).sum())
     return Outcome(budget, geometry, policy, tokens=lanes, wanted=float(counts.sum()),
                    misses=float(counts[~held].sum()), swaps=0.0, fetched=fetched,
-                   decode_steps=1.0, decode_tokens=lanes, reads=float(distinct[held].sum()),
+                   decode_steps=1.0, decode_tokens=lanes, reads=reads,
                    pcie=fetched, host=missed if policy == "cpu" else 0.0,
                    host_budget=host_budget, host_misses=float(counts[~in_host].sum()),
                    disk_reads=disk, disk=disk, host_picks=missed if policy == "cpu" else 0.0)
