@@ -50,7 +50,7 @@ def record(tmp: Path, prompts: list[str], tokens: int, **residency):
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """`substitute` with HOST_BUDGET experts in host memory, the rest on disk."""
-    return record(tmp_path_factory.mktemp("simulate"), PROMPTS, 40,
+    return record(tmp_path_factory.mktemp("simulate"), PROMPTS, 28,
                   host_budget_experts=HOST_BUDGET)
 
 
@@ -212,7 +212,7 @@ def policy_run(request, tmp_path_factory):
     threshold held to a 10% approximate share: it moves)."""
     extra = ({"ring_slots": 6} if request.param == "ring" else
              {"exact_weight": 0.3, "max_approx_share": 0.1})
-    return request.param, record(tmp_path_factory.mktemp(request.param), PROMPTS[:2], 24,
+    return request.param, record(tmp_path_factory.mktemp(request.param), PROMPTS[:2], 12,
                                  miss_policy=request.param, **extra)
 
 
