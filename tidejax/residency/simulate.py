@@ -126,6 +126,23 @@ def resolve_budget(budget: int, n_layers: int, n_experts: int, geometry: str) ->
     return per * n_layers if per else budget
 
 
+def ratio(part: float, whole: float) -> float:
+    """part / whole, 0 where there is no whole (a replay of no steps)."""
+    return part / whole if whole else 0.0
+
+
+class Share:
+    """A read-only attribute: one of an Outcome's fields over another (`ratio`)."""
+
+    def __init__(self, part: str, whole: str):
+        self.part, self.whole = part, whole
+
+    def __get__(self, outcome, owner=None):
+        if outcome is None:  # the class's attribute
+            return self
+        return ratio(getattr(outcome, self.part), getattr(outcome, self.whole))
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """A replay's tallies. Over all steps: tokens, wanted picks, misses, swaps, rows copied over
@@ -170,34 +187,24 @@ class Outcome:
     decode_wanted: float = 0.0
     decode_misses: float = 0.0
 
-    @property
-    def cold_share(self) -> float:
-        return self.misses / self.wanted if self.wanted else 0.0
-
-    @property
-    def decode_cold_share(self) -> float:
-        """The cold share of the decode steps' picks (those the tok/s prediction counts)."""
-        return self.decode_misses / self.decode_wanted if self.decode_wanted else 0.0
-
-    @property
-    def host_cold_share(self) -> float:
-        """Wanted picks of rows on disk over all wanted picks (stats' host_cold_share_total)."""
-        return self.host_misses / self.wanted if self.wanted else 0.0
-
-    @property
-    def approx_weight_share(self) -> float:
-        return self.approx_weight / self.routed_weight if self.routed_weight else 0.0
+    # wanted picks served by a miss over all wanted picks; of the decode steps' (those the tok/s
+    # prediction counts); of rows on disk (stats' host_cold_share_total); routing weight served
+    # approximately over all routed (in serve.weight_shares)
+    cold_share = Share("misses", "wanted")
+    decode_cold_share = Share("decode_misses", "decode_wanted")
+    host_cold_share = Share("host_misses", "wanted")
+    approx_weight_share = Share("approx_weight", "routed_weight")
 
     @property
     def swaps_per_1k_tokens(self) -> float:
-        return 1000.0 * self.swaps / self.tokens if self.tokens else 0.0
+        return ratio(1000.0 * self.swaps, self.tokens)
 
     def pcie_bytes_per_token(self, expert_bytes: float) -> float:
         rows = self.fetched + self.swaps + self.ring_fetched
-        return rows * expert_bytes / self.tokens if self.tokens else 0.0
+        return ratio(rows * expert_bytes, self.tokens)
 
     def disk_bytes_per_token(self, expert_bytes: float) -> float:
-        return self.disk_reads * expert_bytes / self.tokens if self.tokens else 0.0
+        return ratio(self.disk_reads * expert_bytes, self.tokens)
 
 
 def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
