@@ -91,11 +91,13 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
-def disk_read_gbps(row_bytes: int, rows: int = 64, folder: str | None = None) -> float:
+def disk_read_gbps(row_bytes: int, rows: int = 0, folder: str | None = None) -> float:
     """Disk read GB/s of the disk tier's own reader (residency.disk.PreparedRows: one os.preadv
-    a row into fresh arrays) over `rows` rows of `row_bytes` in a shuffled order, from a file
-    written under `folder` (default: the temporary folder) and dropped from the page cache
-    first (fsync, then POSIX_FADV_DONTNEED), so the reads come from the disk."""
+    a row into fresh arrays) over `rows` rows of `row_bytes` (default: 16 to 64, about 256 MiB)
+    in a shuffled order, from a file written under `folder` (default: the temporary folder) and
+    dropped from the page cache first (fsync, then POSIX_FADV_DONTNEED), so the reads come from
+    the disk."""
+    rows = rows or min(64, max(16, (256 << 20) // row_bytes))
     import os
     import tempfile
 
