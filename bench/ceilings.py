@@ -89,3 +89,35 @@ def matmul_tflops(n: int = 8192) -> float:
     b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
     seconds = seconds_per_step(lambda j, c, p: p @ c, b, a, n_iter=10)  # c stays O(1): a ~orthogonal
     return 2 * n**3 / seconds / 1e12
+
+
+def disk_read_gbps(row_bytes: int, rows: int = 0, folder: str | None = None) -> float:
+    """Disk read GB/s of the disk tier's own reader (residency.disk.PreparedRows: one os.preadv
+    a row into fresh arrays) over `rows` rows of `row_bytes` (default: 16 to 64, about 256 MiB)
+    in a shuffled order, from a file written under `folder` (default: the temporary folder) and
+    dropped from the page cache first (fsync, then POSIX_FADV_DONTNEED), so the reads come from
+    the disk."""
+    rows = rows or min(64, max(16, (256 << 20) // row_bytes))
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from tidejax.residency.disk import PreparedRows
+
+    layout = {"row": jax.ShapeDtypeStruct((rows, row_bytes), np.uint8)}
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        path = os.path.join(tmp, "rows.bin")
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(0).integers(0, 256, rows * row_bytes, np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        reader = PreparedRows(path, layout)
+        order = np.random.default_rng(1).permutation(rows)
+        start = time.perf_counter()
+        for row in order:
+            reader.read(int(row))
+        seconds = time.perf_counter() - start
+        del reader
+    return rows * row_bytes / seconds / 1e9

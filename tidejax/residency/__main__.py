@@ -1,7 +1,8 @@
 """python -m tidejax.residency fit --history H --budget B --out MAP [--geometry per_layer|arena]
 python -m tidejax.residency simulate (--trace DIR | --history H --top-k K) [--budgets B,...]
-    [--geometries per_layer,arena] [--set residency.key=value ...] [--seed-map MAP] [--lanes N]
-    [--expert-bytes N] [--step-mib M] [--hbm-gbps X] [--h2d-gbps X] [--host-gbps X]
+    [--geometries per_layer,arena] [--host-budgets H,...] [--set residency.key=value ...]
+    [--seed-map MAP] [--lanes N] [--expert-bytes N] [--step-mib M] [--hbm-gbps X] [--h2d-gbps X]
+    [--host-gbps X] [--disk-gbps X]
     [--measure D,I [--expert-format bf16|mxfp4]] [--target-tps T] [--png PATH] [--json PATH]
 """
 
@@ -77,6 +78,9 @@ def _simulate_arguments(sim: argparse.ArgumentParser) -> None:
                      "(default: eight from one a layer to all, and the recording engine's)")
     sim.add_argument("--geometries", type=_numbers(str), help="per_layer,arena (default: the "
                      "trace's, else per_layer)")
+    sim.add_argument("--host-budgets", type=_numbers(int), help="experts held in host memory, "
+                     "the rest read from disk, e.g. 96,120 (default: the trace's "
+                     "residency.host_budget_experts; 0: every expert)")
     sim.add_argument("--set", action="append", default=[], metavar="residency.KEY=VALUE",
                      help="a [residency] setting over the trace's (repeatable)")
     sim.add_argument("--seed-map", help="boot map (default: the trace's residency.seed_map; "
@@ -89,7 +93,9 @@ def _simulate_arguments(sim: argparse.ArgumentParser) -> None:
                      "besides the routed experts: dense weights, KV cache (default 0)")
     sim.add_argument("--hbm-gbps", type=float, help="device memory read GB/s")
     sim.add_argument("--h2d-gbps", type=float, help="host-to-device GB/s")
-    sim.add_argument("--host-gbps", type=float, help="host kernel GB/s (miss_policy cpu)")
+    sim.add_argument("--host-gbps", type=float, help="host kernel GB/s (miss_policy cpu, auto)")
+    sim.add_argument("--disk-gbps", type=float, help="disk read GB/s of expert rows (with "
+                     "host budgets)")
     sim.add_argument("--measure", type=_numbers(int), metavar="D,I", help="measure the "
                      "bandwidths not given on this machine (bench/), on experts of hidden D and "
                      "intermediate I")
@@ -148,40 +154,70 @@ def _run_simulation(args) -> int:
     for geometry in geometries:
         if geometry not in ("per_layer", "arena"):
             raise ValueError(f"--geometries: {geometry!r} (per_layer or arena)")
+    total = n_layers * n_experts
+    host_budgets = _host_budgets(args.host_budgets, settings, total)
     outcomes = {}
 
-    def outcome(budget: int, geometry: str) -> simulate.Outcome:
-        if (budget, geometry) not in outcomes:
+    def outcome(budget: int, geometry: str, host_budget: int) -> simulate.Outcome:
+        key = budget, geometry, host_budget
+        if key not in outcomes:
             section = dataclasses.replace(settings, geometry=geometry)
-            outcomes[budget, geometry] = (
-                simulate.replay(trace, section, budget, lanes, boot) if trace else
+            outcomes[key] = (
+                simulate.replay(trace, section, budget, lanes, boot, host_budget) if trace else
                 simulate.steady_state(history, args.top_k, budget, geometry,
-                                      settings.miss_policy, lanes))
-        return outcomes[budget, geometry]
+                                      settings.miss_policy, lanes, host_budget))
+        return outcomes[key]
 
     asked = args.budgets or [round(n_layers * (1 + (n_experts - 1) * i / 7)) for i in range(8)
                              ] + ([trace.resident_slots] if trace and trace.resident_slots else [])
     rows = []
     for geometry in geometries:
-        for budget in sorted({simulate.resolve_budget(b, n_layers, n_experts, geometry)
-                              for b in asked}):
-            rows.append(_row(outcome(budget, geometry), machine))
+        for host_budget in host_budgets:
+            for budget in sorted({simulate.resolve_budget(b, n_layers, n_experts, geometry)
+                                  for b in asked}):
+                if not host_budget or budget < host_budget:  # the engine's rule (manager)
+                    rows.append(_row(outcome(budget, geometry, host_budget), machine))
+    if not rows:
+        raise ValueError(f"--budgets {asked}: none below the host budgets {host_budgets} (the "
+                         "host holds every bank expert and one more)")
     _print_table(rows, args, settings, seed_map, trace)
     if args.target_tps:
         for geometry in geometries:
-            step = n_layers if geometry == "per_layer" else 1
-            found = simulate.smallest_budget(
-                args.target_tps, lambda b: machine.decode_tps(outcome(b, geometry)),
-                list(range(step, n_layers * n_experts + 1, step)))
-            print(f"--target-tps {args.target_tps:g} ({geometry}): " + (
-                f"{found} experts resident" if found else
-                f"not reached: all {n_layers * n_experts} experts resident predict "
-                f"{machine.decode_tps(outcome(n_layers * n_experts, geometry)):.1f} tok/s"))
+            for host_budget in host_budgets:
+                _print_target(args.target_tps, machine, outcome, geometry, host_budget,
+                              n_layers, total)
     if args.json:
         write_atomic(args.json, json.dumps(rows, indent=1).encode())
     if args.png:
         _plot(rows, args.png, machine is not None)
     return 0
+
+
+def _host_budgets(asked: list[int] | None, settings, total: int) -> list[int]:
+    """The host budgets to replay (0: every expert in host memory), checked as the engine
+    checks them."""
+    budgets = asked if asked is not None else [settings.host_budget_experts]
+    for budget in budgets:
+        if not 0 <= budget <= total:
+            raise ValueError(f"--host-budgets: {budget} must be in [0, {total}] (0: every "
+                             "expert in host memory)")
+        simulate.check_host_budget(budget % total, settings.miss_policy)
+    return sorted({budget % total for budget in budgets})
+
+
+def _print_target(target: float, machine, outcome, geometry: str, host_budget: int,
+                  n_layers: int, total: int) -> None:
+    """--target-tps's answer for one geometry and host budget: the smallest GPU budget (below
+    the host budget) whose prediction reaches it."""
+    step = n_layers if geometry == "per_layer" else 1
+    budgets = list(range(step, (host_budget or total + 1), step))
+    found = simulate.smallest_budget(
+        target, lambda b: machine.decode_tps(outcome(b, geometry, host_budget)), budgets)
+    where = f"{geometry}" + (f", {host_budget} experts in host memory" if host_budget else "")
+    print(f"--target-tps {target:g} ({where}): " + (
+        f"{found} experts resident" if found else
+        f"not reached: {budgets[-1]} experts resident predict "
+        f"{machine.decode_tps(outcome(budgets[-1], geometry, host_budget)):.1f} tok/s"))
 
 
 def _refuse_unused(args) -> None:
@@ -199,7 +235,8 @@ def _machine(args) -> simulate.Machine | None:
     """The sizes and bandwidths the prediction uses: given, else measured (--measure); None
     where there are none (no tok/s)."""
     given = {"expert_bytes": args.expert_bytes, "hbm_gbps": args.hbm_gbps,
-             "h2d_gbps": args.h2d_gbps, "host_gbps": args.host_gbps}
+             "h2d_gbps": args.h2d_gbps, "host_gbps": args.host_gbps,
+             "disk_gbps": args.disk_gbps}
     if args.measure:
         given = {**_measure(args.measure, args.expert_format or "bf16", given), **{
             key: value for key, value in given.items() if value}}
@@ -230,17 +267,25 @@ def _measure(dims: list[int], fmt: str, given: dict) -> dict:
         measured["h2d_gbps"] = roofline.h2d_gbps(pool)
     if not given["host_gbps"]:
         measured["host_gbps"] = roofline.host_kernel_gbps(pool, 8)
+    if not given["disk_gbps"]:
+        measured["disk_gbps"] = ceilings.disk_read_gbps(measured["expert_bytes"])
     print("measured: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
     return measured
 
 
 def _row(outcome: simulate.Outcome, machine: simulate.Machine | None) -> dict:
     row = {"budget": outcome.budget, "geometry": outcome.geometry,
-           "miss_policy": outcome.policy, "cold_share": outcome.cold_share,
-           "swaps_per_1k_tokens": outcome.swaps_per_1k_tokens}
+           "host_budget": outcome.host_budget, "miss_policy": outcome.policy,
+           "cold_share": outcome.cold_share, "decode_cold_share": outcome.decode_cold_share,
+           "host_cold_share": outcome.host_cold_share,
+           "swaps_per_1k_tokens": outcome.swaps_per_1k_tokens,
+           "approx_weight_share": outcome.approx_weight_share,
+           "host_picks": outcome.host_picks, "ring_copies": outcome.ring_copies,
+           "ring_hits": outcome.ring_hits, "disk_reads": outcome.disk_reads}
     if machine is not None:
         row |= {"budget_gib": outcome.budget * machine.expert_bytes / 2**30,
                 "pcie_bytes_per_token": outcome.pcie_bytes_per_token(machine.expert_bytes),
+                "disk_bytes_per_token": outcome.disk_bytes_per_token(machine.expert_bytes),
                 "decode_tps": machine.decode_tps(outcome)}
     return row
 
@@ -254,12 +299,15 @@ def _print_table(rows: list[dict], args, settings, seed_map: str, trace) -> None
         print(f"the recording engine ({trace.resident_slots} experts resident) measured a cold "
               f"share of {trace.measured_cold_share():.4f}")
     print("| budget | geometry | GiB | cold share | swaps / 1K tokens | PCIe bytes / token | "
-          "decode tok/s |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+          "approx. share | host budget | host cold share | disk bytes / token | decode tok/s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         cells = [row["budget"], row["geometry"], _cell(row, "budget_gib", "{:.3g}"),
                  f"{row['cold_share']:.4f}", f"{row['swaps_per_1k_tokens']:.2f}",
-                 _cell(row, "pcie_bytes_per_token", "{:.4g}"), _cell(row, "decode_tps", "{:.1f}")]
+                 _cell(row, "pcie_bytes_per_token", "{:.4g}"),
+                 f"{row['approx_weight_share']:.4f}", row["host_budget"] or "all",
+                 f"{row['host_cold_share']:.4f}", _cell(row, "disk_bytes_per_token", "{:.4g}"),
+                 _cell(row, "decode_tps", "{:.1f}")]
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
@@ -281,18 +329,19 @@ def _pyplot():
 
 def _plot(rows: list[dict], path: str, with_tps: bool) -> None:
     """Cold share (left axis) and predicted decode tok/s (right) against the budget, a line
-    each per geometry; written atomically."""
+    each per geometry and host budget; written atomically."""
     plt = _pyplot()
     fig, cold_axis = plt.subplots(figsize=(8, 4))
     tps_axis = cold_axis.twinx() if with_tps else None
-    for geometry in dict.fromkeys(row["geometry"] for row in rows):
-        mine = [row for row in rows if row["geometry"] == geometry]
+    for geometry, host in dict.fromkeys((row["geometry"], row["host_budget"]) for row in rows):
+        mine = [row for row in rows if (row["geometry"], row["host_budget"]) == (geometry, host)]
         budgets = [row["budget"] for row in mine]
+        name = geometry + (f", host {host}" if host else "")
         cold_axis.plot(budgets, [row["cold_share"] for row in mine], "o-",
-                       label=f"cold share ({geometry})")
+                       label=f"cold share ({name})")
         if tps_axis is not None:
             tps_axis.plot(budgets, [row["decode_tps"] for row in mine], "s--",
-                          label=f"decode tok/s ({geometry})")
+                          label=f"decode tok/s ({name})")
     cold_axis.set_xlabel("resident experts (budget)")
     cold_axis.set_ylabel("cold share")
     handles, labels = cold_axis.get_legend_handles_labels()

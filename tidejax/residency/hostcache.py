@@ -207,29 +207,18 @@ class HostCache:
         landed = {r: a for r, a in landed.items() if self.slot_of[r] < 0}
         if not landed:
             return False
-        pinned, protect = set(map(int, pinned)), set(map(int, protect))
-        free = [int(s) for s in np.nonzero(self.row_at < 0)[0]][::-1]
-        victims = sorted((int(s) for s in np.nonzero(self.row_at >= 0)[0]
-                          if int(self.row_at[s]) not in pinned),
-                         key=lambda s: (int(self.row_at[s]) in protect, demand[self.row_at[s]]),
-                         reverse=True)  # the least valuable last: popped first
-        waited = False
+        placed, evicted, dropped = place_landed(self.row_at, list(landed), demand, pinned,
+                                                protect)
+        self.counters["evictions"] += evicted
+        self.counters["dropped"] += dropped
+        if evicted:  # a held row is overwritten: no step in flight may still read it
+            wait_steps()
+            self.counters["commit_waits"] += 1
         slot_of = self.slot_of.copy()
-        for row in sorted(landed, key=lambda r: (r in protect, demand[r]), reverse=True):
-            if free:
-                slot = free.pop()
-            elif victims and (row in protect or demand[self.row_at[victims[-1]]] <= demand[row]):
-                if not waited:
-                    wait_steps()
-                    waited = True
-                    self.counters["commit_waits"] += 1
-                slot = victims.pop()
+        for slot, row in placed:
+            if self.row_at[slot] >= 0:
                 slot_of[self.row_at[slot]] = -1
                 self.prefetched[self.row_at[slot]] = False
-                self.counters["evictions"] += 1
-            else:
-                self.counters["dropped"] += 1
-                continue
             self._write(slot, row, landed[row], slot_of)
             self.prefetched[row] = row in ahead
         self.slot_of = slot_of
@@ -258,3 +247,28 @@ def disk_stats(counters, queued: int = 0, direct: bool = False, held: int = 0) -
             "disk_prefetches": c["prefetched"],
             "host_evictions": c["evictions"], "host_reads_dropped": c["dropped"],
             "host_commit_waits": c["commit_waits"], "host_held": held}
+
+
+def place_landed(row_at: np.ndarray, landed, demand: np.ndarray, pinned, protect
+                 ) -> tuple[list[tuple[int, int]], int, int]:
+    """Where rows read from disk go (HostCache.commit; simulate replays it): `row_at` [capacity]
+    the row each host slot holds (-1: free); free slots first, then over the held rows of least
+    `demand` not `pinned` (in the bank), rows in `protect` (wanted by queued swaps) last; a
+    landed row of less demand than every such row is dropped, unless protected. -> ([(slot,
+    row)] in write order, evictions, dropped)."""
+    pinned, protect = set(map(int, pinned)), set(map(int, protect))
+    free = [int(s) for s in np.nonzero(row_at < 0)[0]][::-1]
+    victims = sorted((int(s) for s in np.nonzero(row_at >= 0)[0]
+                      if int(row_at[s]) not in pinned),
+                     key=lambda s: (int(row_at[s]) in protect, demand[row_at[s]]),
+                     reverse=True)  # the least valuable last: popped first
+    placed, evicted, dropped = [], 0, 0
+    for row in sorted(map(int, landed), key=lambda r: (r in protect, demand[r]), reverse=True):
+        if free:
+            placed.append((free.pop(), row))
+        elif victims and (row in protect or demand[row_at[victims[-1]]] <= demand[row]):
+            placed.append((victims.pop(), row))
+            evicted += 1
+        else:
+            dropped += 1
+    return placed, evicted, dropped

@@ -389,15 +389,10 @@ class Residency:
                 self._follow_cap(approx_weight / routed)
 
     def _follow_cap(self, share: float) -> None:
-        """"auto"'s threshold after a step whose approximately served share of routing weight was
-        `share`: 10% lower after a step above max_approx_share, 10% higher (up to exact_weight)
-        after one at or below it, so the share settles at about the cap. A threshold below
-        exact_weight moves more misses to the host (within exact_budget)."""
-        if share > self.section.max_approx_share:
-            self.exact_weight *= 0.9
-            self.counters["threshold_lowered"] += 1
-        else:
-            self.exact_weight = min(self.section.exact_weight, self.exact_weight / 0.9)
+        """"auto"'s threshold after a step whose approximately served share was `share`
+        (follow_cap)."""
+        self.exact_weight, lowered = follow_cap(self.exact_weight, share, self.section)
+        self.counters["threshold_lowered"] += int(lowered)
 
     def drain(self, state: ExpertState) -> ExpertState:
         """Reads the device counters into the history (decayed), zeroes them, persists, plans;
@@ -663,3 +658,14 @@ class Residency:
             "frozen": self.frozen,
             "map_version": self.version,
         }
+
+
+def follow_cap(threshold: float, share: float, section: ResidencySection) -> tuple[float, bool]:
+    """"auto"'s threshold after a step whose approximately served share of routing weight was
+    `share`: 10% lower after a step above max_approx_share, 10% higher (up to exact_weight)
+    after one at or below it, so the share settles at about the cap. A threshold below
+    exact_weight moves more misses to the host (within exact_budget). -> (threshold, whether it
+    was lowered)."""
+    if share > section.max_approx_share:
+        return threshold * 0.9, True
+    return min(section.exact_weight, threshold / 0.9), False
