@@ -24,7 +24,7 @@ import numpy as np
 
 F32 = jnp.float32
 MAX_HC = 8  # the kernel holds [BLOCK, HC_P, HC_P] a program; V4 / V4.1 ship hc_mult 4
-BLOCK = 32  # matrices a program: one a thread of its one warp (sinkhorn_kernel)
+BLOCK = 16  # matrices a program
 
 
 def sinkhorn_reference(logits, *, hc_eps: float, iters: int):

@@ -5,11 +5,10 @@ Each program normalizes BLOCK matrices of [HC, HC] held in registers, padded to 
 power of two) with zeros that no sum sees: the softmax over k, then ITERS alternating column and
 row normalizations, the whole loop in one launch (XLA's form is a while loop of reductions: two
 launches and a trip-count check an iteration, 19 iterations a site, 80 sites a V4.1 step).
-The matrices lie along the last axis ([HC_P, HC_P, BLOCK], BLOCK = the warp's 32 threads), so
-that each thread holds whole matrices and every sum stays in its registers: with the matrices
-first ([BLOCK, HC_P, HC_P]) a thread held a few entries of one and each of a site's ~40 sums
-crossed threads (3.4 ms of a 40-layer V4.1 decode step on an H100, 43 us a launch of one token;
-bench/RESULTS.md, 2026-12-06).
+The matrices lie first ([BLOCK, HC_P, HC_P]). Laid along the last axis instead, so that a thread
+might hold whole matrices, a launch took 114 us where this one takes 43 us (a 40-layer V4.1
+decode step on an H100, one token: bench/RESULTS.md, 2026-12-06). Either way a launch of a
+few 4 x 4 matrices is far from free: why is the next measurement's question.
 """
 
 import triton
@@ -32,19 +31,19 @@ def _larger(a, b):
 @triton.jit
 def sinkhorn_kernel(logits_ptr, n, hc_eps, out_ptr, HC: tl.constexpr, HC_P: tl.constexpr,
                     ITERS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[None, None, :]  # [1, 1, BLOCK]
-    j = tl.arange(0, HC_P)[:, None, None]
-    k = tl.arange(0, HC_P)[None, :, None]
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[:, None, None]  # [BLOCK, 1, 1]
+    j = tl.arange(0, HC_P)[None, :, None]
+    k = tl.arange(0, HC_P)[None, None, :]
     entry = (j < HC) & (k < HC)  # not padding; rows past n compute on zeros, stored nowhere
     offsets = rows * (HC * HC) + j * HC + k
     x = tl.load(logits_ptr + offsets, mask=(rows < n) & entry, other=0.0)
     x = tl.where(entry, x, -3.0e38)  # finite: no inf - inf where a padded row's max is taken
-    x = x - tl.reduce(x, 1, _larger, keep_dims=True)
+    x = x - tl.reduce(x, 2, _larger, keep_dims=True)
     e = tl.where(entry, tl.exp(x), 0.0)
-    total = tl.reduce(e, 1, _add, keep_dims=True)  # >= 1 but in padding rows (j >= HC): 0
+    total = tl.reduce(e, 2, _add, keep_dims=True)  # >= 1 but in padding rows (j >= HC): 0
     c = tl.where(entry, e / tl.where(total > 0, total, 1.0) + hc_eps, 0.0)
-    c = tl.where(entry, c / (tl.reduce(c, 0, _add, keep_dims=True) + hc_eps), 0.0)
+    c = tl.where(entry, c / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps), 0.0)
     for _ in tl.static_range(ITERS - 1):  # padding kept at 0 (0 / 0 where hc_eps is 0)
+        c = tl.where(entry, c / (tl.reduce(c, 2, _add, keep_dims=True) + hc_eps), 0.0)
         c = tl.where(entry, c / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps), 0.0)
-        c = tl.where(entry, c / (tl.reduce(c, 0, _add, keep_dims=True) + hc_eps), 0.0)
     tl.store(out_ptr + offsets, c, mask=(rows < n) & entry)
