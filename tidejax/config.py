@@ -43,6 +43,9 @@ class EngineSection:
     kv_pool_tokens: int = 0  # tokens the KV pool holds (all sequences together); 0: see kv_pool_gib
     kv_pool_gib: float = 0.0  # or its size in GiB; both 0: lanes x max_context tokens
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
+    # DeepSeek-V4.1: its runs of like layers compiled once each and scanned (a third less
+    # warm-up, a slower decode step today: docs/DESIGN.md, scan_layers); off: unrolled
+    scan_layers: bool = False
     trace_dir: str = ""
     compile_cache: str = ""  # JAX's persistent compilation cache folder ("" = none)
     # threads that compile the warm-up's step shapes side by side; 0: one on a CPU backend (XLA's

@@ -23,7 +23,7 @@ def test_engine_scans_the_runs_and_equals_the_unrolled_forward(tmp_path):
     make_synthetic.main([str(tmp_path), "--shape", "ds41-tiny", "--layers", "9"])
     ck = load(tmp_path)
     assert ck.cfg.layer_runs() == ((3, 1, 2),)
-    engine = tidejax.load(tmp_path, engine={"lanes": 1, "max_context": 64})
+    engine = tidejax.load(tmp_path, engine={"lanes": 1, "max_context": 64, "scan_layers": True})
     run = engine.loaded.params["layers_3_4"]["layer_0"]  # what the scan steps over
     assert "layers_3" not in engine.loaded.params and run["attn"]["wq_a"]["weight"].shape[0] == 2
     np.testing.assert_array_equal(run["attn_norm"]["weight"][1],
@@ -32,7 +32,7 @@ def test_engine_scans_the_runs_and_equals_the_unrolled_forward(tmp_path):
     ids = np.random.default_rng(0).integers(0, 4000, 16).astype(np.int32)
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
     unrolled = DeepseekV41(ck.cfg, ServeOptions(swiglu_limit=ck.cfg.swiglu_limit,
-                                                all_resident=True), scan=False)
+                                                all_resident=True))
     want, _, _ = jax.jit(lambda params, cache, table, engram, experts: unrolled.apply(
         params, jnp.asarray(ids)[None], pos, pos >= 0, cache, table, experts, engram))(
         ck.params, *new_cache(ck.cfg, 1, len(ids)), ck.engram, ck.experts)
@@ -44,7 +44,7 @@ def test_engine_scans_the_runs_and_equals_the_unrolled_forward(tmp_path):
     # saved history is every step's counts)
     n_layers, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     state_dir = tmp_path / "state"
-    half = tidejax.load(tmp_path, engine={"lanes": 1, "max_context": 64},
+    half = tidejax.load(tmp_path, engine={"lanes": 1, "max_context": 64, "scan_layers": True},
                         residency={"budget_experts": n_layers * n_experts // 2,
                                    "miss_policy": "exact", "drain_every": 1, "half_life": 1e9,
                                    "state_dir": str(state_dir), "trace_every_steps": 1})

@@ -55,7 +55,8 @@ log = logging.getLogger("tidejax.residency")
 
 class Residency:
     def __init__(self, pool_rows: dict | None, n_layers: int, top_k: int,
-                 section: ResidencySection, *, kernel: str = "auto", swiglu_limit: float = 0.0,
+                 section: ResidencySection, *, kernel: str = "auto", scan_layers: bool = False,
+                 swiglu_limit: float = 0.0,
                  swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
                  window: int = 64, disk_rows=None):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
@@ -125,7 +126,8 @@ class Residency:
         self.recorder: TraceRecorder | None = None  # routing traces (start_trace)
         self._trace_rows = 0  # the Picks buffer's rows (start_trace)
         self._state = self._boot(pool_rows)
-        self.options = ServeOptions(miss_policy=policy, kernel=kernel, swiglu_limit=swiglu_limit,
+        self.options = ServeOptions(miss_policy=policy, kernel=kernel, scan_layers=scan_layers,
+                                    swiglu_limit=swiglu_limit,
                                     swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
                                     count=section.count, all_resident=self.all_resident,
                                     cpu=self.cpu, exact_budget=section.exact_budget,

@@ -42,6 +42,7 @@ class ServeOptions:
 
     miss_policy: str = "exact"
     kernel: str = "auto"  # the ops' implementation in a forward served with these (ops.kernels)
+    scan_layers: bool = False  # run a model's runs of like layers as one scanned body (V4.1)
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0  # the activation's variant (tidejax.contract.swiglu): gpt-oss
     swiglu_up_shift: float = 0.0

@@ -115,7 +115,7 @@ class LoadedModel:
         alpha, up_shift = self.family.swiglu_form(self.cfg)
         serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
-            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
+            scan_layers=config.engine.scan_layers, swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
             swiglu_up_shift=float(up_shift), count=config.residency.count)
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
@@ -126,7 +126,8 @@ class LoadedModel:
         self.residency = Residency(
             None if on_disk else pool, self.family.expert_dims(self.cfg)[0],
             self.family.top_k(self.cfg), config.residency,
-            kernel=config.engine.kernel, swiglu_limit=serve.swiglu_limit,
+            kernel=config.engine.kernel, scan_layers=serve.scan_layers,
+            swiglu_limit=serve.swiglu_limit,
             swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,
             disk_rows=pool if on_disk else None)
         if config.residency.trace_every_steps:  # a step routes a prompt chunk and the lanes

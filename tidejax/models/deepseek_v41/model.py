@@ -346,10 +346,10 @@ class DecoderLayer(nn.Module):
 
 def scanned_runs(cfg: V41Config, serve: ServeOptions) -> tuple[tuple[int, int, int], ...]:
     """The runs of layers (V41Config.layer_runs) the forward scans, each compiled once: none
-    where misses are computed on the host ("cpu", "auto"), whose callback takes its layer as
-    a constant."""
+    unless `serve.scan_layers`, nor where misses are computed on the host ("cpu", "auto"), whose
+    callback takes its layer as a constant."""
     host = serve.miss_policy in ("cpu", "auto") and not serve.all_resident
-    return () if host else cfg.layer_runs()
+    return cfg.layer_runs() if serve.scan_layers and not host else ()
 
 
 class LayerBlock(nn.Module):
@@ -387,8 +387,6 @@ class DeepseekV41(nn.Module):
     cfg: V41Config
     serve: ServeOptions  # how routed experts are served (miss policy) and the ops run (kernel)
     dtype: jnp.dtype = F32  # of the dense params but mHC's, the sinks and the routers (float32)
-    scan: bool = True  # scan the runs of like layers (scanned_runs; their params stacked:
-    # weights.stack_runs); False: every layer unrolled, its params its own (as loaded)
 
     @nn.compact
     @serving
@@ -405,7 +403,8 @@ class DeepseekV41(nn.Module):
         the step reads them, gather_rows)
         -> (logits [b, t or 1, vocab] float32, cache, experts).
 
-        Runs of like layers run under nn.scan (scanned_runs, LayerBlock) unless `scan` is off.
+        Runs of like layers run under nn.scan (scanned_runs, LayerBlock) where
+        `serve.scan_layers` is on (their params stacked: weights.stack_runs).
         Sows "streams" (each layer's output streams) and "selection" (each index source's
         selection) into the "intermediates" collection for parity checks, per layer in order,
         scanned or not."""
@@ -427,7 +426,7 @@ class DeepseekV41(nn.Module):
         sources = [list(z) for z in zip(pages.entries, pages.index_keys, lanes.buf_kv, lanes.buf_gate)]
         shared: dict = {}
         runs = {first: (period, n) for first, period, n in
-                (scanned_runs(cfg, self.serve) if self.scan else ())}
+                scanned_runs(cfg, self.serve)}
         keep = self.is_mutable_collection("intermediates")
         i = 0
         while i < cfg.num_layers:
