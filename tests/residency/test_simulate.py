@@ -202,7 +202,11 @@ def test_host_budgets_trade_disk_reads_for_host_memory(recorded, tmp_path, capsy
     rows = {row["host_budget"]: row for row in json.loads(rows_json.read_text())}
     assert rows[84]["host_cold_share"] > rows[120]["host_cold_share"] > 0
     assert rows[0]["host_cold_share"] == 0 and rows[0]["disk_bytes_per_token"] == 0
-    assert rows[84]["disk_bytes_per_token"] > rows[120]["disk_bytes_per_token"] > 0
+    # more host memory, fewer rows read once the prefetch has filled the slots the boot left
+    # free (it holds the bank's rows alone: 12 free at 84, 48 at 120); over this short trace the
+    # filling weighs most, so 120 reads more in all, as the engine does (61 and 70 rows recorded
+    # at these budgets, 49 and 22 evictions; the replay's the same)
+    assert rows[84]["disk_reads"] - (84 - BUDGET) > rows[120]["disk_reads"] - (120 - BUDGET) > 0
     assert rows[84]["decode_tps"] < rows[0]["decode_tps"]  # swaps wait for their reads
     assert residency_cli(["simulate", "--trace", str(recorded[0]), "--host-budgets", "96",
                           "--target-tps", "1", *MACHINE]) == 0

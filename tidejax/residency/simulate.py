@@ -151,12 +151,11 @@ class Outcome:
     routing weight served approximately and all routed (in serve.weight_shares), `auto`'s
     threshold at the end and the steps that lowered it, picks of rows on disk (`host_misses`)
     and rows read from disk (`disk_reads`), of them by the host prefetch (`disk_prefetches`);
-    over its decode steps: their count, tokens, wanted
-    picks and misses, the
-    distinct experts read from the bank (`reads`), rows over PCIe in the step's path (`pcie`:
-    fetched and swapped in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`),
-    rows read from disk in the step's path (`disk`: `exact`'s) and beside it
-    (`disk_background`: swaps' and the prefetch's)."""
+    over its decode steps: their count, tokens, wanted picks and misses, the distinct experts
+    read from the bank (`reads`), rows over PCIe in the step's path (`pcie`: fetched and swapped
+    in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`), rows read from disk
+    in the step's path (`disk`: `exact`'s) and beside it (`disk_background`: swaps' and the
+    prefetch's)."""
 
     budget: int
     geometry: str
