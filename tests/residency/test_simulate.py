@@ -84,8 +84,15 @@ def test_replay_at_the_engines_budget_predicts_its_cold_share(recorded, tmp_path
     assert f"measured a cold share of {stats['cold_share_total']:.4f}" in capsys.readouterr().out
     # the host tier: picks of experts on disk, and the rows read (the engine's less its boot's)
     assert 0 < stats["host_cold_share_total"] < stats["cold_share_total"]
-    assert abs(rows[BUDGET]["host_cold_share"] - stats["host_cold_share_total"]) <= 0.02
-    assert rows[BUDGET]["disk_reads"] == pytest.approx(stats["disk_reads"] - BUDGET, rel=0.25)
+    # the replay's host tier is the engine's own (place_landed; at each drain the prefetch's
+    # worth_reading and prefetch_room); what it assumes is the reads' timing, each landing by
+    # the next step's commit (DESIGN "Simulating a budget"): a read the engine commits a step
+    # late moves the share a little (0 to 0.001 here), and 0.01 is room for a loaded machine.
+    # Without the prefetch the replay ran 0.028 and 0.037 above the engine.
+    assert abs(rows[BUDGET]["host_cold_share"] - stats["host_cold_share_total"]) <= 0.01
+    assert rows[BUDGET]["disk_reads"] == pytest.approx(stats["disk_reads"] - BUDGET, rel=0.1)
+    assert replay_as_recorded(folder).disk_prefetches == pytest.approx(stats["disk_prefetches"],
+                                                                       rel=0.1)
     # under exact every distinct miss crosses PCIe too: more budget, fewer bytes, faster
     assert residency_cli(["simulate", "--trace", str(folder), "--budgets", f"24,{BUDGET},144",
                           "--set", "residency.miss_policy=exact", "--host-budgets", "0",
@@ -195,7 +202,11 @@ def test_host_budgets_trade_disk_reads_for_host_memory(recorded, tmp_path, capsy
     rows = {row["host_budget"]: row for row in json.loads(rows_json.read_text())}
     assert rows[84]["host_cold_share"] > rows[120]["host_cold_share"] > 0
     assert rows[0]["host_cold_share"] == 0 and rows[0]["disk_bytes_per_token"] == 0
-    assert rows[84]["disk_bytes_per_token"] > rows[120]["disk_bytes_per_token"] > 0
+    # more host memory, fewer rows read once the prefetch has filled the slots the boot left
+    # free (it holds the bank's rows alone: 12 free at 84, 48 at 120); over this short trace the
+    # filling weighs most, so 120 reads more in all, as the engine does (61 and 70 rows recorded
+    # at these budgets, 49 and 22 evictions; the replay's the same)
+    assert rows[84]["disk_reads"] - (84 - BUDGET) > rows[120]["disk_reads"] - (120 - BUDGET) > 0
     assert rows[84]["decode_tps"] < rows[0]["decode_tps"]  # swaps wait for their reads
     assert residency_cli(["simulate", "--trace", str(recorded[0]), "--host-budgets", "96",
                           "--target-tps", "1", *MACHINE]) == 0

@@ -103,35 +103,13 @@ class HostCache:
         return queued
 
     def worth_reading(self, demand: np.ndarray, pinned, hysteresis: float) -> list[int]:
-        """The rows on disk a read ahead brings in, most demand first: each would take a free
-        slot, or the place of a held row the bank does not hold (`pinned`) whose demand is
-        below 1 / `hysteresis` of its own, pairing the busiest rows on disk with the least
-        busy held ones; not those queued or landed already."""
-        busy = self.reading()
-        pinned = set(map(int, pinned))
-        free = int((self.row_at < 0).sum())
-        held = [int(r) for r in self.row_at if r >= 0 and int(r) not in pinned]
-        held.sort(key=lambda r: demand[r])  # the least demand first
-        cold = np.nonzero((self.slot_of < 0) & (demand > 0))[0]
-        out = []
-        for row in cold[np.argsort(-demand[cold], kind="stable")]:
-            row = int(row)
-            if row in busy:
-                continue
-            if free:
-                free -= 1
-            elif held and demand[row] >= hysteresis * demand[held[0]]:
-                held.pop(0)
-            else:
-                break
-            out.append(row)
-        return out
+        """The rows a read ahead brings in now (`worth_reading` below, over this cache)."""
+        return worth_reading(self.row_at, demand, pinned, hysteresis, self.reading())
 
     def prefetch(self, rows) -> list[int]:
         """Reads ahead of the rows (worth_reading's, or `ring`'s misses), until PREFETCH_DEPTH
         reads are queued or running; the rows queued."""
-        room = max(0, PREFETCH_DEPTH - self.queued)
-        queued = self.request(list(rows)[:room])
+        queued = self.request(prefetch_room(rows, self.queued))
         with self._lock:
             self._ahead.update(queued)
             self.counters["prefetched"] += len(queued)
@@ -247,6 +225,41 @@ def disk_stats(counters, queued: int = 0, direct: bool = False, held: int = 0) -
             "disk_prefetches": c["prefetched"],
             "host_evictions": c["evictions"], "host_reads_dropped": c["dropped"],
             "host_commit_waits": c["commit_waits"], "host_held": held}
+
+
+def worth_reading(row_at: np.ndarray, demand: np.ndarray, pinned, hysteresis: float, busy
+                  ) -> list[int]:
+    """The rows on disk a read ahead brings in (HostCache.prefetch at a drain; simulate replays
+    it), most demand first: `row_at` [capacity] the row each host slot holds (-1: free); each
+    would take a free slot, or the place of a held row the bank does not hold (`pinned`) whose
+    `demand` is below 1 / `hysteresis` of its own, pairing the busiest rows on disk with the
+    least busy held ones; not those in `busy` (queued or landed already)."""
+    busy, pinned = set(map(int, busy)), set(map(int, pinned))
+    free = int((row_at < 0).sum())
+    held = [int(r) for r in row_at if r >= 0 and int(r) not in pinned]
+    held.sort(key=lambda r: demand[r])  # the least demand first
+    on_disk = np.ones(len(demand), bool)
+    on_disk[row_at[row_at >= 0]] = False
+    cold = np.nonzero(on_disk & (demand > 0))[0]
+    out = []
+    for row in cold[np.argsort(-demand[cold], kind="stable")]:
+        row = int(row)
+        if row in busy:
+            continue
+        if free:
+            free -= 1
+        elif held and demand[row] >= hysteresis * demand[held[0]]:
+            held.pop(0)
+        else:
+            break
+        out.append(row)
+    return out
+
+
+def prefetch_room(rows, queued: int) -> list[int]:
+    """The first of `rows` a read ahead queues with `queued` reads queued or running: up to
+    PREFETCH_DEPTH in all (HostCache.prefetch; simulate replays it)."""
+    return [int(r) for r in list(rows)[:max(0, PREFETCH_DEPTH - queued)]]
 
 
 def place_landed(row_at: np.ndarray, landed, demand: np.ndarray, pinned, protect

@@ -1,16 +1,17 @@
 """What the engine's device and host do with a miss, on the host's numpy, for `simulate`'s
 replay (residency/simulate.py): the `ring` policy's copies (residency/ring.py), `auto`'s choice
 of the misses the host computes (serve.py `_exact_picks`) and the host cache over the disk
-(residency/hostcache.py: its placement is the engine's own `place_landed`). Each follows the
-engine's order of events within a step; where the engine's timing is the machine's (a disk read
-landing), the assumption is said where it is made.
+(residency/hostcache.py: its placement and its read ahead are the engine's own `place_landed`,
+`worth_reading` and `prefetch_room`). Each follows the engine's order of events within a step;
+where the engine's timing is the machine's (a disk read landing), the assumption is said where
+it is made.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tidejax.residency.hostcache import place_landed
+from tidejax.residency.hostcache import place_landed, prefetch_room, worth_reading
 
 
 class RingModel:
@@ -90,7 +91,9 @@ class HostTierModel:
     """The host cache (HostCache) by rows, without their bytes: `row_at` [capacity] the row each
     host slot holds; boot holds the bank's rows (as the engine boots without a saved history).
     A row read from disk lands by the next step's commit (the engine commits a read that has
-    finished by then; a read slower than a step only makes its swap later)."""
+    finished by then; a read slower than a step only makes its swap later). `pending`: the rows
+    queued (a swap's `request`, a `prefetch`), which the engine counts against PREFETCH_DEPTH
+    until the commit that takes them; `landed`: those `exact`'s `read_now` read in a step."""
 
     def __init__(self, capacity: int, bank_rows: np.ndarray, n_rows: int):
         held = [int(r) for r in bank_rows if r >= 0]
@@ -98,24 +101,46 @@ class HostTierModel:
         self.row_at[:len(held)] = held
         self.held = np.zeros(n_rows, bool)
         self.held[held] = True
-        self.reading: set[int] = set()  # requested, landing at the next commit
-        self.reads = 0
+        self.pending: set[int] = set()
+        self.landed: set[int] = set()
+        self.reads = self.prefetches = 0
 
     def commit(self, demand: np.ndarray, pinned, protect) -> None:
         """The rows read since into host slots (next_batch's commit, place_landed)."""
-        landed, self.reading = [r for r in self.reading if not self.held[r]], set()
+        landed = [r for r in self.pending | self.landed if not self.held[r]]
+        self.pending, self.landed = set(), set()
         for slot, row in place_landed(self.row_at, landed, demand, pinned, protect)[0]:
             if self.row_at[slot] >= 0:
                 self.held[self.row_at[slot]] = False
             self.row_at[slot], self.held[row] = row, True
 
     def read(self, rows) -> int:
-        """Reads of `rows` neither in host memory nor being read (a swap's `request`, `exact`'s
-        `read_now`); the reads started."""
+        """Queues reads of `rows` neither in host memory nor read or being read (a swap's
+        `request`); the reads queued."""
+        queued = [r for r in map(int, rows)
+                  if not self.held[r] and r not in self.pending and r not in self.landed]
+        self.pending.update(queued)
+        self.reads += len(queued)
+        return len(queued)
+
+    def read_now(self, rows) -> int:
+        """`exact`'s misses of `rows` in the step: each on disk lands for the next commit (its
+        queued read, or one read here); the reads started here."""
         started = 0
         for row in map(int, rows):
-            if not self.held[row] and row not in self.reading:
-                self.reading.add(row)
+            if self.held[row] or row in self.landed:
+                continue
+            if row not in self.pending:
                 started += 1
+            self.pending.discard(row)
+            self.landed.add(row)
         self.reads += started
         return started
+
+    def prefetch(self, demand: np.ndarray, pinned, hysteresis: float) -> int:
+        """A drain's read ahead (Residency._read_ahead): the engine's own choice of rows
+        (hostcache.worth_reading) up to its queue cap (prefetch_room); the reads queued."""
+        rows = worth_reading(self.row_at, demand, pinned, hysteresis, self.pending | self.landed)
+        queued = self.read(prefetch_room(rows, len(self.pending)))
+        self.prefetches += queued
+        return queued

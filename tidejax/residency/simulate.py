@@ -150,12 +150,12 @@ class Outcome:
     (`ring_copies`) and picks it served (`ring_hits`), picks the host computed (`host_picks`),
     routing weight served approximately and all routed (in serve.weight_shares), `auto`'s
     threshold at the end and the steps that lowered it, picks of rows on disk (`host_misses`)
-    and rows read from disk (`disk_reads`); over its decode steps: their count, tokens, wanted
-    picks and misses, the
-    distinct experts read from the bank (`reads`), rows over PCIe in the step's path (`pcie`:
-    fetched and swapped in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`),
-    rows read from disk in the step's path (`disk`: `exact`'s) and beside it
-    (`disk_background`: swaps')."""
+    and rows read from disk (`disk_reads`), of them by the host prefetch (`disk_prefetches`);
+    over its decode steps: their count, tokens, wanted picks and misses, the distinct experts
+    read from the bank (`reads`), rows over PCIe in the step's path (`pcie`: fetched and swapped
+    in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`), rows read from disk
+    in the step's path (`disk`: `exact`'s) and beside it (`disk_background`: swaps' and the
+    prefetch's)."""
 
     budget: int
     geometry: str
@@ -181,6 +181,7 @@ class Outcome:
     threshold_lowered: float = 0.0
     host_misses: float = 0.0
     disk_reads: float = 0.0
+    disk_prefetches: float = 0.0
     ring_pcie: float = 0.0
     disk: float = 0.0
     disk_background: float = 0.0
@@ -266,7 +267,7 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
         approx_rows = np.zeros(size, np.float32)
         np.add.at(approx_rows, rows[approx], shares[approx])
         missed = np.unique(rows[miss])  # distinct experts the step wants and misses
-        disk_read = host.read(missed) if host is not None and policy == "exact" else 0
+        disk_read = host.read_now(missed) if host is not None and policy == "exact" else 0
         step |= {"wanted": miss.size, "misses": miss.sum(),
                  "fetched": len(missed) if policy == "exact" else 0,
                  "host_picks": on_host.sum(), "approx_weight": float(approx_rows.sum()),
@@ -298,6 +299,10 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
             if section.adapt:
                 queue = plan(history.demand, slot_rows, geometry, section.hysteresis,
                              section.max_swaps_per_layer)
+                if host is not None:  # the host prefetch at the plan (Residency._read_ahead)
+                    ahead = host.prefetch(history.demand.reshape(-1), slot_rows,
+                                          section.hysteresis)
+                    totals["disk_background"] += ahead if 0 < tokens <= lanes else 0
         if draining:
             drain = (*counted.reshape(2, n_layers, n_experts), since_drain)
             counted, since_drain = np.zeros_like(counted), 0
@@ -305,7 +310,8 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
         threshold, lowered = follow_cap(threshold, share_read_next, section)
         totals["threshold_lowered"] += lowered
     return Outcome(budget, geometry, policy, host_budget=host_budget, threshold=threshold,
-                   disk_reads=host.reads if host is not None else 0.0, **totals)
+                   disk_reads=host.reads if host is not None else 0.0,
+                   disk_prefetches=host.prefetches if host is not None else 0.0, **totals)
 
 
 def bank_reads(rows: np.ndarray, miss: np.ndarray, substituted: np.ndarray, held: np.ndarray,
@@ -388,7 +394,8 @@ class Machine:
         """Predicted decode tok/s: the outcome's decode tokens over its decode steps' time: the
         transfers in the steps' path one after another (step_seconds, then `exact`'s disk
         reads), the ring's fetches beside the device reads (the larger of the two counts), and
-        the swaps' disk reads beside the steps (the run takes at least their time)."""
+        the swaps' and the prefetch's disk reads beside the steps (the run takes at least their
+        time)."""
         if not outcome.decode_steps:
             raise ValueError("no decode step to predict from (none routed at most --lanes "
                              "tokens)")
