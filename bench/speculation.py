@@ -35,7 +35,7 @@ def prompts(engine, per_domain: int) -> list[list[int]]:
     """per_domain prompts of PROMPT_TOKENS held-out tokens from each domain's file."""
     out = []
     for path in sorted(HELDOUT_DIR.glob("*.txt")):
-        ids = engine.tokenizer.encode(path.read_text(encoding="utf-8"))
+        ids = engine.tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
         step = (len(ids) - PROMPT_TOKENS) // per_domain
         out += [ids[i * step:i * step + PROMPT_TOKENS] for i in range(per_domain)]
     return out
