@@ -2,6 +2,7 @@
 
     python -m tools.train_demo prepare [--corpus .corpus] [--tokenizer models/demo] [--out .corpus_gpu/tokens.npz]
     python -m tools.train_demo train --data .corpus_gpu/tokens.npz --out models/demo [--tiny] [--minutes 4]
+    python -m tools.train_demo mtp --model models/demo --out models/demo [--minutes 20]
 
 `prepare` tokenizes every domain's training documents (some written as chats in the tokenizer's
 chat template, so the model learns the turn layout) and the held-out files into one .npz of
@@ -10,7 +11,8 @@ token streams. `train` runs AdamW with a warmup + cosine schedule on domain-bala
 e_score_correction_bias by the sign of each expert's load error (DeepSeek-V3's aux-loss-free
 balancing), prints the loss curve, evaluates the held-out loss per domain and exports a
 Hugging Face checkpoint directory (config.json, model.safetensors, generation_config.json and
-the tokenizer files).
+the tokenizer files). `mtp` adds one MTP layer trained with the main model frozen
+(tools/train_mtp.py).
 
 The forward is tidejax.models.deepseek_v3.model.build's with every expert resident and the jnp
 reference kernel (differentiable), so the model that is trained is the model that is served.
@@ -193,7 +195,7 @@ class Trainer:
         return nll.mean(axis=1), counts
 
     def make_step(self, optimizer, bias_rate: float):
-        jax, jnp = self.jax, self.jnp
+        jax = self.jax
 
         def loss(params, batch):
             rows, counts = self.row_losses(params, batch)
@@ -204,14 +206,8 @@ class Trainer:
             opt_state.hyperparams["learning_rate"] = lr
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = jax.tree.map(lambda p, u: p + u, params, updates)
-            # Aux-loss-free balancing: raise the bias of under-loaded experts, lower the others'.
-            load_error = counts.mean(axis=1, keepdims=True) - counts  # [L_moe, E]
-            model = dict(params["model"])
-            for m, layer in enumerate(self.cfg.moe_layers):
-                name = f"layers_{layer}"
-                moe = dict(model[name]["moe"])
-                moe["gate_bias"] = moe["gate_bias"] + bias_rate * jnp.sign(load_error[m])
-                model[name] = {**model[name], "moe": moe}
+            model = balance_routers(params["model"], [f"layers_{i}" for i in self.cfg.moe_layers],
+                                    counts, bias_rate)
             return {**params, "model": model}, opt_state, rows, counts
 
         return jax.jit(step, donate_argnums=(0, 1))
@@ -231,6 +227,21 @@ class Trainer:
                 losses += list(np.asarray(rows)[:len(chunk)])
             out[d] = float(np.mean(losses))
         return out
+
+
+def balance_routers(params: dict, moe_layers: list[str], counts, rate: float) -> dict:
+    """DeepSeek-V3's aux-loss-free balancing: params (a tree holding the MoE layers named
+    `moe_layers`) with each router's e_score_correction_bias raised by `rate` for the experts
+    loaded below their layer's mean in counts [len(moe_layers), E], lowered for the others."""
+    import jax.numpy as jnp
+
+    load_error = counts.mean(axis=1, keepdims=True) - counts
+    out = dict(params)
+    for m, name in enumerate(moe_layers):
+        moe = dict(out[name]["moe"])
+        moe["gate_bias"] = moe["gate_bias"] + rate * jnp.sign(load_error[m])
+        out[name] = {**out[name], "moe": moe}
+    return out
 
 
 def adamw(peak_lr: float, weight_decay: float):
@@ -315,15 +326,18 @@ def train(args) -> None:
 # export
 
 
-def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb: float) -> None:
+def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb: float,
+           mtp: dict | None = None) -> None:
     """A Hugging Face checkpoint directory: bf16 weights, float32 router; per-expert tensor names
     as published DeepSeek-V3 checkpoints have them; shards of at most `shard_mb` MB (with
-    model.safetensors.index.json) when the weights are larger than that."""
+    model.safetensors.index.json) when the weights are larger than that. `mtp`: the MTP layers
+    as decoder.mtp_specs declares them (tools/train_mtp.py), written after the main model's
+    tensors in DeepSeek-V3's names."""
     import jax
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
-    from tidejax.models.deepseek_v3.weights import checkpoint_table, param_specs
+    from tidejax.models.deepseek_v3.weights import checkpoint_table, mtp_specs, param_specs
 
     table = checkpoint_table(cfg)  # its inverse names each param and expert part
     tensors = {}
@@ -342,6 +356,8 @@ def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb:
                             ("down", down[row])):
                 (name,) = table.expert_names(layer, part, x)
                 tensors[name] = jnp.asarray(w, jnp.bfloat16)
+    if mtp is not None:
+        jax.tree_util.tree_map_with_path(add, mtp_specs(cfg, jnp.bfloat16), mtp)
     out.mkdir(parents=True, exist_ok=True)
     shards, size = [{}], 0
     for name, t in tensors.items():
@@ -371,6 +387,23 @@ def export(params, cfg, raw_cfg: dict, out: Path, tokenizer_dir: Path, shard_mb:
     log(f"exported {len(tensors)} tensors in {len(shards)} file(s) to {out} ({total / 1e6:.1f} MB)")
 
 
+def training_options(p: argparse.ArgumentParser, steps: int, seq: int, rows: int, warmup: int,
+                     log_every: int) -> None:
+    """The options `train` and `mtp` share, with their defaults."""
+    p.add_argument("--data", type=Path, default=REPO / ".corpus_gpu" / "tokens.npz")
+    p.add_argument("--steps", type=int, default=steps, help="steps (an upper bound with --minutes)")
+    p.add_argument("--minutes", type=float, default=0, help="size the run to this wall time")
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--rows-per-domain", type=int, default=rows)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--bias-rate", type=float, default=1e-3, help="router bias step per update")
+    p.add_argument("--log-every", type=int, default=log_every)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-mb", type=float, default=15.0, help="largest safetensors file")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -380,23 +413,20 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=REPO / ".corpus_gpu" / "tokens.npz")
     p.add_argument("--chat-share", type=float, default=0.15, help="share of documents written as chats")
     t = sub.add_parser("train", help="train and export")
-    t.add_argument("--data", type=Path, default=REPO / ".corpus_gpu" / "tokens.npz")
     t.add_argument("--tokenizer", type=Path, default=REPO / "models" / "demo")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--tiny", action="store_true", help="the toy size (CPU tests)")
-    t.add_argument("--steps", type=int, default=2000, help="steps (an upper bound with --minutes)")
-    t.add_argument("--minutes", type=float, default=0, help="size the run to this wall time")
-    t.add_argument("--seq", type=int, default=512)
-    t.add_argument("--rows-per-domain", type=int, default=8)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--bias-rate", type=float, default=1e-3, help="router bias step per update")
-    t.add_argument("--log-every", type=int, default=50)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--shard-mb", type=float, default=15.0, help="largest safetensors file")
+    training_options(t, steps=2000, seq=512, rows=8, warmup=100, log_every=50)
+    m = sub.add_parser("mtp", help="train an MTP layer for a trained model (tools/train_mtp.py)")
+    m.add_argument("--model", type=Path, default=REPO / "models" / "demo", help="the trained model")
+    m.add_argument("--out", type=Path, required=True, help="where the model with its MTP layer goes")
+    training_options(m, steps=1000, seq=256, rows=2, warmup=20, log_every=10)
     args = ap.parse_args(argv)
-    prepare(args) if args.cmd == "prepare" else train(args)
+    if args.cmd == "mtp":
+        from tools.train_mtp import train_mtp
+        train_mtp(args)
+    else:
+        prepare(args) if args.cmd == "prepare" else train(args)
 
 
 if __name__ == "__main__":

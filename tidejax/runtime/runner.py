@@ -148,7 +148,8 @@ class Runner:
             sampled, tallies = self.dispatch(inputs)
         if plan.verify:
             sampled, result.accepted = sampled
-        for leaf in jax.tree.leaves(sampled) if plan.logprobs else [sampled.tokens]:
+        early = jax.tree.leaves(sampled) if plan.logprobs else [sampled.tokens]
+        for leaf in early + ([result.accepted] if plan.verify else []):
             leaf.copy_to_host_async()  # on its way as soon as the step ends
         self._steps += 1
         self.last = (self._steps, sampled.tokens)
