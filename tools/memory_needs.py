@@ -24,7 +24,6 @@ experts it holds and the device memory it takes.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 import jax.numpy as jnp
@@ -32,10 +31,10 @@ import numpy as np
 
 from tidejax.models.base import nbytes
 from tidejax.models.loading import RowFormat
-from tidejax.models.registry import FAMILY_MODULES, family_for
+from tidejax.models.registry import family_for
 from tidejax.residency.pool import budget_slots, row_bytes
 from tools.make_synthetic import shape_config
-from tools.synthetic_layout import Declared
+from tools.synthetic_layout import Declared, family_weights
 
 # shape -> (layers, vocabulary, MTP layers) of the published config.json
 PUBLISHED = {
@@ -71,6 +70,7 @@ class Needs:
         raw = shape_config(shape, layers, V3_DENSE_LAYERS if shape == "v3" else None, vocab,
                            4096, {})
         declared = Declared.of(raw)
+        family = family_for(raw, "published config.json")
         self.shape, self.experts_held, self.cfg = shape, experts, declared.cfg
         self.moe_layers = declared.table.expert_layers
         self.total = declared.experts["gate_up"].shape[0]  # rows: MoE layers x experts
@@ -81,10 +81,9 @@ class Needs:
         self.stored_bytes = row_bytes({k: v[None] for k, v in stored.items()})
         self.expert_bytes = row_bytes({k: v[None] for k, v in held.items()})
         self.dense_bytes = nbytes(declared.params)
-        self.embed_head_bytes = nbytes([declared.params[k] for k in declared.params
-                                        if not k.startswith("layers_") and k != "norm"])
-        self.mtp_bytes = self._mtp_bytes(raw, mtp_layers)
-        self.kv_per_token = declared_family(raw).cache_bytes_per_token(self.cfg, jnp.bfloat16)
+        self.embed_head_bytes = nbytes([declared.params["embed"], declared.params["lm_head"]])
+        self.mtp_bytes = self._mtp_bytes(family, raw, mtp_layers)
+        self.kv_per_token = family.cache_bytes_per_token(self.cfg, jnp.bfloat16)
 
     @staticmethod
     def _stored_row(expert_specs: dict, stored: str) -> dict:
@@ -95,14 +94,13 @@ class Needs:
         return RowFormat(stored, jnp.bfloat16).convert(row) if stored == "mxfp4" else row
 
     @staticmethod
-    def _mtp_bytes(raw: dict, mtp_layers: int) -> int:
+    def _mtp_bytes(family, raw: dict, mtp_layers: int) -> int:
         """The published MTP layers' bytes in bf16, where the family keeps them (mtp_specs)."""
-        package = FAMILY_MODULES[raw["model_type"]].rsplit(".", 1)[0]
-        weights = importlib.import_module(f"{package}.weights")
+        weights = family_weights(raw)
         if not mtp_layers or not hasattr(weights, "mtp_specs"):
             return 0
         with_mtp = raw | {"num_nextn_predict_layers": mtp_layers}
-        cfg = declared_family(raw).config_from_hf(with_mtp, "published config.json")
+        cfg = family.config_from_hf(with_mtp, "published config.json")
         return nbytes(weights.mtp_specs(cfg, jnp.bfloat16))
 
     @property
@@ -137,10 +135,6 @@ class Needs:
             return 0
         fits = [b for b in range(1, int(device_gib) + 1) if self.device_bytes(b, kv_tokens) <= room]
         return fits[-1] if fits else None
-
-
-def declared_family(raw: dict):
-    return family_for(raw, "published config.json")
 
 
 def report(needs: Needs, kv_tokens: int, reserve_gib: float, budgets: list[float]) -> list[str]:
