@@ -69,7 +69,9 @@ expert (`block_sparse_moe.experts.{x}.w1 / w3 / w2`; `--experts bf16` only):
 `--layers` (default 4) and `--n-experts` cut a shape down; no dense layers.
 What the whole shapes need in BF16, as published: the routed experts in host memory (the pool);
 on the GPU the dense weights, the KV pool (bf16 keys and values of every layer and KV head) and
-the expert bank. With 32,768 tokens of KV and ~8 GiB of working memory, the bank holds:
+the expert bank. With 32,768 tokens of KV and ~8 GiB of working memory, the bank holds (`python -m
+tools.memory_needs --shape S --experts bf16 --kv-tokens 32768` prints these, and any shape's
+needs in any expert format):
   mixtral-8x7b   256 experts of 336 MiB (84 GiB), 3.0 GiB dense, KV 128 KiB a token: every
                  expert on one H200 (141 GB), ~70% of them on an 80 GB H100
   mixtral-8x22b  448 experts of 576 MiB (252 GiB), 9.9 GiB dense, KV 224 KiB a token: ~40% of
@@ -458,6 +460,17 @@ def glm5_config(shape: str, layers: int, dense_layers: int | None, vocab_size: i
     }
 
 
+def shape_config(shape: str, layers: int, dense_layers: int | None, vocab_size: int,
+                 max_positions: int, special: dict, n_experts: int = 0) -> dict:
+    """The config.json of a shape of the families that follow transformers' configs (every
+    shape but DeepSeek-V4.1's), cut to `layers` layers."""
+    make = (glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES
+            else qwen3_config if shape in QWEN3_SHAPES
+            else gpt_oss_config if shape in GPT_OSS_SHAPES
+            else block_sparse_config if shape in BLOCK_SPARSE_SHAPES else hf_config)
+    return make(shape, layers, dense_layers, vocab_size, max_positions, special, n_experts)
+
+
 # -- DeepSeek-V4.1, in the published layout ---------------------------------------------------
 
 def ds41_layers(layers: int) -> list[int]:
@@ -799,12 +812,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], Router
         cfg = ds41_config(shape, layers, vocab, special, compressed_token_map(backend),
                           args.n_experts, args.engram_gib)
     else:
-        make = (glm_config if shape in GLM_SHAPES else glm5_config if shape in GLM5_SHAPES
-                else qwen3_config if shape in QWEN3_SHAPES
-                else gpt_oss_config if shape in GPT_OSS_SHAPES
-                else block_sparse_config if shape in BLOCK_SPARSE_SHAPES else hf_config)
-        cfg = make(shape, layers, args.dense_layers, vocab, args.max_positions, special,
-                   args.n_experts)
+        cfg = shape_config(shape, layers, args.dense_layers, vocab, args.max_positions, special,
+                           args.n_experts)
     skew = router_skew(cfg, args.seed) if args.router_skew else None
     if skew:
         cfg["tidejax_synthetic"]["router_skew"] = {

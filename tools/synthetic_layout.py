@@ -102,8 +102,7 @@ class Declared:
     def of(raw_cfg: dict) -> Declared:
         family = family_for(raw_cfg, "synthetic config.json")
         cfg = family.config_from_hf(raw_cfg, "synthetic config.json")
-        package = FAMILY_MODULES[raw_cfg["model_type"]].rsplit(".", 1)[0]
-        weights = importlib.import_module(f"{package}.weights")
+        weights = family_weights(raw_cfg)
         host = weights.host_specs(cfg) if hasattr(weights, "host_specs") else {}
         return Declared(cfg, weights.checkpoint_table(cfg), weights.param_specs(cfg, jnp.bfloat16),
                         weights.expert_specs(cfg, jnp.bfloat16), host)
@@ -132,6 +131,13 @@ class Declared:
                             self.name(bias, Layout()) if bias in declared else None))
         out.sort()
         return out
+
+
+def family_weights(raw_cfg: dict):
+    """The weights module (param_specs, expert_specs, checkpoint_table, ...) of the family of a
+    config.json."""
+    package = FAMILY_MODULES[raw_cfg["model_type"]].rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.weights")
 
 
 def flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, object]]:

@@ -28,22 +28,19 @@ from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import all_resident_state
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, cached_decode_logits,
-                                       deepseek_v3_config, relative_diff, served_greedy,
-                                       state_dict, transformers_greedy, write_deepseek_v3,
+from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, deepseek_v3_config, relative_diff,
+                                       served_greedy, state_dict, transformers_greedy,
                                        write_fp8_copies, write_fused_copy, write_mtp_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
-# 16-token chunks: PROMPT prefills in two, in the step shape the short prompts of the sampling
-# test (and residency's calibration) take too: one compiled prefill step, not two
-ENGINE = {"prefill_chunk": 16}
 
 
 @pytest.fixture(scope="module", params=sorted(DEEPSEEK_V3_CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = write_deepseek_v3(path, seed=len(request.param), **DEEPSEEK_V3_CONFIGS[request.param])
-    return request.param, path, model, tidejax.load(path, engine=ENGINE)
+def tiny(request, tiny_family):
+    """(config name, path, transformers' model, the engine): tests/models/conftest.py's, shared
+    with the family contract (test_family_contract.py: declared params, logits, greedy tokens,
+    cached decode, half-resident `exact`)."""
+    return request.param, *tiny_family("deepseek_v3", request.param)
 
 
 def _config(name: str) -> DeepseekV3Config:
@@ -55,21 +52,6 @@ def _forward_args(cfg) -> tuple:
     tokens = jnp.zeros((1, 4), jnp.int32)
     return (tokens, tokens, tokens > -1, PagedCache(MLACache.create(cfg, 1, 4, jnp.float32)),
             tokens[:, :1])
-
-
-@pytest.mark.parametrize("name", sorted(DEEPSEEK_V3_CONFIGS))
-def test_declared_params_are_what_the_model_consumes(name):
-    """The model reads every declared param and runs on params from init(specs)
-    (declaration.check_forward_on_declared), and the checkpoint table names one tensor for every
-    declared param."""
-    cfg = _config(name)
-    declared = param_specs(cfg, jnp.float32)
-    check_forward_on_declared(build(cfg, ServeOptions(kernel="reference", all_resident=True),
-                                    jnp.float32), declared, expert_specs(cfg, jnp.float32),
-                              len(cfg.moe_layers), _forward_args(cfg))
-    table = checkpoint_table(cfg)
-    for path in param_paths(declared):
-        assert len(table.param_names(path)) == 1, path
 
 
 def test_params_unlike_the_declaration_fail_loudly():
@@ -96,25 +78,6 @@ def test_params_unlike_the_declaration_fail_loudly():
     unread = declared | {"unread": ParamSpec((2,), jnp.float32, (None,))}
     with pytest.raises(AssertionError, match="never reads.*unread"):
         check_forward_on_declared(model, unread, experts, len(cfg.moe_layers), _forward_args(cfg))
-
-
-def test_logits_match_transformers(tiny):
-    name, _, model, engine = tiny
-    with torch.no_grad():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    diff = relative_diff(engine.logits(PROMPT), ref)
-    print(f"{name}: max relative logit difference {diff:.2e}")
-    assert diff < 1e-4
-
-
-def test_greedy_tokens_match_transformers(tiny):
-    _, _, model, engine = tiny
-    assert served_greedy(engine, PROMPT, 20) == transformers_greedy(model, PROMPT, 20)
-
-
-def test_cached_decode_equals_full_forward(tiny):
-    _, _, _, engine = tiny
-    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
 
 
 def test_sampling_is_seeded_and_batch_independent(tiny):
@@ -226,19 +189,6 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.enorm\.weight"):
         load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
-
-
-def test_half_resident_exact_equals_all_resident(tiny):
-    """Half the experts in the bank, misses copied in from the host pool: the same logits."""
-    name, path, _, engine = tiny
-    if name != "qlora_groups":
-        pytest.skip("one config is enough for residency")
-    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
-    half = tidejax.load(path, engine=ENGINE, residency={"budget_experts": n_moe * n_experts // 2,
-                                                       "miss_policy": "exact"})
-    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
-    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
-    assert half.residency.stats()["misses"] > 0
 
 
 def test_native_mxfp4_experts_load_as_an_mxfp4_bank(tiny, tmp_path):

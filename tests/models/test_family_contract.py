@@ -1,11 +1,13 @@
-"""One contract for a family, parametrised over the families it covers (the newest so far; the
-older ones keep their own modules): declared params = checkpoint table, fp32 logits within 1e-4
-of transformers' on tiny random checkpoints, greedy tokens, the paged cached decode = the full
-forward, half-resident `exact` = all-resident; and for the families with a chat template kept
-in tests/data/chat_templates, a tool call and its result through the app to the
-openai and anthropic clients. A new family costs a writer and configs in
-tests/support/tiny_models.py and an entry here (and its chat vocabulary in
-tests/support/chat_models.py)."""
+"""One contract for a family, parametrised over the registered families it covers (CONTRACT):
+declared params = checkpoint table, fp32 logits within 1e-4 of transformers' on tiny random
+checkpoints, greedy tokens, the paged cached decode = the full forward, half-resident `exact` =
+all-resident, the GQA families' cached decode on the paged GQA kernel; and for the families with
+a chat template kept in tests/data/chat_templates, a tool call and its result through the app to
+the openai and anthropic clients. Where an item does not run here for a family, or a registered
+model type is not in the contract, NOT_HERE says why and where it is checked instead. A new
+family costs a writer and configs in tests/support/tiny_models.py and an entry here (and its chat
+vocabulary in tests/support/chat_models.py). The checkpoints and engines are tests/models/
+conftest.py's (`tiny_family`), shared with the families' own modules."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import tidejax
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache
-from tidejax.models.registry import family_of
+from tidejax.models.registry import FAMILY_MODULES, family_of
 from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.server.app import Server
@@ -32,25 +34,72 @@ from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER, wri
 from tests.support.declaration import check_forward_on_declared, param_paths
 from tests.support.server_fixtures import serve_app
 from tests.support.tiny_models import (FAMILIES, cached_decode_logits,
-                                       check_cached_decode_on_the_gqa_kernel, gpt_oss_config,
-                                       minimax_m2_config, mixtral_config, qwen3_moe_config,
-                                       relative_diff, served_greedy, transformers_greedy,
-                                       write_gpt_oss_mxfp4_copies)
+                                       check_cached_decode_on_the_gqa_kernel, deepseek_v3_config,
+                                       glm4_moe_config, glm_moe_dsa_config, gpt_oss_config,
+                                       lower_index_ties, minimax_m2_config, mixtral_config,
+                                       qwen3_moe_config, relative_diff, served_greedy,
+                                       transformers_greedy, write_gpt_oss_mxfp4_copies)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
-CONTRACT = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
-            "minimax_m2": minimax_m2_config, "gpt_oss": gpt_oss_config}
+CONTRACT = {"deepseek_v3": deepseek_v3_config, "glm4_moe": glm4_moe_config,
+            "glm_moe_dsa": glm_moe_dsa_config, "qwen3_moe": qwen3_moe_config,
+            "mixtral": mixtral_config, "minimax_m2": minimax_m2_config,
+            "gpt_oss": gpt_oss_config}
 CASES = [(family, config) for family in CONTRACT for config in sorted(FAMILIES[family][1])]
+# the config a family's half-resident check runs on (one is enough): one with the most MoE layers
+HALF_RESIDENT = {"deepseek_v3": "qlora_groups", "glm4_moe": "no_dense", "glm_moe_dsa": "topk_above",
+                 "qwen3_moe": "renormalized", "mixtral": "top3_mqa", "minimax_m2": "half_rotary",
+                 "gpt_oss": "window8"}
+# the families whose cached decode runs on the paged GQA kernel here (Triton's interpreter is
+# slow: GLM-4.5's q/k norm, biases and partial rotary, and gpt-oss's sinks and window, cover what
+# the other GQA families' attention adds to the kernel's inputs)
+GQA_KERNEL = [(family, config) for family in ("glm4_moe", "gpt_oss")
+              for config in sorted(FAMILIES[family][1])]
+# what is not checked here, and where it is instead: registered model types outside CONTRACT, and
+# the contract families with no tool call through the clients here (no template in
+# tests/data/chat_templates)
+NOT_HERE = {
+    "deepseek_v2": "the deepseek_v3 family: tests/models/test_deepseek_v3.py checks its softmax "
+                   "routing (test_deepseek_v2_routes_as_transformers)",
+    "kimi_k2": "the deepseek_v3 family: tests/models/test_kimi_k2.py checks its tiktoken "
+               "tokenizer, logits and tool-call sections through the openai client",
+    "deepseek_v41": "no transformers model: tests/models/test_deepseek_v41*.py check it against "
+                    "the reference's own outputs (tests/data/golden_v41)",
+    "deepseek_v4": "tests/models/test_deepseek_v4.py: against transformers' "
+                   "DeepseekV4ForCausalLM, with its compressor and window rings per lane",
+    "tools:deepseek_v3": "no published chat template kept here: its tool-call format is parsed "
+                         "in tests/server/test_server_units.py, Kimi K2's served end to end in "
+                         "tests/models/test_kimi_k2.py",
+    "tools:glm4_moe": "tests/models/test_glm4_moe.py serves GLM's template, thinking switch and "
+                      "tool call and result through the openai client",
+    "tools:glm_moe_dsa": "GLM-4.5's template and tool format (tests/models/test_glm4_moe.py); "
+                         "tests/models/test_glm_moe_dsa.py checks the family picks it",
+}
 PROMPT = np.random.RandomState(11).randint(3, 256, 32)
 
 
+def reference_logits(model, prompt):
+    """transformers' logits, top-k ties to the lower index as jax.lax.top_k breaks them
+    (lower_index_ties: GLM-5's indexers tie)."""
+    with torch.no_grad(), lower_index_ties():
+        return model(torch.tensor(prompt)[None]).logits[0].numpy()
+
+
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_family):
     family, config = request.param
-    writer, configs = FAMILIES[family]
-    path = tmp_path_factory.mktemp(config)
-    model = writer(path, seed=len(config), **configs[config])
-    return family, config, path, model, tidejax.load(path)
+    path, model, engine = tiny_family(family, config)
+    return family, config, path, model, engine
+
+
+def test_every_registered_family_is_checked_somewhere():
+    """Each registered model type is in the contract or NOT_HERE says where it is checked; each
+    contract family's tool call runs here (CHAT_FAMILIES) or NOT_HERE says where."""
+    for model_type in FAMILY_MODULES:
+        assert model_type in CONTRACT or model_type in NOT_HERE, model_type
+    for family in CONTRACT:
+        assert (family in CHAT_FAMILIES) != (f"tools:{family}" in NOT_HERE), family
+    assert set(HALF_RESIDENT) == set(CONTRACT)
 
 
 @pytest.mark.parametrize("family", CONTRACT)
@@ -76,16 +125,16 @@ def test_declared_params_are_what_the_model_consumes(family):
 
 def test_logits_match_transformers(tiny):
     family, config, _, model, engine = tiny
-    with torch.no_grad():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    diff = relative_diff(engine.logits(PROMPT), ref)
+    diff = relative_diff(engine.logits(PROMPT), reference_logits(model, PROMPT))
     print(f"{family} {config}: max relative logit difference {diff:.2e}")
     assert diff < 1e-4
 
 
 def test_greedy_tokens_match_transformers(tiny):
     *_, model, engine = tiny
-    assert served_greedy(engine, PROMPT, 16) == transformers_greedy(model, PROMPT, 16)
+    with lower_index_ties():
+        want = transformers_greedy(model, PROMPT, 16)
+    assert served_greedy(engine, PROMPT, 16) == want
 
 
 def test_cached_decode_equals_full_forward(tiny):
@@ -93,20 +142,22 @@ def test_cached_decode_equals_full_forward(tiny):
     assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
 
 
-def test_gpt_oss_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch):
-    """gpt-oss's attention (sinks, the sliding window of 8 in its first layer) on the paged GQA
-    kernel (Triton's interpreter here), a 16-token prompt chunk then one token a step: the
-    cached decode's logits against transformers' full forward."""
-    family, _, _, model, engine = tiny
-    if family != "gpt_oss":
-        pytest.skip("the kernel's sinks and window: gpt-oss's")
+@pytest.mark.parametrize("family, config", GQA_KERNEL, ids=["-".join(c) for c in GQA_KERNEL])
+def test_cached_decode_on_the_gqa_kernel_matches_transformers(family, config, tiny_family,
+                                                              monkeypatch):
+    """The attention on the paged GQA kernel (Triton's interpreter here), a 16-token prompt
+    chunk then one token a step: the cached decode's logits against transformers' full forward
+    (GLM-4.5's q/k norm, biases and partial rotary; gpt-oss's sinks and the sliding window of 8
+    in its first layer)."""
+    _, model, engine = tiny_family(family, config)
     check_cached_decode_on_the_gqa_kernel(engine, model, PROMPT, monkeypatch)
 
 
-def test_half_resident_exact_equals_all_resident(tiny):
-    family, config, path, _, engine = tiny
-    if config != sorted(FAMILIES[family][1])[-1]:
-        pytest.skip("one config a family is enough for residency")
+@pytest.mark.parametrize("family, config", HALF_RESIDENT.items(),
+                         ids=["-".join(c) for c in HALF_RESIDENT.items()])
+def test_half_resident_exact_equals_all_resident(family, config, tiny_family):
+    """Half the experts in the bank, misses copied in from the host pool: the same logits."""
+    path, _, engine = tiny_family(family, config)
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     half = tidejax.load(path, residency={"budget_experts": n_moe * n_experts // 2,
                                          "miss_policy": "exact"})

@@ -20,49 +20,26 @@ from safetensors.numpy import save_file
 import tidejax
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
-from tidejax.kv.paged import PagedCache, gqa_attention
+from tidejax.kv.paged import gqa_attention
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
-from tidejax.models.glm4_moe.model import build
-from tidejax.models.glm4_moe.weights import checkpoint_table, expert_specs, param_specs
-from tidejax.models.layers.gqa import GQAPages
-from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
-from tests.support.declaration import check_forward_on_declared, param_paths
 from tests.support.server_fixtures import serve_app, write_chain
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights,
-                                       cached_decode_logits,
-                                       check_cached_decode_on_the_gqa_kernel, glm4_moe_config,
-                                       randomize_moe, relative_diff, second_turn, served_greedy,
-                                       state_dict, transformers_greedy, write_fp8_copies,
-                                       write_fused_copy, write_glm4_moe)
+                                       glm4_moe_config, randomize_moe, second_turn, state_dict,
+                                       transformers_greedy, write_fp8_copies, write_fused_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=sorted(GLM4_MOE_CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = write_glm4_moe(path, seed=len(request.param), **GLM4_MOE_CONFIGS[request.param])
-    return request.param, path, model, tidejax.load(path)
-
-
-def test_declared_params_are_what_the_model_consumes():
-    """In the config with every kind of param (q/k norm, biases, a dense layer, MoE layers)."""
-    cfg = Glm4MoeConfig.from_hf(glm4_moe_config(**GLM4_MOE_CONFIGS["qknorm_groups"]).to_dict())
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    serve = ServeOptions(kernel="reference", all_resident=True)
-    declared = param_specs(cfg, jnp.float32)
-    check_forward_on_declared(
-        build(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
-        len(cfg.moe_layers),
-        (tokens, tokens, tokens > -1, PagedCache(GQAPages.create(cfg, 1, 4, jnp.float32)),
-         tokens[:, :1]))
-    table = checkpoint_table(cfg)
-    for path in param_paths(declared):
-        assert len(table.param_names(path)) == 1, path
+def tiny(request, tiny_family):
+    """(config name, path, transformers' model, the engine): tests/models/conftest.py's, shared
+    with the family contract (test_family_contract.py: declared params, logits, greedy tokens,
+    cached decode, on the paged GQA kernel too, half-resident `exact`)."""
+    return request.param, *tiny_family("glm4_moe", request.param)
 
 
 def test_config_reads_what_transformers_wrote(tiny):
@@ -74,21 +51,6 @@ def test_config_reads_what_transformers_wrote(tiny):
     assert len(cfg.moe_layers) == hf.num_hidden_layers - hf.first_k_dense_replace
 
 
-def test_logits_match_transformers(tiny):
-    name, _, model, engine = tiny
-    with torch.no_grad():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    diff = relative_diff(engine.logits(PROMPT), ref)
-    print(f"{name}: max relative logit difference {diff:.2e}")
-    assert diff < 1e-4
-
-
-def test_greedy_tokens_match_transformers(tiny):
-    _, _, model, engine = tiny
-    assert served_greedy(engine, PROMPT, 16) == transformers_greedy(model, PROMPT, 16)
-
-
-
 def test_a_second_turn_shares_the_first_turns_pages(tiny):
     """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of GQA keys and values; turn 2
     (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
@@ -97,18 +59,6 @@ def test_a_second_turn_shares_the_first_turns_pages(tiny):
     prompt, tokens, cached, prefilled = second_turn(engine, first, list(range(20, 30)), 8)
     assert (cached, prefilled) == (64, len(prompt) - 64)
     assert tokens == transformers_greedy(model, prompt, 8)
-
-def test_cached_decode_equals_full_forward(tiny):
-    _, _, _, engine = tiny
-    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
-
-
-def test_cached_decode_on_the_gqa_kernel_matches_transformers(tiny, monkeypatch):
-    """GLM-4.5's cached decode with its attention on the paged GQA kernel against transformers
-    (check_cached_decode_on_the_gqa_kernel)."""
-    _, _, model, engine = tiny
-    check_cached_decode_on_the_gqa_kernel(engine, model, PROMPT, monkeypatch)
-
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):
     """transformers 5's in-memory fused experts load as the published per-expert tensors do;
@@ -136,18 +86,6 @@ def test_layouts_load_the_same_weights(tiny, tmp_path):
     raw = json.loads((fused / "config.json").read_text())
     (fused / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     assert_same_weights(tidejax.load(fused), engine)
-
-
-def test_half_resident_exact_equals_all_resident(tiny):
-    name, path, _, engine = tiny
-    if name != "no_dense":
-        pytest.skip("one config is enough for residency: the one with two MoE layers")
-    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
-    half = tidejax.load(path, residency={"budget_experts": n_moe * n_experts // 2,
-                                         "miss_policy": "exact"})
-    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
-    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
-    assert half.residency.stats()["misses"] > 0
 
 
 @pytest.mark.parametrize("field, value, message", [

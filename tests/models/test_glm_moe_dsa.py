@@ -20,18 +20,15 @@ import torch
 import tidejax
 from tidejax.checkpoint import CheckpointReader
 from tidejax.errors import ConfigError
-from tidejax.kv.paged import PagedCache, sparse_mla_attention
+from tidejax.kv.paged import sparse_mla_attention
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from tidejax.models.glm_moe_dsa.model import build
-from tidejax.models.glm_moe_dsa.weights import (checkpoint_table, expert_specs, load_weights,
-                                                param_specs)
+from tidejax.models.glm_moe_dsa.weights import load_weights, param_specs
 from tidejax.models.layers.compress import top_k_select
-from tidejax.models.layers.dsa import DSAPages
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
-from tests.support.declaration import check_dense_dtypes, check_forward_on_declared, param_paths
+from tests.support.declaration import check_dense_dtypes
 from tests.support.tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights,
                                        cached_decode_logits, glm_moe_dsa_config, lower_index_ties,
                                        relative_diff, second_turn, served_greedy,
@@ -43,10 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=sorted(GLM_MOE_DSA_CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = write_glm_moe_dsa(path, seed=len(request.param), **GLM_MOE_DSA_CONFIGS[request.param])
-    return request.param, path, model, tidejax.load(path)
+def tiny(request, tiny_family):
+    """(config name, path, transformers' model, the engine): tests/models/conftest.py's, shared
+    with the family contract (test_family_contract.py: declared params, logits, greedy tokens,
+    cached decode, half-resident `exact`)."""
+    return request.param, *tiny_family("glm_moe_dsa", request.param)
 
 
 # Index heads 1, 2 and 8 with an indexer in every layer, top-k 8, and prompts of top-k - 1,
@@ -96,37 +94,18 @@ def test_cached_decode_equals_full_forward_around_topk(index_heads):
     assert relative_diff(stepped, engine.logits(TIES_PROMPT)) < 1e-5
 
 
-def test_declared_params_are_what_the_model_consumes():
+def test_declared_params_keep_the_indexer_and_its_dtypes():
     """In the config with every kind of param (an indexer layer and a shared one, a dense layer,
-    MoE layers): the model reads every declared param and runs on them
-    (declaration.check_forward_on_declared), one checkpoint name a param, and the dtypes of a
-    bfloat16 model (float32 routers and indexer weights, as transformers keeps them)."""
+    MoE layers; the contract checks the forward reads each and the table names each once): the
+    indexer's params in the "full" layer only, and the dtypes of a bfloat16 model (float32
+    routers and indexer weights, as transformers keeps them)."""
     raw = glm_moe_dsa_config(**GLM_MOE_DSA_CONFIGS["topk_below"]).to_dict()
     cfg = GlmMoeDsaConfig.from_hf(raw)
     assert (cfg.index_layers, cfg.moe_layers) == ((0,), (1,))
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    serve = ServeOptions(kernel="reference", all_resident=True)
     declared = param_specs(cfg, jnp.float32)
-    check_forward_on_declared(
-        build(cfg, serve, jnp.float32), declared, expert_specs(cfg, jnp.float32),
-        len(cfg.moe_layers),
-        (tokens, tokens, tokens > -1, PagedCache(DSAPages.create(cfg, 1, 4, jnp.float32)),
-         tokens[:, :1]))
     assert ["indexer" in declared[f"layers_{i}"]["attn"] for i in (0, 1)] == [True, False]
-    table = checkpoint_table(cfg)
-    for path in param_paths(declared):
-        assert len(table.param_names(path)) == 1, path
     check_dense_dtypes(param_specs(cfg, jnp.bfloat16),
                        lambda path: path[-2:-1] in (("moe",), ("weights_proj",)))
-
-
-def test_logits_match_transformers(tiny):
-    name, _, model, engine = tiny
-    with torch.no_grad(), lower_index_ties():
-        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-    diff = relative_diff(engine.logits(PROMPT), ref)
-    print(f"{name}: max relative logit difference {diff:.2e}")
-    assert diff < 1e-4
 
 
 def test_the_selection_changes_the_reference(tiny):
@@ -147,16 +126,6 @@ def test_the_selection_changes_the_reference(tiny):
     assert relative_diff(dense, ref) > 1e-2
 
 
-def test_greedy_tokens_match_transformers(tiny):
-    name, _, model, engine = tiny
-    if name != "topk_below":
-        pytest.skip("one config is enough for the served tokens: the one that selects")
-    with lower_index_ties():
-        want = transformers_greedy(model, PROMPT, 12)
-    assert served_greedy(engine, PROMPT, 12) == want
-
-
-
 def test_a_second_turn_shares_the_first_turns_pages(tiny):
     """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of MLA latents and the indexer keys; turn 2
     (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
@@ -165,23 +134,6 @@ def test_a_second_turn_shares_the_first_turns_pages(tiny):
     prompt, tokens, cached, prefilled = second_turn(engine, first, list(range(20, 30)), 8)
     assert (cached, prefilled) == (64, len(prompt) - 64)
     assert tokens == transformers_greedy(model, prompt, 8)
-
-def test_cached_decode_equals_full_forward(tiny):
-    _, _, _, engine = tiny
-    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), engine.logits(PROMPT)) < 1e-5
-
-
-def test_half_resident_exact_equals_all_resident(tiny):
-    name, path, _, engine = tiny
-    if name != "topk_above":
-        pytest.skip("one config is enough for residency")
-    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
-    half = tidejax.load(path, residency={"budget_experts": n_moe * n_experts // 2,
-                                         "miss_policy": "exact"})
-    assert half.residency.stats()["resident"] == n_moe * n_experts // 2
-    np.testing.assert_array_equal(half.logits(PROMPT), engine.logits(PROMPT))
-    assert half.residency.stats()["misses"] > 0
-
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):
     """transformers 5's fused experts load as the published per-expert tensors do, and the FP8
