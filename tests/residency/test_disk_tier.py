@@ -120,10 +120,17 @@ def test_ring_over_disk_copies_from_host_memory_and_reads_the_rest_off_the_step(
     the steps, so after a few forwards the ring holds every miss and the logits are exact's."""
     ring = _load(checkpoint, engine, miss_policy="ring", ring_slots=ROWS - ROWS // 4,
                  drain_every=1000)
-    want, stats = all_in_host[2], ring.residency.stats
+    want, stats, cache = all_in_host[2], ring.residency.stats, ring.residency.cache
     first = ring.logits(PROMPT)
     assert stats()["misses"] > 0 and not np.allclose(first, want, atol=1e-5)
-    for _ in range(10):  # until a forward misses nothing (7 forwards here)
+    # The host holds the bank's 4 rows and 4 more, so the 12 others reach the ring 4 at a time:
+    # a round's rows, read after a forward missed them, land before the next, which chooses
+    # them; the one after fetches them, pinned in host memory till then (the next round's reads
+    # meanwhile dropped), and writes them into ring slots as the next round's reads land. So 2
+    # forwards a round, 3 rounds, and one more that misses nothing (6 here: 8 allows slack).
+    rounds = -(-(ROWS - ROWS // 4) // (ROWS // 2 - ROWS // 4))
+    for _ in range(2 * rounds + 2):  # until a forward misses nothing
+        cache.wait(cache.reading())  # the reads queued land first: not the disk's speed
         misses = stats()["misses"]
         got = ring.logits(PROMPT)
         if stats()["misses"] == misses:

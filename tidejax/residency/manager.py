@@ -90,6 +90,9 @@ class Residency:
         self.disk_rows = disk_rows
         self.cache: HostCache | None = None  # the host pool as a cache of disk_rows (at boot)
         self._hot: set[int] = set()  # `ring`'s misses on disk being read (kept when they land)
+        # `ring`'s misses read from disk and held now -> the steps run when they landed: held
+        # (pinned) until the two steps after (the one that chooses them, the one that fetches)
+        self._landed_hot: dict[int, int] = {}
         # rows the host pool holds (every row but over the disk tier)
         self.host_capacity = host_slots(section, self.row_bytes, total)
         if disk_rows is not None:
@@ -291,13 +294,34 @@ class Residency:
 
     def _commit(self, protect=()) -> None:
         """The rows read from disk since into host slots (HostCache.commit), after the steps in
-        flight; the map the next batches carry follows."""
+        flight; the map the next batches carry follows. `ring`'s misses read from disk
+        (`_hot`) are protected while read; once held, they are pinned like the bank's rows
+        until the ring has fetched them (`_ring_pending`): else, where demand ties (no drain
+        yet), the next misses' reads landing evict exactly the rows the last step chose before
+        the next step fetches them, and the ring never converges."""
         protect = set(protect) | {s.row for s in self._queue} | self._hot
-        if self.cache.commit(self.history.demand.reshape(-1), self.slot_rows[:self.n_resident],
-                             protect, self._wait_in_flight):
+        pinned = np.concatenate([self.slot_rows[:self.n_resident],
+                                 np.fromiter(self._ring_pending(), np.int32)])
+        if self.cache.commit(self.history.demand.reshape(-1), pinned, protect,
+                             self._wait_in_flight):
             self._host_map = self.cache.slot_of
             self._device_map = parallel.replicated(self._host_map)
-        self._hot &= self.cache.reading()
+        reading = self.cache.reading()
+        steps = self.counters["steps"]
+        for row in self._hot - reading:  # landed: held (to be fetched) or dropped
+            if self._host_map[row] >= 0:
+                self._landed_hot[row] = steps
+        self._hot &= reading
+
+    def _ring_pending(self) -> list[int]:
+        """`ring`'s misses read from disk that the ring may not have fetched yet: held since
+        fewer than two steps ran (a row held when step S's batch was taken is chosen at S's end
+        and fetched at S + 1's start; a commit before S + 2 waits for S + 1 before it writes
+        over a held row). The others are forgotten."""
+        steps = self.counters["steps"]
+        self._landed_hot = {r: s for r, s in self._landed_hot.items()
+                            if steps < s + 2 and self._host_map[r] >= 0}
+        return list(self._landed_hot)
 
     def _read_ahead(self) -> None:
         """Host prefetch, at a drain's plan: the rows on disk whose demand would earn them a
@@ -482,6 +506,7 @@ class Residency:
         """Reads `rows` into host memory now, waiting (between steps)."""
         self.cache.request(rows)
         self.cache.wait(rows)
+        self._landed_hot.clear()  # the swaps' rows first: a ring row unfetched is read again
         self._commit(protect=rows)
         missing = [r for r in rows if self._host_map[r] < 0]
         if missing:

@@ -24,7 +24,8 @@ Over the disk tier (residency.host_budget_experts) the ring copies only rows in 
 step's `host_slots` map): `choose` passes over a miss of a row on disk, and `start` drops a chosen
 row that a commit has taken out of host memory since. Those misses are read from disk by the
 host instead (Residency._read_tallies: the heaviest first, off the step's path), so a later step
-can choose them; the step itself never waits for the disk.
+can choose them; once read they stay in host memory until a step has fetched them
+(Residency._ring_pending); the step itself never waits for the disk.
 """
 
 from __future__ import annotations
