@@ -14,8 +14,7 @@ import pytest
 # XLA's CPU fusions by its older IR emitters, not the MLIR fusion emitters: half the compile
 # time again (a tiny Mixtral's prefill step 21 s -> 10 s, decode 10.8 s -> 5.3 s, backend
 # compiles of one served greedy run 34.7 s -> 17.1 s on a loaded 2-core machine, 2026-12-06),
-# the same HLO and fusions; only the code generator that turns a fusion into machine code
-# differs.
+# the same HLO, its fusions compiled by another code generator.
 # Set before anything starts XLA; the servers and tools the tests start inherit it.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
