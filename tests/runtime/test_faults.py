@@ -202,6 +202,26 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(served):
     np.testing.assert_array_equal(slot_rows, res.slot_rows)
 
 
+def test_a_failed_scoring_forward_rebuilds_the_state_without_a_scheduler_thread(model_dir):
+    """An engine used from Python (no scheduler thread): a scoring forward that fails after
+    donating the decode state raises to its caller, the state is rebuilt, and the next forward
+    scores as the first did."""
+    engine = load(model_dir)
+    want, real = engine.logits(PROMPT), engine.loaded.steps.score
+
+    def failing(params, state, inputs):
+        real(params, state, inputs)  # donates the state; its outputs are dropped
+        raise RuntimeError(SECRET)
+
+    engine.loaded.steps.score = failing
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.logits(PROMPT)
+    engine.loaded.steps.score = real
+    assert engine.residency.stats()["rebuilds"] == 1
+    np.testing.assert_allclose(engine.logits(PROMPT), want, rtol=1e-6, atol=1e-6)
+    engine.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Admission and deadlines: another app over the same engine, with the bounds under test
 

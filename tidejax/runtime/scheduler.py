@@ -296,7 +296,7 @@ class Scheduler:
         """fn() on the device's owner: on the scheduler thread between two iterations while it
         runs (waiting for the result), else here."""
         if self.thread is None or threading.current_thread() is self.thread:
-            return fn()
+            return self._call_here(fn)
         future = concurrent.futures.Future()
         with self.wake:
             if not self.running:
@@ -305,16 +305,24 @@ class Scheduler:
             self.wake.notify()
         return future.result()
 
+    def _call_here(self, fn):
+        """fn() on this thread; where it fails after donating the decode state (a scoring
+        forward, say), the state is rebuilt (`recover`) before the caller gets the error."""
+        try:
+            return fn()
+        except Exception as e:
+            if self.runner.damaged():
+                log.error("a call over the decode state failed after donating it: %r", e)
+                self.recover()
+            raise
+
     def _run_calls(self) -> None:
         while self._calls:
             fn, future = self._calls.popleft()
             try:
-                future.set_result(fn())
+                future.set_result(self._call_here(fn))
             except Exception as e:  # the caller gets it; serving goes on
                 future.set_exception(e)
-                if self.runner.damaged():
-                    log.error("a call over the decode state failed after donating it: %r", e)
-                    self.recover()
 
     def run_until_idle(self) -> None:
         while self.step():
