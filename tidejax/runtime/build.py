@@ -115,7 +115,8 @@ class LoadedModel:
         alpha, up_shift = self.family.swiglu_form(self.cfg)
         serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
-            scan_layers=config.engine.scan_layers, swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
+            scan_layers=config.engine.scan_layers,
+            swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
             swiglu_up_shift=float(up_shift), count=config.residency.count)
 
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
