@@ -144,9 +144,53 @@ def test_ring_over_disk_copies_from_host_memory_and_reads_the_rest_off_the_step(
     assert after["disk_reads"] <= ROWS // 4 + after["disk_prefetches"]
 
 
+def _in_host_and_over_disk(checkpoint, engine, **residency):
+    """The same residency with every expert in host memory and with half of them on disk,
+    adaptation off in both: the same bank, so the host kernel's part of each output is the same
+    picks'."""
+    frozen = {**residency, "adapt": False}
+    return (_load(checkpoint, engine, host_budget_experts=0, host_budget_gib=1.0, **frozen),
+            _load(checkpoint, engine, **frozen))
+
+
+def test_cpu_over_disk_equals_all_in_host_cpu(checkpoint, engine, all_in_host):
+    """`cpu` over the disk tier: a miss of a row on disk waits in its step for the read and is
+    computed by the host kernel from it, the same bits as with every expert in host memory;
+    each such pick counted (cpu_disk_picks: in the callback; host_misses: from the step's miss
+    tally and the map it ran on)."""
+    in_host, over = _in_host_and_over_disk(checkpoint, engine, miss_policy="cpu")
+    assert in_host.residency.cache is None and over.residency.cpu.disk is over.residency.cache
+    tokens = served_greedy(in_host, PROMPT, 12)
+    assert served_greedy(over, PROMPT, 12) == tokens == all_in_host[1]  # and `exact`'s
+    logits = over.logits(PROMPT)
+    np.testing.assert_array_equal(logits, in_host.logits(PROMPT))
+    np.testing.assert_allclose(logits, all_in_host[2], rtol=0, atol=1e-4)  # float32 rounding
+    over.residency.flush()
+    stats = over.residency.stats()
+    assert stats["cpu_picks"] == stats["misses"] > 0  # every miss computed on the host
+    assert stats["cpu_disk_picks"] == stats["host_misses"] > 0
+    assert stats["disk_reads_in_step"] + stats["disk_read_waits_in_step"] > 0
+    assert stats["disk_reads"] > ROWS // 4  # the bank's rows at boot, then the misses'
+    assert in_host.residency.stats()["cpu_disk_picks"] == 0
+
+
+def test_auto_over_disk_reads_the_picks_it_sends_to_the_host(checkpoint, engine):
+    """`auto` over the disk tier: the heavy misses go to the host, those of rows on disk read
+    in their step (counted), the light ones substituted, the same bits as all in host memory."""
+    in_host, over = _in_host_and_over_disk(checkpoint, engine, miss_policy="auto",
+                                           exact_weight=0.3)
+    logits = over.logits(PROMPT)
+    np.testing.assert_array_equal(logits, in_host.logits(PROMPT))
+    over.residency.flush()
+    stats, want = over.residency.stats(), in_host.residency.stats()
+    assert 0 < stats["cpu_picks"] == want["cpu_picks"] < stats["misses"]
+    assert 0 < stats["cpu_disk_picks"] < stats["host_misses"]  # light ones on disk: substituted
+    assert stats["approx_weight_share_total"] == want["approx_weight_share_total"] > 0
+    assert stats["disk_reads_in_step"] + stats["disk_read_waits_in_step"] > 0
+
+
 @pytest.mark.parametrize("residency, message", [
     ({"host_budget_experts": ROWS // 4}, "more than the bank's 4 experts"),
-    ({"miss_policy": "cpu"}, "miss_policy 'cpu' over the disk tier"),
     ({"budget_experts": 0}, "set budget_experts or budget_gib"),
     ({"host_budget_gib": 0.5}, "or host_budget_gib, not both")])
 def test_budgets_and_policies_the_disk_tier_refuses(checkpoint, engine, residency, message):

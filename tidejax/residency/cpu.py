@@ -179,27 +179,39 @@ class CpuExperts:
 
     pool: the placed host pool (bank-format dict of jax arrays [L_moe * E, ...]). Where the
     custom call is built (ffi_platform()) the step calls the kernel through it; otherwise (the
-    numpy path, or no handler for the backend) through jax.pure_callback."""
+    numpy path, or no handler for the backend) through jax.pure_callback.
+
+    Over the disk tier (`disk`: residency.hostcache.HostCache, whose pool [capacity, ...] this
+    is) a pick's row is found through the step's map (ExpertState.host_slots): the custom call
+    sees the cache's slots as the rows of one layer and takes each pick's slot as its expert id.
+    A layer with a pick of a row on disk goes through the callback instead, which waits for
+    that row's read (HostCache.read_now, as `exact`'s miss: queued already, or read there) and
+    computes the layer's picks from the rows gathered in one buffer (a copy of the layer's
+    missed rows, beside the wait for the disk); the sums are the kernel's, in pick order, so
+    the output is the same bits as with every expert in host memory."""
 
     def __init__(self, pool: dict, n_experts: int, isa: str | None = None,
-                 via: str = "custom_call"):
+                 via: str = "custom_call", disk=None):
         """via: "custom_call" (where built, else the callback) or "callback" (jax.pure_callback,
-        to compare the two: bench/cpu_experts.py)."""
+        to compare the two: bench/cpu_experts.py); disk: the host cache `pool` is the pool of
+        (None: the pool holds every row)."""
         if via not in ("custom_call", "callback"):
             raise ValueError(f"via={via!r}, expected 'custom_call' or 'callback'")
         n, d, inter = bank_dims(pool)  # checks the format
         if BIAS_KEYS & set(pool):
             raise ValueError("the cpu miss policy takes routed experts without biases (gpt-oss's "
                              "have them); use miss policy 'exact' or 'substitute'")
-        self.n_experts = n_experts
+        self.n_experts, self.disk = n_experts, disk
         self.views = {k: host_view(pool[k]) for k in pool}
         self.isa = isa or kernel_isa()
         self._callback_picks = 0  # picks computed through pure_callback
+        self._disk_picks = 0  # of those, picks of rows on disk when their step ran
         self.handle = None  # the registered pool the custom call reads
         self.platform = ffi_platform() if self.isa != "numpy" and via == "custom_call" else None
         if self.platform is not None:
             kind, leaves = _kernel_leaves(self.views)
-            self.handle = _cpu_kernel.set_pool(ISAS.index(self.isa), _KINDS[kind], n, n_experts,
+            layer_rows = n if disk is not None else n_experts  # the cache's slots: one layer
+            self.handle = _cpu_kernel.set_pool(ISAS.index(self.isa), _KINDS[kind], n, layer_rows,
                                                d, inter, *leaves)
         log.info("residency: misses computed on the host CPU (%s path, %d threads, %s)", self.isa,
                  kernel_threads() if self.isa != "numpy" else 1,
@@ -209,25 +221,76 @@ class CpuExperts:
     @property
     def picks(self) -> int:
         """Picks computed on the host since boot."""
-        if self.handle is None:
-            return self._callback_picks
-        return _cpu_kernel.pool_picks(self.handle)
+        kernel = 0 if self.handle is None else _cpu_kernel.pool_picks(self.handle)
+        return kernel + self._callback_picks
+
+    @property
+    def disk_picks(self) -> int:
+        """Picks computed on the host since boot whose row was on disk when their step ran
+        (read inside the step: `disk`)."""
+        return self._disk_picks
 
     def reads_in_place(self, pool: dict) -> bool:
         """Whether every view is the buffer of `pool`'s leaf (the state's pool now)."""
         return all(self.views[k].ctypes.data == pool[k].unsafe_buffer_pointer() for k in pool)
 
-    def serve(self, moe_index: int, x, ids, weights, miss, swiglu_limit: float):
+    def serve(self, moe_index: int, x, ids, weights, miss, swiglu_limit: float,
+              host_slots=None):
         """Inside the jit: x [T, D], ids / weights [T, k], miss [T, k] bool -> y [T, D] float32,
-        the weighted sum of the missed picks, computed on the host in one call."""
+        the weighted sum of the missed picks, computed on the host in one call. host_slots
+        [L_moe * E]: the step's map of the host cache, over the disk tier."""
         args = (x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), miss)
         out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        if self.disk is not None:
+            return self._serve_cached(moe_index, *args, swiglu_limit, host_slots)
         if self.handle is not None:
             return jax.ffi.ffi_call(FFI_TARGET, out)(
                 *args, pool=np.int64(self.handle), moe_index=np.int64(moe_index),
                 swiglu_limit=np.float32(swiglu_limit))
         host = functools.partial(self._host, moe_index, float(swiglu_limit))
         return jax.pure_callback(host, out, *args)
+
+    def _serve_cached(self, moe_index: int, x, ids, weights, miss, swiglu_limit: float,
+                      host_slots):
+        """`serve` over the disk tier (the class's docstring)."""
+        if host_slots is None:
+            raise ValueError("the cpu policy over the disk tier needs the step's host map "
+                             "(ExpertState.host_slots)")
+        rows = moe_index * self.n_experts + ids  # [T, k] pool rows
+        at = host_slots[rows]  # [T, k] their host slots, -1 on disk
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        host = functools.partial(self._host_cached, float(swiglu_limit))
+        callback = lambda: jax.pure_callback(host, out, x, rows, at, weights, miss)
+        if self.handle is None:
+            return callback()
+        kernel = lambda: jax.ffi.ffi_call(FFI_TARGET, out)(
+            x, at, weights, miss, pool=np.int64(self.handle), moe_index=np.int64(0),
+            swiglu_limit=np.float32(swiglu_limit))
+        return jax.lax.cond((miss & (at < 0)).any(), callback, kernel)
+
+    def _host_cached(self, swiglu_limit, x, rows, at, weights, miss):
+        tokens, ks = np.nonzero(np.asarray(miss))
+        rows = np.asarray(rows)[tokens, ks].astype(np.int64)
+        slots = np.asarray(at)[tokens, ks].astype(np.int64)
+        views, on_disk = self.views, int((slots < 0).sum())
+        if on_disk:
+            views, slots = self._gathered(rows, slots)
+        y = moe_host(views, x, slots, tokens, np.asarray(weights)[tokens, ks], swiglu_limit,
+                     self.isa)
+        self._callback_picks += rows.size
+        self._disk_picks += on_disk
+        return y
+
+    def _gathered(self, rows: np.ndarray, slots: np.ndarray) -> tuple[dict, np.ndarray]:
+        """The distinct `rows` [P] in one bank-format buffer, each from its host slot (`slots`
+        [P]) or, on disk (-1), from the host cache's read, waiting for it; -> (the buffer, each
+        pick's index into it)."""
+        distinct, index = np.unique(rows, return_inverse=True)
+        slot_of = dict(zip(rows.tolist(), slots.tolist()))
+        parts = [self.disk.read_now(row) if slot_of[row] < 0
+                 else {k: v[slot_of[row]] for k, v in self.views.items()}
+                 for row in distinct.tolist()]
+        return {k: np.stack([part[k] for part in parts]) for k in self.views}, index
 
     def _host(self, moe_index, swiglu_limit, x, ids, weights, miss):
         tokens, ks = np.nonzero(np.asarray(miss))

@@ -96,7 +96,7 @@ class Residency:
         # rows the host pool holds (every row but over the disk tier)
         self.host_capacity = host_slots(section, self.row_bytes, total)
         if disk_rows is not None:
-            self._check_host_budget(total)
+            self._check_host_budget()
         self.state_dir = Path(section.state_dir) if section.state_dir else None
         self.history = None
         self.counters = collections.Counter()
@@ -136,8 +136,8 @@ class Residency:
                                     cpu=self.cpu, exact_budget=section.exact_budget,
                                     disk=self.cache if policy == "exact" else None)
 
-    def _check_host_budget(self, total: int) -> None:
-        """The host cache's budget against the bank's and the policy (ConfigError)."""
+    def _check_host_budget(self) -> None:
+        """The host cache's budget against the bank's (ConfigError)."""
         section, host = self.section, self.host_capacity
         key = (f"[residency] host_budget_gib = {section.host_budget_gib} ({host} experts)"
                if section.host_budget_gib else f"[residency] host_budget_experts = {host}")
@@ -147,10 +147,6 @@ class Residency:
         if host <= self.n_resident:
             raise ConfigError(f"{key}: the host holds every bank expert and room to read "
                               f"one more: more than the bank's {self.n_resident} experts")
-        if self.section.miss_policy not in ("exact", "substitute", "ring"):
-            raise ConfigError(f"{key} < {total} experts: miss_policy "
-                              f"{self.section.miss_policy!r} over the disk tier is not built yet "
-                              f"(exact, substitute or ring)")
 
     def take_state(self) -> ExpertState:
         """The boot state, handed to its owner once (Residency keeps no reference to it)."""
@@ -228,14 +224,7 @@ class Residency:
             state = self._boot_cache(resident)
         else:
             pool = host_pool(pool_rows)
-            if self.section.miss_policy in ("cpu", "auto"):
-                if not plain(pool, *self.swiglu_form):
-                    raise ConfigError(
-                        f"[residency] miss_policy = {self.section.miss_policy!r} computes misses "
-                        "on the host, whose kernel takes no expert biases and only silu(g) * u "
-                        "(this model's experts, gpt-oss's, have both): use 'exact', 'substitute' "
-                        "or 'ring'")
-                self.cpu = CpuExperts(pool, self.n_experts)
+            self._host_experts(pool)
             state = build_state(pool, self.n_layers, resident, ring=self.n_ring,
                                 ring_copies=self.ring_per_step, transient=self.n_transient)
         self.slot_rows = np.asarray(state.slot_rows).copy()
@@ -243,6 +232,19 @@ class Residency:
         self._slot_changed = np.zeros(len(self.slot_rows), np.int64)  # map version of last change
         self.boot_rows = self.slot_rows.copy()
         return state
+
+    def _host_experts(self, pool: dict, cache: HostCache | None = None) -> None:
+        """`cpu` and `auto`: the host kernel over the placed host pool (`cache`'s, over the
+        disk tier), which computes the misses it is given (self.cpu)."""
+        if self.section.miss_policy not in ("cpu", "auto"):
+            return
+        if not plain(pool, *self.swiglu_form):
+            raise ConfigError(
+                f"[residency] miss_policy = {self.section.miss_policy!r} computes misses "
+                "on the host, whose kernel takes no expert biases and only silu(g) * u "
+                "(this model's experts, gpt-oss's, have both): use 'exact', 'substitute' "
+                "or 'ring'")
+        self.cpu = CpuExperts(pool, self.n_experts, disk=cache)
 
     def _boot_cache(self, resident: np.ndarray) -> ExpertState:
         """The host cache at boot: the bank's rows, then (with a saved history) the busiest of
@@ -255,6 +257,7 @@ class Residency:
             held += rest[:capacity - len(held)]
         self.cache = HostCache(self.disk_rows, capacity)
         self.cache.fill(held)
+        self._host_experts(self.cache.pool, self.cache)
         log.info("residency: %d of %d experts in host memory, the rest read from the %s as "
                  "needed", capacity, self.n_layers * self.n_experts, self.disk_rows.where)
         self._host_map = self.cache.slot_of
@@ -654,6 +657,8 @@ class Residency:
             "misses": c["misses"],
             "hits": c["wanted"] - c["misses"],
             "cpu_picks": self.cpu_picks(),
+            # of those, picks of rows on disk when their step ran (read inside it: the disk tier)
+            "cpu_disk_picks": self.cpu.disk_picks if self.cpu else 0,
             # routing weight served approximately (substituted) / all routed weight
             "approx_weight_share_step": last[2] / last[3] if last[3] else 0.0,
             "approx_weight_share_window": self.window_approx_share(),

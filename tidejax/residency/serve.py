@@ -11,7 +11,8 @@ Miss policies (DESIGN.md "Miss policies"):
   routable from the step after.
 - "cpu": the missed picks are computed on the host CPU from the host pool (tidejax.residency.cpu,
   one callback a layer) while the device computes the resident ones; the two parts are summed
-  in float32; the output equals all-resident within float32 rounding (the bound: cpu.py).
+  in float32; the output equals all-resident within float32 rounding (the bound: cpu.py). Over
+  the disk tier a layer with a missed pick of a row on disk waits for its read (cpu.py).
 - "auto": by weight. A missed pick carrying at least the step's `exact_weight` of its token's
   routing weight (weight_shares) is computed on the host as under "cpu", the heaviest first while
   the step's `exact_budget` of such picks lasts (the layers in order); the other misses are
@@ -93,7 +94,8 @@ def serve_routed(moe_index: int, x, ids, weights, choice_scores, token_mask, sta
                 on_host, state = _exact_picks(miss, shares, state, options.exact_budget)
                 approx = miss & ~on_host
                 slots = _substitute(ids, approx, slots, choice_scores, layer_map)
-            host = options.cpu.serve(moe_index, x, ids, weights, on_host, options.swiglu_limit)
+            host = options.cpu.serve(moe_index, x, ids, weights, on_host, options.swiglu_limit,
+                                     state.host_slots)
         else:
             approx = miss
             slots = _substitute(ids, miss, slots, choice_scores, layer_map)
