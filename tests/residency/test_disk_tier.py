@@ -8,6 +8,7 @@ restart and rebuilt when its source changes."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -334,6 +335,57 @@ def test_direct_reads_fall_back_to_buffered_where_refused(tmp_path, monkeypatch,
         f"through the page cache"]
     with pytest.raises(CheckpointError, match=f"{path}: truncated"):
         buffered.read(3 * ALIGN, ALIGN)
+
+
+TWO_DEVICES = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+import tidejax
+from tidejax.residency.pool import pool_layout
+from tests.support.tiny_models import served_greedy
+split = tidejax.load(sys.argv[1], engine={engine}, residency={residency},
+                     distributed={{"tensor_parallel": 2}})
+tokens = served_greedy(split, {prompt}, 12)
+cache = split.residency.cache
+held = [(slot, int(row)) for slot, row in enumerate(cache.row_at) if row >= 0]
+experts = split.state.experts  # the steps' (donated) state: the cache's pool in place
+pool = {{k: np.asarray(v) for k, v in experts.pool.items()}}  # every shard's slice, gathered
+print(json.dumps({{
+    "tokens": tokens, "stats": split.residency.stats(),
+    "pool": list(experts.pool["gate_up"].sharding.spec),
+    "bank": list(experts.bank["gate_up"].sharding.spec),
+    "shards": len(experts.pool["gate_up"].addressable_shards),
+    "held": len(held),
+    "rows_as_loaded": all(np.array_equal(pool[k][slot], v)
+                          for slot, row in held
+                          for k, v in pool_layout(cache.rows.read(row), 2).items())}}))
+"""
+
+
+def test_a_mesh_that_splits_tensor_reads_each_shards_slice(tiny_checkpoint, engine):
+    """Two devices in one process (distributed.tensor_parallel 2): each host slot split as the
+    loaded pool is (each device's slice of every row's intermediate, gate_up interleaved by
+    tensor block), rows read from disk into both shards and, for `exact`'s misses, inside the
+    step; the greedy tokens of one device with every expert in host memory."""
+    # two KV heads, one a device
+    checkpoint = tiny_checkpoint("qwen3_moe", "dense_first", num_hidden_layers=3,
+                                 num_key_value_heads=2)
+    one = tidejax.load(checkpoint, engine=engine, residency={"host_budget_gib": 1.0})
+    residency = {**TIERS, "miss_policy": "exact", "drain_every": 2, "hysteresis": 1.0}
+    code = TWO_DEVICES.format(engine=engine, residency=residency, prompt=PROMPT.tolist())
+    out = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True,
+                         text=True, cwd=os.getcwd(), timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == served_greedy(one, PROMPT, 12)
+    assert got["pool"] == got["bank"] == [None, "tensor"] and got["shards"] == 2
+    assert got["held"] > ROWS // 4 and got["rows_as_loaded"]
+    stats = got["stats"]
+    assert stats["disk_reads"] > ROWS // 4 and stats["host_misses"] > 0
+    assert stats["disk_reads_in_step"] + stats["disk_read_waits_in_step"] > 0
 
 
 KILLED = """

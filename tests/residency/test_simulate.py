@@ -260,7 +260,7 @@ def test_ring_and_auto_replay_as_the_engine_served(policy_run, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--set", "residency.miss_policy=ring"], "miss_policy = 'ring' needs residency.ring_slots"),
     (["--set", "residency.miss_policy=auto"], "host budget 96: miss_policy 'auto' over the disk "
-     "tier is not built in the engine"),
+     "tier is not replayed yet"),
     (["--host-budgets", "200"], "--host-budgets: 200 must be in [0, 144]"),
     (["--set", "residency.miss_policy=auto", "--host-budgets", "0", *MACHINE],
      "miss_policy 'auto' computes misses on the host: give --host-gbps"),

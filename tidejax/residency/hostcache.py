@@ -6,6 +6,11 @@ jit reads); `slot_of` [L_moe * E] maps a pool row (moe_layer * E + expert) to it
 (on disk). The steps read the map from their SwapBatch (swap.apply_batch), so a row is read
 through it wherever a step reads the pool (swaps, `exact`'s fetch, the bank's fill).
 
+Where the model's mesh splits "tensor" (one process), each device's shard of a slot holds its
+slice of the row's intermediate, as the loaded pool does (pool.pool_layout): a row read from disk
+is written into every shard, and `exact`'s in-step read hands the step the whole row in that
+layout.
+
 Reads run in a small thread pool, overlapped with the steps: `request` queues rows (the
 planner's swaps that need a row not in host memory), `prefetch` the rows of most demand not in
 host memory that would displace held rows of less (`worth_reading`), at most PREFETCH_DEPTH
@@ -30,7 +35,7 @@ import jax
 import numpy as np
 
 from tidejax import parallel
-from tidejax.residency.pool import host_pool, n_rows, row_bytes
+from tidejax.residency.pool import host_pool, n_rows, pool_layout, row_bytes
 
 READ_WORKERS = 4  # threads reading rows from disk
 PREFETCH_DEPTH = 2 * READ_WORKERS  # reads queued or running a prefetch tops up to
@@ -41,9 +46,14 @@ class HostCache:
         """rows: residency.disk's CheckpointRows or PreparedRows; capacity: host slots."""
         self.rows, self.capacity = rows, capacity
         self.row_bytes = row_bytes(rows.layout)
+        # the model's mesh (made inside its scope: the steps' maps are placed on it from the
+        # scheduler's thread, which has none)
+        self.mesh = parallel.current_mesh()
         self.pool = host_pool({k: np.zeros((capacity, *v.shape[1:]), v.dtype)
-                               for k, v in rows.layout.items()})
-        self._views = {k: parallel.host_buffer(v) for k, v in self.pool.items()}
+                               for k, v in rows.layout.items()}, self.mesh)
+        self.tensor = parallel.tensor_size(self.mesh)  # the ways the mesh splits a row
+        # each leaf's shards: (their index in the leaf, a view of their bytes)
+        self._shards = {k: parallel.shard_buffers(v) for k, v in self.pool.items()}
         # row -> host slot or -1; replaced, never changed in place, so a step's copy stays valid
         self.slot_of = np.full(n_rows(rows.layout), -1, np.int32)
         self.row_at = np.full(capacity, -1, np.int32)  # host slot -> row, or -1 (free)
@@ -145,7 +155,8 @@ class HostCache:
         """Inside a jit: pool row `row` (traced) read from disk by a host callback that waits."""
         shapes = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                   for k, v in self.rows.layout.items()}
-        return jax.pure_callback(lambda r: self.read_now(int(r)), shapes, row)
+        return jax.pure_callback(lambda r: pool_layout(self.read_now(int(r)), self.tensor),
+                                 shapes, row)
 
     @property
     def queued(self) -> int:
@@ -203,8 +214,10 @@ class HostCache:
         return True
 
     def _write(self, slot: int, row: int, arrays: dict, slot_of: np.ndarray) -> None:
-        for k, view in self._views.items():
-            view[slot] = arrays[k]
+        arrays = pool_layout(arrays, self.tensor)
+        for k, shards in self._shards.items():
+            for index, view in shards:  # the slots whole in each shard: index[0] is every row
+                view[slot] = arrays[k][index[1:]]
         self.row_at[slot], slot_of[row] = row, slot
 
     def stats(self) -> dict:

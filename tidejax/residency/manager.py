@@ -261,7 +261,7 @@ class Residency:
         log.info("residency: %d of %d experts in host memory, the rest read from the %s as "
                  "needed", capacity, self.n_layers * self.n_experts, self.disk_rows.where)
         self._host_map = self.cache.slot_of
-        self._device_map = parallel.replicated(self._host_map)
+        self._device_map = parallel.replicated(self._host_map, self.cache.mesh)
         return build_state(self.cache.pool, self.n_layers, resident, ring=self.n_ring,
                            ring_copies=self.ring_per_step, transient=self.n_transient,
                            host_slots=self._host_map)
@@ -308,7 +308,7 @@ class Residency:
         if self.cache.commit(self.history.demand.reshape(-1), pinned, protect,
                              self._wait_in_flight):
             self._host_map = self.cache.slot_of
-            self._device_map = parallel.replicated(self._host_map)
+            self._device_map = parallel.replicated(self._host_map, self.cache.mesh)
         reading = self.cache.reading()
         steps = self.counters["steps"]
         for row in self._hot - reading:  # landed: held (to be fetched) or dropped

@@ -18,13 +18,18 @@ def host_pool(rows: dict, mesh=None) -> dict:
 
 
 def pool_rows(put_row, tensor: int):
-    """The put_row(row, arrays) loading fills the host pool through: `put_row`'s, each row's
-    gate_up interleaved by tensor block first where the mesh splits "tensor" `tensor` ways
-    (tidejax.contract.interleave_gate_up), so each device's shard is a bank of the kernels'
-    layout."""
+    """The put_row(row, arrays) loading fills the host pool through: `put_row`'s, each row in
+    the pool's layout first (`pool_layout`)."""
     if tensor == 1:
         return put_row
-    return lambda row, arrays: put_row(row, interleave_gate_up(arrays, tensor))
+    return lambda row, arrays: put_row(row, pool_layout(arrays, tensor))
+
+
+def pool_layout(arrays: dict, tensor: int) -> dict:
+    """One expert row as the host pool holds it where the mesh splits "tensor" `tensor` ways:
+    its gate_up interleaved by tensor block (tidejax.contract.interleave_gate_up), so each
+    device's shard is a bank of the kernels' layout."""
+    return arrays if tensor == 1 else interleave_gate_up(arrays, tensor)
 
 
 def row_bytes(rows: dict) -> int:

@@ -110,10 +110,11 @@ def settings_of(recorded: dict, overrides: list[dict]) -> ResidencySection:
 
 
 def check_host_budget(host_budget: int, policy: str) -> None:
-    """A host budget (the disk tier) under a policy the engine refuses over it, refused."""
+    """A host budget (the disk tier) under a policy the replay does not model over it (the
+    engine serves every policy there), refused."""
     if host_budget and policy not in ("exact", "substitute"):
         raise ValueError(f"host budget {host_budget}: miss_policy {policy!r} over the disk tier "
-                         "is not built in the engine (exact or substitute)")
+                         "is not replayed yet (exact or substitute)")
 
 
 def resolve_budget(budget: int, n_layers: int, n_experts: int, geometry: str) -> int:
