@@ -173,6 +173,8 @@ def test_cpu_over_disk_equals_all_in_host_cpu(checkpoint, engine, all_in_host):
     assert stats["disk_reads_in_step"] + stats["disk_read_waits_in_step"] > 0
     assert stats["disk_reads"] > ROWS // 4  # the bank's rows at boot, then the misses'
     assert in_host.residency.stats()["cpu_disk_picks"] == 0
+    shown = Metrics().render(LocalEngineClient(over).stats(), 0)
+    assert f"tidejax_residency_cpu_disk_picks {stats['cpu_disk_picks']}" in shown
 
 
 def test_auto_over_disk_reads_the_picks_it_sends_to_the_host(checkpoint, engine):
