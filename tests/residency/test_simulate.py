@@ -217,6 +217,28 @@ def test_host_budgets_trade_disk_reads_for_host_memory(recorded, tmp_path, capsy
     assert "a host budget reads rows from disk: give --disk-gbps" in capsys.readouterr().err
 
 
+def test_cpu_over_disk_replays_the_rows_its_steps_read(tmp_path_factory, tmp_path):
+    """`cpu` with the host budget: a host pick of a row on disk is read in its step, in the
+    engine (cpu_disk_picks) as in the replay (the step's path: `disk`)."""
+    folder, stats, _ = record(tmp_path_factory.mktemp("cpu"), PROMPTS[:2], 12,
+                              miss_policy="cpu", host_budget_experts=HOST_BUDGET)
+    out = replay_as_recorded(folder)
+    assert stats["cpu_disk_picks"] == stats["host_misses"] > 0
+    assert out.host_picks == out.misses and out.disk > 0
+    # the reads' timing is the replay's one assumption (DESIGN "Simulating a budget"): equal
+    # here (234 picks of rows on disk, 169 rows read after the boot's), with room for a loaded
+    # machine, as in test_replay_at_the_engines_budget_predicts_its_cold_share
+    assert out.host_misses == pytest.approx(stats["host_misses"], rel=0.1)
+    assert out.disk_reads == pytest.approx(stats["disk_reads"] - BUDGET, rel=0.1)
+    rows_json = tmp_path / "rows.json"
+    assert residency_cli(["simulate", "--trace", str(folder), "--budgets", f"{BUDGET}",
+                          "--host-budgets", f"{HOST_BUDGET},0", "--json", str(rows_json),
+                          "--host-gbps", "5", *MACHINE]) == 0
+    rows = {row["host_budget"]: row for row in json.loads(rows_json.read_text())}
+    assert rows[HOST_BUDGET]["disk_bytes_per_token"] > 0 == rows[0]["disk_bytes_per_token"]
+    assert rows[HOST_BUDGET]["decode_tps"] < rows[0]["decode_tps"]  # steps wait for the disk
+
+
 @pytest.fixture(scope="module", params=["ring", "auto"])
 def policy_run(request, tmp_path_factory):
     """(policy, the recorded run) of two prompts under `ring` (6 ring slots) or `auto` (its
@@ -259,8 +281,8 @@ def test_ring_and_auto_replay_as_the_engine_served(policy_run, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "residency.miss_policy=ring"], "miss_policy = 'ring' needs residency.ring_slots"),
-    (["--set", "residency.miss_policy=auto"], "host budget 96: miss_policy 'auto' over the disk "
-     "tier is not replayed yet"),
+    (["--set", "residency.miss_policy=ring", "--set", "residency.ring_slots=4"],
+     "host budget 96: miss_policy 'ring' over the disk tier is not replayed yet"),
     (["--host-budgets", "200"], "--host-budgets: 200 must be in [0, 144]"),
     (["--set", "residency.miss_policy=auto", "--host-budgets", "0", *MACHINE],
      "miss_policy 'auto' computes misses on the host: give --host-gbps"),

@@ -93,7 +93,8 @@ class HostTierModel:
     A row read from disk lands by the next step's commit (the engine commits a read that has
     finished by then; a read slower than a step only makes its swap later). `pending`: the rows
     queued (a swap's `request`, a `prefetch`), which the engine counts against PREFETCH_DEPTH
-    until the commit that takes them; `landed`: those `exact`'s `read_now` read in a step."""
+    until the commit that takes them; `landed`: those read in a step (`read_now`: `exact`'s
+    misses, `cpu`'s and `auto`'s host picks)."""
 
     def __init__(self, capacity: int, bank_rows: np.ndarray, n_rows: int):
         held = [int(r) for r in bank_rows if r >= 0]
@@ -124,8 +125,9 @@ class HostTierModel:
         return len(queued)
 
     def read_now(self, rows) -> int:
-        """`exact`'s misses of `rows` in the step: each on disk lands for the next commit (its
-        queued read, or one read here); the reads started here."""
+        """`rows` a step reads in its path (`exact`'s misses, the host kernel's picks): each on
+        disk lands for the next commit (its queued read, or one read here); the reads started
+        here."""
         started = 0
         for row in map(int, rows):
             if self.held[row] or row in self.landed:

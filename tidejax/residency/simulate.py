@@ -110,11 +110,11 @@ def settings_of(recorded: dict, overrides: list[dict]) -> ResidencySection:
 
 
 def check_host_budget(host_budget: int, policy: str) -> None:
-    """A host budget (the disk tier) under a policy the replay does not model over it (the
-    engine serves every policy there), refused."""
-    if host_budget and policy not in ("exact", "substitute"):
-        raise ValueError(f"host budget {host_budget}: miss_policy {policy!r} over the disk tier "
-                         "is not replayed yet (exact or substitute)")
+    """A host budget (the disk tier) under `ring`, refused: the engine reads its misses on disk
+    beside the steps (Residency._read_hot), which the replay does not model yet."""
+    if host_budget and policy == "ring":
+        raise ValueError(f"host budget {host_budget}: miss_policy 'ring' over the disk tier is "
+                         "not replayed yet (exact, substitute, cpu or auto)")
 
 
 def resolve_budget(budget: int, n_layers: int, n_experts: int, geometry: str) -> int:
@@ -155,8 +155,8 @@ class Outcome:
     over its decode steps: their count, tokens, wanted picks and misses, the distinct experts
     read from the bank (`reads`), rows over PCIe in the step's path (`pcie`: fetched and swapped
     in) and beside it (`ring_pcie`), rows the host kernel streamed (`host`), rows read from disk
-    in the step's path (`disk`: `exact`'s) and beside it (`disk_background`: swaps' and the
-    prefetch's)."""
+    in the step's path (`disk`: `exact`'s misses, the host kernel's picks) and beside it
+    (`disk_background`: swaps' and the prefetch's)."""
 
     budget: int
     geometry: str
@@ -268,7 +268,9 @@ def replay(trace: Trace, section: ResidencySection, budget: int, lanes: int,
         approx_rows = np.zeros(size, np.float32)
         np.add.at(approx_rows, rows[approx], shares[approx])
         missed = np.unique(rows[miss])  # distinct experts the step wants and misses
-        disk_read = host.read_now(missed) if host is not None and policy == "exact" else 0
+        # the rows the step reads from disk in its path: exact's misses, the host kernel's picks
+        in_step = missed if policy == "exact" else np.unique(rows[on_host])
+        disk_read = host.read_now(in_step) if host is not None else 0
         step |= {"wanted": miss.size, "misses": miss.sum(),
                  "fetched": len(missed) if policy == "exact" else 0,
                  "host_picks": on_host.sum(), "approx_weight": float(approx_rows.sum()),
@@ -354,7 +356,7 @@ def steady_state(history: History, top_k: int, budget: int, geometry: str, polic
     distinct = 1.0 - (1.0 - chance) ** lanes  # [L_moe, E]: each expert wanted by the step
     missed = float(distinct[~held].sum())
     fetched = missed if policy == "exact" else 0.0
-    disk = float(distinct[~in_host].sum()) if policy == "exact" else 0.0
+    disk = float(distinct[~in_host].sum()) if policy in ("exact", "cpu") else 0.0
     # substitute: the step's expected missed picks, each read as another held expert (bank_reads)
     substituted = (lanes * top_k * np.divide(np.where(held, 0.0, counts).sum(1), layer_picks[:, 0],
                                              out=np.zeros(len(counts)), where=layer_picks[:, 0] > 0)
@@ -393,8 +395,8 @@ class Machine:
 
     def decode_tps(self, outcome: Outcome) -> float:
         """Predicted decode tok/s: the outcome's decode tokens over its decode steps' time: the
-        transfers in the steps' path one after another (step_seconds, then `exact`'s disk
-        reads), the ring's fetches beside the device reads (the larger of the two counts), and
+        transfers in the steps' path one after another (step_seconds, then the disk reads in
+        their path), the ring's fetches beside the device reads (the larger of the two counts), and
         the swaps' and the prefetch's disk reads beside the steps (the run takes at least their
         time)."""
         if not outcome.decode_steps:
