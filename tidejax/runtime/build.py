@@ -565,10 +565,6 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     if host_slots(residency, row_bytes(rows.layout), n_moe * n_experts) == n_moe * n_experts:
         deferred.source.read_all(put_row)  # the budget holds every expert: the host pool
         return params, aux, pool.result()
-    if len({device.process_index for device in mesh.devices.flat}) > 1:
-        raise ConfigError("[residency] host_budget_experts / host_budget_gib: the disk tier is "
-                          "not built for a mesh over several processes yet "
-                          "(distributed.num_processes; its host cache is one process's)")
     return params, aux, open_rows(rows, residency.state_dir)
 
 
