@@ -347,6 +347,23 @@ import numpy as np
 import tidejax
 from tidejax.residency.pool import pool_layout
 from tests.support.tiny_models import served_greedy
+
+
+def ring_against(want):
+    # `ring` on the same mesh, a ring slot for every row outside the bank: forwards until one
+    # misses nothing (the reads queued landing between them); its logits' distance to `want`
+    ring = tidejax.load(sys.argv[1], engine={engine}, residency={ring},
+                        distributed={{"tensor_parallel": 2}})
+    cache, stats = ring.residency.cache, ring.residency.stats
+    for _ in range(8):
+        cache.wait(cache.reading())
+        misses = stats()["misses"]
+        got = ring.logits({prompt})
+        if stats()["misses"] == misses:
+            break
+    return {{"error": float(np.abs(got - want).max()), "stats": stats()}}
+
+
 split = tidejax.load(sys.argv[1], engine={engine}, residency={residency},
                      distributed={{"tensor_parallel": 2}})
 tokens = served_greedy(split, {prompt}, 12)
@@ -362,7 +379,8 @@ print(json.dumps({{
     "held": len(held),
     "rows_as_loaded": all(np.array_equal(pool[k][slot], v)
                           for slot, row in held
-                          for k, v in pool_layout(cache.rows.read(row), 2).items())}}))
+                          for k, v in pool_layout(cache.rows.read(row), 2).items()),
+    "ring": ring_against(split.logits({prompt}))}}))
 """
 
 
@@ -370,13 +388,16 @@ def test_a_mesh_that_splits_tensor_reads_each_shards_slice(tiny_checkpoint, engi
     """Two devices in one process (distributed.tensor_parallel 2): each host slot split as the
     loaded pool is (each device's slice of every row's intermediate, gate_up interleaved by
     tensor block), rows read from disk into both shards and, for `exact`'s misses, inside the
-    step; the greedy tokens of one device with every expert in host memory."""
+    step; the greedy tokens of one device with every expert in host memory. `ring` on the same
+    mesh reads its misses on disk beside the steps and scores as `exact` once they are in."""
     # two KV heads, one a device
     checkpoint = tiny_checkpoint("qwen3_moe", "dense_first", num_hidden_layers=3,
                                  num_key_value_heads=2)
     one = tidejax.load(checkpoint, engine=engine, residency={"host_budget_gib": 1.0})
     residency = {**TIERS, "miss_policy": "exact", "drain_every": 2, "hysteresis": 1.0}
-    code = TWO_DEVICES.format(engine=engine, residency=residency, prompt=PROMPT.tolist())
+    ring = {**TIERS, "miss_policy": "ring", "ring_slots": ROWS - ROWS // 4, "drain_every": 1000}
+    code = TWO_DEVICES.format(engine=engine, residency=residency, ring=ring,
+                              prompt=PROMPT.tolist())
     out = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True,
                          text=True, cwd=os.getcwd(), timeout=600,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -388,6 +409,11 @@ def test_a_mesh_that_splits_tensor_reads_each_shards_slice(tiny_checkpoint, engi
     stats = got["stats"]
     assert stats["disk_reads"] > ROWS // 4 and stats["host_misses"] > 0
     assert stats["disk_reads_in_step"] + stats["disk_read_waits_in_step"] > 0
+    # `ring`: its misses on disk read beside the steps into both shards, copied into the ring,
+    # until it scores as `exact` on the same mesh
+    ring = got["ring"]["stats"]
+    assert got["ring"]["error"] <= 1e-5 and ring["ring_hits"] > 0 and ring["disk_prefetches"] > 0
+    assert ring["disk_reads_in_step"] == ring["disk_read_waits_in_step"] == 0
 
 
 KILLED = """
