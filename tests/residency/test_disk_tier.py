@@ -1,8 +1,10 @@
 """The disk tier under the host pool (residency.host_budget_experts): on a tiny Qwen3-MoE written
 by transformers (2 MoE layers x 8 experts), a bank of a quarter of the experts and a host cache of
-half. `exact` over the disk tier equals all-in-host, reading rows; `substitute` reads only what
-the planner asks for; a checkpoint file changed or cut short while served is refused naming it;
-the prepared copy (experts held bf16 from a float32 checkpoint) is written once, reused across a
+half. `exact` over the disk tier equals all-in-host, reading rows; `cpu` and `auto` compute their
+host picks of rows on disk from rows read in the step, the same bits as all in host memory;
+`substitute` reads only what the planner asks for; two devices splitting "tensor" read each
+shard's slice; a checkpoint file changed or cut short while served is refused naming it; the
+prepared copy (experts held bf16 from a float32 checkpoint) is written once, reused across a
 restart and rebuilt when its source changes."""
 
 from __future__ import annotations
