@@ -173,6 +173,12 @@ class LoadedModel:
             raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                               "'mtp' does not record routing traces yet (set "
                               "residency.trace_every_steps = 0)")
+        if self._aux is None:  # config.json counts MTP layers that the checkpoint lacks
+            raise ConfigError(
+                f"{config.source_of('speculative.method')}: 'speculative.method' = 'mtp' but "
+                f"{self.model_dir} holds no MTP layer (config.json's field "
+                f"'num_nextn_predict_layers' = {self.cfg.num_mtp_layers}, and no tensor "
+                f"model.layers.{self.cfg.num_layers}.*)")
         serve = dataclasses.replace(self.residency.options, all_resident=True)
         mtp = self.family.build_mtp(self.cfg, serve, self.dtype)
         draft = DraftParams(mtp_params(self.params, self._aux, self.cfg),

@@ -84,7 +84,9 @@ class MTPLayer(nn.Module):
 class MTP(nn.Module):
     """The draft forward of MTP layer `depth` (0 .. num_mtp_layers - 1). The config is read as
     the Decoder reads it (decoder.py), num_mtp_layers included; the family gives the attention
-    factory the Decoder takes."""
+    factory the Decoder takes (called with the MTP layer's checkpoint index), and `carries` as
+    the Decoder's: the MTP layer's attention is then given no carry (GLM-5's DSA layer picks
+    with its own indexer)."""
 
     cfg: Any
     router: RouterSpec
@@ -92,6 +94,7 @@ class MTP(nn.Module):
     serve: ServeOptions
     dtype: jnp.dtype = jnp.float32
     depth: int = 0
+    carries: bool = False
 
     @nn.compact
     @serving
@@ -117,7 +120,7 @@ class MTP(nn.Module):
         n_pages, page_size = layer[0].shape[:2]
         slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
         x, layer, experts = MTPLayer(cfg, index, self.router, self.attention, self.serve, dt,
-                                     name=f"layers_{index}")(
+                                     self.carries, name=f"layers_{index}")(
             embedded, hidden.astype(embedded.dtype), positions, token_mask, cos, sin, layer,
             slots, block_table, experts)
         head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
