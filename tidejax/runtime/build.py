@@ -581,7 +581,7 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
     that has one (config.json's num_nextn_predict_layers); LoadedModel._speculation refuses a
-    mesh that splits 'tensor'."""
+    count whose tensors the checkpoint lacks (seen at load) and a mesh that splits 'tensor'."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")

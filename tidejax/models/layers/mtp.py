@@ -1,6 +1,7 @@
-"""The multi-token-prediction (MTP, "NextN") layer's draft forward, as DeepSeek-V3 publishes it
-and transformers computes it (modeling_layers.MtpLayer / MtpModel, a DeepSeek-V3 checkpoint's
-layer num_layers + k): for the main model's hidden state at position p and the token at p + 1,
+"""The multi-token-prediction (MTP, "NextN") layer's draft forward, as DeepSeek-V3, GLM-4.5 and
+GLM-5 publish it and transformers computes it (modeling_layers.MtpLayer / MtpModel, a
+checkpoint's layer num_layers + k): for the main model's hidden state at position p and the
+token at p + 1,
 
     x = eh_proj([enorm(embed(token)); hnorm(hidden)])        # [b, t, 2d] -> [b, t, d]
     x = one MoE decoder block (the family's attention over the paged pool, its own experts)
