@@ -24,6 +24,7 @@ from tidejax.errors import ConfigError
 from tidejax.kv.paged import gqa_attention
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
 from tidejax.models.glm4_moe.weights import load_weights
+from tidejax.models.layers.mtp import mtp_expert_state, mtp_params
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import LocalEngineClient, tool_format_for
@@ -108,6 +109,23 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
     assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
     for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+    # published FP8 (GLM-4.5-FP8): the MTP layer is kept FP8 on the host; the draft forward's
+    # params and experts are its dequantized values, those of the float copy of the same values
+    drafts, kepts = [], []
+    for copy in write_fp8_copies(out, tmp_path):
+        pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+        params, kept = load_weights(cfg, copy, raw, ServeOptions(), jnp.float32, pool.put_row)
+        kepts.append(kept[f"layers_{n}"])
+        drafts.append((mtp_params(params, kept, cfg, jnp.float32),
+                       mtp_expert_state(kept, cfg, jnp.float32).bank))
+    values, scales = kepts[0]["moe"]["experts"]["5"]["down_proj"]  # FP8 as stored
+    assert values.dtype == jnp.float8_e4m3fn and scales.dtype == np.float32
+    assert not np.array_equal(drafts[0][0][f"layers_{n}"]["eh_proj"]["weight"],
+                              mtp[f"model.layers.{n}.eh_proj.weight"])  # FP8's rounding
+    assert jax.tree.structure(drafts[0]) == jax.tree.structure(drafts[1])
+    for u, v in zip(jax.tree.leaves(drafts[0]), jax.tree.leaves(drafts[1])):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 

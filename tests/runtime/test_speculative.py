@@ -224,7 +224,8 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
         pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
         params, kept = load_weights(cfg, path, raw, SERVE, jnp.float32, pool.put_row)
         out[name] = (cfg, params, all_resident_state(pool.result(), len(cfg.moe_layers)),
-                     mtp_params(params, kept, cfg), mtp_expert_state(kept, cfg, jnp.float32))
+                     mtp_params(params, kept, cfg, jnp.float32),
+                     mtp_expert_state(kept, cfg, jnp.float32))
     return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 

@@ -96,8 +96,8 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory):
     pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
     params, kept = family.load_weights(cfg, out, raw, SERVE, jnp.float32, pool.put_row)
     return (main, mtp, family, cfg, params,
-            all_resident_state(pool.result(), len(cfg.moe_layers)), mtp_params(params, kept, cfg),
-            mtp_expert_state(kept, cfg, jnp.float32))
+            all_resident_state(pool.result(), len(cfg.moe_layers)),
+            mtp_params(params, kept, cfg, jnp.float32), mtp_expert_state(kept, cfg, jnp.float32))
 
 
 def reference(main, mtp):
