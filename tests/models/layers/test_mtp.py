@@ -39,9 +39,10 @@ def transformers_mtp(main):
     """transformers' MtpModel of `main`. GLM-5's MtpModel needs three things transformers 5.25
     does not give it: its config's MTP layer count and types (GlmMoeDsaConfig has no
     num_mtp_layers; the MTP layer is a MoE layer with its own indexer, indexer_types' first
-    entry "full"), and its block's output as MtpLayer takes a decoder layer's (the DSA layer
-    returns (hidden, top-k pick)). Its MtpCache has no indexer keys: the cached reference is
-    not run for it (`cacheable`)."""
+    entry "full"; its mask a causal one, as "full_attention" asks: MtpModel maps no mask to
+    "indexed_attention"), and its block's output as MtpLayer takes a decoder layer's (the DSA
+    layer returns (hidden, top-k pick)). Its MtpCache has no indexer keys: the cached
+    reference is not run for it (`cacheable`)."""
     from transformers.modeling_layers import MtpModel
     if main.config.model_type != "glm_moe_dsa":
         return MtpModel.from_pretrained(main).eval()
