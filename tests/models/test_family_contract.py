@@ -1,9 +1,11 @@
 """One contract for a family, parametrised over the registered families it covers (CONTRACT):
 declared params = checkpoint table, fp32 logits within 1e-4 of transformers' on tiny random
 checkpoints, greedy tokens, the paged cached decode = the full forward, half-resident `exact` =
-all-resident, the GQA families' cached decode on the paged GQA kernel; and for the families with
-a chat template kept in tests/data/chat_templates, a tool call and its result through the app to
-the openai and anthropic clients. Where an item does not run here for a family, or a registered
+all-resident, the GQA families' cached decode on the paged GQA kernel; for the families whose
+MTP layer drafts (MTP), greedy output with speculative decoding on as with it off and the
+refusals without the layer; and for the families with a chat template kept in
+tests/data/chat_templates, a tool call and its result through the app to the openai and
+anthropic clients. Where an item does not run here for a family, or a registered
 model type is not in the contract, NOT_HERE says why and where it is checked instead. A new
 family costs a writer and configs in tests/support/tiny_models.py and an entry here (and its chat
 vocabulary in tests/support/chat_models.py). The checkpoints and engines are tests/models/
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import shutil
 
 import anthropic
 import jax.numpy as jnp
@@ -28,17 +31,21 @@ from tidejax.errors import ConfigError
 from tidejax.kv.paged import PagedCache
 from tidejax.models.registry import FAMILY_MODULES, family_of
 from tidejax.residency.serve import ServeOptions
+from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.client import LocalEngineClient
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
 from tidejax.server.app import Server
 from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER, write_chat_model
 from tests.support.declaration import check_forward_on_declared, param_paths
+from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import serve_app
 from tests.support.tiny_models import (FAMILIES, cached_decode_logits,
                                        check_cached_decode_on_the_gqa_kernel, deepseek_v3_config,
                                        glm4_moe_config, glm_moe_dsa_config, gpt_oss_config,
                                        lower_index_ties, minimax_m2_config, mixtral_config,
-                                       qwen3_moe_config, relative_diff, served_greedy,
-                                       transformers_greedy, write_gpt_oss_mxfp4_copies)
+                                       qwen3_moe_config, relative_diff, repeating_mtp,
+                                       served_greedy, transformers_greedy,
+                                       write_gpt_oss_mxfp4_copies)
 
 # family -> its transformers config builder (the writer's and the configs' are in FAMILIES)
 CONTRACT = {"deepseek_v3": deepseek_v3_config, "glm4_moe": glm4_moe_config,
@@ -74,7 +81,15 @@ NOT_HERE = {
                       "tool call and result through the openai client",
     "tools:glm_moe_dsa": "GLM-4.5's template and tool format (tests/models/test_glm4_moe.py); "
                          "tests/models/test_glm_moe_dsa.py checks the family picks it",
+    "mtp:deepseek_v3": "tests/runtime/test_speculative_engine.py: greedy output with its MTP "
+                       "layer drafting, alone and in four preempting lanes, sampled output by "
+                       "chi-square, the stats through the server; tests/runtime/"
+                       "test_speculative.py: the refusals at start",
 }
+# the families whose MTP layer drafts ([speculative] method "mtp", Family.build_mtp) checked
+# here, each on a config whose layer 1 is a MoE layer (the MTP layer's copied from it and layer
+# 0's attention: tiny_models.write_mtp_copy)
+MTP = {"glm4_moe": "qknorm_groups", "glm_moe_dsa": "topk_below"}
 PROMPT = np.random.RandomState(11).randint(3, 256, 32)
 
 
@@ -100,6 +115,9 @@ def test_every_registered_family_is_checked_somewhere():
     for family in CONTRACT:
         assert (family in CHAT_FAMILIES) != (f"tools:{family}" in NOT_HERE), family
     assert set(HALF_RESIDENT) == set(CONTRACT)
+    for family in CONTRACT:
+        drafts = family_of(family).build_mtp is not None
+        assert drafts == (family in MTP or f"mtp:{family}" in NOT_HERE), family
 
 
 @pytest.mark.parametrize("family", CONTRACT)
@@ -263,3 +281,74 @@ def test_tool_use_through_the_anthropic_client(served):
             "thinking", THOUGHT)
     assert [(b.name, b.input) for b in reply.content if b.type == "tool_use"] == [
         ("get_weather", {"city": CITY})]
+
+
+# four lanes in a pool of 64 tokens (8 pages) for sequences of up to 30: preemption; warm-up off
+# (the steps compile as the requests meet them)
+SPECULATING = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16,
+               "kv_pool_tokens": 64, "warmup": False}
+DRAFT_PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
+                 for s, n in ((1, 14), (2, 9), (3, 11), (4, 6))]
+
+
+def greedy_with_stats(engine, prompts, new: int = 16):
+    """Each prompt's `new` greedy tokens (eos ignored), all submitted at once, and each
+    request's stats."""
+    events = run(engine, [GenerationRequest(p, new, ignore_eos=True) for p in prompts])
+    for got in events:
+        assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "length"
+    return [tokens_of(got) for got in events], [got[-1].stats for got in events]
+
+
+@pytest.mark.parametrize("family, config", MTP.items(), ids=["-".join(c) for c in MTP.items()])
+def test_mtp_drafting_keeps_the_greedy_output(family, config, tiny_checkpoint, tmp_path):
+    """The family's MTP layer (tiny_models.repeating_mtp's: it drafts the main model's next token
+    again) drafting 2 tokens a lane a step: greedy output token for token the engine's without
+    speculation, one request alone and then four in a pool that preempts; drafts both accepted
+    and rejected, counted in each request's stats; fewer steps than tokens alone."""
+    path = repeating_mtp(tiny_checkpoint(family, config, seed=5), tmp_path / "mtp", 0.3)
+    plain = tidejax.load(path, engine=SPECULATING)
+    speculating = tidejax.load(path, engine=SPECULATING,
+                               speculative={"method": "mtp", "tokens": 2})
+    totals = speculating.scheduler.totals
+    for prompts in (DRAFT_PROMPTS[:1], DRAFT_PROMPTS):
+        steps, preempted = totals["steps"], totals["preemptions"]
+        got, stats = greedy_with_stats(speculating, prompts)
+        print(f"{family} {len(prompts)} lanes: accepted "
+              f"{[s['accepted_tokens'] for s in stats]} of {[s['drafted_tokens'] for s in stats]}")
+        assert got == greedy_with_stats(plain, prompts)[0]
+        assert 0 < sum(s["accepted_tokens"] for s in stats) < sum(s["drafted_tokens"]
+                                                                   for s in stats)
+        for s in stats:
+            assert s["acceptance"] == s["accepted_tokens"] / s["drafted_tokens"]
+        if len(prompts) == 1:
+            assert totals["steps"] - steps < len(got[0])
+        else:
+            assert totals["preemptions"] > preempted
+    assert speculating.scheduler.pages.in_use == 0
+
+
+@pytest.mark.parametrize("family", MTP)
+def test_mtp_refused_at_start_without_the_layer(family, tiny_checkpoint, tmp_path):
+    """method = "mtp" on a checkpoint whose config.json counts no MTP layer, or counts one that
+    its tensors lack (GLM-4.5's count is 1 where the field is absent), fails at start naming
+    config.json's field; that checkpoint still loads without speculation."""
+    def profile(path, method="mtp"):
+        return EngineConfig.from_dict({"model": {"path": str(path)},
+                                       "speculative": {"method": method}}, source="spec.toml")
+
+    base = tiny_checkpoint(family, MTP[family], seed=5)
+    with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but "
+                                          r".*config.json has no MTP layer .*"
+                                          r"'num_nextn_predict_layers'"):
+        LoadedModel(profile(base))
+    counted = tmp_path / "counted"
+    shutil.copytree(base, counted)
+    raw = json.loads((counted / "config.json").read_text())
+    (counted / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+    assert LoadedModel(profile(counted, "none")).speculating == 0
+    with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but .* holds "
+                                          r"no MTP layer \(config.json's field "
+                                          r"'num_nextn_predict_layers' = 1, and no tensor "
+                                          r"model.layers.2.\*\)"):
+        LoadedModel(profile(counted))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -22,13 +23,18 @@ from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import gqa_attention
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
+from tidejax.models.glm4_moe.weights import load_weights
+from tidejax.models.layers.mtp import mtp_expert_state, mtp_params
+from tidejax.models.loading import ExpertPool
+from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import LocalEngineClient, tool_format_for
 from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
 from tests.support.server_fixtures import serve_app, write_chain
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights,
                                        glm4_moe_config, randomize_moe, second_turn, state_dict,
-                                       transformers_greedy, write_fp8_copies, write_fused_copy)
+                                       transformers_greedy, write_fp8_copies, write_fused_copy,
+                                       write_mtp_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -62,8 +68,7 @@ def test_a_second_turn_shares_the_first_turns_pages(tiny):
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):
     """transformers 5's in-memory fused experts load as the published per-expert tensors do;
-    the FP8 blocks as published load as their dequantized values; the MTP layer after the last
-    decoder layer is read past."""
+    the FP8 blocks as published load as their dequantized values."""
     name, path, model, engine = tiny
     if name != "qknorm_groups":
         pytest.skip("one config is enough for the layouts")
@@ -76,16 +81,52 @@ def test_layouts_load_the_same_weights(tiny, tmp_path):
     assert not np.array_equal(params["attn"]["q_proj"]["weight"],
                               engine.loaded.params["layers_1"]["attn"]["q_proj"]["weight"])
 
-    # the published checkpoints carry num_nextn_predict_layers MTP layers after the last one
-    state = state_dict(model)
-    n, d = model.config.num_hidden_layers, model.config.hidden_size
-    for part in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-        shape = (d, 2 * d) if "proj" in part else (d,)
-        state[f"model.layers.{n}.{part}"] = np.ones(shape, np.float32)
-    save_file(state, str(fused / "model.safetensors"))
-    raw = json.loads((fused / "config.json").read_text())
-    (fused / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
-    assert_same_weights(tidejax.load(fused), engine)
+
+def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
+    """The published MTP layer after the last decoder layer (a GQA layer with its q/k norm and
+    biases, its own routed experts, enorm, hnorm, eh_proj and shared_head.norm; its copies of
+    the embedding and the head read past) is read into host arrays as stored, apart from the
+    decoder's params."""
+    name, path, model, engine = tiny
+    if name != "qknorm_groups":
+        pytest.skip("one config is enough for the MTP layer")
+    out = tmp_path / "mtp"
+    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    n = model.config.num_hidden_layers
+    raw = json.loads((out / "config.json").read_text())
+    cfg = Glm4MoeConfig.from_hf(raw)
+    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
+    layer = kept[f"layers_{n}"]
+    for name, got in ((f"model.layers.{n}.eh_proj.weight", layer["eh_proj"]["weight"]),
+                      (f"model.layers.{n}.self_attn.k_norm.weight",
+                       layer["attn"]["k_norm"]["weight"]),
+                      (f"model.layers.{n}.self_attn.q_proj.bias", layer["attn"]["q_proj"]["bias"]),
+                      (f"model.layers.{n}.mlp.experts.5.down_proj.weight",
+                       layer["moe"]["experts"]["5"]["down_proj"])):
+        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array)
+        np.testing.assert_array_equal(got, mtp[name])
+    # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
+    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
+    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+    # published FP8 (GLM-4.5-FP8): the MTP layer is kept FP8 on the host; the draft forward's
+    # params and experts are its dequantized values, those of the float copy of the same values
+    drafts, kepts = [], []
+    for copy in write_fp8_copies(out, tmp_path):
+        pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+        params, kept = load_weights(cfg, copy, raw, ServeOptions(), jnp.float32, pool.put_row)
+        kepts.append(kept[f"layers_{n}"])
+        drafts.append((mtp_params(params, kept, cfg, jnp.float32),
+                       mtp_expert_state(kept, cfg, jnp.float32).bank))
+    values, scales = kepts[0]["moe"]["experts"]["5"]["down_proj"]  # FP8 as stored
+    assert values.dtype == jnp.float8_e4m3fn and scales.dtype == np.float32
+    assert not np.array_equal(drafts[0][0][f"layers_{n}"]["eh_proj"]["weight"],
+                              mtp[f"model.layers.{n}.eh_proj.weight"])  # FP8's rounding
+    assert jax.tree.structure(drafts[0]) == jax.tree.structure(drafts[1])
+    for u, v in zip(jax.tree.leaves(drafts[0]), jax.tree.leaves(drafts[1])):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -267,6 +267,6 @@ def test_published_config_fields():
     raw |= {"index_topk_freq": 4, "index_skip_topk_offset": 3, "num_nextn_predict_layers": 1,
             "rope_interleave": True, "indexer_rope_interleave": True, "first_k_dense_replace": 3}
     cfg = GlmMoeDsaConfig.from_hf(raw)
-    assert cfg.index_layers == (0, 1, 2, 6)
+    assert cfg.index_layers == (0, 1, 2, 6, 10)  # and the MTP layer's own indexer
     assert (cfg.moe_layers, cfg.num_mtp_layers) == (tuple(range(3, 10)), 1)
     assert tool_format_for("glm_moe_dsa", "") is GLM

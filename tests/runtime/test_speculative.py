@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,10 @@ def test_speculative_table_defaults_and_ranges():
 
 
 def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
-    """method = "mtp" on a checkpoint without an MTP layer names config.json's field; on a family
-    without an MTP draft forward names the family; a checkpoint that has one loads with k drafts
-    a lane and the MTP layer's slot in the pool's bytes a token."""
+    """method = "mtp" on a checkpoint without an MTP layer (none counted, or one counted whose
+    tensors it lacks) names config.json's field; on a family without an MTP draft forward names
+    the family; a checkpoint that has one loads with k drafts a lane and the MTP layer's slot in
+    the pool's bytes a token."""
     plain = tiny_checkpoint("deepseek_v3", "qlora_groups")
     with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but "
                                           r".*config.json has no MTP layer .*"
@@ -63,6 +65,15 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
         LoadedModel(profile(plain, method="mtp"))
     with pytest.raises(ConfigError, match=r"the mixtral family has no MTP draft forward"):
         LoadedModel(profile(tiny_checkpoint("mixtral", "top2"), method="mtp"))
+    # a count of MTP layers whose tensors the checkpoint lacks (an export that dropped them)
+    counted = tmp_path / "counted"
+    shutil.copytree(plain, counted)
+    raw = json.loads((counted / "config.json").read_text())
+    (counted / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+    assert LoadedModel(profile(counted)).speculating == 0
+    with pytest.raises(ConfigError, match=r"holds no MTP layer \(config.json's field "
+                                          r"'num_nextn_predict_layers' = 1"):
+        LoadedModel(profile(counted, method="mtp"))
     with_mtp = tmp_path / "mtp"
     write_mtp_copy(plain, with_mtp, attention_from=0, moe_from=1)
     plain, speculating = LoadedModel(profile(with_mtp)), LoadedModel(profile(with_mtp, method="mtp",
@@ -224,7 +235,8 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
         pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
         params, kept = load_weights(cfg, path, raw, SERVE, jnp.float32, pool.put_row)
         out[name] = (cfg, params, all_resident_state(pool.result(), len(cfg.moe_layers)),
-                     mtp_params(params, kept, cfg), mtp_expert_state(kept, cfg, jnp.float32))
+                     mtp_params(params, kept, cfg, jnp.float32),
+                     mtp_expert_state(kept, cfg, jnp.float32))
     return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 

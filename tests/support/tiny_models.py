@@ -556,8 +556,10 @@ def write_mtp_copy(path: Path, out: Path, attention_from: int, moe_from: int,
     """Copies the checkpoint at `path` to `out` with one MTP (NextN) layer after the last decoder
     layer, in the published names (transformers' classes have no MTP layer to save): random
     tensors shaped as layer `attention_from`'s attention and layer `moe_from`'s MoE (per-expert
-    routed experts), plus enorm, hnorm, eh_proj [d, 2d] and shared_head.norm; the config gets
-    num_nextn_predict_layers = 1. Returns the MTP layer's tensors by name."""
+    routed experts), plus enorm, hnorm, eh_proj [d, 2d] and shared_head.norm, and the copies
+    of the main model's embedding and head the published layer carries (embed_tokens,
+    shared_head.head); the config gets num_nextn_predict_layers = 1. Returns the MTP layer's
+    tensors by name."""
     from safetensors.numpy import save_file
 
     from tests.support.checkpoint_fixtures import to_per_expert
@@ -575,6 +577,9 @@ def write_mtp_copy(path: Path, out: Path, attention_from: int, moe_from: int,
     for part in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "eh_proj.weight"):
         mtp[f"model.layers.{n}.{part}"] = rng.randn(
             *((d, 2 * d) if "proj" in part else (d,))).astype(np.float32)
+    embed = tensors["model.embed_tokens.weight"]
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = embed
+    mtp[f"model.layers.{n}.shared_head.head.weight"] = tensors.get("lm_head.weight", embed)
     for name in [f for f in out.glob("*.safetensors*")]:
         name.unlink()
     save_file(tensors | mtp, str(out / "model.safetensors"))
@@ -596,6 +601,7 @@ def repeating_mtp(path, out, scale: float):
     n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
     mtp = f"model.layers.{n}."
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"]  # the published copy
     tensors["model.norm.weight"] = np.ones_like(tensors["model.norm.weight"])
     for name, w in tensors.items():
         if not name.startswith(mtp):

@@ -35,6 +35,7 @@ from tidejax.errors import ConfigError
 from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
+from tidejax.checkpoint import fp8
 from tidejax.checkpoint.table import Deferred
 from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slots
 from tidejax.models.loading import ExpertPool, RowFormat
@@ -135,7 +136,7 @@ class LoadedModel:
             self.residency.start_trace(self.served_name, raw.get("model_type", ""),
                                        self.max_context + config.engine.lanes)
         self.module = self.family.build(self.cfg, self.residency.options, self.dtype)
-        self.speculator, self.step_params = self._speculation(config)
+        self.speculator, self.step_params = self._speculation(config, fp8.config_block(raw))
         # the pool's layers: the MTP layers' slots after the decoder's where they draft
         self.cache_cfg = self.cfg if self.speculator is None else with_mtp_slots(self.cfg)
         self.page_size = config.engine.page_size
@@ -159,10 +160,11 @@ class LoadedModel:
         # device, as a step's output is: one compilation)
         self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32), self.mesh)
 
-    def _speculation(self, config: EngineConfig) -> tuple:
+    def _speculation(self, config: EngineConfig, fp8_block) -> tuple:
         """(the Speculator, the steps' params: (params, DraftParams)) with [speculative]
         method "mtp"; (None, params) without. The MTP layer's routed experts are an all-resident
-        expert state of their own (mtp.mtp_expert_state), not served through residency."""
+        expert state of their own (mtp.mtp_expert_state), not served through residency; its
+        FP8 weights are dequantized on the checkpoint's `fp8_block`."""
         if config.speculative.method != "mtp":
             return None, self.params
         if parallel.tensor_size(self.mesh) > 1:  # the MTP params and experts are not split
@@ -173,10 +175,16 @@ class LoadedModel:
             raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                               "'mtp' does not record routing traces yet (set "
                               "residency.trace_every_steps = 0)")
+        if self._aux is None:  # config.json counts MTP layers that the checkpoint lacks
+            raise ConfigError(
+                f"{config.source_of('speculative.method')}: 'speculative.method' = 'mtp' but "
+                f"{self.model_dir} holds no MTP layer (config.json's field "
+                f"'num_nextn_predict_layers' = {self.cfg.num_mtp_layers}, and no tensor "
+                f"model.layers.{self.cfg.num_layers}.*)")
         serve = dataclasses.replace(self.residency.options, all_resident=True)
         mtp = self.family.build_mtp(self.cfg, serve, self.dtype)
-        draft = DraftParams(mtp_params(self.params, self._aux, self.cfg),
-                            mtp_expert_state(self._aux, self.cfg, self.dtype))
+        draft = DraftParams(mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block),
+                            mtp_expert_state(self._aux, self.cfg, self.dtype, fp8_block))
         log.info("speculative decoding: the MTP layer drafts %d tokens a lane, verified in one "
                  "step of %d positions", config.speculative.tokens, config.speculative.tokens + 1)
         return (Speculator(self.module, mtp, config.speculative.tokens),
@@ -571,7 +579,7 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
     that has one (config.json's num_nextn_predict_layers); LoadedModel._speculation refuses a
-    mesh that splits 'tensor'."""
+    count whose tensors the checkpoint lacks (seen at load) and a mesh that splits 'tensor'."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")

@@ -9,10 +9,9 @@ from tidejax.checkpoint import Table
 from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import router_spec
 from tidejax.models.layers.decoder import (decoder_expert_specs, decoder_specs, decoder_table,
-                                           mtp_rules)
+                                           load_with_mtp, mtp_rules)
 from tidejax.models.layers.decoder import mtp_specs as decoder_mtp_specs
 from tidejax.models.layers.mla import MLA_RULES, mla_specs
-from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 
 
@@ -31,17 +30,15 @@ def mtp_specs(cfg: DeepseekV3Config, dtype) -> dict:
     return decoder_mtp_specs(cfg, router_spec(cfg), mla_specs(cfg, dtype), dtype)
 
 
-def checkpoint_table(cfg: DeepseekV3Config) -> Table:
-    """Hugging Face tensor names -> the declared params, the routed-expert rows and the MTP
-    layers (rotary caches ignored: layers/decoder.py)."""
-    return decoder_table(cfg, MLA_RULES, mtp_rules(cfg) if cfg.num_mtp_layers else None)
+def checkpoint_table(cfg: DeepseekV3Config, mtp: bool = True) -> Table:
+    """Hugging Face tensor names -> the declared params, the routed-expert rows and, where `mtp`,
+    the MTP layers (else read past; rotary caches ignored: layers/decoder.py)."""
+    return decoder_table(cfg, MLA_RULES, mtp_rules(cfg) if mtp and cfg.num_mtp_layers else None)
 
 
 def load_weights(cfg: DeepseekV3Config, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
     """(dense params, the MTP layers as the host-side aux: {"layers_{i}": their tensors}, or None
-    without them)."""
-    mtp = mtp_specs(cfg, dtype)
-    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
-                           expert_specs(cfg, dtype), put_row, host_specs=mtp)
-    return params, {name: params.pop(name) for name in mtp} or None
+    without them: decoder.load_with_mtp)."""
+    return load_with_mtp(cfg, model_dir, raw_config, checkpoint_table, param_specs(cfg, dtype),
+                         expert_specs(cfg, dtype), mtp_specs(cfg, dtype), put_row)

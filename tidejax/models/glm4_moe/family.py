@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tidejax.models.base import Family
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
-from tidejax.models.glm4_moe.model import build
+from tidejax.models.glm4_moe.model import build, build_mtp
 from tidejax.models.glm4_moe.weights import load_weights
 from tidejax.models.layers.gqa import GQA_FAMILY
 from tidejax.models.registry import register
@@ -15,6 +15,7 @@ register(Family(
     model_types=("glm4_moe",),
     config_from_hf=Glm4MoeConfig.from_hf,
     build=build,
+    build_mtp=build_mtp,
     load_weights=load_weights,
     **GQA_FAMILY,
     tool_formats={"glm4_moe": GLM},

@@ -1,20 +1,22 @@
-"""GLM-4.5 params, declared (the tree the flax model consumes), and the checkpoint table that fills
-them from the published layout (per-expert tensors, BF16 or FP8 with 128 x 128 block scales) or
-the one transformers 5 holds in memory (fused experts)."""
+"""GLM-4.5 params, declared (the tree the flax model consumes; the MTP layers, kept on the host as
+stored), and the checkpoint table that fills them from the published layout (per-expert tensors,
+BF16 or FP8 with 128 x 128 block scales) or the one transformers 5 holds in memory (fused
+experts)."""
 
 from __future__ import annotations
 
 from tidejax.checkpoint import Table
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
 from tidejax.models.glm4_moe.model import router_spec
-from tidejax.models.layers.decoder import decoder_expert_specs, decoder_specs, decoder_table
+from tidejax.models.layers.decoder import (decoder_expert_specs, decoder_specs, decoder_table,
+                                           load_with_mtp, mtp_rules)
+from tidejax.models.layers.decoder import mtp_specs as decoder_mtp_specs
 from tidejax.models.layers.gqa import GQA_RULES, gqa_specs
-from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 
 
 def param_specs(cfg: Glm4MoeConfig, dtype) -> dict:
-    """The dense params (everything but the routed experts) as ParamSpecs."""
+    """The dense params (everything but the routed experts and the MTP layers) as ParamSpecs."""
     return decoder_specs(cfg, router_spec(cfg), lambda layer: gqa_specs(cfg, dtype), dtype)
 
 
@@ -23,15 +25,20 @@ def expert_specs(cfg: Glm4MoeConfig, dtype) -> dict:
     return decoder_expert_specs(cfg, dtype)
 
 
-def checkpoint_table(cfg: Glm4MoeConfig) -> Table:
-    """Hugging Face tensor names -> the declared params and the routed-expert rows (the MTP
-    layer, kept for speculative decoding by a later change, and rotary caches ignored:
-    layers/decoder.py)."""
-    return decoder_table(cfg, GQA_RULES)
+def mtp_specs(cfg: Glm4MoeConfig, dtype) -> dict:
+    """The MTP layers (layers/decoder.py), their attention GQA as the decoder layers'."""
+    return decoder_mtp_specs(cfg, router_spec(cfg), gqa_specs(cfg, dtype), dtype)
+
+
+def checkpoint_table(cfg: Glm4MoeConfig, mtp: bool = True) -> Table:
+    """Hugging Face tensor names -> the declared params, the routed-expert rows and, where `mtp`,
+    the MTP layers (else read past; rotary caches ignored: layers/decoder.py)."""
+    return decoder_table(cfg, GQA_RULES, mtp_rules(cfg) if mtp and cfg.num_mtp_layers else None)
 
 
 def load_weights(cfg: Glm4MoeConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
-    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
-                           expert_specs(cfg, dtype), put_row)
-    return params, None
+    """(dense params, the MTP layers as the host-side aux: {"layers_{i}": their tensors}, or None
+    without them: decoder.load_with_mtp)."""
+    return load_with_mtp(cfg, model_dir, raw_config, checkpoint_table, param_specs(cfg, dtype),
+                         expert_specs(cfg, dtype), mtp_specs(cfg, dtype), put_row)

@@ -15,8 +15,8 @@ class GlmMoeDsaConfig:
     """GLM-5.x (model_type glm_moe_dsa): MLA with DeepSeek Sparse Attention (a lightning indexer
     in the `index_layers`, its pick reused by the "shared" layers after each), sigmoid-routed
     MoE with a correction bias, group-limited top-k and a shared expert after the dense layers;
-    num_mtp_layers multi-token-prediction layers after the last decoder layer (kept on the host,
-    not used in decoding yet)."""
+    num_mtp_layers multi-token-prediction layers after the last decoder layer (DSA layers with
+    an indexer each, drafting for speculative decoding)."""
 
     model_type: str
     vocab_size: int
@@ -36,7 +36,9 @@ class GlmMoeDsaConfig:
     index_topk: int
     index_head_dim: int
     index_n_heads: int
-    index_layers: tuple[int, ...]  # the layers with an indexer ("full"); the others reuse its pick
+    # the layers with an indexer: the "full" decoder layers (the others reuse the pick of the one
+    # before) and the MTP layers after the last (each has its own, as published)
+    index_layers: tuple[int, ...]
     # MoE
     moe_layers: tuple[int, ...]  # the layers whose MLP is the routed MoE ("sparse")
     n_routed_experts: int
@@ -99,6 +101,7 @@ class GlmMoeDsaConfig:
                               "reuses the pick of an indexer layer before it)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_mtp = f.opt("num_nextn_predict_layers", 0)
         return GlmMoeDsaConfig(
             model_type=f.req("model_type", str),
             vocab_size=f.req("vocab_size"),
@@ -117,7 +120,8 @@ class GlmMoeDsaConfig:
             index_topk=f.opt("index_topk", 2048),
             index_head_dim=index_head_dim,
             index_n_heads=f.opt("index_n_heads", 32),
-            index_layers=tuple(i for i, kind in enumerate(index_types) if kind == "full"),
+            index_layers=tuple(i for i, kind in enumerate(index_types) if kind == "full")
+            + tuple(range(layers, layers + n_mtp)),
             moe_layers=tuple(i for i, kind in enumerate(mlp_types) if kind == "sparse"),
             n_routed_experts=n_routed,
             num_experts_per_tok=f.req("num_experts_per_tok"),
@@ -128,7 +132,7 @@ class GlmMoeDsaConfig:
             norm_topk_prob=f.opt("norm_topk_prob", True, bool),
             routed_scaling_factor=f.opt("routed_scaling_factor", 2.5, float),
             tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
-            num_mtp_layers=f.opt("num_nextn_predict_layers", 0),
+            num_mtp_layers=n_mtp,
             eos_token_ids=eos_ids,
             source=source,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tidejax.models.base import Family
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from tidejax.models.glm_moe_dsa.model import build
+from tidejax.models.glm_moe_dsa.model import build, build_mtp
 from tidejax.models.glm_moe_dsa.weights import load_weights
 from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.dsa import DSAPages
@@ -16,6 +16,7 @@ register(Family(
     model_types=("glm_moe_dsa",),
     config_from_hf=GlmMoeDsaConfig.from_hf,
     build=build,
+    build_mtp=build_mtp,
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,

@@ -8,11 +8,10 @@ from __future__ import annotations
 from tidejax.checkpoint import Table
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from tidejax.models.layers.decoder import (decoder_expert_specs, decoder_specs, decoder_table,
-                                           mtp_rules)
+                                           load_with_mtp, mtp_rules)
 from tidejax.models.layers.decoder import mtp_specs as decoder_mtp_specs
 from tidejax.models.layers.dsa import DSA_RULES, dsa_specs
 from tidejax.models.layers.moe import noaux_router
-from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 
 
@@ -32,15 +31,15 @@ def mtp_specs(cfg: GlmMoeDsaConfig, dtype) -> dict:
     return decoder_mtp_specs(cfg, noaux_router(cfg), dsa_specs(cfg, dtype, indexer=True), dtype)
 
 
-def checkpoint_table(cfg: GlmMoeDsaConfig) -> Table:
-    """Hugging Face tensor names -> the declared params, the routed-expert rows and the MTP
-    layers (rotary caches ignored: layers/decoder.py)."""
-    return decoder_table(cfg, DSA_RULES, mtp_rules(cfg) if cfg.num_mtp_layers else None)
+def checkpoint_table(cfg: GlmMoeDsaConfig, mtp: bool = True) -> Table:
+    """Hugging Face tensor names -> the declared params, the routed-expert rows and, where `mtp`,
+    the MTP layers (else read past; rotary caches ignored: layers/decoder.py)."""
+    return decoder_table(cfg, DSA_RULES, mtp_rules(cfg) if mtp and cfg.num_mtp_layers else None)
 
 
 def load_weights(cfg: GlmMoeDsaConfig, model_dir, raw_config: dict, serve: ServeOptions, dtype,
                  put_row):
-    """(dense params, the MTP layers as the host-side aux: {"layers_{i}": their tensors})."""
-    params = load_by_table(model_dir, raw_config, checkpoint_table(cfg), param_specs(cfg, dtype),
-                           expert_specs(cfg, dtype), put_row, host_specs=mtp_specs(cfg, dtype))
-    return params, {name: params.pop(name) for name in mtp_specs(cfg, dtype)}
+    """(dense params, the MTP layers as the host-side aux: {"layers_{i}": their tensors}, or None
+    without them: decoder.load_with_mtp)."""
+    return load_with_mtp(cfg, model_dir, raw_config, checkpoint_table, param_specs(cfg, dtype),
+                         expert_specs(cfg, dtype), mtp_specs(cfg, dtype), put_row)

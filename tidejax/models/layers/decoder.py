@@ -32,7 +32,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tidejax.checkpoint import Experts, Rule, Table
+from tidejax.checkpoint import CheckpointReader, Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec, declare, serving
@@ -41,6 +41,7 @@ from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies
+from tidejax.models.loading import load_by_table
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
@@ -199,9 +200,15 @@ def decoder_table(cfg, attention_rules: tuple, mtp_rules: tuple | None = None) -
     family's `attention_rules`. The multi-token-prediction layers after the last decoder layer
     are ignored where `mtp_rules` is None; otherwise the decoder's and attention's rules fill
     their declared paths `layers_{i}` too, and `mtp_rules` the rest of them (their own glue and
-    routed experts). Also ignored: the rotary caches some exports include."""
-    mtp = () if mtp_rules is not None else tuple(
-        f"model.layers.{cfg.num_layers + j}.{{rest:.*}}" for j in range(cfg.num_mtp_layers))
+    routed experts), and their copies of the main model's embedding and head
+    (`embed_tokens`, `shared_head.head`: published DeepSeek-V3 and GLM checkpoints carry them)
+    are read past: the MTP layers draft through the main model's own, as transformers' MtpModel
+    ties them. Also ignored: the rotary caches some exports include."""
+    if mtp_rules is None:
+        mtp = tuple(f"model.layers.{i}.{{rest:.*}}" for i in mtp_layers(cfg))
+    else:
+        mtp = tuple(f"model.layers.{i}.{{copy:embed_tokens|shared_head\\.head}}.weight"
+                    for i in mtp_layers(cfg))
     return Table(decoder_rules(cfg) + attention_rules + (mtp_rules or ()),
                  ignore=mtp + ROTARY_CACHES,
                  expert_layers=[f"model.layers.{i}.mlp" for i in cfg.moe_layers])
@@ -231,8 +238,7 @@ def mtp_layers(cfg) -> tuple[int, ...]:
 
 def mtp_specs(cfg, router: RouterSpec, attention: dict, dtype) -> dict:
     """The MTP layers as published (DeepSeek-V3's and GLM's NextN layers alike), kept on the host
-    as stored for speculative decoding (their draft forward: mtp.py; the engine runs the
-    DeepSeek-V3 family's):
+    as stored for speculative decoding (their draft forward: mtp.py):
     {"layers_{i}": a MoE decoder layer with `attention` its attention's params and its own
     routed experts by id, and the MTP glue (enorm, hnorm, eh_proj [d, 2d], shared_head_norm)};
     the embedding and head are the main model's."""
@@ -261,3 +267,19 @@ def mtp_rules(cfg) -> tuple:
         Rule(mtp + ".mlp.experts.{expert}.{proj:gate|up|down}_proj.weight",
              "layers_{i}.moe.experts.{expert}.{proj}_proj"),
     )
+
+
+def load_with_mtp(cfg, model_dir, raw_config: dict, checkpoint_table: Callable, params: dict,
+                  experts: dict, mtp: dict, put_row) -> tuple[dict, dict | None]:
+    """The family's load_by_table with its MTP layers (`mtp`: their mtp_specs) kept on the host
+    as stored where the checkpoint holds them, read past where it does not (some exports drop
+    them and keep config.json's count, and GLM-4.5's count is 1 where the field is absent, as in
+    transformers): `checkpoint_table(cfg, mtp)` the family's table with or without them ->
+    (dense params, the aux: {"layers_{i}": an MTP layer's tensors}, or None without them)."""
+    first = f"model.layers.{cfg.num_layers}."
+    stored = mtp and any(name.startswith(first)
+                         for name in CheckpointReader(model_dir, progress=False).names())
+    kept = mtp if stored else {}
+    loaded = load_by_table(model_dir, raw_config, checkpoint_table(cfg, bool(kept)), params,
+                           experts, put_row, host_specs=kept)
+    return loaded, {name: loaded.pop(name) for name in kept} or None

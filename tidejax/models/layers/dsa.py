@@ -2,8 +2,9 @@
 attend only the entries a lightning indexer picks for each of them, the top `index_topk` of its
 scores over the row's cached index keys.
 
-The indexer (layers in `cfg.index_layers`; the others, GLM-5's "shared" layers, reuse the
-previous indexer layer's pick, handed down the stack as the decoder's carry) writes its key of
+The indexer (layers in `cfg.index_layers`, which may name MTP layers past num_layers: the pool
+has their slots where they draft; the others, GLM-5's "shared" layers, reuse the previous
+indexer layer's pick, handed down the stack as the decoder's carry) writes its key of
 every token into the pool beside MLA's latent and scores a chunk's queries against the row's
 keys (ops.paged_index_scores: the Pallas kernel for decode steps). Its rotary channels are the
 leading qk_rope_head_dim of each head, interleaved pairs (GLM-5; transformers'
@@ -66,8 +67,9 @@ class DSAPages:
 
     @staticmethod
     def bytes_per_token(cfg, dtype) -> int:
+        indexed = sum(i < cfg.num_layers for i in cfg.index_layers)  # of the pool's layers
         return (MLACache.bytes_per_token(cfg, dtype)
-                + len(cfg.index_layers) * cfg.index_head_dim * jnp.dtype(dtype).itemsize)
+                + indexed * cfg.index_head_dim * jnp.dtype(dtype).itemsize)
 
 
 def dsa_specs(cfg, dtype, indexer: bool) -> dict:

@@ -1,6 +1,7 @@
-"""The multi-token-prediction (MTP, "NextN") layer's draft forward, as DeepSeek-V3 publishes it
-and transformers computes it (modeling_layers.MtpLayer / MtpModel, a DeepSeek-V3 checkpoint's
-layer num_layers + k): for the main model's hidden state at position p and the token at p + 1,
+"""The multi-token-prediction (MTP, "NextN") layer's draft forward, as DeepSeek-V3, GLM-4.5 and
+GLM-5 publish it and transformers computes it (modeling_layers.MtpLayer / MtpModel, a
+checkpoint's layer num_layers + k): for the main model's hidden state at position p and the
+token at p + 1,
 
     x = eh_proj([enorm(embed(token)); hnorm(hidden)])        # [b, t, 2d] -> [b, t, d]
     x = one MoE decoder block (the family's attention over the paged pool, its own experts)
@@ -20,7 +21,7 @@ the engine's steps through it: runtime/steps.py):
   Queries and keys are rotated at p + 1 (the token's position, as transformers' position_ids)
   and attend the positions <= p of the row; attention scores depend only on the difference.
 - The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
-  loader (decoder.mtp_specs), put on the device by `mtp_params`.
+  loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized).
 - The routed experts: not through residency. `mtp_expert_state` builds an all-resident
   ExpertState of the layer's own rows (one MoE layer, moe index 0) from its loaded tensors;
   serving them from the host pool would need residency work (docs/DESIGN.md, "Speculative
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import declare, serving
@@ -84,7 +86,9 @@ class MTPLayer(nn.Module):
 class MTP(nn.Module):
     """The draft forward of MTP layer `depth` (0 .. num_mtp_layers - 1). The config is read as
     the Decoder reads it (decoder.py), num_mtp_layers included; the family gives the attention
-    factory the Decoder takes."""
+    factory the Decoder takes (called with the MTP layer's checkpoint index), and `carries` as
+    the Decoder's: the MTP layer's attention is then given no carry (GLM-5's DSA layer picks
+    with its own indexer)."""
 
     cfg: Any
     router: RouterSpec
@@ -92,6 +96,7 @@ class MTP(nn.Module):
     serve: ServeOptions
     dtype: jnp.dtype = jnp.float32
     depth: int = 0
+    carries: bool = False
 
     @nn.compact
     @serving
@@ -117,7 +122,7 @@ class MTP(nn.Module):
         n_pages, page_size = layer[0].shape[:2]
         slots = paged.token_slots(block_table, positions, token_mask, n_pages, page_size)
         x, layer, experts = MTPLayer(cfg, index, self.router, self.attention, self.serve, dt,
-                                     name=f"layers_{index}")(
+                                     self.carries, name=f"layers_{index}")(
             embedded, hidden.astype(embedded.dtype), positions, token_mask, cos, sin, layer,
             slots, block_table, experts)
         head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
@@ -128,26 +133,44 @@ class MTP(nn.Module):
         return lm_logits(x, head, logits_at), x, PagedCache(pages), experts
 
 
-def mtp_params(params: dict, kept: dict, cfg, depth: int = 0) -> dict:
+def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> dict:
     """The MTP module's params: the main model's embedding and head (`params`, the Decoder's),
     and MTP layer `depth` as the loader keeps it on the host (`kept`: {"layers_{i}": ...}, the
-    family's load_weights aux) put on the device as stored, its routed experts left out
+    family's load_weights aux) put on the device as stored, but for FP8 weights, dequantized on
+    the checkpoint's scale `block` to `dtype` (as_float); its routed experts left out
     (mtp_expert_state)."""
     name = f"layers_{cfg.num_layers + depth}"
     layer = dict(kept[name])
     layer["moe"] = {k: v for k, v in layer["moe"].items() if k != "experts"}
     head = {k: params[k] for k in ("embed", "lm_head") if k in params}
-    return head | {name: jax.tree.map(jnp.asarray, layer)}
+    return head | {name: jax.tree.map(lambda leaf: jnp.asarray(as_float(leaf, block, dtype)),
+                                      layer, is_leaf=_is_fp8)}
 
 
-def mtp_expert_state(kept: dict, cfg, dtype, depth: int = 0) -> ExpertState:
+def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> ExpertState:
     """MTP layer `depth`'s routed experts (as kept: moe.experts.{e}.{gate,up,down}_proj) as an
     all-resident expert state of one MoE layer, rows in the bank's format (gate_up [E, 2f, d]
-    with the gate rows first, down [E, d, f]). A stand-in until residency serves them."""
+    with the gate rows first, down [E, d, f]) in `dtype` (FP8 ones dequantized on `block`). A
+    stand-in until residency serves them."""
     experts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"]
+
+    def part(e: int, proj: str) -> np.ndarray:
+        return as_float(experts[str(e)][proj], block, dtype)
+
     ids = range(cfg.n_routed_experts)
-    rows = {"gate_up": np.stack([np.concatenate([np.asarray(experts[str(e)]["gate_proj"]),
-                                                 np.asarray(experts[str(e)]["up_proj"])])
+    rows = {"gate_up": np.stack([np.concatenate([part(e, "gate_proj"), part(e, "up_proj")])
                                  for e in ids]),
-            "down": np.stack([np.asarray(experts[str(e)]["down_proj"]) for e in ids])}
+            "down": np.stack([part(e, "down_proj") for e in ids])}
     return all_resident_state({k: jnp.asarray(v, dtype) for k, v in rows.items()}, 1)
+
+
+def _is_fp8(leaf) -> bool:
+    return isinstance(leaf, tuple)
+
+
+def as_float(leaf, block, dtype) -> np.ndarray:
+    """A leaf the loader kept as stored (reader.keep): an FP8 weight, the pair (float8_e4m3fn
+    values [out, in], float32 scales on `block`), dequantized to `dtype`; any other as it is."""
+    if _is_fp8(leaf):
+        return dequantize_fp8_block(*leaf, block).astype(dtype)
+    return np.asarray(leaf)
