@@ -17,7 +17,7 @@ from scipy.stats import chi2
 
 from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
-from tidejax.runtime.build import LoadedModel
+from tidejax.runtime.build import LoadedModel, put_mtp_rows
 from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, lane_keys,
                                       probabilities, process, sample)
 from tidejax.runtime.speculative import accept, draw
@@ -26,7 +26,7 @@ from tidejax.models.deepseek_v3.config import DeepseekV3Config
 from tidejax.models.deepseek_v3.model import build, build_mtp
 from tidejax.models.deepseek_v3.weights import load_weights
 from tidejax.models.layers.mla import MLACache
-from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slots
+from tidejax.models.layers.mtp import mtp_params, with_mtp_slots
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import all_resident_state
@@ -219,8 +219,9 @@ SCALE = 0.3  # repeating_mtp's: its greedy output repeats for runs and leaves th
 
 @pytest.fixture(scope="module")
 def mtp_models(tiny_checkpoint, tmp_path_factory):
-    """{"random": random MTP weights, "repeating": repeating_mtp's} -> (cfg, params, experts,
-    MTP params, MTP experts, plain greedy output of each of ROWS), on one base checkpoint."""
+    """{"random": random MTP weights, "repeating": repeating_mtp's} -> (cfg, params, experts:
+    the main MoE layers' and the MTP layer's after them, as the engine's pool holds them, MTP
+    params, plain greedy output of each of ROWS), on one base checkpoint."""
     base = tiny_checkpoint("deepseek_v3", "qlora_groups")
     folder = tmp_path_factory.mktemp("spec")
     out = {}
@@ -232,11 +233,12 @@ def mtp_models(tiny_checkpoint, tmp_path_factory):
             repeating_mtp(base, path, SCALE)
         raw = json.loads((path / "config.json").read_text())
         cfg = DeepseekV3Config.from_hf(raw)
-        pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+        layers = len(cfg.moe_layers) + 1
+        pool = ExpertPool(layers * cfg.n_routed_experts, "checkpoint", np.float32)
         params, kept = load_weights(cfg, path, raw, SERVE, jnp.float32, pool.put_row)
-        out[name] = (cfg, params, all_resident_state(pool.result(), len(cfg.moe_layers)),
-                     mtp_params(params, kept, cfg, jnp.float32),
-                     mtp_expert_state(kept, cfg, jnp.float32))
+        put_mtp_rows(cfg, kept, pool.put_row, np.float32, raw)
+        out[name] = (cfg, params, all_resident_state(pool.result(), layers),
+                     mtp_params(params, kept, cfg, jnp.float32))
     return {name: (*model, plain_greedy(model, ROWS)) for name, model in out.items()}
 
 
@@ -296,7 +298,7 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     """Every row's prompt, a first draft, then verify rounds over all rows together until each
     row has NEW tokens -> (each row's tokens, rounds, drafts accepted in all, rows' rounds that
     rejected a draft)."""
-    cfg, params, experts, mparams, mexperts = model[:5]
+    cfg, params, experts, mparams = model[:4]
     spec, prefill, draft, verify = jitted(cfg, k)
     b = len(prompts)
     cache, table = pool(cfg, b)
@@ -309,16 +311,16 @@ def speculative_greedy(model, k: int, prompts) -> tuple[list[list[int]], int, in
     following = jnp.where(positions == at[:, None], first[:, None], jnp.roll(tokens, -1, 1))
     keys = lane_keys(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
     sampling = greedy_lanes(b, cfg.vocab_size)
-    drafts, q, cache, mexperts = draft(
+    drafts, q, cache, experts = draft(
         mparams, seen["intermediates"]["head_hidden"][0], following, positions, mask, at, cache,
-        table, mexperts, sampling, keys)
+        table, experts, sampling, keys)
     rounds = accepted = rejecting = 0
     while min(len(row) for row in out) < NEW:
         tokens = jnp.concatenate([jnp.asarray([[row[-1]] for row in out]), drafts], 1)
         starts = np.array([n + len(row) - 1 for n, row in zip(lengths, out)])
-        verdict, _, drafts, q, cache, experts, mexperts, sampling = verify(
+        verdict, _, drafts, q, cache, experts, sampling = verify(
             params, mparams, tokens, jnp.asarray(starts[:, None] + np.arange(k + 1)),
-            tokens > -1, q, cache, table, experts, mexperts, sampling, keys)
+            tokens > -1, q, cache, table, experts, sampling, keys)
         for row, a in enumerate(np.asarray(verdict.accepted)):
             out[row] += [int(t) for t in verdict.tokens[row, :a + 1]]
             accepted, rejecting = accepted + int(a), rejecting + int(a < k)
@@ -347,26 +349,30 @@ def test_verify_rounds_decode_what_greedy_decodes(mtp_models, k, lanes):
 
 def test_verify_round_picks_are_counted_as_demand(mtp_models):
     """The verify round's k + 1 positions a row go through the MoE layers' demand counting like
-    any step's tokens: each MoE layer's wanted picks grow by (k + 1) x top_k, a one-token step's
-    by top_k."""
-    cfg, params, experts, mparams, mexperts = mtp_models["random"][:5]
+    any step's tokens: each main MoE layer's wanted picks grow by (k + 1) x top_k, a one-token
+    step's by top_k; the MTP layer's (the state's last layer) by its draft positions' picks:
+    the kept positions, then the chain's k - 1."""
+    cfg, params, experts, mparams = mtp_models["random"][:4]
     k = 3
     _, prefill, _, verify = jitted(cfg, k)
     cache, table = pool(cfg, 1)
     tokens = jnp.asarray([PROMPT[:k + 1]])
     q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
     keys = lane_keys(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
-    before = np.asarray(experts.counts).sum(axis=1)  # [L_moe]
-    _, _, _, _, _, after, _, _ = verify(
+    before = np.asarray(experts.counts).sum(axis=1)  # [L_moe + 1]
+    verdict, _, _, _, _, after, _ = verify(
         params, mparams, tokens, jnp.arange(k + 1)[None], tokens > -1, q, cache, table, experts,
-        mexperts, greedy_lanes(1, cfg.vocab_size), keys)
-    np.testing.assert_allclose(np.asarray(after.counts).sum(axis=1) - before,
-                               (k + 1) * cfg.num_experts_per_tok)
+        greedy_lanes(1, cfg.vocab_size), keys)
+    added = np.asarray(after.counts).sum(axis=1) - before
+    np.testing.assert_allclose(added[:-1], (k + 1) * cfg.num_experts_per_tok)
+    kept = int(verdict.accepted[0]) + 1
+    np.testing.assert_allclose(added[-1], (kept + k - 1) * cfg.num_experts_per_tok)
     one = jnp.asarray([PROMPT[:1]])
     (_, _, single), _ = prefill(params, one, jnp.zeros((1, 1), jnp.int32), one > -1, cache,
                                 table, experts)
-    np.testing.assert_allclose(np.asarray(single.counts).sum(axis=1) - before,
-                               cfg.num_experts_per_tok)
+    added = np.asarray(single.counts).sum(axis=1) - before
+    np.testing.assert_allclose(added[:-1], cfg.num_experts_per_tok)
+    assert added[-1] == 0  # the main model alone: the MTP layer routes nothing
 
 
 def test_sampled_verify_rounds_complete_and_accept(mtp_models):
@@ -374,7 +380,7 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
     q with the tokens before it counted) on the repeating MTP layer run to the end, accepting
     drafts; the lane's token counts afterwards are those of the tokens emitted; the same seed
     gives the same tokens."""
-    cfg, params, experts, mparams, mexperts = mtp_models["repeating"][:5]
+    cfg, params, experts, mparams = mtp_models["repeating"][:4]
     k = 3  # the shapes the greedy tests compiled
     lane = LaneParams.of([SamplingParams(temperature=0.5, top_p=0.9, seed=3, min_p=0.01,
                                          frequency_penalty=0.4, presence_penalty=0.2,
@@ -388,12 +394,12 @@ def test_sampled_verify_rounds_complete_and_accept(mtp_models):
         tokens = jnp.asarray([PROMPT[-1:] + PROMPT[:k]])
         q = jax.nn.one_hot(tokens[:, 1:], cfg.vocab_size)
         out, accepted, position = [PROMPT[-1]], 0, len(PROMPT) - 1
-        state = (experts, mexperts)
+        state = experts
         while len(out) < 16:
             keys = lane_keys(jnp.asarray([3]), jnp.asarray([position]))
-            verdict, _, drafts, q, cache, *state, sampling = verify(
+            verdict, _, drafts, q, cache, state, sampling = verify(
                 params, mparams, tokens, position + jnp.arange(k + 1)[None], tokens > -1, q,
-                cache, table, *state, sampling, keys)
+                cache, table, state, sampling, keys)
             a = int(verdict.accepted[0])
             out += [int(t) for t in verdict.tokens[0, :a + 1]]
             accepted, position = accepted + a, position + a + 1

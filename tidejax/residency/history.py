@@ -8,11 +8,19 @@ more output. A history saved with counts alone (no `weights`, or weights all zer
 counts) still loads: until its first drain its demand is its counts, and that drain migrates it,
 the counts times the routing weight a pick carried on average in that drain (`add`), so the
 old demand and the new are in one unit.
+
+Speculating with a model's MTP layer ([speculative] method "mtp"), its routed experts are one
+more MoE layer of the residency geometry, after the main model's: the history then has
+L_moe + 1 layers, and says so (`mtp_layers`, saved; absent in a file: 0). A saved history whose
+main layers match but whose MTP layers differ (speculation turned on or off since) is migrated
+at resume with one line: the main layers' demand kept, the MTP layer's starting at zero or
+dropped (`with_mtp_layers`). Any other shape is set aside with a warning.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 from pathlib import Path
 
@@ -22,15 +30,21 @@ from tidejax.residency.persist import clear_torn, set_aside, write_atomic
 
 FORMAT = "tidejax-history/1"
 
+log = logging.getLogger("tidejax.residency")
+
 
 class History:
-    """counts / weights [L_moe, E] float64 (decayed), `steps` decode steps seen; `from_counts`:
-    the weights are a count-only history's counts, to migrate at the next drain."""
+    """counts / weights [L_moe, E] float64 (decayed), `steps` decode steps seen, of which the last
+    `mtp_layers` layers are MTP layers' (module docstring); `from_counts`: the weights are a
+    count-only history's counts, to migrate at the next drain."""
 
-    def __init__(self, n_layers: int, n_experts: int, half_life: float = 500.0):
+    def __init__(self, n_layers: int, n_experts: int, half_life: float = 500.0,
+                 mtp_layers: int = 0):
         if half_life <= 0:
             raise ValueError(f"[residency] half_life must be > 0, got {half_life}")
-        self.half_life = half_life
+        if not 0 <= mtp_layers < n_layers:
+            raise ValueError(f"mtp_layers {mtp_layers} must be in [0, {n_layers})")
+        self.half_life, self.mtp_layers = half_life, mtp_layers
         self.counts = np.zeros((n_layers, n_experts))
         self.weights = np.zeros((n_layers, n_experts))
         self.steps = 0
@@ -58,12 +72,24 @@ class History:
         self.weights = self.weights * decay + weights
         self.steps += steps
 
+    def with_mtp_layers(self, mtp_layers: int) -> "History":
+        """This history with `mtp_layers` MTP layers after the same main layers: the main
+        layers' counts and weights kept, an MTP layer kept where both have it, zero where it is
+        new, dropped where it is not wanted."""
+        main = self.shape[0] - self.mtp_layers
+        out = History(main + mtp_layers, self.shape[1], self.half_life, mtp_layers)
+        keep = main + min(mtp_layers, self.mtp_layers)
+        out.counts[:keep], out.weights[:keep] = self.counts[:keep], self.weights[:keep]
+        out.steps, out.from_counts = self.steps, self.from_counts
+        return out
+
     def save(self, path: str | os.PathLike) -> None:
         """Atomic (persist.write_atomic): a kill at any moment leaves the last good copy."""
         buf = io.BytesIO()
         np.savez(buf, format=np.array(FORMAT), counts=self.counts,
                  **({} if self.from_counts else {"weights": self.weights}),
-                 steps=np.array(self.steps), half_life=np.array(self.half_life))
+                 steps=np.array(self.steps), half_life=np.array(self.half_life),
+                 mtp_layers=np.array(self.mtp_layers))
         write_atomic(path, buf.getvalue())
 
     @staticmethod
@@ -78,6 +104,7 @@ class History:
                 counts = z["counts"]
                 weights = z["weights"] if "weights" in z.files else np.zeros_like(counts)
                 steps, saved_half_life = int(z["steps"]), float(z["half_life"])
+                mtp_layers = int(z["mtp_layers"]) if "mtp_layers" in z.files else 0
         except FileNotFoundError:
             raise
         except Exception as e:  # a torn or foreign file: name it (not numpy's advice to unpickle)
@@ -86,7 +113,10 @@ class History:
         if counts.ndim != 2 or weights.shape != counts.shape:
             raise ValueError(f"{path}: counts {counts.shape} and weights {weights.shape} must be "
                              "[L_moe, E]")
-        history = History(*counts.shape, half_life=half_life or saved_half_life)
+        if not 0 <= mtp_layers < counts.shape[0]:
+            raise ValueError(f"{path}: mtp_layers = {mtp_layers}, of {counts.shape[0]} layers")
+        history = History(*counts.shape, half_life=half_life or saved_half_life,
+                          mtp_layers=mtp_layers)
         history.counts, history.steps = counts.astype(np.float64), steps
         history.from_counts = bool(counts.sum() > 0 and not weights.any())
         history.weights = (history.counts.copy() if history.from_counts
@@ -94,19 +124,29 @@ class History:
         return history
 
     @staticmethod
-    def resume(path: str | os.PathLike, n_layers: int, n_experts: int,
-               half_life: float) -> "History | None":
-        """The saved history at `path` if there is a usable one; a corrupt file or one of another
-        shape is renamed aside (`*.corrupt-<time>`) with a warning. None when there is none."""
+    def resume(path: str | os.PathLike, n_layers: int, n_experts: int, half_life: float,
+               mtp_layers: int = 0) -> "History | None":
+        """The saved history at `path` if there is a usable one, migrated to `mtp_layers` MTP
+        layers (of the n_layers) where only those differ (module docstring); a corrupt file or
+        one of another shape is renamed aside (`*.corrupt-<time>`) with a warning. None when
+        there is none."""
         path = Path(path)
         clear_torn(path)
         if not path.exists():
             return None
         try:
             history = History.read(path, half_life)
-            if history.shape != (n_layers, n_experts):
-                raise ValueError(f"{path}: shape {history.shape}, this model has "
-                                 f"{(n_layers, n_experts)}")
+            saved_main = history.shape[0] - history.mtp_layers
+            if (saved_main, history.shape[1]) != (n_layers - mtp_layers, n_experts):
+                raise ValueError(f"{path}: shape {history.shape} with {history.mtp_layers} MTP "
+                                 f"layers, this model has {(n_layers, n_experts)} with "
+                                 f"{mtp_layers}")
+            if history.mtp_layers != mtp_layers:
+                log.info("%s: the demand of %d MoE layers kept; the MTP layer's %s "
+                         "([speculative] method is %s)", path, saved_main,
+                         "starts at zero" if mtp_layers else "dropped",
+                         "'mtp'" if mtp_layers else "not 'mtp'")
+                history = history.with_mtp_layers(mtp_layers)
             return history
         except ValueError as e:
             set_aside(path, str(e), "a fresh history")

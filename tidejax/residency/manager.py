@@ -58,14 +58,17 @@ class Residency:
                  section: ResidencySection, *, kernel: str = "auto", scan_layers: bool = False,
                  swiglu_limit: float = 0.0,
                  swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
-                 window: int = 64, disk_rows=None):
+                 window: int = 64, disk_rows=None, mtp_layers: int = 0):
         """pool_rows: bank-format dict of host arrays [n_layers * E, ...] (every routed expert:
         numpy, or already placed in host memory, as runtime.build.load_weights gives them); or
         None and `disk_rows` (residency.disk: the rows on disk, of which the host pool caches
         pool.host_slots: host_budget_experts, or host_budget_gib of rows); max_tokens: the most
         tokens one step sends through a MoE layer (sizes `exact`'s transient slots: min(E,
-        max_tokens * top_k))."""
+        max_tokens * top_k)); mtp_layers: how many of the n_layers, the last, are a model's MTP
+        layers' (speculating: their experts served and counted as any layer's; the history
+        records it: history.py)."""
         self.section = section
+        self.mtp_layers = mtp_layers
         self.swiglu_form = swiglu_form  # (alpha, up_shift) of the experts' activation
         self.n_layers, self.top_k = n_layers, top_k
         layout = pool_rows if disk_rows is None else disk_rows.layout
@@ -100,13 +103,16 @@ class Residency:
         self.state_dir = Path(section.state_dir) if section.state_dir else None
         self.history = None
         self.counters = collections.Counter()
+        # wanted picks served by a miss since boot, per MoE layer (the MTP layer's last)
+        self.misses_by_layer = np.zeros(n_layers, np.int64)
         if self.state_dir:
             self.history = History.resume(self.history_path, n_layers, self.n_experts,
-                                          section.half_life)
+                                          section.half_life, mtp_layers)
             self.counters = resume_stats(self.stats_path, expected=self.history is not None)
         self.save_failing = False  # whether the last save failed (one warning a streak)
         self.needs_calibration = False
-        self.history = self.history or History(n_layers, self.n_experts, section.half_life)
+        self.history = self.history or History(n_layers, self.n_experts, section.half_life,
+                                               mtp_layers)
         self.frozen = not section.adapt
         self._queue: list[Swap] = []
         # per step: (misses, wanted picks, approximately served weight, routed weight)
@@ -208,7 +214,8 @@ class Residency:
             self.version = 0
             return all_resident_state(pool_rows, self.n_layers)
         if self.section.seed_map:
-            wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts)
+            wanted = seedmap.read(self.section.seed_map, self.n_layers, self.n_experts,
+                                  self.mtp_layers)
             source = self.section.seed_map
         elif self.history.steps:
             wanted = fit_rows(self.history.demand, self.n_resident, self.geometry)
@@ -411,6 +418,7 @@ class Residency:
             self.counters["bytes_moved"] += copies * self.row_bytes
             self._window.append((new.sum(), wanted, approx_weight, routed))
             self.counters["misses"] += int(new.sum())
+            self.misses_by_layer += new.sum(axis=1).astype(np.int64)
             self.counters["wanted"] += wanted
             self.approx_weight += approx_weight
             self.routed_weight += routed

@@ -2,7 +2,10 @@
 demand: history.py), loaded at boot.
 
 File (JSON): {"format": "tidejax-seed-map/1", "geometry", "n_layers", "n_experts", "budget",
-"rows": [pool rows, busiest first within each layer / the arena]}; pool row = layer * E + expert.
+"rows": [pool rows, busiest first within each layer / the arena], "mtp_layers"}; pool row =
+layer * E + expert. `mtp_layers` (absent: 0): how many of the n_layers, the last, are MTP
+layers' (a history saved speculating: history.py); a map is read only by an engine that serves
+as many (speculation on or off as when it was fitted), else refused naming the field.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def fit(history: History, budget: int, geometry: str = "per_layer") -> dict:
     if geometry == "per_layer" and budget < n_layers:
         raise ValueError(f"budget {budget} gives no slot to some of the {n_layers} layers")
     return {"format": FORMAT, "geometry": geometry, "n_layers": n_layers, "n_experts": n_experts,
-            "budget": budget, "rows": fit_rows(history.demand, budget, geometry).tolist()}
+            "budget": budget, "rows": fit_rows(history.demand, budget, geometry).tolist(),
+            "mtp_layers": history.mtp_layers}
 
 
 def write(seed: dict, path: str | os.PathLike) -> None:
@@ -38,12 +42,18 @@ def write(seed: dict, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def read(path: str | os.PathLike, n_layers: int, n_experts: int) -> np.ndarray:
-    """The map's rows, checked against this model's shape; errors name the file and field."""
+def read(path: str | os.PathLike, n_layers: int, n_experts: int,
+         mtp_layers: int = 0) -> np.ndarray:
+    """The map's rows, checked against this model's shape (`mtp_layers` of its n_layers the MTP
+    layers'); errors name the file and field."""
     path = Path(path)
     seed = read_json(path)  # a missing or malformed file: a ConfigError naming it
     if not isinstance(seed, dict) or seed.get("format") != FORMAT:
         raise ConfigError(f"{path}: field 'format' should be {FORMAT!r}")
+    if seed.get("mtp_layers", 0) != mtp_layers:
+        raise ConfigError(f"{path}: field 'mtp_layers' = {seed.get('mtp_layers', 0)!r}, this "
+                          f"engine serves {mtp_layers} MTP layers' experts ([speculative] method "
+                          f"{'is' if mtp_layers else 'is not'} 'mtp'): fit the map again")
     for field, want in (("n_layers", n_layers), ("n_experts", n_experts)):
         if seed.get(field) != want:
             raise ConfigError(f"{path}: field '{field}' = {seed.get(field)!r}, this model has "

@@ -19,7 +19,6 @@ pages (Steps).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -37,7 +36,7 @@ from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.checkpoint import fp8
 from tidejax.checkpoint.table import Deferred
-from tidejax.models.layers.mtp import mtp_expert_state, mtp_params, with_mtp_slots
+from tidejax.models.layers.mtp import mtp_expert_row, mtp_params, with_mtp_slots
 from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
@@ -48,7 +47,7 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
 from tidejax.runtime.state import DecodeState
-from tidejax.runtime.speculative import DraftParams, Speculator
+from tidejax.runtime.speculative import Speculator
 from tidejax.runtime.steps import (DecodeInputs, DecodeRows, PrefillChunk, PrefillInputs, Replay,
                                    ScoreInputs, StepInputs, Steps, VerifyInputs)
 from tidejax.text.tokenizer import Tokenizer
@@ -120,14 +119,18 @@ class LoadedModel:
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
             swiglu_up_shift=float(up_shift), count=config.residency.count)
 
+        # the drafting MTP layer: one more MoE layer of the residency geometry, after the main's
+        drafting = int(config.speculative.method == "mtp")
         self.params, self._aux, pool = load_weights(self.family, self.cfg, model_dir, raw, serve,
                                                     self.dtype, config.model.experts,
                                                     config.model.dense_format, self.mesh,
-                                                    config.residency)
+                                                    config.residency, drafting)
+        if drafting:
+            self._check_mtp_layer(config)
         on_disk = not isinstance(pool, dict)
         self.residency = Residency(
-            None if on_disk else pool, self.family.expert_dims(self.cfg)[0],
-            self.family.top_k(self.cfg), config.residency,
+            None if on_disk else pool, self.family.expert_dims(self.cfg)[0] + drafting,
+            self.family.top_k(self.cfg), config.residency, mtp_layers=drafting,
             kernel=config.engine.kernel, scan_layers=serve.scan_layers,
             swiglu_limit=serve.swiglu_limit,
             swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,
@@ -160,11 +163,21 @@ class LoadedModel:
         # device, as a step's output is: one compilation)
         self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32), self.mesh)
 
+    def _check_mtp_layer(self, config: EngineConfig) -> None:
+        """[speculative] method "mtp" on a checkpoint whose config.json counts MTP layers that
+        it lacks (seen at load) is refused, naming the field."""
+        if self._aux is None:
+            raise ConfigError(
+                f"{config.source_of('speculative.method')}: 'speculative.method' = 'mtp' but "
+                f"{self.model_dir} holds no MTP layer (config.json's field "
+                f"'num_nextn_predict_layers' = {self.cfg.num_mtp_layers}, and no tensor "
+                f"model.layers.{self.cfg.num_layers}.*)")
+
     def _speculation(self, config: EngineConfig, fp8_block) -> tuple:
-        """(the Speculator, the steps' params: (params, DraftParams)) with [speculative]
-        method "mtp"; (None, params) without. The MTP layer's routed experts are an all-resident
-        expert state of their own (mtp.mtp_expert_state), not served through residency; its
-        FP8 weights are dequantized on the checkpoint's `fp8_block`."""
+        """(the Speculator, the steps' params: (params, the MTP layer's)) with [speculative]
+        method "mtp"; (None, params) without. The MTP layer's FP8 weights are dequantized on the
+        checkpoint's `fp8_block`; its routed experts are residency's last MoE layer
+        (load_weights put them in the pool), served and counted as the main model's."""
         if config.speculative.method != "mtp":
             return None, self.params
         if parallel.tensor_size(self.mesh) > 1:  # the MTP params and experts are not split
@@ -175,16 +188,8 @@ class LoadedModel:
             raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                               "'mtp' does not record routing traces yet (set "
                               "residency.trace_every_steps = 0)")
-        if self._aux is None:  # config.json counts MTP layers that the checkpoint lacks
-            raise ConfigError(
-                f"{config.source_of('speculative.method')}: 'speculative.method' = 'mtp' but "
-                f"{self.model_dir} holds no MTP layer (config.json's field "
-                f"'num_nextn_predict_layers' = {self.cfg.num_mtp_layers}, and no tensor "
-                f"model.layers.{self.cfg.num_layers}.*)")
-        serve = dataclasses.replace(self.residency.options, all_resident=True)
-        mtp = self.family.build_mtp(self.cfg, serve, self.dtype)
-        draft = DraftParams(mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block),
-                            mtp_expert_state(self._aux, self.cfg, self.dtype, fp8_block))
+        mtp = self.family.build_mtp(self.cfg, self.residency.options, self.dtype)
+        draft = mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block)
         log.info("speculative decoding: the MTP layer drafts %d tokens a lane, verified in one "
                  "step of %d positions", config.speculative.tokens, config.speculative.tokens + 1)
         return (Speculator(self.module, mtp, config.speculative.tokens),
@@ -544,7 +549,8 @@ class LoadedModel:
 
 def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, dtype,
                  held_as: str, dense_format: str = "float", mesh=None,
-                 residency: ResidencySection | None = None) -> tuple[dict, object, object]:
+                 residency: ResidencySection | None = None,
+                 mtp_layers: int = 0) -> tuple[dict, object, object]:
     """(dense params on the device, the family's aux, the routed experts' pool in host memory):
     the pool is placed first and filled in place as the rows are read, so it is never held twice
     (models.loading.ExpertPool with residency.pool.host_pool). dense_format "fp8" (only for a
@@ -552,9 +558,12 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     model's (None: parallel.current_mesh); named to the pool, which the reading threads place.
     Where `residency.host_budget_experts` (or host_budget_gib, of rows as served) holds fewer
     than every expert, no row is read here: the third item is then the rows on disk
-    (residency.prepared.open_rows), which the host cache reads from as needed."""
+    (residency.prepared.open_rows), which the host cache reads from as needed.
+    mtp_layers (0 or 1, speculating): the pool has one more MoE layer after the main model's,
+    the first MTP layer's routed experts (put_mtp_rows), where the checkpoint holds it."""
     mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
+    n_moe += mtp_layers
     fmt = {}
     if dense_format != "float":
         if not family.dense_fp8:
@@ -566,14 +575,31 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     put_row = pool_rows(pool.put_row, parallel.tensor_size(mesh))
     if residency is None or not (residency.host_budget_experts or residency.host_budget_gib):
         params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, put_row, **fmt)
+        put_mtp_rows(cfg, aux if mtp_layers else None, put_row, dtype, raw)
         return params, aux, pool.result()
     deferred = Deferred()  # a host budget: how many rows it holds is known from the headers
     params, aux = family.load_weights(cfg, model_dir, raw, serve, dtype, deferred, **fmt)
     rows = CheckpointRows(deferred.source, RowFormat(held_as, dtype))
     if host_slots(residency, row_bytes(rows.layout), n_moe * n_experts) == n_moe * n_experts:
         deferred.source.read_all(put_row)  # the budget holds every expert: the host pool
+        put_mtp_rows(cfg, aux if mtp_layers else None, put_row, dtype, raw)
         return params, aux, pool.result()
+    if mtp_layers:
+        raise ConfigError("'speculative.method' = 'mtp' is not served from the disk tier yet: "
+                          "'residency.host_budget_experts' / 'host_budget_gib' must hold every "
+                          "expert")
     return params, aux, open_rows(rows, residency.state_dir)
+
+
+def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
+    """The first MTP layer's routed experts (as the loader kept them: `kept`, the family's aux;
+    None: nothing to put) into the pool as MoE layer len(cfg.moe_layers) of the residency
+    geometry, one row at a time (FP8 ones dequantized on the checkpoint's block)."""
+    if kept is None:
+        return
+    first = len(cfg.moe_layers) * cfg.n_routed_experts
+    for e in range(cfg.n_routed_experts):
+        put_row(first + e, mtp_expert_row(kept, cfg, e, dtype, fp8.config_block(raw)))
 
 
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:

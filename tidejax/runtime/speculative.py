@@ -13,8 +13,10 @@ greedy acceptance: the longest prefix of drafts equal to the target's argmax, th
 own next token, so its output equals one-token-a-step decoding token for token.
 
 The engine runs it through `Speculator` (runtime/steps.py: `Steps.verify`, and drafting in the
-mixed step), each lane's drafts kept in the DecodeState (`Drafts`), the MTP layer's params and
-experts a constant input beside the main model's (`DraftParams`).
+mixed step), each lane's drafts kept in the DecodeState (`Drafts`), the MTP layer's params a
+constant input beside the main model's; its routed experts are residency's, in the one expert
+state the main model's layers route by (layers/mtp.py), so its picks are counted and its misses
+served as theirs.
 """
 
 from __future__ import annotations
@@ -96,16 +98,6 @@ class Drafts:
                       jnp.where(where[:, None, None], q, self.q))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DraftParams:
-    """What the MTP draft forward reads beside the main model's params: its params (mtp.py
-    mtp_params) and its routed experts, all resident (mtp_expert_state)."""
-
-    params: dict
-    experts: Any
-
-
 @dataclasses.dataclass(frozen=True)
 class Speculator:
     """A verify round over rows (lanes) of one sequence each, given the main model (a Decoder,
@@ -156,13 +148,13 @@ class Speculator:
         return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache, experts
 
     def verify(self, params, mtp_params, tokens, positions, mask, q, cache, table, experts,
-               mtp_experts, sampling: LaneSampling, keys):
+               sampling: LaneSampling, keys):
         """tokens, positions, mask [b, k + 1]: each row's latest token and its k drafts (drawn
         from q [b, k, v]; a draft masked out is not judged: `accept`'s live); sampling: the
         lanes' before the latest token is counted; keys [b] -> (Verdict, Sampled [b, k + 1]:
         the verdict's tokens with their log-probabilities where a lane asked for them, next
-        drafts [b, k], their q, cache, experts, mtp_experts, sampling with the kept tokens
-        counted)."""
+        drafts [b, k], their q, cache, experts (the main model's and the MTP layer's picks
+        counted), sampling with the kept tokens counted)."""
         (logits, cache, experts), seen = self.main.apply(
             {"params": params}, tokens, positions, mask, cache, table, experts,
             mutable=["intermediates"])
@@ -182,10 +174,10 @@ class Speculator:
         sampled = jax.tree.map(lambda a: a.reshape(b, self.k + 1, *a.shape[1:]), sampled)
         sampling = jax.tree.map(lambda *s: jnp.stack(s)[verdict.accepted, rows], *states)
         kept = mask[:, :1] & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
-        drafts, q, cache, mtp_experts = self.draft(
+        drafts, q, cache, experts = self.draft(
             mtp_params, hidden, verdict.tokens, positions, kept, verdict.accepted, cache, table,
-            mtp_experts, sampling, keys)
-        return verdict, sampled, drafts, q, cache, experts, mtp_experts, sampling
+            experts, sampling, keys)
+        return verdict, sampled, drafts, q, cache, experts, sampling
 
 
 def distribution(logits, sampling: LaneSampling):

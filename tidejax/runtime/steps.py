@@ -11,8 +11,8 @@
         Tallies)  (a DonatingStep; speculative decoding, runtime/speculative.py)
         every decoding lane's latest token and its k drafts judged in one forward, then the
         next drafts. With a Speculator, `step` also drafts (the MTP layer) for the lanes it
-        decodes and for a prompt's last chunk, and the params of both are (params,
-        DraftParams).
+        decodes and for a prompt's last chunk, and the params of both are (params, the MTP
+        layer's params); the MTP layer routes through the same expert state (its last layer).
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
     read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
@@ -43,7 +43,7 @@ from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket
 from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
 from tidejax.runtime.sampling import LaneParams, LaneSampling, lane_keys, sample
-from tidejax.runtime.speculative import DraftParams, Speculator
+from tidejax.runtime.speculative import Speculator
 from tidejax.runtime.state import DecodeState
 
 
@@ -226,7 +226,7 @@ class Steps:
     model: object
     max_pages: int  # the most pages a sequence holds (max_context)
     # speculative decoding (runtime/speculative.py) where set: `step` drafts for the lanes it
-    # decodes and for a prompt's last chunk, and takes its params as (params, DraftParams)
+    # decodes and for a prompt's last chunk, and takes its params as (params, MTP params)
     speculator: Speculator | None = None
 
     def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
@@ -264,17 +264,17 @@ class Steps:
                              cache.lanes, out.lanes)
         return logits, PagedCache(out.pages, lanes), experts, hidden
 
-    def _draft(self, draft: DraftParams, hidden, next_tokens, positions, mask, at, cache, table,
-               sampling: LaneSampling):
-        """The MTP layer over rows the step ran (Speculator.draft), its keys written into the
-        pool; each row's random key from its seed and its position `at` -> (drafts [b, k],
-        q [b, k, v], cache)."""
+    def _draft(self, draft: dict, hidden, next_tokens, positions, mask, at, cache, table,
+               experts, sampling: LaneSampling):
+        """The MTP layer (params `draft`) over rows the step ran (Speculator.draft), its keys
+        written into the pool, its picks through `experts`; each row's random key from its seed
+        and its position `at` -> (drafts [b, k], q [b, k, v], cache, experts)."""
         rows = jnp.arange(hidden.shape[0])
         keys = lane_keys(sampling.params.seed, positions[rows, at])
-        drafts, q, out, _ = self.speculator.draft(
-            draft.params, hidden, next_tokens, positions, mask, at, PagedCache(cache.pages), table,
-            draft.experts, sampling, keys)
-        return drafts, q, PagedCache(out.pages, cache.lanes)
+        drafts, q, out, experts = self.speculator.draft(
+            draft, hidden, next_tokens, positions, mask, at, PagedCache(cache.pages), table,
+            experts, sampling, keys)
+        return drafts, q, PagedCache(out.pages, cache.lanes), experts
 
     @functools.cached_property
     def step(self):
@@ -296,9 +296,9 @@ class Steps:
                 if draft is not None:  # the MTP keys of the chunk; drafts after a last chunk
                     after = jnp.where(prefill.following >= 0, prefill.following, first.tokens[0])
                     following = jnp.roll(prefill.tokens, -1, axis=1).at[0, prefill.last].set(after)
-                    chunk_drafts, chunk_q, cache = self._draft(
+                    chunk_drafts, chunk_q, cache, experts = self._draft(
                         draft, hidden, following, prefill.positions, prefill.mask,
-                        jnp.reshape(prefill.last, (1,)), cache, prefill.table,
+                        jnp.reshape(prefill.last, (1,)), cache, prefill.table, experts,
                         sampling.lane(prefill.lane))
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
@@ -309,10 +309,10 @@ class Steps:
                     decode.active[:, None], cache, decode.table, experts, routes)
                 out = sample(logits[:, 0], sampling, decode.positions + 1)
                 if draft is not None:
-                    new, q, cache = self._draft(draft, hidden, out.tokens[:, None],
-                                                decode.positions[:, None], decode.active[:, None],
-                                                jnp.zeros(lanes, jnp.int32), cache, decode.table,
-                                                sampling)
+                    new, q, cache, experts = self._draft(
+                        draft, hidden, out.tokens[:, None], decode.positions[:, None],
+                        decode.active[:, None], jnp.zeros(lanes, jnp.int32), cache, decode.table,
+                        experts, sampling)
                     drafts = drafts.put(decode.active, new, q)
             else:
                 out = jax.tree.map(lambda a: jnp.zeros((lanes, *a.shape[1:]), a.dtype), first)
@@ -342,10 +342,9 @@ class Steps:
             positions = inputs.positions[:, None] + width  # [lanes, k + 1]
             mask = inputs.active[:, None] & (width <= inputs.drafted[:, None])
             keys = lane_keys(state.sampling.params.seed, inputs.positions)
-            verdict, sampled, new, q, cache, experts, _, sampling = spec.verify(
-                params, draft.params, tokens, positions, mask, state.drafts.q,
-                PagedCache(state.cache.pages), inputs.table, experts, draft.experts,
-                state.sampling, keys)
+            verdict, sampled, new, q, cache, experts, sampling = spec.verify(
+                params, draft, tokens, positions, mask, state.drafts.q,
+                PagedCache(state.cache.pages), inputs.table, experts, state.sampling, keys)
             drafts = state.drafts.put(inputs.active, new, q)
             experts, tallies = finish_batch(experts, inputs.swaps)
             cache = PagedCache(cache.pages, state.cache.lanes)

@@ -22,10 +22,12 @@ the engine's steps through it: runtime/steps.py):
   and attend the positions <= p of the row; attention scores depend only on the difference.
 - The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
   loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized).
-- The routed experts: not through residency. `mtp_expert_state` builds an all-resident
-  ExpertState of the layer's own rows (one MoE layer, moe index 0) from its loaded tensors;
-  serving them from the host pool would need residency work (docs/DESIGN.md, "Speculative
-  decoding").
+- The routed experts: the layer routes by the expert state's last MoE layer. In the engine that
+  is residency's: the drafting layer is one more MoE layer of the residency geometry, after the
+  main model's (row L_moe; its rows `mtp_expert_row` put in the host pool at load,
+  runtime/build.py), so the bank, the planner, the miss policies and the demand history serve
+  and count it as any layer. The model part alone (tests, tools/train_mtp.py) runs it on a
+  one-layer state of its own (`mtp_expert_state`).
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ class MTPLayer(nn.Module):
         x = jnp.concatenate([RMSNorm(cfg.rms_norm_eps, dt, name="enorm")(embedded),
                              RMSNorm(cfg.rms_norm_eps, dt, name="hnorm")(hidden)], axis=-1)
         x = Linear(cfg.hidden_size, dt, name="eh_proj")(x)  # [b, t, 2d] -> [b, t, d]
-        x, pages, experts, _ = decoder_block(self, 0, x, positions, token_mask, cos, sin, pages,
-                                             slots, block_table, experts)
+        last = experts.rowmap.shape[0] - 1  # the MTP layer's row: the state's last (docstring)
+        x, pages, experts, _ = decoder_block(self, last, x, positions, token_mask, cos, sin,
+                                             pages, slots, block_table, experts)
         return RMSNorm(cfg.rms_norm_eps, dt, name="shared_head_norm")(x), pages, experts
 
 
@@ -106,7 +109,8 @@ class MTP(nn.Module):
         Decoder's "head_hidden"); tokens [b, t] int32: the tokens at positions + 1; positions
         [b, t] int32, token_mask [b, t] bool: the main model's; cache: the pool with the MTP
         slots (with_mtp_slots); block_table [b, P]: each row's pages (the main model's);
-        experts: this layer's own state (mtp_expert_state); logits_at [b] as the Decoder's ->
+        experts: an expert state whose last MoE layer is this layer's (the engine's residency
+        state, or mtp_expert_state's); logits_at [b] as the Decoder's ->
         draft logits [b, t or 1, vocab] float32 (at p: the token at p + 2), the MTP hidden
         state [b, t, d] (after shared_head.norm: what transformers chains into depth + 1),
         cache, experts."""
@@ -137,8 +141,8 @@ def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0
     """The MTP module's params: the main model's embedding and head (`params`, the Decoder's),
     and MTP layer `depth` as the loader keeps it on the host (`kept`: {"layers_{i}": ...}, the
     family's load_weights aux) put on the device as stored, but for FP8 weights, dequantized on
-    the checkpoint's scale `block` to `dtype` (as_float); its routed experts left out
-    (mtp_expert_state)."""
+    the checkpoint's scale `block` to `dtype` (as_float); its routed experts left out (the
+    residency pool's: mtp_expert_row)."""
     name = f"layers_{cfg.num_layers + depth}"
     layer = dict(kept[name])
     layer["moe"] = {k: v for k, v in layer["moe"].items() if k != "experts"}
@@ -147,21 +151,23 @@ def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0
                                       layer, is_leaf=_is_fp8)}
 
 
+def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int = 0) -> dict:
+    """Routed expert `expert` of MTP layer `depth` (as kept: moe.experts.{e}.{gate,up,down}_proj)
+    as one row in the bank's format: gate_up [2f, d] with the gate rows first, down [d, f], in
+    `dtype` (FP8 ones dequantized on `block`): what the engine puts in the host pool as the
+    residency geometry's MTP layer (runtime/build.py)."""
+    parts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"][str(expert)]
+    part = lambda proj: as_float(parts[proj], block, dtype)
+    return {"gate_up": np.concatenate([part("gate_proj"), part("up_proj")]).astype(dtype),
+            "down": part("down_proj").astype(dtype)}
+
+
 def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> ExpertState:
-    """MTP layer `depth`'s routed experts (as kept: moe.experts.{e}.{gate,up,down}_proj) as an
-    all-resident expert state of one MoE layer, rows in the bank's format (gate_up [E, 2f, d]
-    with the gate rows first, down [E, d, f]) in `dtype` (FP8 ones dequantized on `block`). A
-    stand-in until residency serves them."""
-    experts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"]
-
-    def part(e: int, proj: str) -> np.ndarray:
-        return as_float(experts[str(e)][proj], block, dtype)
-
-    ids = range(cfg.n_routed_experts)
-    rows = {"gate_up": np.stack([np.concatenate([part(e, "gate_proj"), part(e, "up_proj")])
-                                 for e in ids]),
-            "down": np.stack([part(e, "down_proj") for e in ids])}
-    return all_resident_state({k: jnp.asarray(v, dtype) for k, v in rows.items()}, 1)
+    """MTP layer `depth`'s routed experts as an all-resident expert state of one MoE layer: the
+    model part run alone (the engine serves them through residency instead)."""
+    rows = [mtp_expert_row(kept, cfg, e, dtype, block, depth) for e in range(cfg.n_routed_experts)]
+    return all_resident_state({k: jnp.asarray(np.stack([r[k] for r in rows]), dtype)
+                               for k in ("gate_up", "down")}, 1)
 
 
 def _is_fp8(leaf) -> bool:

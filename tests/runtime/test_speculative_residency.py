@@ -1,0 +1,119 @@
+"""The MTP layer's routed experts through residency (issue 33): speculating, the drafting MTP
+layer is one more MoE layer of the residency geometry, after the main model's. On a tiny
+DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp), with a bank of half the
+experts: greedy output equal to the all-resident engine's without speculation and to the
+budgeted one's without; the MTP layer's experts not all on the device, swapped and missed and
+served, its demand in the saved history; a history or seed map saved with speculation off
+migrated or refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.errors import ConfigError
+from tidejax.residency.history import History
+from tidejax.runtime.scheduler import GenerationRequest
+from tests.support.engine_probes import run, tokens_of
+from tests.support.tiny_models import repeating_mtp
+
+K = 2
+ENGINE = {"lanes": 2, "max_context": 48, "page_size": 8, "prefill_chunk": 16, "warmup": False}
+PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist() for s, n in ((1, 14), (2, 9))]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint, tmp_path_factory):
+    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
+    return repeating_mtp(base, tmp_path_factory.mktemp("spec-residency") / "mtp", 0.3)
+
+
+def budgeted(layers: int, experts: int, state_dir, **more) -> dict:
+    """Half the experts of every layer in the bank, `exact` misses, a drain every 2 steps."""
+    return {"budget_experts": layers * experts // 2, "miss_policy": "exact", "drain_every": 2,
+            "hysteresis": 1.0, "state_dir": str(state_dir), **more}
+
+
+def greedy(engine) -> list[list[int]]:
+    events = run(engine, [GenerationRequest(p, NEW, ignore_eos=True) for p in PROMPTS])
+    return [tokens_of(got) for got in events]
+
+
+def test_mtp_experts_served_and_counted_by_residency(model_dir, tmp_path):
+    """Speculating with half the experts in the bank: the residency geometry has the MTP layer
+    after the main MoE layers, the bank holds only some of its experts (the draft params none),
+    the greedy output is the all-resident plain engine's and the budgeted plain engine's, the
+    MTP layer's experts were missed and served (exact) and swapped in by the planner, and its
+    demand is in the saved history, which says it has one MTP layer."""
+    plain = tidejax.load(model_dir, engine=ENGINE)
+    want = greedy(plain)
+    cfg = plain.loaded.cfg
+    n_moe, n_experts = len(cfg.moe_layers), cfg.n_routed_experts
+    plain.close()
+
+    off = tidejax.load(model_dir, engine=ENGINE,
+                       residency=budgeted(n_moe, n_experts, tmp_path / "off"))
+    assert greedy(off) == want
+    off.close()
+
+    engine = tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+                          residency=budgeted(n_moe + 1, n_experts, tmp_path / "on"))
+    residency = engine.loaded.residency
+    assert (residency.n_layers, residency.mtp_layers) == (n_moe + 1, 1)
+    # memory: the bank's resident slots hold half the MTP layer's experts; the draft's params
+    # hold no routed expert
+    mtp_rows = range(n_moe * n_experts, (n_moe + 1) * n_experts)
+    boot = residency.slot_rows[:residency.n_resident].copy()
+    assert np.isin(boot, mtp_rows).sum() == n_experts // 2
+    assert residency.n_resident + residency.n_transient < (n_moe + 1) * n_experts
+    assert "experts" not in engine.loaded.step_params[1][f"layers_{cfg.num_layers}"]["moe"]
+
+    got = greedy(engine)
+    assert got == want
+    assert residency.misses_by_layer[-1] > 0  # the MTP layer's misses, served exactly
+    now = residency.slot_rows[:residency.n_resident]
+    swapped_in = set(now[np.isin(now, mtp_rows)]) - set(boot[np.isin(boot, mtp_rows)])
+    print(f"MTP layer: {residency.misses_by_layer[-1]} misses served, "
+          f"{len(swapped_in)} experts swapped in; misses by layer {residency.misses_by_layer}")
+    assert swapped_in, "the planner swapped none of the MTP layer's experts in"
+    engine.close()
+    saved = History.read(tmp_path / "on" / "history.npz")
+    assert saved.shape == (n_moe + 1, n_experts) and saved.mtp_layers == 1
+    assert saved.counts[-1].sum() > 0 and saved.weights[-1].sum() > 0
+
+
+def test_history_migrates_when_speculation_turns_on_and_off(model_dir, tmp_path):
+    """A history saved without speculation resumes speculating with its main layers' demand and
+    the MTP layer's at zero; saved speculating, it resumes without with the MTP layer dropped.
+    A seed map fitted without speculation is refused speculating, naming 'mtp_layers'."""
+    state = tmp_path / "state"
+    cfg_raw = json.loads((model_dir / "config.json").read_text())
+    n_experts = cfg_raw["n_routed_experts"]
+    n_moe = cfg_raw["num_hidden_layers"] - cfg_raw["first_k_dense_replace"]
+    saved = History(n_moe, n_experts)
+    saved.add(np.arange(n_moe * n_experts).reshape(n_moe, n_experts),
+              np.ones((n_moe, n_experts)), 10)
+    saved.save(state / "history.npz")
+    on = History.resume(state / "history.npz", n_moe + 1, n_experts, 500.0, mtp_layers=1)
+    assert on.shape == (n_moe + 1, n_experts) and on.mtp_layers == 1 and on.steps == 10
+    np.testing.assert_array_equal(on.counts[:-1], saved.counts)
+    assert not on.counts[-1].any() and not on.weights[-1].any()
+    on.counts[-1] = 5
+    on.save(state / "history.npz")
+    back = History.resume(state / "history.npz", n_moe, n_experts, 500.0)
+    assert back.shape == (n_moe, n_experts) and back.mtp_layers == 0
+    np.testing.assert_array_equal(back.counts, saved.counts)
+    # a history of other main layers is still set aside, not misread
+    assert History.resume(state / "history.npz", n_moe + 2, n_experts, 500.0, 1) is None
+
+    seed = {"format": "tidejax-seed-map/1", "geometry": "per_layer", "n_layers": n_moe,
+            "n_experts": n_experts, "budget": n_moe, "rows": [l * n_experts for l in range(n_moe)]}
+    (tmp_path / "seed.json").write_text(json.dumps(seed))
+    with pytest.raises(ConfigError, match="mtp_layers"):
+        tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+                     residency={"budget_experts": n_moe + 1,
+                                "seed_map": str(tmp_path / "seed.json")})
