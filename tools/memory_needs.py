@@ -10,7 +10,10 @@ The shape is tools/make_synthetic.py's, at the published model's layer count and
   profile holds (models.loading.RowFormat, the loader's own conversion, on a row of zeros), its
   bytes by residency.pool.row_bytes; the host pool holds every one of them
 - dense weights on the device: the family's declared params in bf16 (models.base.nbytes), the
-  embedding and head among them; the MTP layers the family keeps on the host (its mtp_specs)
+  embedding and head among them; the MTP layers the family keeps on the host (its mtp_specs).
+  With [speculative] method = "mtp" the first MTP layer's dense part goes to the device and its
+  routed experts join the host pool as one more MoE layer of the residency geometry (rows in the
+  format held, in the bank as the budget allows, like any layer's)
 - KV: the family's cache_bytes_per_token in bf16
 - `exact`'s transient slots: one MoE layer's experts (residency.manager: min(E, max_context x
   top_k) rows, which for any real context is E)
@@ -82,7 +85,9 @@ class Needs:
         self.expert_bytes = row_bytes({k: v[None] for k, v in held.items()})
         self.dense_bytes = nbytes(declared.params)
         self.embed_head_bytes = nbytes([declared.params["embed"], declared.params["lm_head"]])
-        self.mtp_bytes = self._mtp_bytes(family, raw, mtp_layers)
+        self.mtp_bytes, self.mtp_dense_bytes = self._mtp_bytes(family, raw, mtp_layers)
+        # speculating: the drafting MTP layer's routed experts, one more MoE layer of the pool
+        self.mtp_pool_bytes = self.n_experts * self.expert_bytes if self.mtp_bytes else 0
         self.kv_per_token = family.cache_bytes_per_token(self.cfg, jnp.bfloat16)
 
     @staticmethod
@@ -94,14 +99,18 @@ class Needs:
         return RowFormat(stored, jnp.bfloat16).convert(row) if stored == "mxfp4" else row
 
     @staticmethod
-    def _mtp_bytes(family, raw: dict, mtp_layers: int) -> int:
-        """The published MTP layers' bytes in bf16, where the family keeps them (mtp_specs)."""
+    def _mtp_bytes(family, raw: dict, mtp_layers: int) -> tuple[int, int]:
+        """(The published MTP layers' bytes in bf16, where the family keeps them (mtp_specs);
+        the first one's without its routed experts: what speculating puts on the device)."""
         weights = family_weights(raw)
         if not mtp_layers or not hasattr(weights, "mtp_specs"):
-            return 0
+            return 0, 0
         with_mtp = raw | {"num_nextn_predict_layers": mtp_layers}
         cfg = family.config_from_hf(with_mtp, "published config.json")
-        return nbytes(weights.mtp_specs(cfg, jnp.bfloat16))
+        specs = weights.mtp_specs(cfg, jnp.bfloat16)
+        first = specs[f"layers_{cfg.num_layers}"]
+        dense = first | {"moe": {k: v for k, v in first["moe"].items() if k != "experts"}}
+        return nbytes(specs), nbytes(dense)
 
     @property
     def pool_bytes(self) -> int:
@@ -151,7 +160,11 @@ def report(needs: Needs, kv_tokens: int, reserve_gib: float, budgets: list[float
         f"it the embedding and the head)",
     ]
     if n.mtp_bytes:
-        lines.append(f"MTP layers on the host: {n.mtp_bytes / GIB:.1f} GiB")
+        lines += [f"MTP layers on the host: {n.mtp_bytes / GIB:.1f} GiB in bf16",
+                  f"  speculating (method \"mtp\"): {n.mtp_dense_bytes / GIB:.2f} GiB of it on "
+                  f"the device; its {n.n_experts} routed experts one more MoE layer of the host "
+                  f"pool (+{n.mtp_pool_bytes / GIB:.2f} GiB held {held}), in the bank as the "
+                  "budget allows"]
     lines += [
         f"KV: {n.kv_per_token / KIB:.1f} KiB a token; {kv_tokens:,} tokens: "
         f"{kv_tokens * n.kv_per_token / GIB:.2f} GiB",

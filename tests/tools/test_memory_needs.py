@@ -44,6 +44,20 @@ def test_budgets_are_the_largest_that_fit():
     assert needs.largest_budget(DEVICES["H200 (141 GB)"], 65536, 8) == 0  # every expert
 
 
+def test_the_mtp_layer_speculating_puts_its_dense_part_on_the_device_and_its_experts_in_the_pool(
+        capsys):
+    """GLM-4.5-Air's MTP layer (bf16): its 128 routed experts of 4096 x 1408 are the layer's bytes
+    less its dense part; speculating they join the host pool as one more MoE layer in the format
+    held (MXFP4 here), and only the dense part goes to the device."""
+    needs = Needs("glm45-air", "mxfp4")
+    assert needs.mtp_bytes - needs.mtp_dense_bytes == 128 * 3 * 4096 * 1408 * 2
+    assert 0 < needs.mtp_dense_bytes < GIB
+    assert needs.mtp_pool_bytes == 128 * needs.expert_bytes
+    assert Needs("qwen3-30b", "mxfp4").mtp_pool_bytes == 0  # no MTP layer kept
+    main(["--shape", "glm45-air"])
+    assert "0.30 GiB of it on the device" in capsys.readouterr().out
+
+
 def test_a_shape_without_published_figures_is_named(capsys):
     with pytest.raises(SystemExit, match="--shape glm-tiny"):
         Needs("glm-tiny", "mxfp4")
