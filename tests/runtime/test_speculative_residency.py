@@ -32,10 +32,20 @@ def model_dir(tiny_checkpoint, tmp_path_factory):
     return repeating_mtp(base, tmp_path_factory.mktemp("spec-residency") / "mtp", 0.3)
 
 
-def budgeted(layers: int, experts: int, state_dir, **more) -> dict:
-    """Half the experts of every layer in the bank, `exact` misses, a drain every 2 steps."""
-    return {"budget_experts": layers * experts // 2, "miss_policy": "exact", "drain_every": 2,
-            "hysteresis": 1.0, "state_dir": str(state_dir), **more}
+@pytest.fixture(scope="module")
+def all_resident(model_dir):
+    """The engine without speculation, every expert resident: (its greedy output, config)."""
+    plain = tidejax.load(model_dir, engine=ENGINE)
+    out = greedy(plain), plain.loaded.cfg
+    plain.close()
+    return out
+
+
+def budgeted(layers: int, experts: int, state_dir, policy: str) -> dict:
+    """Half the experts of every layer in the bank, misses served by `policy`, a drain every 2
+    steps."""
+    return {"budget_experts": layers * experts // 2, "miss_policy": policy, "drain_every": 2,
+            "hysteresis": 1.0, "state_dir": str(state_dir)}
 
 
 def greedy(engine) -> list[list[int]]:
@@ -43,25 +53,22 @@ def greedy(engine) -> list[list[int]]:
     return [tokens_of(got) for got in events]
 
 
-def test_mtp_experts_served_and_counted_by_residency(model_dir, tmp_path):
+@pytest.mark.parametrize("policy", ["exact", "cpu"])
+def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tmp_path, policy):
     """Speculating with half the experts in the bank: the residency geometry has the MTP layer
     after the main MoE layers, the bank holds only some of its experts (the draft params none),
     the greedy output is the all-resident plain engine's and the budgeted plain engine's, the
-    MTP layer's experts were missed and served (exact) and swapped in by the planner, and its
-    demand is in the saved history, which says it has one MTP layer."""
-    plain = tidejax.load(model_dir, engine=ENGINE)
-    want = greedy(plain)
-    cfg = plain.loaded.cfg
+    MTP layer's experts were missed and served (by `policy`, exact either way) and swapped in
+    by the planner, and its demand is in the saved history, which says it has one MTP layer."""
+    want, cfg = all_resident
     n_moe, n_experts = len(cfg.moe_layers), cfg.n_routed_experts
-    plain.close()
-
     off = tidejax.load(model_dir, engine=ENGINE,
-                       residency=budgeted(n_moe, n_experts, tmp_path / "off"))
+                       residency=budgeted(n_moe, n_experts, tmp_path / "off", policy))
     assert greedy(off) == want
     off.close()
 
     engine = tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
-                          residency=budgeted(n_moe + 1, n_experts, tmp_path / "on"))
+                          residency=budgeted(n_moe + 1, n_experts, tmp_path / "on", policy))
     residency = engine.loaded.residency
     assert (residency.n_layers, residency.mtp_layers) == (n_moe + 1, 1)
     # memory: the bank's resident slots hold half the MTP layer's experts; the draft's params
@@ -74,7 +81,9 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, tmp_path):
 
     got = greedy(engine)
     assert got == want
-    assert residency.misses_by_layer[-1] > 0  # the MTP layer's misses, served exactly
+    assert residency.misses_by_layer[-1] > 0  # the MTP layer's misses, served by the policy
+    if policy == "cpu":
+        assert residency.cpu_picks() > 0
     now = residency.slot_rows[:residency.n_resident]
     swapped_in = set(now[np.isin(now, mtp_rows)]) - set(boot[np.isin(boot, mtp_rows)])
     print(f"MTP layer: {residency.misses_by_layer[-1]} misses served, "
