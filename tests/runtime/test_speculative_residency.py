@@ -43,14 +43,18 @@ def all_resident(model_dir):
 
 def budgeted(layers: int, experts: int, state_dir, policy: str) -> dict:
     """Half the experts of every layer in the bank, misses served by `policy`, a drain every 2
-    steps."""
+    steps, no decay to speak of (the history's counts are the picks counted)."""
     return {"budget_experts": layers * experts // 2, "miss_policy": policy, "drain_every": 2,
-            "hysteresis": 1.0, "state_dir": str(state_dir)}
+            "hysteresis": 1.0, "half_life": 1e12, "state_dir": str(state_dir)}
 
 
 def greedy(engine) -> list[list[int]]:
+    return greedy_with_stats(engine)[0]
+
+
+def greedy_with_stats(engine) -> tuple[list[list[int]], list[dict]]:
     events = run(engine, [GenerationRequest(p, NEW, ignore_eos=True) for p in PROMPTS])
-    return [tokens_of(got) for got in events]
+    return [tokens_of(got) for got in events], [got[-1].stats for got in events]
 
 
 @pytest.mark.parametrize("policy", ["exact", "cpu"])
@@ -59,7 +63,10 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tm
     after the main MoE layers, the bank holds only some of its experts (the draft params none),
     the greedy output is the all-resident plain engine's and the budgeted plain engine's, the
     MTP layer's experts were missed and served (by `policy`, exact either way) and swapped in
-    by the planner, and its demand is in the saved history, which says it has one MTP layer."""
+    by the planner, and its demand is in the saved history, which says it has one MTP layer.
+    The verify steps' picks are counted too: every main MoE layer's picks in the history are
+    top_k for each token the steps routed (residency's `wanted`, which counts a verify step's
+    k + 1 positions a lane), one MoE layer's share of it."""
     want, cfg = all_resident
     n_moe, n_experts = len(cfg.moe_layers), cfg.n_routed_experts
     off = tidejax.load(model_dir, engine=ENGINE,
@@ -79,8 +86,9 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tm
     assert residency.n_resident + residency.n_transient < (n_moe + 1) * n_experts
     assert "experts" not in engine.loaded.step_params[1][f"layers_{cfg.num_layers}"]["moe"]
 
-    got = greedy(engine)
+    got, stats = greedy_with_stats(engine)
     assert got == want
+    assert all(s["drafted_tokens"] > 0 for s in stats)  # verify steps judged drafts
     assert residency.misses_by_layer[-1] > 0  # the MTP layer's misses, served by the policy
     if policy == "cpu":
         assert residency.cpu_picks() > 0
@@ -93,6 +101,8 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tm
     saved = History.read(tmp_path / "on" / "history.npz")
     assert saved.shape == (n_moe + 1, n_experts) and saved.mtp_layers == 1
     assert saved.counts[-1].sum() > 0 and saved.weights[-1].sum() > 0
+    per_layer = residency.counters["wanted"] / (n_moe + 1)  # [L_moe + 1] layers' share
+    np.testing.assert_allclose(saved.counts[:-1].sum(axis=1), per_layer, rtol=1e-6)
 
 
 def test_history_migrates_when_speculation_turns_on_and_off(model_dir, tmp_path):
