@@ -128,8 +128,9 @@ class _Step:
 
     result: StepResult  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
-    positions: np.ndarray  # [lanes] the position of each lane's next token (first, of a
-    # verify step's), but where `continues`
+    # [lanes] the position of the token the step gives each lane (a verify step's first) where
+    # the host knows it when queueing the step: not of a lane that `continues`
+    positions: np.ndarray
     drafted: np.ndarray | None = None  # a verify step's drafts judged per lane; else None
     # a verify step's lanes that go on from the step before it: their first token follows
     # the latest one that step's reading leaves them (Scheduler._first_positions)
