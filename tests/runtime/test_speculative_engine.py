@@ -16,11 +16,12 @@ import pytest
 from scipy.stats import chi2
 
 import tidejax
+from tidejax.kv.pages import pages_for
 from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.runner import Runner, StepResult
 from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, probabilities,
                                       process)
-from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, Scheduler, TokenEvent
 from tidejax.server.app import Server
 from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import serve_app
@@ -136,11 +137,49 @@ def step_order(monkeypatch):
     return order
 
 
-def test_prompts_arriving_mid_decode_ride_in_verify_steps(plain, speculating, step_order):
+@pytest.fixture
+def pages_kept(monkeypatch):
+    """After each step is read: every page the step in flight writes for a lane it goes on
+    with is still that lane's, at the same place of its table (pages the reading gives back
+    must be past those writes); a Counter of the checks, and of those whose writes reached a
+    page past the lane's latest position's (which giving back everything past that position
+    would have freed under the step in flight)."""
+    counts, tables = collections.Counter(), {}
+    run, deliver = Runner.run, Scheduler._deliver
+
+    def queued(self, plan):
+        result = run(self, plan)
+        if plan.verify:
+            tables[result.step] = [list(pages) for pages in plan.decode.pages]
+        return result
+
+    def read(self, step):
+        deliver(self, step)
+        flight = self._in_flight
+        if flight is None or flight.continues is None:
+            return
+        for lane, handle in enumerate(flight.handles):
+            if not (flight.continues[lane] and self.lane_of[lane] is handle):
+                continue
+            writes = pages_for(self._reach(self.positions[lane]), self.pages.page_size)
+            held = self.pages.pages_of(handle.id)
+            assert held[:writes] == tables[flight.result.step][lane][:writes]
+            counts["checked"] += 1
+            counts["past_latest"] += writes > pages_for(int(self.positions[lane]) + 1,
+                                                        self.pages.page_size)
+
+    monkeypatch.setattr(Runner, "run", queued)
+    monkeypatch.setattr(Scheduler, "_deliver", read)
+    return counts
+
+
+def test_prompts_arriving_mid_decode_ride_in_verify_steps(plain, speculating, step_order,
+                                                          pages_kept):
     """A request arriving while one lane speculates, then four arriving one after another in a
     pool that holds two of them: each request's tokens are the plain engine's; its prompt
     chunks went into steps that judged the other lanes' drafts (counted), lanes were preempted
-    and resumed, and each step was queued before the tokens of the one before it were read."""
+    and resumed, each step was queued before the tokens of the one before it were read, and
+    the pages of the step in flight stayed with their lanes when the one before was read."""
     scheduler, totals = speculating.scheduler, speculating.scheduler.totals
     before = collections.Counter(totals)
     pair = [PROMPTS[0], PROMPTS[2]]
@@ -161,6 +200,8 @@ def test_prompts_arriving_mid_decode_ride_in_verify_steps(plain, speculating, st
     assert 0 < totals["accepted_tokens"] - before["accepted_tokens"] < (
         totals["drafted_tokens"] - before["drafted_tokens"])
     assert scheduler.pages.in_use == 0
+    print(f"pages of the step in flight checked {dict(pages_kept)}")
+    assert pages_kept["past_latest"] > 0
 
 
 # every sampling parameter the server takes that changes the distribution (thinking budget
