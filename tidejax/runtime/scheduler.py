@@ -590,7 +590,7 @@ class Scheduler:
         if completes:
             sampled_for[chunk.lane] = prompt  # its first token comes with this step
         if self.k:
-            queued = self._verify(sampled_for, active, fresh, chunk, previous)
+            queued = self._queue_verify(sampled_for, active, fresh, chunk, previous)
         else:
             pages = [self.pages.grow(h.id, self._reach(self.positions[lane])) if h else []
                      for lane, h in enumerate(handles)]
@@ -613,8 +613,8 @@ class Scheduler:
             self._snapshot(prompt, chunk.lane)
         return queued
 
-    def _verify(self, sampled_for: list, active: np.ndarray, fresh: np.ndarray,
-                chunk: PrefillChunk | None, previous: _Step | None) -> _Step:
+    def _queue_verify(self, sampled_for: list, active: np.ndarray, fresh: np.ndarray,
+                      chunk: PrefillChunk | None, previous: _Step | None) -> _Step:
         """Queues a verify step (speculating) over the `active` lanes, beside `chunk`: a lane
         with current drafts has them judged; one that goes on from `previous` takes its
         latest token and position from it on the device, its pages covering the most it can
