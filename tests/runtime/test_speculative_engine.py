@@ -1,23 +1,27 @@
 """Speculative decoding in the engine (issue 33): a tiny DeepSeek-V3 with one MTP layer that
 drafts well (tiny_models.repeating_mtp), served with `[speculative] method = "mtp"` against the
 same checkpoint with it off: greedy output token for token, alone and in four lanes of a pool
-small enough to preempt; sampled output against the distribution the plain sampler draws from;
-the stats through the live server and the openai client."""
+small enough to preempt, and with requests arriving mid-decode (their prompt chunks in the
+verify steps, each step queued before the one before it is read); sampled output against the
+distribution the plain sampler draws from; the stats through the live server and the openai
+client."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import numpy as np
 import pytest
 from scipy.stats import chi2
 
 import tidejax
-from tidejax.runtime.build import VERIFY
+from tidejax.kv.pages import pages_for
 from tidejax.runtime.client import LocalEngineClient
+from tidejax.runtime.runner import Runner, StepResult
 from tidejax.runtime.sampling import (LaneParams, LaneSampling, SamplingParams, probabilities,
                                       process)
-from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
+from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, Scheduler, TokenEvent
 from tidejax.server.app import Server
 from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import serve_app
@@ -90,6 +94,116 @@ def test_greedy_output_is_the_plain_engines_alone_and_in_four_preempting_lanes(p
     assert speculating.scheduler.pages.in_use == 0
 
 
+def staggered(engine, prompts, after: int):
+    """Each prompt's NEW greedy tokens (eos ignored): the first submitted alone, each next one
+    once the one before it has `after` tokens, so that its prompt's chunks are planned while
+    the others decode."""
+    events = [[] for _ in prompts]
+
+    def submit(i):
+        def on_event(event):
+            events[i].append(event)
+            if (i + 1 < len(prompts) and isinstance(event, TokenEvent)
+                    and len(tokens_of(events[i])) == after):
+                submit(i + 1)
+        engine.scheduler.submit(GenerationRequest(prompts[i], NEW, ignore_eos=True), on_event)
+
+    submit(0)
+    engine.scheduler.run_until_idle()
+    for got in events:
+        assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "length"
+    return [tokens_of(got) for got in events]
+
+
+@pytest.fixture
+def step_order(monkeypatch):
+    """The order in which steps are queued and their tokens read: ("queued", n), ("read", n)
+    for step n (StepResult.step), appended as the runner and the scheduler do them."""
+    order = []
+    run, tokens = Runner.run, StepResult.tokens
+
+    def queued(self, plan):
+        result = run(self, plan)
+        if result.step is not None:
+            order.append(("queued", result.step))
+        return result
+
+    def read(self):
+        order.append(("read", self.step))
+        return tokens(self)
+
+    monkeypatch.setattr(Runner, "run", queued)
+    monkeypatch.setattr(StepResult, "tokens", read)
+    return order
+
+
+@pytest.fixture
+def pages_kept(monkeypatch):
+    """After each step is read: every page the step in flight writes for a lane it goes on
+    with is still that lane's, at the same place of its table (pages the reading gives back
+    must be past those writes); a Counter of the checks, and of those whose writes reached a
+    page past the lane's latest position's (which giving back everything past that position
+    would have freed under the step in flight)."""
+    counts, tables = collections.Counter(), {}
+    run, deliver = Runner.run, Scheduler._deliver
+
+    def queued(self, plan):
+        result = run(self, plan)
+        if plan.verify:
+            tables[result.step] = [list(pages) for pages in plan.decode.pages]
+        return result
+
+    def read(self, step):
+        deliver(self, step)
+        flight = self._in_flight
+        if flight is None or flight.continues is None:
+            return
+        for lane, handle in enumerate(flight.handles):
+            if not (flight.continues[lane] and self.lane_of[lane] is handle):
+                continue
+            writes = pages_for(self._reach(self.positions[lane]), self.pages.page_size)
+            held = self.pages.pages_of(handle.id)
+            assert held[:writes] == tables[flight.result.step][lane][:writes]
+            counts["checked"] += 1
+            counts["past_latest"] += writes > pages_for(int(self.positions[lane]) + 1,
+                                                        self.pages.page_size)
+
+    monkeypatch.setattr(Runner, "run", queued)
+    monkeypatch.setattr(Scheduler, "_deliver", read)
+    return counts
+
+
+def test_prompts_arriving_mid_decode_ride_in_verify_steps(plain, speculating, step_order,
+                                                          pages_kept):
+    """A request arriving while one lane speculates, then four arriving one after another in a
+    pool that holds two of them: each request's tokens are the plain engine's; its prompt
+    chunks went into steps that judged the other lanes' drafts (counted), lanes were preempted
+    and resumed, each step was queued before the tokens of the one before it were read, and
+    the pages of the step in flight stayed with their lanes when the one before was read."""
+    scheduler, totals = speculating.scheduler, speculating.scheduler.totals
+    before = collections.Counter(totals)
+    pair = [PROMPTS[0], PROMPTS[2]]
+    got = staggered(speculating, pair, 3)
+    order = list(step_order)  # the speculating engine's steps alone
+    assert got == staggered(plain, pair, 3)
+    assert totals["verify_chunk_steps"] > before["verify_chunk_steps"]
+    # the pipelining: step n + 1 queued before step n's tokens were read, as often as the
+    # scheduler counts it
+    overlapped = [n for kind, n in order if kind == "read" and ("queued", n + 1) in order
+                  and order.index(("queued", n + 1)) < order.index(("read", n))]
+    assert len(overlapped) == totals["overlapped_steps"] - before["overlapped_steps"] > 0
+
+    mixed, preempted = totals["verify_chunk_steps"], totals["preemptions"]
+    assert staggered(speculating, PROMPTS, 1) == staggered(plain, PROMPTS, 1)
+    assert totals["verify_chunk_steps"] > mixed
+    assert totals["preemptions"] > preempted
+    assert 0 < totals["accepted_tokens"] - before["accepted_tokens"] < (
+        totals["drafted_tokens"] - before["drafted_tokens"])
+    assert scheduler.pages.in_use == 0
+    print(f"pages of the step in flight checked {dict(pages_kept)}")
+    assert pages_kept["past_latest"] > 0
+
+
 # every sampling parameter the server takes that changes the distribution (thinking budget
 # aside: it forces one token), top_k small so that a pair of tokens has few outcomes
 SAMPLED = dict(temperature=0.9, top_k=3, top_p=0.97, min_p=0.05, presence_penalty=0.4,
@@ -150,9 +264,9 @@ def test_stats_through_the_live_server(speculating):
     since start."""
     import openai
     import urllib.request
-    # the warm-up the server runs at start compiles the verify step beside the mixed ones
+    # the warm-up the server runs at start compiles the verify steps: alone and with a chunk
     shapes = speculating.loaded.warmup_shapes([len(PROMPTS[0])])
-    assert {size for size, *_ in shapes} == {VERIFY, 0, 16}
+    assert {size for size, *_ in shapes} == {0, 16}
     speculating.warmup([len(PROMPTS[0])])
     client = LocalEngineClient(speculating)
     asyncio.run(client.start())

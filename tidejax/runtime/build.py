@@ -48,14 +48,13 @@ from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
 from tidejax.runtime.state import DecodeState
 from tidejax.runtime.speculative import Speculator
-from tidejax.runtime.steps import (DecodeInputs, DecodeRows, PrefillChunk, PrefillInputs, Replay,
-                                   ScoreInputs, StepInputs, Steps, VerifyInputs)
+from tidejax.runtime.steps import (DecodeInputs, DecodeRows, Latest, PrefillChunk, PrefillInputs,
+                                   Replay, ScoreInputs, StepInputs, Steps, VerifyInputs)
 from tidejax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tidejax")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-VERIFY = -1  # a warm-up shape's chunk size that stands for the verify step (warmup_inputs)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -162,6 +161,7 @@ class LoadedModel:
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
         self.host_only = parallel.replicated(np.zeros(self.lanes, np.int32), self.mesh)
+        self.host_latest = Latest(self.host_only, self.host_only)  # a verify step's likewise
 
     def _check_mtp_layer(self, config: EngineConfig) -> None:
         """[speculative] method "mtp" on a checkpoint whose config.json counts MTP layers that
@@ -342,65 +342,81 @@ class LoadedModel:
     def step_inputs(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
                     previous: jax.Array | None, swaps: SwapBatch) -> StepInputs:
         """The jitted step's inputs (block tables, padded chunk, the family's step tables, replay
-        rows, the swap batch). A decoding lane's input is previous[lane] (an earlier step's output, still
-        on the device) or, where decode.fresh[lane], decode.tokens[lane] from the host."""
+        rows, the swap batch). A decoding lane's input is previous[lane] (an earlier step's
+        output, still on the device) or, where decode.fresh[lane], decode.tokens[lane] from the
+        host. Speculating, every step is a verify step (verify_inputs)."""
+        if self.speculator is not None:
+            raise ValueError("a speculating model's steps are verify steps (verify_inputs)")
         if decode is None and prefill is None:
             raise ValueError("a step needs decoding lanes or a prompt chunk")
-        if previous is None:
-            previous = self.host_only
-            if decode is not None and not decode.fresh.all():
-                raise ValueError("a step without `previous` takes every input from the host")
-        prefill_in = None
-        if prefill is not None:
-            if not 0 < len(prefill.tokens) <= self.prefill_chunk:
-                raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
-                                 f"got {len(prefill.tokens)}")
-            prefill_in = self._prefill_inputs(
-                prefill, self._prefill_width(prefill.start + len(prefill.tokens)))
+        previous = self._previous(decode, previous, self.host_only)
+        prefill_in = self._chunk_inputs(prefill)
         decode_in = None
         if decode is not None:
             decode_in = DecodeInputs(
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
-                active=decode.active.astype(bool),
-                table=self._table(decode.pages, self._decode_width(
-                    max((len(p) for p in decode.pages), default=1))))
+                active=decode.active.astype(bool), table=self._decode_table(decode.pages))
         routed = (prefill_in.tokens.size if prefill is not None else 0) + (
             self.lanes if decode is not None else 0)
         return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
 
-    def verify_inputs(self, decode: DecodeRows, swaps: SwapBatch) -> VerifyInputs:
-        """A verify step's inputs (every input token from the host); decode.pages cover each
-        lane's positions up to the MTP chain's last (Scheduler.lookahead)."""
-        width = self._decode_width(max((len(p) for p in decode.pages), default=1))
-        return VerifyInputs(decode.tokens.astype(np.int32), decode.positions.astype(np.int32),
+    def verify_inputs(self, decode: DecodeRows, prefill: PrefillChunk | None,
+                      previous: Latest | None, swaps: SwapBatch) -> VerifyInputs:
+        """A verify step's inputs: a decoding lane's latest token and position are previous's
+        (the last verify step's Latest, on the device) or, where decode.fresh[lane], the host's;
+        decode.pages cover each lane's positions up to the MTP chain's last
+        (Scheduler.lookahead); the prompt chunk beside them as in step_inputs."""
+        previous = self._previous(decode, previous, self.host_latest)
+        return VerifyInputs(decode.tokens.astype(np.int32), decode.fresh.astype(bool),
+                            decode.positions.astype(np.int32), previous,
                             decode.active.astype(bool), decode.drafted.astype(np.int32),
-                            self._table(decode.pages, width), swaps)
+                            self._decode_table(decode.pages), self._chunk_inputs(prefill), swaps)
+
+    @staticmethod
+    def _previous(decode: DecodeRows | None, previous, host_only):
+        """A step's `previous` inputs, or `host_only` where every input comes from the host."""
+        if previous is not None:
+            return previous
+        if decode is not None and not decode.fresh.all():
+            raise ValueError("a step without `previous` takes every input from the host")
+        return host_only
+
+    def _chunk_inputs(self, prefill: PrefillChunk | None) -> PrefillInputs | None:
+        """A prompt chunk's inputs (padded to its bucket, its table), or None."""
+        if prefill is None:
+            return None
+        if not 0 < len(prefill.tokens) <= self.prefill_chunk:
+            raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
+                             f"got {len(prefill.tokens)}")
+        return self._prefill_inputs(prefill,
+                                    self._prefill_width(prefill.start + len(prefill.tokens)))
+
+    def _decode_table(self, pages: list[list[int]]) -> np.ndarray:
+        """The decoding lanes' block tables, as wide as the longest needs (_decode_width)."""
+        return self._table(pages, self._decode_width(max((len(p) for p in pages), default=1)))
 
     def warmup_inputs(self, size: int, prefill_width: int | None, decode_width: int,
                       swaps: SwapBatch) -> StepInputs | VerifyInputs:
         """A step of one shape with every token masked out (nothing written, counted or sampled
-        into a lane): a chunk bucket `size` (0: decode only; VERIFY: the verify step) beside
-        all lanes."""
+        into a lane): a chunk bucket `size` (0: decode only) beside all lanes; speculating, the
+        verify step of that shape."""
         idle = np.zeros(self.lanes, np.int32)
-        if size == VERIFY:
-            return VerifyInputs(idle, idle, idle > 0, idle,
-                                np.zeros((self.lanes, decode_width), np.int32), swaps)
-
-        def table(rows, width):
-            return np.zeros((rows, width), np.int32)
-
-        decode = DecodeInputs(tokens=idle, fresh=np.ones(self.lanes, bool), previous=self.host_only,
-                              positions=idle, active=np.zeros(self.lanes, bool),
-                              table=table(self.lanes, decode_width))
+        table = np.zeros((self.lanes, decode_width), np.int32)
         prefill = None
         if size:
             tokens = np.zeros((1, size), np.int32)
             prefill = PrefillInputs(tokens=tokens, positions=tokens, mask=tokens > 0,
                                     lane=np.int32(0), last=np.int32(0),
-                                    table=table(1, prefill_width),
+                                    table=np.zeros((1, prefill_width), np.int32),
                                     rows=self._prompt_rows([], [], 0, size),
                                     following=np.int32(-1) if self.speculating else None)
+        fresh, inactive = np.ones(self.lanes, bool), np.zeros(self.lanes, bool)
+        if self.speculating:
+            return VerifyInputs(idle, fresh, idle, self.host_latest, inactive, idle, table,
+                                prefill, swaps)
+        decode = DecodeInputs(tokens=idle, fresh=fresh, previous=self.host_only, positions=idle,
+                              active=inactive, table=table)
         return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
                           swaps)
 
@@ -419,8 +435,7 @@ class LoadedModel:
             chunks = self._chunk_shapes()
             decode = {self._decode_width(n) for n in range(1, self.max_pages + 1)}
         return ({(size, width, d) for size, width in chunks for d in decode}
-                | {(0, None, d) for d in decode}
-                | {(VERIFY, None, d) for d in decode if self.speculating})
+                | {(0, None, d) for d in decode})
 
     def _chunk_shapes(self) -> set[tuple[int, int]]:
         """(bucket, prefill table width) of every chunk of every prompt of 1..max_context - 1

@@ -66,8 +66,9 @@ class StepPlan:
     experts: list[SwapBatch] = dataclasses.field(default_factory=list)
     decode: DecodeRows | None = None  # the decoding lanes
     prefill: PrefillChunk | None = None  # the prompt chunk
-    # the step whose sampled tokens the decoding lanes not `fresh` take as input (its number,
-    # StepResult.step); None: every input token comes from the host
+    # the step whose sampled tokens (a verify step's: latest tokens and their positions) the
+    # decoding lanes not `fresh` take as input (its number, StepResult.step); None: every
+    # input comes from the host
     previous: int | None = None
     swaps: SwapBatch | None = None  # residency's batch for the step's start (or the score's)
     logprobs: bool = False  # whether to start the step's logprobs toward the host too
@@ -78,7 +79,8 @@ class StepPlan:
 
     @property
     def verify(self) -> bool:
-        """Whether the step is a verify step (speculative decoding: DecodeRows.drafted set)."""
+        """Whether the step is a verify step (speculative decoding: DecodeRows.drafted set; it
+        may carry a prompt chunk too)."""
         return self.decode is not None and self.decode.drafted is not None
 
     @property
@@ -96,7 +98,7 @@ class StepPlan:
     @property
     def routed(self) -> int:
         """Real tokens the step sends through each MoE layer (residency's after_step)."""
+        chunk = len(self.prefill.tokens) if self.prefill is not None else 0
         if self.verify:  # each active lane's token and its drafts
-            return int((self.decode.active * (1 + self.decode.drafted)).sum())
-        return (len(self.prefill.tokens) if self.prefill is not None else 0) + (
-            int(self.decode.active.sum()) if self.decode is not None else 0)
+            return chunk + int((self.decode.active * (1 + self.decode.drafted)).sum())
+        return chunk + (int(self.decode.active.sum()) if self.decode is not None else 0)

@@ -89,7 +89,8 @@ class Runner:
         self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
         self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
         self._steps = 0  # mixed steps run
-        self.last: tuple[int, jax.Array] | None = None  # (number, tokens) of the last step
+        # (number, tokens) of the last step; a verify step's: (number, steps.Latest)
+        self.last: tuple[int, object] | None = None
         self.peers = channel
         if channel is not None:
             model.residency.on_apply = lambda batch: self._send("plan", StepPlan(experts=[batch]))
@@ -141,18 +142,19 @@ class Runner:
                                  f"(step {plan.previous} is not the last)")
             previous = self.last[1]
         if plan.verify:
-            inputs = self.model.verify_inputs(plan.decode, plan.swaps)
+            inputs = self.model.verify_inputs(plan.decode, plan.prefill, previous, plan.swaps)
         else:
             inputs = self.model.step_inputs(plan.decode, plan.prefill, previous, plan.swaps)
         with jax.profiler.TraceAnnotation("decode" if plan.prefill is None else "prefill"):
             sampled, tallies = self.dispatch(inputs)
-        if plan.verify:
-            sampled, result.accepted = sampled
+        latest = None
+        if plan.verify:  # the next verify step's inputs stay on the device
+            sampled, result.accepted, latest = sampled
         early = jax.tree.leaves(sampled) if plan.logprobs else [sampled.tokens]
         for leaf in early + ([result.accepted] if plan.verify else []):
             leaf.copy_to_host_async()  # on its way as soon as the step ends
         self._steps += 1
-        self.last = (self._steps, sampled.tokens)
+        self.last = (self._steps, sampled.tokens if latest is None else latest)
         result.step, result.sampled, result.tallies = self._steps, sampled, tallies
 
     def _read(self, read: SequenceCopy) -> SavedSequence:
@@ -184,7 +186,7 @@ class Runner:
     @_in_scope
     def dispatch(self, inputs) -> tuple:
         """The jitted step alone over the state (donated): (Sampled, or a verify step's
-        (Sampled, accepted); Tallies). Plans are the serving path; benchmarks time this one
+        (Sampled, accepted, Latest); Tallies). Plans are the serving path; benchmarks time this one
         bare."""
         self._own()
         sampled, self.state, tallies = self._jitted(inputs)(self.model.step_params, self.state,

@@ -14,12 +14,19 @@ delivers step N's tokens, and step N+1 takes its input tokens from step N's outp
 step already queued for that lane computes a token nobody receives, at a position its next
 request overwrites. Length limits are known ahead, so no step runs past them.
 
-Speculative decoding ([speculative] method "mtp": runtime/speculative.py): a step that carries
-no prompt chunk is a verify step, each decoding lane's latest token and its k drafts; the lane
-emits its kept drafts and the step's token, one by one as a plain step's (so a stop or a length
-limit ends it there), then takes the last one's position and gives back the pages past it. No
-step is in flight: each step's tokens are read before the next is planned, and a lane's pages
-cover its position + 2k (the drafts, and the MTP chain's keys after the last kept one).
+Speculative decoding ([speculative] method "mtp": runtime/speculative.py): every step is a
+verify step, each decoding lane's latest token and its k drafts, beside the prefilling prompt's
+next chunk as a plain step carries it; the lane emits its kept drafts and the step's token, one
+by one as a plain step's (so a stop or a length limit ends it there), then takes the last one's
+position and gives back the pages past what it still needs. One step is in flight here too: a
+lane that goes on takes its latest token and its position from the step before on the device
+(steps.Latest), so how many drafts that step kept is not needed to queue the next; its pages
+cover the most the lane can reach, every draft in flight kept and then the next step's writes
+(its position + 2k: the drafts, and the MTP chain's keys after the last kept one). The host
+learns the positions as it reads the steps, in order, so a step's token positions are known
+when it is read. A lane whose request ends in the step in flight (a stop token, a length limit
+reached by kept drafts) has the next step compute tokens nobody receives, as a stop token does
+without speculation.
 
 Preemption: when the pool runs short, the newest admitted request gives up its lane; its pages
 and its lane's fixed rows (DeepSeek-V4.1's window rings and Engram look-back) are copied to host
@@ -121,8 +128,13 @@ class _Step:
 
     result: StepResult  # each lane's next token [lanes] and its logprobs, on the device
     handles: list  # [lanes] the request each lane's token belongs to; None: no token for it
-    positions: np.ndarray  # [lanes] the position of each lane's next token
+    # [lanes] the position of the token the step gives each lane (a verify step's first) where
+    # the host knows it when queueing the step: not of a lane that `continues`
+    positions: np.ndarray
     drafted: np.ndarray | None = None  # a verify step's drafts judged per lane; else None
+    # a verify step's lanes that go on from the step before it: their first token follows
+    # the latest one that step's reading leaves them (Scheduler._first_positions)
+    continues: np.ndarray | None = None
 
 
 def _share_since(now: tuple[float, float], start: tuple[float, float]) -> float:
@@ -352,19 +364,13 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration; returns whether any work remains. Where none does, residency's
         tallies and drain still on their way are read (Residency.flush), so its stats, the
-        history and /metrics at rest count every step served. Speculating, a step's tokens are
-        read before the next is planned (how far each lane got decides the next positions)."""
+        history and /metrics at rest count every step served."""
         self._release_cancelled()
         self._make_room()
         self._admit()
-        if self.k:  # nothing in flight: this step's tokens decide the next positions
-            queued = self._dispatch(None)
-            if queued is not None:
-                self._deliver(queued)
-        else:
-            previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
-            if previous is not None:
-                self._deliver(previous)  # waits for it; the step just queued keeps the device busy
+        previous, self._in_flight = self._in_flight, self._dispatch(self._in_flight)
+        if previous is not None:
+            self._deliver(previous)  # waits for it; the step just queued keeps the device busy
         busy = bool(self.active or self.queue or self._in_flight or not self._plan.empty)
         if not busy:
             self.model.residency.flush()
@@ -391,8 +397,31 @@ class Scheduler:
 
     def _pages_wanted(self) -> int:
         """Pages the decoding lanes need beyond those they hold, for their next positions."""
-        return sum(self.pages.shortfall(self.lane_of[lane].id, self._reach(self.positions[lane]))
+        upper = self._next_positions(self._in_flight)
+        return sum(self.pages.shortfall(self.lane_of[lane].id, self._reach(upper[lane]))
                    for lane in range(self.model.lanes) if self._decoding(lane))
+
+    def _next_positions(self, in_flight: _Step | None) -> np.ndarray:
+        """[lanes] the position of each lane's next input token, or the most it can be: a lane
+        the verify step in flight goes on with takes the position of that step's last kept
+        token, at most its first token's + the drafts it judges."""
+        upper = self.positions.copy()
+        if in_flight is None or in_flight.drafted is None:
+            return upper
+        first = self._first_positions(in_flight)
+        for lane, handle in enumerate(in_flight.handles):
+            if handle is not None and self.lane_of[lane] is handle:
+                upper[lane] = first[lane] + in_flight.drafted[lane]
+        return upper
+
+    def _first_positions(self, step: _Step) -> np.ndarray:
+        """[lanes] the position of the first token `step` gives each lane. Of a lane it goes on
+        with from the step before, that one's reading tells it: read in order, and before
+        `step` is (so here, planning the step after `step`, or reading it), the lane's latest
+        position is `step`'s input."""
+        if step.continues is None:
+            return step.positions
+        return np.where(step.continues, self.positions + 1, step.positions)
 
     def _reach(self, position) -> int:
         """Positions a lane's pages cover for a step from `position`: the step's writes."""
@@ -403,8 +432,8 @@ class Scheduler:
         The step in flight is read first: a preempted request's pages must be final."""
         while self._pages_wanted() > self.pages.free:
             if self._in_flight is not None:
-                self._deliver(self._in_flight)
-                self._in_flight = None
+                step, self._in_flight = self._in_flight, None
+                self._deliver(step)
                 continue  # delivering may have finished requests and freed their pages
             newest = max((h for h in self.lane_of if h is not None), key=lambda h: h.admitted_at)
             self._preempt(self.lane_of.index(newest))
@@ -539,10 +568,10 @@ class Scheduler:
         prompt; None when there is neither."""
         handles = [h if self._decoding(lane) else None for lane, h in enumerate(self.lane_of)]
         if previous is not None:
+            first = self._first_positions(previous)
             for lane, handle in enumerate(handles):
                 if (handle is not None and previous.handles[lane] is handle
-                        and self._ends_by_length(handle, handle.generated + 1,
-                                                 previous.positions[lane])):
+                        and self._ends_by_length(handle, handle.generated + 1, first[lane])):
                     handles[lane] = None  # the token in flight is its last
         active = np.array([h is not None for h in handles])
         chunk = self._next_chunk()
@@ -555,34 +584,53 @@ class Scheduler:
         # one compiled step a chunk size, not two.
         fresh = np.array([previous is None or previous.handles[lane] is not handle
                           for lane, handle in enumerate(handles)])
-        pages = [self.pages.grow(h.id, self._reach(self.positions[lane])) if h else []
-                 for lane, h in enumerate(handles)]
-        decode = DecodeRows(self.tokens.copy(), fresh, np.where(active, self.positions, 0), active,
-                            pages)
-        if self.k and chunk is None:  # a verify step
-            decode.drafted = np.where(active & self.has_drafts, self.k, 0).astype(np.int32)
-            result = self.run_step(decode, None, logprobs=_logprobs_wanted(handles))
-            self.totals["steps"] += 1
-            self.has_drafts |= active
-            return _Step(result, handles, np.where(active, self.positions + 1, 0), decode.drafted)
         sampled_for = list(handles)  # the request each lane's sampled token belongs to
         prompt = self._prefilling
         completes = chunk is not None and prompt.prefilled == len(prompt.request.prompt_ids)
         if completes:
             sampled_for[chunk.lane] = prompt  # its first token comes with this step
-        result = self.run_step(decode, chunk, previous.result.step if previous else None,
-                               logprobs=_logprobs_wanted(sampled_for))
-        self.positions[active] += 1
+        if self.k:
+            queued = self._queue_verify(sampled_for, active, fresh, chunk, previous)
+        else:
+            pages = [self.pages.grow(h.id, self._reach(self.positions[lane])) if h else []
+                     for lane, h in enumerate(handles)]
+            decode = DecodeRows(self.tokens.copy(), fresh, np.where(active, self.positions, 0),
+                                active, pages)
+            result = self.run_step(decode, chunk, previous.result.step if previous else None,
+                                   logprobs=_logprobs_wanted(sampled_for))
+            self.positions[active] += 1
+            queued = _Step(result, sampled_for, np.where(active, self.positions, 0))
         self.totals["steps"] += 1
-        produced = np.where(active, self.positions, 0)
+        if previous is not None:  # queued before the step before it was read
+            self.totals["overlapped_steps"] += 1
         self.has_drafts |= active
         if completes:
-            self.positions[chunk.lane] = produced[chunk.lane] = chunk.start + len(chunk.tokens)
+            self.positions[chunk.lane] = queued.positions[chunk.lane] = (chunk.start
+                                                                         + len(chunk.tokens))
             self._prefilling = None
             self.has_drafts[chunk.lane] = True
         if chunk is not None:
             self._snapshot(prompt, chunk.lane)
-        return _Step(result, sampled_for, produced)
+        return queued
+
+    def _queue_verify(self, sampled_for: list, active: np.ndarray, fresh: np.ndarray,
+                      chunk: PrefillChunk | None, previous: _Step | None) -> _Step:
+        """Queues a verify step (speculating) over the `active` lanes, beside `chunk`: a lane
+        with current drafts has them judged; one that goes on from `previous` takes its
+        latest token and position from it on the device, its pages covering the most it can
+        reach (_next_positions)."""
+        upper = self._next_positions(previous)
+        pages = [self.pages.grow(self.lane_of[lane].id, self._reach(upper[lane]))
+                 if active[lane] else [] for lane in range(self.model.lanes)]
+        drafted = np.where(active & self.has_drafts, self.k, 0).astype(np.int32)
+        decode = DecodeRows(self.tokens.copy(), fresh, np.where(active & fresh, self.positions, 0),
+                            active, pages, drafted)
+        result = self.run_step(decode, chunk, previous.result.step if previous else None,
+                               logprobs=_logprobs_wanted(sampled_for))
+        if chunk is not None and drafted.any():
+            self.totals["verify_chunk_steps"] += 1  # drafts judged beside a prompt chunk
+        return _Step(result, sampled_for, np.where(active & fresh, self.positions + 1, 0),
+                     drafted, active & ~fresh)
 
     def _next_chunk(self) -> PrefillChunk | None:
         """The next prompt chunk of the prefilling request (marked written), or None."""
@@ -631,9 +679,12 @@ class Scheduler:
         """A verify step's tokens: each lane's kept drafts and the step's own token after them,
         emitted in order until its request ends (a stop token, max_new_tokens, the context: the
         rest are dropped); a lane that goes on takes the position of its last token, and the
-        pages past its next position, which held only rejected drafts' keys, go back."""
+        pages past what it still needs go back (they held only rejected drafts' keys): past
+        its next position, or where the step in flight goes on with it, past that step's
+        writes."""
         tokens, accepted = step.result.tokens(), np.asarray(step.result.accepted)
         sampled = step.result.logprobs() if _logprobs_wanted(step.handles) else None
+        first = self._first_positions(step)
         for lane, handle in enumerate(step.handles):
             if handle is None or self.lane_of[lane] is not handle:
                 continue
@@ -644,13 +695,15 @@ class Scheduler:
             self.totals["accepted_tokens"] += kept
             for j in range(kept + 1):
                 at = None if sampled is None else jax.tree.map(lambda a: a[:, j], sampled)
-                self._emit(lane, int(tokens[lane, j]), step.positions[lane] + j,
+                self._emit(lane, int(tokens[lane, j]), first[lane] + j,
                            _logprobs(at, lane, handle.request.sampling.logprobs))
                 if self.lane_of[lane] is not handle:
                     break
             else:
-                self.positions[lane] = step.positions[lane] + kept
-                self.pages.shrink(handle.id, int(self.positions[lane]) + 1)
+                self.positions[lane] = first[lane] + kept
+                in_flight = self._in_flight is not None and self._in_flight.handles[lane] is handle
+                self.pages.shrink(handle.id, self._reach(self.positions[lane]) if in_flight
+                                  else int(self.positions[lane]) + 1)
 
     def _emit(self, lane: int, token: int, position: int, logprobs: dict) -> None:
         """Delivers `token` (at `position`, with its TokenEvent `logprobs` fields) for the

@@ -12,11 +12,11 @@ sampling parameter applies to both. A greedy lane's p and q are one-hot, and the
 greedy acceptance: the longest prefix of drafts equal to the target's argmax, then the target's
 own next token, so its output equals one-token-a-step decoding token for token.
 
-The engine runs it through `Speculator` (runtime/steps.py: `Steps.verify`, and drafting in the
-mixed step), each lane's drafts kept in the DecodeState (`Drafts`), the MTP layer's params a
-constant input beside the main model's; its routed experts are residency's, in the one expert
-state the main model's layers route by (layers/mtp.py), so its picks are counted and its misses
-served as theirs.
+The engine runs it through `Speculator` (runtime/steps.py: `Steps.verify`, which carries a
+prompt chunk too and drafts after it), each lane's drafts kept in the DecodeState (`Drafts`),
+the MTP layer's params a constant input beside the main model's; its routed experts are
+residency's, in the one expert state the main model's layers route by (layers/mtp.py), so its
+picks are counted and its misses served as theirs.
 """
 
 from __future__ import annotations

@@ -7,12 +7,14 @@
         last real token's sample goes to its lane); then every decoding lane's next token, its
         input token counted first; the counters' Tallies at the end. Sampled holds the tokens
         [lanes] and their log-probabilities.
-    verify(params, state, VerifyInputs) -> ((Sampled [lanes, k + 1], accepted [lanes]), state,
-        Tallies)  (a DonatingStep; speculative decoding, runtime/speculative.py)
-        every decoding lane's latest token and its k drafts judged in one forward, then the
-        next drafts. With a Speculator, `step` also drafts (the MTP layer) for the lanes it
-        decodes and for a prompt's last chunk, and the params of both are (params, the MTP
-        layer's params); the MTP layer routes through the same expert state (its last layer).
+    verify(params, state, VerifyInputs) -> ((Sampled [lanes, k + 1], accepted [lanes], Latest),
+        state, Tallies)  (a DonatingStep; speculative decoding, runtime/speculative.py: with a
+        Speculator every step is a verify step, its params (params, the MTP layer's params);
+        the MTP layer routes through the same expert state, its last layer)
+        the prompt chunk as in `step`, plus the MTP layer's keys over it and, for a prompt's
+        last chunk, the lane's first drafts; then every decoding lane's latest token and its k
+        drafts judged in one forward, and the next drafts. Latest: each lane's last kept token
+        and its position, the next verify step's inputs on the device.
     score(params, state, ScoreInputs) -> (logits [1, T, vocab], state, Tallies)
         a full forward over a scratch cache of its own; only the expert state changes.
     read_sequence(state, pages, lane) -> SavedSequence: a preempted sequence's pages of the
@@ -82,16 +84,32 @@ class PrefillInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class VerifyInputs:
-    """A verify step (speculative decoding): each lane's latest token, the position of it and
-    active [lanes]; drafted [lanes] int32: how many of the lane's drafts in the state are
-    current (k, or 0: it decodes one token); table [lanes, P]; swaps as in StepInputs."""
+class Latest:
+    """Each lane's latest token and its position after a verify step, [lanes] int32 each: where
+    the lane goes on, the next verify step's input, kept on the device, so that the host queues
+    that step before it reads how many drafts this one kept (the step in flight)."""
 
     tokens: jax.Array
     positions: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyInputs:
+    """A verify step (speculative decoding): each lane's latest token and its position [lanes]
+    from the host where fresh [lanes], else from the last verify step's `previous` (Latest, on
+    the device); active [lanes]; drafted [lanes] int32: how many of the lane's drafts in the
+    state are current (k, or 0: it decodes one token); table [lanes, P]; the prompt chunk
+    beside them (or None); swaps as in StepInputs."""
+
+    tokens: jax.Array
+    fresh: jax.Array
+    positions: jax.Array
+    previous: Latest
     active: jax.Array
     drafted: jax.Array
     table: jax.Array
+    prefill: PrefillInputs | None
     swaps: SwapBatch
 
 
@@ -225,8 +243,8 @@ class Steps:
 
     model: object
     max_pages: int  # the most pages a sequence holds (max_context)
-    # speculative decoding (runtime/speculative.py) where set: `step` drafts for the lanes it
-    # decodes and for a prompt's last chunk, and takes its params as (params, MTP params)
+    # speculative decoding (runtime/speculative.py) where set: the steps are `verify` steps,
+    # their params (params, the MTP layer's params)
     speculator: Speculator | None = None
 
     def _forward(self, params, tables, tokens, positions, mask, cache, table, experts, routes,
@@ -276,79 +294,100 @@ class Steps:
             experts, sampling, keys)
         return drafts, q, PagedCache(out.pages, cache.lanes), experts
 
+    def _chunk(self, params, draft: dict | None, tables, prefill: PrefillInputs,
+               cache: PagedCache, experts, routes, sampling: LaneSampling):
+        """The prompt chunk: written into the cache, its tokens marked seen in its lane's
+        counts, the token after its last sampled (Sampled [1]: the request's first token where
+        the chunk ends the prompt); with `draft`, the MTP layer's keys of its positions (the
+        token after each: the prompt's next, after the last the one sampled) and drafts from
+        its last -> (first, (drafts [1, k], q [1, k, v]) or None, cache, experts, sampling)."""
+        logits, cache, experts, hidden = self._prefill(params, tables, prefill, cache, experts,
+                                                       routes)
+        sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
+        first = sample(logits[:, 0], sampling.lane(prefill.lane),
+                       prefill.positions[:, prefill.last] + 1)
+        if draft is None:
+            return first, None, cache, experts, sampling
+        after = jnp.where(prefill.following >= 0, prefill.following, first.tokens[0])
+        following = jnp.roll(prefill.tokens, -1, axis=1).at[0, prefill.last].set(after)
+        drafts, q, cache, experts = self._draft(
+            draft, hidden, following, prefill.positions, prefill.mask,
+            jnp.reshape(prefill.last, (1,)), cache, prefill.table, experts,
+            sampling.lane(prefill.lane))
+        return first, (drafts, q), cache, experts, sampling
+
     @functools.cached_property
     def step(self):
         def step(params, state: DecodeState, inputs: StepInputs):
             prefill, decode, replay = inputs.prefill, inputs.decode, inputs.replay
-            cache, sampling, drafts = state.cache, state.sampling, state.drafts
-            params, draft = params if self.speculator is not None else (params, None)
+            cache, sampling = state.cache, state.sampling
             experts = apply_batch(state.experts, inputs.swaps)
             lanes = sampling.counts.shape[0]
             offset = 0  # the replay rows the chunk took
             if prefill is not None:
                 routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
                 offset = prefill.tokens.size
-                logits, cache, experts, hidden = self._prefill(params, inputs.tables, prefill,
-                                                               cache, experts, routes)
-                sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
-                first = sample(logits[:, 0], sampling.lane(prefill.lane),
-                               prefill.positions[:, prefill.last] + 1)
-                if draft is not None:  # the MTP keys of the chunk; drafts after a last chunk
-                    after = jnp.where(prefill.following >= 0, prefill.following, first.tokens[0])
-                    following = jnp.roll(prefill.tokens, -1, axis=1).at[0, prefill.last].set(after)
-                    chunk_drafts, chunk_q, cache, experts = self._draft(
-                        draft, hidden, following, prefill.positions, prefill.mask,
-                        jnp.reshape(prefill.last, (1,)), cache, prefill.table, experts,
-                        sampling.lane(prefill.lane))
+                first, _, cache, experts, sampling = self._chunk(
+                    params, None, inputs.tables, prefill, cache, experts, routes, sampling)
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
                 sampling = sampling.generated(tokens, decode.active)
                 routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
-                logits, cache, experts, hidden = self._forward(
+                logits, cache, experts, _ = self._forward(
                     params, inputs.tables, tokens[:, None], decode.positions[:, None],
                     decode.active[:, None], cache, decode.table, experts, routes)
                 out = sample(logits[:, 0], sampling, decode.positions + 1)
-                if draft is not None:
-                    new, q, cache, experts = self._draft(
-                        draft, hidden, out.tokens[:, None], decode.positions[:, None],
-                        decode.active[:, None], jnp.zeros(lanes, jnp.int32), cache, decode.table,
-                        experts, sampling)
-                    drafts = drafts.put(decode.active, new, q)
             else:
                 out = jax.tree.map(lambda a: jnp.zeros((lanes, *a.shape[1:]), a.dtype), first)
             if prefill is not None:
                 out = out.at(prefill.lane, first)
-                if draft is not None:
-                    drafts = drafts.put(jnp.arange(lanes) == prefill.lane,
-                                        jnp.broadcast_to(chunk_drafts, drafts.tokens.shape),
-                                        jnp.broadcast_to(chunk_q, drafts.q.shape))
             experts, tallies = finish_batch(experts, inputs.swaps)
-            return out, DecodeState(cache, experts, sampling, drafts), tallies
+            return out, DecodeState(cache, experts, sampling, state.drafts), tallies
         return DonatingStep(step)
 
     @functools.cached_property
     def verify(self):
-        """The verify step of speculative decoding (runtime/speculative.py): every decoding
-        lane's latest token and its k drafts at k + 1 positions, judged by `accept`, then the
-        next drafts -> ((Sampled [lanes, k + 1], accepted [lanes]), state, tallies); a lane
-        emits its tokens 0..accepted."""
+        """The verify step of speculative decoding (runtime/speculative.py): the prompt chunk
+        (`_chunk`, drafting), then every decoding lane's latest token and its k drafts at
+        k + 1 positions, judged by `accept`, then the next drafts -> ((Sampled [lanes, k + 1],
+        accepted [lanes], Latest), state, tallies); a lane emits its tokens 0..accepted, the
+        chunk's lane its first token at 0 (accepted 0)."""
         spec = self.speculator
         width = jnp.arange(spec.k + 1)[None]
 
         def verify(params, state: DecodeState, inputs: VerifyInputs):
             params, draft = params
+            cache, sampling, drafts = state.cache, state.sampling, state.drafts
             experts = apply_batch(state.experts, inputs.swaps)
-            tokens = jnp.concatenate([inputs.tokens[:, None], state.drafts.tokens], 1)
-            positions = inputs.positions[:, None] + width  # [lanes, k + 1]
+            chunk = inputs.prefill
+            if chunk is not None:  # no step tables: the speculating families have none
+                first, (chunk_drafts, chunk_q), cache, experts, sampling = self._chunk(
+                    params, draft, None, chunk, cache, experts, None, sampling)
+            latest = jnp.where(inputs.fresh, inputs.tokens, inputs.previous.tokens)  # [lanes]
+            start = jnp.where(inputs.fresh, inputs.positions, inputs.previous.positions)
+            tokens = jnp.concatenate([latest[:, None], drafts.tokens], 1)
+            positions = start[:, None] + width  # [lanes, k + 1]
             mask = inputs.active[:, None] & (width <= inputs.drafted[:, None])
-            keys = lane_keys(state.sampling.params.seed, inputs.positions)
-            verdict, sampled, new, q, cache, experts, sampling = spec.verify(
-                params, draft, tokens, positions, mask, state.drafts.q,
-                PagedCache(state.cache.pages), inputs.table, experts, state.sampling, keys)
-            drafts = state.drafts.put(inputs.active, new, q)
+            keys = lane_keys(sampling.params.seed, start)
+            verdict, sampled, new, q, out, experts, sampling = spec.verify(
+                params, draft, tokens, positions, mask, drafts.q, PagedCache(cache.pages),
+                inputs.table, experts, sampling, keys)
+            cache = PagedCache(out.pages, cache.lanes)
+            drafts = drafts.put(inputs.active, new, q)
+            rows = jnp.arange(latest.shape[0])
+            accepted = verdict.accepted
+            after = Latest(verdict.tokens[rows, accepted], start + accepted + 1)
+            if chunk is not None:  # its lane's first token, drafts and place
+                at = rows == chunk.lane
+                sampled = jax.tree.map(lambda a, r: a.at[chunk.lane, 0].set(r[0]), sampled, first)
+                accepted = jnp.where(at, 0, accepted)
+                drafts = drafts.put(at, jnp.broadcast_to(chunk_drafts, drafts.tokens.shape),
+                                    jnp.broadcast_to(chunk_q, drafts.q.shape))
+                end = chunk.positions[0, chunk.last] + 1
+                after = Latest(jnp.where(at, first.tokens[0], after.tokens),
+                               jnp.where(at, end, after.positions))
             experts, tallies = finish_batch(experts, inputs.swaps)
-            cache = PagedCache(cache.pages, state.cache.lanes)
-            return ((sampled, verdict.accepted), DecodeState(cache, experts, sampling, drafts),
+            return ((sampled, accepted, after), DecodeState(cache, experts, sampling, drafts),
                     tallies)
         return DonatingStep(verify)
 
