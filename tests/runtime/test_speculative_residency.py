@@ -136,3 +136,12 @@ def test_history_migrates_when_speculation_turns_on_and_off(model_dir, tmp_path)
         tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
                      residency={"budget_experts": n_moe + 1,
                                 "seed_map": str(tmp_path / "seed.json")})
+
+
+def test_the_disk_tier_is_refused_speculating_naming_the_field(model_dir, tmp_path):
+    """A host budget below every expert (the disk tier) does not serve the MTP layer's experts
+    yet: refused at load, naming the field."""
+    with pytest.raises(ConfigError, match="not served from the disk tier.*host_budget_experts"):
+        tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+                     residency={"budget_experts": 8, "host_budget_experts": 16,
+                                "state_dir": str(tmp_path)})
