@@ -3,8 +3,8 @@ layer is one more MoE layer of the residency geometry, after the main model's. O
 DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp), with a bank of half the
 experts: greedy output equal to the all-resident engine's without speculation and to the
 budgeted one's without; the MTP layer's experts not all on the device, swapped and missed and
-served, its demand in the saved history; a history or seed map saved with speculation off
-migrated or refused."""
+served, its demand in the saved history, the verify steps' picks counted; a history or seed
+map saved with speculation off migrated or refused; the disk tier refused."""
 
 from __future__ import annotations
 
