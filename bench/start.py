@@ -1,10 +1,12 @@
 """Cold and warm start: seconds from a fresh process to its first generated tokens, with
 `engine.compile_cache` empty (cold: every step compiled) and then filled by that first run (warm:
-the compiled steps read back), plus the load's share (weights read and placed).
+the compiled steps read back), plus the load's share (weights read and placed) and the warm-up's
+(every step shape compiled, as a server does before it reports ready).
 
     python -m bench.start MODEL_DIR [--cache DIR] [--set table.key=value ...]
 
-Each run is its own process (`tidejax.load`, then `generate` of 8 tokens); the cache folder is
+Each run is its own process (`tidejax.load`, `Engine.warmup`, then `generate` of 8 tokens, as a
+server starts); the cache folder is
 emptied before the cold run. The page cache is warm for both (the cold run reads the weights
 first), so the difference is compilation. A second table sums jax.monitoring's duration events
 of each run: tracing, lowering to MLIR, XLA's compile (on a cache hit: the executable loaded) and
@@ -41,8 +43,11 @@ for item in json.loads(sys.argv[3]):
 overrides.setdefault("engine", {})["compile_cache"] = sys.argv[2]
 engine = tidejax.load(sys.argv[1], **overrides)
 t1 = time.time()
+engine.warmup()
+t2 = time.time()
 engine.generate("The tide", max_new_tokens=8)
-print("RESULT", json.dumps({"load_s": t1 - t0, "ready_s": time.time() - t0, "spent": spent}))
+print("RESULT", json.dumps({"load_s": t1 - t0, "warmup_s": t2 - t1, "ready_s": time.time() - t0,
+                            "spent": spent}))
 """
 
 # jax.monitoring's duration events: where a start's compile-side seconds go
@@ -70,11 +75,12 @@ def main() -> None:
     shutil.rmtree(cache, ignore_errors=True)
     cold = start(args.model, cache, args.set)
     warm = start(args.model, cache, args.set)
-    files = sum(1 for _ in cache.iterdir())
-    print("| start | load s | ready s (8 tokens out) |\n| --- | --- | --- |")
+    xla = sum(1 for path in cache.iterdir() if path.is_file())
+    steps = sum(1 for _ in (cache / "steps").glob("*.exe"))
+    print("| start | load s | warm-up s | ready s (8 tokens out) |\n| --- | --- | --- | --- |")
     for name, run in (("cold", cold), ("warm", warm)):
-        print(f"| {name} | {run['load_s']:.1f} | {run['ready_s']:.1f} |")
-    print(f"({files} compiled executables cached in {cache})\n")
+        print(f"| {name} | {run['load_s']:.1f} | {run['warmup_s']:.1f} | {run['ready_s']:.1f} |")
+    print(f"({xla} XLA executables and {steps} step executables cached in {cache})\n")
     print("| start | " + " | ".join(f"{name} s (calls)" for name in EVENTS) + " |")
     print("| --- |" + " --- |" * len(EVENTS))
     for name, run in (("cold", cold), ("warm", warm)):

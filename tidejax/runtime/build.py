@@ -19,7 +19,9 @@ pages (Steps).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -46,6 +48,7 @@ from tidejax.residency.prepared import open_rows
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.compile_cache import compile_cache
+from tidejax.runtime.executables import StepExecutables
 from tidejax.runtime.state import DecodeState
 from tidejax.runtime.speculative import Speculator
 from tidejax.runtime.steps import (DecodeInputs, DecodeRows, Latest, PrefillChunk, PrefillInputs,
@@ -63,6 +66,12 @@ def _buckets(limit: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes + [limit]
+
+
+# the profile's tables a step's program may depend on (not [server]), less the keys that never
+# reach it (a change of these keeps the stored step executables)
+_PROGRAM_TABLES = ("model", "engine", "residency", "cache", "speculative", "distributed")
+_OUTSIDE_PROGRAM = {"engine": ("compile_cache", "compile_workers", "warmup", "trace_dir")}
 
 
 class LoadedModel:
@@ -155,6 +164,7 @@ class LoadedModel:
         # whether a cached prefix needs its lane's rows restored (a snapshot)
         self.lane_snapshots = self.prefix_caching and self.lane_bytes() > 0
         self.steps = Steps(self.module, self.max_pages, self.speculator)
+        self.executables = self._executables(config, model_dir)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
         self._replay_cursor = 0  # the row the next token routes by
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
@@ -172,6 +182,26 @@ class LoadedModel:
                 f"{self.model_dir} holds no MTP layer (config.json's field "
                 f"'num_nextn_predict_layers' = {self.cfg.num_mtp_layers}, and no tensor "
                 f"model.layers.{self.cfg.num_layers}.*)")
+
+    def _executables(self, config: EngineConfig, model_dir: Path) -> StepExecutables | None:
+        """The warm-up's step executables kept under engine.compile_cache, keyed by the model's
+        config.json, its family config, serve options and dtype, and the profile but for the
+        keys that never reach a step (runtime/executables.py); None without a cache folder or
+        across processes."""
+        if not self.compile_cache:
+            return None
+        if jax.process_count() > 1:
+            log.info("step executables are not kept across processes: each start lowers them")
+            return None
+        profile = {name: dataclasses.asdict(getattr(config, name)) for name in _PROGRAM_TABLES}
+        for table, keys in _OUTSIDE_PROGRAM.items():
+            for key in keys:
+                del profile[table][key]
+        config_json = (model_dir / "config.json").read_bytes()
+        return StepExecutables(self.compile_cache, {
+            "family": self.family.name, "config.json": hashlib.sha256(config_json).hexdigest(),
+            "config": repr(self.cfg), "serve": repr(self.residency.options),
+            "dtype": str(self.dtype), "profile": repr(profile)}, list(self.mesh.devices.flat))
 
     def _speculation(self, config: EngineConfig, fp8_block) -> tuple:
         """(the Speculator, the steps' params: (params, the MTP layer's)) with [speculative]

@@ -12,9 +12,9 @@ resets it only where it has read them since: a step that compiles nothing (every
 warm-up) costs two settings' updates, no reset. What a block cannot keep apart: another thread's
 compile while it runs lands in the model's folder too.
 
-The alternative, holding the compiled executables (jax.experimental.serialize_executable, keyed
-by the lowered text), would replace jit's dispatch of every step and cover only the steps, not
-the small jits residency and sampling compile beside them.
+This cache skips only XLA's compile (its key is the lowered module's hash): the warm-up's steps
+are also kept whole beside it (runtime/executables.py), so that a warm restart does not trace
+them; the small jits residency and sampling compile beside them read this one.
 """
 
 from __future__ import annotations

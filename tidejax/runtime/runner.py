@@ -196,33 +196,51 @@ class Runner:
     @_in_scope
     def precompile(self, warmups: list[tuple]) -> None:
         """Compiles the warm-up steps `warmups` ((shape, swap batch) pairs, as StepPlan.warmup
-        and .swaps carry them) side by side on LoadedModel.compile_workers threads, so that
-        running them finds them compiled (a jitted function's calls and its lower().compile()
-        share one cache). Tracing holds the GIL, so the steps are lowered one by one first; XLA
-        compiles without it. With one worker it does nothing: the runs compile as they come."""
-        workers = self.model.compile_workers(len(warmups))
-        if workers < 2:
+        and .swaps carry them) before they run. With a compile cache folder the steps' kept
+        executables (LoadedModel.executables) are loaded first, and the steps that had none are
+        lowered, compiled, saved and kept, so running them calls the executables. The compiles
+        run side by side on LoadedModel.compile_workers threads: tracing holds the GIL, so the
+        steps are lowered one by one first; XLA compiles without it (a jitted function's calls
+        and its lower().compile() share one cache). With one worker and no folder it does
+        nothing: the runs compile as they come."""
+        start = time.perf_counter()
+        todo = [(str(shape), self.model.warmup_inputs(*shape, swaps)) for shape, swaps in warmups]
+        kept = self.model.executables
+        if kept is not None:
+            todo = [(shape, inputs) for shape, inputs in todo
+                    if not kept.load(self._jitted(inputs), shape, self._arguments(inputs), inputs)]
+            log.info("warm-up: %d of %d step executables loaded from %s in %.1f s", kept.loaded,
+                     len(warmups), kept.folder, time.perf_counter() - start)
+        workers = self.model.compile_workers(len(todo))
+        if not todo or (kept is None and workers < 2):
             return
         start = time.perf_counter()
-        lowered = [self.lower(self.model.warmup_inputs(*shape, swaps)) for shape, swaps in warmups]
+        lowered = [self.lower(inputs) for _, inputs in todo]
         lowering = time.perf_counter() - start
 
-        def compile_one(step) -> float:
+        def compile_one(step) -> tuple:
             begin = time.perf_counter()
-            step.compile()
-            return time.perf_counter() - begin
+            return step.compile(), time.perf_counter() - begin
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            each = list(pool.map(compile_one, lowered))
+            compiled, each = zip(*pool.map(compile_one, lowered))
         log.info("warm-up: %d step shapes lowered one by one in %.1f s, then compiled on %d "
                  "threads in %.1f s (%.1f to %.1f s each)", len(lowered), lowering, workers,
                  time.perf_counter() - start, min(each), max(each))
+        if kept is not None:
+            for (shape, inputs), executable in zip(todo, compiled):
+                kept.save(self._jitted(inputs), shape, self._arguments(inputs), inputs,
+                          executable)
 
     @_in_scope
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
         return self._jitted(inputs).lower(self.model.step_params, self.state, inputs)
+
+    def _arguments(self, inputs) -> tuple:
+        """What the jitted step for `inputs` takes (DonatingStep.arguments), the state now."""
+        return self._jitted(inputs).arguments(self.model.step_params, self.state, inputs)
 
     def _jitted(self, inputs):
         """The jitted step that takes `inputs`: the verify step's (speculative decoding) or the

@@ -194,25 +194,48 @@ class DonatingStep:
     but for its expert rows no step writes (ExpertState.rows: the host pool, or the bank where
     every expert is resident), which go in beside it, not donated, and come back as they went.
     So a step that fails after its buffers were donated leaves them whole, and the runner
-    rebuilds the state from them (Scheduler.recover, Runner.rebuild)."""
+    rebuilds the state from them (Scheduler.recover, Runner.rebuild).
+
+    A compiled executable kept for some inputs' shapes (`keep`: one read from disk,
+    runtime/executables.py) is called in place of the jitted function for inputs of those
+    shapes; `traces` counts the times fn was traced (none on a warm restart from them)."""
 
     def __init__(self, fn):
         def apart(params, rows, state: DecodeState, inputs):
+            self.traces += 1  # runs only while jax traces it
             out, state, tallies = fn(params, _with_rows(state, rows), inputs)
             return out, state.replace(experts=state.experts.without_rows()), tallies
+        self.name = fn.__name__
+        self.traces = 0
         self.jitted = jax.jit(apart, donate_argnames=("state",), keep_unused=True)
+        self.kept: dict[tuple, object] = {}  # inputs' shapes -> a jax.stages.Compiled
 
     @staticmethod
-    def _apart(params, state: DecodeState, inputs) -> tuple:
-        return params, state.experts.rows, state.replace(experts=state.experts.without_rows()), inputs
+    def arguments(params, state: DecodeState, inputs) -> tuple:
+        """What the jitted function takes: (params, expert rows, state without them, inputs)."""
+        rest = state.replace(experts=state.experts.without_rows())
+        return params, state.experts.rows, rest, inputs
 
     def __call__(self, params, state: DecodeState, inputs):
-        args = self._apart(params, state, inputs)
-        out, new, tallies = self.jitted(*args)
+        args = self.arguments(params, state, inputs)
+        compiled = self.kept.get(_shapes(inputs)) if self.kept else None
+        out, new, tallies = (compiled or self.jitted)(*args)
         return out, _with_rows(new, args[1]), tallies
 
     def lower(self, params, state: DecodeState, inputs):
-        return self.jitted.lower(*self._apart(params, state, inputs))
+        return self.jitted.lower(*self.arguments(params, state, inputs))
+
+    def keep(self, inputs, compiled) -> None:
+        """Calls with inputs of `inputs`'s shapes go to `compiled` (this function lowered and
+        compiled for them, with the params and state it is called with) from now on."""
+        self.kept[_shapes(inputs)] = compiled
+
+
+def _shapes(inputs) -> tuple:
+    """The tree structure and each leaf's shape and dtype (a Python scalar: its type)."""
+    leaves, tree = jax.tree.flatten(inputs)
+    return tree, tuple((getattr(leaf, "shape", ()), getattr(leaf, "dtype", type(leaf)))
+                       for leaf in leaves)
 
 
 def _with_rows(state: DecodeState, rows: dict) -> DecodeState:
