@@ -1,12 +1,11 @@
 """One contract for a family, parametrised over the registered families it covers (CONTRACT):
 declared params = checkpoint table, fp32 logits within 1e-4 of transformers' on tiny random
 checkpoints, greedy tokens, the paged cached decode = the full forward, half-resident `exact` =
-all-resident, the GQA families' cached decode on the paged GQA kernel (gpt-oss's on the MoE kernel
-too); for the families whose
-MTP layer drafts (MTP), greedy output with speculative decoding on as with it off and the
-refusals without the layer; and for the families with a chat template kept in
-tests/data/chat_templates, a tool call and its result through the app to the openai and
-anthropic clients. Where an item does not run here for a family, or a registered
+all-resident, the GQA families' cached decode on the paged GQA kernel (gpt-oss's on the MoE
+kernel too); for the families whose MTP layer drafts (MTP), greedy output with speculative
+decoding on as with it off and the refusals without the layer; and for the families with a chat
+template kept in tests/data/chat_templates, a tool call and its result through the app to the
+openai and anthropic clients. Where an item does not run here for a family, or a registered
 model type is not in the contract, NOT_HERE says why and where it is checked instead. A new
 family costs a writer and configs in tests/support/tiny_models.py and an entry here (and its chat
 vocabulary in tests/support/chat_models.py). The checkpoints and engines are tests/models/
