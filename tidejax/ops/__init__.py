@@ -82,10 +82,11 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     s = slot_ids[t,j] (-1 skips); shapes: pallas.moe.moe_grouped_reference.
 
     impl: "auto" (Pallas on a GPU when the kernel takes the bank's shapes, the reference
-    elsewhere) | "pallas" (interpret mode off the GPU) | "reference"; None: the policy in force. The kernel's accuracy against
-    the float32 reference (before the cast to x.dtype): decode steps whose picks rarely share an
-    expert (GEMV, float32 products) ~1e-7; busier steps and prefill (bf16 dots, float32
-    accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32 ones (rounded to bf16).
+    elsewhere) | "pallas" (interpret mode off the GPU) | "reference"; None: the policy in force.
+    The kernel's accuracy against the float32 reference (before the cast to x.dtype): decode
+    steps whose picks rarely share an expert (GEMV, float32 products) ~1e-7; busier steps and
+    prefill (bf16 dots, float32 accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32
+    ones (rounded to bf16).
     demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
     first pass); then returns (y, counts, weight_sums).
     swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): both
