@@ -352,8 +352,8 @@ def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, bias, phases, pt
 
         fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
         acc = _k_loop(n_k, fetch, consume, jnp.zeros((bn, nb), jnp.float32), prefetch=True)
-        cols = pl.ds(col * bn, bn)
         o = jnp.sum(acc, axis=1)
+        cols = pl.ds(col * bn, bn)
         o_ref[pick, cols] = _biased(o, bias_ref, slot, cols) if bias else o
 
 
@@ -518,8 +518,8 @@ def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, bias, phases, p
 
         fetch = lambda kk: _dot_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
         acc = _k_loop(i // bk, fetch, consume, jnp.zeros((bt, bn), jnp.float32), prefetch=phases > 1)
-        cols = pl.ds(col * bn, bn)
-        o_ref[pl.ds(tile * bt, bt), cols] = _biased(acc, bias_ref, slot, cols) if bias else acc
+        rows, cols = pl.ds(tile * bt, bt), pl.ds(col * bn, bn)
+        o_ref[rows, cols] = _biased(acc, bias_ref, slot, cols) if bias else acc
 
 
 def _dot_refs(bank, name):
