@@ -371,8 +371,8 @@ def _grouped(a, group):
 
 def _split_refs(refs, n_in, bias: bool):
     """A kernel's refs after its scalar ones -> (the first n_in (activations), the weights',
-    the bias leaf's or None, the output): the bias ref, where there is one, comes last but
-    the output."""
+    the bias leaf's or None, the output): the bias ref, where there is one, is the one just
+    before the output."""
     end = -2 if bias else -1
     return refs[:n_in], refs[n_in:end], refs[-2] if bias else None, refs[-1]
 
