@@ -122,18 +122,19 @@ def test_reference_matches_float64(rng, fmt, t):
     assert rel_err(got, want) < 1e-5
 
 
-def gpt_oss_case(rng, fmt, n, t, k):
-    """A bank with gpt-oss's bias leaves (tidejax.contract), picks, and the float64 result of
-    its clamped g * sigmoid(1.702 g) * (u + 1): (x, bank, slot_ids, weights, want, form)."""
+def gpt_oss_case(rng, fmt, n, slot_ids):
+    """A bank of n slots with gpt-oss's bias leaves (tidejax.contract), tokens and weights for
+    the picks slot_ids [T, k], and the float64 result of its clamped g * sigmoid(1.702 g) *
+    (u + 1): (x, bank, weights, want, form)."""
     bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
     bank["gate_up_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
     bank["down_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
-    x = rng.standard_normal((t, 64)).astype(np.float32)
-    slot_ids, weights = random_picks(rng, t, k, n)
+    x = rng.standard_normal((slot_ids.shape[0], 64)).astype(np.float32)
+    weights = rng.random(slot_ids.shape).astype(np.float32)
     want = numpy_moe(x, gate_up, down, slot_ids, weights, 0.5, 1.702, 1.0,
                      bank["gate_up_bias"].astype(np.float64), bank["down_bias"].astype(np.float64))
     form = dict(swiglu_limit=0.5, swiglu_alpha=1.702, swiglu_up_shift=1.0)
-    return x, bank, slot_ids, weights, want, form
+    return x, bank, weights, want, form
 
 
 @pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
@@ -141,17 +142,21 @@ def gpt_oss_case(rng, fmt, n, t, k):
 def test_reference_with_biases_and_gpt_oss_activation_matches_float64(rng, fmt, t):
     """gpt-oss's experts (tidejax.contract): bias leaves beside either format, the clamped
     g * sigmoid(1.702 g) * (u + 1)."""
-    x, bank, slot_ids, weights, want, form = gpt_oss_case(rng, fmt, 12, t, 3)
+    slot_ids = random_picks(rng, t, 3, 12)[0]
+    x, bank, weights, want, form = gpt_oss_case(rng, fmt, 12, slot_ids)
     assert rel_err(moe_grouped(x, bank, slot_ids, weights, **form, impl="auto"), want) < 1e-5
 
 
 @pytest.mark.parametrize("tile,tol", [((1, 16, 32, 4, 1), 1e-5), ((16, 16, 32, 4, 1), 2e-2)])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_moe_kernel_with_biases_and_gpt_oss_activation_matches_float64(rng, tile, tol, fmt):
-    """The kernel's GEMV and dots paths on gpt-oss's experts: 2 slots that every token picks
-    (a tenth skipped), so each slot's ~18 picks fill a 16-row dot tile and part of a second.
-    Asked for by name (impl="pallas": interpret mode here), the op runs the kernel too."""
-    x, bank, slot_ids, weights, want, form = gpt_oss_case(rng, fmt, 2, 20, 2)
+    """The kernel's GEMV and dots paths on gpt-oss's experts: 40 tokens each pick the 2 slots,
+    one pick skipped, so slot 0's 39 picks and slot 1's 40 fill two 16-row dot tiles each and
+    part of a third. Asked for by name (impl="pallas": interpret mode here), the op runs the
+    kernel too."""
+    slot_ids = np.tile(np.array([[0, 1]], np.int32), (40, 1))
+    slot_ids[7, 0] = -1
+    x, bank, weights, want, form = gpt_oss_case(rng, fmt, 2, slot_ids)
     got = moe_grouped_pallas(x, bank, slot_ids, weights, **form, interpret=True, tile=tile)
     assert rel_err(got, want) < tol
     if tile[0] == 1:
