@@ -4,7 +4,8 @@ DeepSeek-V4.1-Flash routed experts (hidden 5120, moe_intermediate 2304, 384 expe
 as MXFP4 and as bf16, at 1, 4, 16, 64 and 4096 tokens: time per call, effective GB/s of the
 expert bytes read (each distinct expert once), the ratio to the HBM read ceiling measured in
 the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the same run. The
-kernel is checked against the jnp reference on the GPU first. Then the MXFP4 kernel at 4 and 64
+kernel is checked against the jnp reference on the GPU first, plain and with gpt-oss's expert
+biases and activation (tidejax.contract). Then the MXFP4 kernel at 4 and 64
 tokens without and with `demand` (the residency counters counted inside it), its counts checked
 against `count_demand_reference`. Prints markdown tables and appends them to bench/RESULTS.md
 (and to $OUT/kernels.md when $OUT is set).
@@ -77,23 +78,40 @@ def rel_err(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+# the activation's forms checked: the clamped silu(g) * u, and gpt-oss's (with its bias leaves)
+PLAIN = dict(swiglu_limit=7.0)
+GPT_OSS = dict(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_shift=1.0)
+
+
+def with_biases(bank, rng):
+    """The bank with gpt-oss's bias leaves (tidejax.contract): bf16, N(0, 0.02) as the weights."""
+    n = next(iter(bank.values())).shape[0]
+    bias = lambda shape: jnp.asarray(rng.standard_normal(shape) * 0.02, jnp.bfloat16)
+    return {**bank, "gate_up_bias": bias((n, 2 * I)), "down_bias": bias((n, D))}
+
+
 def check(fmt, bank, rng):
-    """Kernel vs reference on the GPU, {"gemv": err, "dots": err}: 4 tokens on 96 slots (GEMV),
-    64 and 1024 tokens on 64 and 32 (dots). Sub-banks, because the reference dequantizes every
-    slot it is given (the full bank's 384 do not fit an H100's 80 GB). x holds bf16 values as
-    float32, so that the output is float32 (not rounded to bf16)."""
+    """Kernel vs reference on the GPU, {"gemv": err, "dots": err} (the worse of the plain form
+    and gpt-oss's): 4 tokens on 96 slots (GEMV), 64 and 1024 tokens on 64 and 32 (dots).
+    Sub-banks, because the reference dequantizes every slot it is given (the full bank's 384 do
+    not fit an H100's 80 GB). x holds bf16 values as float32, so that the output is float32 (not
+    rounded to bf16)."""
     errs = {}
+    reference = jax.jit(moe_grouped_reference,
+                        static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift"))
     for t, n in ((4, 96), (64, 64), (1024, 32)):
         sub = jax.tree.map(lambda a: a[:n], bank)
         ids, w = routing(rng, 1, t, n)
         ids = ids[0].at[0, 0].set(-1)  # one skipped pick
         x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16).astype(jnp.float32)
-        got = moe_grouped_pallas(x, sub, ids, w, swiglu_limit=7.0)
-        want = jax.jit(moe_grouped_reference, static_argnames="swiglu_limit")(x, sub, ids, w, swiglu_limit=7.0)
         path = "gemv" if choose_tile(bank_format(sub), t * K, n)[0] == 1 else "dots"
-        err = rel_err(got, want)
-        errs[path] = max(errs.get(path, 0.0), err)
-        print(f"check {fmt} tokens={t} slots={n} ({path}): rel err {err:.2e}", flush=True)
+        for name, form, checked in (("plain", PLAIN, sub), ("gpt-oss", GPT_OSS,
+                                                            with_biases(sub, rng))):
+            err = rel_err(moe_grouped_pallas(x, checked, ids, w, **form),
+                          reference(x, checked, ids, w, **form))
+            errs[path] = max(errs.get(path, 0.0), err)
+            print(f"check {fmt} {name} tokens={t} slots={n} ({path}): rel err {err:.2e}",
+                  flush=True)
     return errs
 
 

@@ -9,15 +9,16 @@ shared-expert MLPs (layers/mlp.py) compute; the C kernel (residency/cpu_kernel.c
 same in C.
 
 Activation variant (gpt-oss): g * sigmoid(alpha * g) * (u + up_shift) with the same clamps;
-alpha = 1, up_shift = 0 is silu(g) * u. The jnp reference and the host's numpy path compute it;
-the Pallas kernel and the C kernel take only the plain form (the ops route the rest to the
-reference, and refuse it where a kernel is asked for by name).
+alpha = 1, up_shift = 0 is silu(g) * u. The jnp reference, the Pallas kernel (compiled in only
+where alpha != 1 or up_shift != 0) and the host's numpy path compute it; the C kernel takes only
+the plain form (`plain`: the `cpu` and `auto` miss policies refuse the rest at load).
 
 Bias. Optional leaves beside either format: gate_up_bias [N, 2I] (added to the gate_up
 projection, same row order) and down_bias [N, D] (added to each expert's output before its
-routing weight), both float (gpt-oss). The jnp reference and the host's numpy path add them; the
-Pallas kernel and the C kernel take banks without them only. Under a tensor split down_bias would
-be summed once a device: refused (interleave_gate_up).
+routing weight), both float (gpt-oss). The jnp reference, the Pallas kernel (a compile-time
+option: a bank without them compiles no bias loads) and the host's numpy path add them; the C
+kernel takes banks without them only. Under a tensor split down_bias would be summed once a
+device: refused (interleave_gate_up).
 
     dense:  {"gate_up": [N, 2I, D], "down": [N, D, I]}  (bf16 or float32)
     mxfp4:  {"gate_up_blocks": [N, 2I, D/32, 16], "gate_up_scales": [N, 2I, D/32],
@@ -68,7 +69,8 @@ def swiglu(g, u, swiglu_limit: float, alpha: float = 1.0, up_shift: float = 0.0)
 
 
 def plain(bank, alpha: float = 1.0, up_shift: float = 0.0) -> bool:
-    """Whether a bank and activation are what every kernel takes: no bias leaves, silu(g) * u."""
+    """Whether a bank and activation are what the host's C kernel takes (the Pallas kernel takes
+    any): no bias leaves, silu(g) * u."""
     return not (BIAS_KEYS & set(bank)) and alpha == 1.0 and up_shift == 0.0
 
 

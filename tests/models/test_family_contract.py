@@ -1,11 +1,11 @@
 """One contract for a family, parametrised over the registered families it covers (CONTRACT):
 declared params = checkpoint table, fp32 logits within 1e-4 of transformers' on tiny random
 checkpoints, greedy tokens, the paged cached decode = the full forward, half-resident `exact` =
-all-resident, the GQA families' cached decode on the paged GQA kernel; for the families whose
-MTP layer drafts (MTP), greedy output with speculative decoding on as with it off and the
-refusals without the layer; and for the families with a chat template kept in
-tests/data/chat_templates, a tool call and its result through the app to the openai and
-anthropic clients. Where an item does not run here for a family, or a registered
+all-resident, the GQA families' cached decode on the paged GQA kernel (gpt-oss's on the MoE
+kernel too); for the families whose MTP layer drafts (MTP), greedy output with speculative
+decoding on as with it off and the refusals without the layer; and for the families with a chat
+template kept in tests/data/chat_templates, a tool call and its result through the app to the
+openai and anthropic clients. Where an item does not run here for a family, or a registered
 model type is not in the contract, NOT_HERE says why and where it is checked instead. A new
 family costs a writer and configs in tests/support/tiny_models.py and an entry here (and its chat
 vocabulary in tests/support/chat_models.py). The checkpoints and engines are tests/models/
@@ -198,6 +198,31 @@ def test_gpt_oss_published_mxfp4_experts_and_the_host_policies(tmp_path):
     for policy in ("cpu", "auto"):
         with pytest.raises(ConfigError, match="miss_policy"):
             tidejax.load(packed, residency={"budget_experts": 8, "miss_policy": policy})
+
+
+def test_gpt_oss_cached_decode_on_the_kernels_matches_transformers(tiny_family, monkeypatch):
+    """engine.kernel = "pallas" (interpret mode and Triton's interpreter here): gpt-oss's experts
+    (biases, the clamped g * sigmoid(1.702 g) * (u + 1)) on the grouped MoE kernel, its attention
+    on the paged GQA kernel. One token a step (the kernel's GEMV path: float32 products) within
+    the contract's 1e-4 of transformers' full forward; a 16-token prompt chunk first (its dots
+    path: the float32 activations rounded to bf16, ~2e-3 an expert's output) within 1e-2."""
+    from tidejax import ops
+
+    path, model, _ = tiny_family("gpt_oss", "window8")
+    engine = tidejax.load(path, engine={"kernel": "pallas", "warmup": False})
+    chosen = []
+
+    def choose_impl(op, impl=None, fits=None):
+        chosen.append((op, ops.dispatch.choose_impl(op, impl, fits)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(ops, "choose_impl", choose_impl)  # moe_grouped's choice
+    with torch.no_grad():
+        ref = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 1), ref) < 1e-4
+    assert relative_diff(cached_decode_logits(engine, PROMPT, 16), ref) < 1e-2
+    # each layer's experts, every time they were traced (one token, 16)
+    assert len(chosen) >= 2 * engine.cfg.num_layers and set(chosen) == {("moe_grouped", "pallas")}
 
 
 @pytest.fixture(scope="module", params=sorted(CHAT_FAMILIES))

@@ -122,24 +122,45 @@ def test_reference_matches_float64(rng, fmt, t):
     assert rel_err(got, want) < 1e-5
 
 
+def gpt_oss_case(rng, fmt, n, slot_ids):
+    """A bank of n slots with gpt-oss's bias leaves (tidejax.contract), tokens and weights for
+    the picks slot_ids [T, k], and the float64 result of its clamped g * sigmoid(1.702 g) *
+    (u + 1): (x, bank, weights, want, form)."""
+    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
+    bank["gate_up_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
+    bank["down_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
+    x = rng.standard_normal((slot_ids.shape[0], 64)).astype(np.float32)
+    weights = rng.random(slot_ids.shape).astype(np.float32)
+    want = numpy_moe(x, gate_up, down, slot_ids, weights, 0.5, 1.702, 1.0,
+                     bank["gate_up_bias"].astype(np.float64), bank["down_bias"].astype(np.float64))
+    form = dict(swiglu_limit=0.5, swiglu_alpha=1.702, swiglu_up_shift=1.0)
+    return x, bank, weights, want, form
+
+
 @pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
 @pytest.mark.parametrize("t", [3, 40])  # gathers the picked slots / scans over the slots
 def test_reference_with_biases_and_gpt_oss_activation_matches_float64(rng, fmt, t):
     """gpt-oss's experts (tidejax.contract): bias leaves beside either format, the clamped
-    g * sigmoid(1.702 g) * (u + 1); the kernel refuses them by name."""
-    n, k = 12, 3
-    bank, gate_up, down = make_bank(rng, fmt, n, d=64, i=32)
-    bank["gate_up_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
-    bank["down_bias"] = rng.standard_normal((n, 64)).astype(np.float32)
-    x = rng.standard_normal((t, 64)).astype(np.float32)
-    slot_ids, weights = random_picks(rng, t, k, n)
-    want = numpy_moe(x, gate_up, down, slot_ids, weights, 0.5, 1.702, 1.0,
-                     bank["gate_up_bias"].astype(np.float64), bank["down_bias"].astype(np.float64))
-    got = moe_grouped(x, bank, slot_ids, weights, swiglu_limit=0.5, swiglu_alpha=1.702,
-                      swiglu_up_shift=1.0, impl="auto")
-    assert rel_err(got, want) < 1e-5
-    with pytest.raises(ValueError, match="no expert biases"):
-        moe_grouped(x, bank, slot_ids, weights, swiglu_limit=0.5, impl="pallas")
+    g * sigmoid(1.702 g) * (u + 1)."""
+    slot_ids = random_picks(rng, t, 3, 12)[0]
+    x, bank, weights, want, form = gpt_oss_case(rng, fmt, 12, slot_ids)
+    assert rel_err(moe_grouped(x, bank, slot_ids, weights, **form, impl="auto"), want) < 1e-5
+
+
+@pytest.mark.parametrize("tile,tol", [((1, 16, 32, 4, 1), 1e-5), ((16, 16, 32, 4, 1), 2e-2)])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_moe_kernel_with_biases_and_gpt_oss_activation_matches_float64(rng, tile, tol, fmt):
+    """The kernel's GEMV and dots paths on gpt-oss's experts: 40 tokens each pick the 2 slots,
+    one pick skipped, so slot 0's 39 picks and slot 1's 40 fill two 16-row dot tiles each and
+    part of a third. Asked for by name (impl="pallas": interpret mode here), the op runs the
+    kernel too."""
+    slot_ids = np.tile(np.array([[0, 1]], np.int32), (40, 1))
+    slot_ids[7, 0] = -1
+    x, bank, weights, want, form = gpt_oss_case(rng, fmt, 2, slot_ids)
+    got = moe_grouped_pallas(x, bank, slot_ids, weights, **form, interpret=True, tile=tile)
+    assert rel_err(got, want) < tol
+    if tile[0] == 1:
+        assert rel_err(moe_grouped(x, bank, slot_ids, weights, **form, impl="pallas"), want) < 2e-2
 
 
 def test_auto_on_cpu_is_the_reference_and_keeps_dtype(rng):
@@ -267,15 +288,20 @@ def test_kernels_lower_to_triton_for_cuda():
          "gate_up_scales": shape((n, 2 * i, d // 32), jnp.uint8),
          "down_blocks": shape((n, d, i // 32, 16), jnp.uint8), "down_scales": shape((n, d, i // 32), jnp.uint8)},
     ]
+    biases = {"gate_up_bias": shape((n, 2 * i), jnp.bfloat16),
+              "down_bias": shape((n, d), jnp.bfloat16)}
+    banks += [{**bank, **biases} for bank in banks]  # gpt-oss's, with its activation's variant
     triton_ok = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for bank in banks:
+        form = dict(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_shift=1.0) if (
+            "down_bias" in bank) else {}
         for tokens, tile in ((t, None), (300, None), (t, (16, 32, 128, 4, 1)), (300, (64, 64, 64, 4, 2))):
             picks = shape((tokens, k), jnp.int32), shape((tokens, k), jnp.float32)
             counters = shape((3, 2 * n), jnp.float32)
             # the counting fused in (layer traced) or not
             for demand in (None, Demand(counters, counters, shape((), jnp.int32), *picks,
                                         shape((tokens,), jnp.bool_))):
-                kernel = functools.partial(moe_grouped_pallas, tile=tile)
+                kernel = functools.partial(moe_grouped_pallas, tile=tile, **form)
                 exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=triton_ok)(
                     shape((tokens, d), jnp.bfloat16), bank, *picks, demand=demand)
                 assert exported.mlir_module().count("xla.gpu.triton") == 2
@@ -292,4 +318,23 @@ def test_auto_takes_the_kernel_only_for_shapes_it_supports(monkeypatch):
     assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(fits)) == "pallas"
     assert dispatch.choose_impl("moe_grouped", "auto", fits=lambda: pallas_supports(odd)) == "reference"
     assert dispatch.choose_impl("moe_grouped", "pallas", fits=lambda: False) == "pallas"
+
+
+def test_auto_takes_the_kernel_for_gpt_oss_experts_where_it_fits(monkeypatch):
+    """On a GPU, "auto" runs gpt-oss's experts (bias leaves, g * sigmoid(1.702 g) * (u + 1)) on
+    the kernel where it takes the bank's shapes, and on the reference where it does not."""
+    from tidejax.ops import dispatch
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+
+    def on_kernel(d, i):
+        bank = {"gate_up": jnp.zeros((2, 2 * i, d)), "down": jnp.zeros((2, d, i)),
+                "gate_up_bias": jnp.zeros((2, 2 * i)), "down_bias": jnp.zeros((2, d))}
+        ids, w = np.zeros((3, 2), np.int32), np.ones((3, 2), np.float32)
+        jaxpr = jax.make_jaxpr(lambda x: moe_grouped(
+            x, bank, ids, w, swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_shift=1.0))(
+            np.zeros((3, d), np.float32))
+        return "pallas_call" in str(jaxpr)
+
+    assert on_kernel(64, 32) and not on_kernel(40, 24)
 

@@ -28,7 +28,6 @@ import math
 import jax
 
 from tidejax import parallel
-from tidejax.contract import plain
 from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, run
 from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
 from tidejax.pallas.demand import Demand
@@ -70,10 +69,10 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
                hc_eps=float(hc_eps), iters=int(iters))
 
 
-def _moe_fits(bank, alpha: float, up_shift: float) -> bool:
+def _moe_fits(bank) -> bool:
     from tidejax.pallas.moe_kernel import pallas_supports  # here: the Triton lowering loads on use
 
-    return plain(bank, alpha, up_shift) and pallas_supports(bank)
+    return pallas_supports(bank)
 
 
 def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
@@ -83,31 +82,26 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     s = slot_ids[t,j] (-1 skips); shapes: pallas.moe.moe_grouped_reference.
 
     impl: "auto" (Pallas on a GPU when the kernel takes the bank's shapes, the reference
-    elsewhere) | "pallas" | "reference"; None: the policy in force. The kernel's accuracy against
-    the float32 reference (before the cast to x.dtype): decode steps whose picks rarely share an
-    expert (GEMV, float32 products) ~1e-7; busier steps and prefill (bf16 dots, float32
-    accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32 ones (rounded to bf16).
+    elsewhere) | "pallas" (interpret mode off the GPU) | "reference"; None: the policy in force.
+    The kernel's accuracy against the float32 reference (before the cast to x.dtype): decode
+    steps whose picks rarely share an expert (GEMV, float32 products) ~1e-7; busier steps and
+    prefill (bf16 dots, float32 accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32
+    ones (rounded to bf16).
     demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
     first pass); then returns (y, counts, weight_sums).
-    swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): the
-    reference only ("auto" picks it; "pallas" refuses them).
+    swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): both
+    implementations (the kernel compiles them in only where given).
     """
-    impl = choose_impl("moe_grouped", impl,
-                       fits=lambda: _moe_fits(bank, swiglu_alpha, swiglu_up_shift))
+    impl = choose_impl("moe_grouped", impl, fits=lambda: _moe_fits(bank))
+    form = dict(swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                swiglu_up_shift=swiglu_up_shift)
     with jax.named_scope(f"moe_grouped_{impl}"):
         if impl == "reference":
-            return moe_grouped_reference(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
-                                         swiglu_alpha=swiglu_alpha,
-                                         swiglu_up_shift=swiglu_up_shift, demand=demand)
+            return moe_grouped_reference(x, bank, slot_ids, weights, **form, demand=demand)
         from tidejax.pallas.moe_kernel import moe_grouped_pallas
 
-        if not plain(bank, swiglu_alpha, swiglu_up_shift):
-            raise ValueError("moe_grouped(impl='pallas'): the kernel takes no expert biases and "
-                             "only silu(g) * u (swiglu_alpha 1, swiglu_up_shift 0); use the "
-                             "reference")
-
-        return moe_grouped_pallas(x, bank, slot_ids, weights, swiglu_limit=swiglu_limit,
-                                  demand=demand)
+        return moe_grouped_pallas(x, bank, slot_ids, weights, **form, demand=demand,
+                                  interpret=jax.default_backend() != "gpu")
 
 
 def _mla_fits(q_latent, q_rope, latent_pages, *_) -> bool:

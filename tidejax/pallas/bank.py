@@ -10,7 +10,8 @@ from tidejax.contract import BIAS_KEYS, bank_format
 
 
 def bank_dims(bank) -> tuple[int, int, int]:
-    """(slots N, hidden D, intermediate I) of a bank of either format, with shape checks."""
+    """(slots N, hidden D, intermediate I) of a bank of either format, with shape checks (the
+    bias leaves' too)."""
     if bank_format(bank) == "dense":
         n, two_i, d = bank["gate_up"].shape
         want_down = (n, d, two_i // 2)
@@ -22,6 +23,10 @@ def bank_dims(bank) -> tuple[int, int, int]:
         got_down = tuple(bank["down_blocks"].shape)
     if two_i % 2 or got_down != want_down:
         raise ValueError(f"expert bank: down has shape {got_down}, expected {want_down}")
+    for name, want in (("gate_up_bias", (n, two_i)), ("down_bias", (n, d))):
+        if name in bank and tuple(bank[name].shape) != want:
+            raise ValueError(f"expert bank: {name} has shape {tuple(bank[name].shape)}, "
+                             f"expected {want}")
     return n, d, two_i // 2
 
 

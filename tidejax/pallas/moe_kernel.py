@@ -14,6 +14,10 @@ MXFP4 codes are decoded by inline PTX on the GPU (E2M1_PTX, two codes a shift-an
 in interpret mode; both give the same exact values.
 Both run h[row] = swiglu(x[token(row)] @ gate_up[slot].T), then o[row] = h[row] @ down[slot].T,
 and y[t] = sum_j w[t, j] * o[row of pick (t, j)] (a gather, no atomics: deterministic).
+gpt-oss's experts (tidejax.contract): the activation's variant (alpha, up_shift) and the bias
+leaves are compile-time options; gate_up_bias is added to g and u before the activation,
+down_bias to o, in float32. A bank without them compiles to the plain kernels: no extra loads or
+math.
 With `demand`, the gate/up pass also counts the router's wanted picks into the residency
 counters (atomic adds by its programs of column block 0), saving a kernel launch a layer.
 
@@ -306,8 +310,8 @@ def _gemv_partial(weights, xs):
     return p if scale is None else p * scale
 
 
-def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases, ptx):
-    x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
+def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, form, bias, phases, ptx):
+    x_refs, w_refs, bias_ref, h_ref = _split_refs(refs, phases, bias)
     pick, col = pl.program_id(0), pl.program_id(1)
     slot = pick_slot_ref[pick]
 
@@ -328,11 +332,14 @@ def _gemv_gate_up_kernel(pick_slot_ref, *refs, k, bn, nb, n_k, i, limit, phases,
 
         zeros = jnp.zeros((bn, nb), jnp.float32)
         g, u = _k_loop(n_k, fetch, consume, (zeros, zeros), prefetch=True)
-        h_ref[phase, pick, pl.ds(q0, bn)] = swiglu(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
+        g, u = jnp.sum(g, axis=1), jnp.sum(u, axis=1)
+        if bias:
+            g, u = _biased(g, bias_ref, slot, rows), _biased(u, bias_ref, slot, up_rows)
+        h_ref[phase, pick, pl.ds(q0, bn)] = swiglu(g, u, *form)
 
 
-def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
-    *w_refs, o_ref = refs
+def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, bias, phases, ptx):
+    _, w_refs, bias_ref, o_ref = _split_refs(refs, 0, bias)
     pick, col = pl.program_id(0), pl.program_id(1)
     slot = pick_slot_ref[pick]
 
@@ -345,7 +352,9 @@ def _gemv_down_kernel(pick_slot_ref, h_ref, *refs, bn, nb, n_k, phases, ptx):
 
         fetch = lambda kk: _gemv_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, nb)
         acc = _k_loop(n_k, fetch, consume, jnp.zeros((bn, nb), jnp.float32), prefetch=True)
-        o_ref[pick, pl.ds(col * bn, bn)] = jnp.sum(acc, axis=1)
+        o = jnp.sum(acc, axis=1)
+        cols = pl.ds(col * bn, bn)
+        o_ref[pick, cols] = _biased(o, bias_ref, slot, cols) if bias else o
 
 
 def _gemv_refs(bank, name, group):
@@ -360,7 +369,25 @@ def _grouped(a, group):
     return a.reshape(*a.shape[:-1], a.shape[-1] // group, group)
 
 
-def _run_gemv(x, bank, slot_ids, demand, *, tile, limit, interpret):
+def _split_refs(refs, n_in, bias: bool):
+    """A kernel's refs after its scalar ones -> (the first n_in (activations), the weights',
+    the bias leaf's or None, the output): the bias ref, where there is one, is the one just
+    before the output."""
+    end = -2 if bias else -1
+    return refs[:n_in], refs[n_in:end], refs[-2] if bias else None, refs[-1]
+
+
+def _bias_refs(bank, name) -> tuple:
+    """The bias leaf `name` as a kernel operand: (bank[name],), or () where the bank has none."""
+    return (bank[name],) if name in bank else ()
+
+
+def _biased(v, bias_ref, slot, cols):
+    """v [..., bn] float32 plus the bias of `slot` at `cols` (a pl.ds), broadcast over rows."""
+    return v + bias_ref[slot, cols].astype(jnp.float32)
+
+
+def _run_gemv(x, bank, slot_ids, demand, *, tile, form, interpret):
     """(per-pick outputs [T*k, D] float32 (rows of skipped picks unwritten), counters or None)."""
     fmt = bank_format(bank)
     _, d, i = bank_dims(bank)
@@ -377,26 +404,28 @@ def _run_gemv(x, bank, slot_ids, demand, *, tile, limit, interpret):
     nb1 = _block(d // per_step, bk // per_step, "hidden groups", least=1)
     h, counters = _gate_up_call(
         functools.partial(_gemv_gate_up_kernel, k=k, bn=bn1, nb=nb1, n_k=d // per_step // nb1,
-                          i=i, limit=limit, phases=phases, ptx=not interpret),
+                          i=i, form=form, bias="gate_up_bias" in bank, phases=phases,
+                          ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((phases, t * k, i // phases), jnp.float32),
         grid=(t * k, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up_gemv",
         demand=demand,
-    )(pick_slot, *xs, *_gemv_refs(bank, "gate_up", group))
+    )(pick_slot, *xs, *_gemv_refs(bank, "gate_up", group), *_bias_refs(bank, "gate_up_bias"))
 
     bn2 = _block(d, bn, "hidden", least=1)
     nb2 = _block(i // per_step, bk // per_step, "moe intermediate groups", least=1)
     out = pl.pallas_call(
         functools.partial(_gemv_down_kernel, bn=bn2, nb=nb2, n_k=i // per_step // nb2,
-                          phases=phases, ptx=not interpret),
+                          bias="down_bias" in bank, phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((t * k, d), jnp.float32),
         grid=(t * k, d // bn2),
         compiler_params=params,
         interpret=interpret,
         name="moe_down_gemv",
-    )(pick_slot, _grouped(h, group), *_gemv_refs(bank, "down", group))
+    )(pick_slot, _grouped(h, group), *_gemv_refs(bank, "down", group),
+      *_bias_refs(bank, "down_bias"))
     return out, counters
 
 
@@ -438,8 +467,9 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, limit, phases, ptx):
-    x_refs, w_refs, h_ref = refs[:phases], refs[phases:-1], refs[-1]
+def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, form, bias, phases,
+                        ptx):
+    x_refs, w_refs, bias_ref, h_ref = _split_refs(refs, phases, bias)
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
 
@@ -461,13 +491,15 @@ def _dot_gate_up_kernel(tile_slot_ref, row_token_ref, *refs, bt, bn, bk, d, i, l
 
         zeros = jnp.zeros((bt, bn), jnp.float32)
         g, u = _k_loop(d // bk, fetch, consume, (zeros, zeros), prefetch=phases > 1)
-        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = swiglu(g, u, limit)
+        if bias:
+            g, u = _biased(g, bias_ref, slot, rows), _biased(u, bias_ref, slot, up_rows)
+        h_ref[phase, pl.ds(tile * bt, bt), pl.ds(q0, bn)] = swiglu(g, u, *form)
 
 
-def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, ptx):
+def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, bias, phases, ptx):
     """h (float32) enters the bf16 dots as two terms, its bf16 rounding and the rest: ~16
     mantissa bits, so that bf16 inputs give the reference's outputs to ~1e-5, not ~2e-3."""
-    *w_refs, o_ref = refs
+    _, w_refs, bias_ref, o_ref = _split_refs(refs, 0, bias)
     tile, col = pl.program_id(0), pl.program_id(1)
     slot = tile_slot_ref[tile]
 
@@ -486,7 +518,8 @@ def _dot_down_kernel(tile_slot_ref, h_ref, *refs, bt, bn, bk, i, phases, ptx):
 
         fetch = lambda kk: _dot_fetch(w_refs, slot, pl.ds(col * bn, bn), kk, bk)
         acc = _k_loop(i // bk, fetch, consume, jnp.zeros((bt, bn), jnp.float32), prefetch=phases > 1)
-        o_ref[pl.ds(tile * bt, bt), pl.ds(col * bn, bn)] = acc
+        rows, cols = pl.ds(tile * bt, bt), pl.ds(col * bn, bn)
+        o_ref[rows, cols] = _biased(acc, bias_ref, slot, cols) if bias else acc
 
 
 def _dot_refs(bank, name):
@@ -498,7 +531,7 @@ def _dot_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-def _run_dots(x, bank, slot_ids, demand, *, tile, limit, interpret):
+def _run_dots(x, bank, slot_ids, demand, *, tile, form, interpret):
     """(per-pick outputs [T*k, D] float32, counters or None), through tiles of picks grouped by
     slot."""
     n, d, i = bank_dims(bank)
@@ -512,33 +545,36 @@ def _run_dots(x, bank, slot_ids, demand, *, tile, limit, interpret):
 
     bn1, bk1 = _block(i // phases, bn, "moe intermediate / phases"), _block(d, bk, "hidden")
     h, counters = _gate_up_call(
-        functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, limit=limit,
-                          phases=phases, ptx=not interpret),
+        functools.partial(_dot_gate_up_kernel, bt=bt, bn=bn1, bk=bk1, d=d, i=i, form=form,
+                          bias="gate_up_bias" in bank, phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((phases, rows, i // phases), jnp.float32),
         grid=(n_tiles, i // bn1),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
         demand=demand,
-    )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"))
+    )(tile_slot, row_token, *xs, *_dot_refs(bank, "gate_up"), *_bias_refs(bank, "gate_up_bias"))
 
     bn2, bk2 = _block(d, bn, "hidden"), _block(i, bk, "moe intermediate")
     out = pl.pallas_call(
-        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, phases=phases,
-                          ptx=not interpret),
+        functools.partial(_dot_down_kernel, bt=bt, bn=bn2, bk=bk2, i=i, bias="down_bias" in bank,
+                          phases=phases, ptx=not interpret),
         out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(n_tiles, d // bn2),
         compiler_params=params,
         interpret=interpret,
         name="moe_down",
-    )(tile_slot, h, *_dot_refs(bank, "down"))
+    )(tile_slot, h, *_dot_refs(bank, "down"), *_bias_refs(bank, "down_bias"))
     return jnp.take(out, pick_row, axis=0, mode="clip"), counters
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "interpret", "tile"))
-def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0, interpret=False,
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift",
+                                             "interpret", "tile"))
+def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
+                       swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0, interpret=False,
                        tile=None, demand=None):
-    """Same contract as `moe_grouped_reference` (demand included: the gate/up kernel counts it).
+    """Same contract as `moe_grouped_reference` (demand, the activation's variant and the bias
+    leaves included: the gate/up kernel counts the demand).
 
     tile: (bt, bn, bk, num_warps, num_stages) to override `choose_tile` (benchmarks); bt = 1 runs
     the GEMV kernels, bt >= 16 the dots.
@@ -549,8 +585,8 @@ def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
         check_demand(demand, t, k)
     tile = tile or choose_tile(bank_format(bank), t * k, n)
     run = _run_gemv if tile[0] == 1 else _run_dots
-    per_pick, counters = run(x, bank, slot_ids, demand, tile=tile, limit=swiglu_limit,
-                             interpret=interpret)
+    form = (swiglu_limit, swiglu_alpha, swiglu_up_shift)  # tidejax.contract.swiglu's arguments
+    per_pick, counters = run(x, bank, slot_ids, demand, tile=tile, form=form, interpret=interpret)
     picked = per_pick.reshape(t, k, -1)
     picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
     y = jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
