@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -45,6 +46,21 @@ def served(tmp_path_factory):
         yield {"url": url, "root": root, "state_dir": state_dir, "profile": profile}
     assert (state_dir / "history.npz").exists(), server_log(profile)
     assert not (state_dir / "routing").exists()  # traces are off unless trace_every_steps is set
+
+
+def settled_metrics(url: str, prefix: str = "residency_") -> dict[str, float]:
+    """/metrics once two reads 0.2 s apart agree on the samples named `prefix`...: the step in
+    flight when the last response went out is read (its picks counted) after the client has that
+    response."""
+    last = metrics(url)
+    for _ in range(50):
+        time.sleep(0.2)
+        now = metrics(url)
+        if {k: v for k, v in now.items() if k.startswith(prefix)} == {
+                k: v for k, v in last.items() if k.startswith(prefix)}:
+            return now
+        last = now
+    raise AssertionError("/metrics kept changing for 10 s on an idle server")
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -94,7 +110,7 @@ def test_the_page_shows_the_engines_numbers(served):
         oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
     oai.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
                                 messages=[{"role": "user", "content": "Tell me about the sea."}])
-    engine = metrics(url)  # the server is idle: nothing changes from here
+    engine = settled_metrics(url)  # the server is idle: nothing changes from here
     shown, errors, requested, shot = asyncio.run(read_dashboard(url, served["root"]))
     print(f"dashboard screenshot: {shot}")
     assert shot.stat().st_size > 10_000

@@ -68,9 +68,9 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def environment() -> dict:
-    """The key's parts outside the model: source, versions, backend, devices, flags, settings."""
-    device = jax.devices()[0]
+def environment(device) -> dict:
+    """The key's parts outside the model: source, versions, backend, devices (`device`: the
+    first the model runs on), flags, settings."""
     return {"source": source_digest(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": jax.default_backend(), "platform": device.client.platform_version,
             "devices": [jax.device_count(), device.device_kind],
@@ -101,7 +101,7 @@ class StepExecutables:
         (DonatingStep.arguments)."""
         leaves, tree = jax.tree.flatten(args)
         text = json.dumps({"step": step.name, "shape": shape, "program": self.program,
-                           "environment": environment(), "tree": str(tree),
+                           "environment": environment(self.devices[0]), "tree": str(tree),
                            "devices": [device.id for device in self.devices],
                            "arguments": [_argument(leaf) for leaf in leaves]}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
