@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     import tidejax
+    from tidejax.kv.pages import block_hashes
     from tests.support.engine_probes import prefilled, serve
 
     model, folder = sys.argv[1], sys.argv[2]
@@ -64,9 +65,18 @@ SCRIPT = textwrap.dedent("""
     second = turn_two(engine, 100)
     out["host_pages"] = engine.scheduler.kv_stats()["host_tier_pages"]
     spec = k_spec(engine)
+    digests, host = block_hashes(second, 8)[:5], engine.scheduler.tiers.host
+    entries = [host.take(digest) for digest in digests]  # (put back as they were)
+    for digest, entry in zip(digests, entries):
+        host.put(digest, entry)
     (out["host"], stats), out["host_prefilled"] = prefilled(engine, lambda: serve(engine, second, 6))
     out["host_cached"], out["host_matched"] = stats["cached_tokens"], matched(engine, "host")
     out["specs"] = [spec, k_spec(engine)]
+    # each entry holds a page's rows of both KV heads; the pool's pages now hold them
+    out["entry_shape"] = list(entries[0].pages.k[0].shape)
+    pool = np.asarray(engine.state.cache.pages.k[0])
+    out["rows_restored"] = all(np.array_equal(pool[page], entry.pages.k[0][0]) for page, entry
+                               in zip(engine.scheduler.pages.match(digests), entries))
     out["host_uncached"] = uncached(engine, second)
     later = turn_two(engine, 200)  # its pages in host memory, then
     engine.close()  # on disk
@@ -97,6 +107,7 @@ def test_host_and_disk_tiers_on_a_split_mesh_serve_a_second_turn(tiny_checkpoint
     assert got["host_pages"] >= 5
     assert got["host_cached"] == got["host_matched"] == 40 and got["host_prefilled"] == 8
     assert got["specs"][0] == got["specs"][1] and "tensor" in got["specs"][0]
+    assert got["entry_shape"] == [1, 8, 2, 24] and got["rows_restored"]  # [1, page, kv heads, d]
     assert got["other_disk_pages"] == 0 and got["disk_pages"] >= 5
     assert got["disk_cached"] == got["disk_matched"] == 40 and got["disk_prefilled"] == 8
     assert got["host"] == got["host_uncached"] and len(got["host"]) == 6
