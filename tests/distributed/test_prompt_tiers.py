@@ -69,7 +69,8 @@ SCRIPT = textwrap.dedent("""
     entries = [host.take(digest) for digest in digests]  # (put back as they were)
     for digest, entry in zip(digests, entries):
         host.put(digest, entry)
-    (out["host"], stats), out["host_prefilled"] = prefilled(engine, lambda: serve(engine, second, 6))
+    (out["host"], stats), out["host_prefilled"] = prefilled(
+        engine, lambda: serve(engine, second, 6))
     out["host_cached"], out["host_matched"] = stats["cached_tokens"], matched(engine, "host")
     out["specs"] = [spec, k_spec(engine)]
     # each entry holds a page's rows of both KV heads; the pool's pages now hold them
