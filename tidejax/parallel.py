@@ -103,6 +103,11 @@ def tensor_size(mesh=None) -> int:
     return (mesh or current_mesh()).shape["tensor"]
 
 
+def process_count(mesh=None) -> int:
+    """How many processes hold the mesh's devices (1: every device is this process's)."""
+    return len({device.process_index for device in (mesh or current_mesh()).devices.flat})
+
+
 def spec(axes) -> PartitionSpec:
     """PartitionSpec of a leaf whose dimensions have logical `axes` (None: not split)."""
     return PartitionSpec(*(None if a is None else RULES[a] for a in axes))

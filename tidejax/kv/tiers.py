@@ -315,11 +315,14 @@ class Tiers:
         self.disk.close()
 
 
-def model_key(model_dir: Path, page_size: int, template: Spilled) -> str:
+def model_key(model_dir: Path, page_size: int, template: Spilled, tensor: int) -> str:
     """A folder name for one model's disk entries: block hashes cover token ids alone, so pages
     of another checkpoint, page size or dtype must never match (its config.json, its files'
-    names, sizes and times, the page's leaves)."""
+    names, sizes and times, the page's leaves), nor those of another `tensor` split (pages are
+    kept whole, but their values are summed over another number of shards: a page from another
+    layout would not give the tokens this one computes)."""
     h = hashlib.blake2b(digest_size=8)
+    h.update(f"tensor {tensor};".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.iterdir()):
         if path.is_file():

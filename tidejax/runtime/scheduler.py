@@ -249,22 +249,28 @@ class Scheduler:
     def _tiers(self) -> Tiers | None:
         """The host and disk tiers behind the device pool ([cache] host_gib, disk_gib, disk_dir
         or else residency.state_dir), each said in the log; none without prompt caching, and
-        none under tensor parallelism (every process would have to spill its own shards)."""
+        none on a mesh over several processes (each would have to keep its own shards of every
+        page, in step with process 0's decisions). On a mesh that splits "tensor" in one process
+        a spilled page is read whole (its rows gathered from the shards: parallel.to_host) and
+        written back with the pool's sharding."""
         config = self.model.config
         section = config.cache
         if not self.caching or (section.host_gib == 0 and section.disk_gib == 0):
             return None
-        if parallel.tensor_size(self.model.mesh) > 1:
-            log.warning("%s: cache.host_gib and cache.disk_gib are off under tensor parallelism "
-                        "(distributed.tensor_parallel): the prompt cache keeps the device tier "
-                        "alone", config.source_of("cache.host_gib"))
+        processes = parallel.process_count(self.model.mesh)
+        if processes > 1:
+            log.warning("%s: cache.host_gib and cache.disk_gib are off on a mesh over %d "
+                        "processes (distributed.num_processes): each process would have to keep "
+                        "its own shards of every spilled page; the prompt cache keeps the device "
+                        "tier alone", config.source_of("cache.host_gib"), processes)
             return None
         shapes = self.model.steps.copy_shapes(self.runner.state)
         template = Spilled(shapes.cache.pages, shapes if self.snapshots else None)
         folder, disk = section.disk_dir or config.residency.state_dir, None
         if section.disk_gib > 0 and folder:
-            folder = Path(folder) / "prompt_cache" / model_key(self.model.model_dir,
-                                                               self.model.page_size, template)
+            folder = Path(folder) / "prompt_cache" / model_key(
+                self.model.model_dir, self.model.page_size, template,
+                parallel.tensor_size(self.model.mesh))
             try:
                 disk = DiskTier(folder, int(section.disk_gib * 2**30), template)
             except OSError as e:  # as residency's saves: serving goes on without it
@@ -276,7 +282,7 @@ class Scheduler:
         if section.host_gib == 0 and disk is None:
             return None
         log.info("prompt cache tiers: %g GiB in host memory%s", section.host_gib,
-                 f", {section.disk_gib:g} GiB under {folder}" if disk else "")
+                 f", {section.disk_gib:g} GiB under {folder}" if disk is not None else "")
         return Tiers(int(section.host_gib * 2**30), disk)
 
     def close_tiers(self) -> None:
