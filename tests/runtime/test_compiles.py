@@ -8,10 +8,7 @@ the compiles are the test's time."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,17 +21,7 @@ from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
 from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
-REPO = Path(__file__).resolve().parents[2]
 COMPILE = "/jax/core/compile/backend_compile_duration"  # one event an XLA compilation
-
-
-@pytest.fixture(scope="module")
-def v41(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ds41") / "tiny"
-    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
-                    "--shape", "ds41-tiny", "--layers", "2", "--workers", "1"],
-                   cwd=REPO, check=True, capture_output=True)
-    return out
 
 
 @contextlib.contextmanager

@@ -9,8 +9,6 @@ shapes (one page, one prompt bucket): their compiles are the test's time."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -19,18 +17,8 @@ import pytest
 import tidejax
 from tidejax.runtime.executables import MAGIC
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE = {"lanes": 1, "max_context": 64, "prefill_chunk": 16, "page_size": 64}
 PROMPT = "The tide"
-
-
-@pytest.fixture(scope="module")
-def v41(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ds41") / "tiny"
-    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
-                    "--shape", "ds41-tiny", "--layers", "2", "--workers", "1"],
-                   cwd=REPO, check=True, capture_output=True)
-    return out
 
 
 def start(model: Path, folder: Path, **engine):

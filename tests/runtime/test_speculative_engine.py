@@ -25,7 +25,6 @@ from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, Scheduler, T
 from tidejax.server.app import Server
 from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import serve_app
-from tests.support.tiny_models import repeating_mtp
 
 K = 2  # drafts a lane a step
 # a pool of 64 tokens (8 pages) for four lanes of up to 32: preemption; warm-up off (the steps
@@ -38,19 +37,13 @@ NEW = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint, tmp_path_factory):
-    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
-    return repeating_mtp(base, tmp_path_factory.mktemp("spec-engine") / "mtp", 0.3)
+def plain(v3_mtp):
+    return tidejax.load(v3_mtp, engine=ENGINE)
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir):
-    return tidejax.load(model_dir, engine=ENGINE)
-
-
-@pytest.fixture(scope="module")
-def speculating(model_dir):
-    return tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K})
+def speculating(v3_mtp):
+    return tidejax.load(v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": K})
 
 
 def greedy(engine, prompts):

@@ -18,7 +18,6 @@ from tidejax.errors import ConfigError
 from tidejax.residency.history import History
 from tidejax.runtime.scheduler import GenerationRequest
 from tests.support.engine_probes import run, tokens_of
-from tests.support.tiny_models import repeating_mtp
 
 K = 2
 ENGINE = {"lanes": 2, "max_context": 48, "page_size": 8, "prefill_chunk": 16, "warmup": False}
@@ -27,15 +26,9 @@ NEW = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint, tmp_path_factory):
-    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
-    return repeating_mtp(base, tmp_path_factory.mktemp("spec-residency") / "mtp", 0.3)
-
-
-@pytest.fixture(scope="module")
-def all_resident(model_dir):
+def all_resident(v3_mtp):
     """The engine without speculation, every expert resident: (its greedy output, config)."""
-    plain = tidejax.load(model_dir, engine=ENGINE)
+    plain = tidejax.load(v3_mtp, engine=ENGINE)
     out = greedy(plain), plain.loaded.cfg
     plain.close()
     return out
@@ -58,7 +51,7 @@ def greedy_with_stats(engine) -> tuple[list[list[int]], list[dict]]:
 
 
 @pytest.mark.parametrize("policy", ["exact", "cpu"])
-def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tmp_path, policy):
+def test_mtp_experts_served_and_counted_by_residency(v3_mtp, all_resident, tmp_path, policy):
     """Speculating with half the experts in the bank: the residency geometry has the MTP layer
     after the main MoE layers, the bank holds only some of its experts (the draft params none),
     the greedy output is the all-resident plain engine's and the budgeted plain engine's, the
@@ -69,12 +62,12 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tm
     k + 1 positions a lane), one MoE layer's share of it."""
     want, cfg = all_resident
     n_moe, n_experts = len(cfg.moe_layers), cfg.n_routed_experts
-    off = tidejax.load(model_dir, engine=ENGINE,
+    off = tidejax.load(v3_mtp, engine=ENGINE,
                        residency=budgeted(n_moe, n_experts, tmp_path / "off", policy))
     assert greedy(off) == want
     off.close()
 
-    engine = tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+    engine = tidejax.load(v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
                           residency=budgeted(n_moe + 1, n_experts, tmp_path / "on", policy))
     residency = engine.loaded.residency
     assert (residency.n_layers, residency.mtp_layers) == (n_moe + 1, 1)
@@ -105,12 +98,12 @@ def test_mtp_experts_served_and_counted_by_residency(model_dir, all_resident, tm
     np.testing.assert_allclose(saved.counts[:-1].sum(axis=1), per_layer, rtol=1e-6)
 
 
-def test_history_migrates_when_speculation_turns_on_and_off(model_dir, tmp_path):
+def test_history_migrates_when_speculation_turns_on_and_off(v3_mtp, tmp_path):
     """A history saved without speculation resumes speculating with its main layers' demand and
     the MTP layer's at zero; saved speculating, it resumes without with the MTP layer dropped.
     A seed map fitted without speculation is refused speculating, naming 'mtp_layers'."""
     state = tmp_path / "state"
-    cfg_raw = json.loads((model_dir / "config.json").read_text())
+    cfg_raw = json.loads((v3_mtp / "config.json").read_text())
     n_experts = cfg_raw["n_routed_experts"]
     n_moe = cfg_raw["num_hidden_layers"] - cfg_raw["first_k_dense_replace"]
     saved = History(n_moe, n_experts)
@@ -133,15 +126,15 @@ def test_history_migrates_when_speculation_turns_on_and_off(model_dir, tmp_path)
             "n_experts": n_experts, "budget": n_moe, "rows": [l * n_experts for l in range(n_moe)]}
     (tmp_path / "seed.json").write_text(json.dumps(seed))
     with pytest.raises(ConfigError, match="mtp_layers"):
-        tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+        tidejax.load(v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
                      residency={"budget_experts": n_moe + 1,
                                 "seed_map": str(tmp_path / "seed.json")})
 
 
-def test_the_disk_tier_is_refused_speculating_naming_the_field(model_dir, tmp_path):
+def test_the_disk_tier_is_refused_speculating_naming_the_field(v3_mtp, tmp_path):
     """A host budget below every expert (the disk tier) does not serve the MTP layer's experts
     yet: refused at load, naming the field."""
     with pytest.raises(ConfigError, match="not served from the disk tier.*host_budget_experts"):
-        tidejax.load(model_dir, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+        tidejax.load(v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
                      residency={"budget_experts": 8, "host_budget_experts": 16,
                                 "state_dir": str(tmp_path)})

@@ -1,0 +1,28 @@
+"""The runtime tests' shared checkpoints."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.tiny_models import repeating_mtp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory) -> Path:
+    """A 2-layer synthetic DeepSeek-V4.1 (tools.make_synthetic's ds41-tiny shape)."""
+    out = tmp_path_factory.mktemp("ds41") / "tiny"
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(out),
+                    "--shape", "ds41-tiny", "--layers", "2", "--workers", "1"],
+                   cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def v3_mtp(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp)."""
+    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
+    return repeating_mtp(base, tmp_path_factory.mktemp("v3-mtp") / "mtp", 0.3)
