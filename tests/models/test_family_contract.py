@@ -77,10 +77,9 @@ NOT_HERE = {
     "tools:deepseek_v3": "no published chat template kept here: its tool-call format is parsed "
                          "in tests/server/test_server_units.py, Kimi K2's served end to end in "
                          "tests/models/test_kimi_k2.py",
-    "tools:glm4_moe": "tests/models/test_glm4_moe.py serves GLM's template, thinking switch and "
-                      "tool call and result through the openai client",
-    "tools:glm_moe_dsa": "GLM-4.5's template and tool format (tests/models/test_glm4_moe.py); "
-                         "tests/models/test_glm_moe_dsa.py checks the family picks it",
+    "tools:glm_moe_dsa": "GLM-4.5's tool format, served here on glm4_moe's checkpoint with "
+                         "GLM-4.5's template; tests/models/test_glm_moe_dsa.py checks the family "
+                         "picks it",
     "mtp:deepseek_v3": "tests/runtime/test_speculative_engine.py: greedy output with its MTP "
                        "layer drafting, alone and in four preempting lanes, sampled output by "
                        "chi-square, the stats through the server; tests/runtime/"

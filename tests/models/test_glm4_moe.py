@@ -1,10 +1,11 @@
-"""The GLM-4.5 family against transformers' Glm4MoeForCausalLM on tiny random checkpoints; GLM's
-chat template, thinking switch and tool-call format end to end through the app and the openai
-client."""
+"""The GLM-4.5 family against transformers' Glm4MoeForCausalLM on tiny random checkpoints, and
+GLM's tool-call parser on fixed replies. Its published template, thinking switch and tool calls
+are the chat families' (tests/support/chat_models.py): rendered against transformers in
+tests/server/test_chat_formats.py, served to the openai and anthropic clients in
+tests/models/test_family_contract.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -13,13 +14,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import openai
 import pytest
-import torch
-from safetensors.numpy import save_file
 
 import tidejax
-from tidejax.config import EngineConfig
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import gqa_attention
 from tidejax.models.glm4_moe.config import Glm4MoeConfig
@@ -27,14 +24,11 @@ from tidejax.models.glm4_moe.weights import load_weights
 from tidejax.models.layers.mtp import mtp_expert_state, mtp_params
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
-from tidejax.runtime.client import LocalEngineClient, tool_format_for
-from tidejax.server.app import Server
 from tidejax.text.toolcalls import GLM, OutputParser
-from tests.support.server_fixtures import serve_app, write_chain
-from tests.support.tiny_models import (GLM4_MOE_CONFIGS, TEXT, assert_same_weights,
-                                       glm4_moe_config, randomize_moe, second_turn, state_dict,
-                                       transformers_greedy, write_fp8_copies, write_fused_copy,
-                                       write_mtp_copy)
+from tests.support.chat_models import WEATHER
+from tests.support.tiny_models import (GLM4_MOE_CONFIGS, assert_same_weights, glm4_moe_config,
+                                       second_turn, transformers_greedy, write_fp8_copies,
+                                       write_fused_copy, write_mtp_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -58,13 +52,14 @@ def test_config_reads_what_transformers_wrote(tiny):
 
 
 def test_a_second_turn_shares_the_first_turns_pages(tiny):
-    """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of GQA keys and values; turn 2
-    (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
+    """Pages of 64: turn 1 (70 tokens, 8 generated) writes one full page of GQA keys and values;
+    turn 2 (88 tokens) shares it, prefills the other 24 and answers as transformers does."""
     _, _, model, engine = tiny
     first = np.random.RandomState(8).randint(3, 256, 70).tolist()
     prompt, tokens, cached, prefilled = second_turn(engine, first, list(range(20, 30)), 8)
     assert (cached, prefilled) == (64, len(prompt) - 64)
     assert tokens == transformers_greedy(model, prompt, 8)
+
 
 def test_layouts_load_the_same_weights(tiny, tmp_path):
     """transformers 5's in-memory fused experts load as the published per-expert tensors do;
@@ -205,183 +200,7 @@ def test_synthetic_glm_checkpoint_loads_and_decodes(tmp_path):
     assert np.isfinite(logits).all() and 0.3 < logits.std() < 3  # unit-scale activations
 
 
-# ---- GLM's chat template, thinking switch and tool calls -----------------------------------------
-
-# GLM-4.5's control tokens (special in its tokenizer.json); eos: <|endoftext|>, <|user|>,
-# <|observation|> (config.json's eos_token_id)
-GLM_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-               "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>",
-               "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-               "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"]
-THOUGHT, CITY = "Checking the weather.", "Paris"
-# with thinking on the prompt ends in <|assistant|>; with it off in <|assistant|>\n<think></think>:
-# either way the model writes a call of get_weather(city=Paris), then <|observation|>
-CHAIN = ["<|assistant|>", "<think>", THOUGHT, "</think>", "<tool_call>", "get_weather",
-         "<arg_key>", "city", "</arg_key>", "<arg_value>", CITY, "</arg_value>", "</tool_call>",
-         "<|observation|>"]
-# the published chat_template.jinja of GLM-4.5 / 4.6 (its shape: the tools system turn, the
-# /nothink switch, <think> blocks kept only after the last user turn, the XML argument format,
-# tool results as <|observation|> turns)
-GLM_TEMPLATE = """[gMASK]<sop>
-{%- if tools -%}
-<|system|>
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}
-{{ tool | tojson(ensure_ascii=False) }}
-{% endfor %}
-</tools>
-
-For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}
-<arg_key>{arg-key-1}</arg_key>
-<arg_value>{arg-value-1}</arg_value>
-<arg_key>{arg-key-2}</arg_key>
-<arg_value>{arg-value-2}</arg_value>
-...
-</tool_call>{%- endif -%}
-{%- macro visible_text(content) -%}
-    {%- if content is string -%}
-        {{- content }}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for item in content -%}
-            {%- if item is mapping and item.type == 'text' -%}
-                {{- item.text }}
-            {%- elif item is string -%}
-                {{- item }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{- content }}
-    {%- endif -%}
-{%- endmacro -%}
-{%- set ns = namespace(last_user_index=-1) %}
-{%- for m in messages %}
-    {%- if m.role == 'user' %}
-        {% set ns.last_user_index = loop.index0 -%}
-    {%- endif %}
-{%- endfor %}
-{% for m in messages %}
-{%- if m.role == 'user' -%}<|user|>
-{{ visible_text(m.content) }}
-{{- '/nothink' if (enable_thinking is defined and not enable_thinking and not visible_text(m.content).endswith("/nothink")) else '' -}}
-{%- elif m.role == 'assistant' -%}
-<|assistant|>
-{%- set reasoning_content = '' %}
-{%- set content = visible_text(m.content) %}
-{%- if m.reasoning_content is string %}
-    {%- set reasoning_content = m.reasoning_content %}
-{%- else %}
-    {%- if '</think>' in content %}
-        {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-    {%- endif %}
-{%- endif %}
-{%- if loop.index0 > ns.last_user_index and reasoning_content -%}
-{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}
-{%- else -%}
-{{ '\\n<think></think>' }}
-{%- endif -%}
-{%- if content.strip() -%}
-{{ '\\n' + content.strip() }}
-{%- endif -%}
-{% if m.tool_calls %}
-{% for tc in m.tool_calls %}
-{%- if tc.function %}
-    {%- set tc = tc.function %}
-{%- endif %}
-{{ '\\n<tool_call>' + tc.name }}
-{% set _args = tc.arguments %}
-{% for k, v in _args.items() %}
-<arg_key>{{ k }}</arg_key>
-<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
-{% endfor %}
-</tool_call>{% endfor %}
-{% endif %}
-{%- elif m.role == 'tool' -%}
-{%- if m.content is string -%}
-{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-    {{- '<|observation|>' }}
-{%- endif %}
-{{- '\\n<tool_response>\\n' }}
-{{- m.content }}
-{{- '\\n</tool_response>' }}
-{%- else -%}
-<|observation|>{% for tr in m.content %}
-
-<tool_response>
-{{ tr.output if tr.output is defined else tr }}
-</tool_response>{% endfor -%}
-{% endif -%}
-{%- elif m.role == 'system' -%}
-<|system|>
-{{ visible_text(m.content) }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    <|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
-{%- endif -%}"""
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-
-
-def write_glm_tokenizer(path) -> dict[str, int]:
-    """A byte-level BPE with GLM's control tokens (special) and the chain's text pieces as
-    whole tokens (plain added tokens: only the model writes them), GLM's template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=GLM_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # trained on the template's tools turn too, so that a chat prompt is ~100 tokens
-    tok.train_from_iterator([TEXT + (GLM_TEMPLATE + json.dumps(WEATHER)) * 4], trainer)
-    tok.add_tokens([AddedToken(t, normalized=False) for t in (THOUGHT, "get_weather", "city", CITY)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": GLM_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
-    return {t: tok.token_to_id(t) for t in GLM_SPECIAL + [THOUGHT, "get_weather", "city", CITY]}
-
-
-@pytest.fixture(scope="module")
-def glm_chat(tmp_path_factory):
-    """A tiny GLM checkpoint whose weights write CHAIN (server_fixtures.write_chain), and an
-    engine over it."""
-    from transformers import Glm4MoeForCausalLM
-    path = tmp_path_factory.mktemp("glm_chat")
-    ids = write_glm_tokenizer(path)
-    config = glm4_moe_config(
-        **GLM4_MOE_CONFIGS["qknorm_groups"], vocab_size=max(ids.values()) + 1,
-        num_hidden_layers=2, max_position_embeddings=1024, bos_token_id=None,
-        eos_token_id=[ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")])
-    torch.manual_seed(0)
-    model = Glm4MoeForCausalLM(config).eval()
-    randomize_moe(model)
-    write_chain(model, [ids[t] for t in CHAIN])
-    model.save_pretrained(path)
-    # prompt chunks of 16: one prefill bucket, so few step shapes to compile; warmup off:
-    # client.start() leaves each shape to the first request that meets it
-    return path, tidejax.load(path, engine={"lanes": 2, "max_context": 512, "prefill_chunk": 16,
-                                            "warmup": False})
-
-
-def test_template_switches_thinking(glm_chat):
-    _, engine = glm_chat
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    _, on = engine.tokenizer.chat_prompt(messages, tools=[WEATHER])
-    _, off = engine.tokenizer.chat_prompt(messages, tools=[WEATHER], enable_thinking=False)
-    assert on.startswith("[gMASK]<sop><|system|>\n# Tools") and on.endswith("<|assistant|>")
-    assert off.endswith("Weather in Paris?/nothink<|assistant|>\n<think></think>")
-    assert tool_format_for("glm4_moe", GLM_TEMPLATE) is GLM
-
+# ---- GLM's tool-call parser ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunks", [1, 4, 1000])
 def test_parser_reads_glm_calls(chunks):
@@ -408,48 +227,3 @@ def test_parser_keeps_a_broken_glm_call_as_content():
         parser = OutputParser(GLM, tools=[WEATHER])
         out = parser.feed(bad) + parser.finish()
         assert parser.tool_calls == [] and "".join(t for _, t in out) == bad
-
-
-def test_served_tool_call_and_result(glm_chat):
-    """The app over the engine and the openai client, thinking on and off: GLM's call comes
-    back as an OpenAI tool call (its control tokens reach the parser although they are special
-    tokens), the reasoning as reasoning_content only with thinking on, and the call's history and
-    the tool's result render into the next prompt as GLM's template writes them."""
-    path, engine = glm_chat
-    client = LocalEngineClient(engine)
-    assert client.info.tool_format is GLM
-    asyncio.run(client.start())
-    server = Server(EngineConfig().with_overrides({"model": {"path": str(path)}}))
-    server.attach(client)
-    try:
-        with serve_app(server) as url:
-            oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            for thinking in (True, False):
-                check_tool_round_trip(oai, engine, thinking)
-    finally:
-        client.stop()
-
-
-def check_tool_round_trip(oai, engine, thinking: bool) -> None:
-    kwargs = dict(model=engine.served_name, tools=[WEATHER], temperature=0, max_tokens=24,
-                  extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    choice = oai.chat.completions.create(messages=messages, **kwargs).choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    [call] = choice.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": CITY})
-    assert getattr(choice.message, "reasoning_content", None) == (THOUGHT if thinking else None)
-    history = messages + [choice.message.model_dump(exclude_none=True),
-                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    # the template reads the arguments as a mapping: the server hands them to it as one
-    rendered = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
-        c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m
-        for m in history]
-    _, text = engine.tokenizer.chat_prompt(rendered, tools=[WEATHER], enable_thinking=thinking)
-    assert text.endswith(
-        f"<|assistant|>\n<think>{THOUGHT if thinking else ''}</think>\n"
-        f"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{CITY}</arg_value>\n"
-        "</tool_call><|observation|>\n<tool_response>\nsunny\n</tool_response><|assistant|>"
-        + ("" if thinking else "\n<think></think>"))
-    again = oai.chat.completions.create(messages=history, **kwargs).choices[0]
-    assert again.finish_reason == "tool_calls"

@@ -1,8 +1,9 @@
-"""The chat formats of gpt-oss (harmony), Qwen3, MiniMax-M2 and Mixtral without an engine: the
-prompt the server renders from an OpenAI request with each family's template (tool call, its
-reasoning, tool result, the thinking controls) against transformers' apply_chat_template on the
-messages as the template reads them, token for token; and fixed replies in each format through
-the output parsers, streamed in chunks of every size and whole."""
+"""The chat formats of gpt-oss (harmony), Qwen3, MiniMax-M2, Mixtral and GLM-4.5 without an
+engine: the prompt the server renders from an OpenAI request with each family's template (tool
+call, its reasoning, tool result, the thinking controls) against transformers'
+apply_chat_template on the messages as the template reads them, token for token; and fixed
+replies in each format through the output parsers, streamed in chunks of every size and
+whole."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tidejax.server.generation import ServedModel
 from tidejax.server.schemas import Fields, parse_chat
 from tidejax.text.harmony import HARMONY
 from tidejax.text.tokenizer import Tokenizer
-from tidejax.text.toolcalls import HERMES, MINIMAX_M2, MISTRAL
+from tidejax.text.toolcalls import GLM, HERMES, MINIMAX_M2, MISTRAL
 
 # Mixtral's template takes only ids of 9 letters or digits
 CALL = {"id": "call00001", "type": "function",
@@ -68,6 +69,9 @@ THINKING = {
                    {"enable_thinking": False})],
     "minimax_m2": [({}, {})],
     "mixtral": [({}, {})],
+    "glm4_moe": [({}, {}), ({"reasoning_effort": "none"}, {"enable_thinking": False}),
+                 ({"chat_template_kwargs": {"enable_thinking": False}},
+                  {"enable_thinking": False})],
 }
 
 
@@ -103,7 +107,7 @@ def test_thinking_controls_each_template_lacks_are_refused(tokenizers):
 
 def test_formats_are_read_from_the_templates_and_the_families():
     for family, fmt in (("gpt_oss", HARMONY), ("qwen3_moe", HERMES), ("minimax_m2", MINIMAX_M2),
-                        ("mixtral", MISTRAL)):
+                        ("mixtral", MISTRAL), ("glm4_moe", GLM)):
         assert tool_format_for("unknown", CHAT_FAMILIES[family].template) is fmt
         assert tool_format_for(family, "{{ messages }}") is fmt
 

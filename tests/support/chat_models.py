@@ -1,6 +1,7 @@
 """Tiny chat checkpoints of the families whose published chat templates the tests keep
-(tests/data/chat_templates/: gpt-oss's harmony, Qwen3's, MiniMax-M2's; Mixtral's is the template
-Mistral's own mistral_common 1.12.0 writes for its v3 SentencePiece tokenizer, Mixtral-8x22B's,
+(tests/data/chat_templates/: gpt-oss's harmony, Qwen3's, MiniMax-M2's, GLM-4.5's (its
+chat_template.jinja, GLM-4.6's too); Mixtral's is the template Mistral's own mistral_common
+1.12.0 writes for its v3 SentencePiece tokenizer, Mixtral-8x22B's,
 `generate_chat_template(spm=True, tokenizer_version=v3)`, as no copy of the published
 tokenizer_config.json is at hand): a byte-level BPE with the family's control tokens and template,
 and transformers' model of the family whose weights write one fixed reply
@@ -19,8 +20,9 @@ from typing import Callable
 import torch
 
 from tests.support.server_fixtures import write_chain
-from tests.support.tiny_models import (FAMILIES, TEXT, gpt_oss_config, minimax_m2_config,
-                                       mixtral_config, qwen3_moe_config, randomize_moe)
+from tests.support.tiny_models import (FAMILIES, TEXT, glm4_moe_config, gpt_oss_config,
+                                       minimax_m2_config, mixtral_config, qwen3_moe_config,
+                                       randomize_moe)
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 THOUGHT, CITY = "Checking the weather.", "Paris"
@@ -99,6 +101,20 @@ CHAT_FAMILIES = {
                  "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
         plain=(MISTRAL_CALL,), chain=("[/INST]", "[TOOL_CALLS]", MISTRAL_CALL, "</s>"),
         eos=("</s>",), bos="<s>", reasons=False),
+    # <|assistant|> | <think>THOUGHT</think><tool_call>get_weather<arg_key>city</arg_key>
+    # <arg_value>Paris</arg_value></tool_call><|observation|> (with thinking off the prompt ends
+    # in <think></think>: the chain from </think> on); eos: config.json's eos_token_id
+    "glm4_moe": ChatFamily(
+        "glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config,
+        special=("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+                 "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>",
+                 "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                 "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"),
+        plain=(THOUGHT, "get_weather", "city", CITY),
+        chain=("<|assistant|>", "<think>", THOUGHT, "</think>", "<tool_call>", "get_weather",
+               "<arg_key>", "city", "</arg_key>", "<arg_value>", CITY, "</arg_value>",
+               "</tool_call>", "<|observation|>"),
+        eos=("<|endoftext|>", "<|user|>", "<|observation|>")),
 }
 
 
