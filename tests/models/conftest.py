@@ -1,8 +1,11 @@
-"""The tiny family checkpoints the family contract (test_family_contract.py) and a family's own
-module both test, each written and loaded once a session (once a worker under `pytest -n 2`), so
-the steps an engine compiles serve both."""
+"""The tiny family checkpoints, and the servers over the tiny chat checkpoints, that the family
+contract (test_family_contract.py) and a family's own module both test, each written and loaded
+once a session (once a worker under `pytest -n 2`), so the steps an engine compiles serve both."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import pytest
 
@@ -33,3 +36,37 @@ def tiny_family(tmp_path_factory):
         return loaded[family, config]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def chat_server(tmp_path_factory):
+    """`chat_server(family)` -> (checkpoint path, base URL, the engine): the app over the family's
+    tiny chat checkpoint (tests/support/chat_models.py: its published template, weights that write
+    reasoning and then a call of get_weather in its format) on a loopback port, started the first
+    time, shared after, stopped at the session's end."""
+    import tidejax
+    from tidejax.config import EngineConfig
+    from tidejax.runtime.client import LocalEngineClient
+    from tidejax.server.app import Server
+    from tests.support.chat_models import write_chat_model
+    from tests.support.server_fixtures import serve_app
+
+    started = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(family: str):
+            if family not in started:
+                path = write_chat_model(family, tmp_path_factory.mktemp(f"{family}-chat"))
+                # prompt chunks of 64: one prefill shape; warmup off: each shape compiles when
+                # first met
+                engine = tidejax.load(path, engine={"lanes": 2, "max_context": 512,
+                                                    "prefill_chunk": 64, "warmup": False})
+                client = LocalEngineClient(engine)
+                asyncio.run(client.start())
+                stack.callback(client.stop)  # after the app's exit: the stack unwinds in reverse
+                server = Server(EngineConfig().with_overrides({"model": {"path": str(path)}}))
+                server.attach(client)
+                started[family] = path, stack.enter_context(serve_app(server)), engine
+            return started[family]
+
+        yield get

@@ -8,12 +8,12 @@ template kept in tests/data/chat_templates, a tool call and its result through t
 openai and anthropic clients. Where an item does not run here for a family, or a registered
 model type is not in the contract, NOT_HERE says why and where it is checked instead. A new
 family costs a writer and configs in tests/support/tiny_models.py and an entry here (and its chat
-vocabulary in tests/support/chat_models.py). The checkpoints and engines are tests/models/
-conftest.py's (`tiny_family`), shared with the families' own modules."""
+vocabulary in tests/support/chat_models.py). The checkpoints, engines and chat servers are
+tests/models/conftest.py's (`tiny_family`, `chat_server`), shared with the families' own
+modules."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import shutil
@@ -32,13 +32,10 @@ from tidejax.kv.paged import PagedCache
 from tidejax.models.registry import FAMILY_MODULES, family_of
 from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.client import LocalEngineClient
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
-from tidejax.server.app import Server
-from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER, write_chat_model
+from tests.support.chat_models import CHAT_FAMILIES, CITY, THOUGHT, WEATHER
 from tests.support.declaration import check_forward_on_declared, param_paths
 from tests.support.engine_probes import run, tokens_of
-from tests.support.server_fixtures import serve_app
 from tests.support.tiny_models import (FAMILIES, cached_decode_logits,
                                        check_cached_decode_on_the_gqa_kernel, deepseek_v3_config,
                                        glm4_moe_config, glm_moe_dsa_config, gpt_oss_config,
@@ -225,24 +222,12 @@ def test_gpt_oss_cached_decode_on_the_kernels_matches_transformers(tiny_family, 
 
 
 @pytest.fixture(scope="module", params=sorted(CHAT_FAMILIES))
-def served(request, tmp_path_factory):
-    """The app over a tiny chat checkpoint of the family (its published template; weights that
-    write reasoning and then a call of get_weather in the family's format) on a loopback port:
-    (family, its path, the base URL)."""
-    family = request.param
-    path = write_chat_model(family, tmp_path_factory.mktemp(f"{family}-chat"))
-    # prompt chunks of 64: one prefill shape; warmup off: each shape compiles when first met
-    engine = tidejax.load(path, engine={"lanes": 2, "max_context": 512, "prefill_chunk": 64,
-                                        "warmup": False})
-    client = LocalEngineClient(engine)
-    asyncio.run(client.start())
-    server = Server(EngineConfig().with_overrides({"model": {"path": str(path)}}))
-    server.attach(client)
-    try:
-        with serve_app(server) as url:
-            yield family, path, url, engine.served_name
-    finally:
-        client.stop()
+def served(request, chat_server):
+    """(family, its chat checkpoint's path, the base URL, the served model name): the app over
+    the family's tiny chat checkpoint (tests/models/conftest.py's `chat_server`, shared with the
+    families' own modules)."""
+    path, url, engine = chat_server(request.param)
+    return request.param, path, url, engine.served_name
 
 
 def reference_prompt_tokens(path, messages, **kwargs) -> int:

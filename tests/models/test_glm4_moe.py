@@ -1,8 +1,8 @@
-"""The GLM-4.5 family against transformers' Glm4MoeForCausalLM on tiny random checkpoints, and
-GLM's tool-call parser on fixed replies. Its published template, thinking switch and tool calls
-are the chat families' (tests/support/chat_models.py): rendered against transformers in
-tests/server/test_chat_formats.py, served to the openai and anthropic clients in
-tests/models/test_family_contract.py."""
+"""The GLM-4.5 family against transformers' Glm4MoeForCausalLM on tiny random checkpoints; GLM's
+tool-call parser on fixed replies, and a call served with thinking off. Its published template is
+a chat family's (tests/support/chat_models.py): rendered against transformers with thinking on
+and off in tests/server/test_chat_formats.py, its call and result with thinking on served to the
+openai and anthropic clients in tests/models/test_family_contract.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 
 import tidejax
@@ -25,7 +26,7 @@ from tidejax.models.layers.mtp import mtp_expert_state, mtp_params
 from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.text.toolcalls import GLM, OutputParser
-from tests.support.chat_models import WEATHER
+from tests.support.chat_models import CITY, WEATHER
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, assert_same_weights, glm4_moe_config,
                                        second_turn, transformers_greedy, write_fp8_copies,
                                        write_fused_copy, write_mtp_copy)
@@ -200,7 +201,7 @@ def test_synthetic_glm_checkpoint_loads_and_decodes(tmp_path):
     assert np.isfinite(logits).all() and 0.3 < logits.std() < 3  # unit-scale activations
 
 
-# ---- GLM's tool-call parser ----------------------------------------------------------------------
+# ---- GLM's tool calls ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunks", [1, 4, 1000])
 def test_parser_reads_glm_calls(chunks):
@@ -227,3 +228,19 @@ def test_parser_keeps_a_broken_glm_call_as_content():
         parser = OutputParser(GLM, tools=[WEATHER])
         out = parser.feed(bad) + parser.finish()
         assert parser.tool_calls == [] and "".join(t for _, t in out) == bad
+
+
+def test_served_call_with_thinking_off(chat_server):
+    """enable_thinking = false: the prompt ends in <think></think>, the model writes the call
+    straight away, and it comes back to the openai client with no reasoning_content (the
+    contract serves thinking on)."""
+    _, url, engine = chat_server("glm4_moe")
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    choice = oai.chat.completions.create(
+        model=engine.served_name, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER], temperature=0, max_tokens=24,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert (choice.message.model_extra or {}).get("reasoning_content") is None
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("get_weather", {"city": CITY})]
