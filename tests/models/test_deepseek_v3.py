@@ -28,9 +28,9 @@ from tidejax.models.loading import ExpertPool
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import all_resident_state
 from tests.support.declaration import check_forward_on_declared, param_paths
-from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, deepseek_v3_config, relative_diff,
-                                       served_greedy, state_dict, transformers_greedy,
-                                       write_fp8_copies, write_fused_copy, write_mtp_copy)
+from tests.support.tiny_models import (DEEPSEEK_V3_CONFIGS, deepseek_v3_config, load_mtp_copy,
+                                       relative_diff, served_greedy, state_dict,
+                                       transformers_greedy, write_fp8_copies, write_fused_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 
@@ -157,36 +157,21 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     if name != "qlora_groups":
         pytest.skip("one config is enough for the MTP layer")
     out = tmp_path / "mtp"
-    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
-    n = model.config.num_hidden_layers
-    raw = json.loads((out / "config.json").read_text())
-    cfg = DeepseekV3Config.from_hf(raw)
+    cfg, raw, _, _, n = load_mtp_copy("deepseek_v3", path, engine, out, {
+        "eh_proj.weight": ("eh_proj", "weight"), "hnorm.weight": ("hnorm", "weight"),
+        "shared_head.norm.weight": ("shared_head_norm", "weight"),
+        "self_attn.kv_b_proj.weight": ("attn", "kv_b_proj"),
+        "mlp.experts.5.down_proj.weight": ("moe", "experts", "5", "down_proj")})
     assert cfg.num_mtp_layers == 1
     table = checkpoint_table(cfg)
     for p in param_paths(mtp_specs(cfg, jnp.float32)):
         assert len(table.param_names(p)) == 1, p
-    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
-    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
-    layer = kept[f"layers_{n}"]
-    for tensor, got in ((f"model.layers.{n}.eh_proj.weight", layer["eh_proj"]["weight"]),
-                        (f"model.layers.{n}.hnorm.weight", layer["hnorm"]["weight"]),
-                        (f"model.layers.{n}.shared_head.norm.weight",
-                         layer["shared_head_norm"]["weight"]),
-                        (f"model.layers.{n}.self_attn.kv_b_proj.weight",
-                         layer["attn"]["kv_b_proj"]),
-                        (f"model.layers.{n}.mlp.experts.5.down_proj.weight",
-                         layer["moe"]["experts"]["5"]["down_proj"])):
-        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array)
-        np.testing.assert_array_equal(got, mtp[tensor])
-    # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
-    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
-    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
     reader = CheckpointReader(out, progress=False)
     tensors = {k: reader.read(k) for k in reader.names()}
     del tensors[f"model.layers.{n}.enorm.weight"]
     save_file(tensors, str(out / "model.safetensors"))
+    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.enorm\.weight"):
         load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
 

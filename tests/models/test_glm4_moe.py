@@ -28,8 +28,8 @@ from tidejax.residency.serve import ServeOptions
 from tidejax.text.toolcalls import GLM, OutputParser
 from tests.support.chat_models import CITY, WEATHER
 from tests.support.tiny_models import (GLM4_MOE_CONFIGS, assert_same_weights, glm4_moe_config,
-                                       second_turn, transformers_greedy, write_fp8_copies,
-                                       write_fused_copy, write_mtp_copy)
+                                       load_mtp_copy, second_turn, transformers_greedy,
+                                       write_fp8_copies, write_fused_copy)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -87,25 +87,11 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     if name != "qknorm_groups":
         pytest.skip("one config is enough for the MTP layer")
     out = tmp_path / "mtp"
-    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
-    n = model.config.num_hidden_layers
-    raw = json.loads((out / "config.json").read_text())
-    cfg = Glm4MoeConfig.from_hf(raw)
-    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
-    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
-    layer = kept[f"layers_{n}"]
-    for name, got in ((f"model.layers.{n}.eh_proj.weight", layer["eh_proj"]["weight"]),
-                      (f"model.layers.{n}.self_attn.k_norm.weight",
-                       layer["attn"]["k_norm"]["weight"]),
-                      (f"model.layers.{n}.self_attn.q_proj.bias", layer["attn"]["q_proj"]["bias"]),
-                      (f"model.layers.{n}.mlp.experts.5.down_proj.weight",
-                       layer["moe"]["experts"]["5"]["down_proj"])):
-        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array)
-        np.testing.assert_array_equal(got, mtp[name])
-    # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
-    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
-    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    cfg, raw, mtp, _, n = load_mtp_copy("glm4_moe", path, engine, out, {
+        "eh_proj.weight": ("eh_proj", "weight"),
+        "self_attn.k_norm.weight": ("attn", "k_norm", "weight"),
+        "self_attn.q_proj.bias": ("attn", "q_proj", "bias"),
+        "mlp.experts.5.down_proj.weight": ("moe", "experts", "5", "down_proj")})
 
     # published FP8 (GLM-4.5-FP8): the MTP layer is kept FP8 on the host; the draft forward's
     # params and experts are its dequantized values, those of the float copy of the same values

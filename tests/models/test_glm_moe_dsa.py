@@ -6,12 +6,10 @@ attention against numpy."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,18 +20,16 @@ from tidejax.checkpoint import CheckpointReader
 from tidejax.errors import ConfigError
 from tidejax.kv.paged import sparse_mla_attention
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from tidejax.models.glm_moe_dsa.weights import load_weights, param_specs
+from tidejax.models.glm_moe_dsa.weights import param_specs
 from tidejax.models.layers.compress import top_k_select
-from tidejax.models.loading import ExpertPool
-from tidejax.residency.serve import ServeOptions
 from tidejax.runtime.client import tool_format_for
 from tidejax.text.toolcalls import GLM
 from tests.support.declaration import check_dense_dtypes
 from tests.support.tiny_models import (GLM_MOE_DSA_CONFIGS, assert_same_weights,
-                                       cached_decode_logits, glm_moe_dsa_config, lower_index_ties,
-                                       relative_diff, second_turn, served_greedy,
+                                       cached_decode_logits, glm_moe_dsa_config, load_mtp_copy,
+                                       lower_index_ties, relative_diff, second_turn, served_greedy,
                                        transformers_greedy, write_fp8_copies, write_fused_copy,
-                                       write_glm_moe_dsa, write_mtp_copy)
+                                       write_glm_moe_dsa)
 
 PROMPT = np.random.RandomState(7).randint(3, 256, 32)
 REPO = Path(__file__).resolve().parents[2]
@@ -155,26 +151,11 @@ def test_mtp_layer_is_loaded_and_kept(tiny, tmp_path):
     name, path, model, engine = tiny
     if name != "topk_below":
         pytest.skip("one config is enough for the MTP layer")
-    out = tmp_path / "mtp"
     # a DSA layer with an indexer (layer 0's attention) and a MoE (layer 1's), published names
-    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
-    n = model.config.num_hidden_layers
-    raw = json.loads((out / "config.json").read_text())
-    cfg = GlmMoeDsaConfig.from_hf(raw)
-    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
-    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
-    layer = kept[f"layers_{n}"]
-    for name, got in ((f"model.layers.{n}.eh_proj.weight", layer["eh_proj"]["weight"]),
-                      (f"model.layers.{n}.self_attn.indexer.wk.weight",
-                       layer["attn"]["indexer"]["wk"]["weight"]),
-                      (f"model.layers.{n}.mlp.experts.5.down_proj.weight",
-                       layer["moe"]["experts"]["5"]["down_proj"])):
-        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array)
-        np.testing.assert_array_equal(got, mtp[name])
-    # the decoder's params are the engine's (so are its logits): the MTP layer stays apart
-    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
-    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    load_mtp_copy("glm_moe_dsa", path, engine, tmp_path / "mtp", {
+        "eh_proj.weight": ("eh_proj", "weight"),
+        "self_attn.indexer.wk.weight": ("attn", "indexer", "wk", "weight"),
+        "mlp.experts.5.down_proj.weight": ("moe", "experts", "5", "down_proj")})
 
 
 def test_sparse_mla_attention_reads_only_the_picked_entries():

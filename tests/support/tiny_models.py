@@ -587,6 +587,40 @@ def write_mtp_copy(path: Path, out: Path, attention_from: int, moe_from: int,
     return mtp
 
 
+def load_mtp_copy(family: str, path: Path, engine, out: Path, kept_as: dict) -> tuple:
+    """Writes `path`'s copy with an MTP layer (write_mtp_copy: layer 0's attention, layer 1's
+    MoE) to `out`, loads it with `family`'s load_weights, and checks that the MTP layer is kept
+    apart as host arrays equal to the stored tensors (`kept_as`: {name after
+    "model.layers.N.": the path of its leaf in the kept layer}) and that the decoder's params
+    are `engine`'s (so are its logits). -> (its config, config.json as read, the stored MTP
+    tensors, the kept aux by layer name, N)."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from tidejax.models.loading import ExpertPool
+    from tidejax.models.registry import family_of
+    from tidejax.residency.serve import ServeOptions
+    load_weights = importlib.import_module(f"tidejax.models.{family}.weights").load_weights
+    mtp = write_mtp_copy(path, out, attention_from=0, moe_from=1)
+    raw = json.loads((out / "config.json").read_text())
+    cfg = family_of(family).config_from_hf(raw)
+    n = raw["num_hidden_layers"]
+    pool = ExpertPool(len(cfg.moe_layers) * cfg.n_routed_experts, "checkpoint", np.float32)
+    params, kept = load_weights(cfg, out, raw, ServeOptions(), jnp.float32, pool.put_row)
+    for name, leaf_path in kept_as.items():
+        got = kept[f"layers_{n}"]
+        for key in leaf_path:
+            got = got[key]
+        assert isinstance(got, np.ndarray) and not isinstance(got, jax.Array), name
+        np.testing.assert_array_equal(got, mtp[f"model.layers.{n}.{name}"])
+    assert jax.tree.structure(params) == jax.tree.structure(engine.loaded.params)
+    for u, v in zip(jax.tree.leaves(params), jax.tree.leaves(engine.loaded.params)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    return cfg, raw, mtp, kept, n
+
+
 def repeating_mtp(path, out, scale: float):
     """A copy of `path` whose main model often repeats its last token (lm_head tied to the
     embedding, the final norm ones, the layers' outputs scaled by `scale`, so the residual stream
