@@ -44,6 +44,7 @@ from tidejax.contract import bank_format, swiglu
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import check_demand
+from tidejax.pallas.moe_plan import plan_tiles
 
 # Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:
 # (bt, block of output columns, block of K values, num_warps, num_stages). Chosen by
@@ -95,34 +96,6 @@ def _block(dim: int, want: int, what: str, least: int = 16) -> int:
     if b < least:
         raise ValueError(f"moe_grouped(impl='pallas'): {what} {dim} is not a multiple of {least}")
     return b
-
-
-def plan_tiles(slot_ids, n_slots: int, bt: int):
-    """Group picks by slot into tiles of bt rows.
-
-    Returns tile_slot [n_tiles] (slot or -1 = unused tile), row_token [n_tiles*bt] (token of each
-    row; padding rows point at token 0) and pick_row [T*k] (row of each pick; skipped picks
-    point past the end).
-    """
-    t, k = slot_ids.shape
-    n_picks = t * k
-    n_tiles = (n_picks + min(n_slots, n_picks) * (bt - 1)) // bt  # upper bound, static
-    key = jnp.where(slot_ids.reshape(-1) >= 0, slot_ids.reshape(-1), n_slots)  # [P]
-    order = jnp.argsort(key, stable=True)  # picks sorted by slot, skipped ones last
-    counts = jnp.bincount(key, length=n_slots + 1)[:n_slots]  # picks per slot
-    tiles = (counts + bt - 1) // bt
-    tile_end = jnp.cumsum(tiles)
-    tile_start = tile_end - tiles
-    pick_start = jnp.cumsum(counts) - counts
-    sorted_key = key[order]
-    s = jnp.minimum(sorted_key, n_slots - 1)
-    rank = jnp.arange(n_picks) - pick_start[s]
-    row = jnp.where(sorted_key < n_slots, tile_start[s] * bt + rank, n_tiles * bt)
-    pick_row = jnp.zeros(n_picks, jnp.int32).at[order].set(row.astype(jnp.int32))
-    row_token = jnp.zeros(n_tiles * bt, jnp.int32).at[row].set(order // k, mode="drop")
-    tile_slot = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right").astype(jnp.int32)
-    tile_slot = jnp.where(tile_slot < n_slots, tile_slot, -1)
-    return tile_slot, row_token, pick_row
 
 
 # ---- e2m1 codes -> floats ----------------------------------------------------------------------
