@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.kv.paged import gqa_attention
+from tidejax.pallas.triton_host import to_torch
 
 F32 = jnp.float32
 POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -131,15 +132,6 @@ def _meta(q, k_pages, v_pages, window: int, interpret: bool) -> dict:
                 DOT_F32=interpret)
 
 
-def _torch(a: np.ndarray):
-    """A host array as a writable torch tensor (bf16 through its bits: numpy has no bf16)."""
-    import torch
-
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(np.array(a).view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(a))
-
-
 def _interpreted(q, k_pages, v_pages, block_table, positions, *, n_table: int, scale: float,
                  meta: dict, grid: tuple):
     """The kernel in Triton's interpreter on the host -> (acc, top, total) float32, its
@@ -154,8 +146,8 @@ def _interpreted(q, k_pages, v_pages, block_table, positions, *, n_table: int, s
     top = torch.zeros((b, g, s, t, r), dtype=torch.float32)
     total = torch.zeros_like(top)
     InterpretedFunction(paged_gqa_kernel.fn)[grid](
-        _torch(q), _torch(k_pages), _torch(v_pages), _torch(block_table), _torch(positions),
-        n_table, scale, acc, top, total, **meta)
+        *map(to_torch, (q, k_pages, v_pages, block_table, positions)), n_table, scale, acc, top,
+        total, **meta)
     return acc.numpy(), top.numpy(), total.numpy()
 
 
