@@ -44,7 +44,7 @@ from tidejax.contract import bank_format, swiglu
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import check_demand
-from tidejax.pallas.moe_plan import plan_tiles
+from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles
 
 # Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:
 # (bt, block of output columns, block of K values, num_warps, num_stages). Chosen by
@@ -59,12 +59,6 @@ GEMV_GROUP = {"dense": 8, "mxfp4": 16}
 # expert gets average at most this (H200: an MXFP4 expert costs the dots ~2.2x a GEMV pick, a bf16
 # one ~1.4x; bench/RESULTS.md).
 GEMV_MAX_PICKS_PER_EXPERT = {"dense": 1.15, "mxfp4": 2.0}
-
-
-def picks_per_expert(n_picks: int, n_slots: int) -> float:
-    """Mean picks of each expert used in a step, under uniform routing over n_slots."""
-    used = n_slots * (1 - (1 - 1 / n_slots) ** n_picks) if n_slots > 1 else 1.0
-    return n_picks / max(1.0, min(used, n_picks))
 
 
 def choose_tile(fmt: str, n_picks: int, n_slots: int) -> tuple:

@@ -6,6 +6,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def picks_per_expert(n_picks: int, n_slots: int) -> float:
+    """Mean picks of each expert used in a step, under uniform routing over n_slots."""
+    used = n_slots * (1 - (1 - 1 / n_slots) ** n_picks) if n_slots > 1 else 1.0
+    return n_picks / max(1.0, min(used, n_picks))
+
+
 def plan_tiles(slot_ids, n_slots: int, bt: int):
     """Group picks by slot into tiles of bt rows.
 
