@@ -1,0 +1,111 @@
+"""The prompt chunk's grouped MoE as a Triton grouped GEMM (pallas.moe_prefill; Triton's
+interpreter on the CPU) against moe_grouped_reference and float64 numpy, its compile for Hopper
+(sm_90, on the CPU)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tidejax.pallas import moe_prefill
+from tidejax.pallas.demand import Demand, count_demand_reference
+from tidejax.pallas.moe import moe_grouped_reference
+from tests.support.moe_cases import gpt_oss_case, make_bank, random_picks, rel_err
+
+
+def prompt_picks(rng, t, k, used):
+    """[t, k] distinct slots a token among the first `used` (a bank of more slots has experts
+    with no picks), about a tenth skipped (-1); weights [t, k]."""
+    slot_ids, weights = random_picks(rng, t, k, used)
+    slot_ids[0, :2] = -1, 0  # a skipped pick, and a live one
+    return slot_ids, weights
+
+
+# (format, slots, slots picked, tokens, k, limit): tiles of BM = 64 rows; 150 tokens x 2 picks
+# over 3 slots fill two tiles a slot and part of a third, 37 x 3 over 5 part of one each (T not
+# a multiple of BM either way); slot 3 (and 5+) get no picks
+CASES = [("bf16", 4, 3, 150, 2, 0.6), ("mxfp4", 4, 3, 150, 2, 0.0), ("bf16", 8, 5, 37, 3, 0.0),
+         ("mxfp4", 8, 5, 37, 3, 0.6)]
+
+
+@pytest.mark.parametrize("fmt,n,used,t,k,limit", CASES)
+def test_the_kernel_computes_the_reference(rng, fmt, n, used, t, k, limit):
+    bank, _, _ = make_bank(rng, fmt, n, d=64, i=32)
+    x = jnp.asarray(rng.standard_normal((t, 64)), jnp.bfloat16)
+    slot_ids, weights = prompt_picks(rng, t, k, used)
+    want = moe_grouped_reference(x.astype(jnp.float32), bank, slot_ids, weights,
+                                 swiglu_limit=limit)
+    got = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, swiglu_limit=limit,
+                                         interpret=True)
+    assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+    # bf16 x and h into the dots, float32 accumulation, the output rounded to bf16
+    assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float64)) < 2e-2
+    assert not np.any(np.asarray(got[slot_ids.max(1) < 0], np.float32))  # no picks: zeros
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_gpt_oss_biases_and_activation(rng, fmt):
+    """gpt-oss's experts (tidejax.contract): the bias leaves and g * sigmoid(1.702 g) * (u + 1),
+    compiled in, against float64 numpy."""
+    slot_ids = prompt_picks(rng, 90, 2, 3)[0]
+    x, bank, weights, want, form = gpt_oss_case(rng, fmt, 4, slot_ids)
+    got = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, **form, interpret=True)
+    assert rel_err(got, want) < 2e-2
+
+
+def test_demand_is_counted(rng):
+    """With `demand`, the counters of count_demand_reference beside the same y."""
+    bank, _, _ = make_bank(rng, "bf16", 4, d=64, i=32)
+    x = rng.standard_normal((40, 64)).astype(np.float32)
+    slot_ids, weights = prompt_picks(rng, 40, 2, 4)
+    counters = jnp.asarray(rng.integers(0, 9, (3, 6)), jnp.float32)
+    mask = jnp.asarray(rng.random(40) > 0.2)
+    demand = Demand(counters, counters, 1, jnp.asarray(slot_ids), weights, mask)
+    y, counts, sums = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, demand=demand,
+                                                     interpret=True)
+    want = count_demand_reference(*demand)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(sums), np.asarray(want[1]), rtol=1e-6)
+    alone = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_the_kernel_compiles_for_hopper(fmt):
+    """Triton compiles every variant (both passes, with and without the bias and the activation's
+    options) to an sm_90 cubin on warpgroup MMAs (wgmma), on this CPU: the GPU path's errors,
+    which the interpreter does not see, show here. DeepSeek-V3's expert shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tidejax.pallas.moe_prefill_kernel import moe_prefill_kernel
+
+    d, i = 7168, 2048
+    weight = "*u8" if fmt == "mxfp4" else "*bf16"
+    for gate_up in (True, False):
+        for bias in (False, True):
+            meta = dict(K=d if gate_up else i, R=2 * i if gate_up else d, N=i if gate_up else d,
+                        PHASES=2 if fmt == "mxfp4" else 1, BM=moe_prefill.BM, BN=moe_prefill.BN,
+                        BK=moe_prefill.BK, GATE_UP=gate_up, BIAS=bias,
+                        LIMIT=7.0 if bias else 0.0, ALPHA=1.702 if bias else 1.0,
+                        UP_SHIFT=1.0 if bias else 0.0, DOT_F32=False)
+            signature = dict(a_ptr="*bf16", tile_slot_ptr="*i32", row_token_ptr="*i32",
+                             row_weight_ptr="*fp32", w_ptr=weight, scale_ptr=weight,
+                             bias_ptr="*bf16", out_ptr="*bf16" if gate_up else "*fp32",
+                             **{name: "constexpr" for name in meta})
+            compiled = triton.compile(ASTSource(moe_prefill_kernel, signature, meta),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": moe_prefill.NUM_WARPS,
+                                               "num_stages": moe_prefill.NUM_STAGES})
+            assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
+
+
+def test_bad_banks_are_named(rng):
+    x, ids, w = np.zeros((2, 64), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1))
+    f32, _, _ = make_bank(rng, "f32", 2, d=64, i=32)
+    with pytest.raises(ValueError, match="bf16 weights"):
+        moe_prefill.moe_grouped_triton(x, f32, ids, w, interpret=True)
+    odd = {"gate_up": jnp.zeros((2, 48, 40), jnp.bfloat16), "down": jnp.zeros((2, 40, 24),
+                                                                              jnp.bfloat16)}
+    with pytest.raises(ValueError, match="hidden 40, intermediate 24"):
+        moe_prefill.moe_grouped_triton(np.zeros((2, 40), np.float32), odd, ids, w, interpret=True)
