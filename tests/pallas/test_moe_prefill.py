@@ -1,12 +1,15 @@
 """The prompt chunk's grouped MoE as a Triton grouped GEMM (pallas.moe_prefill; Triton's
 interpreter on the CPU) against moe_grouped_reference and float64 numpy, its compile for Hopper
-(sm_90, on the CPU)."""
+(sm_90, on the CPU), and its place in ops.moe_grouped's dispatch."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tidejax import ops
 from tidejax.pallas import moe_prefill
+from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped_reference
 from tests.support.moe_cases import gpt_oss_case, make_bank, random_picks, rel_err
@@ -100,8 +103,41 @@ def test_the_kernel_compiles_for_hopper(fmt):
             assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
 
 
-def test_bad_banks_are_named(rng):
+def on_triton(bank, t, k, **kwargs) -> bool:
+    """Whether ops.moe_grouped (impl "pallas") runs t tokens x k picks (slots 0..k-1 each) on
+    the Triton kernel (its interpreter: a host callback) rather than Pallas's (a pallas_call)."""
+    ids, w = np.zeros((t, k), np.int32) + np.arange(k), np.ones((t, k), np.float32)
+    x = np.zeros((t, bank_dims(bank)[1]), np.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: ops.moe_grouped(x, bank, ids, w, impl="pallas",
+                                                         **kwargs))(x))
+    assert ("pallas_call" in jaxpr) != ("pure_callback" in jaxpr)
+    return "pure_callback" in jaxpr
+
+
+def test_dispatch_takes_it_for_prompt_chunks_only_where_chosen(rng):
+    """ops.MOE_PREFILL ("pallas_dots" until timed) keeps Pallas's dots; prefill="triton" takes
+    the Triton kernel for a prompt chunk's many picks an expert, not for decode's few, nor for
+    a bank it does not take (float32 weights); results as the reference's."""
+    assert ops.MOE_PREFILL == "pallas_dots"
+    bank, _, _ = make_bank(rng, "bf16", 4, d=64, i=32)
+    assert not on_triton(bank, 200, 2)
+    assert on_triton(bank, 200, 2, prefill="triton")
+    assert not on_triton(bank, 2, 2, prefill="triton")  # 1 pick an expert
+    f32, _, _ = make_bank(rng, "f32", 4, d=64, i=32)
+    assert not moe_prefill.triton_supports(f32, interpret=True)
+    assert not on_triton(f32, 200, 2, prefill="triton")
+    x = rng.standard_normal((100, 64)).astype(np.float32)
+    slot_ids, weights = prompt_picks(rng, 100, 2, 4)
+    got = ops.moe_grouped(x, bank, slot_ids, weights, impl="pallas", prefill="triton")
+    want = moe_grouped_reference(x, bank, slot_ids, weights)
+    assert rel_err(got, np.asarray(want, np.float64)) < 2e-2
+
+
+def test_bad_choices_and_banks_are_named(rng):
+    bank, _, _ = make_bank(rng, "bf16", 2, d=64, i=32)
     x, ids, w = np.zeros((2, 64), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1))
+    with pytest.raises(ValueError, match="prefill='cuda'"):
+        ops.moe_grouped(x, bank, ids, w, prefill="cuda")
     f32, _, _ = make_bank(rng, "f32", 2, d=64, i=32)
     with pytest.raises(ValueError, match="bf16 weights"):
         moe_prefill.moe_grouped_triton(x, f32, ids, w, interpret=True)

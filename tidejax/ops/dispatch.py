@@ -56,10 +56,15 @@ def choose_impl(op: str, impl: str | None = None, fits=None) -> str:
         impl = "pallas" if backend == "gpu" else "reference"
         if impl == "pallas" and fits is not None and not fits():
             impl, why = "reference", f"backend {backend}, shapes the kernel does not take"
+    log_choice(op, impl, why)
+    return impl
+
+
+def log_choice(op: str, impl: str, why: str) -> None:
+    """Logs `op`'s choice of `impl` the first time it is made."""
     if (op, impl) not in _logged:
         _logged.add((op, impl))
         log.info("%s: using the %s implementation (%s)", op, impl, why)
-    return impl
 
 
 def run(op: str, impl: str | None, fits, reference, kernel, *args, **kwargs):
