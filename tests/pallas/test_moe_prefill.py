@@ -96,7 +96,8 @@ def test_the_kernel_compiles_for_hopper(fmt):
                              row_weight_ptr="*fp32", w_ptr=weight, scale_ptr=weight,
                              bias_ptr="*bf16", out_ptr="*bf16" if gate_up else "*fp32",
                              **{name: "constexpr" for name in meta})
-            compiled = triton.compile(ASTSource(moe_prefill_kernel, signature, meta),
+            aligned = {(j,): [["tt.divisibility", 16]] for j in range(8)}  # as jax-triton's arrays
+            compiled = triton.compile(ASTSource(moe_prefill_kernel, signature, meta, aligned),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": moe_prefill.NUM_WARPS,
                                                "num_stages": moe_prefill.NUM_STAGES})

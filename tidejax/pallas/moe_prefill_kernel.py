@@ -51,8 +51,10 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
         n = col * BN + tl.arange(0, BN)  # [BN] output columns (GATE_UP: the gate's weight rows)
         a_rows = a_ptr + src.to(tl.int64)[:, None] * K  # [BM, 1]
         w_first = slot.to(tl.int64) * R  # the slot's first weight row
-        acc = tl.full((BM, BN), 0.0, tl.float32)
-        up = tl.full((BM, BN), 0.0, tl.float32)  # GATE_UP: the up rows', N further down
+        # transposed tiles [BN, BM] (weight rows x tile rows): the weights are the dots' first
+        # operand, which Hopper's wgmma takes from registers, where MXFP4's are decoded
+        acc = tl.full((BN, BM), 0.0, tl.float32)
+        up = tl.full((BN, BM), 0.0, tl.float32)  # GATE_UP: the up rows', N further down
         for kk in range(0, K // BK):
             for half in tl.static_range(2 if GATE_UP else 1):  # the gate's rows, the up's
                 rows = w_first + n + half * N  # [BN] weight rows, 64-bit
@@ -76,18 +78,18 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
                         w = bits.to(tl.float16, bitcast=True).to(tl.float32) * scale
                         w = w.to(tl.bfloat16)
                     if DOT_F32:
-                        part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
+                        part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)),
                                       input_precision="ieee")
                     else:
-                        part = tl.dot(a, tl.trans(w))
+                        part = tl.dot(w, tl.trans(a))  # [BN, BM]
                     if half == 0:
                         acc += part
                     else:
                         up += part
         if BIAS:
-            acc += tl.load(bias_ptr + w_first + n).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + w_first + n).to(tl.float32)[:, None]
             if GATE_UP:
-                up += tl.load(bias_ptr + w_first + N + n).to(tl.float32)[None, :]
+                up += tl.load(bias_ptr + w_first + N + n).to(tl.float32)[:, None]
         if GATE_UP:  # h = swiglu(g, u), as bf16: the down pass's dot operand
             g = acc
             if LIMIT > 0:
@@ -96,7 +98,7 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
             h = g / (1.0 + tl.exp(-ALPHA * g)) * (up + UP_SHIFT)
             # column c of h at plane c % PHASES, place c // PHASES of its row
             at = (n % PHASES) * (N // PHASES) + n // PHASES
-            tl.store(out_ptr + m.to(tl.int64)[:, None] * N + at[None, :], h.to(tl.bfloat16))
+            tl.store(out_ptr + m.to(tl.int64)[None, :] * N + at[:, None], h.to(tl.bfloat16))
         else:
             weight = tl.load(row_weight_ptr + m)  # [BM]
-            tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc * weight[:, None])
+            tl.store(out_ptr + m.to(tl.int64)[None, :] * N + n[:, None], acc * weight[None, :])
