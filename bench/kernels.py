@@ -10,13 +10,20 @@ tokens without and with `demand` (the residency counters counted inside it), its
 against `count_demand_reference`. Prints markdown tables and appends them to bench/RESULTS.md
 (and to $OUT/kernels.md when $OUT is set).
 
-    python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand]
+--prefill instead times a prompt chunk's grouped MoE (PREFILL_TOKENS tokens) at DeepSeek-V3's
+(7168, 2048) and V4.1-Flash's (5120, 2304) expert shapes, both formats: the Pallas dots path
+(its own tile choice) beside the Triton grouped GEMM (tidejax.pallas.moe_prefill, its untuned
+tiles; checked against the reference on the GPU first), ms, TFLOP/s and the ratio to the bf16
+matmul of the same run (its table in $OUT/kernels_prefill.md).
+
+    python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand] [--prefill]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -28,9 +35,11 @@ import numpy as np
 
 from bench.ceilings import copy_gbps, hbm_read_gbps, matmul_tflops, seconds_per_step
 from tidejax.contract import bank_format
+from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas
+from tidejax.pallas.moe_prefill import moe_grouped_triton
 
 D, I, E, K = 5120, 2304, 384, 6
 TOKENS = (1, 4, 16, 64, 4096)
@@ -45,28 +54,32 @@ SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096 (128-r
     4096: [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 2),
            (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3)],
 }
+# --prefill: expert shapes (hidden, moe_intermediate, experts, picks a token) at PREFILL_TOKENS
+PREFILL_SHAPES = {"V3": (7168, 2048, 256, 8), "V4.1-Flash": (5120, 2304, 384, 6)}
+PREFILL_TOKENS = 4096
 
 
-def make_bank(fmt, n, key):
-    """Random bank of n slots (uint8 MXFP4 codes with scales near 2**-6, or bf16 N(0, 0.02))."""
+def make_bank(fmt, n, key, d=D, i=I):
+    """Random bank of n slots, hidden d, intermediate i (uint8 MXFP4 codes with scales near 2**-6,
+    or bf16 N(0, 0.02))."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
     if fmt == "mxfp4":
         bits = lambda k, shape: jax.random.bits(k, shape, jnp.uint8)
         scales = lambda k, shape: jax.random.randint(k, shape, 119, 123).astype(jnp.uint8)
-        return {"gate_up_blocks": bits(k1, (n, 2 * I, D // 32, 16)),
-                "gate_up_scales": scales(k2, (n, 2 * I, D // 32)),
-                "down_blocks": bits(k3, (n, D, I // 32, 16)),
-                "down_scales": scales(k4, (n, D, I // 32))}
+        return {"gate_up_blocks": bits(k1, (n, 2 * i, d // 32, 16)),
+                "gate_up_scales": scales(k2, (n, 2 * i, d // 32)),
+                "down_blocks": bits(k3, (n, d, i // 32, 16)),
+                "down_scales": scales(k4, (n, d, i // 32))}
     normal = jax.jit(lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(jnp.bfloat16),
                      static_argnums=1)
-    return {"gate_up": jnp.concatenate([normal(jax.random.fold_in(k1, c), (16, 2 * I, D)) for c in range(n // 16)]),
-            "down": jnp.concatenate([normal(jax.random.fold_in(k2, c), (16, D, I)) for c in range(n // 16)])}
+    return {"gate_up": jnp.concatenate([normal(jax.random.fold_in(k1, c), (16, 2 * i, d)) for c in range(n // 16)]),
+            "down": jnp.concatenate([normal(jax.random.fold_in(k2, c), (16, d, i)) for c in range(n // 16)])}
 
 
-def routing(rng, sets, t, n):
-    """[sets, t, K] distinct slots a token (uniform), weights [t, K]."""
-    ids = np.argsort(rng.random((sets, t, n)), axis=-1)[..., :K].astype(np.int32)
-    return jnp.asarray(ids), jnp.asarray(rng.random((t, K)).astype(np.float32))
+def routing(rng, sets, t, n, k=K):
+    """[sets, t, k] distinct slots a token (uniform), weights [t, k]."""
+    ids = np.argsort(rng.random((sets, t, n)), axis=-1)[..., :k].astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(rng.random((t, k)).astype(np.float32))
 
 
 def expert_bytes(bank):
@@ -85,9 +98,9 @@ GPT_OSS = dict(swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_shift=1.0)
 
 def with_biases(bank, rng):
     """The bank with gpt-oss's bias leaves (tidejax.contract): bf16, N(0, 0.02) as the weights."""
-    n = next(iter(bank.values())).shape[0]
+    n, d, i = bank_dims(bank)
     bias = lambda shape: jnp.asarray(rng.standard_normal(shape) * 0.02, jnp.bfloat16)
-    return {**bank, "gate_up_bias": bias((n, 2 * I)), "down_bias": bias((n, D))}
+    return {**bank, "gate_up_bias": bias((n, 2 * i)), "down_bias": bias((n, d))}
 
 
 def check(fmt, bank, rng):
@@ -97,34 +110,45 @@ def check(fmt, bank, rng):
     not fit an H100's 80 GB). x holds bf16 values as float32, so that the output is float32 (not
     rounded to bf16)."""
     errs = {}
-    reference = jax.jit(moe_grouped_reference,
-                        static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift"))
     for t, n in ((4, 96), (64, 64), (1024, 32)):
-        sub = jax.tree.map(lambda a: a[:n], bank)
-        ids, w = routing(rng, 1, t, n)
-        ids = ids[0].at[0, 0].set(-1)  # one skipped pick
-        x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16).astype(jnp.float32)
-        path = "gemv" if choose_tile(bank_format(sub), t * K, n)[0] == 1 else "dots"
-        for name, form, checked in (("plain", PLAIN, sub), ("gpt-oss", GPT_OSS,
-                                                            with_biases(sub, rng))):
-            err = rel_err(moe_grouped_pallas(x, checked, ids, w, **form),
-                          reference(x, checked, ids, w, **form))
-            errs[path] = max(errs.get(path, 0.0), err)
-            print(f"check {fmt} {name} tokens={t} slots={n} ({path}): rel err {err:.2e}",
-                  flush=True)
+        path = "gemv" if choose_tile(bank_format(bank), t * K, n)[0] == 1 else "dots"
+        err = kernel_err(moe_grouped_pallas, bank, rng, t, n, K, f"{fmt} ({path})")
+        errs[path] = max(errs.get(path, 0.0), err)
     return errs
 
 
-def time_moe(bank, ids_sets, w, x, tile, mask=None):
-    """Seconds per call, from a loop of calls inside one jit (no dispatch gaps); with a token
+def kernel_err(kernel, bank, rng, t, n, k, label):
+    """The worse relative error of kernel(x, bank, ids, w, **form) against the jnp reference on
+    the GPU, plain and gpt-oss's, for t tokens x k picks on the bank's first n slots (one pick
+    skipped)."""
+    reference = jax.jit(moe_grouped_reference,
+                        static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift"))
+    sub = jax.tree.map(lambda a: a[:n], bank)
+    ids, w = routing(rng, 1, t, n, k)
+    ids = ids[0].at[0, 0].set(-1)  # one skipped pick
+    x = jnp.asarray(rng.standard_normal((t, bank_dims(bank)[1])), jnp.bfloat16).astype(jnp.float32)
+    worst = 0.0
+    for name, form, checked in (("plain", PLAIN, sub), ("gpt-oss", GPT_OSS, with_biases(sub, rng))):
+        err = rel_err(kernel(x, checked, ids, w, **form), reference(x, checked, ids, w, **form))
+        worst = max(worst, err)
+        print(f"check {label} {name} tokens={t} slots={n}: rel err {err:.2e}", flush=True)
+    return worst
+
+
+def time_moe(bank, ids_sets, w, x, tile, mask=None, kernel=moe_grouped_pallas):
+    """Seconds per call of kernel(x, bank, ids, w) (moe_grouped_pallas given `tile`; None: the
+    kernel's own choice), from a loop of calls inside one jit (no dispatch gaps); with a token
     mask, each call also counts its picks into [LAYERS, E] demand counters (layer j % LAYERS)."""
+    if tile is not None:
+        kernel = functools.partial(kernel, tile=tile)
+
     def step(j, carry, x, bank, ids_sets, w, mask):
         acc, counters = carry
         ids = ids_sets[j % ROTATE]
         if mask is None:
-            return acc + moe_grouped_pallas(x, bank, ids, w, tile=tile).astype(jnp.float32), counters
+            return acc + kernel(x, bank, ids, w).astype(jnp.float32), counters
         demand = Demand(*counters, j % LAYERS, ids, w, mask)
-        y, *counters = moe_grouped_pallas(x, bank, ids, w, tile=tile, demand=demand)
+        y, *counters = kernel(x, bank, ids, w, demand=demand)
         return acc + y.astype(jnp.float32), tuple(counters)
     counters = (jnp.zeros((LAYERS, E), jnp.float32),) * 2
     return seconds_per_step(step, (jnp.zeros(x.shape, jnp.float32), counters), x, bank, ids_sets, w, mask,
@@ -179,17 +203,73 @@ def bench_demand(bank, rng, rows):
         print(rows[-1], flush=True)
 
 
+def bench_prefill(rng, mm, formats, rows):
+    """A prompt chunk's grouped MoE at PREFILL_TOKENS tokens for each of PREFILL_SHAPES and
+    formats: the Pallas dots path (its own tile) and the Triton grouped GEMM, each checked
+    against the reference on the GPU first (1024 tokens on 32 slots); appends table rows."""
+    t = PREFILL_TOKENS
+    kernels = {"pallas dots": moe_grouped_pallas, "triton": moe_grouped_triton}
+    for shape, (d, i, e, k) in PREFILL_SHAPES.items():
+        for fmt in formats:
+            bank = make_bank(fmt, e, jax.random.key(5), d, i)
+            ids_sets, w = routing(rng, ROTATE, t, e, k)
+            x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+            for name, kernel in kernels.items():
+                try:
+                    err = kernel_err(kernel, bank, rng, 1024, 32, k, f"{shape} {fmt} {name}")
+                    s = time_moe(bank, ids_sets, w, x, None, kernel=kernel)
+                except Exception:  # a kernel that fails is reported, the others go on
+                    print(f"{shape} {fmt} {name} failed:\n{traceback.format_exc()}", flush=True)
+                    continue
+                tflops = 2 * t * k * 3 * i * d / s / 1e12
+                rows.append(f"| {shape} ({d}, {i}) | {fmt} | {name} | {s * 1e3:.2f} | "
+                            f"{tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
+                print(rows[-1], flush=True)
+            del bank
+
+
+def prefill_section(mm, rows) -> str:
+    return "\n".join([
+        f"\n## Kernels: a prompt chunk's grouped MoE, Pallas dots and Triton ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
+        f"`python3 -m bench.kernels {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
+        f"{PREFILL_TOKENS} tokens, random routing, bf16 x; bf16 matmul 8192^3 {mm:.0f} TFLOP/s in the same run. "
+        "pallas dots: tidejax.pallas.moe_kernel, its own tile; triton: tidejax.pallas.moe_prefill, its untuned "
+        "tiles. TFLOP/s counts the three projections of every pick; err = max relative Frobenius error vs "
+        "the jnp reference on the GPU (1024 tokens on 32 slots, plain and gpt-oss's).\n",
+        "| experts (hidden, intermediate) | format | kernel | ms | TFLOP/s | / matmul | err |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows, "",
+    ])
+
+
+def write_section(section, out_name):
+    """Prints a results section and appends it to bench/RESULTS.md (and $OUT/out_name)."""
+    print(section)
+    with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
+        f.write(section)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], out_name), "w") as f:
+            f.write(section)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="no tile sweep")
     ap.add_argument("--formats", default="mxfp4,bf16", help="comma-separated: mxfp4, bf16")
     ap.add_argument("--no-demand", action="store_true", help="skip the demand counting rows (MXFP4)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only the prompt chunk's table: Pallas dots and Triton at 4096 tokens")
     args = ap.parse_args()
     rng = np.random.default_rng(int(time.time()))
     hbm_read_gbps(), matmul_tflops()  # warm the clocks up first
     read, copy, mm = hbm_read_gbps(), copy_gbps(), matmul_tflops()
     print(f"HBM read {read:.0f} GB/s, device copy {copy:.0f} GB/s (read + write), bf16 matmul "
           f"{mm:.0f} TFLOP/s", flush=True)
+    if args.prefill:
+        rows = []
+        bench_prefill(rng, mm, args.formats.split(","), rows)
+        write_section(prefill_section(mm, rows), "kernels_prefill.md")
+        return
     rows, demand_rows = [], []
     for fmt in args.formats.split(","):
         try:
@@ -222,12 +302,7 @@ def main():
         "| --- | --- | --- | --- | --- |",
         *demand_rows, "",
     ])
-    print(section)
-    with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-        f.write(section)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels.md"), "w") as f:
-            f.write(section)
+    write_section(section, "kernels.md")
 
 
 if __name__ == "__main__":
