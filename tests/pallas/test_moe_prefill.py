@@ -75,8 +75,9 @@ def test_demand_is_counted(rng):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_the_kernel_compiles_for_hopper(fmt):
     """Triton compiles every variant (both passes, with and without the bias and the activation's
-    options) to an sm_90 cubin on warpgroup MMAs (wgmma), on this CPU: the GPU path's errors,
-    which the interpreter does not see, show here. DeepSeek-V3's expert shapes."""
+    options) to an sm_90 cubin on warpgroup MMAs (wgmma), its loads pipelined by asynchronous
+    copies (cp.async), on this CPU: the GPU path's errors, which the interpreter does not see,
+    show here. DeepSeek-V3's expert shapes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,7 +102,8 @@ def test_the_kernel_compiles_for_hopper(fmt):
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": moe_prefill.NUM_WARPS,
                                                "num_stages": moe_prefill.NUM_STAGES})
-            assert compiled.asm["cubin"] and "wgmma" in compiled.asm["ptx"]
+            ptx = compiled.asm["ptx"]
+            assert compiled.asm["cubin"] and "wgmma" in ptx and "cp.async" in ptx  # pipelined
 
 
 def on_triton(bank, t, k, **kwargs) -> bool:
