@@ -122,6 +122,9 @@ def test_dispatch_takes_it_for_prompt_chunks_only_where_chosen(rng):
     the Triton kernel for a prompt chunk's many picks an expert, not for decode's few, nor for
     a bank it does not take (float32 weights); results as the reference's."""
     assert ops.MOE_PREFILL == "pallas_dots"
+    # DeepSeek-V4.1-Flash (384 slots, 6 picks a token): prompt chunks of 1,024 and 2,048 tokens
+    assert [moe_prefill.fills_tiles(6 * t, 384) for t in (4, 512, 1024, 2048)] == [
+        False, False, True, True]
     bank, _, _ = make_bank(rng, "bf16", 4, d=64, i=32)
     assert not on_triton(bank, 200, 2)
     assert on_triton(bank, 200, 2, prefill="triton")
