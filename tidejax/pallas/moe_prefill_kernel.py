@@ -3,12 +3,14 @@ moe_prefill calls it through jax-triton, or through Triton's interpreter off the
 use only: it needs `triton`.
 
 The picks are sorted by slot into tiles of BM rows, each tile one expert (moe_plan.plan_tiles).
-Program (N block, tile) multiplies its tile's BM activation rows by BN weight rows of the tile's
-expert, looping over K in BK steps: a bf16 tl.dot a step, float32 accumulation. bf16 weights are
-read as they are; MXFP4 ones ({*_blocks, *_scales}) are decoded in registers: each byte's two
-e2m1 codes become bf16 values times the block's power-of-two scale (exact), the low nibbles the
-even inputs and the high nibbles the odd ones, so each activation row is stored de-interleaved
-(its even columns, then its odd ones) and a step is two dots of BK / 2, never an interleave.
+Program (N block, tile) multiplies BN weight rows of the tile's expert by its tile's BM
+activation rows (a transposed tile [BN, BM]: the weights are the dot's first operand, which
+Hopper's wgmma reads from registers), looping over K in BK steps: a bf16 tl.dot a step, float32
+accumulation. bf16 weights are read as they are; MXFP4 ones ({*_blocks, *_scales}) are decoded
+in registers: each byte's two e2m1 codes become bf16 values times the block's power-of-two scale
+(exact), the low nibbles the even inputs and the high nibbles the odd ones, so each activation
+row is stored de-interleaved (its even columns, then its odd ones) and a step is two dots of
+BK / 2, never an interleave.
 
 GATE_UP (the first pass): the activations are the tokens' rows of x, gathered through the plan;
 the program accumulates the gate rows [n0, n0 + BN) and the up rows I + [n0, n0 + BN), adds the
@@ -51,8 +53,6 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
         n = col * BN + tl.arange(0, BN)  # [BN] output columns (GATE_UP: the gate's weight rows)
         a_rows = a_ptr + src.to(tl.int64)[:, None] * K  # [BM, 1]
         w_first = slot.to(tl.int64) * R  # the slot's first weight row
-        # transposed tiles [BN, BM] (weight rows x tile rows): the weights are the dots' first
-        # operand, which Hopper's wgmma takes from registers, where MXFP4's are decoded
         acc = tl.full((BN, BM), 0.0, tl.float32)
         up = tl.full((BN, BM), 0.0, tl.float32)  # GATE_UP: the up rows', N further down
         for kk in range(0, K // BK):
