@@ -62,7 +62,7 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
     alternate column and row normalizations, iters in all (pallas.sinkhorn).
 
     impl: "auto" (the Triton kernel through jax-triton on a GPU, where jax-triton is installed and
-    [4, 4] matrices (pallas.sinkhorn.KERNEL_HC); the reference elsewhere) | "pallas" (the kernel; Triton's
+    hc <= pallas.sinkhorn.MAX_HC; the reference elsewhere) | "pallas" (the kernel; Triton's
     interpreter off the GPU) | "reference"; None: the policy in force. The kernel against the
     reference: ~1e-7 (float32 both, the same order of operations)."""
     return run("sinkhorn", impl, lambda: sinkhorn_forms.triton_supports(logits),

@@ -4,10 +4,10 @@ stochastic mix. tidejax.ops.sinkhorn picks between:
 - `sinkhorn_reference`: jnp, a softmax over k and then a `fori_loop` of row and column
   normalizations. On the GPU each iteration is its own launches (bench/RESULTS.md, 2026-12-04:
   the loops are 1,520 iterations and 3.7-4.9 ms of a 40-layer V4.1 decode step).
-- `sinkhorn_triton`: the whole loop in one Triton kernel (sinkhorn_kernel, written for hc = 4:
-  a matrix a thread, its entries in registers), called through jax-triton on the GPU. Pallas's Triton lowering is deprecated since jax 0.11, and Pallas
+- `sinkhorn_triton`: the whole loop in one Triton kernel (sinkhorn_kernel), called through
+  jax-triton on the GPU. Pallas's Triton lowering is deprecated since jax 0.11, and Pallas
   Mosaic GPU lays arrays out for warpgroup matrix work, not [hc, hc] blocks a token; a Triton
-  kernel keeps a token's 16 values in a thread's registers. Off the GPU (interpret=True, tests) the same
+  kernel keeps a token's 16 values in registers. Off the GPU (interpret=True, tests) the same
   kernel runs in Triton's interpreter on the host (through jax.pure_callback and torch tensors,
   the interpreter's array type).
 """
@@ -17,15 +17,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 F32 = jnp.float32
-KERNEL_HC = 4  # the streams the kernel is written for: V4 / V4.1 ship hc_mult 4
-BLOCK = 32  # matrices a program: one a lane of one warp
+MAX_HC = 8  # the kernel holds [BLOCK, HC_P, HC_P] a program; V4 / V4.1 ship hc_mult 4
+BLOCK = 16  # matrices a program
 
 
 def sinkhorn_reference(logits, *, hc_eps: float, iters: int):
@@ -42,43 +41,34 @@ def sinkhorn_reference(logits, *, hc_eps: float, iters: int):
 
 
 def triton_supports(logits) -> bool:
-    """Whether the kernel takes `logits` here: [4, 4] matrices (KERNEL_HC), float32, and
+    """Whether the kernel takes `logits` here: square [hc, hc] of hc <= MAX_HC, float32, and
     jax-triton installed (the GPU path's only way in)."""
-    return (logits.shape[-2:] == (KERNEL_HC, KERNEL_HC) and logits.dtype == F32
+    hc = logits.shape[-1]
+    return (logits.shape[-2] == hc <= MAX_HC and logits.dtype == F32
             and importlib.util.find_spec("jax_triton") is not None)
 
 
-_INTERPRETER = threading.Lock()
+def _meta(hc: int, iters: int) -> dict:
+    return dict(HC=hc, HC_P=1 << (hc - 1).bit_length(), ITERS=iters, BLOCK=BLOCK)
 
 
 def _interpreted(flat: np.ndarray, hc_eps: float, iters: int) -> np.ndarray:
-    """The kernel in Triton's interpreter on the host: flat [n, 16] float32. The interpreter calls
-    a kernel's @triton.jit helpers only as InterpretedFunctions (a process started outside its
-    interpreter mode holds them as JITFunctions), so they are swapped in for the call."""
+    """The kernel in Triton's interpreter on the host: flat [n, hc * hc] float32."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
-    from tidejax.pallas import sinkhorn_kernel
+    from tidejax.pallas.sinkhorn_kernel import sinkhorn_kernel
 
-    n = flat.shape[0]
+    n, hc = flat.shape[0], math.isqrt(flat.shape[1])
     x = torch.from_numpy(np.array(flat, np.float32))  # a writable copy
     out = torch.zeros_like(x)
     grid = (max(1, -(-n // BLOCK)),)
-    names = vars(sinkhorn_kernel)
-    jitted = {name: f for name, f in names.items() if isinstance(f, JITFunction)}
-    with _INTERPRETER:
-        names.update({name: InterpretedFunction(f.fn) for name, f in jitted.items()})
-        try:
-            kernel = names["sinkhorn4_kernel"]
-            kernel[grid](x, n, float(hc_eps), out, ITERS=iters, BLOCK=BLOCK)
-        finally:
-            names.update(jitted)
+    InterpretedFunction(sinkhorn_kernel.fn)[grid](x, n, float(hc_eps), out, **_meta(hc, iters))
     return out.numpy()
 
 
 def sinkhorn_triton(logits, *, hc_eps: float, iters: int, interpret: bool = False):
-    """sinkhorn_reference's result by the Triton kernel: logits [..., 4, 4] float32."""
+    """sinkhorn_reference's result by the Triton kernel: logits [..., hc, hc] float32."""
     *lead, hc, _ = logits.shape
     n = math.prod(lead)
     flat = logits.reshape(n, hc * hc)
@@ -90,9 +80,9 @@ def sinkhorn_triton(logits, *, hc_eps: float, iters: int, interpret: bool = Fals
         return out.reshape(logits.shape)
     import jax_triton
 
-    from tidejax.pallas.sinkhorn_kernel import sinkhorn4_kernel
+    from tidejax.pallas.sinkhorn_kernel import sinkhorn_kernel
 
-    out = jax_triton.triton_call(flat, n, float(hc_eps), kernel=sinkhorn4_kernel,
+    out = jax_triton.triton_call(flat, n, float(hc_eps), kernel=sinkhorn_kernel,
                                  out_shape=jax.ShapeDtypeStruct(flat.shape, F32),
-                                 grid=(-(-n // BLOCK),), num_warps=1, ITERS=iters, BLOCK=BLOCK)
+                                 grid=(-(-n // BLOCK),), num_warps=1, **_meta(hc, iters))
     return out.reshape(logits.shape)
