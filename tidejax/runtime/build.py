@@ -210,20 +210,16 @@ class LoadedModel:
         (load_weights put them in the pool), served and counted as the main model's."""
         if config.speculative.method != "mtp":
             return None, self.params
-        if parallel.tensor_size(self.mesh) > 1:  # the MTP params and experts are not split
-            raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
-                              "'mtp' is not served on a mesh that splits 'tensor' "
-                              "(distributed.tensor_parallel)")
         if config.residency.trace_every_steps:  # the verify round routes outside _forward
             raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                               "'mtp' does not record routing traces yet (set "
                               "residency.trace_every_steps = 0)")
         mtp = self.family.build_mtp(self.cfg, self.residency.options, self.dtype)
-        draft = mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block)
+        draft = mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block,
+                           specs=self.family.mtp_specs(self.cfg, self.dtype))
         log.info("speculative decoding: the MTP layer drafts %d tokens a lane, verified in one "
                  "step of %d positions", config.speculative.tokens, config.speculative.tokens + 1)
-        return (Speculator(self.module, mtp, config.speculative.tokens),
-                (self.params, parallel.replicated(draft, self.mesh)))
+        return Speculator(self.module, mtp, config.speculative.tokens), (self.params, draft)
 
     @property
     def speculating(self) -> int:
@@ -649,8 +645,9 @@ def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
 
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
-    that has one (config.json's num_nextn_predict_layers); LoadedModel._speculation refuses a
-    count whose tensors the checkpoint lacks (seen at load) and a mesh that splits 'tensor'."""
+    that has one (config.json's num_nextn_predict_layers); LoadedModel._check_mtp_layer refuses
+    a count whose tensors the checkpoint lacks (seen at load), distributed.check several
+    processes."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")

@@ -21,7 +21,8 @@ the engine's steps through it: runtime/steps.py):
   Queries and keys are rotated at p + 1 (the token's position, as transformers' position_ids)
   and attend the positions <= p of the row; attention scores depend only on the difference.
 - The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
-  loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized).
+  loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized),
+  split over "tensor" by the declared axes as a decoder layer is (Family.mtp_specs).
 - The routed experts: the layer routes by the expert state's last MoE layer. In the engine that
   is residency's: the drafting layer is one more MoE layer of the residency geometry, after the
   main model's (row L_moe; its rows `mtp_expert_row` put in the host pool at load,
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
@@ -137,18 +139,29 @@ class MTP(nn.Module):
         return lm_logits(x, head, logits_at), x, PagedCache(pages), experts
 
 
-def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> dict:
+def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0,
+               specs: dict | None = None) -> dict:
     """The MTP module's params: the main model's embedding and head (`params`, the Decoder's),
     and MTP layer `depth` as the loader keeps it on the host (`kept`: {"layers_{i}": ...}, the
-    family's load_weights aux) put on the device as stored, but for FP8 weights, dequantized on
-    the checkpoint's scale `block` to `dtype` (as_float); its routed experts left out (the
-    residency pool's: mtp_expert_row)."""
+    family's load_weights aux) put on the current mesh as stored, but for FP8 weights,
+    dequantized on the checkpoint's scale `block` to `dtype` (as_float); its routed experts left
+    out (the residency pool's: mtp_expert_row). `specs`: the family's mtp_specs, whose logical
+    axes place each leaf (split over "tensor" as a decoder layer's, tidejax.parallel.put);
+    None: every leaf whole on every device."""
     name = f"layers_{cfg.num_layers + depth}"
-    layer = dict(kept[name])
-    layer["moe"] = {k: v for k, v in layer["moe"].items() if k != "experts"}
+    layer = without_experts(kept[name])
+    layer = jax.tree.map(lambda leaf: as_float(leaf, block, dtype), layer, is_leaf=_is_fp8)
+    if specs is None:
+        axes = jax.tree.map(lambda leaf: (None,) * leaf.ndim, layer)
+    else:
+        axes = jax.tree.map(lambda spec: spec.axes, without_experts(specs[name]))
     head = {k: params[k] for k in ("embed", "lm_head") if k in params}
-    return head | {name: jax.tree.map(lambda leaf: jnp.asarray(as_float(leaf, block, dtype)),
-                                      layer, is_leaf=_is_fp8)}
+    return head | {name: parallel.put(layer, axes)}
+
+
+def without_experts(layer: dict) -> dict:
+    """An MTP layer's tree (kept or declared) less its routed experts."""
+    return layer | {"moe": {k: v for k, v in layer["moe"].items() if k != "experts"}}
 
 
 def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int = 0) -> dict:
