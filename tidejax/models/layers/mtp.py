@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -175,6 +176,41 @@ def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int 
             "down": part("down_proj").astype(dtype)}
 
 
+class MtpExpertRows:
+    """MTP layer `depth`'s routed experts as a source of rows for the residency disk tier
+    (residency.disk.CheckpointRows over it, as over the checkpoint table's RowSource): row e is
+    mtp_expert_row of the loader's kept tensors, memory-mapped from the checkpoint's files, so
+    read through the page cache (`read_direct` False), not with O_DIRECT."""
+
+    def __init__(self, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0):
+        self.kept, self.cfg, self.dtype, self.block, self.depth = kept, cfg, dtype, block, depth
+        self.experts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"]
+        self.n_rows = cfg.n_routed_experts
+
+    def read(self, row: int) -> dict:
+        return mtp_expert_row(self.kept, self.cfg, row, self.dtype, self.block, self.depth)
+
+    def read_direct(self) -> bool:
+        return False
+
+    def files(self, row: int | None = None) -> list[Path]:
+        """The checkpoint files row `row`'s tensors are mapped from (None: every row's)."""
+        experts = self.experts.values() if row is None else [self.experts[str(row)]]
+        return sorted({Path(leaf.filename) for parts in experts for leaf in jax.tree.leaves(parts)
+                       if isinstance(leaf, np.memmap)})
+
+    def stored_as_read(self) -> bool:
+        """Whether a row reads as its files' bytes (no FP8 to dequantize)."""
+        return not any(_is_fp8(leaf) for parts in self.experts.values() for leaf in parts.values())
+
+    def empty_row(self) -> dict:
+        """A row of zeros shaped and typed as `read` gives one, without reading any data."""
+        first = self.experts["0"]
+        (f, d), dtype = _stored_shape(first["gate_proj"]), np.dtype(self.dtype)
+        return {"gate_up": np.zeros((2 * f, d), dtype),
+                "down": np.zeros(_stored_shape(first["down_proj"]), dtype)}
+
+
 def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> ExpertState:
     """MTP layer `depth`'s routed experts as an all-resident expert state of one MoE layer: the
     model part run alone (the engine serves them through residency instead)."""
@@ -185,6 +221,11 @@ def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> Exp
 
 def _is_fp8(leaf) -> bool:
     return isinstance(leaf, tuple)
+
+
+def _stored_shape(leaf) -> tuple:
+    """A kept leaf's shape (an FP8 pair's: its values')."""
+    return np.shape(leaf[0] if _is_fp8(leaf) else leaf)
 
 
 def as_float(leaf, block, dtype) -> np.ndarray:
