@@ -3,7 +3,8 @@ process: a tiny DeepSeek-V3 (MLA) and a tiny GLM-4.5 (GQA), each with an MTP lay
 well (tiny_models.repeating_mtp). The MTP layer's params split as its family's decoder layer's
 (attention heads, shared-expert intermediate), its routed experts the split pool's last MoE
 layer; the greedy tokens of four lanes equal those of the same mesh with speculation off,
-drafts accepted and rejected."""
+drafts accepted and rejected; DeepSeek-V3's too with half the expert rows on the disk tier, the
+MTP layer's among those read."""
 
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ SCRIPT = textwrap.dedent("""
             "layers": [on.residency.n_layers, len(cfg.moe_layers)],
             "bank": list(on.state.experts.bank["gate_up"].sharding.spec)}
         on.close()
+        if model != sys.argv[1]:
+            continue
+        # the first model with half the rows on disk (exact misses)
+        on_disk = tidejax.load(model, engine=ENGINE, distributed={"tensor_parallel": 2},
+                               speculative={"method": "mtp", "tokens": 2}, residency={
+                                   "budget_experts": 8, "host_budget_experts": 12,
+                                   "miss_policy": "exact"})
+        out[model]["on_disk"] = greedy(on_disk)[0]
+        n_main = len(cfg.moe_layers) * cfg.n_routed_experts
+        out[model]["mtp_disk_reads"] = int(on_disk.residency.cache.reads_by_row[n_main:].sum())
+        on_disk.close()
     print(json.dumps(out))
 """)
 
@@ -93,4 +105,12 @@ def test_speculation_on_a_split_mesh_keeps_the_greedy_tokens(on_a_split_mesh, fa
     assert got["layers"][0] == got["layers"][1] + 1 and got["bank"] == [None, "tensor"]
     assert got["tokens"] == got["plain"] and all(len(t) == 16 for t in got["tokens"])
     assert 0 < sum(got["accepted"]) < sum(got["drafted"])
+
+
+def test_speculation_over_the_disk_tier_on_a_split_mesh(on_a_split_mesh):
+    """DeepSeek-V3 on two devices with a host budget of half the rows (the disk tier, `exact`):
+    the greedy tokens of speculation off with every expert in host memory, rows of the MTP
+    layer read from disk (into both shards of their host slots)."""
+    got = on_a_split_mesh["deepseek_v3"]
+    assert got["on_disk"] == got["plain"] and got["mtp_disk_reads"] > 0
 
