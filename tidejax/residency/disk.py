@@ -4,15 +4,14 @@ from the files' (`PreparedRows`, written once by residency/prepared.py). Both gi
 `read(row) -> {leaf: numpy array}` in the host pool's format and `layout` ({leaf:
 ShapeDtypeStruct [rows, ...]}, what residency.pool's n_rows / row_bytes read).
 
-`JoinedRows` serves two of them as one: the main model's rows, then a drafting MTP layer's
-(runtime/build.py), each read in place or from a prepared copy of its own.
-
 Both read with O_DIRECT (checkpoint.direct.DirectFile: no page cache, so a budget of host
 memory is what the tier holds there). A prepared copy's rows start at multiples of ALIGN, each
 read into a page-aligned buffer whose leaves are the arrays handed back (no copy); a row in place
 is read as the aligned span around each of its tensors' bytes, which are copied out. Where the
 filesystem refuses O_DIRECT the files are read buffered, said once in the log and in `direct`
-(the stats' `disk_direct`).
+(the stats' `disk_direct`). `JoinedRows` serves two sources as one: the main model's rows,
+then a drafting MTP layer's (runtime/build.py: those are memory-mapped, read through the page
+cache), each read in place or from a prepared copy of its own.
 
 Every file is fingerprinted (size, mtime, inode) when it is opened; a read from a file that has
 changed or been cut short since is refused with a CheckpointError naming it, before any of its
