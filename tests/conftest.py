@@ -54,6 +54,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v3_mtp(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp)."""
+    from tests.support.tiny_models import repeating_mtp
+
+    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
+    return repeating_mtp(base, tmp_path_factory.mktemp("v3-mtp") / "mtp", 0.3)
+
+
+@pytest.fixture(scope="session")
 def published(tmp_path_factory):
     """DeepSeek-V4.1's tiny_a in the published formats (published / "fp8") beside a float
     checkpoint of the values they stand for (published / "float"). Read only."""

@@ -114,6 +114,7 @@ def test_every_registered_family_is_checked_somewhere():
     for family in CONTRACT:
         drafts = family_of(family).build_mtp is not None
         assert drafts == (family in MTP or f"mtp:{family}" in NOT_HERE), family
+        assert drafts == (family_of(family).mtp_specs is not None), family
 
 
 @pytest.mark.parametrize("family", CONTRACT)

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiny_models import repeating_mtp
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -20,9 +18,3 @@ def v41(tmp_path_factory) -> Path:
                    cwd=REPO, check=True, capture_output=True)
     return out
 
-
-@pytest.fixture(scope="session")
-def v3_mtp(tiny_checkpoint, tmp_path_factory) -> Path:
-    """A tiny DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp)."""
-    base = tiny_checkpoint("deepseek_v3", "qlora_groups", seed=5)
-    return repeating_mtp(base, tmp_path_factory.mktemp("v3-mtp") / "mtp", 0.3)

@@ -4,7 +4,7 @@ DeepSeek-V3 whose MTP layer drafts well (tiny_models.repeating_mtp), with a bank
 experts: greedy output equal to the all-resident engine's without speculation and to the
 budgeted one's without; the MTP layer's experts not all on the device, swapped and missed and
 served, its demand in the saved history, the verify steps' picks counted; a history or seed
-map saved with speculation off migrated or refused; the disk tier refused."""
+map saved with speculation off migrated or refused; the MTP layer's rows on the disk tier."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 import tidejax
 from tidejax.errors import ConfigError
+from tidejax.models.layers.mtp import MtpExpertRows
 from tidejax.residency.history import History
 from tidejax.runtime.scheduler import GenerationRequest
 from tests.support.engine_probes import run, tokens_of
@@ -131,10 +132,36 @@ def test_history_migrates_when_speculation_turns_on_and_off(v3_mtp, tmp_path):
                                 "seed_map": str(tmp_path / "seed.json")})
 
 
-def test_the_disk_tier_is_refused_speculating_naming_the_field(v3_mtp, tmp_path):
-    """A host budget below every expert (the disk tier) does not serve the MTP layer's experts
-    yet: refused at load, naming the field."""
-    with pytest.raises(ConfigError, match="not served from the disk tier.*host_budget_experts"):
-        tidejax.load(v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": K},
-                     residency={"budget_experts": 8, "host_budget_experts": 16,
-                                "state_dir": str(tmp_path)})
+def test_mtp_experts_read_from_the_disk_tier(v3_mtp, tmp_path):
+    """A host budget of half the rows (the disk tier), experts held in bf16 (so prepared
+    copies): speculating, the MTP layer's rows follow the main model's on disk, in a prepared
+    copy of their own beside the main model's, which the speculating engine reuses as written
+    without speculation; the greedy output is the one without speculation on the same tier, and
+    MTP-layer rows were read from disk. The MTP rows map the checkpoint's file (a change of it
+    is refused before a read)."""
+    residency = {"budget_experts": 8, "host_budget_experts": 12, "miss_policy": "exact",
+                 "state_dir": str(tmp_path)}
+    model = {"experts": "bf16"}
+    off = tidejax.load(v3_mtp, engine=ENGINE, model=model, residency=residency)
+    want = greedy(off)
+    main_copy = off.residency.disk_rows.path
+    written = main_copy.stat()
+    off.close()
+
+    engine = tidejax.load(v3_mtp, engine=ENGINE, model=model, residency=residency,
+                          speculative={"method": "mtp", "tokens": K})
+    rows, cfg = engine.residency.disk_rows, engine.loaded.cfg
+    n_main = len(cfg.moe_layers) * cfg.n_routed_experts
+    assert rows.n_first == n_main and rows.layout["down"].shape[0] == n_main + cfg.n_routed_experts
+    assert rows.first.path == main_copy and main_copy.stat().st_mtime_ns == written.st_mtime_ns
+    assert rows.then.path.name == main_copy.stem + "-mtp.rows"
+    assert engine.residency.host_capacity < rows.layout["down"].shape[0]
+    got, stats = greedy_with_stats(engine)
+    assert got == want
+    assert all(s["accepted_tokens"] > 0 for s in stats)
+    reads = engine.residency.cache.reads_by_row
+    print(f"disk reads: main rows {reads[:n_main].sum()}, MTP rows {reads[n_main:].sum()}")
+    assert reads[n_main:].sum() > 0 and reads.sum() == engine.residency.stats()["disk_reads"]
+    mapped = MtpExpertRows(engine.loaded._aux, cfg, np.float32)
+    assert mapped.files() == [v3_mtp / "model.safetensors"] and not mapped.read_direct()
+    engine.close()

@@ -143,6 +143,9 @@ class Family:
         dense projections kept FP8 as stored, models.loading.fp8_specs)
     build_mtp(cfg, serve_options, dtype, depth) -> MTP layer `depth`'s draft forward
         (layers/mtp.py), or None: the family drafts nothing ([speculative] method "mtp" refused)
+    mtp_specs(cfg, dtype) -> the MTP layers' ParamSpecs as its load_weights keeps them in aux
+        (layers/decoder.mtp_specs), whose logical axes place the drafting layer's params on the
+        mesh as a decoder layer's are (layers/mtp.mtp_params); None where build_mtp is None
     tool_formats: model_type -> the text.toolcalls.ToolFormat its checkpoints write tool calls
         in (gpt-oss: text.harmony.HARMONY, its whole reply's format), where their chat template
         does not show it (a model type not named: none)
@@ -169,6 +172,7 @@ class Family:
     swiglu_form: Callable = lambda cfg: (1.0, 0.0)  # (alpha, up_shift): tidejax.contract.swiglu
     dense_fp8: bool = False
     build_mtp: Callable | None = None
+    mtp_specs: Callable | None = None
     tool_formats: dict = dataclasses.field(default_factory=dict)
 
     def table_widths(self, cfg, page_size: int, dtype, serve) -> tuple[bool, bool]:

@@ -9,7 +9,9 @@ memory is what the tier holds there). A prepared copy's rows start at multiples 
 read into a page-aligned buffer whose leaves are the arrays handed back (no copy); a row in place
 is read as the aligned span around each of its tensors' bytes, which are copied out. Where the
 filesystem refuses O_DIRECT the files are read buffered, said once in the log and in `direct`
-(the stats' `disk_direct`).
+(the stats' `disk_direct`). `JoinedRows` serves two sources as one: the main model's rows,
+then a drafting MTP layer's (runtime/build.py: those are memory-mapped, read through the page
+cache), each read in place or from a prepared copy of its own.
 
 Every file is fingerprinted (size, mtime, inode) when it is opened; a read from a file that has
 changed or been cut short since is refused with a CheckpointError naming it, before any of its
@@ -27,7 +29,7 @@ import numpy as np
 
 from tidejax.errors import CheckpointError
 from tidejax.checkpoint.direct import ALIGN, DirectFile, aligned
-from tidejax.residency.pool import row_bytes
+from tidejax.residency.pool import n_rows, row_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +117,31 @@ class PreparedRows:
             out[k] = data[at:at + n].view(v.dtype).reshape(v.shape[1:])
             at += n
         return out
+
+
+class JoinedRows:
+    """The rows of `first`, then those of `then` (same leaves, shapes and dtypes), as one source
+    of the disk tier: the main model's experts, then a drafting MTP layer's (runtime/build.py),
+    so that turning speculation on or off keeps the main model's prepared copy."""
+
+    def __init__(self, first, then):
+        for name, leaf in first.layout.items():
+            other = then.layout.get(name)
+            if other is None or (other.shape[1:], other.dtype) != (leaf.shape[1:], leaf.dtype):
+                raise ValueError(f"rows of another layout cannot be joined: {name!r} is "
+                                 f"{leaf.shape[1:]} {leaf.dtype}, then {other}")
+        self.first, self.then = first, then
+        self.n_first = n_rows(first.layout)
+        total = self.n_first + n_rows(then.layout)
+        self.layout = {k: jax.ShapeDtypeStruct((total, *v.shape[1:]), v.dtype)
+                       for k, v in first.layout.items()}
+        self.where = f"{first.where}, then {then.where}"
+
+    @property
+    def direct(self) -> bool:
+        return self.first.direct and self.then.direct
+
+    def read(self, row: int) -> dict:
+        if row < self.n_first:
+            return self.first.read(row)
+        return self.then.read(row - self.n_first)

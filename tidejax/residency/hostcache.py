@@ -62,6 +62,7 @@ class HostCache:
         # queued read), prefetched, evictions, dropped, commit_waits
         self.counters = collections.Counter()
         self.prefetched = np.zeros(len(self.slot_of), bool)  # held since a prefetch read it
+        self.reads_by_row = np.zeros(len(self.slot_of), np.int64)  # reads from disk of each row
         self._lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}  # row -> its read
         self._landed: dict[int, dict] = {}  # row -> arrays read, not yet in a slot
@@ -87,6 +88,7 @@ class HostCache:
                     self.counters["busy_ns"] += t1 - self._busy_since
         with self._lock:
             self.counters["reads"] += 1
+            self.reads_by_row[row] += 1
             self.counters["read_bytes"] += self.row_bytes
             self.counters["read_ns"] += t1 - t0
         return arrays

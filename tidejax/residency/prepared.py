@@ -33,9 +33,11 @@ log = logging.getLogger("tidejax.residency")
 PREPARED_FORMAT = "tidejax-prepared-experts/2"  # /2: rows at ALIGN-aligned strides
 
 
-def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host budget"):
+def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host budget",
+              label: str = ""):
     """The disk tier's rows: `rows` (read in place) where the held format is the files' (no FP8
-    to dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`."""
+    to dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`, its
+    file named by the sources and format, then `label` (a drafting MTP layer's: "-mtp")."""
     source, fmt = rows.source, rows.fmt
     stored = source.empty_row()
     same = source.stored_as_read() and all(
@@ -48,18 +50,18 @@ def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host
         raise ConfigError(f"{key}: the experts are served in another layout than the checkpoint "
                           f"stores ({fmt.held_as}, {fmt.dtype}); set residency.state_dir for "
                           f"their prepared copy")
-    return prepare(rows, Path(state_dir) / "experts")
+    return prepare(rows, Path(state_dir) / "experts", label)
 
 
-def prepare(rows: CheckpointRows, folder: Path) -> PreparedRows:
-    """The prepared copy of `rows` under `folder`: reused where its manifest matches, else
-    (re)written."""
+def prepare(rows: CheckpointRows, folder: Path, label: str = "") -> PreparedRows:
+    """The prepared copy of `rows` under `folder` (its name ending in `label`): reused where its
+    manifest matches, else (re)written."""
     sources = {str(p): f.as_json() for p, f in sorted(rows.files.prints.items())}
     layout = {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in rows.layout.items()}
     expected = {"format": PREPARED_FORMAT, "align": ALIGN, "held_as": rows.fmt.held_as,
                 "dtype": str(rows.fmt.dtype), "layout": layout, "sources": sources}
     key = hashlib.sha256(json.dumps([sorted(sources), rows.fmt.held_as, str(rows.fmt.dtype)])
-                         .encode()).hexdigest()[:16]
+                         .encode()).hexdigest()[:16] + label
     path, manifest_path = folder / f"{key}.rows", folder / f"{key}.json"
     reason = _stale(path, manifest_path, expected)
     if reason is None:

@@ -38,11 +38,12 @@ from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket, pages_for
 from tidejax.checkpoint import fp8
 from tidejax.checkpoint.table import Deferred
-from tidejax.models.layers.mtp import mtp_expert_row, mtp_params, with_mtp_slots
+from tidejax.models.layers.mtp import (MtpExpertRows, mtp_expert_row, mtp_params,
+                                      with_mtp_slots)
 from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
-from tidejax.residency.disk import CheckpointRows
+from tidejax.residency.disk import CheckpointRows, JoinedRows
 from tidejax.residency.pool import host_pool, host_slots, pool_rows, row_bytes
 from tidejax.residency.prepared import open_rows
 from tidejax.residency.serve import ServeOptions
@@ -210,20 +211,16 @@ class LoadedModel:
         (load_weights put them in the pool), served and counted as the main model's."""
         if config.speculative.method != "mtp":
             return None, self.params
-        if parallel.tensor_size(self.mesh) > 1:  # the MTP params and experts are not split
-            raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
-                              "'mtp' is not served on a mesh that splits 'tensor' "
-                              "(distributed.tensor_parallel)")
         if config.residency.trace_every_steps:  # the verify round routes outside _forward
             raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                               "'mtp' does not record routing traces yet (set "
                               "residency.trace_every_steps = 0)")
         mtp = self.family.build_mtp(self.cfg, self.residency.options, self.dtype)
-        draft = mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block)
+        draft = mtp_params(self.params, self._aux, self.cfg, self.dtype, fp8_block,
+                           specs=self.family.mtp_specs(self.cfg, self.dtype))
         log.info("speculative decoding: the MTP layer drafts %d tokens a lane, verified in one "
                  "step of %d positions", config.speculative.tokens, config.speculative.tokens + 1)
-        return (Speculator(self.module, mtp, config.speculative.tokens),
-                (self.params, parallel.replicated(draft, self.mesh)))
+        return Speculator(self.module, mtp, config.speculative.tokens), (self.params, draft)
 
     @property
     def speculating(self) -> int:
@@ -605,7 +602,9 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     than every expert, no row is read here: the third item is then the rows on disk
     (residency.prepared.open_rows), which the host cache reads from as needed.
     mtp_layers (0 or 1, speculating): the pool has one more MoE layer after the main model's,
-    the first MTP layer's routed experts (put_mtp_rows), where the checkpoint holds it."""
+    the first MTP layer's routed experts (put_mtp_rows), where the checkpoint holds it; on disk,
+    its rows follow the main model's (residency.disk.JoinedRows), read from the loader's kept
+    tensors (MtpExpertRows) in place or from a prepared copy of their own."""
     mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
     n_moe += mtp_layers
@@ -629,11 +628,12 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
         deferred.source.read_all(put_row)  # the budget holds every expert: the host pool
         put_mtp_rows(cfg, aux if mtp_layers else None, put_row, dtype, raw)
         return params, aux, pool.result()
-    if mtp_layers:
-        raise ConfigError("'speculative.method' = 'mtp' is not served from the disk tier yet: "
-                          "'residency.host_budget_experts' / 'host_budget_gib' must hold every "
-                          "expert")
-    return params, aux, open_rows(rows, residency.state_dir)
+    main = open_rows(rows, residency.state_dir)
+    if not (mtp_layers and aux):  # without the MTP layer's tensors: refused after the load
+        return params, aux, main
+    mtp = CheckpointRows(MtpExpertRows(aux, cfg, dtype, fp8.config_block(raw)),
+                         RowFormat(held_as, dtype))
+    return params, aux, JoinedRows(main, open_rows(mtp, residency.state_dir, label="-mtp"))
 
 
 def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
@@ -649,8 +649,9 @@ def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
 
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
-    that has one (config.json's num_nextn_predict_layers); LoadedModel._speculation refuses a
-    count whose tensors the checkpoint lacks (seen at load) and a mesh that splits 'tensor'."""
+    that has one (config.json's num_nextn_predict_layers); LoadedModel._check_mtp_layer refuses
+    a count whose tensors the checkpoint lacks (seen at load), distributed.check several
+    processes."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tidejax.models.base import Family
 from tidejax.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from tidejax.models.glm_moe_dsa.model import build, build_mtp
-from tidejax.models.glm_moe_dsa.weights import load_weights
+from tidejax.models.glm_moe_dsa.weights import load_weights, mtp_specs
 from tidejax.models.layers.decoder import expert_dims
 from tidejax.models.layers.dsa import DSAPages
 from tidejax.models.registry import register
@@ -17,6 +17,7 @@ register(Family(
     config_from_hf=GlmMoeDsaConfig.from_hf,
     build=build,
     build_mtp=build_mtp,
+    mtp_specs=mtp_specs,
     load_weights=load_weights,
     expert_dims=expert_dims,
     top_k=lambda cfg: cfg.num_experts_per_tok,

@@ -21,7 +21,8 @@ the engine's steps through it: runtime/steps.py):
   Queries and keys are rotated at p + 1 (the token's position, as transformers' position_ids)
   and attend the positions <= p of the row; attention scores depend only on the difference.
 - The params: the main model's embed and lm_head, and the MTP layer as kept on the host by the
-  loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized).
+  loader (decoder.mtp_specs), put on the device by `mtp_params` (FP8 weights dequantized),
+  split over "tensor" by the declared axes as a decoder layer is (Family.mtp_specs).
 - The routed experts: the layer routes by the expert state's last MoE layer. In the engine that
   is residency's: the drafting layer is one more MoE layer of the residency geometry, after the
   main model's (row L_moe; its rows `mtp_expert_row` put in the host pool at load,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.checkpoint.fp8 import BLOCK, dequantize_fp8_block
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
@@ -137,18 +140,29 @@ class MTP(nn.Module):
         return lm_logits(x, head, logits_at), x, PagedCache(pages), experts
 
 
-def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> dict:
+def mtp_params(params: dict, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0,
+               specs: dict | None = None) -> dict:
     """The MTP module's params: the main model's embedding and head (`params`, the Decoder's),
     and MTP layer `depth` as the loader keeps it on the host (`kept`: {"layers_{i}": ...}, the
-    family's load_weights aux) put on the device as stored, but for FP8 weights, dequantized on
-    the checkpoint's scale `block` to `dtype` (as_float); its routed experts left out (the
-    residency pool's: mtp_expert_row)."""
+    family's load_weights aux) put on the current mesh as stored, but for FP8 weights,
+    dequantized on the checkpoint's scale `block` to `dtype` (as_float); its routed experts left
+    out (the residency pool's: mtp_expert_row). `specs`: the family's mtp_specs, whose logical
+    axes place each leaf (split over "tensor" as a decoder layer's, tidejax.parallel.put);
+    None: every leaf whole on every device."""
     name = f"layers_{cfg.num_layers + depth}"
-    layer = dict(kept[name])
-    layer["moe"] = {k: v for k, v in layer["moe"].items() if k != "experts"}
+    layer = without_experts(kept[name])
+    layer = jax.tree.map(lambda leaf: as_float(leaf, block, dtype), layer, is_leaf=_is_fp8)
+    if specs is None:
+        axes = jax.tree.map(lambda leaf: (None,) * leaf.ndim, layer)
+    else:
+        axes = jax.tree.map(lambda spec: spec.axes, without_experts(specs[name]))
     head = {k: params[k] for k in ("embed", "lm_head") if k in params}
-    return head | {name: jax.tree.map(lambda leaf: jnp.asarray(as_float(leaf, block, dtype)),
-                                      layer, is_leaf=_is_fp8)}
+    return head | {name: parallel.put(layer, axes)}
+
+
+def without_experts(layer: dict) -> dict:
+    """An MTP layer's tree (kept or declared) less its routed experts."""
+    return layer | {"moe": {k: v for k, v in layer["moe"].items() if k != "experts"}}
 
 
 def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int = 0) -> dict:
@@ -162,6 +176,41 @@ def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int 
             "down": part("down_proj").astype(dtype)}
 
 
+class MtpExpertRows:
+    """MTP layer `depth`'s routed experts as a source of rows for the residency disk tier
+    (residency.disk.CheckpointRows over it, as over the checkpoint table's RowSource): row e is
+    mtp_expert_row of the loader's kept tensors, memory-mapped from the checkpoint's files, so
+    read through the page cache (`read_direct` False), not with O_DIRECT."""
+
+    def __init__(self, kept: dict, cfg, dtype, block=BLOCK, depth: int = 0):
+        self.kept, self.cfg, self.dtype, self.block, self.depth = kept, cfg, dtype, block, depth
+        self.experts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"]
+        self.n_rows = cfg.n_routed_experts
+
+    def read(self, row: int) -> dict:
+        return mtp_expert_row(self.kept, self.cfg, row, self.dtype, self.block, self.depth)
+
+    def read_direct(self) -> bool:
+        return False
+
+    def files(self, row: int | None = None) -> list[Path]:
+        """The checkpoint files row `row`'s tensors are mapped from (None: every row's)."""
+        experts = self.experts.values() if row is None else [self.experts[str(row)]]
+        return sorted({Path(leaf.filename) for parts in experts for leaf in jax.tree.leaves(parts)
+                       if isinstance(leaf, np.memmap)})
+
+    def stored_as_read(self) -> bool:
+        """Whether a row reads as its files' bytes (no FP8 to dequantize)."""
+        return not any(_is_fp8(leaf) for parts in self.experts.values() for leaf in parts.values())
+
+    def empty_row(self) -> dict:
+        """A row of zeros shaped and typed as `read` gives one, without reading any data."""
+        first = self.experts["0"]
+        (f, d), dtype = _stored_shape(first["gate_proj"]), np.dtype(self.dtype)
+        return {"gate_up": np.zeros((2 * f, d), dtype),
+                "down": np.zeros(_stored_shape(first["down_proj"]), dtype)}
+
+
 def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> ExpertState:
     """MTP layer `depth`'s routed experts as an all-resident expert state of one MoE layer: the
     model part run alone (the engine serves them through residency instead)."""
@@ -172,6 +221,11 @@ def mtp_expert_state(kept: dict, cfg, dtype, block=BLOCK, depth: int = 0) -> Exp
 
 def _is_fp8(leaf) -> bool:
     return isinstance(leaf, tuple)
+
+
+def _stored_shape(leaf) -> tuple:
+    """A kept leaf's shape (an FP8 pair's: its values')."""
+    return np.shape(leaf[0] if _is_fp8(leaf) else leaf)
 
 
 def as_float(leaf, block, dtype) -> np.ndarray:
