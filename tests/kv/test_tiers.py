@@ -2,7 +2,8 @@
 conversation's pages on the device spills them to host memory, a next turn matches them there
 and prefills only its new tokens; a new engine over the same folder matches them on disk; a
 corrupt disk entry is skipped, never served. Greedy tokens equal those of full forwards (no
-cache at all) and of the same engine with the cache off."""
+cache at all) and of the same engine with the cache off. A disk entry of one process's shards of
+a page goes to file and back as such."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import tidejax
+from tidejax import parallel
 from tidejax.kv.pages import block_hashes
 from tidejax.kv.tiers import DiskTier, Spilled
 from tidejax.runtime.api import EngineStats
@@ -192,3 +195,25 @@ def test_the_disk_tier_keeps_its_budget_and_finds_its_files_again(tmp_path, capl
     assert len(again) == 3 and digests[4] in again and digests[1] not in again
     assert np.array_equal(again.read(digests[4]).pages["k"], entry(4).pages["k"])
     again.close()
+
+
+def test_the_disk_tier_keeps_a_process_s_shards_of_a_page(tmp_path):
+    """An entry whose leaf is this process's shards of a page split over processes (LocalShards:
+    its KV heads here, a peer's elsewhere) goes to file as its shards' bytes and comes back as
+    LocalShards on the same device; a tier that expects the page whole (another layout) refuses
+    the file."""
+    device = jax.devices()[0]
+    where = NamedSharding(parallel.make_mesh(), PartitionSpec(None, None, "tensor"))
+    data = np.arange(16, dtype=np.float32).reshape(1, 8, 2).astype(jnp.bfloat16)
+    template = Spilled({"k": parallel.LocalShards(
+        (1, 8, 4), where, ((device, jax.ShapeDtypeStruct((1, 8, 2), jnp.bfloat16)),))})
+    disk = DiskTier(tmp_path, 1 << 20, template)
+    digest = b"\1" * 16
+    disk.put(digest, Spilled({"k": parallel.LocalShards((1, 8, 4), where, ((device, data),))}))
+    disk.close()
+    back = DiskTier(tmp_path, 1 << 20, template).read(digest).pages["k"]
+    assert isinstance(back, parallel.LocalShards) and back.shape == (1, 8, 4)
+    assert back.shards[0][0] == device and np.array_equal(back.shards[0][1], data)
+    whole = DiskTier(tmp_path, 1 << 20, Spilled({"k": jax.ShapeDtypeStruct((1, 8, 4),
+                                                                           jnp.bfloat16)}))
+    assert whole.read(digest) is None and digest not in whole
