@@ -22,6 +22,7 @@ from tidejax import parallel
 from tidejax.kv.pages import block_hashes
 from tidejax.kv.tiers import DiskTier, Spilled
 from tidejax.runtime.api import EngineStats
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.server.metrics import Metrics
 from tests.support.engine_probes import prefilled, serve
 
@@ -96,6 +97,22 @@ def test_a_second_turn_matches_from_host_memory(engine):
         scheduler.caching = True
     assert stats["cached_tokens"] == 0
     assert got == again == uncached == greedy(engine, second, 6)
+
+
+def test_a_penalized_turn_from_host_memory_sees_its_cached_prompt_tokens(engine):
+    """A second turn restored from host memory under a repetition penalty (over the prompt's
+    tokens too, the cached ones no step runs among them): the sampled tokens of the cache off."""
+    second = converse(engine, 400)
+    sampled = SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.5)
+    host = matched(engine, "host")
+    got, stats = serve(engine, second, 6, sampled)
+    assert stats["cached_tokens"] == 40 and matched(engine, "host") - host == 40
+    engine.scheduler.caching = False
+    try:
+        uncached, _ = serve(engine, second, 6, sampled)
+    finally:
+        engine.scheduler.caching = True
+    assert got == uncached
 
 
 def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir, disk_dir,

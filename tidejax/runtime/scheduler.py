@@ -429,14 +429,16 @@ class Scheduler:
             lane = self.lane_of.index(None)
             self.lane_of[lane] = handle
             handle.admitted_at = next(self._admissions)
-            self._plan.lanes[lane] = handle.request.sampling
             self.has_drafts[lane] = False
             if handle.saved is not None:
+                self._plan.lanes[lane] = handle.request.sampling
                 self._resume(lane, handle)
                 continue
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
-            restored = self._restore(handle, lane, len(shared))
+            restored = self._restore(handle, lane, len(shared))  # may run the plan so far
+            # its sampling row in the plan that marks the cached prompt tokens seen (`seen`)
+            self._plan.lanes[lane] = handle.request.sampling
             handle.prefilled = handle.cached = (len(shared) + restored) * self.pages.page_size
             if handle.cached:
                 self._plan.seen[lane] = handle.request.prompt_ids[:handle.cached]
