@@ -34,6 +34,9 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
-    runner.close_tiers()  # its prompt cache's host tier to its disk tier, as process 0's
+    try:  # its prompt cache's host tier to its disk tier, as process 0's at close
+        runner.close_tiers()
+    except Exception:
+        log.exception("could not write the prompt cache's host tier to disk at stop")
     channel.close()  # out of jax.distributed first (Follower.close)
     log.info("process %d: process 0 stopped", config.distributed.process_id)
