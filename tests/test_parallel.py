@@ -67,6 +67,33 @@ def test_one_cpu_device_is_a_1x1_mesh():
         parallel.make_mesh(tensor=too_many)
 
 
+def test_local_shards_are_sliced_per_page_and_stacked_again():
+    """This process's shards of a leaf split over processes (LocalShards, as to_host reads KV
+    pages split by heads): a page of them is a copy (host_rows), pages stack again padded with
+    zeros (stack_rows), as numpy leaves do; a leaf split along its first axis has no page of its
+    own. In one process agree_min is the values themselves, and host_shapes a leaf whole."""
+    device = jax.devices()[0]
+    where = NamedSharding(parallel.make_mesh(), P(None, None, "tensor"))
+    rows = np.arange(3 * 4 * 2, dtype=np.float32).reshape(3, 4, 2)  # [pages, page, heads here]
+    leaf = parallel.LocalShards((3, 4, 4), where, ((device, rows),))  # the other 2 heads: a peer's
+    page = parallel.host_rows(leaf, 1, 2)
+    assert page.shape == (1, 4, 4) and page.shards[0][0] == device
+    assert np.array_equal(page.shards[0][1], rows[1:2])
+    assert not np.shares_memory(page.shards[0][1], rows)
+    stacked = parallel.stack_rows([parallel.host_rows(leaf, 2, 3), page], 4)
+    assert stacked.shape == (4, 4, 4) and stacked.sharding is where
+    want = np.concatenate([rows[2:3], rows[1:2], np.zeros((2, 4, 2), np.float32)])
+    assert np.array_equal(stacked.shards[0][1], want)
+    assert np.array_equal(parallel.stack_rows([parallel.host_rows(rows, 2, 3),
+                                               parallel.host_rows(rows, 1, 2)], 4), want)
+    with pytest.raises(ValueError, match="split along its first axis"):
+        parallel.host_rows(parallel.LocalShards((6, 4, 2), where, ((device, rows),)), 0, 1)
+    values = np.array([[1, 0], [1, 1]], np.int32)
+    assert parallel.agree_min(values, parallel.make_mesh()) is values
+    spec = jax.ShapeDtypeStruct((1, 4, 4), np.float32, sharding=where)
+    assert parallel.host_shapes({"k": spec}) == {"k": jax.ShapeDtypeStruct((1, 4, 4), np.float32)}
+
+
 def test_a_mesh_holds_inside_its_block_on_its_thread_only():
     """on_mesh is no process state: placements given no mesh use it inside the block, on the
     thread that entered it; before, after and on another thread they use 1x1."""

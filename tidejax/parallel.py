@@ -19,6 +19,8 @@ a thread the block starts starts without it, so what places from threads is give
     shard_buffers(pool["down"])                         # the same, of each local shard
     from_host(to_host(saved))                           # a tree to host memory and back, where
                                                         # each process holds its own shards
+    host_rows(leaf, i, i + 1), stack_rows(leaves, n)    # a page of it; pages stacked again
+    agree_min(counts, mesh)                             # the least over the processes
 """
 
 from __future__ import annotations
@@ -246,11 +248,16 @@ def replicated(tree, mesh=None):
 @dataclasses.dataclass(frozen=True, eq=False)
 class LocalShards:
     """What this process holds of an array split over several processes' devices (KV pages split
-    by heads): its global shape and sharding, and each of this process's shards on the host."""
+    by heads): its global shape and sharding, and each of this process's shards on the host, in
+    the order of their devices' ids."""
 
     shape: tuple
     sharding: jax.sharding.Sharding
     shards: tuple  # ((device, np.ndarray), ...)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.nbytes for _, data in self.shards)
 
 
 def to_host(tree):
@@ -260,8 +267,9 @@ def to_host(tree):
     def one(leaf: jax.Array):
         if leaf.is_fully_addressable or leaf.is_fully_replicated:
             return leaf
+        shards = sorted(leaf.addressable_shards, key=lambda shard: shard.device.id)
         return LocalShards(leaf.shape, leaf.sharding, tuple(
-            (shard.device, np.asarray(shard.data)) for shard in leaf.addressable_shards))
+            (shard.device, np.asarray(shard.data)) for shard in shards))
     return jax.device_get(jax.tree.map(one, tree))  # the whole leaves' copies started together
 
 
@@ -274,6 +282,67 @@ def from_host(tree):
         return jax.make_array_from_single_device_arrays(
             leaf.shape, leaf.sharding, [jax.device_put(data, device) for device, data in leaf.shards])
     return jax.tree.map(one, tree, is_leaf=lambda leaf: isinstance(leaf, LocalShards))
+
+
+def host_rows(leaf, start: int, stop: int):
+    """Rows start:stop of a `to_host` leaf's first axis, copied (numpy, or this process's
+    LocalShards of them: the prompt cache keeps a page of a read sequence), where every shard
+    holds that axis whole (KV pages are split by heads, never by page)."""
+    if not isinstance(leaf, LocalShards):
+        return leaf[start:stop].copy()
+    if any(data.shape[0] != leaf.shape[0] for _, data in leaf.shards):
+        raise ValueError(f"rows of a leaf of shape {leaf.shape} split along its first axis")
+    return LocalShards((stop - start,) + tuple(leaf.shape[1:]), leaf.sharding, tuple(
+        (device, data[start:stop].copy()) for device, data in leaf.shards))
+
+
+def stack_rows(leaves, length: int):
+    """`to_host` leaves of one process (all numpy, or all LocalShards on the same devices)
+    concatenated along their first axis and padded with zeros to `length` rows."""
+    def padded(parts) -> np.ndarray:
+        rows = np.concatenate(parts)
+        return np.concatenate([rows, np.zeros((length - len(rows),) + rows.shape[1:],
+                                              rows.dtype)])
+    first = leaves[0]
+    if not isinstance(first, LocalShards):
+        return padded(leaves)
+    return LocalShards((length,) + tuple(first.shape[1:]), first.sharding, tuple(
+        (device, padded([leaf.shards[i][1] for leaf in leaves]))
+        for i, (device, _) in enumerate(first.shards)))
+
+
+def host_shapes(tree):
+    """What `to_host` gives for a tree of jax.ShapeDtypeStruct with shardings (a leaf without one
+    is whole): a ShapeDtypeStruct where this process holds the leaf whole, else LocalShards of
+    ShapeDtypeStruct shards (the prompt cache's disk tier checks its files against it)."""
+    def one(spec):
+        where = spec.sharding
+        whole = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+        if where is None or where.is_fully_addressable or where.is_fully_replicated:
+            return whole
+        shard = jax.ShapeDtypeStruct(where.shard_shape(spec.shape), spec.dtype)
+        return LocalShards(tuple(spec.shape), where, tuple(
+            (device, shard) for device in sorted(where.addressable_devices, key=lambda d: d.id)))
+    return jax.tree.map(one, tree)
+
+
+def agree_min(values: np.ndarray, mesh) -> np.ndarray:
+    """The elementwise minimum of `values` (int32, one shape on every process) over the
+    processes of `mesh`: a collective, so every process calls it with its own values at the same
+    point of its work; in one process, `values` itself."""
+    values = np.asarray(values, np.int32)
+    if process_count(mesh) == 1:
+        return values
+    where = NamedSharding(mesh, PartitionSpec(MESH_AXES))
+    every = jax.make_array_from_single_device_arrays(
+        (mesh.devices.size,) + values.shape, where,
+        [jax.device_put(values[None], device) for device in mesh.local_devices])
+    return np.asarray(_minimum(every, mesh).addressable_data(0))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _minimum(every: jax.Array, mesh) -> jax.Array:
+    return jax.lax.with_sharding_constraint(every.min(axis=0), NamedSharding(mesh, PartitionSpec()))
 
 
 def over_tensor(fn, in_axes: tuple, out_axes: tuple, mesh=None):

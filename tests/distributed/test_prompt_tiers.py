@@ -1,19 +1,24 @@
-"""The prompt cache's host and disk tiers (kv/tiers.py) on a mesh that splits "tensor" in one
-process: GLM-4.5's GQA pages split by KV head over two CPU devices. A conversation's pages
-evicted from the device pool go to host memory whole (gathered from the shards); its second turn
-matches them there, written back with the pool's sharding, and prefills only its new tokens; the
-engine closed (host memory to disk), a new one over the folder matches them from disk. Greedy
-tokens equal those of the cache off. An engine of another split finds none of the files."""
+"""The prompt cache's host and disk tiers (kv/tiers.py) under tensor parallelism, GLM-4.5's GQA
+pages split by KV head. In one process over two CPU devices: a conversation's pages evicted from
+the device pool go to host memory whole (gathered from the shards); its second turn matches them
+there, written back with the pool's sharding, and prefills only its new tokens; the engine closed
+(host memory to disk), a new one over the folder matches them from disk. Over two processes on
+loopback: every process keeps its own shards of each page, in host memory and in a folder of its
+own, and a restore writes back as many pages as both hold (one process's corrupt file shortens
+it for both). Greedy tokens equal those of the cache off."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from tests.support.server_fixtures import REPO
+from tidejax.kv.pages import block_hashes
+from tests.support.server_fixtures import REPO, free_coordinator, start_peer, write_profile
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -113,3 +118,110 @@ def test_host_and_disk_tiers_on_a_split_mesh_serve_a_second_turn(tiny_checkpoint
     assert got["disk_cached"] == got["disk_matched"] == 40 and got["disk_prefilled"] == 8
     assert got["host"] == got["host_uncached"] and len(got["host"]) == 6
     assert got["disk"] == got["disk_uncached"] and len(got["disk"]) == 6
+
+
+PAIR = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import numpy as np
+    from tidejax import distributed
+    from tidejax.config import EngineConfig
+    from tidejax.runtime.engine import Engine
+    from tests.support.engine_probes import prefilled, serve
+
+    profile, phase, saved = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
+    engine = Engine(config, distributed.start(config))
+
+    def ids(seed, n):
+        return np.random.RandomState(seed).randint(3, 256, n).tolist()
+
+    # turn 1 of a conversation (37 tokens, 8 generated: 5 full pages written), then two
+    # 80-token prompts that evict its pages from the pool; returns turn 2 (48 tokens: 5 full
+    # pages before its last)
+    def turn_two(seed):
+        prompt = ids(seed, 37)
+        answer, _ = serve(engine, prompt, 8)
+        for other in (seed + 1, seed + 2):
+            serve(engine, ids(other, 80), 2)
+        return prompt + answer + [7, 8, 9]
+
+    def second_turn(prompt):  # cached: tokens, tokens cached, prefilled, matched per tier
+        tiers = lambda: engine.scheduler.cache_stats()["tiers"]
+        before = tiers()
+        (tokens, stats), count = prefilled(engine, lambda: serve(engine, prompt, 6))
+        engine.scheduler.caching = False  # the same prompt with the prompt cache off
+        uncached, off = serve(engine, prompt, 6)
+        engine.scheduler.caching = True
+        assert off["cached_tokens"] == 0
+        return {"same": tokens == uncached and len(tokens) == 6,
+                "cached": stats["cached_tokens"], "prefilled": count,
+                **{tier: tiers()[tier]["matched_tokens"] - before[tier]["matched_tokens"]
+                   for tier in ("device", "host", "disk")}}
+
+    out = {}
+    if phase == "host":
+        out["host"] = second_turn(turn_two(100))
+        later = {"kept": turn_two(200), "spoiled": turn_two(300)}  # to host memory, then disk
+        out["host_pages"] = len(engine.scheduler.tiers.host)
+        saved.write_text(json.dumps(later))
+    else:
+        later = json.loads(saved.read_text())
+        out["disk_pages"] = len(engine.scheduler.tiers.disk)
+        out["kept"], out["spoiled"] = second_turn(later["kept"]), second_turn(later["spoiled"])
+    engine.close()  # the peer stops too; both write their host tiers to disk
+    print(json.dumps(out))
+""")
+
+
+def _pair(tmp_path: Path, model: Path, phase: str) -> dict:
+    """Process 1 following, then PAIR as process 0 for `phase`; its report once both stopped."""
+    profile = write_profile(
+        tmp_path / f"{phase}.toml", model,
+        engine={"lanes": 1, "max_context": 96, "page_size": 8, "prefill_chunk": 16,
+                "kv_pool_tokens": 96},  # one sequence at max_context: 12 pages of 8 tokens
+        cache={"disk_dir": str(tmp_path / "tiers")},
+        distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120})
+    peer = start_peer(profile)
+    try:
+        run = subprocess.run([sys.executable, "-c", PAIR, str(profile), phase,
+                              str(tmp_path / "prompts.json")], capture_output=True, text=True,
+                             cwd=REPO, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_checkpoint, tmp_path):
+    """Two processes, GLM-4.5's two KV heads one on each. A second turn matches its 5 evicted
+    pages from host memory (40 tokens, 8 prefilled: both processes held their shards). Both
+    restarted over the folder (each wrote its host tier to a folder of its own at stop), a
+    second turn matches from disk (40 tokens, 8 prefilled); another, whose third page's file
+    process 1 finds corrupt (skipped and removed there, with a log line), restores 2 pages on
+    both (16 tokens, 32 prefilled) while process 0's file stays. Greedy tokens equal the cache
+    off's every time."""
+    model = tiny_checkpoint("glm4_moe", "qknorm_groups", seed=3)
+    host = _pair(tmp_path, model, "host")
+    assert host["host_pages"] >= 10
+    assert host["host"] == {"same": True, "cached": 40, "prefilled": 8, "device": 0, "host": 40,
+                            "disk": 0}
+    prompts = json.loads((tmp_path / "prompts.json").read_text())
+    folders = sorted((tmp_path / "tiers" / "prompt_cache").glob("*/process*"))
+    assert [folder.name for folder in folders] == ["process0", "process1"]
+    spoiled = block_hashes(prompts["spoiled"], 8)[2].hex() + ".page"
+    target = folders[1] / spoiled
+    raw = bytearray(target.read_bytes())
+    raw[-5] ^= 0xFF  # a byte of the payload
+    target.write_bytes(bytes(raw))
+
+    disk = _pair(tmp_path, model, "disk")
+    assert disk["disk_pages"] >= 10
+    assert disk["kept"] == {"same": True, "cached": 40, "prefilled": 8, "device": 0, "host": 0,
+                            "disk": 40}
+    assert disk["spoiled"] == {"same": True, "cached": 16, "prefilled": 32, "device": 0,
+                               "host": 0, "disk": 16}
+    peer_log = (tmp_path / "disk-peer.log").read_text()
+    assert re.search(rf"disk entry \S*{spoiled} is corrupt", peer_log), peer_log[-3000:]
+    assert not target.exists() and (folders[0] / spoiled).exists()

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,8 +28,8 @@ from tidejax import distributed, parallel
 from tidejax.config import EngineConfig, parse_set
 from tidejax.contract import interleave_gate_up
 from tidejax.errors import ConfigError
-from tests.support.server_fixtures import (REPO, free_port, launch_server, server_log, stop_server,
-                                           write_profile)
+from tests.support.server_fixtures import (REPO, free_coordinator, free_port, launch_server,
+                                           server_log, start_peer, stop_server, write_profile)
 
 DEMO = REPO / "models" / "demo"
 ENGINE = {"lanes": 2, "max_context": 32, "page_size": 32, "prefill_chunk": 16}
@@ -157,34 +156,10 @@ def test_a_four_device_mesh_splits_by_the_table_and_serves_as_one_device(four_de
         "(dimension 1), of 1: not a multiple of 4")
 
 
-def _coordinator() -> str:
-    """A loopback host:port whose next port (the channel's) is free too."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return f"127.0.0.1:{port}"
-    raise RuntimeError("no two free neighbouring ports")
-
-
-def _peer(profile, *sets: str) -> subprocess.Popen:
-    """Process 1 of the profile's pair, `sets` on top; its log beside the profile."""
-    args = [a for s in sets for a in ("--set", s)]
-    log = open(profile.with_name(profile.stem + "-peer.log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "tidejax.server", "--profile", str(profile),
-                             "--set", "distributed.process_id=1", *args], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-
 @contextlib.contextmanager
 def _serving_pair(profile):
     """Process 1, then process 0 serving HTTP (its URL); SIGTERM on process 0 stops both."""
-    peer = _peer(profile)
+    peer = start_peer(profile)
     try:
         proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
         try:
@@ -199,7 +174,7 @@ def _serving_pair(profile):
 def _pair_profile(path, model_dir=DEMO, timeout_s: int = 120, engine=ENGINE, heartbeat_s=10,
                   **tables):
     return write_profile(path, model_dir, engine=engine, distributed={
-        "num_processes": 2, "coordinator": _coordinator(), "timeout_s": timeout_s,
+        "num_processes": 2, "coordinator": free_coordinator(), "timeout_s": timeout_s,
         "heartbeat_s": heartbeat_s}, **tables)
 
 
@@ -217,7 +192,7 @@ def test_a_peer_that_is_gone_stops_the_pair_cleanly(tmp_path):
     error at once; process 0 is still up after jax's heartbeat timeout has passed (it used to
     abort there, SIGABRT) and SIGTERM stops it with exit code 0."""
     profile = _pair_profile(tmp_path / "gone.toml", heartbeat_s=2)
-    peer = _peer(profile)
+    peer = start_peer(profile)
     try:
         proc, url = launch_server(profile, "--set", "distributed.process_id=0", timeout=480)
         try:
@@ -279,8 +254,7 @@ def test_two_processes_preempt_and_resume_kv_pages_split_by_heads(tmp_path):
     """GLM-4.5's GQA pages split by KV head over the two processes, and a pool of 4 pages for
     two sequences that grow to 3 each: the newest is preempted (each process keeps its own
     shards of its pages) and resumes. The openai client's greedy texts are those of one process
-    with room for both. The prompt cache's host and disk tiers are off across processes, said
-    at start naming their fields."""
+    with room for both."""
     import openai
     model = tmp_path / "glm"
     subprocess.run([sys.executable, "-m", "tools.make_synthetic", str(model),
@@ -296,7 +270,6 @@ def test_two_processes_preempt_and_resume_kv_pages_split_by_heads(tmp_path):
                 GLM_PROMPTS))
     log = server_log(profile)
     assert re.search(r"request \d+ preempted", log) and re.search(r"request \d+ resumed", log)
-    assert "cache.host_gib and cache.disk_gib are off on a mesh over 2 processes" in log
     assert texts == one
 
 

@@ -2,7 +2,8 @@
 conversation's pages on the device spills them to host memory, a next turn matches them there
 and prefills only its new tokens; a new engine over the same folder matches them on disk; a
 corrupt disk entry is skipped, never served. Greedy tokens equal those of full forwards (no
-cache at all) and of the same engine with the cache off."""
+cache at all) and of the same engine with the cache off. A disk entry of one process's shards of
+a page goes to file and back as such."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import tidejax
+from tidejax import parallel
 from tidejax.kv.pages import block_hashes
 from tidejax.kv.tiers import DiskTier, Spilled
 from tidejax.runtime.api import EngineStats
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.server.metrics import Metrics
 from tests.support.engine_probes import prefilled, serve
 
@@ -93,6 +97,22 @@ def test_a_second_turn_matches_from_host_memory(engine):
         scheduler.caching = True
     assert stats["cached_tokens"] == 0
     assert got == again == uncached == greedy(engine, second, 6)
+
+
+def test_a_penalized_turn_from_host_memory_sees_its_cached_prompt_tokens(engine):
+    """A second turn restored from host memory under a repetition penalty (over the prompt's
+    tokens too, the cached ones no step runs among them): the sampled tokens of the cache off."""
+    second = converse(engine, 400)
+    sampled = SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.5)
+    host = matched(engine, "host")
+    got, stats = serve(engine, second, 6, sampled)
+    assert stats["cached_tokens"] == 40 and matched(engine, "host") - host == 40
+    engine.scheduler.caching = False
+    try:
+        uncached, _ = serve(engine, second, 6, sampled)
+    finally:
+        engine.scheduler.caching = True
+    assert got == uncached
 
 
 def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir, disk_dir,
@@ -192,3 +212,25 @@ def test_the_disk_tier_keeps_its_budget_and_finds_its_files_again(tmp_path, capl
     assert len(again) == 3 and digests[4] in again and digests[1] not in again
     assert np.array_equal(again.read(digests[4]).pages["k"], entry(4).pages["k"])
     again.close()
+
+
+def test_the_disk_tier_keeps_a_process_s_shards_of_a_page(tmp_path):
+    """An entry whose leaf is this process's shards of a page split over processes (LocalShards:
+    its KV heads here, a peer's elsewhere) goes to file as its shards' bytes and comes back as
+    LocalShards on the same device; a tier that expects the page whole (another layout) refuses
+    the file."""
+    device = jax.devices()[0]
+    where = NamedSharding(parallel.make_mesh(), PartitionSpec(None, None, "tensor"))
+    data = np.arange(16, dtype=np.float32).reshape(1, 8, 2).astype(jnp.bfloat16)
+    template = Spilled({"k": parallel.LocalShards(
+        (1, 8, 4), where, ((device, jax.ShapeDtypeStruct((1, 8, 2), jnp.bfloat16)),))})
+    disk = DiskTier(tmp_path, 1 << 20, template)
+    digest = b"\1" * 16
+    disk.put(digest, Spilled({"k": parallel.LocalShards((1, 8, 4), where, ((device, data),))}))
+    disk.close()
+    back = DiskTier(tmp_path, 1 << 20, template).read(digest).pages["k"]
+    assert isinstance(back, parallel.LocalShards) and back.shape == (1, 8, 4)
+    assert back.shards[0][0] == device and np.array_equal(back.shards[0][1], data)
+    whole = DiskTier(tmp_path, 1 << 20, Spilled({"k": jax.ShapeDtypeStruct((1, 8, 4),
+                                                                           jnp.bfloat16)}))
+    assert whole.read(digest) is None and digest not in whole

@@ -140,6 +140,30 @@ def write_profile(path: Path, model_dir: Path, **tables) -> Path:
     return path
 
 
+def free_coordinator() -> str:
+    """A loopback host:port whose next port (the channel's) is free too."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError("no two free neighbouring ports")
+
+
+def start_peer(profile: Path, *sets: str) -> subprocess.Popen:
+    """Process 1 of the profile's pair, `sets` on top; its log beside the profile."""
+    args = [a for s in sets for a in ("--set", s)]
+    log = open(profile.with_name(profile.stem + "-peer.log"), "w")
+    return subprocess.Popen([sys.executable, "-m", "tidejax.server", "--profile", str(profile),
+                             "--set", "distributed.process_id=1", *args], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
 def launch_server(profile: Path, *extra_args: str, timeout: float = 180.0,
                   env: dict | None = None, warmup: bool = False) -> tuple[subprocess.Popen, str]:
     """Starts `python -m tidejax.server --profile PROFILE` on a free port, its log appended to

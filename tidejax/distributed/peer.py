@@ -2,8 +2,11 @@
 
 It loads the same model as process 0, then carries out the messages process 0's Runner sends
 (tidejax.runtime.runner): ("boot", slot_rows), then ("plan", StepPlan) for every plan, in order,
-until ("stop",); ("ping",) between them only tells process 0 the connection holds. It decides nothing: admission, chunks, sampling keys and residency are process
-0's, and the peer's results (tokens, counters) are the same replicated values process 0 reads.
+until ("stop",); ("ping",) between them only tells process 0 the connection holds. It decides
+nothing: admission, chunks, sampling keys and residency are process 0's, and the peer's results
+(tokens, counters) are the same replicated values process 0 reads. Its prompt cache tiers are
+its own (its shards of each page); at stop its host tier goes to its disk tier, as process 0's
+does at close.
 """
 
 from __future__ import annotations
@@ -31,5 +34,9 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
+    try:  # its prompt cache's host tier to its disk tier, as process 0's at close
+        runner.close_tiers()
+    except Exception:
+        log.exception("could not write the prompt cache's host tier to disk at stop")
     channel.close()  # out of jax.distributed first (Follower.close)
     log.info("process %d: process 0 stopped", config.distributed.process_id)

@@ -10,6 +10,10 @@ on every read (a file that fails it is removed and skipped, one log line), least
 out within `cache.disk_gib`, and finds its files again at start (the file's name is the hash).
 A match takes an entry out of the host tier (it goes back into the device pool); a disk file
 stays. Raw bytes, not orbax-checkpoint: faster on a page (docs/DESIGN.md has the figures).
+
+On a mesh over several processes every process keeps tiers of its own (runtime/runner.py): an
+entry's leaves split over the processes are this process's shards (parallel.LocalShards), and
+its files are its own, in a folder of its process index.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.parallel import LocalShards
+
 log = logging.getLogger("tidejax")
 
 _MAGIC = b"TJXPAGE1"
@@ -38,8 +44,9 @@ _SUFFIX = ".page"
 
 @dataclasses.dataclass
 class Spilled:
-    """An evicted page: its pool rows (the pool's tree, numpy leaves [1, page_size, ...]) and the
-    lane snapshot at its end (a steps.SavedSequence of numpy leaves) or None."""
+    """An evicted page: its pool rows (the pool's tree, leaves [1, page_size, ...]) and the lane
+    snapshot at its end (a steps.SavedSequence) or None; the leaves numpy, or this process's
+    parallel.LocalShards of a leaf split over processes."""
 
     pages: object
     snapshot: object | None = None
@@ -90,9 +97,9 @@ class HostTier:
 
 
 class DiskTier:
-    """Entries in files under `folder` within `budget` bytes. `template`: a Spilled of
-    jax.ShapeDtypeStruct leaves with a snapshot (None where the family has none): the shapes a
-    file must have."""
+    """Entries in files under `folder` within `budget` bytes. `template`: a Spilled with a
+    snapshot (None where the family has none) of jax.ShapeDtypeStruct leaves, or LocalShards of
+    them (parallel.host_shapes): the shapes a file must have."""
 
     def __init__(self, folder: Path, budget: int, template: Spilled):
         self.folder, self.budget, self.evictions = Path(folder), budget, 0
@@ -200,8 +207,9 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, digest: bytes, entry: Spilled) -> None:
-        leaves = [np.ascontiguousarray(leaf) for leaf in jax.tree.leaves((entry.pages,
-                                                                          entry.snapshot))]
+        leaves = [np.ascontiguousarray(array) for leaf in jax.tree.leaves((entry.pages,
+                                                                           entry.snapshot))
+                  for array in _arrays(leaf)]
         payload = b"".join(leaf.tobytes() for leaf in leaves)
         header = json.dumps({"snapshot": entry.snapshot is not None,
                              "leaves": [[leaf.dtype.name, list(leaf.shape)] for leaf in leaves],
@@ -239,20 +247,30 @@ class DiskTier:
         pages, a truncated write) raises ValueError."""
         template = self._template if header["snapshot"] else Spilled(self._template.pages)
         specs, treedef = jax.tree.flatten((template.pages, template.snapshot))
-        want = [[jnp.dtype(spec.dtype).name, list(spec.shape)] for spec in specs]
+        want = [[jnp.dtype(array.dtype).name, list(array.shape)] for spec in specs
+                for array in _arrays(spec)]
         if header["leaves"] != want:
             raise ValueError("shapes unlike this model's pages")
-        leaves, at = [], 0
-        for spec in specs:
-            dtype = jnp.dtype(spec.dtype)
-            size = int(np.prod(spec.shape)) * dtype.itemsize
-            leaves.append(np.frombuffer(payload, dtype, size // dtype.itemsize, at)
-                          .reshape(spec.shape))
+        arrays, at = [], 0
+        for array in (array for spec in specs for array in _arrays(spec)):
+            dtype = jnp.dtype(array.dtype)
+            size = int(np.prod(array.shape)) * dtype.itemsize
+            arrays.append(np.frombuffer(payload, dtype, size // dtype.itemsize, at)
+                          .reshape(array.shape))
             at += size
         if at != len(payload):
             raise ValueError("payload length unlike the shapes")
+        read = iter(arrays)
+        leaves = [LocalShards(spec.shape, spec.sharding, tuple(
+            (device, next(read)) for device, _ in spec.shards))
+            if isinstance(spec, LocalShards) else next(read) for spec in specs]
         pages, snapshot = jax.tree.unflatten(treedef, leaves)
         return Spilled(pages, snapshot)
+
+
+def _arrays(leaf) -> list:
+    """The arrays a file holds of a leaf: the leaf, or each of this process's shards of it."""
+    return [data for _, data in leaf.shards] if isinstance(leaf, LocalShards) else [leaf]
 
 
 def _read_header(f) -> dict:
@@ -294,13 +312,21 @@ class Tiers:
             held.pop()
         return [digest for digest, _ in held]
 
-    def load(self, digest: bytes) -> tuple[str, Spilled] | None:
-        """(tier, entry) for a digest `run` gave: taken out of the host tier, read from disk (the
-        file stays); None where the disk entry failed its check."""
-        if digest in self.host:
-            return "host", self.host.take(digest)
-        entry = self.disk.read(digest) if self.disk is not None else None
-        return ("disk", entry) if entry is not None else None
+    def load(self, digests: list[bytes]) -> list[tuple[bytes, str, Spilled]]:
+        """(digest, tier, entry) of `digests` from the first, up to the first the tiers do not
+        hold or whose disk file fails its check: taken out of the host tier, read from disk (the
+        file stays)."""
+        out = []
+        for digest in digests:
+            if digest in self.host:
+                out.append((digest, "host", self.host.take(digest)))
+                continue
+            entry = (self.disk.read(digest) if self.disk is not None and digest in self.disk
+                     else None)
+            if entry is None:
+                break
+            out.append((digest, "disk", entry))
+        return out
 
     def evictions(self) -> dict[str, int]:
         return {"host": self.host.evictions, "disk": self.disk.evictions if self.disk else 0}
@@ -315,14 +341,16 @@ class Tiers:
         self.disk.close()
 
 
-def model_key(model_dir: Path, page_size: int, template: Spilled, tensor: int) -> str:
+def model_key(model_dir: Path, page_size: int, template: Spilled, tensor: int,
+              processes: int) -> str:
     """A folder name for one model's disk entries: block hashes cover token ids alone, so pages
     of another checkpoint, page size or dtype must never match (its config.json, its files'
-    names, sizes and times, the page's leaves), nor those of another `tensor` split (pages are
-    kept whole, but their values are summed over another number of shards: a page from another
-    layout would not give the tokens this one computes)."""
+    names, sizes and times, the page's leaves: `template`'s jax.ShapeDtypeStruct), nor those of
+    another `tensor` split (its values are summed over another number of shards: a page from
+    another layout would not give the tokens this one computes) or over another number of
+    `processes` (an entry holds one process's shards)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(f"tensor {tensor};".encode())
+    h.update(f"tensor {tensor} over {processes} processes;".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.iterdir()):
         if path.is_file():

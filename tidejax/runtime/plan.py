@@ -6,13 +6,14 @@ The runner does its parts in this order:
 
     reads     sequences saved to host memory (preemption): each `SequenceCopy`'s pages of the
               pool, its lane's rows and token counts, kept by the runner under `copy`
-    forget    copies dropped (a preempted request cancelled)
+    spills    pages the pool evicted, read by `reads`, put in the prompt cache's host tier
+              page by page under their block hashes (`PageSpill`), each runner its own
+    forget    copies dropped (a preempted request cancelled; a spill's read and snapshots)
     lanes     {lane: SamplingParams}: each lane's sampling row set and its token counts cleared
               (admission; greedy again when a lane frees), but for `seen` {lane: token ids}:
               the prompt tokens of a cached prefix, marked seen (no step of the lane runs them)
-    loads     copies handed over in the plan (numpy: a prompt-cache page's lane snapshot back
-              from host memory or disk), kept by the runner under their numbers
-    restores  prompt-cache pages back from host memory or disk written into the pool
+    restores  prompt-cache pages back from host memory or disk written into the pool, as many
+              as every process holds (`PageRestore`; the StepResult says how many)
     writes    copies put back at new pages and a lane (resumption), then dropped; a write
               that `keep`s its copy (a prompt-cache snapshot of a lane, written at each match)
               leaves it until a `forget`
@@ -31,7 +32,7 @@ import dataclasses
 
 from tidejax.residency.swap import SwapBatch
 from tidejax.runtime.sampling import SamplingParams
-from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
+from tidejax.runtime.steps import DecodeRows, PrefillChunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,20 +48,37 @@ class SequenceCopy:
 
 
 @dataclasses.dataclass(frozen=True)
+class PageSpill:
+    """The pages a read (`copy`, of this plan's reads) holds, in its order: the block hash of
+    each and the number of the lane snapshot kept with it (a copy the runners hold; None:
+    none), which goes with it."""
+
+    copy: int
+    digests: tuple[bytes, ...]
+    snapshots: tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class PageRestore:
-    """Pool rows [n, page_size, ...] (numpy, the pool's tree) for `pages` of the pool."""
+    """Prompt-cache entries (`digests`: block hashes) for `pages` of the pool: the longest run
+    from the first that every process holds (Runner._restore: an entry missing or corrupt on
+    one process shortens it for all); `snapshot`: the number the runners keep the last restored
+    entry's lane snapshot under (None: no lane snapshots, the run not cut back to one). The
+    warm-up's restore names a kept `copy` instead, whose pages go back as they are."""
 
     pages: tuple[int, ...]
-    rows: object
+    digests: tuple[bytes, ...] = ()
+    snapshot: int | None = None
+    copy: int | None = None
 
 
 @dataclasses.dataclass
 class StepPlan:
     reads: list[SequenceCopy] = dataclasses.field(default_factory=list)
+    spills: list[PageSpill] = dataclasses.field(default_factory=list)
     forget: list[int] = dataclasses.field(default_factory=list)
     lanes: dict[int, SamplingParams] = dataclasses.field(default_factory=dict)
     seen: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    loads: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)
     restores: list[PageRestore] = dataclasses.field(default_factory=list)
     writes: list[SequenceCopy] = dataclasses.field(default_factory=list)
     experts: list[SwapBatch] = dataclasses.field(default_factory=list)
@@ -91,7 +109,7 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         """Whether there is nothing to do."""
-        return not (self.reads or self.forget or self.lanes or self.loads or self.restores
+        return not (self.reads or self.spills or self.forget or self.lanes or self.restores
                     or self.writes or self.experts
                     or self.steps or self.score is not None or self.warmup is not None)
 

@@ -15,7 +15,10 @@ own history gave another), then ("plan", StepPlan) per plan, and ("stop",) last.
 on process 0 alone: the swap batches are in the plans, and the batches it applies between steps
 are sent as plans of their own as they apply (`Residency.on_apply`). A preempted sequence is
 saved by every process, each its own copy (parallel.to_host: a process holds its shards of KV
-pages split by heads) under the plan's number, so no pages cross the channel.
+pages split by heads) under the plan's number, so no pages cross the channel. So is the prompt
+cache's host and disk tiers (kv/tiers.py): every runner keeps its own (`open_tiers`: on disk in a
+folder of its process index), a spill puts each process's shards of a page under its block hash,
+and a restore writes back as many pages as every process holds (`_restore` agrees the count).
 
 While the scheduler's thread runs (`owner`), a call from another thread raises: it goes through
 `Scheduler.call`, which runs it on that thread between two iterations.
@@ -29,18 +32,21 @@ import functools
 import logging
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from tidejax import parallel
+from tidejax.kv.tiers import DiskTier, Spilled, Tiers, model_key
 from tidejax.residency.swap import Tallies, apply_now
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.plan import SequenceCopy, StepPlan
+from tidejax.runtime.plan import PageRestore, PageSpill, SequenceCopy, StepPlan
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
 from tidejax.runtime.steps import SavedSequence, VerifyInputs
 
 log = logging.getLogger("tidejax.warmup")  # the warm-up's timing (bench.roofline prints it)
+tiers_log = logging.getLogger("tidejax")
 
 
 @dataclasses.dataclass
@@ -54,6 +60,8 @@ class StepResult:
     # a verify step's drafts kept per lane [lanes] (its Sampled is [lanes, k + 1]); else None
     accepted: jax.Array | None = None
     saved: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)  # copy -> read
+    # the tier ("host", "disk") each prompt-cache page its restores wrote back came from, here
+    restored: list[str] = dataclasses.field(default_factory=list)
 
     def tokens(self) -> np.ndarray:
         """The step's tokens [lanes] ([lanes, k + 1] of a verify step; waits for the step)."""
@@ -86,6 +94,7 @@ class Runner:
         self.model = model
         with model.scope():
             self.state = model.initial_state()  # the one DecodeState, donated into every step
+            self.tiers = open_tiers(model, self.state)  # the prompt cache's host and disk tiers
         self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
         self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
         self._steps = 0  # mixed steps run
@@ -107,15 +116,14 @@ class Runner:
         result = StepResult()
         for read in plan.reads:
             result.saved[read.copy] = self.copies[read.copy] = self._read(read)
+        for spill in plan.spills:
+            self._spill(spill)
         for copy in plan.forget:
             self.copies.pop(copy, None)
         for lane, params in plan.lanes.items():
             self._set_lane(lane, params, plan.seen.get(lane, ()))
-        self.copies.update(plan.loads)
         for restore in plan.restores:
-            pool = self.model.steps.write_pages(self.state.cache.pages, np.asarray(
-                restore.pages, np.int32), restore.rows)
-            self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
+            result.restored += self._restore(restore)
         for write in plan.writes:
             if write.copy not in self.copies:
                 raise ValueError(f"no saved copy {write.copy} to write back (each goes back "
@@ -172,6 +180,52 @@ class Runner:
             self.state.cache, self.state.sampling, np.asarray(write.pages, np.int32),
             np.int32(write.lane), parallel.from_host(saved))
         self.state = self.state.replace(cache=cache, sampling=sampling)
+
+    def _spill(self, spill: PageSpill) -> None:
+        """Each page of a read into the host tier under its block hash (this process's shards of
+        it), with the lane snapshot kept with it."""
+        if self.tiers is None:  # this process's tiers did not open (its log says why)
+            return
+        pages = self.copies[spill.copy].cache.pages
+        for i, (digest, snapshot) in enumerate(zip(spill.digests, spill.snapshots, strict=True)):
+            rows = jax.tree.map(lambda leaf: parallel.host_rows(leaf, i, i + 1), pages)
+            self.tiers.spill(digest, Spilled(rows, self.copies.get(snapshot)))
+
+    def _restore(self, restore: PageRestore) -> list[str]:
+        """Writes prompt-cache pages back into the pool; the tier each came from. Every process
+        loads its own entries, then they agree (parallel.agree_min) on the run every one of them
+        holds, cut back to its last entry with a lane snapshot where one is asked for; entries
+        loaded past it go back to host memory."""
+        if restore.copy is not None:  # the warm-up's: a kept copy's pages as they are
+            self._write_pages(restore.pages, [self.copies[restore.copy].cache.pages])
+            return []
+        loaded = self.tiers.load(list(restore.digests)) if self.tiers is not None else []
+        held = np.zeros((2, self.model.max_pages), np.int32)  # [held, has a snapshot]
+        held[0, :len(loaded)] = 1
+        held[1, :len(loaded)] = [entry.snapshot is not None for _, _, entry in loaded]
+        every, snapshots = parallel.agree_min(held, self.model.mesh)
+        n = int(np.cumprod(every).sum())
+        while restore.snapshot is not None and n and not snapshots[n - 1]:
+            n -= 1
+        for digest, _, entry in loaded[n:]:  # kept, not served
+            self.tiers.spill(digest, entry)
+        if n:
+            self._write_pages(restore.pages[:n], [entry.pages for _, _, entry in loaded[:n]])
+            if restore.snapshot is not None:
+                self.copies[restore.snapshot] = loaded[n - 1][2].snapshot
+        return [tier for _, tier, _ in loaded[:n]]
+
+    def _write_pages(self, pages: tuple[int, ...], rows: list) -> None:
+        pool = self.model.steps.write_pages(self.state.cache.pages, np.asarray(pages, np.int32),
+                                            rows)
+        self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
+
+    def close_tiers(self) -> None:
+        """The host tier's pages written to the disk tier and its writes waited for (Engine.close;
+        a peer at stop): a restart over the same folder matches them. The tiers are off after."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     def _set_lane(self, lane: int, params: SamplingParams, seen) -> None:
         """A lane's sampling row, its token counts cleared but for the token ids `seen` (a
@@ -309,3 +363,37 @@ class Runner:
         """The state is touched only by its owner: the scheduler thread while it runs."""
         if self.owner is not None and threading.current_thread() is not self.owner:
             raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
+
+
+def open_tiers(model: LoadedModel, state) -> Tiers | None:
+    """The prompt cache's host and disk tiers behind the device pool ([cache] host_gib, disk_gib,
+    disk_dir or else residency.state_dir), each said in the log; none without prompt caching.
+    Each process keeps its own: a spilled page is what `parallel.to_host` reads of it (whole in
+    one process, its rows gathered from a split mesh's shards; across processes this one's
+    shards), and the disk tier's folder is named by the model, the split and the number of
+    processes (model_key), then this process's index."""
+    config = model.config
+    section = config.cache
+    if not model.prefix_caching or (section.host_gib == 0 and section.disk_gib == 0):
+        return None
+    shapes = model.steps.copy_shapes(state)
+    template = Spilled(shapes.cache.pages, shapes if model.lane_snapshots else None)
+    folder, disk = section.disk_dir or config.residency.state_dir, None
+    if section.disk_gib > 0 and folder:
+        key = model_key(model.model_dir, model.page_size, template,
+                        parallel.tensor_size(model.mesh), parallel.process_count(model.mesh))
+        folder = Path(folder) / "prompt_cache" / key / f"process{jax.process_index()}"
+        try:
+            disk = DiskTier(folder, int(section.disk_gib * 2**30), Spilled(
+                *(parallel.host_shapes(part) for part in (template.pages, template.snapshot))))
+        except OSError as e:  # as residency's saves: serving goes on without it
+            tiers_log.warning("prompt cache: the disk tier's folder %s cannot be used (%s): no "
+                              "disk tier", folder, e)
+    elif section.disk_gib > 0:
+        tiers_log.info("cache.disk_gib = %g: neither cache.disk_dir nor residency.state_dir is "
+                       "set, so the prompt cache has no disk tier", section.disk_gib)
+    if section.host_gib == 0 and disk is None:
+        return None
+    tiers_log.info("prompt cache tiers: %g GiB in host memory%s", section.host_gib,
+                   f", {section.disk_gib:g} GiB under {folder}" if disk is not None else "")
+    return Tiers(int(section.host_gib * 2**30), disk)

@@ -60,18 +60,15 @@ import logging
 import secrets
 import threading
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
-from tidejax import parallel
 from tidejax.errors import EngineError, RequestError
 from tidejax.kv.pages import PageTable, block_hashes
-from tidejax.kv.tiers import DiskTier, Spilled, Tiers, model_key
 from tidejax.runtime.api import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.build import LoadedModel
-from tidejax.runtime.plan import PageRestore, SequenceCopy, StepPlan
+from tidejax.runtime.plan import PageRestore, PageSpill, SequenceCopy, StepPlan
 from tidejax.runtime.runner import Runner, StepResult
 from tidejax.runtime.sampling import Sampled, SamplingParams
 from tidejax.runtime.steps import DecodeRows, PrefillChunk, SavedSequence
@@ -165,12 +162,7 @@ class Scheduler:
         self.caching = model.prefix_caching  # prompts share cached pages (kv/pages.py)
         # a match restores its lane's rows from a snapshot (model.lane_snapshots)
         self.snapshots = model.lane_snapshots
-        self.tiers = self._tiers()  # the host and disk tiers (kv/tiers.py) or None
-        self.pages.spilling = self.tiers is not None
-        self._snapshot_data: dict[int, SavedSequence] = {}  # snapshots read, for the tiers
-        self._snapshot_reads: set[int] = set()  # snapshots planned for a read, not read yet
-        # a read of evicted pages -> (block hash, snapshot read or None) of each of its pages
-        self._spills: dict[int, list[tuple[bytes, SavedSequence | None]]] = {}
+        self.pages.spilling = self.tiers is not None  # evicted pages go to the tiers
         self._admissions = itertools.count(1)
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
@@ -246,51 +238,17 @@ class Scheduler:
                                       "evictions": evictions}
         return out
 
-    def _tiers(self) -> Tiers | None:
-        """The host and disk tiers behind the device pool ([cache] host_gib, disk_gib, disk_dir
-        or else residency.state_dir), each said in the log; none without prompt caching, and
-        none on a mesh over several processes (each would have to keep its own shards of every
-        page, in step with process 0's decisions). On a mesh that splits "tensor" in one process
-        a spilled page is read whole (its rows gathered from the shards: parallel.to_host) and
-        written back with the pool's sharding."""
-        config = self.model.config
-        section = config.cache
-        if not self.caching or (section.host_gib == 0 and section.disk_gib == 0):
-            return None
-        processes = parallel.process_count(self.model.mesh)
-        if processes > 1:
-            log.warning("%s: cache.host_gib and cache.disk_gib are off on a mesh over %d "
-                        "processes (distributed.num_processes): each process would have to keep "
-                        "its own shards of every spilled page; the prompt cache keeps the device "
-                        "tier alone", config.source_of("cache.host_gib"), processes)
-            return None
-        shapes = self.model.steps.copy_shapes(self.runner.state)
-        template = Spilled(shapes.cache.pages, shapes if self.snapshots else None)
-        folder, disk = section.disk_dir or config.residency.state_dir, None
-        if section.disk_gib > 0 and folder:
-            folder = Path(folder) / "prompt_cache" / model_key(
-                self.model.model_dir, self.model.page_size, template,
-                parallel.tensor_size(self.model.mesh))
-            try:
-                disk = DiskTier(folder, int(section.disk_gib * 2**30), template)
-            except OSError as e:  # as residency's saves: serving goes on without it
-                log.warning("prompt cache: the disk tier's folder %s cannot be used (%s): no "
-                            "disk tier", folder, e)
-        elif section.disk_gib > 0:
-            log.info("cache.disk_gib = %g: neither cache.disk_dir nor residency.state_dir is set, "
-                     "so the prompt cache has no disk tier", section.disk_gib)
-        if section.host_gib == 0 and disk is None:
-            return None
-        log.info("prompt cache tiers: %g GiB in host memory%s", section.host_gib,
-                 f", {section.disk_gib:g} GiB under {folder}" if disk is not None else "")
-        return Tiers(int(section.host_gib * 2**30), disk)
+    @property
+    def tiers(self):
+        """The prompt cache's host and disk tiers (kv/tiers.py; process 0's: each runner keeps
+        its own) or None."""
+        return self.runner.tiers
 
     def close_tiers(self) -> None:
         """The host tier's pages written to the disk tier and its writes waited for (Engine.close):
-        a restart over the same folder matches them."""
-        if self.tiers is not None:
-            self.tiers.close()
-            self.tiers, self.pages.spilling = None, False
+        a restart over the same folder matches them (each peer's at stop)."""
+        self.runner.close_tiers()
+        self.pages.spilling = False
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -471,14 +429,16 @@ class Scheduler:
             lane = self.lane_of.index(None)
             self.lane_of[lane] = handle
             handle.admitted_at = next(self._admissions)
-            self._plan.lanes[lane] = handle.request.sampling
             self.has_drafts[lane] = False
             if handle.saved is not None:
+                self._plan.lanes[lane] = handle.request.sampling
                 self._resume(lane, handle)
                 continue
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
-            restored = self._restore(handle, lane, len(shared))
+            restored = self._restore(handle, lane, len(shared))  # may run the plan so far
+            # its sampling row in the plan that marks the cached prompt tokens seen (`seen`)
+            self._plan.lanes[lane] = handle.request.sampling
             handle.prefilled = handle.cached = (len(shared) + restored) * self.pages.page_size
             if handle.cached:
                 self._plan.seen[lane] = handle.request.prompt_ids[:handle.cached]
@@ -509,38 +469,29 @@ class Scheduler:
 
     def _restore(self, handle: RequestHandle, lane: int, start: int) -> int:
         """Matches a new request's prompt on past its `start` device pages in the host and disk
-        tiers; plans those pages written into its next pages (with lane snapshots, the last
-        one's snapshot into its lane) and indexes them on the device again; how many."""
+        tiers: the plan so far runs with a restore of the run process 0's tiers hold into the
+        request's next pages, of which the runners write back as many as every process holds
+        (Runner._restore); those are indexed on the device again (with lane snapshots, the last
+        one's snapshot is written into its lane). How many."""
         if self.tiers is None or not self.caching:
             return 0
         size = self.pages.page_size
         limit = (len(handle.request.prompt_ids) - 1) // size  # as _match: its last token runs
-        entries = []  # (block hash, tier, Spilled)
-        for digest in self.tiers.run(handle.hashes[start:limit], self.snapshots):
-            found = self.tiers.load(digest)
-            if found is None:  # a disk entry that failed its check (logged)
-                break
-            entries.append((digest, *found))
-        while self.snapshots and entries and entries[-1][2].snapshot is None:
-            digest, _, entry = entries.pop()  # past the last snapshot: kept, not served
-            self.tiers.spill(digest, entry)
-        if not entries:
+        digests = self.tiers.run(handle.hashes[start:limit], self.snapshots)
+        if not digests:
             return 0
-        pages = self.pages.pages_of(handle.id)[start:start + len(entries)]
-        rows = jax.tree.map(lambda *x: np.concatenate(x), *[e.pages for _, _, e in entries])
-        self._plan.restores.append(PageRestore(tuple(pages), rows))
-        self.pages.publish(handle.id, handle.hashes[:start + len(entries)])
-        if self.snapshots:  # the lane's rows as they were at the last page's end
-            digest, _, entry = entries[-1]
-            copy = next(self._copies)
-            self._plan.loads[copy] = entry.snapshot
-            keep = self.pages.attach(digest, copy)  # kept with the page for later matches
-            if keep:
-                self._snapshot_data[copy] = entry.snapshot
+        pages = self.pages.pages_of(handle.id)[start:start + len(digests)]
+        copy = next(self._copies) if self.snapshots else None
+        self._plan.restores.append(PageRestore(tuple(pages), tuple(digests), copy))
+        restored = self.runner.run(self._take()).restored
+        n = len(restored)
+        self.pages.publish(handle.id, handle.hashes[:start + n])
+        if n and self.snapshots:  # the lane's rows as they were at the last page's end
+            keep = self.pages.attach(handle.hashes[start + n - 1], copy)  # for later matches
             self._plan.writes.append(SequenceCopy(copy, (), lane, keep=keep))
-        for _, tier, _ in entries:
+        for tier in restored:
             self.totals[f"cached_{tier}"] += size
-        return len(entries)
+        return n
 
     def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
         """Whether the queue's head can take a lane now: one prompt prefills at a time, and the
@@ -583,7 +534,7 @@ class Scheduler:
         chunk = self._next_chunk()
         if not active.any() and chunk is None:
             if not self._plan.empty:  # saves, restores or lane resets without a step
-                self._run(self._take())
+                self.runner.run(self._take())
             return None
         # a lane continues from its token in flight; one admitted or resumed since takes its
         # host token. Every step carries all lanes (none active while a lone prompt prefills):
@@ -665,8 +616,6 @@ class Scheduler:
         copy = next(self._copies)
         if self.pages.attach(handle.hashes[handle.prefilled // size - 1], copy):
             self._plan.reads.append(SequenceCopy(copy, (), lane))
-            if self.tiers is not None:  # its data goes with the page when it is evicted
-                self._snapshot_reads.add(copy)
 
     def _deliver(self, step: _Step) -> None:
         """Reads a step's tokens (waiting for the device) and emits them to the requests still in
@@ -859,50 +808,22 @@ class Scheduler:
     def _take(self, **parts) -> StepPlan:
         """The plan decided so far with `parts` (its device call) added; the next starts empty."""
         self._plan_spills()
-        dropped = self.pages.take_dropped()  # snapshots whose page left the index
-        for copy in dropped:
-            self._snapshot_data.pop(copy, None)
-            self._snapshot_reads.discard(copy)
-        self._plan.forget += dropped
+        self._plan.forget += self.pages.take_dropped()  # snapshots whose page left the index
         plan, self._plan = dataclasses.replace(self._plan, **parts), StepPlan()
         return plan
 
     def _plan_spills(self) -> None:
         """The pages the pool evicted since the last plan, read out by this one (its reads run
-        before its step writes them again) for the host tier (`_run` hands them over), each
-        with its snapshot's data; the runners forget both copies."""
+        before its step writes them again) and put in the runners' host tiers under their block
+        hashes, each with its lane snapshot; the runners forget both copies then."""
         spilled = self.pages.take_spilled()
         most = self.model.max_pages  # the most pages one sequence copy reads
         for first in range(0, len(spilled), most):
-            group = spilled[first:first + most]
+            digests, pages, snapshots = zip(*spilled[first:first + most])
             copy = next(self._copies)
-            self._plan.reads.append(SequenceCopy(copy, tuple(page for _, page, _ in group), 0))
-            self._plan.forget.append(copy)
-            entries = []
-            for digest, _, snapshot in group:
-                data = None
-                if snapshot is not None:
-                    data = self._snapshot_data.pop(snapshot, None)  # None: not read yet
-                    self._snapshot_reads.discard(snapshot)
-                    self._plan.forget.append(snapshot)
-                entries.append((digest, data))
-            self._spills[copy] = entries
-
-    def _run(self, plan: StepPlan) -> StepResult:
-        """The runner carries out `plan`; the reads the tiers wait for are taken from its
-        result: snapshots kept, evicted pages handed to the host tier page by page."""
-        result = self.runner.run(plan)
-        for copy, saved in result.saved.items():
-            if copy in self._snapshot_reads:
-                self._snapshot_reads.discard(copy)
-                self._snapshot_data[copy] = saved
-            spilled = self._spills.pop(copy, ()) if self.tiers is not None else ()
-            pool = jax.tree.map(np.asarray, saved.cache.pages) if spilled else None
-            for i, (digest, snapshot) in enumerate(spilled):
-                rows = jax.tree.map(lambda leaf: leaf[i:i + 1].copy(), pool)
-                self.tiers.spill(digest, Spilled(rows, None if snapshot is None
-                                                 else jax.tree.map(np.asarray, snapshot)))
-        return result
+            self._plan.reads.append(SequenceCopy(copy, pages, 0))
+            self._plan.spills.append(PageSpill(copy, digests, snapshots))
+            self._plan.forget += [copy] + [n for n in snapshots if n is not None]
 
     def _save(self, pages: list[int], lane: int) -> int:
         """Plans a read of a sequence's pages and lane rows into host memory; its copy's number."""
@@ -921,7 +842,7 @@ class Scheduler:
         residency = self.model.residency
         plan = self._take(decode=decode, prefill=prefill, previous=previous,
                           swaps=residency.next_batch(), logprobs=logprobs)
-        result = self._run(plan)
+        result = self.runner.run(plan)
         residency.after_step(result.tallies, plan.routed)
         return result
 
@@ -930,7 +851,7 @@ class Scheduler:
         batch): logits [T, vocab] float32; only the expert state (its counters) changes."""
         residency = self.model.residency
         ids = np.asarray(token_ids, np.int32).reshape(-1)
-        result = self._run(self._take(score=ids, swaps=residency.next_batch()))
+        result = self.runner.run(self._take(score=ids, swaps=residency.next_batch()))
         residency.after_step(result.tallies, len(ids))
         logits = result.scores()[:len(ids)]
         residency.flush()
@@ -948,15 +869,14 @@ class Scheduler:
         warmups = [(shape, idle) for shape in sorted(shapes, key=str) for idle in batches]
         self.runner.precompile(warmups)
         for shape, idle in warmups:
-            self._run(self._take(warmup=shape, swaps=idle))
+            self.runner.run(self._take(warmup=shape, swaps=idle))
         for n in self.model.sequence_sizes():
             saved = self.read_sequence([0] * n, 0)
             if self.tiers is not None:  # a restore of n prompt-cache pages (as they are)
-                self._plan.restores.append(PageRestore((0,) * n, jax.tree.map(
-                    np.asarray, saved.cache.pages)))
+                self._plan.restores.append(PageRestore((0,) * n, copy=saved.copy))
             self.write_sequence([0] * n, 0, saved)
         self._plan.lanes[0] = SamplingParams()  # the lanes' sampling update
-        self._run(self._take())
+        self.runner.run(self._take())
         return len(shapes) * len(batches)
 
     def read_sequence(self, pages: list[int], lane: int) -> SavedSequence:
@@ -965,13 +885,13 @@ class Scheduler:
         steps.SavedSequence of numpy leaves; the runners keep it under its `copy` number until
         `write_sequence` puts it back)."""
         copy = self._save(pages, lane)
-        return self._run(self._take()).saved[copy]
+        return self.runner.run(self._take()).saved[copy]
 
     def write_sequence(self, pages: list[int], lane: int, saved: SavedSequence) -> None:
         """Puts what `read_sequence` read back: into the pool at `pages` and into the rows of
         `lane` (any lane: not necessarily the one it was read from)."""
         self._plan.writes.append(SequenceCopy(saved.copy, tuple(pages), lane))
-        self._run(self._take())
+        self.runner.run(self._take())
 
 
 def _logprobs_wanted(handles) -> bool:

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax import parallel
 from tidejax.kv.paged import PagedCache
 from tidejax.kv.pages import page_bucket
 from tidejax.residency.swap import SwapBatch, apply_batch, finish_batch
@@ -434,8 +435,13 @@ class Steps:
         return self._read(state, _padded(pages, self.max_pages), lane)
 
     def copy_shapes(self, state: DecodeState) -> SavedSequence:
-        """A one-page read_sequence's leaves as jax.ShapeDtypeStruct (nothing runs)."""
-        return jax.eval_shape(self._read, state, np.zeros(1, np.int32), np.int32(0))
+        """A one-page read_sequence's leaves as jax.ShapeDtypeStruct with the shardings its
+        compiled read gives them (compiled, not run)."""
+        args = (state, np.zeros(1, np.int32), np.int32(0))
+        shardings = self._read.lower(*args).compile().output_shardings
+        return jax.tree.map(lambda shape, where: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=where), jax.eval_shape(self._read, *args),
+            shardings)
 
     def write_sequence(self, cache: PagedCache, sampling: LaneSampling, pages, lane,
                        saved: SavedSequence) -> tuple[PagedCache, LaneSampling]:
@@ -465,13 +471,13 @@ class Steps:
             return cache, dataclasses.replace(sampling, counts=counts, seen=seen)
         return jax.jit(write, donate_argnames=("cache", "sampling"))
 
-    def write_pages(self, pool, pages, rows):
-        """Pool rows [n, page_size, ...] (a tree like the pool's, numpy) at `pages` [n]: prompt-
-        cache pages back from host memory or disk (kv/tiers.py); the pool donated."""
+    def write_pages(self, pool, pages, rows: list):
+        """Pool rows at `pages` [n]: prompt-cache pages back from host memory or disk
+        (kv/tiers.py). `rows`: trees like the pool's of [k, page_size, ...] leaves (numpy, or this
+        process's parallel.LocalShards), n rows in all, in order; the pool donated."""
         at = _padded(pages, self.max_pages)
-        rows = jax.tree.map(lambda x: np.concatenate(
-            [x, np.zeros((len(at) - len(x),) + x.shape[1:], x.dtype)]), rows)
-        return self._write_pages(pool, at, rows)
+        stacked = jax.tree.map(lambda *leaves: parallel.stack_rows(leaves, len(at)), *rows)
+        return self._write_pages(pool, at, parallel.from_host(stacked))
 
     @functools.cached_property
     def _write_pages(self):
