@@ -44,9 +44,11 @@ def half(model_dir):
 
 
 def decode_rows(engine, positions) -> DecodeRows:
+    """A decode step's rows, each lane's pages held by a sequence id no request has (requests
+    count up from 0, and how many ran before depends on which tests ran first in the process)."""
     lanes = engine.lanes
     pages = engine.scheduler.pages
-    held = [pages.grow(lane, int(positions[lane]) + 1) for lane in range(lanes)]
+    held = [pages.grow(-1 - lane, int(positions[lane]) + 1) for lane in range(lanes)]
     return DecodeRows(np.full(lanes, 7, np.int32), np.ones(lanes, bool),
                       np.asarray(positions, np.int32), np.ones(lanes, bool), held)
 
