@@ -280,18 +280,20 @@ class HostCache:
         the batch applies: each row the map places in a slot that holds another is written
         there from its landed or queued read (waited for: a late read holds this process, and
         the step's collectives process 0), else read here; `wait_steps()` first where a held
-        row is overwritten. A failed read is read once more here; a second failure raises (the
-        peer stops: process 0 reports it lost). Whether the map changed."""
+        row is overwritten. A failed read is read once more here; a second failure raises
+        before any slot is written (the peer stops: process 0 reports it lost). Whether the map
+        changed."""
         slot_of = np.asarray(slot_of, np.int32)
         if np.array_equal(slot_of, self.slot_of):
             return False
         moves = [(int(slot_of[r]), int(r)) for r in np.nonzero(slot_of >= 0)[0]
                  if self.row_at[slot_of[r]] != r]
+        read = {row: self._take(row) for _, row in moves}  # all first: a failure changes nothing
         if any(self.row_at[slot] >= 0 for slot, _ in moves):
             wait_steps()
             self.counters["commit_waits"] += 1
         for slot, row in moves:
-            self._write(slot, self._take(row))
+            self._write(slot, read[row])
         row_at, held = np.full(self.capacity, -1, np.int32), np.nonzero(slot_of >= 0)[0]
         row_at[slot_of[held]] = held
         self.row_at, self.slot_of = row_at, slot_of.copy()
