@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
-
-import logging
 
 import jax
 import numpy as np
@@ -54,7 +53,8 @@ PREFETCH_DEPTH = 2 * READ_WORKERS  # reads queued or running a prefetch tops up 
 
 class HostCache:
     def __init__(self, rows, capacity: int):
-        """rows: residency.disk's CheckpointRows or PreparedRows; capacity: host slots."""
+        """rows: residency.disk's CheckpointRows, PreparedRows, JoinedRows or (across
+        processes) ProcessShards; capacity: host slots."""
         self.rows, self.capacity = rows, capacity
         # the bytes a read brings: this process's shards of a row, across processes
         self.row_bytes = row_bytes(rows.copy.layout if isinstance(rows, ProcessShards)
@@ -149,7 +149,7 @@ class HostCache:
 
     def obey(self, orders) -> None:
         """A peer: process 0's orders, in order: its reads queued here too, its drops dropped
-        (a read still running is left to land and dropped by the next drop or forgotten)."""
+        (landed or queued: a read still running finishes in its thread, its rows unused)."""
         for order, rows in orders:
             if order == "read":
                 self.request(rows)
@@ -297,6 +297,8 @@ class HostCache:
         row_at, held = np.full(self.capacity, -1, np.int32), np.nonzero(slot_of >= 0)[0]
         row_at[slot_of[held]] = held
         self.row_at, self.slot_of = row_at, slot_of.copy()
+        with self._lock:  # a held row landed again (a step in flight read it): not kept twice
+            self._landed = {r: a for r, a in self._landed.items() if slot_of[r] < 0}
         return True
 
     def _take(self, row: int) -> dict:
