@@ -17,6 +17,7 @@ a thread the block starts starts without it, so what places from threads is give
     put(pool, pool_axes, memory="host")                 # pinned_host where the backend has it
     host_buffer(pool["down"])                           # numpy over a host leaf's own bytes
     shard_buffers(pool["down"])                         # the same, of each local shard
+    local_indices(shape, axes)                          # where each local shard lies
     from_host(to_host(saved))                           # a tree to host memory and back, where
                                                         # each process holds its own shards
     host_rows(leaf, i, i + 1), stack_rows(leaves, n)    # a page of it; pages stacked again
@@ -227,10 +228,18 @@ def host_buffer(leaf: jax.Array) -> np.ndarray:
 
 
 def shard_buffers(leaf: jax.Array) -> list[tuple[tuple, np.ndarray]]:
-    """host_buffer of each of this process's shards of `leaf`: (its index in `leaf`, a slice
-    per dimension; the view), so that a leaf split over devices or processes is filled in place
-    too."""
-    return [(shard.index, host_buffer(shard.data)) for shard in leaf.addressable_shards]
+    """host_buffer of each of this process's shards of `leaf`, in the order of their devices'
+    ids: (its index in `leaf`, a slice per dimension; the view), so that a leaf split over
+    devices or processes is filled in place too."""
+    return [(shard.index, host_buffer(shard.data))
+            for shard in sorted(leaf.addressable_shards, key=lambda shard: shard.device.id)]
+
+
+def local_indices(shape: tuple, axes, mesh=None) -> list[tuple]:
+    """The index in a leaf of `shape` and logical `axes` (a slice per dimension) of each of this
+    process's shards, in the order of their devices' ids (shard_buffers' order)."""
+    where = sharding(axes, mesh).addressable_devices_indices_map(tuple(shape))
+    return [where[device] for device in sorted(where, key=lambda device: device.id)]
 
 
 @jax.jit

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 from tidejax.kv.pages import block_hashes
-from tests.support.server_fixtures import REPO, free_coordinator, start_peer, write_profile
+from tests.support.server_fixtures import REPO, free_coordinator, run_pair, write_profile
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -182,16 +182,7 @@ def _pair(tmp_path: Path, model: Path, phase: str) -> dict:
                 "kv_pool_tokens": 96},  # one sequence at max_context: 12 pages of 8 tokens
         cache={"disk_dir": str(tmp_path / "tiers")},
         distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120})
-    peer = start_peer(profile)
-    try:
-        run = subprocess.run([sys.executable, "-c", PAIR, str(profile), phase,
-                              str(tmp_path / "prompts.json")], capture_output=True, text=True,
-                             cwd=REPO, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        assert run.returncode == 0, run.stderr[-4000:]
-        assert peer.wait(timeout=60) == 0
-    finally:
-        peer.kill()
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_pair(profile, PAIR, phase, str(tmp_path / "prompts.json"))
 
 
 def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_checkpoint, tmp_path):

@@ -289,15 +289,15 @@ def _refused(profile, *peer_sets: str) -> tuple[str, str]:
     return leader.stderr, peer_err
 
 
-def test_the_disk_tier_over_two_processes_is_refused_naming_its_fields(tmp_path):
-    """A host budget below the experts on a mesh over two processes: each would hold a host
-    cache of its own that process 0's commits do not reach (the disk tier serves a mesh that
-    splits "tensor" in one process: tests/residency/test_disk_tier.py)."""
+def test_the_disk_tier_over_two_processes_without_a_state_dir_is_refused_naming_it(tmp_path):
+    """A host budget below the experts on a mesh over two processes, no residency.state_dir:
+    each process reads its shards of the experts from a prepared copy of them, which has no
+    folder (the disk tier over two processes: tests/distributed/test_disk_tier.py)."""
     profile = _pair_profile(tmp_path / "disk.toml",
                             residency={"budget_experts": 72, "host_budget_experts": 96})
     for err in _refused(profile):
-        assert ("'residency.host_budget_experts' (the disk tier) is not built for "
-                "distributed.num_processes = 2 yet" in err)
+        assert ("across 2 processes each reads its shards of the experts from a prepared copy "
+                "of them; set residency.state_dir" in err)
 
 
 LISTENING = """

@@ -147,6 +147,51 @@ def test_ring_over_disk_copies_from_host_memory_and_reads_the_rest_off_the_step(
     assert after["disk_reads"] <= ROWS // 4 + after["disk_prefetches"]
 
 
+def test_a_peers_cache_obeys_process_0s_orders_and_holds_its_map(checkpoint, engine, tmp_path,
+                                                                   caplog):
+    """What a peer's host cache does with process 0's plans (across two processes:
+    tests/distributed/test_disk_tier.py): the reads process 0 queued are queued there too and
+    taken when the map places their rows (each row read once), a held row overwritten only after
+    the steps in flight, the same rows in the same slots; a dropped row is dropped there; a read
+    that fails is read once more, and a second failure raises naming the file before any slot
+    changes."""
+    folder = shutil.copytree(checkpoint, tmp_path / "ckpt")
+    rows = _load(folder, engine, miss_policy="exact").residency.disk_rows
+    leader, peer = HostCache(rows, 3), HostCache(rows, 3)
+    leader.orders = []
+    for cache in leader, peer:
+        cache.fill([0, 1, 2])
+    demand = np.arange(ROWS, dtype=np.float64)
+    leader.request([9, 10])
+    leader.wait([9, 10])
+    assert leader.commit(demand, pinned=[0], protect=(), wait_steps=lambda: None)
+    peer.obey(leader.take_orders())
+    waited = []
+    assert peer.follow(leader.slot_of, lambda: waited.append(1)) and waited
+    assert list(peer.row_at) == list(leader.row_at) == [0, 10, 9]
+    for name, leaf in peer.pool.items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leader.pool[name]))
+    assert peer.stats()["disk_reads"] == leader.stats()["disk_reads"] == 5
+    assert not peer.follow(leader.slot_of, lambda: None)  # the same map: nothing to do
+    for cache in leader, peer:  # an in-step read (`exact`) on each, of less demand than any row
+        cache.read_now(3)
+    leader.commit(demand, pinned=[0], protect=(), wait_steps=lambda: None)
+    assert leader.take_orders() == [("drop", [3])]
+    peer.obey([("drop", [3])])
+    assert peer.reading() == set()
+    _damage(folder / "model.safetensors", "truncated")
+    peer.obey([("read", [11])])  # fails in the reading thread, then once more in follow
+    moved = peer.slot_of.copy()
+    moved[11], moved[9] = moved[9], -1
+    before = {name: np.asarray(leaf).copy() for name, leaf in peer.pool.items()}
+    with pytest.raises(CheckpointError, match="truncated since it was opened"):
+        peer.follow(moved, lambda: None)
+    assert "reading expert row 11 failed" in caplog.text
+    assert list(peer.row_at) == [0, 10, 9] and peer.slot_of[11] == -1
+    for name, leaf in peer.pool.items():
+        np.testing.assert_array_equal(np.asarray(leaf), before[name])
+
+
 def _in_host_and_over_disk(checkpoint, engine, **residency):
     """The same residency with every expert in host memory and with half of them on disk,
     adaptation off in both: the same bank, so the host kernel's part of each output is the same

@@ -164,6 +164,21 @@ def start_peer(profile: Path, *sets: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+def run_pair(profile: Path, script: str, *args: str, timeout: float = 600) -> dict:
+    """Process 1 of the profile's pair following (start_peer), `script` as process 0 (python -c,
+    given the profile and `args`); the JSON of its last output line once both stopped cleanly."""
+    peer = start_peer(profile)
+    try:
+        run = subprocess.run([sys.executable, "-c", script, str(profile), *args],
+                             capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def launch_server(profile: Path, *extra_args: str, timeout: float = 180.0,
                   env: dict | None = None, warmup: bool = False) -> tuple[subprocess.Popen, str]:
     """Starts `python -m tidejax.server --profile PROFILE` on a free port, its log appended to

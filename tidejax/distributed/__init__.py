@@ -29,10 +29,8 @@ from tidejax.errors import ConfigError
 
 def check(config: EngineConfig) -> None:
     """What the [distributed] keys say together (after every --set and variable): process_id
-    below num_processes, a coordinator for several processes, and no disk tier under several
-    (residency.host_budget_*: its host cache is one process's; process 0's commits would have
-    to reach the peers' caches in the plans) nor speculative decoding (its verify steps are
-    served and tested on a mesh of one process only)."""
+    below num_processes, a coordinator for several processes, and no speculative decoding under
+    several (its verify steps are served and tested on a mesh of one process only)."""
     section = config.distributed
     if section.process_id >= section.num_processes:
         raise ConfigError(f"{config.source_of('distributed.process_id')}: "
@@ -42,13 +40,6 @@ def check(config: EngineConfig) -> None:
         raise ConfigError(f"{config.source_of('distributed.num_processes')}: "
                           "'distributed.coordinator' (host:port of process 0) is needed for "
                           f"distributed.num_processes = {section.num_processes}")
-    residency = config.residency
-    if section.num_processes > 1 and (residency.host_budget_experts or residency.host_budget_gib):
-        key = ("residency.host_budget_experts" if residency.host_budget_experts
-               else "residency.host_budget_gib")
-        raise ConfigError(f"{config.source_of(key)}: '{key}' (the disk tier) is not built for "
-                          f"distributed.num_processes = {section.num_processes} yet: its host "
-                          "cache is one process's (one process splitting 'tensor' is served)")
     if section.num_processes > 1 and config.speculative.method != "none":
         raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
                           f"{config.speculative.method!r} is not served with "

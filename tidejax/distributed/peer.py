@@ -1,12 +1,14 @@
 """A peer of a tensor-parallel engine (process_id > 0): a runner fed process 0's plans.
 
 It loads the same model as process 0, then carries out the messages process 0's Runner sends
-(tidejax.runtime.runner): ("boot", slot_rows), then ("plan", StepPlan) for every plan, in order,
-until ("stop",); ("ping",) between them only tells process 0 the connection holds. It decides
-nothing: admission, chunks, sampling keys and residency are process 0's, and the peer's results
-(tokens, counters) are the same replicated values process 0 reads. Its prompt cache tiers are
-its own (its shards of each page); at stop its host tier goes to its disk tier, as process 0's
-does at close.
+(tidejax.runtime.runner): ("boot", slot_rows, host map), then ("plan", StepPlan) for every
+plan, in order, until ("stop",); ("ping",) between them only tells process 0 the connection
+holds. It decides nothing: admission, chunks, sampling keys and residency are process 0's, and
+the peer's results (tokens, counters) are the same replicated values process 0 reads. Its
+prompt cache tiers are its own (its shards of each page), and so is its disk tier of experts
+(its shards of each row), whose host cache follows process 0's orders and maps; at stop its
+prompt cache's host tier goes to its disk tier, as process 0's does at close, and its expert
+disk tier's stats go to the log.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
+    cache = runner.model.residency.cache
+    if cache is not None:  # its own disk tier's reads (process 0's are in its stats)
+        log.info("process %d: disk tier %s", config.distributed.process_id, cache.stats())
     try:  # its prompt cache's host tier to its disk tier, as process 0's at close
         runner.close_tiers()
     except Exception:

@@ -13,6 +13,10 @@ filesystem refuses O_DIRECT the files are read buffered, said once in the log an
 then a drafting MTP layer's (runtime/build.py: those are memory-mapped, read through the page
 cache), each read in place or from a prepared copy of its own.
 
+Where the mesh spans several processes each process reads only its shards of each row: a
+prepared copy of them (`ShardsOf`, written by prepared.open_rows), served by `ProcessShards`,
+whose read(row) gives the row's shards as this process's devices hold them in the host pool.
+
 Every file is fingerprinted (size, mtime, inode) when it is opened; a read from a file that has
 changed or been cut short since is refused with a CheckpointError naming it, before any of its
 bytes are used (a row of the old layout read at the new file's offsets would be silent garbage).
@@ -29,7 +33,9 @@ import numpy as np
 
 from tidejax.errors import CheckpointError
 from tidejax.checkpoint.direct import ALIGN, DirectFile, aligned
-from tidejax.residency.pool import n_rows, row_bytes
+from tidejax import parallel
+from tidejax.contract import expert_axes
+from tidejax.residency.pool import n_rows, pool_layout, row_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +151,47 @@ class JoinedRows:
         if row < self.n_first:
             return self.first.read(row)
         return self.then.read(row - self.n_first)
+
+
+class ShardsOf:
+    """This process's shards of each row of `rows` (whole rows: CheckpointRows), where the mesh
+    (`mesh`) spans several processes: the row in the host pool's layout (pool.pool_layout) cut
+    as this process's devices hold it (parallel.local_indices). read(row) -> {leaf: [shards,
+    *shard]}, the shards in the order of their devices' ids; `layout` {leaf:
+    ShapeDtypeStruct [rows, shards, *shard]}: what prepared.prepare writes a copy of."""
+
+    where = "checkpoint"
+
+    def __init__(self, rows: CheckpointRows, mesh):
+        self.rows, self.tensor = rows, parallel.tensor_size(mesh)
+        self.files, self.fmt, self.source = rows.files, rows.fmt, rows.source
+        axes = expert_axes(rows.layout, "experts")
+        self.indices = {k: [index[1:] for index in parallel.local_indices(v.shape, axes[k], mesh)]
+                        for k, v in rows.layout.items()}
+        empty = {k: np.zeros(v.shape[1:], v.dtype) for k, v in rows.layout.items()}
+        self.layout = layout_of(self._cut(empty), n_rows(rows.layout))
+
+    def _cut(self, row: dict) -> dict:
+        row = pool_layout(row, self.tensor)
+        return {k: np.stack([row[k][index] for index in self.indices[k]]) for k in row}
+
+    def read(self, row: int) -> dict:
+        return self._cut(self.rows.read(row))
+
+
+class ProcessShards:
+    """The rows of a prepared copy of this process's shards (`copy`: PreparedRows of a ShardsOf
+    layout) as the host cache's source: `layout` the whole rows' (as every source's: the budgets
+    and the pool's shape read it), read(row) -> {leaf: [shards, *shard]} (ShardsOf's)."""
+
+    where = "prepared copy of this process's shards"
+
+    def __init__(self, copy: PreparedRows, layout: dict):
+        self.copy, self.layout = copy, layout
+
+    @property
+    def direct(self) -> bool:
+        return self.copy.direct
+
+    def read(self, row: int) -> dict:
+        return self.copy.read(row)

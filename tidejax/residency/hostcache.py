@@ -6,10 +6,15 @@ jit reads); `slot_of` [L_moe * E] maps a pool row (moe_layer * E + expert) to it
 (on disk). The steps read the map from their SwapBatch (swap.apply_batch), so a row is read
 through it wherever a step reads the pool (swaps, `exact`'s fetch, the bank's fill).
 
-Where the model's mesh splits "tensor" (one process), each device's shard of a slot holds its
-slice of the row's intermediate, as the loaded pool does (pool.pool_layout): a row read from disk
-is written into every shard, and `exact`'s in-step read hands the step the whole row in that
-layout.
+Where the model's mesh splits "tensor", each device's shard of a slot holds its slice of the
+row's intermediate, as the loaded pool does (pool.pool_layout): a row read from disk is written
+into every shard of this process, and `exact`'s in-step read hands each device its shard of the
+row (a callback per device). Across processes each process's cache reads only its shards
+(disk.ProcessShards) and follows process 0's plans: process 0's reads and drops go to the peers
+in its plans (`orders`, taken by its Runner), and each batch carries its map, which a peer's
+cache is brought to before the batch applies (`follow`: a read that is late there is waited
+for; the step's collectives hold process 0 at the same point), so every process holds the same
+rows in the same slots at each step.
 
 Reads run in a small thread pool, overlapped with the steps: `request` queues rows (the
 planner's swaps that need a row not in host memory), `prefetch` the rows of most demand not in
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 
@@ -35,7 +41,11 @@ import jax
 import numpy as np
 
 from tidejax import parallel
+from tidejax.contract import expert_axes
+from tidejax.residency.disk import ProcessShards
 from tidejax.residency.pool import host_pool, n_rows, pool_layout, row_bytes
+
+log = logging.getLogger("tidejax.residency")
 
 READ_WORKERS = 4  # threads reading rows from disk
 PREFETCH_DEPTH = 2 * READ_WORKERS  # reads queued or running a prefetch tops up to
@@ -43,17 +53,28 @@ PREFETCH_DEPTH = 2 * READ_WORKERS  # reads queued or running a prefetch tops up 
 
 class HostCache:
     def __init__(self, rows, capacity: int):
-        """rows: residency.disk's CheckpointRows or PreparedRows; capacity: host slots."""
+        """rows: residency.disk's CheckpointRows, PreparedRows, JoinedRows or (across
+        processes) ProcessShards; capacity: host slots."""
         self.rows, self.capacity = rows, capacity
-        self.row_bytes = row_bytes(rows.layout)
+        # the bytes a read brings: this process's shards of a row, across processes
+        self.row_bytes = row_bytes(rows.copy.layout if isinstance(rows, ProcessShards)
+                                   else rows.layout)
         # the model's mesh (made inside its scope: the steps' maps are placed on it from the
         # scheduler's thread, which has none)
         self.mesh = parallel.current_mesh()
         self.pool = host_pool({k: np.zeros((capacity, *v.shape[1:]), v.dtype)
                                for k, v in rows.layout.items()}, self.mesh)
         self.tensor = parallel.tensor_size(self.mesh)  # the ways the mesh splits a row
-        # each leaf's shards: (their index in the leaf, a view of their bytes)
+        # each leaf's shards of this process, in the order of their devices' ids: (their index
+        # in the leaf, a view of their bytes)
         self._shards = {k: parallel.shard_buffers(v) for k, v in self.pool.items()}
+        # the position among those shards of the device at each place along "tensor"
+        ours = sorted((d for d in self.mesh.devices.flat if d.process_index == jax.process_index()),
+                      key=lambda d: d.id)
+        self._shard_at = {list(self.mesh.devices.flat).index(d): i for i, d in enumerate(ours)}
+        # process 0 across processes: its reads queued and rows dropped since its Runner last
+        # took them, in order ([("read" | "drop", rows)]); None: no peers to tell
+        self.orders: list | None = None
         # row -> host slot or -1; replaced, never changed in place, so a step's copy stays valid
         self.slot_of = np.full(n_rows(rows.layout), -1, np.int32)
         self.row_at = np.full(capacity, -1, np.int32)  # host slot -> row, or -1 (free)
@@ -100,7 +121,8 @@ class HostCache:
             raise ValueError(f"{len(rows)} rows do not fit {self.capacity} host slots")
         slot_of = self.slot_of.copy()
         for slot, (row, arrays) in enumerate(zip(rows, self._threads.map(self._read, rows))):
-            self._write(slot, row, arrays, slot_of)
+            self._write(slot, arrays)
+            self.row_at[slot], slot_of[row] = row, slot
         self.slot_of = slot_of
 
     def request(self, rows) -> list[int]:
@@ -112,7 +134,32 @@ class HostCache:
                 if self.slot_of[row] < 0 and row not in self._pending and row not in self._landed:
                     self._pending[row] = self._threads.submit(self._read, row)
                     queued.append(row)
+        self._tell("read", queued)
         return queued
+
+    def _tell(self, order: str, rows) -> None:
+        """Process 0: `rows` read or dropped, for its peers' caches (`orders`)."""
+        if self.orders is not None and rows:
+            self.orders.append((order, [int(r) for r in rows]))
+
+    def take_orders(self) -> list:
+        """Process 0: the orders since the last call, for its next plan (Runner)."""
+        orders, self.orders = self.orders, []
+        return orders
+
+    def obey(self, orders) -> None:
+        """A peer: process 0's orders, in order: its reads queued here too, its drops dropped
+        (landed or queued: a read still running finishes in its thread, its rows unused)."""
+        for order, rows in orders:
+            if order == "read":
+                self.request(rows)
+            elif order == "drop":
+                with self._lock:
+                    for row in rows:
+                        self._landed.pop(row, None)
+                        self._pending.pop(row, None)
+            else:
+                raise ValueError(f"process 0 sent an unknown host cache order {order!r}")
 
     def worth_reading(self, demand: np.ndarray, pinned, hysteresis: float) -> list[int]:
         """The rows a read ahead brings in now (`worth_reading` below, over this cache)."""
@@ -154,11 +201,20 @@ class HostCache:
         return arrays
 
     def fetch(self, row) -> dict:
-        """Inside a jit: pool row `row` (traced) read from disk by a host callback that waits."""
-        shapes = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-                  for k, v in self.rows.layout.items()}
-        return jax.pure_callback(lambda r: pool_layout(self.read_now(int(r)), self.tensor),
-                                 shapes, row)
+        """Inside a jit: pool row `row` (traced) read from disk by a host callback that waits,
+        one a device (parallel.over_tensor), each handing back its device's shard of the row."""
+        shapes = {k: jax.ShapeDtypeStruct(shards[0][1].shape[1:], shards[0][1].dtype)
+                  for k, shards in self._shards.items()}
+        axes = {k: a[1:] for k, a in expert_axes(self.rows.layout, "experts").items()}
+
+        def shard(row, at):
+            return {k: parts[self._shard_at[int(at)]]
+                    for k, parts in self._parts(self.read_now(int(row))).items()}
+
+        def one(row):
+            at = jax.lax.axis_index("tensor") if self.tensor > 1 else 0
+            return (jax.pure_callback(shard, shapes, row, at),)
+        return parallel.over_tensor(one, (None,), (axes,), self.mesh)(row)[0]
 
     @property
     def queued(self) -> int:
@@ -191,15 +247,18 @@ class HostCache:
                         self._landed[row] = future.result()
                     except Exception:
                         self._ahead.discard(row)
+                        self._tell("drop", [row])
                         raise
             landed, self._landed = self._landed, {}
             ahead = self._ahead & set(landed)
             self._ahead -= set(landed)
+        held = [r for r in landed if self.slot_of[r] >= 0]
         landed = {r: a for r, a in landed.items() if self.slot_of[r] < 0}
-        if not landed:
-            return False
         placed, evicted, dropped = place_landed(self.row_at, list(landed), demand, pinned,
                                                 protect)
+        self._tell("drop", held + sorted(set(landed) - {row for _, row in placed}))
+        if not landed:
+            return False
         self.counters["evictions"] += evicted
         self.counters["dropped"] += dropped
         if evicted:  # a held row is overwritten: no step in flight may still read it
@@ -210,17 +269,64 @@ class HostCache:
             if self.row_at[slot] >= 0:
                 slot_of[self.row_at[slot]] = -1
                 self.prefetched[self.row_at[slot]] = False
-            self._write(slot, row, landed[row], slot_of)
+            self._write(slot, landed[row])
+            self.row_at[slot], slot_of[row] = row, slot
             self.prefetched[row] = row in ahead
         self.slot_of = slot_of
         return True
 
-    def _write(self, slot: int, row: int, arrays: dict, slot_of: np.ndarray) -> None:
+    def follow(self, slot_of: np.ndarray, wait_steps) -> bool:
+        """A peer: the cache brought to process 0's map `slot_of` (a batch's host_slots) before
+        the batch applies: each row the map places in a slot that holds another is written
+        there from its landed or queued read (waited for: a late read holds this process, and
+        the step's collectives process 0), else read here; `wait_steps()` first where a held
+        row is overwritten. A failed read is read once more here; a second failure raises
+        before any slot is written (the peer stops: process 0 reports it lost). Whether the map
+        changed."""
+        slot_of = np.asarray(slot_of, np.int32)
+        if np.array_equal(slot_of, self.slot_of):
+            return False
+        moves = [(int(slot_of[r]), int(r)) for r in np.nonzero(slot_of >= 0)[0]
+                 if self.row_at[slot_of[r]] != r]
+        read = {row: self._take(row) for _, row in moves}  # all first: a failure changes nothing
+        if any(self.row_at[slot] >= 0 for slot, _ in moves):
+            wait_steps()
+            self.counters["commit_waits"] += 1
+        for slot, row in moves:
+            self._write(slot, read[row])
+        row_at, held = np.full(self.capacity, -1, np.int32), np.nonzero(slot_of >= 0)[0]
+        row_at[slot_of[held]] = held
+        self.row_at, self.slot_of = row_at, slot_of.copy()
+        with self._lock:  # a held row landed again (a step in flight read it): not kept twice
+            self._landed = {r: a for r, a in self._landed.items() if slot_of[r] < 0}
+        return True
+
+    def _take(self, row: int) -> dict:
+        """A peer: row `row`'s read (landed, or its queued read waited for, else read here)."""
+        with self._lock:
+            arrays, future = self._landed.pop(row, None), self._pending.pop(row, None)
+        if arrays is None and future is not None:
+            try:
+                arrays = future.result()
+            except Exception as e:  # noqa: BLE001 (read once more below; a second failure raises)
+                log.warning("residency: reading expert row %d failed (%s); reading it again", row, e)
+        return self._read(row) if arrays is None else arrays
+
+    def _parts(self, arrays: dict) -> dict:
+        """{leaf: [this process's shards of row `arrays` (as read), in _shards' order]}."""
+        if isinstance(self.rows, ProcessShards):  # read as shards already
+            return {k: list(v) for k, v in arrays.items()}
         arrays = pool_layout(arrays, self.tensor)
+        # the slots whole in each shard: index[0] is every row
+        return {k: [arrays[k][index[1:]] for index, _ in shards]
+                for k, shards in self._shards.items()}
+
+    def _write(self, slot: int, arrays: dict) -> None:
+        """A row (as read) into host slot `slot`: this process's shards of it."""
+        parts = self._parts(arrays)
         for k, shards in self._shards.items():
-            for index, view in shards:  # the slots whole in each shard: index[0] is every row
-                view[slot] = arrays[k][index[1:]]
-        self.row_at[slot], slot_of[row] = row, slot
+            for (_, view), part in zip(shards, parts[k]):
+                view[slot] = part
 
     def stats(self) -> dict:
         return disk_stats(self.counters, self.queued, self.rows.direct,

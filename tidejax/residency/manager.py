@@ -267,8 +267,7 @@ class Residency:
         self._host_experts(self.cache.pool, self.cache)
         log.info("residency: %d of %d experts in host memory, the rest read from the %s as "
                  "needed", capacity, self.n_layers * self.n_experts, self.disk_rows.where)
-        self._host_map = self.cache.slot_of
-        self._device_map = parallel.replicated(self._host_map, self.cache.mesh)
+        self._set_host_map()
         return build_state(self.cache.pool, self.n_layers, resident, ring=self.n_ring,
                            ring_copies=self.ring_per_step, transient=self.n_transient,
                            host_slots=self._host_map)
@@ -298,6 +297,23 @@ class Residency:
         return SwapBatch.of(pairs, self.batch_length if pairs else 0, self._draining,
                             self.exact_weight, ring=not self.frozen, host_slots=self._batch_map())
 
+    def _set_host_map(self) -> None:
+        """The host cache's map as the batches carry it from here: on the devices (one
+        process), or numpy where the mesh spans several processes (the plans carry the batches
+        to the peers, whose caches follow it: follow_host)."""
+        self._host_map = self.cache.slot_of
+        mesh = self.cache.mesh
+        self._device_map = (self._host_map if parallel.process_count(mesh) > 1
+                            else parallel.replicated(self._host_map, mesh))
+
+    def follow_host(self, slot_of, wait_steps) -> bool:
+        """A peer: its host cache brought to process 0's map (HostCache.follow) before a batch
+        carrying it applies; whether it changed."""
+        if self.cache is None or slot_of is None or not self.cache.follow(slot_of, wait_steps):
+            return False
+        self._set_host_map()
+        return True
+
     def _batch_map(self):
         """The host cache's map as the steps take it (None without a disk tier)."""
         return None if self.cache is None else self._device_map
@@ -314,8 +330,7 @@ class Residency:
                                  np.fromiter(self._ring_pending(), np.int32)])
         if self.cache.commit(self.history.demand.reshape(-1), pinned, protect,
                              self._wait_in_flight):
-            self._host_map = self.cache.slot_of
-            self._device_map = parallel.replicated(self._host_map, self.cache.mesh)
+            self._set_host_map()
         reading = self.cache.reading()
         steps = self.counters["steps"]
         for row in self._hot - reading:  # landed: held (to be fetched) or dropped

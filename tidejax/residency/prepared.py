@@ -8,6 +8,11 @@ copy's own. It is reused while the manifest matches the sources and the copy; ot
 rebuilt (the reason logged, naming the file): written to a temporary file in threads with a
 progress line, fsynced, renamed over, then the manifest written atomically (persist.write_atomic).
 So a kill mid-write leaves no copy that a restart would take for whole.
+
+Where the mesh spans several processes, each process reads only its shards of each row, always
+from a prepared copy of them (a process's shards of a row are not one span of the checkpoint's
+files: down's are columns), under `state_dir/experts/process<i>-tensor<T>/` (its process index
+and the ways the mesh splits "tensor"), with the manifest and reuse above.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import logging
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from tidejax import parallel
 from tidejax.checkpoint.progress import Progress
 from tidejax.checkpoint.table import READ_WORKERS
 from tidejax.errors import ConfigError
-from tidejax.residency.disk import ALIGN, CheckpointRows, Fingerprint, PreparedRows, aligned
+from tidejax.residency.disk import (ALIGN, CheckpointRows, Fingerprint, PreparedRows,
+                                    ProcessShards, ShardsOf, aligned)
 from tidejax.residency.persist import clear_torn, write_atomic
 from tidejax.residency.pool import row_bytes as pool_row_bytes
 
@@ -34,10 +42,21 @@ PREPARED_FORMAT = "tidejax-prepared-experts/2"  # /2: rows at ALIGN-aligned stri
 
 
 def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host budget",
-              label: str = ""):
+              label: str = "", mesh=None):
     """The disk tier's rows: `rows` (read in place) where the held format is the files' (no FP8
     to dequantize, no cast or repack), else the PreparedRows of a copy under `state_dir`, its
-    file named by the sources and format, then `label` (a drafting MTP layer's: "-mtp")."""
+    file named by the sources and format, then `label` (a drafting MTP layer's: "-mtp"). Where
+    `mesh` (None: parallel.current_mesh) spans several processes: ProcessShards, this process's
+    shards of the rows from a copy of them."""
+    mesh = mesh or parallel.current_mesh()
+    processes = parallel.process_count(mesh)
+    if processes > 1:
+        if not state_dir:
+            raise ConfigError(f"{key}: across {processes} processes each reads its shards of the "
+                              "experts from a prepared copy of them; set residency.state_dir")
+        folder = (Path(state_dir) / "experts" /
+                  f"process{jax.process_index()}-tensor{parallel.tensor_size(mesh)}")
+        return ProcessShards(prepare(ShardsOf(rows, mesh), folder, label), rows.layout)
     source, fmt = rows.source, rows.fmt
     stored = source.empty_row()
     same = source.stored_as_read() and all(
@@ -53,7 +72,7 @@ def open_rows(rows: CheckpointRows, state_dir: str, key: str = "[residency] host
     return prepare(rows, Path(state_dir) / "experts", label)
 
 
-def prepare(rows: CheckpointRows, folder: Path, label: str = "") -> PreparedRows:
+def prepare(rows: CheckpointRows | ShardsOf, folder: Path, label: str = "") -> PreparedRows:
     """The prepared copy of `rows` under `folder` (its name ending in `label`): reused where its
     manifest matches, else (re)written."""
     sources = {str(p): f.as_json() for p, f in sorted(rows.files.prints.items())}
@@ -92,7 +111,7 @@ def _stale(path: Path, manifest_path: Path, expected: dict) -> str | None:
     return None
 
 
-def _write(rows: CheckpointRows, path: Path) -> None:
+def _write(rows: CheckpointRows | ShardsOf, path: Path) -> None:
     """Every row read, converted and written at its offset of a temporary file, in threads;
     then fsync and rename over `path`."""
     clear_torn(path)

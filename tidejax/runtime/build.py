@@ -600,7 +600,8 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     model's (None: parallel.current_mesh); named to the pool, which the reading threads place.
     Where `residency.host_budget_experts` (or host_budget_gib, of rows as served) holds fewer
     than every expert, no row is read here: the third item is then the rows on disk
-    (residency.prepared.open_rows), which the host cache reads from as needed.
+    (residency.prepared.open_rows; across processes this process's shards of them), which the
+    host cache reads from as needed.
     mtp_layers (0 or 1, speculating): the pool has one more MoE layer after the main model's,
     the first MTP layer's routed experts (put_mtp_rows), where the checkpoint holds it; on disk,
     its rows follow the main model's (residency.disk.JoinedRows), read from the loader's kept
@@ -628,12 +629,13 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
         deferred.source.read_all(put_row)  # the budget holds every expert: the host pool
         put_mtp_rows(cfg, aux if mtp_layers else None, put_row, dtype, raw)
         return params, aux, pool.result()
-    main = open_rows(rows, residency.state_dir)
+    main = open_rows(rows, residency.state_dir, mesh=mesh)
     if not (mtp_layers and aux):  # without the MTP layer's tensors: refused after the load
         return params, aux, main
     mtp = CheckpointRows(MtpExpertRows(aux, cfg, dtype, fp8.config_block(raw)),
                          RowFormat(held_as, dtype))
-    return params, aux, JoinedRows(main, open_rows(mtp, residency.state_dir, label="-mtp"))
+    return params, aux, JoinedRows(main, open_rows(mtp, residency.state_dir, label="-mtp",
+                                                 mesh=mesh))
 
 
 def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:

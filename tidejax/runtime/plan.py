@@ -2,7 +2,9 @@
 
 A `StepPlan` holds only numpy arrays and Python values (no jax.Array, no callable), so the same
 plan drives the runner of process 0 and, sent over the channel, each peer's (runtime/runner.py).
-The runner does its parts in this order:
+A peer first obeys the plan's `host_orders` (process 0's host cache reads and drops over the
+disk tier) and brings its host cache to each batch's map before the batch applies. The runner
+does its parts in this order:
 
     reads     sequences saved to host memory (preemption): each `SequenceCopy`'s pages of the
               pool, its lane's rows and token counts, kept by the runner under `copy`
@@ -94,6 +96,9 @@ class StepPlan:
     # a warm-up step: (chunk bucket or 0, prefill table width, decode table width), every
     # token masked out (LoadedModel.warmup_inputs)
     warmup: tuple | None = None
+    # over the disk tier across processes: process 0's host cache orders since its last plan
+    # ([("read" | "drop", rows)], HostCache.orders), which each peer's cache obeys first
+    host_orders: list = dataclasses.field(default_factory=list)
 
     @property
     def verify(self) -> bool:

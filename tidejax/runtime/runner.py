@@ -10,10 +10,14 @@ device (`StepPlan.previous` names the step).
 Tensor parallelism across processes: process 0's runner sends each plan to its peers before
 carrying it out, so every process makes the same jitted calls in the same order (their
 collectives pair the processes); a peer is a runner fed those plans (tidejax.distributed.peer).
-The channel carries ("boot", slot_rows) first (process 0's boot map, which a peer takes where its
-own history gave another), then ("plan", StepPlan) per plan, and ("stop",) last. Residency decides
-on process 0 alone: the swap batches are in the plans, and the batches it applies between steps
-are sent as plans of their own as they apply (`Residency.on_apply`). A preempted sequence is
+The channel carries ("boot", slot_rows, host map) first (process 0's boot map and, over the disk
+tier, its host cache's map, which a peer takes where its own history gave another), then
+("plan", StepPlan) per plan, and ("stop",) last. Residency decides on process 0 alone: the swap
+batches are in the plans, and the batches it applies between steps are sent as plans of their
+own as they apply (`Residency.on_apply`). Over the disk tier each plan carries process 0's host
+cache orders since the last (reads queued, rows dropped), which a peer's cache obeys, and each
+batch the host map it was taken with, which a peer's cache holds before the batch applies
+(HostCache.follow). A preempted sequence is
 saved by every process, each its own copy (parallel.to_host: a process holds its shards of KV
 pages split by heads) under the plan's number, so no pages cross the channel. So is the prompt
 cache's host and disk tiers (kv/tiers.py): every runner keeps its own (`open_tiers`: on disk in a
@@ -101,9 +105,15 @@ class Runner:
         # (number, tokens) of the last step; a verify step's: (number, steps.Latest)
         self.last: tuple[int, object] | None = None
         self.peers = channel
+        # a peer (process_id > 0): its host cache follows the maps of process 0's batches
+        self.follows = channel is None and jax.process_index() > 0
+        cache = model.residency.cache
         if channel is not None:
+            if cache is not None:
+                cache.orders = []  # its reads and drops go to the peers in the plans
             model.residency.on_apply = lambda batch: self._send("plan", StepPlan(experts=[batch]))
-            self._send("boot", model.residency.slot_rows)
+            self._send("boot", model.residency.slot_rows,
+                       None if cache is None else cache.slot_of)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -113,6 +123,8 @@ class Runner:
         without waiting for it."""
         self._own()
         self._send("plan", plan)
+        if self.follows and self.model.residency.cache is not None:
+            self.model.residency.cache.obey(plan.host_orders)
         result = StepResult()
         for read in plan.reads:
             result.saved[read.copy] = self.copies[read.copy] = self._read(read)
@@ -131,7 +143,9 @@ class Runner:
             self._write(write, self.copies[write.copy] if write.keep
                         else self.copies.pop(write.copy))
         for batch in plan.experts:
+            self._follow(batch)
             self.state = self.state.replace(experts=apply_now(self.state.experts, batch)[0])
+        self._follow(plan.swaps)
         if plan.steps:
             self._step(plan, result)
         elif plan.score is not None:
@@ -335,16 +349,30 @@ class Runner:
     # -- peers -----------------------------------------------------------------------------
 
     @_in_scope
-    def boot(self, slot_rows: np.ndarray) -> None:
-        """A peer takes process 0's boot map where its own (from its history) differs."""
+    def boot(self, slot_rows: np.ndarray, host_map: np.ndarray | None = None) -> None:
+        """A peer takes process 0's boot map, and its host cache's map over the disk tier,
+        where its own (from its history) differ."""
         residency = self.model.residency
-        if not np.array_equal(slot_rows, residency.slot_rows):
+        held = residency.follow_host(host_map, lambda: None)  # no step has run yet
+        if held or not np.array_equal(slot_rows, residency.slot_rows):
             residency.slot_rows[:] = slot_rows
             self.state = self.model.rebuilt_state(self.state)
 
+    def _follow(self, batch) -> None:
+        """A peer: its host cache brought to the map `batch` carries (over the disk tier), the
+        steps in flight done first where a held row is overwritten."""
+        if self.follows and batch is not None:
+            self.model.residency.follow_host(batch.host_slots,
+                                             lambda: jax.block_until_ready(self.state))
+
     def _send(self, kind: str, *args) -> None:
-        if self.peers is not None:
-            self.peers.send((kind, *args))
+        """To the peers; a plan with the host cache's orders since the last (HostCache.orders)."""
+        if self.peers is None:
+            return
+        cache = self.model.residency.cache
+        if kind == "plan" and cache is not None:
+            args = (dataclasses.replace(args[0], host_orders=cache.take_orders()),)
+        self.peers.send((kind, *args))
 
     def peers_lost(self) -> str:
         """Why a peer process is gone ("" while none is, or alone)."""
