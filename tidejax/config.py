@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidejax.errors import ConfigError
-from tidejax.ops.dispatch import IMPLS
+from tidejax.ops.dispatch import IMPLS, MOE_PREFILL, MOE_PREFILL_KERNELS
 
 # ---------------------------------------------------------------------------------------------
 # Engine profiles
@@ -43,6 +43,8 @@ class EngineSection:
     kv_pool_tokens: int = 0  # tokens the KV pool holds (all sequences together); 0: see kv_pool_gib
     kv_pool_gib: float = 0.0  # or its size in GiB; both 0: lanes x max_context tokens
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
+    # a prompt chunk's routed experts, where kernel picks the kernels: "pallas_dots" | "triton"
+    moe_prefill: str = MOE_PREFILL
     # DeepSeek-V4.1: its runs of like layers compiled once each and scanned (a third less
     # warm-up, a slower decode step today: docs/DESIGN.md, scan_layers); off: unrolled
     scan_layers: bool = False
@@ -149,6 +151,7 @@ _CHOICES = {
     ("model", "experts"): ("checkpoint", "bf16", "mxfp4"),
     ("model", "dense_format"): ("float", "fp8"),
     ("engine", "kernel"): IMPLS,
+    ("engine", "moe_prefill"): MOE_PREFILL_KERNELS,
     ("residency", "geometry"): ("per_layer", "arena"),
     ("residency", "miss_policy"): MISS_POLICIES,
     ("speculative", "method"): ("none", "mtp"),

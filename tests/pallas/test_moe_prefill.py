@@ -118,10 +118,11 @@ def on_triton(bank, t, k, **kwargs) -> bool:
 
 
 def test_dispatch_takes_it_for_prompt_chunks_only_where_chosen(rng):
-    """ops.MOE_PREFILL ("pallas_dots" until timed) keeps Pallas's dots; prefill="triton" takes
-    the Triton kernel for a prompt chunk's many picks an expert, not for decode's few, nor for
-    a bank it does not take (float32 weights); results as the reference's."""
-    assert ops.MOE_PREFILL == "pallas_dots"
+    """The default (ops.dispatch.MOE_PREFILL, "pallas_dots" until timed) keeps Pallas's dots;
+    prefill="triton" takes the Triton kernel for a prompt chunk's many picks an expert, not for
+    decode's few, nor for a bank it does not take (float32 weights); a bank of several layers'
+    slots counts them over the layer's n_experts; results as the reference's."""
+    assert ops.dispatch.MOE_PREFILL == "pallas_dots"
     # DeepSeek-V4.1-Flash (384 slots, 6 picks a token): prompt chunks of 1,024 and 2,048 tokens
     assert [moe_prefill.fills_tiles(6 * t, 384) for t in (4, 512, 1024, 2048)] == [
         False, False, True, True]
@@ -129,6 +130,10 @@ def test_dispatch_takes_it_for_prompt_chunks_only_where_chosen(rng):
     assert not on_triton(bank, 200, 2)
     assert on_triton(bank, 200, 2, prefill="triton")
     assert not on_triton(bank, 2, 2, prefill="triton")  # 1 pick an expert
+    # 40 slots (5 layers' 8), picks among one layer's: 20 an expert, a quarter tile and more
+    layers, _, _ = make_bank(rng, "bf16", 40, d=64, i=32)
+    assert not on_triton(layers, 80, 2, prefill="triton")
+    assert on_triton(layers, 80, 2, prefill="triton", n_experts=8)
     f32, _, _ = make_bank(rng, "f32", 4, d=64, i=32)
     assert not moe_prefill.triton_supports(f32, interpret=True)
     assert not on_triton(f32, 200, 2, prefill="triton")

@@ -6,7 +6,7 @@ set for a family's forward from its ServeOptions), and `impl=` is for tests and 
 
     fp8_block_matmul     FP8 block-scaled dense weights (no kernel yet: two jnp forms, by rows)
     moe_grouped          the routed experts over the bank (tidejax.residency.serve calls it); a
-                         prompt chunk's on Pallas's dots or a Triton GEMM (MOE_PREFILL)
+                         prompt chunk's on Pallas's dots or a Triton GEMM (`prefill`)
     paged_mla_decode     MLA decode attention over the paged latent cache
     paged_mla_prefill    a prompt chunk's MLA attention over the paged latent cache
     mla_attention        either of the two by the chunk's length, split over "tensor" by heads
@@ -29,13 +29,14 @@ import math
 import jax
 
 from tidejax import parallel
-from tidejax.ops.dispatch import IMPLS, choose_impl, kernels, log_choice, run
+from tidejax.ops import dispatch
+from tidejax.ops.dispatch import IMPLS, MOE_PREFILL_KERNELS, choose_impl, kernels, log_choice, run
 from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
 from tidejax.pallas.demand import Demand
 from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
 from tidejax.pallas.moe import moe_grouped_reference
 
-__all__ = ["Demand", "IMPLS", "MOE_PREFILL", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
+__all__ = ["Demand", "IMPLS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
            "gqa_attention", "kernels", "mla_attention", "moe_grouped", "paged_gqa_decode",
            "paged_gqa_prefill", "paged_index_scores", "paged_mla_decode", "paged_mla_prefill",
            "reads_by_length", "sinkhorn"]
@@ -76,29 +77,25 @@ def _moe_fits(bank) -> bool:
     return pallas_supports(bank)
 
 
-# The grouped MoE's kernel for prompt chunks (steps whose picks fill the Triton kernel's tiles:
-# pallas.moe_prefill.fills_tiles): "pallas_dots" (moe_kernel's dots path, Pallas's deprecated
-# Triton lowering) or "triton" (moe_prefill's grouped GEMM through jax-triton). "pallas_dots"
-# until bench/kernels.py --prefill has timed both on a GPU; `moe_grouped(prefill=...)` overrides.
-MOE_PREFILL_KERNELS = ("pallas_dots", "triton")
-MOE_PREFILL = "pallas_dots"
-
-
-def _prefill_on_triton(bank, slot_ids, prefill: str | None, interpret: bool) -> bool:
-    """Whether a step's picks run on moe_prefill's Triton kernel: chosen (`prefill`, else
-    MOE_PREFILL), a prompt chunk's many picks an expert, and a bank the kernel takes here."""
-    if (MOE_PREFILL if prefill is None else prefill) != "triton":
+def _prefill_on_triton(bank, slot_ids, prefill: str, n_experts: int | None,
+                       interpret: bool) -> bool:
+    """Whether a step's picks run on moe_prefill's Triton kernel: chosen (`prefill`), a prompt
+    chunk's many picks an expert (over the slots they can name: the bank's, at most
+    n_experts), and a bank the kernel takes here."""
+    if prefill != "triton":
         return False
     from tidejax.pallas import moe_prefill
 
     n_slots = next(iter(bank.values())).shape[0]
-    return (moe_prefill.fills_tiles(slot_ids.size, n_slots)
+    reach = n_slots if n_experts is None else min(n_slots, n_experts)
+    return (moe_prefill.fills_tiles(slot_ids.size, reach)
             and moe_prefill.triton_supports(bank, interpret=interpret))
 
 
 def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                 swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0, impl: str | None = None,
-                demand: Demand | None = None, prefill: str | None = None):
+                demand: Demand | None = None, prefill: str | None = None,
+                n_experts: int | None = None):
     """Routed experts of one MoE layer over the bank: y[t] = sum_j w[t,j] * down_s(swiglu(g, u)),
     s = slot_ids[t,j] (-1 skips); shapes: pallas.moe.moe_grouped_reference.
 
@@ -109,14 +106,19 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     prefill (bf16 dots, float32 accumulation) ~1e-5 for bf16 activations, ~2e-3 for float32
     ones (rounded to bf16).
     prefill: on the kernels, the one for a prompt chunk's many picks an expert, one of
-    MOE_PREFILL_KERNELS; None: MOE_PREFILL. "triton" (pallas.moe_prefill: bf16 h between the
-    projections, ~1e-2 of the output's scale) where the bank fits it, Pallas's dots elsewhere.
+    MOE_PREFILL_KERNELS (a profile's engine.moe_prefill); None: dispatch.MOE_PREFILL, the
+    default. "triton" (pallas.moe_prefill: bf16 h between the projections, ~1e-2 of the
+    output's scale) where the bank fits it, Pallas's dots elsewhere.
+    n_experts: the distinct slots the picks can name, where fewer than the bank's (a layer's
+    experts in a bank of several layers' slots): whether a step's picks fill the Triton
+    kernel's tiles counts them over these; None: the bank's slots.
     demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
     first pass); then returns (y, counts, weight_sums).
     swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): both
     implementations (the kernel compiles them in only where given).
     """
-    if prefill is not None and prefill not in MOE_PREFILL_KERNELS:
+    prefill = dispatch.MOE_PREFILL if prefill is None else prefill
+    if prefill not in MOE_PREFILL_KERNELS:
         raise ValueError(f"moe_grouped: prefill={prefill!r}, expected one of {MOE_PREFILL_KERNELS}")
     impl = choose_impl("moe_grouped", impl, fits=lambda: _moe_fits(bank))
     form = dict(swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
@@ -125,10 +127,10 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     with jax.named_scope(f"moe_grouped_{impl}"):
         if impl == "reference":
             return moe_grouped_reference(x, bank, slot_ids, weights, **form, demand=demand)
-        if _prefill_on_triton(bank, slot_ids, prefill, interpret):
+        if _prefill_on_triton(bank, slot_ids, prefill, n_experts, interpret):
             from tidejax.pallas.moe_prefill import moe_grouped_triton
 
-            log_choice("moe_grouped prefill", "triton", "ops.MOE_PREFILL or prefill=")
+            log_choice("moe_grouped prefill", "triton", "prefill=, engine.moe_prefill")
             with jax.named_scope("moe_prefill_triton"):
                 return moe_grouped_triton(x, bank, slot_ids, weights, **form, demand=demand,
                                           interpret=interpret)

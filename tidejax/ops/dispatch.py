@@ -19,6 +19,14 @@ import jax
 log = logging.getLogger("tidejax.ops")
 
 IMPLS = ("auto", "pallas", "reference")
+# moe_grouped's kernel for prompt chunks (steps whose picks fill the Triton kernel's tiles:
+# pallas.moe_prefill.fills_tiles): "pallas_dots" (moe_kernel's dots path, Pallas's deprecated
+# Triton lowering) or "triton" (moe_prefill's grouped GEMM through jax-triton). A profile picks
+# it (engine.moe_prefill, the engine's ServeOptions), a caller by `moe_grouped(prefill=...)`;
+# MOE_PREFILL is only their default, "pallas_dots" until bench/kernels.py --prefill has timed
+# both on a GPU.
+MOE_PREFILL_KERNELS = ("pallas_dots", "triton")
+MOE_PREFILL = "pallas_dots"
 _policy: contextvars.ContextVar[str] = contextvars.ContextVar("tidejax_ops_kernels",
                                                                default="auto")
 _logged: set[tuple[str, str]] = set()

@@ -43,6 +43,7 @@ class ServeOptions:
 
     miss_policy: str = "exact"
     kernel: str = "auto"  # the ops' implementation in a forward served with these (ops.kernels)
+    moe_prefill: str = ops.dispatch.MOE_PREFILL  # a prompt chunk's grouped kernel (moe_grouped)
     scan_layers: bool = False  # run a model's runs of like layers as one scanned body (V4.1)
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0  # the activation's variant (tidejax.contract.swiglu): gpt-oss
@@ -58,6 +59,9 @@ class ServeOptions:
             raise ValueError(f"miss_policy={self.miss_policy!r}, expected one of {MISS_POLICIES}")
         if self.kernel not in ops.IMPLS:
             raise ValueError(f"kernel={self.kernel!r}, expected one of {ops.IMPLS}")
+        if self.moe_prefill not in ops.MOE_PREFILL_KERNELS:
+            raise ValueError(f"moe_prefill={self.moe_prefill!r}, expected one of "
+                             f"{ops.MOE_PREFILL_KERNELS}")
         if self.exact_budget < 0 or (self.exact_budget and self.miss_policy != "auto"):
             raise ValueError(f"exact_budget={self.exact_budget}: a cap of miss policy 'auto' "
                              "(at least 0)")
@@ -139,7 +143,8 @@ def _grouped(moe_index: int, x, bank, slots, ids, weights, token_mask, state: Ex
         with ops.kernels(options.kernel):  # as a forward served with these options runs it
             out = ops.moe_grouped(x, bank, slots, weights, swiglu_limit=options.swiglu_limit,
                                   swiglu_alpha=options.swiglu_alpha,
-                                  swiglu_up_shift=options.swiglu_up_shift, demand=demand)
+                                  swiglu_up_shift=options.swiglu_up_shift, demand=demand,
+                                  prefill=options.moe_prefill, n_experts=state.n_experts)
         return (out, None) if demand is None else (out[0], out[1:])
 
     return parallel.over_tensor(local, (None, expert_axes(bank)) + (None,) * 5, ("sum", None))(

@@ -124,7 +124,7 @@ class LoadedModel:
         alpha, up_shift = self.family.swiglu_form(self.cfg)
         serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
-            scan_layers=config.engine.scan_layers,
+            moe_prefill=config.engine.moe_prefill, scan_layers=config.engine.scan_layers,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
             swiglu_up_shift=float(up_shift), count=config.residency.count)
 
@@ -140,7 +140,8 @@ class LoadedModel:
         self.residency = Residency(
             None if on_disk else pool, self.family.expert_dims(self.cfg)[0] + drafting,
             self.family.top_k(self.cfg), config.residency, mtp_layers=drafting,
-            kernel=config.engine.kernel, scan_layers=serve.scan_layers,
+            kernel=config.engine.kernel, moe_prefill=serve.moe_prefill,
+            scan_layers=serve.scan_layers,
             swiglu_limit=serve.swiglu_limit,
             swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,
             disk_rows=pool if on_disk else None)
