@@ -2,6 +2,10 @@
 interpreter on the CPU) against moe_grouped_reference and float64 numpy, its compile for Hopper
 (sm_90, on the CPU), and its place in ops.moe_grouped's dispatch."""
 
+import functools
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,3 +160,31 @@ def test_bad_choices_and_banks_are_named(rng):
                                                                               jnp.bfloat16)}
     with pytest.raises(ValueError, match="hidden 40, intermediate 24"):
         moe_prefill.moe_grouped_triton(np.zeros((2, 40), np.float32), odd, ids, w, interpret=True)
+
+
+# StableHLO tensor types: dims and element type
+TENSOR = re.compile(r"tensor<((?:\d+x)+)(f32|bf16|f16|f64|ui8|i8|i32|i64|i1)>")
+BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "ui8": 1, "i8": 1, "i32": 4, "i64": 8, "i1": 1}
+
+
+@pytest.mark.parametrize("n,t", [(384, 4096), (32, 1024)])
+def test_mxfp4_reads_packed_bytes_only(n, t):
+    """DeepSeek-V4.1-Flash's MXFP4 bank (hidden 5120, intermediate 2304) at the bench's shapes:
+    its whole bank at 4,096 tokens, the check's 32 slots at 1,024. Lowered on abstract shapes
+    (nothing allocated): no float tensor as large as the packed gate_up bytes (a projection
+    decoded to bf16 or float32 is 4x or 8x those), and the compiled step's temporaries below
+    the packed bank. The host callback stands in for jax-triton's launch: the jnp around it is
+    the GPU path's, and the kernel reads the bytes through pointers."""
+    d, i, k = 5120, 2304, 6
+    u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
+    bank = {"gate_up_blocks": u8(n, 2 * i, d // 32, 16), "gate_up_scales": u8(n, 2 * i, d // 32),
+            "down_blocks": u8(n, d, i // 32, 16), "down_scales": u8(n, d, i // 32)}
+    args = (jax.ShapeDtypeStruct((t, d), jnp.float32), bank,
+            jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.float32))
+    lowered = jax.jit(functools.partial(moe_prefill.moe_grouped_triton, swiglu_limit=7.0,
+                                        interpret=True)).lower(*args)
+    packed = sum(math.prod(a.shape) for a in bank.values())
+    floats = [math.prod(map(int, dims[:-1].split("x"))) * BYTES[dtype]
+              for dims, dtype in TENSOR.findall(lowered.as_text()) if dtype.startswith(("f", "b"))]
+    assert max(floats) < math.prod(bank["gate_up_blocks"].shape), max(floats)
+    assert lowered.compile().memory_analysis().temp_size_in_bytes < packed
