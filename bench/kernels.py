@@ -13,10 +13,13 @@ against `count_demand_reference`. Prints markdown tables and appends them to ben
 --prefill instead times a prompt chunk's grouped MoE (PREFILL_TOKENS tokens) at DeepSeek-V3's
 (7168, 2048) and V4.1-Flash's (5120, 2304) expert shapes, both formats: the Pallas dots path
 (its own tile choice) beside the Triton grouped GEMM (tidejax.pallas.moe_prefill, its untuned
-tiles; checked against the reference on the GPU first), ms, TFLOP/s and the ratio to the bf16
-matmul of the same run (its table in $OUT/kernels_prefill.md).
+tiles; with --prefill-tiles each of PREFILL_TILES), ms, TFLOP/s and the ratio to the bf16
+matmul of the same run (its table in $OUT/kernels_prefill.md). Each is checked against the
+reference on the GPU first, on a bank of the check's slots alone (the full bank is made after),
+and each compiled call's argument and temporary GiB are printed before it runs.
 
-    python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand] [--prefill]
+    python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand]
+    python3 -m bench.kernels --prefill [--prefill-tiles] [--formats mxfp4,bf16]
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ SWEEP = {  # GEMV tiles (bt = 1) at 1-64 tokens, dot tiles at 64 and 4096 (128-r
 # --prefill: expert shapes (hidden, moe_intermediate, experts, picks a token) at PREFILL_TOKENS
 PREFILL_SHAPES = {"V3": (7168, 2048, 256, 8), "V4.1-Flash": (5120, 2304, 384, 6)}
 PREFILL_TOKENS = 4096
+PREFILL_CHECK = (1024, 32)  # tokens, slots of the check against the reference
+# --prefill-tiles: the Triton kernel's (BM, BN, BK, num_warps, num_stages) tried, the module's
+# first; each compiles for sm_90 in both formats (tests/pallas/test_moe_prefill.py). The
+# accumulators are [BN, BM] float32, two of them in gate_up's pass: 128 x 128 needs 8 warps.
+PREFILL_TILES = [(64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (64, 128, 128, 8, 3),
+                 (64, 256, 64, 8, 3), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
+                 (128, 128, 64, 8, 4), (128, 64, 128, 4, 3)]
 
 
 def make_bank(fmt, n, key, d=D, i=I):
@@ -129,10 +139,20 @@ def kernel_err(kernel, bank, rng, t, n, k, label):
     x = jnp.asarray(rng.standard_normal((t, bank_dims(bank)[1])), jnp.bfloat16).astype(jnp.float32)
     worst = 0.0
     for name, form, checked in (("plain", PLAIN, sub), ("gpt-oss", GPT_OSS, with_biases(sub, rng))):
+        print(f"check {label} {name}: {executable_gib(kernel, x, checked, ids, w, **form)}",
+              flush=True)
         err = rel_err(kernel(x, checked, ids, w, **form), reference(x, checked, ids, w, **form))
         worst = max(worst, err)
         print(f"check {label} {name} tokens={t} slots={n}: rel err {err:.2e}", flush=True)
     return worst
+
+
+def executable_gib(kernel, *args, **static) -> str:
+    """kernel(*args, **static) compiled: its arguments' and temporaries' GiB (XLA's memory
+    analysis, nothing run)."""
+    m = jax.jit(functools.partial(kernel, **static)).lower(*args).compile().memory_analysis()
+    return (f"arguments {m.argument_size_in_bytes / 2**30:.2f} GiB, "
+            f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
 
 
 def time_moe(bank, ids_sets, w, x, tile, mask=None, kernel=moe_grouped_pallas):
@@ -203,22 +223,36 @@ def bench_demand(bank, rng, rows):
         print(rows[-1], flush=True)
 
 
-def bench_prefill(rng, mm, formats, rows):
+def bench_prefill(rng, mm, formats, rows, tiles):
     """A prompt chunk's grouped MoE at PREFILL_TOKENS tokens for each of PREFILL_SHAPES and
-    formats: the Pallas dots path (its own tile) and the Triton grouped GEMM, each checked
-    against the reference on the GPU first (1024 tokens on 32 slots); appends table rows."""
+    formats: the Pallas dots path (its own tile) and the Triton grouped GEMM at each of `tiles`
+    (None: its own), each checked against the reference on the GPU first (PREFILL_CHECK) on a
+    bank of those slots alone, then timed on the full bank; appends table rows."""
     t = PREFILL_TOKENS
-    kernels = {"pallas dots": moe_grouped_pallas, "triton": moe_grouped_triton}
+    kernels = {"pallas dots": moe_grouped_pallas}
+    for tile in tiles:
+        name = "triton" if tile is None else f"triton {'x'.join(map(str, tile))}"
+        kernels[name] = functools.partial(moe_grouped_triton, tile=tile)
     for shape, (d, i, e, k) in PREFILL_SHAPES.items():
         for fmt in formats:
+            check_bank = make_bank(fmt, PREFILL_CHECK[1], jax.random.key(5), d, i)
+            errs = {}
+            for name, kernel in kernels.items():
+                try:
+                    errs[name] = kernel_err(kernel, check_bank, rng, *PREFILL_CHECK, k,
+                                            f"{shape} {fmt} {name}")
+                except Exception:  # a kernel that fails is reported, the others go on
+                    print(f"{shape} {fmt} {name} failed:\n{traceback.format_exc()}", flush=True)
+            del check_bank
             bank = make_bank(fmt, e, jax.random.key(5), d, i)
             ids_sets, w = routing(rng, ROTATE, t, e, k)
             x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
-            for name, kernel in kernels.items():
+            for name, err in errs.items():
                 try:
-                    err = kernel_err(kernel, bank, rng, 1024, 32, k, f"{shape} {fmt} {name}")
-                    s = time_moe(bank, ids_sets, w, x, None, kernel=kernel)
-                except Exception:  # a kernel that fails is reported, the others go on
+                    print(f"{shape} {fmt} {name} at {t} tokens: "
+                          f"{executable_gib(kernels[name], x, bank, ids_sets[0], w)}", flush=True)
+                    s = time_moe(bank, ids_sets, w, x, None, kernel=kernels[name])
+                except Exception:
                     print(f"{shape} {fmt} {name} failed:\n{traceback.format_exc()}", flush=True)
                     continue
                 tflops = 2 * t * k * 3 * i * d / s / 1e12
@@ -234,8 +268,9 @@ def prefill_section(mm, rows) -> str:
         f"`python3 -m bench.kernels {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
         f"{PREFILL_TOKENS} tokens, random routing, bf16 x; bf16 matmul 8192^3 {mm:.0f} TFLOP/s in the same run. "
         "pallas dots: tidejax.pallas.moe_kernel, its own tile; triton: tidejax.pallas.moe_prefill, its untuned "
-        "tiles. TFLOP/s counts the three projections of every pick; err = max relative Frobenius error vs "
-        "the jnp reference on the GPU (1024 tokens on 32 slots, plain and gpt-oss's).\n",
+        "tiles (triton BMxBNxBKxwarpsxstages: that tile). TFLOP/s counts the three projections of every pick; "
+        f"err = max relative Frobenius error vs the jnp reference on the GPU ({PREFILL_CHECK[0]} tokens on "
+        f"{PREFILL_CHECK[1]} slots, plain and gpt-oss's).\n",
         "| experts (hidden, intermediate) | format | kernel | ms | TFLOP/s | / matmul | err |",
         "| --- | --- | --- | --- | --- | --- | --- |",
         *rows, "",
@@ -259,7 +294,11 @@ def main():
     ap.add_argument("--no-demand", action="store_true", help="skip the demand counting rows (MXFP4)")
     ap.add_argument("--prefill", action="store_true",
                     help="only the prompt chunk's table: Pallas dots and Triton at 4096 tokens")
+    ap.add_argument("--prefill-tiles", action="store_true",
+                    help="with --prefill: the Triton kernel at each of PREFILL_TILES")
     args = ap.parse_args()
+    if args.prefill_tiles and not args.prefill:
+        ap.error("--prefill-tiles goes with --prefill")
     rng = np.random.default_rng(int(time.time()))
     hbm_read_gbps(), matmul_tflops()  # warm the clocks up first
     read, copy, mm = hbm_read_gbps(), copy_gbps(), matmul_tflops()
@@ -267,7 +306,8 @@ def main():
           f"{mm:.0f} TFLOP/s", flush=True)
     if args.prefill:
         rows = []
-        bench_prefill(rng, mm, args.formats.split(","), rows)
+        bench_prefill(rng, mm, args.formats.split(","), rows,
+                      PREFILL_TILES if args.prefill_tiles else [None])
         write_section(prefill_section(mm, rows), "kernels_prefill.md")
         return
     rows, demand_rows = [], []

@@ -50,6 +50,24 @@ def test_the_kernel_computes_the_reference(rng, fmt, n, used, t, k, limit):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_another_tile_computes_the_same(rng, fmt):
+    """tile= (the bench's sweep) runs the kernel at other tiles: BM 16 (more tiles a slot), BN 32
+    (two programs of down's 64 columns), BK 32 (gate_up's K in two steps); the module's result
+    but for the sums' order (the same bf16 operands), within the output's bf16 rounding; a tile
+    the kernel cannot take is named."""
+    bank, _, _ = make_bank(rng, fmt, 4, d=64, i=32)
+    x = jnp.asarray(rng.standard_normal((150, 64)), jnp.bfloat16)
+    slot_ids, weights = prompt_picks(rng, 150, 2, 3)
+    want = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, interpret=True)
+    got = moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, interpret=True,
+                                         tile=(16, 32, 32, 4, 2))
+    assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float64)) < 4e-3
+    with pytest.raises(ValueError, match=r"tile=\(16, 8, 64, 4, 2\)"):
+        moe_prefill.moe_grouped_triton(x, bank, slot_ids, weights, interpret=True,
+                                       tile=(16, 8, 64, 4, 2))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_gpt_oss_biases_and_activation(rng, fmt):
     """gpt-oss's experts (tidejax.contract): the bias leaves and g * sigmoid(1.702 g) * (u + 1),
     compiled in, against float64 numpy."""
@@ -76,38 +94,58 @@ def test_demand_is_counted(rng):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_the_kernel_compiles_for_hopper(fmt):
-    """Triton compiles every variant (both passes, with and without the bias and the activation's
-    options) to an sm_90 cubin on warpgroup MMAs (wgmma), its loads pipelined by asynchronous
-    copies (cp.async), on this CPU: the GPU path's errors, which the interpreter does not see,
-    show here. DeepSeek-V3's expert shapes."""
+def compile_for_hopper(fmt: str, gate_up: bool, bias: bool, tile: tuple, d=7168, i=2048):
+    """The kernel's pass compiled by Triton for sm_90 on this CPU (DeepSeek-V3's expert shapes
+    by default), at tile (BM, BN, BK, num_warps, num_stages): its ptx, after checking it has a
+    cubin on warpgroup MMAs (wgmma) and loads pipelined by asynchronous copies (cp.async)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tidejax.pallas.moe_prefill_kernel import moe_prefill_kernel
 
-    d, i = 7168, 2048
+    bm, bn, bk, warps, stages = tile
     weight = "*u8" if fmt == "mxfp4" else "*bf16"
+    meta = dict(K=d if gate_up else i, R=2 * i if gate_up else d, N=i if gate_up else d,
+                PHASES=2 if fmt == "mxfp4" else 1, BM=bm, BN=bn, BK=bk, GATE_UP=gate_up,
+                BIAS=bias, LIMIT=7.0 if bias else 0.0, ALPHA=1.702 if bias else 1.0,
+                UP_SHIFT=1.0 if bias else 0.0, DOT_F32=False)
+    signature = dict(a_ptr="*bf16", tile_slot_ptr="*i32", row_token_ptr="*i32",
+                     row_weight_ptr="*fp32", w_ptr=weight, scale_ptr=weight, bias_ptr="*bf16",
+                     out_ptr="*bf16" if gate_up else "*fp32",
+                     **{name: "constexpr" for name in meta})
+    aligned = {(j,): [["tt.divisibility", 16]] for j in range(8)}  # as jax-triton's arrays
+    compiled = triton.compile(ASTSource(moe_prefill_kernel, signature, meta, aligned),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and "wgmma" in ptx and "cp.async" in ptx  # pipelined
+    return ptx
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_the_kernel_compiles_for_hopper(fmt):
+    """Triton compiles every variant (both passes, with and without the bias and the activation's
+    options) at the module's tile for sm_90 on this CPU: the GPU path's errors, which the
+    interpreter does not see, show here."""
+    tile = (moe_prefill.BM, moe_prefill.BN, moe_prefill.BK, moe_prefill.NUM_WARPS,
+            moe_prefill.NUM_STAGES)
     for gate_up in (True, False):
         for bias in (False, True):
-            meta = dict(K=d if gate_up else i, R=2 * i if gate_up else d, N=i if gate_up else d,
-                        PHASES=2 if fmt == "mxfp4" else 1, BM=moe_prefill.BM, BN=moe_prefill.BN,
-                        BK=moe_prefill.BK, GATE_UP=gate_up, BIAS=bias,
-                        LIMIT=7.0 if bias else 0.0, ALPHA=1.702 if bias else 1.0,
-                        UP_SHIFT=1.0 if bias else 0.0, DOT_F32=False)
-            signature = dict(a_ptr="*bf16", tile_slot_ptr="*i32", row_token_ptr="*i32",
-                             row_weight_ptr="*fp32", w_ptr=weight, scale_ptr=weight,
-                             bias_ptr="*bf16", out_ptr="*bf16" if gate_up else "*fp32",
-                             **{name: "constexpr" for name in meta})
-            aligned = {(j,): [["tt.divisibility", 16]] for j in range(8)}  # as jax-triton's arrays
-            compiled = triton.compile(ASTSource(moe_prefill_kernel, signature, meta, aligned),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": moe_prefill.NUM_WARPS,
-                                               "num_stages": moe_prefill.NUM_STAGES})
-            ptx = compiled.asm["ptx"]
-            assert compiled.asm["cubin"] and "wgmma" in ptx and "cp.async" in ptx  # pipelined
+            compile_for_hopper(fmt, gate_up, bias, tile)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_the_bench_tiles_compile_for_hopper(fmt):
+    """Each of bench/kernels.py's PREFILL_TILES (the --prefill-tiles sweep) compiles both passes
+    for sm_90 at DeepSeek-V4.1-Flash's expert shapes; the module's tile is the sweep's first."""
+    from bench.kernels import PREFILL_TILES
+
+    assert PREFILL_TILES[0] == (moe_prefill.BM, moe_prefill.BN, moe_prefill.BK,
+                                moe_prefill.NUM_WARPS, moe_prefill.NUM_STAGES)
+    for tile in PREFILL_TILES:
+        for gate_up in (True, False):
+            compile_for_hopper(fmt, gate_up, False, tile, d=5120, i=2304)
 
 
 def on_triton(bank, t, k, **kwargs) -> bool:

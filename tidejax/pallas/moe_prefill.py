@@ -34,8 +34,8 @@ from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles
 from tidejax.pallas.triton_host import to_numpy, to_torch
 
 # Tiles: BM rows (picks of one expert) x BN output columns, BK values of K a loop step; warps and
-# pipeline stages a program. Untuned: chosen for Hopper's bf16 dots by rule of thumb, not yet run
-# on a GPU (bench/kernels.py --prefill is the sweep's starting point).
+# pipeline stages a program. Untuned: chosen for Hopper's bf16 dots by rule of thumb
+# (bench/kernels.py --prefill --prefill-tiles times the candidates of PREFILL_TILES there).
 BM, BN, BK = 64, 128, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 
@@ -103,7 +103,9 @@ def _interpreted(*args, out_shape, grid, meta):
     return to_numpy(out)
 
 
-def _launch(args, out_shape, grid, meta, interpret: bool):
+def _launch(args, out_shape, grid, meta, warps_stages, interpret: bool):
+    """The kernel over `grid`; on the GPU with warps_stages (num_warps, num_stages), which
+    Triton's interpreter has no use for."""
     if interpret:
         return jax.pure_callback(functools.partial(_interpreted, out_shape=out_shape, grid=grid,
                                                    meta=meta), out_shape, *args)
@@ -111,18 +113,28 @@ def _launch(args, out_shape, grid, meta, interpret: bool):
 
     from tidejax.pallas.moe_prefill_kernel import moe_prefill_kernel
 
+    num_warps, num_stages = warps_stages
     return jax_triton.triton_call(*args, kernel=moe_prefill_kernel, out_shape=out_shape,
-                                  grid=grid, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta)
+                                  grid=grid, num_warps=num_warps, num_stages=num_stages, **meta)
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift",
-                                             "interpret"))
+                                             "interpret", "tile"))
 def moe_grouped_triton(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                        swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0,
-                       demand: Demand | None = None, interpret: bool = False):
+                       demand: Demand | None = None, interpret: bool = False,
+                       tile: tuple[int, int, int, int, int] | None = None):
     """moe_grouped_reference's result by the Triton grouped GEMM (same shapes and arguments): x
     [T, D], bank (bf16 or MXFP4, optional bias leaves), slot_ids [T, k] int32 (-1 = skip),
-    weights [T, k] -> y [T, D] of x.dtype; with `demand`, (y, counts, weight_sums)."""
+    weights [T, k] -> y [T, D] of x.dtype; with `demand`, (y, counts, weight_sums).
+    tile: (BM, BN, BK, num_warps, num_stages) instead of the module's (benchmarks): powers of
+    two, BM and BN >= 16 (tl.dot's least), BK >= 16 a phase (MXFP4: 32); BN and BK clipped to
+    what divides their dimension."""
+    bm, bn, bk, warps, stages = tile or (BM, BN, BK, NUM_WARPS, NUM_STAGES)
+    least = (16, 16, 16 * _phases(bank))
+    if any(v < lo or v & (v - 1) for v, lo in zip((bm, bn, bk), least)):
+        raise ValueError(f"moe_grouped (triton): tile={tile}; want BM, BN, BK powers of two of "
+                         f"at least {least} for this bank")
     n = _check_args(x, bank, slot_ids, weights, demand)
     _, d, i = bank_dims(bank)
     if not _takes(bank):
@@ -130,12 +142,12 @@ def moe_grouped_triton(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                          f"({bank_format(bank)}); want multiples of 16 and, dense, bf16 weights")
     t, k = slot_ids.shape
     phases = _phases(bank)
-    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, BM)
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bm)
     rows = row_token.shape[0]
     picked = slot_ids.reshape(-1) >= 0
     pick_weight = jnp.where(picked, weights.reshape(-1).astype(jnp.float32), 0.0)
     row_weight = jnp.zeros(rows, jnp.float32).at[pick_row].set(pick_weight, mode="drop")
-    common = dict(PHASES=phases, BM=BM, LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha),
+    common = dict(PHASES=phases, BM=bm, LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha),
                   UP_SHIFT=float(swiglu_up_shift), DOT_F32=interpret)
     plan = (tile_slot, row_token, row_weight)
 
@@ -143,18 +155,18 @@ def moe_grouped_triton(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
         return bank[name] if name in bank else like
 
     gate_up, gate_up_scales = _projection(bank, "gate_up")
-    bn1, bk1 = _block(i, BN), _block(d, BK)
+    bn1, bk1 = _block(i, bn), _block(d, bk)
     h = _launch((_deinterleaved(x.astype(jnp.bfloat16), phases), *plan, gate_up, gate_up_scales,
                  bias("gate_up_bias", gate_up)),
                 jax.ShapeDtypeStruct((rows, i), jnp.bfloat16), (i // bn1, tile_slot.shape[0]),
                 dict(common, K=d, R=2 * i, N=i, BN=bn1, BK=bk1, GATE_UP=True,
-                     BIAS="gate_up_bias" in bank), interpret)
+                     BIAS="gate_up_bias" in bank), (warps, stages), interpret)
     down, down_scales = _projection(bank, "down")
-    bn2, bk2 = _block(d, BN), _block(i, BK)
+    bn2, bk2 = _block(d, bn), _block(i, bk)
     out = _launch((h, *plan, down, down_scales, bias("down_bias", down)),
                   jax.ShapeDtypeStruct((rows, d), jnp.float32), (d // bn2, tile_slot.shape[0]),
                   dict(common, K=i, R=d, N=d, BN=bn2, BK=bk2, GATE_UP=False,
-                       BIAS="down_bias" in bank), interpret)
+                       BIAS="down_bias" in bank), (warps, stages), interpret)
     # each pick's weighted row; a skipped pick's row is past the end: zeros
     per_pick = jnp.take(out, pick_row, axis=0, mode="fill", fill_value=0.0)  # [T * k, D]
     y = jnp.sum(per_pick.reshape(t, k, d), axis=1).astype(x.dtype)
