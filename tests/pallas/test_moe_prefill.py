@@ -186,6 +186,18 @@ def test_dispatch_takes_it_for_prompt_chunks_only_where_chosen(rng):
     assert rel_err(got, np.asarray(want, np.float64)) < 2e-2
 
 
+def test_pallas_tile_counts_picks_over_the_layers_experts(rng):
+    """Pallas's tile too (moe_kernel.choose_tile): 6 tokens x 2 picks in a bank of 40 slots are
+    GEMV's ~1 pick an expert; over the layer's 8 (n_experts) ~1.7, the dots."""
+    bank, _, _ = make_bank(rng, "bf16", 40, d=64, i=32)
+    ids, w = np.zeros((6, 2), np.int32) + np.arange(2), np.ones((6, 2), np.float32)
+    x = np.zeros((6, 64), np.float32)
+    for n_experts, kernel in ((None, "moe_gate_up_gemv"), (8, "moe_gate_up")):
+        jaxpr = str(jax.make_jaxpr(lambda x: ops.moe_grouped(x, bank, ids, w, impl="pallas",
+                                                             n_experts=n_experts))(x))
+        assert set(re.findall(r"name=(moe_gate_up\w*)", jaxpr)) == {kernel}
+
+
 def test_bad_choices_and_banks_are_named(rng):
     bank, _, _ = make_bank(rng, "bf16", 2, d=64, i=32)
     x, ids, w = np.zeros((2, 64), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1))

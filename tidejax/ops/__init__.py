@@ -110,8 +110,8 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     default. "triton" (pallas.moe_prefill: bf16 h between the projections, ~1e-2 of the
     output's scale) where the bank fits it, Pallas's dots elsewhere.
     n_experts: the distinct slots the picks can name, where fewer than the bank's (a layer's
-    experts in a bank of several layers' slots): whether a step's picks fill the Triton
-    kernel's tiles counts them over these; None: the bank's slots.
+    experts in a bank of several layers' slots): the picks an expert, which pick the Triton
+    kernel (prefill) and Pallas's tile, are counted over these; None: the bank's slots.
     demand: the layer's wanted picks to count (the kernel adds them with atomic adds in its
     first pass); then returns (y, counts, weight_sums).
     swiglu_alpha, swiglu_up_shift and bias leaves in the bank (gpt-oss; tidejax.contract): both
@@ -137,7 +137,7 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
         from tidejax.pallas.moe_kernel import moe_grouped_pallas
 
         return moe_grouped_pallas(x, bank, slot_ids, weights, **form, demand=demand,
-                                  interpret=interpret)
+                                  interpret=interpret, n_experts=n_experts)
 
 
 def _mla_fits(q_latent, q_rope, latent_pages, *_) -> bool:

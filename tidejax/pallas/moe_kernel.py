@@ -536,21 +536,25 @@ def _run_dots(x, bank, slot_ids, demand, *, tile, form, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift",
-                                             "interpret", "tile"))
+                                             "interpret", "tile", "n_experts"))
 def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                        swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0, interpret=False,
-                       tile=None, demand=None):
+                       tile=None, demand=None, n_experts: int | None = None):
     """Same contract as `moe_grouped_reference` (demand, the activation's variant and the bias
     leaves included: the gate/up kernel counts the demand).
 
     tile: (bt, bn, bk, num_warps, num_stages) to override `choose_tile` (benchmarks); bt = 1 runs
     the GEMV kernels, bt >= 16 the dots.
+    n_experts: the distinct slots the picks can name where fewer than the bank's (a layer's
+    experts in a bank of several layers' slots): `choose_tile` counts the picks an expert over
+    them; None: the bank's slots.
     """
     n, _, _ = bank_dims(bank)
     t, k = slot_ids.shape
     if demand is not None:
         check_demand(demand, t, k)
-    tile = tile or choose_tile(bank_format(bank), t * k, n)
+    reach = n if n_experts is None else min(n, n_experts)
+    tile = tile or choose_tile(bank_format(bank), t * k, reach)
     run = _run_gemv if tile[0] == 1 else _run_dots
     form = (swiglu_limit, swiglu_alpha, swiglu_up_shift)  # tidejax.contract.swiglu's arguments
     per_pick, counters = run(x, bank, slot_ids, demand, tile=tile, form=form, interpret=interpret)
