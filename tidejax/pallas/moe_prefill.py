@@ -1,6 +1,6 @@
 """The grouped MoE of a prompt chunk (many picks an expert) as a Triton grouped GEMM:
 `moe_grouped_triton`, moe_grouped_reference's contract (tidejax.pallas.moe), called by
-tidejax.ops.moe_grouped where its `prefill` choice names it (ops.MOE_PREFILL).
+tidejax.ops.moe_grouped where its `prefill` choice names it (engine.moe_prefill).
 
 The picks are sorted by slot into tiles of BM rows (moe_plan.plan_tiles), and moe_prefill_kernel
 runs twice over them: gate_up with the activation fused (h [rows, I] bf16), then down with each
@@ -13,8 +13,9 @@ compile-time options. With `demand`, the counters are counted by count_demand_re
 
 On the GPU it is called through jax-triton (Pallas's Triton lowering is deprecated since jax
 0.11); off it (interpret=True, tests) the same kernel runs in Triton's interpreter on the host,
-through jax.pure_callback and torch tensors. Not yet run or timed on a GPU:
-bench/kernels.py --prefill times it beside the Pallas dots path and the bf16 matmul peak.
+through jax.pure_callback and torch tensors. bench/kernels.py --prefill times it beside the
+Pallas dots path and the bf16 matmul peak (its first H100 run, bf16 experts: docs/DESIGN.md's
+kernel table), --prefill-tiles at other tiles (`tile=`).
 """
 
 from __future__ import annotations
