@@ -370,10 +370,6 @@ def test_the_distributed_table_is_checked_naming_the_key():
     with pytest.raises(ConfigError, match="'distributed.process_id' = 2 should be below"):
         distributed.check(two.with_overrides({"distributed": {"process_id": 2,
                                                               "coordinator": "h:1"}}))
-    with pytest.raises(ConfigError, match="'speculative.method' = 'mtp' is not served with "
-                                          "distributed.num_processes = 2"):
-        distributed.check(two.with_overrides({"distributed": {"coordinator": "h:1"},
-                                              "speculative": {"method": "mtp"}}))
     env = {"TIDEJAX_COORDINATOR": "10.0.0.1:7000", "TIDEJAX_NUM_PROCESSES": "2",
            "TIDEJAX_PROCESS_ID": "1"}
     section = config.with_environment(env).distributed

@@ -29,8 +29,7 @@ from tidejax.errors import ConfigError
 
 def check(config: EngineConfig) -> None:
     """What the [distributed] keys say together (after every --set and variable): process_id
-    below num_processes, a coordinator for several processes, and no speculative decoding under
-    several (its verify steps are served and tested on a mesh of one process only)."""
+    below num_processes and a coordinator for several processes."""
     section = config.distributed
     if section.process_id >= section.num_processes:
         raise ConfigError(f"{config.source_of('distributed.process_id')}: "
@@ -40,11 +39,6 @@ def check(config: EngineConfig) -> None:
         raise ConfigError(f"{config.source_of('distributed.num_processes')}: "
                           "'distributed.coordinator' (host:port of process 0) is needed for "
                           f"distributed.num_processes = {section.num_processes}")
-    if section.num_processes > 1 and config.speculative.method != "none":
-        raise ConfigError(f"{config.source_of('speculative.method')}: 'speculative.method' = "
-                          f"{config.speculative.method!r} is not served with "
-                          f"distributed.num_processes = {section.num_processes} yet (one process "
-                          "splitting 'tensor' is served)")
 
 
 def start(config: EngineConfig) -> Leader | Follower | None:

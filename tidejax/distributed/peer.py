@@ -36,6 +36,8 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
+    log.info("process %d: %d verify steps run", config.distributed.process_id,
+             runner.verify_steps)
     cache = runner.model.residency.cache
     if cache is not None:  # its own disk tier's reads (process 0's are in its stats)
         log.info("process %d: disk tier %s", config.distributed.process_id, cache.stats())

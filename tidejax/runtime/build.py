@@ -653,8 +653,7 @@ def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
 def check_speculative(config: EngineConfig, family, cfg, source: str) -> None:
     """[speculative] method "mtp" needs a family that drafts with its MTP layers, a checkpoint
     that has one (config.json's num_nextn_predict_layers); LoadedModel._check_mtp_layer refuses
-    a count whose tensors the checkpoint lacks (seen at load), distributed.check several
-    processes."""
+    a count whose tensors the checkpoint lacks (seen at load)."""
     if config.speculative.method != "mtp":
         return
     given = config.source_of("speculative.method")

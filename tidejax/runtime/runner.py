@@ -102,6 +102,7 @@ class Runner:
         self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
         self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
         self._steps = 0  # mixed steps run
+        self.verify_steps = 0  # of them, verify steps (speculative decoding)
         # (number, tokens) of the last step; a verify step's: (number, steps.Latest)
         self.last: tuple[int, object] | None = None
         self.peers = channel
@@ -176,6 +177,7 @@ class Runner:
         for leaf in early + ([result.accepted] if plan.verify else []):
             leaf.copy_to_host_async()  # on its way as soon as the step ends
         self._steps += 1
+        self.verify_steps += plan.verify
         self.last = (self._steps, sampled.tokens if latest is None else latest)
         result.step, result.sampled, result.tallies = self._steps, sampled, tallies
 
