@@ -1,11 +1,13 @@
 """Speculative decoding (issue 33) over two processes on loopback (test_speculative_mesh.py has
 it on one process's devices): a tiny DeepSeek-V3 whose MTP layer drafts well, the mesh split
-two ways over the processes. Process 0 plans every verify step and the peer runs the same ones
-(its runner counts them); the drafts kept, the rollbacks and the pages given back are process
-0's decisions, from the step's tokens, which are whole on every device."""
+two ways over the processes, in a pool that preempts; then over the disk tier of experts.
+Process 0 plans every verify step and the peer runs the same ones (its runner counts them);
+the drafts kept, the rollbacks and the pages given back are process 0's decisions, from the
+step's tokens, which are whole on every device."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import textwrap
@@ -41,31 +43,63 @@ LEADER = textwrap.dedent("""
            "drafted": [got[-1].stats["drafted_tokens"] for got in events],
            "accepted": [got[-1].stats["accepted_tokens"] for got in events],
            "verify_steps": engine.runner.verify_steps,
+           "preemptions": engine.scheduler.totals["preemptions"],
            "o_proj": list(mtp["attn"]["o_proj"]["weight"].sharding.spec),
            "o_proj_shards": len(mtp["attn"]["o_proj"]["weight"].addressable_shards)}
+    cache = engine.residency.cache
+    if cache is not None:  # the disk tier: the MTP layer's rows after the main layers'
+        n_main = len(engine.loaded.cfg.moe_layers) * engine.loaded.cfg.n_routed_experts
+        out["mtp_disk_reads"] = int(cache.reads_by_row[n_main:].sum())
     engine.close()  # the peer stops too, its verify steps in its log
     print(json.dumps(out))
 """)
 
 
-def test_speculation_over_two_processes_keeps_the_greedy_tokens(v3_mtp, tmp_path):
-    """Four lanes over two processes with `method = "mtp"`, k = 2: the greedy tokens of one
-    process without speculation, drafts accepted on process 0, the MTP layer's attention split
-    over the processes (one shard a process), and process 1 ran as many verify steps as
-    process 0 planned."""
-    plain = tidejax.load(v3_mtp, engine=ENGINE)
+@pytest.fixture(scope="module")
+def plain(v3_mtp) -> list[list[int]]:
+    """The greedy tokens of one process, one device, without speculation."""
+    engine = tidejax.load(v3_mtp, engine=ENGINE)
     requests = [GenerationRequest(p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
-    expected = [tokens_of(events) for events in run(plain, requests)]
-    plain.close()
+    expected = [tokens_of(events) for events in run(engine, requests)]
+    engine.close()
+    return expected
+
+
+def _pair(v3_mtp, tmp_path, **residency) -> tuple[dict, str]:
+    """Process 1 following, LEADER as process 0, speculating (k = 2) in a pool of 8 pages that
+    preempts: (process 0's report, process 1's log)."""
     profile = write_profile(
-        tmp_path / "pair.toml", v3_mtp, engine=ENGINE, speculative={"method": "mtp", "tokens": 2},
+        tmp_path / "pair.toml", v3_mtp, engine={**ENGINE, "kv_pool_tokens": 64},
+        speculative={"method": "mtp", "tokens": 2}, residency=residency,
         distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120})
     got = run_pair(profile, LEADER, json.dumps(PROMPTS), str(NEW_TOKENS), timeout=300)
     print(f"accepted {got['accepted']} of {got['drafted']} drafts in {got['verify_steps']} "
-          "verify steps")
-    assert got["tokens"] == expected
+          f"verify steps, {got['preemptions']} preemptions")
+    return got, (tmp_path / "pair-peer.log").read_text()
+
+
+def test_speculation_over_two_processes_keeps_the_greedy_tokens(v3_mtp, plain, tmp_path):
+    """Four lanes over two processes with `method = "mtp"`, preempted (each process saves its
+    own copy of a lane's pages, the MTP slot's among them): the greedy tokens of one process
+    without speculation, drafts kept and rolled back on process 0, the MTP layer's attention
+    split over the processes (one shard a process), and process 1 ran as many verify steps as
+    process 0 planned."""
+    got, peer_log = _pair(v3_mtp, tmp_path)
+    assert got["tokens"] == plain and got["preemptions"] > 0
     assert 0 < sum(got["accepted"]) < sum(got["drafted"])  # kept and rolled back
     assert got["o_proj"] == [None, "tensor"] and got["o_proj_shards"] == 1
-    peer = re.search(r"process 1: (\d+) verify steps run",
-                     (tmp_path / "pair-peer.log").read_text())
+    peer = re.search(r"process 1: (\d+) verify steps run", peer_log)
     assert peer and int(peer.group(1)) == got["verify_steps"] > 0
+
+
+def test_speculation_over_the_disk_tier_of_two_processes(v3_mtp, plain, tmp_path):
+    """The same over a host budget of half the rows (`exact`): each process reads its shards
+    of the MTP layer's rows from a prepared copy of them, as of the main layers' rows (the two
+    copies joined as one source of shards: disk.joined), and both processes read rows."""
+    got, peer_log = _pair(v3_mtp, tmp_path, budget_experts=8, host_budget_experts=12,
+                          miss_policy="exact", state_dir=str(tmp_path / "state"))
+    assert got["tokens"] == plain and got["mtp_disk_reads"] > 0
+    peer = re.search(r"process 1: disk tier (\{.*\})", peer_log)
+    assert peer and ast.literal_eval(peer.group(1))["disk_reads"] > 0
+    assert sorted(p.name for p in (tmp_path / "state" / "experts").iterdir()) == [
+        "process0-tensor2", "process1-tensor2"]

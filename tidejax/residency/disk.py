@@ -11,7 +11,8 @@ is read as the aligned span around each of its tensors' bytes, which are copied 
 filesystem refuses O_DIRECT the files are read buffered, said once in the log and in `direct`
 (the stats' `disk_direct`). `JoinedRows` serves two sources as one: the main model's rows,
 then a drafting MTP layer's (runtime/build.py: those are memory-mapped, read through the page
-cache), each read in place or from a prepared copy of its own.
+cache), each read in place or from a prepared copy of its own (`joined`: across processes, the
+ProcessShards of the two copies joined).
 
 Where the mesh spans several processes each process reads only its shards of each row: a
 prepared copy of them (`ShardsOf`, written by prepared.open_rows), served by `ProcessShards`,
@@ -195,3 +196,12 @@ class ProcessShards:
 
     def read(self, row: int) -> dict:
         return self.copy.read(row)
+
+
+def joined(first, then):
+    """The rows of `first`, then those of `then`, as one source (JoinedRows); across processes
+    (both ProcessShards) a ProcessShards over their joined copies, so the host cache still reads
+    them as this process's shards."""
+    if isinstance(first, ProcessShards) and isinstance(then, ProcessShards):
+        return ProcessShards(JoinedRows(first.copy, then.copy), JoinedRows(first, then).layout)
+    return JoinedRows(first, then)

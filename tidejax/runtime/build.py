@@ -43,7 +43,7 @@ from tidejax.models.layers.mtp import (MtpExpertRows, mtp_expert_row, mtp_params
 from tidejax.models.loading import ExpertPool, RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.manager import Residency
-from tidejax.residency.disk import CheckpointRows, JoinedRows
+from tidejax.residency.disk import CheckpointRows, joined
 from tidejax.residency.pool import host_pool, host_slots, pool_rows, row_bytes
 from tidejax.residency.prepared import open_rows
 from tidejax.residency.serve import ServeOptions
@@ -605,7 +605,7 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     host cache reads from as needed.
     mtp_layers (0 or 1, speculating): the pool has one more MoE layer after the main model's,
     the first MTP layer's routed experts (put_mtp_rows), where the checkpoint holds it; on disk,
-    its rows follow the main model's (residency.disk.JoinedRows), read from the loader's kept
+    its rows follow the main model's (residency.disk.joined), read from the loader's kept
     tensors (MtpExpertRows) in place or from a prepared copy of their own."""
     mesh = mesh or parallel.current_mesh()
     n_moe, n_experts = family.expert_dims(cfg)[:2]
@@ -635,8 +635,8 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
         return params, aux, main
     mtp = CheckpointRows(MtpExpertRows(aux, cfg, dtype, fp8.config_block(raw)),
                          RowFormat(held_as, dtype))
-    return params, aux, JoinedRows(main, open_rows(mtp, residency.state_dir, label="-mtp",
-                                                 mesh=mesh))
+    return params, aux, joined(main, open_rows(mtp, residency.state_dir, label="-mtp",
+                                             mesh=mesh))
 
 
 def put_mtp_rows(cfg, kept: dict | None, put_row, dtype, raw: dict) -> None:
