@@ -1,6 +1,7 @@
 """Speculative decoding (issue 33) over two processes on loopback (test_speculative_mesh.py has
 it on one process's devices): a tiny DeepSeek-V3 whose MTP layer drafts well, the mesh split
-two ways over the processes, in a pool that preempts; then over the disk tier of experts.
+two ways over the processes, in a pool that preempts; then over the disk tier of experts; and
+a tiny GLM-4.5, whose GQA pages split by KV heads.
 Process 0 plans every verify step and the peer runs the same ones (its runner counts them);
 the drafts kept, the rollbacks and the pages given back are process 0's decisions, from the
 step's tokens, which are whole on every device."""
@@ -18,6 +19,7 @@ import pytest
 import tidejax
 from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import free_coordinator, run_pair, write_profile
+from tests.support.tiny_models import repeating_mtp
 from tidejax.runtime.scheduler import GenerationRequest
 
 ENGINE = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16, "warmup": False}
@@ -55,14 +57,18 @@ LEADER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def plain(v3_mtp) -> list[list[int]]:
+def _plain(model) -> list[list[int]]:
     """The greedy tokens of one process, one device, without speculation."""
-    engine = tidejax.load(v3_mtp, engine=ENGINE)
+    engine = tidejax.load(model, engine=ENGINE)
     requests = [GenerationRequest(p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
     expected = [tokens_of(events) for events in run(engine, requests)]
     engine.close()
     return expected
+
+
+@pytest.fixture(scope="module")
+def plain(v3_mtp) -> list[list[int]]:
+    return _plain(v3_mtp)
 
 
 def _pair(v3_mtp, tmp_path, **residency) -> tuple[dict, str]:
@@ -103,3 +109,19 @@ def test_speculation_over_the_disk_tier_of_two_processes(v3_mtp, plain, tmp_path
     assert peer and ast.literal_eval(peer.group(1))["disk_reads"] > 0
     assert sorted(p.name for p in (tmp_path / "state" / "experts").iterdir()) == [
         "process0-tensor2", "process1-tensor2"]
+
+
+
+def test_glm_speculation_over_two_processes_splits_its_pages_by_heads(tiny_checkpoint,
+                                                                      tmp_path_factory,
+                                                                      tmp_path):
+    """GLM-4.5 (GQA, two KV heads: its pages split one head a process) speculating over two
+    processes: the greedy tokens of one process without speculation, drafts kept and rolled
+    back, and the peer ran process 0's verify steps."""
+    glm = repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
+                        tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
+    got, peer_log = _pair(glm, tmp_path)
+    assert got["tokens"] == _plain(glm)
+    assert 0 < sum(got["accepted"]) < sum(got["drafted"])
+    peer = re.search(r"process 1: (\d+) verify steps run", peer_log)
+    assert peer and int(peer.group(1)) == got["verify_steps"] > 0
