@@ -53,11 +53,13 @@ class SequenceCopy:
 class PageSpill:
     """The pages a read (`copy`, of this plan's reads) holds, in its order: the block hash of
     each and the number of the lane snapshot kept with it (a copy the runners hold; None:
-    none), which goes with it."""
+    none), which goes with it. `closing`: pages the device pool still indexes, on their way to
+    disk at close (Scheduler.close_tiers): the runner waits for its disk writes after them."""
 
     copy: int
     digests: tuple[bytes, ...]
     snapshots: tuple[int | None, ...]
+    closing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

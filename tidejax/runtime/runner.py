@@ -197,13 +197,15 @@ class Runner:
 
     def _spill(self, spill: PageSpill) -> None:
         """Each page of a read into the host tier under its block hash (this process's shards of
-        it), with the lane snapshot kept with it."""
+        it), with the lane snapshot kept with it; at close, the disk writes it pushed waited for."""
         if self.tiers is None:  # this process's tiers did not open (its log says why)
             return
         pages = self.copies[spill.copy].cache.pages
         for i, (digest, snapshot) in enumerate(zip(spill.digests, spill.snapshots, strict=True)):
             rows = jax.tree.map(lambda leaf: parallel.host_rows(leaf, i, i + 1), pages)
             self.tiers.spill(digest, Spilled(rows, self.copies.get(snapshot)))
+        if spill.closing and self.tiers.disk is not None:
+            self.tiers.disk.flush()
 
     def _restore(self, restore: PageRestore) -> list[str]:
         """Writes prompt-cache pages back into the pool; the tier each came from. Every process
@@ -235,8 +237,9 @@ class Runner:
         self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
 
     def close_tiers(self) -> None:
-        """The host tier's pages written to the disk tier and its writes waited for (Engine.close;
-        a peer at stop): a restart over the same folder matches them. The tiers are off after."""
+        """The host tier's pages (at close, the device pool's indexed pages among them:
+        Scheduler.close_tiers) written to the disk tier and its writes waited for (Engine.close; a
+        peer at stop): a restart over the same folder matches them. The tiers are off after."""
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

@@ -245,10 +245,33 @@ class Scheduler:
         return self.runner.tiers
 
     def close_tiers(self) -> None:
-        """The host tier's pages written to the disk tier and its writes waited for (Engine.close):
-        a restart over the same folder matches them (each peer's at stop)."""
+        """The device pool's indexed pages (`_spill_indexed`) and the host tier's written to the
+        disk tier and its writes waited for (Engine.close): a restart over the same folder
+        matches them (each peer's at stop)."""
+        if self.caching and self.tiers is not None and self.tiers.disk is not None:
+            self._spill_indexed(self.tiers.disk)
         self.runner.close_tiers()
         self.pages.spilling = False
+
+    def _spill_indexed(self, disk) -> None:
+        """The newest of the pool's indexed pages that `disk`'s budget holds, with their lane
+        snapshots, spilled to the host tier oldest first (so the host tier's older entries, which
+        it writes to disk before them, are the first the disk tier's budget deletes); one plan a
+        sequence copy's worth, each runner waiting for its disk writes after it (host memory
+        holds one read beyond the host tier). The pages stay indexed on the device."""
+        indexed, room, chosen = self.pages.indexed(), disk.budget, []
+        for digest, page, snapshot in reversed(indexed):
+            room -= disk.entry_bytes(snapshot is not None)
+            if room < 0:
+                break
+            chosen.append((digest, page, snapshot))
+        log.info("prompt cache: %d of the device pool's %d indexed pages go to disk at close "
+                 "(the newest within cache.disk_gib)", len(chosen), len(indexed))
+        chosen.reverse()  # oldest first
+        most = self.model.max_pages  # the most pages one sequence copy reads
+        for first in range(0, len(chosen), most):
+            self._plan_spill(chosen[first:first + most], closing=True)
+            self.runner.run(self._take())
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -819,11 +842,19 @@ class Scheduler:
         spilled = self.pages.take_spilled()
         most = self.model.max_pages  # the most pages one sequence copy reads
         for first in range(0, len(spilled), most):
-            digests, pages, snapshots = zip(*spilled[first:first + most])
-            copy = next(self._copies)
-            self._plan.reads.append(SequenceCopy(copy, pages, 0))
-            self._plan.spills.append(PageSpill(copy, digests, snapshots))
-            self._plan.forget += [copy] + [n for n in snapshots if n is not None]
+            self._plan_spill(spilled[first:first + most])
+        self._plan.forget += [n for _, _, n in spilled if n is not None]
+
+    def _plan_spill(self, spilled: list[tuple[bytes, int, int | None]],
+                    closing: bool = False) -> None:
+        """A read of `spilled`'s pages (block hash, page, snapshot number or None; at most a
+        sequence copy's) and their spill to the host tier (`closing`: PageSpill's); the read is
+        forgotten after the plan."""
+        digests, pages, snapshots = zip(*spilled)
+        copy = next(self._copies)
+        self._plan.reads.append(SequenceCopy(copy, pages, 0))
+        self._plan.spills.append(PageSpill(copy, digests, snapshots, closing))
+        self._plan.forget.append(copy)
 
     def _save(self, pages: list[int], lane: int) -> int:
         """Plans a read of a sequence's pages and lane rows into host memory; its copy's number."""
