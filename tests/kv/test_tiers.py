@@ -210,6 +210,36 @@ def test_pages_still_on_the_device_at_close_go_to_disk(model_dir, tmp_path, capl
     assert {p.stem for p in (tmp_path / "b").rglob("*.page")} == {h.hex() for h in hashes[:3]}
 
 
+def test_a_v41_restore_keeps_every_page_s_snapshot_for_a_shorter_match():
+    """DeepSeek-V4.1 (the golden tiny_a) on a pool of four 16-token pages, host memory alone:
+    a 48-token prompt's 3 pages (a lane snapshot at each end) are evicted to host memory and
+    restored by a prompt that extends it; a next prompt that shares only its first page
+    matches it on the device (the restore kept that page's snapshot too: without it, the page
+    would match nothing and the host tier no longer holds it) and prefills only its 10 new
+    tokens, with the cache off's tokens."""
+    ids = np.load(V41 / "input_ids.npy")[0].tolist()
+    engine = tidejax.load(V41, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 16,
+                                          "page_size": 16, "kv_pool_tokens": 64},
+                          cache={"disk_gib": 0})
+    scheduler = engine.scheduler
+    assert scheduler.tiers.disk is None
+    serve(engine, ids[:48], 2)
+    serve(engine, np.random.RandomState(7).randint(3, 250, 48).tolist(), 2)  # evicts them
+    hashes = block_hashes(ids[:48], 16)
+    assert all(scheduler.tiers.host.has_snapshot(digest) for digest in hashes)
+    longer = ids[:49]
+    (got_longer, stats), count = prefilled(engine, lambda: serve(engine, longer, 2))
+    assert stats["cached_tokens"] == 48 and count == 1 and matched(engine, "host") == 48
+    assert not any(digest in scheduler.tiers.host for digest in hashes)
+    shorter = ids[:16] + ids[50:60]
+    device = matched(engine, "device")
+    (got, stats), count = prefilled(engine, lambda: serve(engine, shorter, 6))
+    assert stats["cached_tokens"] == 16 and count == 10 and matched(engine, "device") - device == 16
+    assert matched(engine, "host") == 48
+    # last: an uncached run evicts the cached pages
+    assert got == uncached(engine, shorter, 6) and got_longer == uncached(engine, longer, 2)
+
+
 def test_a_v41_page_on_the_device_at_close_goes_to_disk_with_its_snapshot(tmp_path):
     """DeepSeek-V4.1 (the golden tiny_a): turn 1's page (32 tokens, a lane snapshot at its end)
     is still in the device pool at close; it goes to disk with its snapshot, and a new engine

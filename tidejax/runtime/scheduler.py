@@ -494,8 +494,9 @@ class Scheduler:
         """Matches a new request's prompt on past its `start` device pages in the host and disk
         tiers: the plan so far runs with a restore of the run process 0's tiers hold into the
         request's next pages, of which the runners write back as many as every process holds
-        (Runner._restore); those are indexed on the device again (with lane snapshots, the last
-        one's snapshot is written into its lane). How many."""
+        (Runner._restore); those are indexed on the device again, with lane snapshots each with
+        its own (a later prompt may match a shorter run of them), the last one's written into
+        the lane. How many."""
         if self.tiers is None or not self.caching:
             return 0
         size = self.pages.page_size
@@ -504,15 +505,21 @@ class Scheduler:
         if not digests:
             return 0
         pages = self.pages.pages_of(handle.id)[start:start + len(digests)]
-        copy = next(self._copies) if self.snapshots else None
-        self._plan.restores.append(PageRestore(tuple(pages), tuple(digests), copy))
-        restored = self.runner.run(self._take()).restored
-        n = len(restored)
+        numbers = tuple(next(self._copies) for _ in digests) if self.snapshots else None
+        self._plan.restores.append(PageRestore(tuple(pages), tuple(digests), numbers))
+        result = self.runner.run(self._take())
+        n = len(result.restored)
         self.pages.publish(handle.id, handle.hashes[:start + n])
-        if n and self.snapshots:  # the lane's rows as they were at the last page's end
-            keep = self.pages.attach(handle.hashes[start + n - 1], copy)  # for later matches
-            self._plan.writes.append(SequenceCopy(copy, (), lane, keep=keep))
-        for tier in restored:
+        kept = set(result.snapshots)  # the run's last page has one (Runner._restore)
+        for i, copy in enumerate(numbers[:n] if self.snapshots else ()):
+            if copy not in kept:
+                continue
+            attached = self.pages.attach(handle.hashes[start + i], copy)  # for later matches
+            if i == n - 1:  # the lane's rows as they were at the run's end
+                self._plan.writes.append(SequenceCopy(copy, (), lane, keep=attached))
+            elif not attached:
+                self._plan.forget.append(copy)
+        for tier in result.restored:
             self.totals[f"cached_{tier}"] += size
         return n
 
