@@ -247,11 +247,13 @@ class Scheduler:
     def close_tiers(self) -> None:
         """The device pool's indexed pages (`_spill_indexed`) and the host tier's written to the
         disk tier and its writes waited for (Engine.close): a restart over the same folder
-        matches them (each peer's at stop)."""
-        if self.caching and self.tiers is not None and self.tiers.disk is not None:
-            self._spill_indexed(self.tiers.disk)
-        self.runner.close_tiers()
-        self.pages.spilling = False
+        matches them (each peer's at stop); the host tier's even where reading the pool fails."""
+        try:
+            if self.caching and self.tiers is not None and self.tiers.disk is not None:
+                self._spill_indexed(self.tiers.disk)
+        finally:
+            self.runner.close_tiers()
+            self.pages.spilling = False
 
     def _spill_indexed(self, disk) -> None:
         """The newest of the pool's indexed pages that `disk`'s budget holds, with their lane
@@ -260,8 +262,9 @@ class Scheduler:
         sequence copy's worth, each runner waiting for its disk writes after it (host memory
         holds one read beyond the host tier). The pages stay indexed on the device."""
         indexed, room, chosen = self.pages.indexed(), disk.budget, []
+        size = {kept: disk.entry_bytes(kept) for kept in (False, True)}  # with a snapshot or not
         for digest, page, snapshot in reversed(indexed):
-            room -= disk.entry_bytes(snapshot is not None)
+            room -= size[snapshot is not None]
             if room < 0:
                 break
             chosen.append((digest, page, snapshot))
