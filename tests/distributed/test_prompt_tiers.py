@@ -163,13 +163,15 @@ PAIR = textwrap.dedent("""
     if phase == "host":
         out["host"] = second_turn(turn_two(100))
         later = {"kept": turn_two(200), "spoiled": turn_two(300)}  # to host memory, then disk
+        later["last"] = ids(302, 80)  # turn_two(300)'s last prompt: on the device at close
         out["host_pages"] = len(engine.scheduler.tiers.host)
         saved.write_text(json.dumps(later))
     else:
         later = json.loads(saved.read_text())
         out["disk_pages"] = len(engine.scheduler.tiers.disk)
         out["kept"], out["spoiled"] = second_turn(later["kept"]), second_turn(later["spoiled"])
-    engine.close()  # the peer stops too; both write their host tiers to disk
+        out["last"] = second_turn(later["last"])
+    engine.close()  # the peer stops too; both write their device pages and host tiers to disk
     print(json.dumps(out))
 """)
 
@@ -191,8 +193,11 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
     restarted over the folder (each wrote its host tier to a folder of its own at stop), a
     second turn matches from disk (40 tokens, 8 prefilled); another, whose third page's file
     process 1 finds corrupt (skipped and removed there, with a log line), restores 2 pages on
-    both (16 tokens, 32 prefilled) while process 0's file stays. Greedy tokens equal the cache
-    off's every time."""
+    both (16 tokens, 32 prefilled) while process 0's file stays (process 1's is written anew at
+    close: the page was prefilled again, in the device pool then); the last prompt before the
+    first stop, whose pages were still in the device pool then (each process wrote its shards
+    of them at close, a log line on the peer), matches its 9 pages from disk (72 tokens, 8
+    prefilled). Greedy tokens equal the cache off's every time."""
     model = tiny_checkpoint("glm4_moe", "qknorm_groups", seed=3)
     host = _pair(tmp_path, model, "host")
     assert host["host_pages"] >= 10
@@ -213,6 +218,11 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
                             "disk": 40}
     assert disk["spoiled"] == {"same": True, "cached": 16, "prefilled": 32, "device": 0,
                                "host": 0, "disk": 16}
+    assert disk["last"] == {"same": True, "cached": 72, "prefilled": 8, "device": 0, "host": 0,
+                            "disk": 72}
+    assert re.search(r"prompt cache: \d+ pages written to disk under \S*process1",
+                     (tmp_path / "host-peer.log").read_text())
     peer_log = (tmp_path / "disk-peer.log").read_text()
     assert re.search(rf"disk entry \S*{spoiled} is corrupt", peer_log), peer_log[-3000:]
-    assert not target.exists() and (folders[0] / spoiled).exists()
+    # removed there; the page prefilled again was on the device at close: written anew
+    assert target.read_bytes() != bytes(raw) and (folders[0] / spoiled).exists()

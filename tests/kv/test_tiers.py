@@ -45,6 +45,17 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def uncached(engine, prompt: list[int], n: int, sampling=SamplingParams()) -> list[int]:
+    """serve's tokens with the prompt cache off (it matches nothing; its stats say so)."""
+    engine.scheduler.caching = False
+    try:
+        tokens, stats = serve(engine, prompt, n, sampling)
+    finally:
+        engine.scheduler.caching = True
+    assert stats["cached_tokens"] == 0
+    return tokens
+
+
 def matched(engine, tier: str) -> int:
     return engine.scheduler.cache_stats()["tiers"][tier]["matched_tokens"]
 
@@ -90,13 +101,8 @@ def test_a_second_turn_matches_from_host_memory(engine):
     # the restored pages are the device's again: a next request matches them there
     (again, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
     assert matched(engine, "device") - device == 40 and count == 8
-    scheduler.caching = False  # last: an uncached run leaves second's keys in the unused pages
-    try:
-        uncached, stats = serve(engine, second, 6)
-    finally:
-        scheduler.caching = True
-    assert stats["cached_tokens"] == 0
-    assert got == again == uncached == greedy(engine, second, 6)
+    # last: an uncached run leaves second's keys in the unused pages
+    assert got == again == uncached(engine, second, 6) == greedy(engine, second, 6)
 
 
 def test_a_penalized_turn_from_host_memory_sees_its_cached_prompt_tokens(engine):
@@ -107,12 +113,7 @@ def test_a_penalized_turn_from_host_memory_sees_its_cached_prompt_tokens(engine)
     host = matched(engine, "host")
     got, stats = serve(engine, second, 6, sampled)
     assert stats["cached_tokens"] == 40 and matched(engine, "host") - host == 40
-    engine.scheduler.caching = False
-    try:
-        uncached, _ = serve(engine, second, 6, sampled)
-    finally:
-        engine.scheduler.caching = True
-    assert got == uncached
+    assert got == uncached(engine, second, 6, sampled)
 
 
 def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir, disk_dir,
@@ -170,12 +171,98 @@ def test_a_v41_lane_snapshot_travels_with_its_page_through_host_memory():
     second = first + answer + ids[50:55]
     (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
     assert stats["cached_tokens"] == 32 and count == 13 and matched(engine, "host") == 32
-    scheduler.caching = False
+    assert got == uncached(engine, second, 6)
+
+
+def test_pages_still_on_the_device_at_close_go_to_disk(model_dir, tmp_path, caplog):
+    """Turn 1 of a conversation stays in the device pool (nothing evicted, the host tier
+    empty); a clean close writes its 5 indexed pages to disk (log lines count them); a new
+    engine over the folder matches turn 2 there and prefills only its 8 new tokens, with the
+    cache off's greedy tokens. Under a disk budget of 3 pages, close writes the 3 most recently
+    used: a sequence's first pages (its last are released first)."""
+    first = ids(500, 37)
+    engine = tidejax.load(model_dir, engine=ENGINE, cache={"disk_dir": str(tmp_path / "a")})
+    answer, _ = serve(engine, first, 8)
+    second = first + answer + [7, 8, 9]
+    hashes = block_hashes(second, 8)[:5]
+    scheduler = engine.scheduler
+    assert scheduler.pages.evictions == 0 and len(scheduler.tiers.host) == 0
+    assert [digest for digest, _, _ in scheduler.pages.indexed()] == hashes[::-1]
+    size = scheduler.tiers.disk.entry_bytes(False)
+    with caplog.at_level(logging.INFO, logger="tidejax"):
+        engine.close()
+    assert "5 of the device pool's 5 indexed pages go to disk at close" in caplog.text
+    assert "5 pages written to disk" in caplog.text
+    assert {p.stem for p in (tmp_path / "a").rglob("*.page")} == {h.hex() for h in hashes}
+
+    restarted = tidejax.load(model_dir, engine=ENGINE, cache={"disk_dir": str(tmp_path / "a")})
     try:
-        uncached, _ = serve(engine, second, 6)
+        (got, stats), count = prefilled(restarted, lambda: serve(restarted, second, 6))
+        assert stats["cached_tokens"] == 40 and count == 8 and matched(restarted, "disk") == 40
+        assert got == uncached(restarted, second, 6)
     finally:
-        scheduler.caching = True
-    assert got == uncached
+        restarted.close()
+
+    small = tidejax.load(model_dir, engine=ENGINE, cache={"disk_dir": str(tmp_path / "b"),
+                                                          "disk_gib": 3 * size / 2**30})
+    serve(small, first, 8)
+    small.close()
+    assert {p.stem for p in (tmp_path / "b").rglob("*.page")} == {h.hex() for h in hashes[:3]}
+
+
+def test_a_v41_restore_keeps_every_page_s_snapshot_for_a_shorter_match():
+    """DeepSeek-V4.1 (the golden tiny_a) on a pool of four 16-token pages, host memory alone:
+    a 48-token prompt's 3 pages (a lane snapshot at each end) are evicted to host memory and
+    restored by a prompt that extends it; a next prompt that shares only its first page
+    matches it on the device (the restore kept that page's snapshot too: without it, the page
+    would match nothing and the host tier no longer holds it) and prefills only its 10 new
+    tokens, with the cache off's tokens."""
+    ids = np.load(V41 / "input_ids.npy")[0].tolist()
+    engine = tidejax.load(V41, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 16,
+                                          "page_size": 16, "kv_pool_tokens": 64},
+                          cache={"disk_gib": 0})
+    scheduler = engine.scheduler
+    assert scheduler.tiers.disk is None
+    serve(engine, ids[:48], 2)
+    serve(engine, np.random.RandomState(7).randint(3, 250, 48).tolist(), 2)  # evicts them
+    hashes = block_hashes(ids[:48], 16)
+    assert all(scheduler.tiers.host.has_snapshot(digest) for digest in hashes)
+    longer = ids[:49]
+    (got_longer, stats), count = prefilled(engine, lambda: serve(engine, longer, 2))
+    assert stats["cached_tokens"] == 48 and count == 1 and matched(engine, "host") == 48
+    assert not any(digest in scheduler.tiers.host for digest in hashes)
+    shorter = ids[:16] + ids[50:60]
+    device = matched(engine, "device")
+    (got, stats), count = prefilled(engine, lambda: serve(engine, shorter, 6))
+    assert stats["cached_tokens"] == 16 and count == 10 and matched(engine, "device") - device == 16
+    assert matched(engine, "host") == 48
+    # last: an uncached run evicts the cached pages
+    assert got == uncached(engine, shorter, 6) and got_longer == uncached(engine, longer, 2)
+
+
+def test_a_v41_page_on_the_device_at_close_goes_to_disk_with_its_snapshot(tmp_path):
+    """DeepSeek-V4.1 (the golden tiny_a): turn 1's page (32 tokens, a lane snapshot at its end)
+    is still in the device pool at close; it goes to disk with its snapshot, and a new engine
+    over the folder restores both for turn 2, which prefills only the 13 tokens past turn 1,
+    with the cache off's tokens."""
+    ids = np.load(V41 / "input_ids.npy")[0].tolist()
+    settings = {"lanes": 1, "max_context": 64, "prefill_chunk": 16, "page_size": 32,
+                "kv_pool_tokens": 64}
+    engine = tidejax.load(V41, engine=settings, cache={"disk_dir": str(tmp_path)})
+    first = ids[:32]
+    answer, _ = serve(engine, first, 8)
+    assert engine.scheduler.pages.snapshots == 1 and len(engine.scheduler.tiers.host) == 0
+    engine.close()
+    restarted = tidejax.load(V41, engine=settings, cache={"disk_dir": str(tmp_path)})
+    try:
+        page = block_hashes(first, 32)[0]
+        assert restarted.scheduler.tiers.disk.has_snapshot(page)
+        second = first + answer + ids[50:55]
+        (got, stats), count = prefilled(restarted, lambda: serve(restarted, second, 6))
+        assert stats["cached_tokens"] == 32 and count == 13 and matched(restarted, "disk") == 32
+        assert got == uncached(restarted, second, 6)
+    finally:
+        restarted.close()
 
 
 def test_the_disk_tier_keeps_its_budget_and_finds_its_files_again(tmp_path, caplog):
@@ -192,6 +279,7 @@ def test_the_disk_tier_keeps_its_budget_and_finds_its_files_again(tmp_path, capl
     sizing.put(b"\0" * 16, entry(0))
     sizing.close()
     size = sizing.bytes
+    assert sizing.entry_bytes(False) == size  # what close's choice of device pages counts
     folder = tmp_path / "tier"
     disk = DiskTier(folder, 3 * size, template)
     digests = [bytes([i]) * 16 for i in range(5)]

@@ -197,6 +197,13 @@ class PageTable:
         spilled, self._spilled = self._spilled, []
         return spilled
 
+    def indexed(self) -> list[tuple[bytes, int, int | None]]:
+        """(block hash, page, snapshot number or None) of every indexed page, least recently used
+        first: those no sequence holds in the order they were released, then those held."""
+        held = [page for page in self._hash_of if page not in self._idle]
+        return [(self._hash_of[page], page, self._snapshots.get(page))
+                for page in [*self._idle, *held]]
+
     def publish(self, seq: int, hashes: list[bytes]) -> None:
         """Indexes the first len(hashes) pages of `seq` (their keys written, for the tokens the
         hashes cover) where no page holds that block yet."""

@@ -103,6 +103,7 @@ class DiskTier:
 
     def __init__(self, folder: Path, budget: int, template: Spilled):
         self.folder, self.budget, self.evictions = Path(folder), budget, 0
+        self.written = 0  # files written since start
         self._template = template
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -153,6 +154,13 @@ class DiskTier:
     def has_snapshot(self, digest: bytes) -> bool:
         with self._lock:
             return self._index[digest][1]
+
+    def entry_bytes(self, snapshot: bool) -> int:
+        """The bytes of one entry's file, its header included, with or without a lane snapshot."""
+        arrays = self._specs(snapshot)[2]
+        payload = sum(int(np.prod(array.shape)) * jnp.dtype(array.dtype).itemsize
+                      for array in arrays)
+        return len(_MAGIC) + 4 + len(_header(snapshot, arrays, "0" * 32)) + payload
 
     def put(self, digest: bytes, entry: Spilled) -> None:
         """Writes `entry` on the background thread (nothing where the hash has a file)."""
@@ -211,10 +219,8 @@ class DiskTier:
                                                                            entry.snapshot))
                   for array in _arrays(leaf)]
         payload = b"".join(leaf.tobytes() for leaf in leaves)
-        header = json.dumps({"snapshot": entry.snapshot is not None,
-                             "leaves": [[leaf.dtype.name, list(leaf.shape)] for leaf in leaves],
-                             "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}
-                            ).encode()
+        header = _header(entry.snapshot is not None, leaves,
+                         hashlib.blake2b(payload, digest_size=16).hexdigest())
         if digest in self:  # queued twice
             return
         path = self._path(digest)
@@ -228,6 +234,7 @@ class DiskTier:
         with self._lock:
             self._index[digest] = (size, entry.snapshot is not None)
             self.bytes += size
+            self.written += 1
             doomed = []
             while self.bytes > self.budget and self._index:
                 old, (old_size, _) = self._index.popitem(last=False)
@@ -242,17 +249,21 @@ class DiskTier:
             if digest in self._index:
                 self.bytes -= self._index.pop(digest)[0]
 
+    def _specs(self, snapshot: bool) -> tuple[list, object, list]:
+        """The template's leaves (with its snapshot's or without), their tree, and the arrays a
+        file holds of them (_arrays)."""
+        template = self._template if snapshot else Spilled(self._template.pages)
+        specs, treedef = jax.tree.flatten((template.pages, template.snapshot))
+        return specs, treedef, [array for spec in specs for array in _arrays(spec)]
+
     def _unpack(self, header: dict, payload: bytes) -> Spilled:
         """The entry's leaves in the template's tree; a file of other shapes (another model's
         pages, a truncated write) raises ValueError."""
-        template = self._template if header["snapshot"] else Spilled(self._template.pages)
-        specs, treedef = jax.tree.flatten((template.pages, template.snapshot))
-        want = [[jnp.dtype(array.dtype).name, list(array.shape)] for spec in specs
-                for array in _arrays(spec)]
-        if header["leaves"] != want:
+        specs, treedef, want = self._specs(header["snapshot"])
+        if header["leaves"] != _leaves(want):
             raise ValueError("shapes unlike this model's pages")
         arrays, at = [], 0
-        for array in (array for spec in specs for array in _arrays(spec)):
+        for array in want:
             dtype = jnp.dtype(array.dtype)
             size = int(np.prod(array.shape)) * dtype.itemsize
             arrays.append(np.frombuffer(payload, dtype, size // dtype.itemsize, at)
@@ -271,6 +282,17 @@ class DiskTier:
 def _arrays(leaf) -> list:
     """The arrays a file holds of a leaf: the leaf, or each of this process's shards of it."""
     return [data for _, data in leaf.shards] if isinstance(leaf, LocalShards) else [leaf]
+
+
+def _header(snapshot: bool, arrays: list, digest: str) -> bytes:
+    """A file's header: whether it holds a lane snapshot, its arrays' dtypes and shapes (numpy
+    arrays or jax.ShapeDtypeStruct), the payload's digest (hex)."""
+    return json.dumps({"snapshot": snapshot, "leaves": _leaves(arrays), "digest": digest}).encode()
+
+
+def _leaves(arrays: list) -> list:
+    """The header's description of arrays: [[dtype name, shape], ...]."""
+    return [[jnp.dtype(array.dtype).name, list(array.shape)] for array in arrays]
 
 
 def _read_header(f) -> dict:
@@ -339,6 +361,9 @@ class Tiers:
         for digest, entry in self.host.drain():
             self.disk.put(digest, entry)
         self.disk.close()
+        log.info("prompt cache: %d pages written to disk under %s since start; %d there now "
+                 "(%.1f MiB)", self.disk.written, self.disk.folder, len(self.disk),
+                 self.disk.bytes / 2**20)
 
 
 def model_key(model_dir: Path, page_size: int, template: Spilled, tensor: int,

@@ -53,24 +53,27 @@ class SequenceCopy:
 class PageSpill:
     """The pages a read (`copy`, of this plan's reads) holds, in its order: the block hash of
     each and the number of the lane snapshot kept with it (a copy the runners hold; None:
-    none), which goes with it."""
+    none), which goes with it. `closing`: pages the device pool still indexes, on their way to
+    disk at close (Scheduler.close_tiers): the runner waits for its disk writes after them."""
 
     copy: int
     digests: tuple[bytes, ...]
     snapshots: tuple[int | None, ...]
+    closing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class PageRestore:
     """Prompt-cache entries (`digests`: block hashes) for `pages` of the pool: the longest run
     from the first that every process holds (Runner._restore: an entry missing or corrupt on
-    one process shortens it for all); `snapshot`: the number the runners keep the last restored
-    entry's lane snapshot under (None: no lane snapshots, the run not cut back to one). The
-    warm-up's restore names a kept `copy` instead, whose pages go back as they are."""
+    one process shortens it for all); `snapshots`: a number for each entry, under which the
+    runners keep its lane snapshot where every process has one (None: no lane snapshots, the
+    run not cut back to an entry with one). The warm-up's restore names a kept `copy` instead,
+    whose pages go back as they are."""
 
     pages: tuple[int, ...]
     digests: tuple[bytes, ...] = ()
-    snapshot: int | None = None
+    snapshots: tuple[int, ...] | None = None
     copy: int | None = None
 
 

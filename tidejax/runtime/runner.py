@@ -66,6 +66,8 @@ class StepResult:
     saved: dict[int, SavedSequence] = dataclasses.field(default_factory=dict)  # copy -> read
     # the tier ("host", "disk") each prompt-cache page its restores wrote back came from, here
     restored: list[str] = dataclasses.field(default_factory=list)
+    # the numbers (PageRestore.snapshots') of the restored pages' lane snapshots kept
+    snapshots: list[int] = dataclasses.field(default_factory=list)
 
     def tokens(self) -> np.ndarray:
         """The step's tokens [lanes] ([lanes, k + 1] of a verify step; waits for the step)."""
@@ -136,7 +138,7 @@ class Runner:
         for lane, params in plan.lanes.items():
             self._set_lane(lane, params, plan.seen.get(lane, ()))
         for restore in plan.restores:
-            result.restored += self._restore(restore)
+            self._restore(restore, result)
         for write in plan.writes:
             if write.copy not in self.copies:
                 raise ValueError(f"no saved copy {write.copy} to write back (each goes back "
@@ -199,37 +201,42 @@ class Runner:
 
     def _spill(self, spill: PageSpill) -> None:
         """Each page of a read into the host tier under its block hash (this process's shards of
-        it), with the lane snapshot kept with it."""
+        it), with the lane snapshot kept with it; at close, the disk writes it pushed waited for."""
         if self.tiers is None:  # this process's tiers did not open (its log says why)
             return
         pages = self.copies[spill.copy].cache.pages
         for i, (digest, snapshot) in enumerate(zip(spill.digests, spill.snapshots, strict=True)):
             rows = jax.tree.map(lambda leaf: parallel.host_rows(leaf, i, i + 1), pages)
             self.tiers.spill(digest, Spilled(rows, self.copies.get(snapshot)))
+        if spill.closing and self.tiers.disk is not None:
+            self.tiers.disk.flush()
 
-    def _restore(self, restore: PageRestore) -> list[str]:
-        """Writes prompt-cache pages back into the pool; the tier each came from. Every process
-        loads its own entries, then they agree (parallel.agree_min) on the run every one of them
-        holds, cut back to its last entry with a lane snapshot where one is asked for; entries
-        loaded past it go back to host memory."""
+    def _restore(self, restore: PageRestore, result: StepResult) -> None:
+        """Writes prompt-cache pages back into the pool; `result` says the tier each came from
+        and the lane snapshots kept. Every process loads its own entries, then they agree
+        (parallel.agree_min) on the run every one of them holds, cut back to its last entry with
+        a lane snapshot where snapshots are asked for, and on which of its entries have one
+        (each kept under its number); entries loaded past the run go back to host memory."""
         if restore.copy is not None:  # the warm-up's: a kept copy's pages as they are
             self._write_pages(restore.pages, [self.copies[restore.copy].cache.pages])
-            return []
+            return
         loaded = self.tiers.load(list(restore.digests)) if self.tiers is not None else []
         held = np.zeros((2, self.model.max_pages), np.int32)  # [held, has a snapshot]
         held[0, :len(loaded)] = 1
         held[1, :len(loaded)] = [entry.snapshot is not None for _, _, entry in loaded]
         every, snapshots = parallel.agree_min(held, self.model.mesh)
         n = int(np.cumprod(every).sum())
-        while restore.snapshot is not None and n and not snapshots[n - 1]:
+        while restore.snapshots is not None and n and not snapshots[n - 1]:
             n -= 1
         for digest, _, entry in loaded[n:]:  # kept, not served
             self.tiers.spill(digest, entry)
         if n:
             self._write_pages(restore.pages[:n], [entry.pages for _, _, entry in loaded[:n]])
-            if restore.snapshot is not None:
-                self.copies[restore.snapshot] = loaded[n - 1][2].snapshot
-        return [tier for _, tier, _ in loaded[:n]]
+        for i in range(n if restore.snapshots is not None else 0):
+            if snapshots[i]:
+                self.copies[restore.snapshots[i]] = loaded[i][2].snapshot
+                result.snapshots.append(restore.snapshots[i])
+        result.restored += [tier for _, tier, _ in loaded[:n]]
 
     def _write_pages(self, pages: tuple[int, ...], rows: list) -> None:
         pool = self.model.steps.write_pages(self.state.cache.pages, np.asarray(pages, np.int32),
@@ -237,8 +244,9 @@ class Runner:
         self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
 
     def close_tiers(self) -> None:
-        """The host tier's pages written to the disk tier and its writes waited for (Engine.close;
-        a peer at stop): a restart over the same folder matches them. The tiers are off after."""
+        """The host tier's pages (at close, the device pool's indexed pages among them:
+        Scheduler.close_tiers) written to the disk tier and its writes waited for (Engine.close; a
+        peer at stop): a restart over the same folder matches them. The tiers are off after."""
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

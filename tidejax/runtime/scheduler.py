@@ -245,10 +245,36 @@ class Scheduler:
         return self.runner.tiers
 
     def close_tiers(self) -> None:
-        """The host tier's pages written to the disk tier and its writes waited for (Engine.close):
-        a restart over the same folder matches them (each peer's at stop)."""
-        self.runner.close_tiers()
-        self.pages.spilling = False
+        """The device pool's indexed pages (`_spill_indexed`) and the host tier's written to the
+        disk tier and its writes waited for (Engine.close): a restart over the same folder
+        matches them (each peer's at stop); the host tier's even where reading the pool fails."""
+        try:
+            if self.caching and self.tiers is not None and self.tiers.disk is not None:
+                self._spill_indexed(self.tiers.disk)
+        finally:
+            self.runner.close_tiers()
+            self.pages.spilling = False
+
+    def _spill_indexed(self, disk) -> None:
+        """The newest of the pool's indexed pages that `disk`'s budget holds, with their lane
+        snapshots, spilled to the host tier oldest first (so the host tier's older entries, which
+        it writes to disk before them, are the first the disk tier's budget deletes); one plan a
+        sequence copy's worth, each runner waiting for its disk writes after it (host memory
+        holds one read beyond the host tier). The pages stay indexed on the device."""
+        indexed, room, chosen = self.pages.indexed(), disk.budget, []
+        size = {kept: disk.entry_bytes(kept) for kept in (False, True)}  # with a snapshot or not
+        for digest, page, snapshot in reversed(indexed):
+            room -= size[snapshot is not None]
+            if room < 0:
+                break
+            chosen.append((digest, page, snapshot))
+        log.info("prompt cache: %d of the device pool's %d indexed pages go to disk at close "
+                 "(the newest within cache.disk_gib)", len(chosen), len(indexed))
+        chosen.reverse()  # oldest first
+        most = self.model.max_pages  # the most pages one sequence copy reads
+        for first in range(0, len(chosen), most):
+            self._plan_spill(chosen[first:first + most], closing=True)
+            self.runner.run(self._take())
 
     def start(self) -> None:
         """Runs the loop on a daemon thread (the server); without it, `run_until_idle` drives."""
@@ -471,8 +497,9 @@ class Scheduler:
         """Matches a new request's prompt on past its `start` device pages in the host and disk
         tiers: the plan so far runs with a restore of the run process 0's tiers hold into the
         request's next pages, of which the runners write back as many as every process holds
-        (Runner._restore); those are indexed on the device again (with lane snapshots, the last
-        one's snapshot is written into its lane). How many."""
+        (Runner._restore); those are indexed on the device again, with lane snapshots each with
+        its own (a later prompt may match a shorter run of them), the last one's written into
+        the lane. How many."""
         if self.tiers is None or not self.caching:
             return 0
         size = self.pages.page_size
@@ -481,15 +508,21 @@ class Scheduler:
         if not digests:
             return 0
         pages = self.pages.pages_of(handle.id)[start:start + len(digests)]
-        copy = next(self._copies) if self.snapshots else None
-        self._plan.restores.append(PageRestore(tuple(pages), tuple(digests), copy))
-        restored = self.runner.run(self._take()).restored
-        n = len(restored)
+        numbers = tuple(next(self._copies) for _ in digests) if self.snapshots else None
+        self._plan.restores.append(PageRestore(tuple(pages), tuple(digests), numbers))
+        result = self.runner.run(self._take())
+        n = len(result.restored)
         self.pages.publish(handle.id, handle.hashes[:start + n])
-        if n and self.snapshots:  # the lane's rows as they were at the last page's end
-            keep = self.pages.attach(handle.hashes[start + n - 1], copy)  # for later matches
-            self._plan.writes.append(SequenceCopy(copy, (), lane, keep=keep))
-        for tier in restored:
+        kept = set(result.snapshots)  # the run's last page has one (Runner._restore)
+        for i, copy in enumerate(numbers[:n] if self.snapshots else ()):
+            if copy not in kept:
+                continue
+            attached = self.pages.attach(handle.hashes[start + i], copy)  # for later matches
+            if i == n - 1:  # the lane's rows as they were at the run's end
+                self._plan.writes.append(SequenceCopy(copy, (), lane, keep=attached))
+            elif not attached:
+                self._plan.forget.append(copy)
+        for tier in result.restored:
             self.totals[f"cached_{tier}"] += size
         return n
 
@@ -819,11 +852,19 @@ class Scheduler:
         spilled = self.pages.take_spilled()
         most = self.model.max_pages  # the most pages one sequence copy reads
         for first in range(0, len(spilled), most):
-            digests, pages, snapshots = zip(*spilled[first:first + most])
-            copy = next(self._copies)
-            self._plan.reads.append(SequenceCopy(copy, pages, 0))
-            self._plan.spills.append(PageSpill(copy, digests, snapshots))
-            self._plan.forget += [copy] + [n for n in snapshots if n is not None]
+            self._plan_spill(spilled[first:first + most])
+        self._plan.forget += [n for _, _, n in spilled if n is not None]
+
+    def _plan_spill(self, spilled: list[tuple[bytes, int, int | None]],
+                    closing: bool = False) -> None:
+        """A read of `spilled`'s pages (block hash, page, snapshot number or None; at most a
+        sequence copy's) and their spill to the host tier (`closing`: PageSpill's); the read is
+        forgotten after the plan."""
+        digests, pages, snapshots = zip(*spilled)
+        copy = next(self._copies)
+        self._plan.reads.append(SequenceCopy(copy, pages, 0))
+        self._plan.spills.append(PageSpill(copy, digests, snapshots, closing))
+        self._plan.forget.append(copy)
 
     def _save(self, pages: list[int], lane: int) -> int:
         """Plans a read of a sequence's pages and lane rows into host memory; its copy's number."""
