@@ -113,9 +113,9 @@ class StepExecutables:
     def load(self, steps: list[tuple], workers: int) -> list[bool]:
         """Which of `steps` ((step, shape, args, inputs) each) had their executables on disk and
         loaded, each kept by its step for calls with its inputs' shapes. The files are read and
-        loaded side by side on `workers` threads (XLA's load runs without the GIL); the keys, the
-        keeping, the count and one log line for each that failed (to be compiled, as without)
-        on the calling thread."""
+        loaded side by side on `workers` threads (XLA's load runs mostly without the GIL); the
+        keys, the keeping, the count and one log line for each that failed (to be compiled, as
+        without) on the calling thread."""
         paths = []
         for step, shape, args, _ in steps:
             key = self.key(step, shape, args)
