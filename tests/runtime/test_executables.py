@@ -2,9 +2,9 @@
 (runtime/executables.py): a synthetic DeepSeek-V4.1 (two layers) started twice on one folder,
 the second start's warm-up tracing no step (DonatingStep.traces) and answering as the first,
 its state donated into the loaded executables; a changed setting keys new executables; a
-corrupted file is compiled again with one log line, and the engine still serves; a folder that
-cannot be written is logged and the engine serves. Two step
-shapes (one page, one prompt bucket): their compiles are the test's time."""
+corrupted file is compiled again with one log line, and the engine still serves, its executables
+loaded one by one or side by side alike; a folder that cannot be written is logged and the engine
+serves. Two step shapes (one page, one prompt bucket): their compiles are the test's time."""
 
 from __future__ import annotations
 
@@ -62,6 +62,26 @@ def test_warm_restart_traces_no_step_and_answers_alike(v41, cold):
         engine.close()
 
 
+def test_loads_side_by_side_keep_and_count_as_one_by_one(v41, cold, caplog):
+    """engine.compile_workers 2: the kept executables are loaded on two threads, and each step
+    keeps the same shapes' executables, counted, as when loaded on one."""
+    folder, first = cold
+    kept = {}
+    for workers in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "tidejax.warmup"):
+            engine, traces = start(v41, folder, compile_workers=workers)
+        try:
+            assert (f"2 of 2 step executables loaded from {folder / 'steps'} on {workers} "
+                    "threads") in caplog.text
+            assert traces == 0 and engine.loaded.executables.loaded == 2
+            kept[workers] = set(engine.loaded.steps.step.kept)
+            assert answer(engine) == first
+        finally:
+            engine.close()
+    assert len(kept[2]) == 2 and kept[2] == kept[1]
+
+
 @pytest.mark.parametrize("setting", [{"max_context": 128}, {"lanes": 2}])
 def test_a_changed_setting_keys_new_executables(v41, cold, setting, caplog):
     folder, _ = cold
@@ -73,7 +93,7 @@ def test_a_changed_setting_keys_new_executables(v41, cold, setting, caplog):
         step = engine.loaded.steps.step
         args = step.arguments(engine.loaded.step_params, engine.runner.state, inputs)
         with caplog.at_level(logging.INFO, "tidejax.warmup"):
-            assert not engine.loaded.executables.load(step, str(shape), args, inputs)
+            assert engine.loaded.executables.load([(step, str(shape), args, inputs)], 1) == [False]
         assert "none stored under its key" in caplog.text
         kept = {path.name for path in (folder / "steps").glob("*.exe")}
         assert engine.loaded.executables.path(step, engine.loaded.executables.key(
@@ -82,16 +102,20 @@ def test_a_changed_setting_keys_new_executables(v41, cold, setting, caplog):
         engine.close()
 
 
-def test_a_corrupt_executable_is_compiled_again_and_serves(v41, cold, caplog):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_corrupt_executable_is_compiled_again_and_serves(v41, cold, workers, caplog):
+    """One truncated file of the two, loaded one by one or side by side: that one alone is
+    compiled, with one log line naming it."""
     folder, first = cold
-    path = sorted((folder / "steps").glob("step-*.exe"))[0]
+    path, other = sorted((folder / "steps").glob("step-*.exe"))
     data = path.read_bytes()
     assert data.startswith(MAGIC)
     path.write_bytes(data[:len(data) // 2])  # truncated
     with caplog.at_level(logging.INFO, "tidejax.warmup"):
-        engine, traces = start(v41, folder)
+        engine, traces = start(v41, folder, compile_workers=workers)
     try:
-        assert "corrupt or truncated" in caplog.text and path.name in caplog.text
+        assert caplog.text.count("corrupt or truncated") == 1 and path.name in caplog.text
+        assert other.name not in caplog.text
         assert traces == 1 and engine.loaded.executables.loaded == 1
         assert answer(engine) == first
         assert path.read_bytes() != data[:len(data) // 2]  # saved whole again

@@ -91,7 +91,8 @@ class LoadedModel:
             self._load(config, model_dir)
 
     def compile_workers(self, shapes: int) -> int:
-        """Threads to compile `shapes` warm-up step shapes on (engine.compile_workers)."""
+        """Threads to compile, or load from the kept executables, `shapes` warm-up step shapes
+        on (engine.compile_workers)."""
         workers = self.config.engine.compile_workers
         if not workers:
             workers = 1 if jax.default_backend() == "cpu" else os.cpu_count() or 1

@@ -23,6 +23,7 @@ peer warms up through its jitted steps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -109,20 +110,37 @@ class StepExecutables:
     def path(self, step, key: str) -> Path:
         return self.folder / f"{step.name}-{key[:32]}.exe"
 
-    def load(self, step, shape: str, args: tuple, inputs) -> bool:
-        """Whether the executable of `step` for `args` was on disk and loaded (kept by `step`
-        for calls with `inputs`'s shapes); where not, one log line says why."""
-        key = self.key(step, shape, args)
-        path = self.path(step, key)
+    def load(self, steps: list[tuple], workers: int) -> list[bool]:
+        """Which of `steps` ((step, shape, args, inputs) each) had their executables on disk and
+        loaded, each kept by its step for calls with its inputs' shapes. The files are read and
+        loaded side by side on `workers` threads (XLA's load runs mostly without the GIL); the
+        keys, the keeping, the count and one log line for each that failed (to be compiled, as
+        without) on the calling thread."""
+        paths = []
+        for step, shape, args, _ in steps:
+            key = self.key(step, shape, args)
+            paths.append((self.path(step, key), key))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(self._try_read, paths))
+        loaded = []
+        for (step, shape, _, inputs), (path, _), result in zip(steps, paths, results):
+            if isinstance(result, Exception):
+                log.warning("step executable %s (%s %s): %s; lowering and compiling it",
+                            path.name, step.name, shape, result)
+                loaded.append(False)
+            else:
+                step.keep(inputs, result)
+                self.loaded += 1
+                loaded.append(True)
+        return loaded
+
+    def _try_read(self, where: tuple):
+        """The executable at `where` (path, key), or the exception that its read raised: any
+        failure to load means compiling it."""
         try:
-            compiled = self._read(path, key)
-        except Exception as error:  # any failure to load means compiling it, as without
-            log.warning("step executable %s (%s %s): %s; lowering and compiling it", path.name,
-                        step.name, shape, error)
-            return False
-        step.keep(inputs, compiled)
-        self.loaded += 1
-        return True
+            return self._read(*where)
+        except Exception as error:
+            return error
 
     def _read(self, path: Path, key: str):
         if not path.exists():

@@ -275,20 +275,23 @@ class Runner:
     def precompile(self, warmups: list[tuple]) -> None:
         """Compiles the warm-up steps `warmups` ((shape, swap batch) pairs, as StepPlan.warmup
         and .swaps carry them) before they run. With a compile cache folder the steps' kept
-        executables (LoadedModel.executables) are loaded first, and the steps that had none are
-        lowered, compiled, saved and kept, so running them calls the executables. The compiles
-        run side by side on LoadedModel.compile_workers threads: tracing holds the GIL, so the
-        steps are lowered one by one first; XLA compiles without it (a jitted function's calls
-        and its lower().compile() share one cache). With one worker and no folder it does
-        nothing: the runs compile as they come."""
+        executables (LoadedModel.executables) are loaded first, side by side on
+        LoadedModel.compile_workers threads, and the steps that had none are lowered, compiled,
+        saved and kept, so running them calls the executables. The compiles run side by side
+        on those threads too: tracing holds the GIL, so the steps are lowered one by one first;
+        XLA compiles without it (a jitted function's calls and its lower().compile() share one
+        cache). With one worker and no folder it does nothing: the runs compile as they come."""
         start = time.perf_counter()
         todo = [(str(shape), self.model.warmup_inputs(*shape, swaps)) for shape, swaps in warmups]
         kept = self.model.executables
         if kept is not None:
-            todo = [(shape, inputs) for shape, inputs in todo
-                    if not kept.load(self._jitted(inputs), shape, self._arguments(inputs), inputs)]
-            log.info("warm-up: %d of %d step executables loaded from %s in %.1f s", kept.loaded,
-                     len(warmups), kept.folder, time.perf_counter() - start)
+            workers = self.model.compile_workers(len(todo))
+            loaded = kept.load([(self._jitted(inputs), shape, self._arguments(inputs), inputs)
+                                for shape, inputs in todo], workers)
+            todo = [step for step, done in zip(todo, loaded) if not done]
+            log.info("warm-up: %d of %d step executables loaded from %s on %d threads in %.1f s",
+                     kept.loaded, len(warmups), kept.folder, workers,
+                     time.perf_counter() - start)
         workers = self.model.compile_workers(len(todo))
         if not todo or (kept is None and workers < 2):
             return
