@@ -29,7 +29,8 @@ from tidejax.errors import ConfigError
 
 def check(config: EngineConfig) -> None:
     """What the [distributed] keys say together (after every --set and variable): process_id
-    below num_processes and a coordinator for several processes."""
+    below num_processes, a coordinator for several processes, and for several processes with a
+    host budget a residency.state_dir (their disk tier's shard copies)."""
     section = config.distributed
     if section.process_id >= section.num_processes:
         raise ConfigError(f"{config.source_of('distributed.process_id')}: "
@@ -39,6 +40,16 @@ def check(config: EngineConfig) -> None:
         raise ConfigError(f"{config.source_of('distributed.num_processes')}: "
                           "'distributed.coordinator' (host:port of process 0) is needed for "
                           f"distributed.num_processes = {section.num_processes}")
+    residency = config.residency
+    host_budget = residency.host_budget_experts or residency.host_budget_gib
+    if section.num_processes > 1 and host_budget and not residency.state_dir:
+        # refused here, before the processes join: a refusal at load ends one process first,
+        # and jax's coordination client then aborts the other (SIGABRT, above)
+        key = ("residency.host_budget_experts" if residency.host_budget_experts
+               else "residency.host_budget_gib")
+        raise ConfigError(f"{config.source_of(key)}: across {section.num_processes} processes "
+                          "each reads its shards of the experts from a prepared copy of them; "
+                          "set residency.state_dir")
 
 
 def start(config: EngineConfig) -> Leader | Follower | None:
