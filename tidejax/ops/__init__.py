@@ -32,9 +32,11 @@ from tidejax import parallel
 from tidejax.ops import dispatch
 from tidejax.ops.dispatch import IMPLS, MOE_PREFILL_KERNELS, choose_impl, kernels, log_choice, run
 from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
+from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import Demand
 from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
 from tidejax.pallas.moe import moe_grouped_reference
+from tidejax.pallas.moe_plan import reach
 
 __all__ = ["Demand", "IMPLS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
            "gqa_attention", "kernels", "mla_attention", "moe_grouped", "paged_gqa_decode",
@@ -86,9 +88,7 @@ def _prefill_on_triton(bank, slot_ids, prefill: str, n_experts: int | None,
         return False
     from tidejax.pallas import moe_prefill
 
-    n_slots = next(iter(bank.values())).shape[0]
-    reach = n_slots if n_experts is None else min(n_slots, n_experts)
-    return (moe_prefill.fills_tiles(slot_ids.size, reach)
+    return (moe_prefill.fills_tiles(slot_ids.size, reach(bank_dims(bank)[0], n_experts))
             and moe_prefill.triton_supports(bank, interpret=interpret))
 
 
@@ -133,7 +133,7 @@ def moe_grouped(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
             log_choice("moe_grouped prefill", "triton", "prefill=, engine.moe_prefill")
             with jax.named_scope("moe_prefill_triton"):
                 return moe_grouped_triton(x, bank, slot_ids, weights, **form, demand=demand,
-                                          interpret=interpret)
+                                          interpret=interpret, n_experts=n_experts)
         from tidejax.pallas.moe_kernel import moe_grouped_pallas
 
         return moe_grouped_pallas(x, bank, slot_ids, weights, **form, demand=demand,

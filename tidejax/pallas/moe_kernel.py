@@ -44,7 +44,7 @@ from tidejax.contract import bank_format, swiglu
 from tidejax.pallas import triton_offsets  # noqa: F401  (64-bit offsets for 2**31+ element refs)
 from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import check_demand
-from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles
+from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles, reach
 
 # Tiles, one table for both bank formats: "gemv" (bt = 1) and the dots' tiles by rows a tile bt:
 # (bt, block of output columns, block of K values, num_warps, num_stages). Chosen by
@@ -498,13 +498,13 @@ def _dot_refs(bank, name):
     return blocks.reshape(n, r, g * mxfp4.BLOCK // 2), bank[name + "_scales"]
 
 
-def _run_dots(x, bank, slot_ids, demand, *, tile, form, interpret):
+def _run_dots(x, bank, slot_ids, demand, *, tile, form, interpret, named):
     """(per-pick outputs [T*k, D] float32, counters or None), through tiles of picks grouped by
-    slot."""
+    slot (at most `named` distinct ones)."""
     n, d, i = bank_dims(bank)
     t, k = slot_ids.shape
     bt, bn, bk, num_warps, num_stages = tile
-    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt)
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bt, named)
     rows, n_tiles = row_token.shape[0], tile_slot.shape[0]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     phases = _phases(bank)
@@ -547,17 +547,21 @@ def moe_grouped_pallas(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
     the GEMV kernels, bt >= 16 the dots.
     n_experts: the distinct slots the picks can name where fewer than the bank's (a layer's
     experts in a bank of several layers' slots): `choose_tile` counts the picks an expert over
-    them; None: the bank's slots.
+    them, and they bound the dots path's tiles; None: the bank's slots.
     """
     n, _, _ = bank_dims(bank)
     t, k = slot_ids.shape
     if demand is not None:
         check_demand(demand, t, k)
-    reach = n if n_experts is None else min(n, n_experts)
-    tile = tile or choose_tile(bank_format(bank), t * k, reach)
-    run = _run_gemv if tile[0] == 1 else _run_dots
+    named = reach(n, n_experts)
+    tile = tile or choose_tile(bank_format(bank), t * k, named)
     form = (swiglu_limit, swiglu_alpha, swiglu_up_shift)  # tidejax.contract.swiglu's arguments
-    per_pick, counters = run(x, bank, slot_ids, demand, tile=tile, form=form, interpret=interpret)
+    if tile[0] == 1:
+        per_pick, counters = _run_gemv(x, bank, slot_ids, demand, tile=tile, form=form,
+                                       interpret=interpret)
+    else:
+        per_pick, counters = _run_dots(x, bank, slot_ids, demand, tile=tile, form=form,
+                                       interpret=interpret, named=named)
     picked = per_pick.reshape(t, k, -1)
     picked = jnp.where((slot_ids >= 0)[:, :, None], picked, 0.0)  # rows never written: skip
     y = jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)

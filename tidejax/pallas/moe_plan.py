@@ -12,8 +12,15 @@ def picks_per_expert(n_picks: int, n_slots: int) -> float:
     return n_picks / max(1.0, min(used, n_picks))
 
 
-def plan_tiles(slot_ids, n_slots: int, bt: int):
-    """Group picks by slot into tiles of bt rows.
+def reach(n_slots: int, n_experts: int | None) -> int:
+    """The most distinct slots a layer's picks can name: the bank's n_slots, or fewer where the
+    bank holds several layers' slots and a layer has n_experts."""
+    return n_slots if n_experts is None else min(n_slots, n_experts)
+
+
+def plan_tiles(slot_ids, n_slots: int, bt: int, named: int | None = None):
+    """Group picks by slot into tiles of bt rows; `named`: the most distinct slots the picks
+    name (`reach`; None: n_slots), which bounds the tiles.
 
     Returns tile_slot [n_tiles] (slot or -1 = unused tile), row_token [n_tiles*bt] (token of each
     row; padding rows point at token 0) and pick_row [T*k] (row of each pick; skipped picks
@@ -21,7 +28,7 @@ def plan_tiles(slot_ids, n_slots: int, bt: int):
     """
     t, k = slot_ids.shape
     n_picks = t * k
-    n_tiles = (n_picks + min(n_slots, n_picks) * (bt - 1)) // bt  # upper bound, static
+    n_tiles = (n_picks + min(named or n_slots, n_picks) * (bt - 1)) // bt  # upper bound, static
     key = jnp.where(slot_ids.reshape(-1) >= 0, slot_ids.reshape(-1), n_slots)  # [P]
     order = jnp.argsort(key, stable=True)  # picks sorted by slot, skipped ones last
     counts = jnp.bincount(key, length=n_slots + 1)[:n_slots]  # picks per slot

@@ -31,7 +31,7 @@ from tidejax.contract import bank_format
 from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import Demand, count_demand_reference
 from tidejax.pallas.moe import _check_args
-from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles
+from tidejax.pallas.moe_plan import picks_per_expert, plan_tiles, reach
 from tidejax.pallas.triton_host import to_numpy, to_torch
 
 # Tiles: BM rows (picks of one expert) x BN output columns, BK values of K a loop step; warps and
@@ -120,17 +120,20 @@ def _launch(args, out_shape, grid, meta, warps_stages, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "swiglu_up_shift",
-                                             "interpret", "tile"))
+                                             "interpret", "tile", "n_experts"))
 def moe_grouped_triton(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                        swiglu_alpha: float = 1.0, swiglu_up_shift: float = 0.0,
                        demand: Demand | None = None, interpret: bool = False,
-                       tile: tuple[int, int, int, int, int] | None = None):
+                       tile: tuple[int, int, int, int, int] | None = None,
+                       n_experts: int | None = None):
     """moe_grouped_reference's result by the Triton grouped GEMM (same shapes and arguments): x
     [T, D], bank (bf16 or MXFP4, optional bias leaves), slot_ids [T, k] int32 (-1 = skip),
     weights [T, k] -> y [T, D] of x.dtype; with `demand`, (y, counts, weight_sums).
     tile: (BM, BN, BK, num_warps, num_stages) instead of the module's (benchmarks): powers of
     two, BM and BN >= 16 (tl.dot's least), BK >= 16 a phase (MXFP4: 32); BN and BK clipped to
-    what divides their dimension."""
+    what divides their dimension.
+    n_experts: the distinct slots the picks can name where fewer than the bank's (a layer's
+    experts in a bank of several layers' slots): they bound the tiles; None: the bank's."""
     bm, bn, bk, warps, stages = tile or (BM, BN, BK, NUM_WARPS, NUM_STAGES)
     least = (16, 16, 16 * _phases(bank))
     if any(v < lo or v & (v - 1) for v, lo in zip((bm, bn, bk), least)):
@@ -143,11 +146,11 @@ def moe_grouped_triton(x, bank, slot_ids, weights, *, swiglu_limit: float = 0.0,
                          f"({bank_format(bank)}); want multiples of 16 and, dense, bf16 weights")
     t, k = slot_ids.shape
     phases = _phases(bank)
-    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bm)
+    tile_slot, row_token, pick_row = plan_tiles(slot_ids, n, bm, reach(n, n_experts))
     rows = row_token.shape[0]
-    picked = slot_ids.reshape(-1) >= 0
-    pick_weight = jnp.where(picked, weights.reshape(-1).astype(jnp.float32), 0.0)
-    row_weight = jnp.zeros(rows, jnp.float32).at[pick_row].set(pick_weight, mode="drop")
+    # a skipped pick's row is past the end: its weight dropped
+    row_weight = jnp.zeros(rows, jnp.float32).at[pick_row].set(
+        weights.reshape(-1).astype(jnp.float32), mode="drop")
     common = dict(PHASES=phases, BM=bm, LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha),
                   UP_SHIFT=float(swiglu_up_shift), DOT_F32=interpret)
     plan = (tile_slot, row_token, row_weight)
