@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax.models.base import nbytes
+from tidejax.models.layers.mtp import without_experts
 from tidejax.models.loading import RowFormat
 from tidejax.models.registry import family_for
 from tidejax.residency.pool import budget_slots, row_bytes
@@ -109,8 +110,7 @@ class Needs:
         cfg = family.config_from_hf(with_mtp, "published config.json")
         specs = weights.mtp_specs(cfg, jnp.bfloat16)
         first = specs[f"layers_{cfg.num_layers}"]
-        dense = first | {"moe": {k: v for k, v in first["moe"].items() if k != "experts"}}
-        return nbytes(specs), nbytes(dense)
+        return nbytes(specs), nbytes(without_experts(first))
 
     @property
     def pool_bytes(self) -> int:

@@ -254,11 +254,12 @@ class HostCache:
             self._ahead -= set(landed)
         held = [r for r in landed if self.slot_of[r] >= 0]
         landed = {r: a for r, a in landed.items() if self.slot_of[r] < 0}
+        if not landed:  # every step comes here: nothing to place, no victims to rank
+            self._tell("drop", held)
+            return False
         placed, evicted, dropped = place_landed(self.row_at, list(landed), demand, pinned,
                                                 protect)
         self._tell("drop", held + sorted(set(landed) - {row for _, row in placed}))
-        if not landed:
-            return False
         self.counters["evictions"] += evicted
         self.counters["dropped"] += dropped
         if evicted:  # a held row is overwritten: no step in flight may still read it

@@ -172,8 +172,9 @@ def mtp_expert_row(kept: dict, cfg, expert: int, dtype, block=BLOCK, depth: int 
     residency geometry's MTP layer (runtime/build.py)."""
     parts = kept[f"layers_{cfg.num_layers + depth}"]["moe"]["experts"][str(expert)]
     part = lambda proj: as_float(parts[proj], block, dtype)
-    return {"gate_up": np.concatenate([part("gate_proj"), part("up_proj")]).astype(dtype),
-            "down": part("down_proj").astype(dtype)}
+    gate_up = np.concatenate([part("gate_proj"), part("up_proj")])
+    return {"gate_up": gate_up.astype(dtype, copy=False),
+            "down": part("down_proj").astype(dtype, copy=False)}
 
 
 class MtpExpertRows:
