@@ -262,7 +262,7 @@ class EngineConfig:
             raise ConfigError(f"{source}: unknown table [{sorted(unknown)[0]}] "
                               f"(known: {', '.join(_SECTIONS)})")
         _check_auto_keys(source, sections["residency"])
-        _check_trace(source, sections["residency"], sections["distributed"])
+        _check_trace(source, sections["residency"])
         _check_distributed(source, sections["distributed"])
         given = base.given + tuple((f"{name}.{key}", source) for name in _SECTIONS
                                    for key in tables.get(name, {}))
@@ -350,18 +350,13 @@ def _check_auto_keys(source: str, section: ResidencySection) -> None:
                               f"'auto' only (miss_policy is {section.miss_policy!r})")
 
 
-def _check_trace(source: str, section: ResidencySection,
-                 distributed: DistributedSection) -> None:
-    """Routing traces are written under state_dir by one process: on without a state_dir, or
-    across processes (not built), is refused."""
+def _check_trace(source: str, section: ResidencySection) -> None:
+    """Routing traces are written under state_dir (by process 0 alone across processes): on
+    without a state_dir is refused."""
     every = section.trace_every_steps
     if every and not section.state_dir:
         raise ConfigError(f"{source}: 'residency.trace_every_steps' = {every} writes routing "
                           "traces under residency.state_dir, which is not set")
-    if every and distributed.num_processes > 1:
-        raise ConfigError(f"{source}: 'residency.trace_every_steps' = {every}: routing traces "
-                          "are not recorded across processes yet (distributed.num_processes = "
-                          f"{distributed.num_processes})")
 
 
 def _check_distributed(source: str, section: DistributedSection) -> None:

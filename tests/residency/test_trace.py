@@ -13,10 +13,10 @@ import pytest
 
 import tidejax
 from tidejax.errors import ConfigError
-from tidejax.residency.history import History
 from tidejax.residency.state import Picks
-from tidejax.residency.trace import TraceRecorder, chunk_files, read_trace, trace_folder
+from tidejax.residency.trace import TraceRecorder, chunk_files, read_trace
 from tests.support.server_fixtures import write_chat_model
+from tests.support.traces import PROMPTS, check_trace_is_what_was_counted, traced
 
 L, K, E = 2, 3, 8  # the recorder tests' geometry
 HEADER = {"model": "toy", "model_type": "none", "n_layers": L, "n_experts": E, "top_k": K}
@@ -24,31 +24,16 @@ HEADER = {"model": "toy", "model_type": "none", "n_layers": L, "n_experts": E, "
 
 def test_an_engine_traces_the_picks_it_counts(tmp_path):
     state_dir = tmp_path / "state"
-    engine = tidejax.load(
-        write_chat_model(tmp_path / "tiny"),
-        engine={"max_context": 128, "lanes": 2, "prefill_chunk": 16, "warmup": False},
-        # drain_every 1 and no decay: the saved history is every step's counts, as counted
-        residency={"budget_experts": 4, "miss_policy": "substitute", "drain_every": 1,
-                   "half_life": 1e9, "state_dir": str(state_dir), "trace_every_steps": 1})
-    for prompt in ("The tide comes in", "Over the flats the boats lift from the mud"):
+    engine = tidejax.load(write_chat_model(tmp_path / "tiny"), **traced(state_dir))
+    for prompt in PROMPTS:
         engine.generate(prompt, max_new_tokens=5)
     stats = engine.residency.stats()
     engine.close()
-    header, trace = read_trace(trace_folder(state_dir))
+    trace = check_trace_is_what_was_counted(state_dir, stats)
+    header, weights = trace["header"], trace["weights"]
     assert header["model"] == "tiny" and header["model_type"] == "deepseek_v3"
     assert (header["n_layers"], header["n_experts"], header["top_k"]) == (1, E, K)
     assert header["resident_slots"] == 4 and header["residency"]["miss_policy"] == "substitute"
-    # every step, the calibration forward at boot included, in order
-    assert trace["step"].tolist() == list(range(stats["steps"]))
-    assert trace["tokens"].sum() == len(trace["ids"]) == stats["wanted"] // K
-    assert (~trace["resident"]).sum() == stats["misses"] > 0
-    assert trace["map_version"][-1] == stats["map_version"] > 0  # swaps happened on the way
-    history = History.read(state_dir / "history.npz")
-    ids, weights = trace["ids"][:, 0].astype(np.int64), trace["weights"][:, 0]
-    np.testing.assert_allclose(np.bincount(ids.reshape(-1), minlength=E), history.counts[0],
-                               rtol=1e-6)
-    np.testing.assert_allclose(np.bincount(ids.reshape(-1), weights.reshape(-1), minlength=E),
-                               history.demand[0], rtol=1e-5)
     # the router's order, best first (this checkpoint's correction bias is zero)
     assert (np.diff(weights, axis=-1) <= 0).all()
 

@@ -172,8 +172,14 @@ class Residency:
     def start_trace(self, model: str, model_type: str, rows: int) -> None:
         """Routing traces on (section.trace_every_steps): the steps record their picks in an
         ExpertState.picks buffer of `rows` rows (the most tokens one step routes), which
-        after_step hands to the recorder (residency/trace.py)."""
+        after_step hands to the recorder (residency/trace.py). Across processes every process
+        runs the same step, buffer included, but only process 0 records: the picks are
+        replicated, and a peer's Residency takes no after_step (the peer has no recorder)."""
         section = self.section
+        self._trace_rows = rows
+        self._state = self._with_picks(self._state)
+        if jax.process_index() > 0:
+            return
         header = dict(model=model, model_type=model_type, n_layers=self.n_layers,
                       n_experts=self.n_experts, top_k=self.top_k,
                       resident_slots=min(self.n_resident, self.n_layers * self.n_experts),
@@ -181,8 +187,6 @@ class Residency:
         self.recorder = TraceRecorder(trace_folder(self.state_dir), header,
                                       section.trace_every_steps,
                                       int(section.trace_max_mib * 2**20))
-        self._trace_rows = rows
-        self._state = self._with_picks(self._state)
         log.info("residency: recording the routing of every %d-th step under %s (at most "
                  "%g MiB)", section.trace_every_steps, self.recorder.folder,
                  section.trace_max_mib)
