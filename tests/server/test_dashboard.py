@@ -1,12 +1,16 @@
 """The residency dashboard (server/dashboard.py) in a real headless Chromium over the DevTools
 protocol, against `python -m tidejax.server` serving the tiny DeepSeek-V3 checkpoint with half its
 experts resident: after a few requests the page's numbers are /metrics' and its heatmap is the
-demand history the server saved. One server for the module; routing traces left off (their
-default), so it also shows that a server with a state_dir writes no trace."""
+demand history the server saved, its polls after the first asking only for the rows changed
+since (none at rest; the changed one after another request, which the page then shows). The
+heatmap's wire form on a DeepSeek-V3-size map: its bytes, rows and versions. One server for the
+module; routing traces left off (their default), so it also shows that a server with a state_dir
+writes no trace."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import time
@@ -18,8 +22,10 @@ import openai
 import pytest
 
 from tidejax.config import EngineConfig
+from tidejax.errors import RequestError
 from tidejax.residency.history import History
 from tidejax.server.app import Server
+from tidejax.server.dashboard import Heatmap
 from tests.support.browser import Page, chromium_path
 from tests.support.server_fixtures import (live_server, serve_app, server_log, write_chat_model,
                                            write_profile)
@@ -78,28 +84,64 @@ READ_PAGE = """(() => {
   const value = id => Number(document.getElementById(id).dataset.value);
   const ids = ["cold-window", "cold-total", "swaps", "kv-pages", "preemptions", "cache-hits",
                "lanes", "queued", "decode-tps", "miss-exact", "miss-cpu", "miss-substitute",
-               "miss-ring", "resident"];
+               "miss-ring", "resident", "map-poll"];
   const series = id => Number(document.getElementById(id).dataset.last);
+  const grid = document.getElementById("heatmap");
   return JSON.stringify({
     status: document.getElementById("status").textContent,
     values: Object.fromEntries(ids.map(id => [id, value(id)])),
     series: {cold: series("series-cold"), swaps: series("series-swaps")},
-    cells: [...document.querySelectorAll("#heatmap .cell")].map(c => [
-      Number(c.dataset.layer), Number(c.dataset.expert), Number(c.dataset.demand),
+    map: {version: grid.dataset.version, most: Number(grid.dataset.most),
+          levels: Number(grid.dataset.levels)},
+    cells: [...grid.querySelectorAll(".cell")].map(c => [
+      Number(c.dataset.layer), Number(c.dataset.expert), Number(c.dataset.heat),
       c.dataset.resident === "true" && c.classList.contains("resident")]),
   });
 })()"""
 
 
-async def read_dashboard(url: str, folder) -> tuple[dict, list[str], list[str], object]:
+def state_json(url: str, since: str | None = None) -> tuple[dict, int]:
+    """/dashboard/state.json as a script reads it: (the state, its bytes)."""
+    query = "" if since is None else f"?since={since}"
+    request = urllib.request.Request(url + "/dashboard/state.json" + query,
+                                     headers={"x-api-key": KEY})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        body = r.read()
+    return json.loads(body), len(body)
+
+
+async def read_dashboard(url: str, folder, ask) -> tuple[dict, dict, list[str], list[str], object]:
     """Opens the dashboard as a browser does (?key= once, then its cookie), waits for three
-    polls; (what the page shows, console errors, the URLs it asked for, its screenshot)."""
+    polls and reads what it shows; then runs `ask` (requests to the server: the demand
+    changes) and, once the page has the server's new heatmap version, reads it again: (the
+    two readings, console errors, the URLs it asked for, its screenshot)."""
     async with Page.open(folder) as page:
         await page.goto(f"{url}/dashboard?key={KEY}")
         await page.wait_for("Number(document.getElementById('series-cold').dataset.points) >= 3")
-        shown = json.loads(await page.evaluate(READ_PAGE))
+        before = json.loads(await page.evaluate(READ_PAGE))
+        await asyncio.to_thread(ask)
+        version = state_json(url)[0]["experts"]["version"]
+        await page.wait_for(f"document.getElementById('heatmap').dataset.version === '{version}'")
+        after = json.loads(await page.evaluate(READ_PAGE))
         shot = await page.screenshot(folder / "dashboard.png")
-        return shown, page.errors, page.requests, shot
+        return before, after, page.errors, page.requests, shot
+
+
+def check_heatmap(shown: dict, history: History) -> np.ndarray:
+    """The page's heatmap against a history the server saved: the scale its most demand, each
+    cell's heat sqrt(demand / most) to within half a step; half of each layer resident. The
+    heats shown [L_moe, E]."""
+    heat = np.full(history.demand.shape, -1.0)
+    resident = np.zeros(heat.shape, bool)
+    for layer, expert, value, is_resident in shown["cells"]:
+        heat[layer, expert], resident[layer, expert] = value, is_resident
+    assert len(shown["cells"]) == heat.size
+    most, levels = shown["map"]["most"], shown["map"]["levels"]
+    assert most == pytest.approx(history.demand.max(), rel=1e-9) and most > 0
+    np.testing.assert_allclose(heat / levels, np.sqrt(history.demand / most),
+                               atol=0.5 / levels + 1e-9)
+    assert resident.sum(axis=1).tolist() == [heat.shape[1] // 2] * len(heat)
+    return heat
 
 
 @pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium (.ci/run installs it)")
@@ -110,8 +152,16 @@ def test_the_page_shows_the_engines_numbers(served):
         oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
     oai.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
                                 messages=[{"role": "user", "content": "Tell me about the sea."}])
-    engine = settled_metrics(url)  # the server is idle: nothing changes from here
-    shown, errors, requested, shot = asyncio.run(read_dashboard(url, served["root"]))
+    engine = settled_metrics(url)  # the server is idle: nothing changes until `more`
+    saved = {}
+
+    def more():  # the history the first reading shows kept, then the demand changes
+        saved["before"] = History.read(served["state_dir"] / "history.npz")
+        oai.completions.create(model="tiny", prompt="Boats", max_tokens=4, temperature=0)
+        settled_metrics(url)
+
+    shown, after, errors, requested, shot = asyncio.run(read_dashboard(url, served["root"],
+                                                                       more))
     print(f"dashboard screenshot: {shot}")
     assert shot.stat().st_size > 10_000
     assert errors == []
@@ -132,22 +182,21 @@ def test_the_page_shows_the_engines_numbers(served):
         # "substitute" serves every miss with a resident expert
         "miss-exact": 0, "miss-cpu": engine["residency_cpu_picks"],
         "miss-substitute": engine["residency_misses"], "miss-ring": engine["residency_ring_hits"],
+        "map-poll": 0,  # the third poll at rest: no row changed since the second
     }
     assert values == pytest.approx(expected, rel=1e-9)
     assert values["miss-substitute"] > 0 and values["cache-hits"] > 0
     assert values["decode-tps"] > 0 and values["cold-total"] > 0
     assert shown["series"] == pytest.approx({"cold": expected["cold-window"],
                                              "swaps": expected["swaps"]})
-    history = History.read(served["state_dir"] / "history.npz")
-    demand = np.zeros_like(history.demand)
-    resident = np.zeros(demand.shape, bool)
-    for layer, expert, value, is_resident in shown["cells"]:
-        demand[layer, expert], resident[layer, expert] = value, is_resident
-    assert len(shown["cells"]) == demand.size
-    np.testing.assert_allclose(demand, history.demand, rtol=1e-9)
-    assert demand.sum() > 0
-    assert resident.sum(axis=1).tolist() == [engine["residency_resident"] // len(demand)] * len(
-        demand)
+    heat = check_heatmap(shown, saved["before"])
+    # the first poll took every row; each later one only the rows changed since its version,
+    # and the page drew the ones `more` changed from them
+    states = [u for u in requested if "/state.json" in u]
+    assert "since=" not in states[0] and len(states) > 3
+    assert all(re.search(r"\?since=[0-9a-f]+\.\d+$", u) for u in states[1:]), states
+    new_heat = check_heatmap(after, History.read(served["state_dir"] / "history.npz"))
+    assert after["map"]["version"] != shown["map"]["version"] and (new_heat != heat).any()
 
 
 def test_keys_guard_the_dashboard(served):
@@ -157,11 +206,15 @@ def test_keys_guard_the_dashboard(served):
             urllib.request.urlopen(url + path, timeout=10)
         assert refused.value.code == 401
     assert "/dashboard?key=KEY" in refused.value.read().decode()  # the missing key's hint
-    request = urllib.request.Request(url + "/dashboard/state.json",
-                                     headers={"x-api-key": KEY})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        state = json.load(r)
-    assert state["model"] == "tiny" and len(state["experts"]["demand"]) == 1
+    state, full = state_json(url)
+    experts = state["experts"]
+    assert state["model"] == "tiny" and (experts["layers"], experts["experts"]) == (1, 8)
+    assert list(experts["rows"]) == ["0"]
+    at_rest, fewer = state_json(url, experts["version"])
+    assert at_rest["experts"]["rows"] == {} and fewer < full
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        state_json(url, "latest")
+    assert bad.value.code == 400 and json.load(bad.value)["error"]["param"] == "since"
     # the key in a query opens the page only through the cookie, for /dashboard alone
     with pytest.raises(urllib.error.HTTPError) as elsewhere:
         urllib.request.urlopen(f"{url}/v1/models?key={KEY}", timeout=10)
@@ -180,3 +233,45 @@ def test_a_profile_switch_leaves_the_dashboard_out():
         assert status == (200 if on else 404)
         if on:  # one page: no script, style or font from elsewhere
             assert "<script>" in page and not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+
+
+def test_the_heatmap_sends_the_rows_changed_since_a_version():
+    """A DeepSeek-V3-size map (58 MoE layers x 256 experts): every row at a tenth of the bytes
+    of the demand as JSON numbers; a version's poll gets no row while nothing changed, none
+    after a decay (every cell scaled alike), one after one layer's demand changed or one
+    expert was swapped; a version of another server gets every row; the rows decode to the
+    heats and residency."""
+    rng = np.random.default_rng(0)
+    demand = rng.gamma(0.3, 20.0, (58, 256))  # a skewed decayed demand, float64 as History's
+    resident = demand >= np.median(demand, axis=1, keepdims=True)
+    heatmap = Heatmap()
+    heatmap.update(demand, resident)
+    full = heatmap.since(None)
+    assert len(full["rows"]) == 58 and (full["layers"], full["experts"]) == (58, 256)
+    as_lists = json.dumps({"demand": demand.tolist(), "resident": resident.tolist()})
+    assert len(json.dumps(full)) * 10 < len(as_lists)
+    for layer, row in full["rows"].items():
+        cells = np.frombuffer(base64.b64decode(row), np.uint8)
+        heat, bits = cells[:256], np.unpackbits(cells[256:])
+        np.testing.assert_allclose(heat / full["levels"],
+                                   np.sqrt(demand[int(layer)] / demand.max()), atol=0.5 / 255)
+        np.testing.assert_array_equal(bits.astype(bool), resident[int(layer)])
+    version = full["version"]
+    heatmap.update(demand * 0.5 ** (64 / 500), resident)  # a drain's decay, nothing added
+    assert heatmap.since(version)["rows"] == {} and heatmap.token == version
+    assert len(json.dumps(heatmap.since(version))) < 200
+    demand[7, :] = demand[7, ::-1]
+    heatmap.update(demand, resident)
+    assert list(heatmap.since(version)["rows"]) == ["7"]
+    later = heatmap.token
+    resident[30, 0] = not resident[30, 0]
+    heatmap.update(demand, resident)
+    assert list(heatmap.since(version)["rows"]) == ["7", "30"]
+    assert list(heatmap.since(later)["rows"]) == ["30"]
+    assert len(Heatmap().since(None)["rows"]) == 0  # no engine yet: no rows
+    other = Heatmap()
+    other.update(demand, resident)
+    assert len(heatmap.since(other.token)["rows"]) == 58
+    with pytest.raises(RequestError) as bad:
+        heatmap.since("7")
+    assert bad.value.field == "since"

@@ -660,15 +660,16 @@ class Residency:
             return self.cache.stats()
         return disk_stats(collections.Counter(), held=self.n_layers * self.n_experts)
 
-    def expert_map(self) -> dict:
-        """The decayed demand [L_moe, E] (History.demand: routing weight) and the resident set
-        [L_moe, E] (a slot of the host map's resident region holds the expert), as lists: the
-        dashboard's heatmap. Safe from other threads (each read is one copy)."""
+    def expert_map(self) -> tuple[np.ndarray, np.ndarray]:
+        """(demand, resident): the decayed demand [L_moe, E] float64 (History.demand: routing
+        weight) and the resident set [L_moe, E] bool (a slot of the host map's resident region
+        holds the expert), copies: the dashboard's heatmap. Safe from other threads (each read
+        is one copy)."""
         held = np.asarray(self.slot_rows[:self.n_resident]).copy()
         resident = np.zeros(self.n_layers * self.n_experts, bool)
         resident[held[held >= 0]] = True
-        return {"demand": np.array(self.history.demand, np.float64).tolist(),
-                "resident": resident.reshape(self.n_layers, self.n_experts).tolist()}
+        return (np.array(self.history.demand, np.float64),
+                resident.reshape(self.n_layers, self.n_experts))
 
     def stats(self) -> dict:
         c = self.counters

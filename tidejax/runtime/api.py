@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import numpy as np
+
 from tidejax.runtime.sampling import SamplingError, SamplingParams
 from tidejax.text.chat_template import ChatTemplate
 from tidejax.text.harmony import HarmonyFormat
@@ -114,6 +116,6 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats:
         """Now: the queue, the lanes in use and the expert residency's counters."""
 
-    def expert_map(self) -> dict:
-        """Now: {"demand": [L_moe][E] decayed routing weight, "resident": [L_moe][E] bool} (the
-        dashboard's heatmap; plain lists)."""
+    def expert_map(self) -> tuple[np.ndarray, np.ndarray]:
+        """Now: (demand [L_moe, E] float64 decayed routing weight, resident [L_moe, E] bool), host
+        copies (the dashboard's heatmap)."""

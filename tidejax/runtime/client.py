@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from tidejax.models.registry import family_of
 from tidejax.runtime.api import (DoneEvent, EngineInfo, EngineStats, ErrorEvent, Event,
                                  GenerationRequest)
@@ -87,5 +89,5 @@ class LocalEngineClient:
                            kv=self.scheduler.kv_stats(), cache=self.scheduler.cache_stats(),
                            speculative=self.scheduler.speculative_stats())
 
-    def expert_map(self) -> dict:
+    def expert_map(self) -> tuple[np.ndarray, np.ndarray]:
         return self.engine.residency.expert_map()
