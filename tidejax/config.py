@@ -204,7 +204,7 @@ _POWERS_OF_TWO = (("engine", "page_size"),)
 # settings that name a file or folder: in a profile, relative to the repository root (the
 # profile's parent folder's parent, where configs/ lives); on the command line, to the working
 # directory
-_PATHS = (("model", "path"), ("engine", "trace_dir"), ("engine", "compile_cache"),
+PATHS = (("model", "path"), ("engine", "trace_dir"), ("engine", "compile_cache"),
           ("residency", "seed_map"), ("residency", "state_dir"), ("cache", "disk_dir"))
 
 _SECTIONS = {
@@ -280,7 +280,7 @@ class EngineConfig:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
         config = EngineConfig.from_dict(tables, source=str(path))
         root = path.resolve().parent.parent
-        for table, key in _PATHS:
+        for table, key in PATHS:
             value = getattr(getattr(config, table), key)
             if value and not Path(value).is_absolute():
                 section = dataclasses.replace(getattr(config, table),

@@ -1,14 +1,15 @@
 """A warm restart from the step executables kept under engine.compile_cache
 (runtime/executables.py): a synthetic DeepSeek-V4.1 (two layers) started twice on one folder,
 the second start's warm-up tracing no step (DonatingStep.traces) and answering as the first,
-its state donated into the loaded executables; a changed setting keys new executables; a
-corrupted file is compiled again with one log line, and the engine still serves, its executables
-loaded one by one or side by side alike; a folder that cannot be written is logged and the engine
-serves. Two step shapes (one page, one prompt bucket): their compiles are the test's time."""
+its state donated into the loaded executables, as does a copy of the state folder and the
+checkpoint at other paths; a changed setting keys new executables; a corrupted file is compiled
+again with one log line, and the engine still serves, its executables loaded one by one or side by
+side alike; a folder that cannot be written is logged and the engine serves. Two step shapes (one page, one prompt bucket): their compiles are the test's time."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import jax
@@ -16,14 +17,17 @@ import pytest
 
 import tidejax
 from tidejax.runtime.executables import MAGIC
+from tidejax.runtime.steps import DonatingStep
 
 ENGINE = {"lanes": 1, "max_context": 64, "prefill_chunk": 16, "page_size": 64}
 PROMPT = "The tide"
 
 
 def start(model: Path, folder: Path, **engine):
-    """A fresh engine on `folder`, warmed up: (engine, its step's traces after warm-up)."""
-    engine = tidejax.load(str(model), engine={**ENGINE, **engine, "compile_cache": str(folder)})
+    """A fresh engine on the state folder `folder` (its compile cache, and residency.state_dir
+    in it), warmed up: (engine, its step's traces after warm-up)."""
+    engine = tidejax.load(str(model), engine={**ENGINE, **engine, "compile_cache": str(folder)},
+                          residency={"state_dir": str(folder / "state")})
     engine.warmup()
     return engine, engine.loaded.steps.step.traces
 
@@ -62,6 +66,21 @@ def test_warm_restart_traces_no_step_and_answers_alike(v41, cold):
         engine.close()
 
 
+def test_a_moved_state_folder_and_checkpoint_load_their_executables(v41, cold, tmp_path):
+    """The state folder and the checkpoint copied to new paths: the copy starts from the kept
+    executables (no file-system location is part of their key)."""
+    folder, first = cold
+    moved = tmp_path / "moved"
+    shutil.copytree(folder, moved)
+    model = shutil.copytree(v41, tmp_path / "model")
+    engine, traces = start(model, moved)
+    try:
+        assert traces == 0 and engine.loaded.executables.loaded == 2
+        assert answer(engine) == first
+    finally:
+        engine.close()
+
+
 def test_loads_side_by_side_keep_and_count_as_one_by_one(v41, cold, caplog):
     """engine.compile_workers 2: the kept executables are loaded on two threads, and each step
     keeps the same shapes' executables, counted, as when loaded on one."""
@@ -91,13 +110,14 @@ def test_a_changed_setting_keys_new_executables(v41, cold, setting, caplog):
         assert shape in engine.loaded.warmup_shapes()
         inputs = engine.loaded.warmup_inputs(*shape, engine.residency.idle_batch())
         step = engine.loaded.steps.step
-        args = step.arguments(engine.loaded.step_params, engine.runner.state, inputs)
+        executables = engine.loaded.executables
+        shared = DonatingStep.shared(engine.loaded.step_params, engine.runner.state)
+        [key] = executables.keys(shared, [(step, str(shape), inputs)])
         with caplog.at_level(logging.INFO, "tidejax.warmup"):
-            assert engine.loaded.executables.load([(step, str(shape), args, inputs)], 1) == [False]
+            assert executables.load([(step, str(shape), key, inputs)], 1) == [False]
         assert "none stored under its key" in caplog.text
         kept = {path.name for path in (folder / "steps").glob("*.exe")}
-        assert engine.loaded.executables.path(step, engine.loaded.executables.key(
-            step, str(shape), args)).name not in kept
+        assert executables.path(step, key).name not in kept
     finally:
         engine.close()
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tidejax import parallel
-from tidejax.config import EngineConfig, ResidencySection
+from tidejax.config import PATHS, EngineConfig, ResidencySection
 from tidejax.errors import ConfigError
 from tidejax.fields import read_json
 from tidejax.kv.paged import PagedCache
@@ -70,7 +70,8 @@ def _buckets(limit: int) -> list[int]:
 
 
 # the profile's tables a step's program may depend on (not [server]), less the keys that never
-# reach it (a change of these keeps the stored step executables)
+# reach it (a change of these keeps the stored step executables); of the files and folders the
+# profile names (config.PATHS) only whether one is set may reach it, never where it is
 _PROGRAM_TABLES = ("model", "engine", "residency", "cache", "speculative", "distributed")
 _OUTSIDE_PROGRAM = {"engine": ("compile_cache", "compile_workers", "warmup", "trace_dir")}
 
@@ -197,13 +198,16 @@ class LoadedModel:
             log.info("step executables are not kept across processes: each start lowers them")
             return None
         profile = {name: dataclasses.asdict(getattr(config, name)) for name in _PROGRAM_TABLES}
+        for table, key in PATHS:
+            profile[table][key] = bool(profile[table][key])
         for table, keys in _OUTSIDE_PROGRAM.items():
             for key in keys:
                 del profile[table][key]
         config_json = (model_dir / "config.json").read_bytes()
         return StepExecutables(self.compile_cache, {
             "family": self.family.name, "config.json": hashlib.sha256(config_json).hexdigest(),
-            "config": repr(self.cfg), "serve": repr(self.residency.options),
+            "config": repr(dataclasses.replace(self.cfg, source="")),  # not where it was read
+            "serve": repr(self.residency.options),
             "dtype": str(self.dtype), "profile": repr(profile)}, list(self.mesh.devices.flat))
 
     def _speculation(self, config: EngineConfig, fp8_block) -> tuple:

@@ -6,10 +6,11 @@ is a hash of the lowered module, so a restart still traces and lowers every step
 warm-up step's executable is serialized (jax.experimental.serialize_executable) into
 `<engine.compile_cache>/steps/`, under a key of everything that decides the program: the step's
 name and shape, its arguments' tree structure, avals and shardings (params, expert rows, the
-donated state, inputs), the model's config and serve options (LoadedModel._executables), the
-tidejax source (a hash of the package's .py files and built extensions), jax and jaxlib
-versions, the backend, platform and devices, XLA_FLAGS and the jax settings that change a
-lowering. A restart with the same key loads the executable and the DonatingStep calls it in
+donated state, inputs), the model's config and serve options (LoadedModel._executables: no file
+or folder's location), the tidejax source (a hash of the package's .py files and built
+extensions), jax and jaxlib versions, the backend, platform and devices, XLA_FLAGS and the jax
+settings that change a lowering. What every step shares of it is digested once a warm-up
+(StepExecutables.keys), and each step's key once. A restart with the same key loads the executable and the DonatingStep calls it in
 place of its jitted function (DonatingStep.keep; the state is donated as before). No file for the key, a corrupt or
 truncated one (its checksum), one stored for another key or one that fails to load: the step
 is lowered and compiled as without, with one log line saying why, and saved again (one that
@@ -79,11 +80,18 @@ def environment(device) -> dict:
             "settings": {name: repr(getattr(jax.config, name, None)) for name in _JAX_SETTINGS}}
 
 
-def _argument(leaf) -> str:
-    """A leaf's aval (shape, dtype, weak type) and where it is: a jax.Array's sharding, or
-    'host' for what the call places itself."""
-    where = repr(leaf.sharding) if isinstance(leaf, jax.Array) else "host"
-    return f"{jax.typeof(leaf)} {where}"
+def _arguments(tree) -> dict:
+    """`tree`'s structure and each leaf's aval (shape, dtype, weak type) and where it is: a
+    jax.Array's sharding, or 'host' for what the call places itself."""
+    leaves, structure = jax.tree.flatten(tree)
+    return {"tree": str(structure),
+            "arguments": [f"{jax.typeof(leaf)} "
+                          f"{repr(leaf.sharding) if isinstance(leaf, jax.Array) else 'host'}"
+                          for leaf in leaves]}
+
+
+def _digest(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 class StepExecutables:
@@ -97,29 +105,28 @@ class StepExecutables:
         self.devices = devices
         self.loaded = 0  # executables loaded from disk (a warm restart's count)
 
-    def key(self, step, shape: str, args: tuple) -> str:
-        """sha256 of everything that decides `step`'s program for `args`
-        (DonatingStep.arguments)."""
-        leaves, tree = jax.tree.flatten(args)
-        text = json.dumps({"step": step.name, "shape": shape, "program": self.program,
-                           "environment": environment(self.devices[0]), "tree": str(tree),
-                           "devices": [device.id for device in self.devices],
-                           "arguments": [_argument(leaf) for leaf in leaves]}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
+    def keys(self, shared: tuple, steps: list[tuple]) -> list[str]:
+        """sha256 of everything that decides the program of each of `steps` ((step, shape,
+        inputs) each), called with `shared` before its inputs (DonatingStep.shared: the params,
+        expert rows and state every step takes). What the steps share (the model's program, the
+        environment, `shared`'s avals and shardings) is digested once for all of them."""
+        common = _digest({"program": self.program, "environment": environment(self.devices[0]),
+                          "devices": [device.id for device in self.devices],
+                          **_arguments(shared)})
+        return [_digest({"shared": common, "step": step.name, "shape": shape,
+                         **_arguments(inputs)})
+                for step, shape, inputs in steps]
 
     def path(self, step, key: str) -> Path:
         return self.folder / f"{step.name}-{key[:32]}.exe"
 
     def load(self, steps: list[tuple], workers: int) -> list[bool]:
-        """Which of `steps` ((step, shape, args, inputs) each) had their executables on disk and
-        loaded, each kept by its step for calls with its inputs' shapes. The files are read and
-        loaded side by side on `workers` threads (XLA's load runs mostly without the GIL); the
-        keys, the keeping, the count and one log line for each that failed (to be compiled, as
-        without) on the calling thread."""
-        paths = []
-        for step, shape, args, _ in steps:
-            key = self.key(step, shape, args)
-            paths.append((self.path(step, key), key))
+        """Which of `steps` ((step, shape, key, inputs) each, `key` from `keys`) had their
+        executables on disk and loaded, each kept by its step for calls with its inputs' shapes.
+        The files are read and loaded side by side on `workers` threads (XLA's load runs mostly
+        without the GIL); the keeping, the count and one log line for each that failed (to be
+        compiled, as without) on the calling thread."""
+        paths = [(self.path(step, key), key) for step, _, key, _ in steps]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             results = list(pool.map(self._try_read, paths))
         loaded = []
@@ -160,11 +167,10 @@ class StepExecutables:
         except Exception as error:
             raise RuntimeError(f"could not be loaded ({type(error).__name__}: {error})") from error
 
-    def save(self, step, shape: str, args: tuple, inputs, compiled) -> None:
-        """Writes `compiled` (`step` lowered and compiled for `args`) under its key, atomically,
-        and has `step` keep it for calls with `inputs`'s shapes."""
+    def save(self, step, shape: str, key: str, inputs, compiled) -> None:
+        """Writes `compiled` (`step` lowered and compiled for `inputs`, its `key` from `keys`)
+        under its key, atomically, and has `step` keep it for calls with `inputs`'s shapes."""
         step.keep(inputs, compiled)
-        key = self.key(step, shape, args)
         path = self.path(step, key)
         try:
             serialized, in_tree, out_tree = serialize_executable.serialize(compiled)

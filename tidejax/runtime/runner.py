@@ -47,7 +47,7 @@ from tidejax.residency.swap import Tallies, apply_now
 from tidejax.runtime.build import LoadedModel
 from tidejax.runtime.plan import PageRestore, PageSpill, SequenceCopy, StepPlan
 from tidejax.runtime.sampling import LaneParams, Sampled, SamplingParams
-from tidejax.runtime.steps import SavedSequence, VerifyInputs
+from tidejax.runtime.steps import DonatingStep, SavedSequence, VerifyInputs
 
 log = logging.getLogger("tidejax.warmup")  # the warm-up's timing (bench.roofline prints it)
 tiers_log = logging.getLogger("tidejax")
@@ -286,8 +286,11 @@ class Runner:
         kept = self.model.executables
         if kept is not None:
             workers = self.model.compile_workers(len(todo))
-            loaded = kept.load([(self._jitted(inputs), shape, self._arguments(inputs), inputs)
-                                for shape, inputs in todo], workers)
+            keys = kept.keys(DonatingStep.shared(self.model.step_params, self.state),
+                             [(self._jitted(inputs), shape, inputs) for shape, inputs in todo])
+            loaded = kept.load([(self._jitted(inputs), shape, key, inputs)
+                                for (shape, inputs), key in zip(todo, keys)], workers)
+            keys = [key for key, done in zip(keys, loaded) if not done]
             todo = [step for step, done in zip(todo, loaded) if not done]
             log.info("warm-up: %d of %d step executables loaded from %s on %d threads in %.1f s",
                      kept.loaded, len(warmups), kept.folder, workers,
@@ -310,18 +313,13 @@ class Runner:
                  "threads in %.1f s (%.1f to %.1f s each)", len(lowered), lowering, workers,
                  time.perf_counter() - start, min(each), max(each))
         if kept is not None:
-            for (shape, inputs), executable in zip(todo, compiled):
-                kept.save(self._jitted(inputs), shape, self._arguments(inputs), inputs,
-                          executable)
+            for (shape, inputs), key, executable in zip(todo, keys, compiled):
+                kept.save(self._jitted(inputs), shape, key, inputs, executable)
 
     @_in_scope
     def lower(self, inputs):
         """The jitted step lowered for `inputs` (cost analysis, HLO); the state is not consumed."""
         return self._jitted(inputs).lower(self.model.step_params, self.state, inputs)
-
-    def _arguments(self, inputs) -> tuple:
-        """What the jitted step for `inputs` takes (DonatingStep.arguments), the state now."""
-        return self._jitted(inputs).arguments(self.model.step_params, self.state, inputs)
 
     def _jitted(self, inputs):
         """The jitted step that takes `inputs`: the verify step's (speculative decoding) or the

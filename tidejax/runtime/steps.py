@@ -212,10 +212,15 @@ class DonatingStep:
         self.kept: dict[tuple, object] = {}  # inputs' shapes -> a jax.stages.Compiled
 
     @staticmethod
+    def shared(params, state: DecodeState) -> tuple:
+        """What the jitted function takes before its inputs, whatever they are: (params, expert
+        rows, state without them)."""
+        return params, state.experts.rows, state.replace(experts=state.experts.without_rows())
+
+    @staticmethod
     def arguments(params, state: DecodeState, inputs) -> tuple:
         """What the jitted function takes: (params, expert rows, state without them, inputs)."""
-        rest = state.replace(experts=state.experts.without_rows())
-        return params, state.experts.rows, rest, inputs
+        return (*DonatingStep.shared(params, state), inputs)
 
     def __call__(self, params, state: DecodeState, inputs):
         args = self.arguments(params, state, inputs)
