@@ -415,12 +415,15 @@ def open_tiers(model: LoadedModel, state) -> Tiers | None:
     section = config.cache
     if not model.prefix_caching or (section.host_gib == 0 and section.disk_gib == 0):
         return None
-    shapes = model.steps.copy_shapes(state)
-    template = Spilled(shapes.cache.pages, shapes if model.lane_snapshots else None)
     folder, disk = section.disk_dir or config.residency.state_dir, None
     if section.disk_gib > 0 and folder:
+        # the leaves' shardings (a compile of the read) only where a process holds shards of
+        # them (parallel.host_shapes; in one process every leaf is whole)
+        processes = parallel.process_count(model.mesh)
+        shapes = model.steps.copy_shapes(state, shardings=processes > 1)
+        template = Spilled(shapes.cache.pages, shapes if model.lane_snapshots else None)
         key = model_key(model.model_dir, model.page_size, template,
-                        parallel.tensor_size(model.mesh), parallel.process_count(model.mesh))
+                        parallel.tensor_size(model.mesh), processes)
         folder = Path(folder) / "prompt_cache" / key / f"process{jax.process_index()}"
         try:
             disk = DiskTier(folder, int(section.disk_gib * 2**30), Spilled(

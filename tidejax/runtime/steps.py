@@ -439,14 +439,16 @@ class Steps:
         lane's rows and token counts."""
         return self._read(state, _padded(pages, self.max_pages), lane)
 
-    def copy_shapes(self, state: DecodeState) -> SavedSequence:
-        """A one-page read_sequence's leaves as jax.ShapeDtypeStruct with the shardings its
+    def copy_shapes(self, state: DecodeState, shardings: bool) -> SavedSequence:
+        """A one-page read_sequence's leaves as jax.ShapeDtypeStruct; with `shardings`, those its
         compiled read gives them (compiled, not run)."""
         args = (state, np.zeros(1, np.int32), np.int32(0))
-        shardings = self._read.lower(*args).compile().output_shardings
+        shapes = jax.eval_shape(self._read, *args)
+        if not shardings:
+            return shapes
         return jax.tree.map(lambda shape, where: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=where), jax.eval_shape(self._read, *args),
-            shardings)
+            shape.shape, shape.dtype, sharding=where), shapes,
+            self._read.lower(*args).compile().output_shardings)
 
     def write_sequence(self, cache: PagedCache, sampling: LaneSampling, pages, lane,
                        saved: SavedSequence) -> tuple[PagedCache, LaneSampling]:
