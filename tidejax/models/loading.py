@@ -115,17 +115,24 @@ class ExpertPool:
 DENSE_FORMATS = ("float", "fp8")
 
 
+def open_checkpoint(model_dir, raw_config: dict, table: Table) -> CheckpointReader:
+    """`model_dir`'s reader (its headers read) on config.json's FP8 scale block and `table`'s."""
+    return CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config),
+                            fp8_blocks=table.fp8_blocks)
+
+
 def load_by_table(model_dir, raw_config: dict, table: Table, param_specs: dict,
                   expert_specs: dict, put_row, host_specs: dict | None = None,
-                  dense_format: str = "float") -> dict:
+                  dense_format: str = "float", reader: CheckpointReader | None = None) -> dict:
     """Dense params (declared by `param_specs`: onto the device in their declared dtypes, placed
     by their declared logical axes through tidejax.parallel) and routed experts (rows of
     `expert_specs`, through `put_row`) by the family's checkpoint table, after every name and
     shape is checked against the headers. `host_specs`: tensors kept on the host as stored
     (memory-mapped), returned beside the params. dense_format "fp8": the Linear weights stored
-    FP8 are declared as stored (fp8_specs) and kept so on the device."""
-    reader = CheckpointReader(model_dir, fp8_block=fp8.config_block(raw_config),
-                              fp8_blocks=table.fp8_blocks)
+    FP8 are declared as stored (fp8_specs) and kept so on the device. `reader`: the
+    checkpoint's where the caller opened it already (open_checkpoint on `table`'s FP8 blocks),
+    else opened here."""
+    reader = reader or open_checkpoint(model_dir, raw_config, table)
     if dense_format not in DENSE_FORMATS:
         raise ConfigError(f"model.dense_format = {dense_format!r}: expected one of {DENSE_FORMATS}")
     if dense_format == "fp8":

@@ -32,7 +32,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tidejax.checkpoint import CheckpointReader, Experts, Rule, Table
+from tidejax.checkpoint import Experts, Rule, Table
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec, declare, serving
@@ -41,7 +41,7 @@ from tidejax.models.layers.mlp import SwiGLU, swiglu_specs
 from tidejax.models.layers.moe import MoE, RouterSpec, moe_specs, routed_expert_specs
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies
-from tidejax.models.loading import load_by_table
+from tidejax.models.loading import load_by_table, open_checkpoint
 from tidejax.residency.serve import ServeOptions
 from tidejax.residency.state import ExpertState
 
@@ -276,10 +276,12 @@ def load_with_mtp(cfg, model_dir, raw_config: dict, checkpoint_table: Callable, 
     them and keep config.json's count, and GLM-4.5's count is 1 where the field is absent, as in
     transformers): `checkpoint_table(cfg, mtp)` the family's table with or without them ->
     (dense params, the aux: {"layers_{i}": an MTP layer's tensors}, or None without them)."""
+    # one reader (the headers read once) for the table with or without the MTP layers:
+    # decoder_table declares no FP8 scale blocks of its own, so theirs are alike
+    reader = open_checkpoint(model_dir, raw_config, checkpoint_table(cfg, bool(mtp)))
     first = f"model.layers.{cfg.num_layers}."
-    stored = mtp and any(name.startswith(first)
-                         for name in CheckpointReader(model_dir, progress=False).names())
+    stored = mtp and any(name.startswith(first) for name in reader.names())
     kept = mtp if stored else {}
     loaded = load_by_table(model_dir, raw_config, checkpoint_table(cfg, bool(kept)), params,
-                           experts, put_row, host_specs=kept)
+                           experts, put_row, host_specs=kept, reader=reader)
     return loaded, {name: loaded.pop(name) for name in kept} or None
