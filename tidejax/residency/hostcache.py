@@ -7,8 +7,8 @@ jit reads); `slot_of` [L_moe * E] maps a pool row (moe_layer * E + expert) to it
 through it wherever a step reads the pool (swaps, `exact`'s fetch, the bank's fill).
 
 Where the model's mesh splits "tensor", each device's shard of a slot holds its slice of the
-row's intermediate, as the loaded pool does (pool.pool_layout): a row read from disk is written
-into every shard of this process, and `exact`'s in-step read hands each device its shard of the
+row's intermediate, as the loaded pool does (pool.pool_layout): a row read from disk is put in
+that layout as it is read (once), and written into every shard of this process, and `exact`'s in-step read hands each device its shard of the
 row (a callback per device). Across processes each process's cache reads only its shards
 (disk.ProcessShards) and follows process 0's plans: process 0's reads and drops go to the peers
 in its plans (`orders`, taken by its Runner), and each batch carries its map, which a peer's
@@ -94,6 +94,8 @@ class HostCache:
     # -- reads (any thread) ---------------------------------------------------------------
 
     def _read(self, row: int) -> dict:
+        """Row `row` from disk, in the host pool's layout (pool.pool_layout; across processes
+        this process's shards of it, read so)."""
         with self._lock:
             t0 = time.perf_counter_ns()
             if not self._running:
@@ -112,7 +114,7 @@ class HostCache:
             self.reads_by_row[row] += 1
             self.counters["read_bytes"] += self.row_bytes
             self.counters["read_ns"] += t1 - t0
-        return arrays
+        return arrays if isinstance(self.rows, ProcessShards) else pool_layout(arrays, self.tensor)
 
     def fill(self, rows) -> None:
         """Boot: `rows` read (in threads) into the first slots; nothing else is read."""
@@ -314,10 +316,10 @@ class HostCache:
         return self._read(row) if arrays is None else arrays
 
     def _parts(self, arrays: dict) -> dict:
-        """{leaf: [this process's shards of row `arrays` (as read), in _shards' order]}."""
+        """{leaf: [this process's shards of row `arrays` (as _read gives it), in _shards'
+        order]}."""
         if isinstance(self.rows, ProcessShards):  # read as shards already
             return {k: list(v) for k, v in arrays.items()}
-        arrays = pool_layout(arrays, self.tensor)
         # the slots whole in each shard: index[0] is every row
         return {k: [arrays[k][index[1:]] for index, _ in shards]
                 for k, shards in self._shards.items()}
