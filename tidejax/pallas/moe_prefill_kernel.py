@@ -13,7 +13,8 @@ row is stored de-interleaved (its even columns, then its odd ones) and a step is
 BK / 2, never an interleave.
 
 GATE_UP (the first pass): the activations are the tokens' rows of x, gathered through the plan;
-the program accumulates the gate rows [n0, n0 + BN) and the up rows I + [n0, n0 + BN), adds the
+the program accumulates the gate rows [n0, n0 + BN) and the up rows I + [n0, n0 + BN) (a K step's
+activations loaded once for both), adds the
 bias (BIAS), and writes swiglu(g, u) (tidejax.contract: g <= LIMIT, |u| <= LIMIT when LIMIT > 0,
 g * sigmoid(ALPHA g) * (u + UP_SHIFT)) as bf16 h [rows, I], de-interleaved as above when the next
 pass reads MXFP4. The second pass: the activations are h's rows; the program adds the down bias
@@ -56,6 +57,10 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
         acc = tl.full((BN, BM), 0.0, tl.float32)
         up = tl.full((BN, BM), 0.0, tl.float32)  # GATE_UP: the up rows', N further down
         for kk in range(0, K // BK):
+            # the activations' phases a step [KP, BM], loaded once for the gate's and up's dots
+            a0 = tl.trans(tl.load(a_rows + kk * KP + j[None, :]))
+            if PHASES == 2:
+                a1 = tl.trans(tl.load(a_rows + K // 2 + kk * KP + j[None, :]))
             for half in tl.static_range(2 if GATE_UP else 1):  # the gate's rows, the up's
                 rows = w_first + n + half * N  # [BN] weight rows, 64-bit
                 if PHASES == 2:  # MXFP4: a step's bytes and their blocks' scales, read once
@@ -66,7 +71,7 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
                     e = tl.minimum(e.to(tl.int32), 240)
                     scale = ((e + 14) << 23).to(tl.float32, bitcast=True)
                 for p in tl.static_range(PHASES):
-                    a = tl.load(a_rows + p * (K // PHASES) + kk * KP + j[None, :])  # [BM, KP]
+                    a = a0 if p == 0 else a1
                     if PHASES == 1:  # bf16 [BN, BK]
                         w = tl.load(w_ptr + rows[:, None] * K + kk * BK + j[None, :])
                     else:  # phase p: the bytes' low (0) or high (1) nibbles
@@ -78,10 +83,10 @@ def moe_prefill_kernel(a_ptr, tile_slot_ptr, row_token_ptr, row_weight_ptr, w_pt
                         w = bits.to(tl.float16, bitcast=True).to(tl.float32) * scale
                         w = w.to(tl.bfloat16)
                     if DOT_F32:
-                        part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)),
+                        part = tl.dot(w.to(tl.float32), a.to(tl.float32),
                                       input_precision="ieee")
                     else:
-                        part = tl.dot(w, tl.trans(a))  # [BN, BM]
+                        part = tl.dot(w, a)  # [BN, BM]
                     if half == 0:
                         acc += part
                     else:
