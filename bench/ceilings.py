@@ -29,10 +29,14 @@ def median_seconds(fn, *args, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def seconds_per_step(step, carry, *args, n_iter: int) -> float:
+def seconds_per_step(step, carry, *args, n_iter: int, on_compile=None) -> float:
     """Median seconds of one `carry = step(j, carry, *args)`, from loops of n_iter in one jit (so
-    dispatch does not count)."""
+    dispatch does not count), compiled once; `on_compile(executable)` is called with the compiled
+    loop before it runs."""
     loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, n_iter, lambda j, c: step(j, c, *a), c))
+    loop = loop.lower(carry, *args).compile()
+    if on_compile is not None:
+        on_compile(loop)
     return median_seconds(loop, carry, *args, reps=5) / n_iter
 
 

@@ -1,6 +1,7 @@
 """GPU benchmark of the grouped MoE kernel, without and with the demand counting fused in.
 
-DeepSeek-V4.1-Flash routed experts (hidden 5120, moe_intermediate 2304, 384 experts, 6 a token)
+DeepSeek-V4.1-Flash routed experts (hidden 5120, moe_intermediate 2304, 384 experts, 6 a token;
+a bank of fewer slots where 384 take more than a third of the device's memory limit: bank_slots)
 as MXFP4 and as bf16, at 1, 4, 16, 64 and 4096 tokens: time per call, effective GB/s of the
 expert bytes read (each distinct expert once), the ratio to the HBM read ceiling measured in
 the same run, and at 4096 tokens TFLOP/s against a bf16 matmul measured in the same run. The
@@ -16,7 +17,8 @@ against `count_demand_reference`. Prints markdown tables and appends them to ben
 tiles; with --prefill-tiles each of PREFILL_TILES), ms, TFLOP/s and the ratio to the bf16
 matmul of the same run (its table in $OUT/kernels_prefill.md). Each is checked against the
 reference on the GPU first, on a bank of the check's slots alone (the full bank is made after),
-and each compiled call's argument and temporary GiB are printed before it runs.
+and each compiled call's argument and temporary GiB are printed before it runs (the check's
+call and the timed loop, each compiled once).
 
     python3 -m bench.kernels [--quick] [--formats mxfp4,bf16] [--no-demand]
     python3 -m bench.kernels --prefill [--prefill-tiles] [--formats mxfp4,bf16]
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import sys
 import time
@@ -45,6 +48,7 @@ from tidejax.pallas.moe_kernel import choose_tile, moe_grouped_pallas
 from tidejax.pallas.moe_prefill import moe_grouped_triton
 
 D, I, E, K = 5120, 2304, 384, 6
+CHECK_SLOTS = 96  # the check's largest sub-bank (GEMV at 4 tokens)
 TOKENS = (1, 4, 16, 64, 4096)
 ROTATE = 8  # routing sets cycled through, so that repeated calls do not hit in L2
 LAYERS = 40  # layers of the demand counters (DeepSeek-V4.1-Flash has 40)
@@ -70,8 +74,8 @@ PREFILL_TILES = [(64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (64, 128, 128, 8, 3),
 
 
 def make_bank(fmt, n, key, d=D, i=I):
-    """Random bank of n slots, hidden d, intermediate i (uint8 MXFP4 codes with scales near 2**-6,
-    or bf16 N(0, 0.02))."""
+    """Random bank of n slots (a multiple of 16), hidden d, intermediate i (uint8 MXFP4 codes
+    with scales near 2**-6, or bf16 N(0, 0.02))."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
     if fmt == "mxfp4":
         bits = lambda k, shape: jax.random.bits(k, shape, jnp.uint8)
@@ -80,10 +84,29 @@ def make_bank(fmt, n, key, d=D, i=I):
                 "gate_up_scales": scales(k2, (n, 2 * i, d // 32)),
                 "down_blocks": bits(k3, (n, d, i // 32, 16)),
                 "down_scales": scales(k4, (n, d, i // 32))}
-    normal = jax.jit(lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(jnp.bfloat16),
-                     static_argnums=1)
-    return {"gate_up": jnp.concatenate([normal(jax.random.fold_in(k1, c), (16, 2 * i, d)) for c in range(n // 16)]),
-            "down": jnp.concatenate([normal(jax.random.fold_in(k2, c), (16, d, i)) for c in range(n // 16)])}
+    return {"gate_up": _normal_bf16(k1, (n, 2 * i, d)), "down": _normal_bf16(k2, (n, d, i))}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normal_bf16(key, shape):
+    """N(0, 0.02) as bf16 [n, ...], drawn 16 slots at a time into the one array: no float32
+    copy of the whole, and no chunks beside it (a concatenation held the bank twice)."""
+    draw = lambda c: (jax.random.normal(jax.random.fold_in(key, c), (16, *shape[1:]), jnp.float32)
+                      * 0.02).astype(jnp.bfloat16)
+    return jax.lax.map(draw, jnp.arange(shape[0] // 16)).reshape(shape)
+
+
+def bank_slots(fmt) -> int:
+    """The slots of the bank timed in `fmt`: E, or, where the device reports its memory limit
+    (memory_stats' bytes_limit) and E slots take more than a third of it, as many as do (a
+    multiple of 16, at least the check's 96): beside the bank the check holds copies of up to 96
+    of its slots and the reference's rows. An H200 keeps 384 bf16 slots, an H100 fewer."""
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    per_slot = sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in jax.eval_shape(
+        lambda: make_bank(fmt, 16, jax.random.key(0))).values())
+    if limit is None or E * per_slot <= limit / 3:
+        return E
+    return max(CHECK_SLOTS, int(limit / 3 / per_slot) // 16 * 16)
 
 
 def routing(rng, sets, t, n, k=K):
@@ -120,7 +143,7 @@ def check(fmt, bank, rng):
     not fit an H100's 80 GB). x holds bf16 values as float32, so that the output is float32 (not
     rounded to bf16)."""
     errs = {}
-    for t, n in ((4, 96), (64, 64), (1024, 32)):
+    for t, n in ((4, CHECK_SLOTS), (64, 64), (1024, 32)):
         path = "gemv" if choose_tile(bank_format(bank), t * K, n)[0] == 1 else "dots"
         err = kernel_err(moe_grouped_pallas, bank, rng, t, n, K, f"{fmt} ({path})")
         errs[path] = max(errs.get(path, 0.0), err)
@@ -139,26 +162,26 @@ def kernel_err(kernel, bank, rng, t, n, k, label):
     x = jnp.asarray(rng.standard_normal((t, bank_dims(bank)[1])), jnp.bfloat16).astype(jnp.float32)
     worst = 0.0
     for name, form, checked in (("plain", PLAIN, sub), ("gpt-oss", GPT_OSS, with_biases(sub, rng))):
-        print(f"check {label} {name}: {executable_gib(kernel, x, checked, ids, w, **form)}",
-              flush=True)
-        err = rel_err(kernel(x, checked, ids, w, **form), reference(x, checked, ids, w, **form))
+        call = jax.jit(functools.partial(kernel, **form)).lower(x, checked, ids, w).compile()
+        print(f"check {label} {name}: {executable_gib(call)}", flush=True)
+        err = rel_err(call(x, checked, ids, w), reference(x, checked, ids, w, **form))
         worst = max(worst, err)
         print(f"check {label} {name} tokens={t} slots={n}: rel err {err:.2e}", flush=True)
     return worst
 
 
-def executable_gib(kernel, *args, **static) -> str:
-    """kernel(*args, **static) compiled: its arguments' and temporaries' GiB (XLA's memory
-    analysis, nothing run)."""
-    m = jax.jit(functools.partial(kernel, **static)).lower(*args).compile().memory_analysis()
+def executable_gib(compiled) -> str:
+    """A compiled call's arguments' and temporaries' GiB (XLA's memory analysis)."""
+    m = compiled.memory_analysis()
     return (f"arguments {m.argument_size_in_bytes / 2**30:.2f} GiB, "
             f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
 
 
-def time_moe(bank, ids_sets, w, x, tile, mask=None, kernel=moe_grouped_pallas):
+def time_moe(bank, ids_sets, w, x, tile, mask=None, kernel=moe_grouped_pallas, label=None):
     """Seconds per call of kernel(x, bank, ids, w) (moe_grouped_pallas given `tile`; None: the
     kernel's own choice), from a loop of calls inside one jit (no dispatch gaps); with a token
-    mask, each call also counts its picks into [LAYERS, E] demand counters (layer j % LAYERS)."""
+    mask, each call also counts its picks into [LAYERS, slots] demand counters (layer
+    j % LAYERS). With a `label`, the compiled loop's GiB are printed under it before it runs."""
     if tile is not None:
         kernel = functools.partial(kernel, tile=tile)
 
@@ -170,24 +193,26 @@ def time_moe(bank, ids_sets, w, x, tile, mask=None, kernel=moe_grouped_pallas):
         demand = Demand(*counters, j % LAYERS, ids, w, mask)
         y, *counters = kernel(x, bank, ids, w, demand=demand)
         return acc + y.astype(jnp.float32), tuple(counters)
-    counters = (jnp.zeros((LAYERS, E), jnp.float32),) * 2
+    counters = (jnp.zeros((LAYERS, bank_dims(bank)[0]), jnp.float32),) * 2
+    report = (lambda loop: print(f"{label}: {executable_gib(loop)}", flush=True)) if label else None
     return seconds_per_step(step, (jnp.zeros(x.shape, jnp.float32), counters), x, bank, ids_sets, w, mask,
-                            n_iter=200 if x.shape[0] <= 64 else 10)
+                            n_iter=200 if x.shape[0] <= 64 else 10, on_compile=report)
 
 
 def bench_format(fmt, rng, read, mm, rows, quick):
-    """Appends the format's rows; returns its bank."""
-    bank = make_bank(fmt, E, jax.random.key(3))
+    """Appends the format's rows; returns its bank (bank_slots(fmt) slots)."""
+    n = bank_slots(fmt)
+    bank = make_bank(fmt, n, jax.random.key(3))
     per_expert = expert_bytes(bank)
     errs = check(fmt, bank, rng)
     for t in TOKENS:
-        ids_sets, w = routing(rng, ROTATE, t, E)
+        ids_sets, w = routing(rng, ROTATE, t, n)
         x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
         distinct = np.mean([len(np.unique(np.asarray(s))) for s in ids_sets])
         tiles = [None] if quick else SWEEP.get(t, [None])
         results = []
         for tile in tiles:
-            tile = tile or choose_tile(bank_format(bank), t * K, E)
+            tile = tile or choose_tile(bank_format(bank), t * K, n)
             try:
                 results.append((time_moe(bank, ids_sets, w, x, tile), tile))
                 print(f"{fmt} tokens={t} tile={tile}: {results[-1][0] * 1e6:.1f} us", flush=True)
@@ -199,7 +224,7 @@ def bench_format(fmt, rng, read, mm, rows, quick):
         err = errs["gemv" if tile[0] == 1 else "dots"]
         gbps = distinct * per_expert / s / 1e9
         tflops = 2 * t * K * 3 * I * D / s / 1e12
-        rows.append(f"| {fmt} | {t} | {distinct:.1f} | {'x'.join(map(str, tile))} | {s * 1e6:.1f} | "
+        rows.append(f"| {fmt}, {n} slots | {t} | {distinct:.1f} | {'x'.join(map(str, tile))} | {s * 1e6:.1f} | "
                     f"{gbps:.0f} | {gbps / read:.2f} | {tflops:.1f} | {tflops / mm:.2f} | {err:.1e} |")
         print(rows[-1], flush=True)
     return bank
@@ -208,17 +233,18 @@ def bench_format(fmt, rng, read, mm, rows, quick):
 def bench_demand(bank, rng, rows):
     """The kernel without and with the demand counting at 4 and 64 tokens (its own tile choice),
     a tenth of the tokens padding; check: its counts against `count_demand_reference`."""
+    n = bank_dims(bank)[0]
     for t in (4, 64):
-        ids_sets, w = routing(rng, ROTATE, t, E)
+        ids_sets, w = routing(rng, ROTATE, t, n)
         x = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
         mask = jnp.asarray(rng.random(t) > 0.1)
-        counters = jnp.asarray(rng.integers(0, 9, (LAYERS, E)), jnp.float32)
+        counters = jnp.asarray(rng.integers(0, 9, (LAYERS, n)), jnp.float32)
         demand = Demand(counters, counters, 7, ids_sets[0], w, mask)
         _, counts, sums = moe_grouped_pallas(x, bank, ids_sets[0], w, demand=demand)
         want = jax.jit(count_demand_reference)(*demand)
         ok = bool(jnp.all(counts == want[0])) and rel_err(sums, want[1]) < 1e-6
         without, with_demand = (time_moe(bank, ids_sets, w, x, None, m) for m in (None, mask))
-        rows.append(f"| moe_grouped {bank_format(bank)} | {t} | {without * 1e6:.1f} us | "
+        rows.append(f"| moe_grouped {bank_format(bank)}, {n} slots | {t} | {without * 1e6:.1f} us | "
                     f"{with_demand * 1e6:.1f} us | {'equal' if ok else 'MISMATCH'} |")
         print(rows[-1], flush=True)
 
@@ -249,9 +275,8 @@ def bench_prefill(rng, mm, formats, rows, tiles):
             x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
             for name, err in errs.items():
                 try:
-                    print(f"{shape} {fmt} {name} at {t} tokens: "
-                          f"{executable_gib(kernels[name], x, bank, ids_sets[0], w)}", flush=True)
-                    s = time_moe(bank, ids_sets, w, x, None, kernel=kernels[name])
+                    s = time_moe(bank, ids_sets, w, x, None, kernel=kernels[name],
+                                 label=f"{shape} {fmt} {name} at {t} tokens (its timed loop)")
                 except Exception:
                     print(f"{shape} {fmt} {name} failed:\n{traceback.format_exc()}", flush=True)
                     continue
@@ -322,20 +347,22 @@ def main():
                 bench_demand(bank, rng, demand_rows)
         except Exception:
             print(f"demand counting failed:\n{traceback.format_exc()}", flush=True)
+        del bank  # freed before the next format's is made
     section = "\n".join([
         f"\n## Kernels: grouped MoE, without and with demand counting ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n",
         f"`python3 -m bench.kernels {' '.join(sys.argv[1:])}` on {jax.devices()[0].device_kind}, jax {jax.__version__}. "
         f"Ceilings measured in the same run: HBM read {read:.0f} GB/s (bench/ceilings.py, the GB/s "
         f"ratio's divisor), device copy {copy:.0f} GB/s (read + write, 1 GiB f32), "
-        f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank, "
+        f"bf16 matmul 8192^3 {mm:.0f} TFLOP/s. Experts: hidden {D}, moe_intermediate {I}, {E} in the bank "
+        "(fewer where a third of the device's memory limit holds fewer: bank_slots; the experts column), "
         f"{K} a token, random routing; GB/s counts each distinct expert's bytes once; "
         "tile = rows x cols x K-block x warps x stages (best of the sweep; rows 1 = the GEMV path); err = "
-        "max relative Frobenius error of that path vs the jnp reference on the GPU (GEMV: 4 tokens on 96 "
+        f"max relative Frobenius error of that path vs the jnp reference on the GPU (GEMV: 4 tokens on {CHECK_SLOTS} "
         "slots; dots: 64 and 1024 tokens on 64 and 32).\n",
         "| experts | tokens | distinct experts | tile | us | GB/s | / read | TFLOP/s | / matmul | err |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows, "",
-        f"Demand counting fused into the kernel (MXFP4, own tile choice, counters [{LAYERS}, {E}], a tenth "
+        f"Demand counting fused into the kernel (MXFP4, own tile choice, counters [{LAYERS}, slots], a tenth "
         "of the tokens padding): us a call without / with it; check = counts equal "
         "count_demand_reference's, weight sums within 1e-6.\n",
         "| op | tokens | without | with | check |",
