@@ -552,7 +552,12 @@ class LoadedModel:
         token in order and cyclically, instead of by the router's own choice; None turns it off.
         Benchmarks use it to give random-weight models a trained model's routing."""
         if picks is not None and self.speculator is not None:
-            raise ValueError("routing replay is not served with speculative decoding")
+            raise ValueError(
+                "routing replay is refused with speculative decoding ('speculative.method' = "
+                "'mtp'): the replay gives its rows to a step's token slots in order, so a token "
+                "routes by the slot its step gives it, and a verify step's k + 1 slots a lane "
+                "(rejected drafts' too) move every later token to another row: the output "
+                "would not be the one the replay gives without speculation")
         if picks is not None and not self.family.replays:
             raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
         if picks is not None:
