@@ -1,7 +1,7 @@
 """Speculative decoding (issue 33) over two processes on loopback (test_speculative_mesh.py has
 it on one process's devices): a tiny DeepSeek-V3 whose MTP layer drafts well, the mesh split
-two ways over the processes, in a pool that preempts; then over the disk tier of experts; and
-a tiny GLM-4.5, whose GQA pages split by KV heads.
+two ways over the processes, in a pool that preempts; then over the disk tier of experts; then
+sampled with seeds; and a tiny GLM-4.5, whose GQA pages split by KV heads.
 Process 0 plans every verify step and the peer runs the same ones (its runner counts them);
 the drafts kept, the rollbacks and the pages given back are process 0's decisions, from the
 step's tokens, which are whole on every device."""
@@ -20,25 +20,33 @@ import tidejax
 from tests.support.engine_probes import run, tokens_of
 from tests.support.server_fixtures import free_coordinator, run_pair, write_profile
 from tests.support.tiny_models import repeating_mtp
+from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import GenerationRequest
 
 ENGINE = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16, "warmup": False}
 PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
            for s, n in ((1, 8), (2, 5), (3, 7), (4, 6))]
 NEW_TOKENS = 12
+POOL = {**ENGINE, "kv_pool_tokens": 64}  # 8 pages: four lanes preempt
+# seeded sampling, a request each (every parameter the rule's processing takes but logit_bias)
+SAMPLED = [dict(temperature=0.9, top_k=8, top_p=0.95, min_p=0.02, presence_penalty=0.3,
+                frequency_penalty=0.2, repetition_penalty=1.1, seed=seed) for seed in range(4)]
 
 LEADER = textwrap.dedent("""
     import json, sys
     from tidejax import distributed
     from tidejax.config import EngineConfig
     from tidejax.runtime.engine import Engine
+    from tidejax.runtime.sampling import SamplingParams
     from tidejax.runtime.scheduler import GenerationRequest
     from tests.support.engine_probes import run, tokens_of
 
     profile, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    sampling = [SamplingParams(**s) for s in json.loads(sys.argv[4])]
     config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
     engine = Engine(config, distributed.start(config))
-    events = run(engine, [GenerationRequest(p, n, ignore_eos=True) for p in prompts])
+    events = run(engine, [GenerationRequest(p, n, s, ignore_eos=True)
+                          for p, s in zip(prompts, sampling)])
     params, draft = engine.loaded.step_params
     mtp = draft[f"layers_{engine.loaded.cfg.num_layers}"]
     out = {"tokens": [tokens_of(got) for got in events],
@@ -57,13 +65,19 @@ LEADER = textwrap.dedent("""
 """)
 
 
+def _alone(model, sampling: list[dict], **load) -> list[list]:
+    """Each prompt's events on one process, one device, loaded with `load`, each prompt by its
+    `sampling` (SamplingParams' fields)."""
+    engine = tidejax.load(model, **load)
+    events = run(engine, [GenerationRequest(p, NEW_TOKENS, SamplingParams(**s), ignore_eos=True)
+                          for p, s in zip(PROMPTS, sampling)])
+    engine.close()
+    return events
+
+
 def _plain(model) -> list[list[int]]:
     """The greedy tokens of one process, one device, without speculation."""
-    engine = tidejax.load(model, engine=ENGINE)
-    requests = [GenerationRequest(p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
-    expected = [tokens_of(events) for events in run(engine, requests)]
-    engine.close()
-    return expected
+    return [tokens_of(events) for events in _alone(model, [{}] * len(PROMPTS), engine=ENGINE)]
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +85,16 @@ def plain(v3_mtp) -> list[list[int]]:
     return _plain(v3_mtp)
 
 
-def _pair(v3_mtp, tmp_path, **residency) -> tuple[dict, str]:
+def _pair(v3_mtp, tmp_path, sampling=None, **residency) -> tuple[dict, str]:
     """Process 1 following, LEADER as process 0, speculating (k = 2) in a pool of 8 pages that
-    preempts: (process 0's report, process 1's log)."""
+    preempts, each prompt by its `sampling` (SamplingParams' fields; None: greedy):
+    (process 0's report, process 1's log)."""
     profile = write_profile(
-        tmp_path / "pair.toml", v3_mtp, engine={**ENGINE, "kv_pool_tokens": 64},
+        tmp_path / "pair.toml", v3_mtp, engine=POOL,
         speculative={"method": "mtp", "tokens": 2}, residency=residency,
         distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120})
-    got = run_pair(profile, LEADER, json.dumps(PROMPTS), str(NEW_TOKENS), timeout=300)
+    got = run_pair(profile, LEADER, json.dumps(PROMPTS), str(NEW_TOKENS),
+                   json.dumps(sampling or [{}] * len(PROMPTS)), timeout=300)
     print(f"accepted {got['accepted']} of {got['drafted']} drafts in {got['verify_steps']} "
           f"verify steps, {got['preemptions']} preemptions")
     return got, (tmp_path / "pair-peer.log").read_text()
@@ -110,6 +126,17 @@ def test_speculation_over_the_disk_tier_of_two_processes(v3_mtp, plain, tmp_path
     assert sorted(p.name for p in (tmp_path / "state" / "experts").iterdir()) == [
         "process0-tensor2", "process1-tensor2"]
 
+
+def test_sampled_speculation_over_two_processes_keeps_the_seeded_tokens(v3_mtp, plain,
+                                                                        tmp_path):
+    """Four seeded sampled requests speculating over two processes (the acceptance rule's
+    draws in the replicated step): each request's tokens those of one process speculating in
+    the same pool with the same seeds, drafts kept and rejected; sampled, not greedy."""
+    got, _ = _pair(v3_mtp, tmp_path, SAMPLED)
+    events = _alone(v3_mtp, SAMPLED, engine=POOL, speculative={"method": "mtp", "tokens": 2})
+    assert got["tokens"] == [tokens_of(e) for e in events] != plain
+    assert 0 < sum(got["accepted"]) < sum(got["drafted"])
+    assert [e[-1].stats["accepted_tokens"] for e in events] == got["accepted"]
 
 
 def test_glm_speculation_over_two_processes_splits_its_pages_by_heads(tiny_checkpoint,
