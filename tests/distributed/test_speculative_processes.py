@@ -1,7 +1,8 @@
 """Speculative decoding (issue 33) over two processes on loopback (test_speculative_mesh.py has
 it on one process's devices): a tiny DeepSeek-V3 whose MTP layer drafts well, the mesh split
 two ways over the processes, in a pool that preempts; then over the disk tier of experts; then
-sampled with seeds; and a tiny GLM-4.5, whose GQA pages split by KV heads.
+sampled with seeds; a tiny GLM-4.5, whose GQA pages split by KV heads; and a tiny GLM-5, whose
+MTP layer is a DSA layer with an indexer of its own.
 Process 0 plans every verify step and the peer runs the same ones (its runner counts them);
 the drafts kept, the rollbacks and the pages given back are process 0's decisions, from the
 step's tokens, which are whole on every device."""
@@ -139,13 +140,18 @@ def test_sampled_speculation_over_two_processes_keeps_the_seeded_tokens(v3_mtp, 
     assert [e[-1].stats["accepted_tokens"] for e in events] == got["accepted"]
 
 
-def test_glm_speculation_over_two_processes_splits_its_pages_by_heads(tiny_checkpoint,
-                                                                      tmp_path_factory,
-                                                                      tmp_path):
-    """GLM-4.5 (GQA, two KV heads: its pages split one head a process) speculating over two
-    processes: the greedy tokens of one process without speculation, drafts kept and rolled
-    back, and the peer ran process 0's verify steps."""
-    glm = repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
+# each GLM family's tiny checkpoint (config, seed) whose repeating MTP layer keeps and rejects drafts
+GLM = {"glm4_moe": ("qknorm_groups", 0), "glm_moe_dsa": ("topk_below", 5)}
+
+
+@pytest.mark.parametrize("family", GLM)
+def test_glm_speculation_over_two_processes(family, tiny_checkpoint, tmp_path_factory, tmp_path):
+    """GLM-4.5 (GQA, two KV heads: its pages split one head a process) and GLM-5 (DSA: MLA's
+    latent pages and the index keys whole in each process, the MTP layer's indexer keys in its
+    own slot) speculating over two processes: the greedy tokens of one process without
+    speculation, drafts kept and rolled back, and the peer ran process 0's verify steps."""
+    config, seed = GLM[family]
+    glm = repeating_mtp(tiny_checkpoint(family, config, seed=seed),
                         tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
     got, peer_log = _pair(glm, tmp_path)
     assert got["tokens"] == _plain(glm)
