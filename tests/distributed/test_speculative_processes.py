@@ -140,7 +140,7 @@ def test_sampled_speculation_over_two_processes_keeps_the_seeded_tokens(v3_mtp, 
     assert [e[-1].stats["accepted_tokens"] for e in events] == got["accepted"]
 
 
-# each GLM family's tiny checkpoint (config, seed) whose repeating MTP layer keeps and rejects drafts
+# each GLM family's tiny checkpoint (config, seed): its repeating MTP layer's drafts kept and not
 GLM = {"glm4_moe": ("qknorm_groups", 0), "glm_moe_dsa": ("topk_below", 5)}
 
 
