@@ -4,8 +4,8 @@ an indexer of its own), each with an MTP layer that drafts well (tiny_models.rep
 MTP layer's params split as its family's decoder layer's (attention heads, shared-expert
 intermediate; GLM-5's indexer whole, as its main layers'), its routed experts the split pool's
 last MoE layer, GLM-5's index keys a pool slot of their own; the greedy tokens of four lanes
-equal those of the same mesh with speculation off, drafts accepted and rejected; DeepSeek-V3's too with half the expert rows on the disk tier, the
-MTP layer's among those read."""
+equal those of the same mesh with speculation off, drafts accepted and rejected; DeepSeek-V3's
+too with half the expert rows on the disk tier, the MTP layer's among those read."""
 
 from __future__ import annotations
 
