@@ -128,7 +128,6 @@ def test_speculation_over_the_disk_tier_on_a_split_mesh(on_a_split_mesh):
     assert got["on_disk"] == got["plain"] and got["mtp_disk_reads"] > 0
 
 
-
 def test_glm5_mtp_layer_indexes_through_its_own_pool_slot_on_a_split_mesh(on_a_split_mesh):
     """GLM-5: the MTP layer's indexer placed as layer 0's (whole on both devices), its index
     keys the pool's slot 2 (after the two decoder layers; layer 1 keeps none), as layer 0's."""

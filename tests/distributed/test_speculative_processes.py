@@ -29,7 +29,7 @@ PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
            for s, n in ((1, 8), (2, 5), (3, 7), (4, 6))]
 NEW_TOKENS = 12
 POOL = {**ENGINE, "kv_pool_tokens": 64}  # 8 pages: four lanes preempt
-# seeded sampling, a request each (every parameter the rule's processing takes but logit_bias)
+# seeded sampling, a seed a request, with the penalties, top-k, top-p and min-p
 SAMPLED = [dict(temperature=0.9, top_k=8, top_p=0.95, min_p=0.02, presence_penalty=0.3,
                 frequency_penalty=0.2, repetition_penalty=1.1, seed=seed) for seed in range(4)]
 
