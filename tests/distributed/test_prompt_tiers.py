@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent("""
     out = {}
     engine = load(2)
     second = turn_two(engine, 100)
-    out["host_pages"] = engine.scheduler.kv_stats()["host_tier_pages"]
+    out["host_pages"] = engine.scheduler.cache_stats()["processes"][0]["host"]["pages"]
     spec = k_spec(engine)
     digests, host = block_hashes(second, 8)[:5], engine.scheduler.tiers.host
     entries = [host.take(digest) for digest in digests]  # (put back as they were)
@@ -127,7 +127,7 @@ PAIR = textwrap.dedent("""
     from tidejax import distributed
     from tidejax.config import EngineConfig
     from tidejax.runtime.engine import Engine
-    from tests.support.engine_probes import prefilled, serve
+    from tests.support.engine_probes import serve, tiered_turn
 
     profile, phase, saved = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
@@ -146,22 +146,9 @@ PAIR = textwrap.dedent("""
             serve(engine, ids(other, 80), 2)
         return prompt + answer + [7, 8, 9]
 
-    def second_turn(prompt):  # cached: tokens, tokens cached, prefilled, matched per tier
-        tiers = lambda: engine.scheduler.cache_stats()["tiers"]
-        before = tiers()
-        (tokens, stats), count = prefilled(engine, lambda: serve(engine, prompt, 6))
-        engine.scheduler.caching = False  # the same prompt with the prompt cache off
-        uncached, off = serve(engine, prompt, 6)
-        engine.scheduler.caching = True
-        assert off["cached_tokens"] == 0
-        return {"same": tokens == uncached and len(tokens) == 6,
-                "cached": stats["cached_tokens"], "prefilled": count,
-                **{tier: tiers()[tier]["matched_tokens"] - before[tier]["matched_tokens"]
-                   for tier in ("device", "host", "disk")}}
-
     out = {}
     if phase == "host":
-        out["host"] = second_turn(turn_two(100))
+        out["host"] = tiered_turn(engine, turn_two(100))
         later = {"kept": turn_two(200), "spoiled": turn_two(300)}  # to host memory, then disk
         later["last"] = ids(302, 80)  # turn_two(300)'s last prompt: on the device at close
         out["host_pages"] = len(engine.scheduler.tiers.host)
@@ -169,8 +156,8 @@ PAIR = textwrap.dedent("""
     else:
         later = json.loads(saved.read_text())
         out["disk_pages"] = len(engine.scheduler.tiers.disk)
-        out["kept"], out["spoiled"] = second_turn(later["kept"]), second_turn(later["spoiled"])
-        out["last"] = second_turn(later["last"])
+        for name in ("kept", "spoiled", "last"):
+            out[name] = tiered_turn(engine, later[name])
     engine.close()  # the peer stops too; both write their device pages and host tiers to disk
     print(json.dumps(out))
 """)
@@ -226,3 +213,89 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
     assert re.search(rf"disk entry \S*{spoiled} is corrupt", peer_log), peer_log[-3000:]
     # removed there; the page prefilled again was on the device at close: written anew
     assert target.read_bytes() != bytes(raw) and (folders[0] / spoiled).exists()
+
+
+V41_PAIR = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import numpy as np
+    from tidejax import distributed
+    from tidejax.config import EngineConfig
+    from tidejax.runtime.api import EngineStats
+    from tidejax.runtime.engine import Engine
+    from tidejax.server.metrics import Metrics
+    from tests.support.engine_probes import serve, tiered_turn
+
+    profile, phase, saved = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
+    engine = Engine(config, distributed.start(config))
+    ids = np.load(Path(config.model.path) / "input_ids.npy")[0].tolist()
+
+    def processes(tier, field):  # {process: its tier's count} (cache_stats' per process)
+        return {p: tiers[tier][field] for p, tiers
+                in engine.scheduler.cache_stats()["processes"].items()}
+
+    def reported(tier, field, least):  # once process 1's report (sent after its plan) has it
+        deadline = time.monotonic() + 60
+        while processes(tier, field).get(1, -1) < least and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return processes(tier, field)
+
+    # turn 1 (32 tokens: a page, a lane snapshot at its end; 8 generated), then another
+    # 32-token prompt that evicts its page with the snapshot; returns turn 2 (45 tokens)
+    def converse(first, seed):
+        answer, _ = serve(engine, first, 8)
+        serve(engine, np.random.RandomState(seed).randint(3, 250, 32).tolist(), 2)
+        return first + answer + ids[50:55]
+
+    out = {}
+    if phase == "host":
+        out["turn"] = tiered_turn(engine, converse(ids[:32], 7))
+        out["hits"] = reported("host", "hits", 1)
+        out["pages"] = reported("host", "pages", 1)
+        saved.write_text(json.dumps(converse(ids[16:48], 8)))  # to host memory, then disk
+        out["metrics"] = Metrics().render(EngineStats(cache=engine.scheduler.cache_stats()), 0)
+    else:
+        out["pages"] = reported("disk", "pages", 1)  # at boot
+        out["turn"] = tiered_turn(engine, json.loads(saved.read_text()))
+        out["hits"] = reported("disk", "hits", 1)
+    engine.close()
+    print(json.dumps(out))
+""")
+
+
+def test_v41_lane_snapshots_restore_from_both_processes_tiers(tmp_path):
+    """DeepSeek-V4.1 (the golden tiny_a: window rings, group buffers and Engram look-back in
+    its lanes, a pool of two 32-token pages; its pages and lanes whole on every device, so each
+    process keeps its own copy of each page and snapshot) over two processes on loopback. Turn 1's
+    page and lane snapshot go to both processes' host memory; turn 2 restores both there (32
+    tokens, 13 prefilled) with the cache off's greedy tokens, a hit of each process's host tier
+    (process 1's counts reported to process 0: its /metrics shows both). Both restarted over
+    the folder (each wrote its host tier to disk at stop), another conversation's turn 2
+    restores from each process's disk tier, again with the cache off's tokens."""
+    model = Path(__file__).parents[1] / "data" / "golden_v41" / "tiny_a"
+
+    def pair(phase: str) -> dict:
+        profile = write_profile(
+            tmp_path / f"{phase}.toml", model,
+            engine={"lanes": 1, "max_context": 64, "page_size": 32, "prefill_chunk": 16,
+                    "kv_pool_tokens": 64,
+                    "compile_cache": str(tmp_path / "jit")},  # the restart's small jits kept
+            cache={"disk_dir": str(tmp_path / "tiers")},
+            distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120})
+        return run_pair(profile, V41_PAIR, phase, str(tmp_path / "turn.json"))
+
+    host = pair("host")
+    assert host["turn"] == {"same": True, "cached": 32, "prefilled": 13, "device": 0, "host": 32,
+                            "disk": 0}
+    assert host["hits"] == {"0": 1, "1": 1} and min(host["pages"].values()) >= 1
+    for process in (0, 1):
+        assert re.search(rf'^tidejax_prompt_cache_tier_hits_total\{{process="{process}",'
+                         rf'tier="host"\}} 1$', host["metrics"], re.M), host["metrics"]
+        assert re.search(rf'^tidejax_prompt_cache_tier_bytes\{{process="{process}",'
+                         rf'tier="host"\}} [1-9]\d*$', host["metrics"], re.M)
+    disk = pair("disk")
+    assert min(disk["pages"].values()) >= 2  # both conversations' turn-1 pages at least
+    assert disk["turn"] == {"same": True, "cached": 32, "prefilled": 13, "device": 0, "host": 0,
+                            "disk": 32}
+    assert disk["hits"] == {"0": 1, "1": 1}

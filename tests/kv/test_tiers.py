@@ -93,7 +93,8 @@ def test_a_second_turn_matches_from_host_memory(engine):
     device_evictions = scheduler.cache_stats()["tiers"]["device"]["evictions"]
     second = converse(engine, 100)
     assert scheduler.cache_stats()["tiers"]["device"]["evictions"] > device_evictions
-    assert scheduler.kv_stats()["host_tier_pages"] == len(scheduler.tiers.host) >= 5
+    held = scheduler.cache_stats()["processes"][0]["host"]["pages"]
+    assert held == len(scheduler.tiers.host) >= 5
     host, device = matched(engine, "host"), matched(engine, "device")
     (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
     assert stats["cached_tokens"] == 40 and count == len(second) - 40 == 8
@@ -147,6 +148,11 @@ def test_a_restart_matches_from_disk_and_skips_a_corrupt_entry(engine, model_dir
         assert re.search(r'^tidejax_prompt_cache_matched_tokens_total\{tier="disk"\} 40$', text,
                          re.M), text
         assert re.search(r'^tidejax_prompt_cache_evictions_total\{tier="host"\} \d+$', text, re.M)
+        # this process's own tiers: the 5 pages restored from disk, the files it holds
+        assert re.search(r'^tidejax_prompt_cache_tier_hits_total\{process="0",tier="disk"\} 5$',
+                         text, re.M), text
+        assert re.search(rf'^tidejax_prompt_cache_tier_pages\{{process="0",tier="disk"\}} '
+                         rf'{len(restarted.scheduler.tiers.disk)}$', text, re.M)
     finally:
         restarted.close()
 

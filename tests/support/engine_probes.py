@@ -45,6 +45,24 @@ def prefilled(engine, fn):
     return out, engine.scheduler.totals["prefilled_tokens"] - before
 
 
+def tiered_turn(engine, prompt: list[int], n: int = 6) -> dict:
+    """`prompt` served cached, then with the prompt cache off: whether their n greedy tokens are
+    the same, the tokens cached and prefilled, and the tokens matched per tier meanwhile."""
+    tiers = lambda: engine.scheduler.cache_stats()["tiers"]  # noqa: E731
+    before = tiers()
+    (tokens, stats), count = prefilled(engine, lambda: serve(engine, prompt, n))
+    engine.scheduler.caching = False
+    try:
+        uncached, off = serve(engine, prompt, n)
+    finally:
+        engine.scheduler.caching = True
+    assert off["cached_tokens"] == 0
+    return {"same": tokens == uncached and len(tokens) == n,
+            "cached": stats["cached_tokens"], "prefilled": count,
+            **{tier: tiers()[tier]["matched_tokens"] - before[tier]["matched_tokens"]
+               for tier in ("device", "host", "disk")}}
+
+
 def decode_cost(engine, position: int) -> tuple[float, float]:
     """(flops, bytes accessed) of the compiled decode step, one lane at `position`."""
     pages = PageTable(engine.loaded.kv_pages, engine.loaded.page_size)

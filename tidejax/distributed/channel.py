@@ -5,8 +5,11 @@ at start, sends its boot-guard fingerprint and receives process 0's verdict; fro
 process 0 sends, and the peers receive, its boot map, then each plan its runner carries out
 (tidejax.runtime.runner), then stop; between them process 0 pings every heartbeat_s / 5
 seconds (`Leader.watch`), so that a peer that is gone is noticed while nothing is asked of it:
-its connection refuses the next message. Messages are pickled: the channel joins the processes of
-one deployment, which trust each other (bind it to a private network).
+its connection refuses the next message. The other way a peer sends only reports of its own
+state for process 0's /metrics (its prompt cache tiers' counts: tidejax.distributed.peer),
+which a thread of process 0's per peer keeps, the latest of each (`Leader.reports`). Messages
+are pickled: the channel joins the processes of one deployment, which trust each other (bind it
+to a private network).
 
 Why a socket and not what JAX offers. `multihost_utils.broadcast_one_to_all` sends arrays of a
 shape every process knows beforehand, through a jitted psum over the devices: a plan is Python
@@ -20,6 +23,7 @@ gives them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import socket
@@ -104,6 +108,12 @@ class Leader:
         self.lost = ""  # why a peer is gone ("" while every one answers)
         self._lock = threading.Lock()  # one message at a time: the plans' and the pings'
         self._closed = threading.Event()
+        self._reports: dict[int, object] = {}  # process -> its last report
+        self._listeners = [threading.Thread(target=self._listen, args=(process, sock),
+                                            name=f"tidejax-peer-{process}", daemon=True)
+                           for process, sock in enumerate(self.peers, 1)]
+        for listener in self._listeners:
+            listener.start()
 
     def send(self, message) -> None:
         """To every peer; ConnectionError (naming the peer) once one is gone."""
@@ -116,6 +126,23 @@ class Leader:
                 except OSError as e:
                     self.lost = f"distributed: process {process} is gone ({e})"
                     raise ConnectionError(self.lost) from None
+
+    def _listen(self, process: int, sock: socket.socket) -> None:
+        """A peer's reports ("tiers", counts) until it closes its end (or its connection
+        fails: the pings notice that)."""
+        while True:
+            try:
+                kind, report = _receive(sock)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                return
+            if kind == "tiers":
+                self._reports[process] = report
+            else:
+                log.warning("distributed: process %d sent an unknown report %r", process, kind)
+
+    def reports(self) -> dict[int, object]:
+        """{process: its last report} of the peers that sent one."""
+        return dict(self._reports)
 
     def watch(self, interval: float, on_lost) -> None:
         """Pings the peers every `interval` seconds on a thread of its own; the first that fails
@@ -135,14 +162,11 @@ class Leader:
         process 0's coordination service when it went would be aborted by jax's client."""
         self._closed.set()
         with self._lock:
-            for sock in self.peers:
-                if not self.lost:
-                    sock.settimeout(self.heartbeat_s)
-                    try:
-                        while sock.recv(1 << 16):
-                            pass
-                    except OSError:
-                        pass
+            for sock, listener in zip(self.peers, self._listeners):
+                if not self.lost:  # its listener ends where the peer closes its end
+                    listener.join(self.heartbeat_s)
+                with contextlib.suppress(OSError):  # a listener still reading returns
+                    sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
 
 
@@ -171,6 +195,10 @@ class Follower:
 
     def receive(self):
         return _receive(self.sock)
+
+    def send(self, report) -> None:
+        """A report to process 0 (Leader.reports keeps the latest)."""
+        _send(self.sock, report)
 
     def close(self) -> None:
         """Leaves jax.distributed, then closes: process 0 waits for this end to close before it

@@ -5,7 +5,8 @@ It loads the same model as process 0, then carries out the messages process 0's 
 plan, in order, until ("stop",); ("ping",) between them only tells process 0 the connection
 holds. It decides nothing: admission, chunks, sampling keys and residency are process 0's, and
 the peer's results (tokens, counters) are the same replicated values process 0 reads. Its
-prompt cache tiers are its own (its shards of each page), and so is its disk tier of experts
+prompt cache tiers are its own (its shards of each page): it reports their counts to process 0
+(after a boot, a ping, and a plan that spilled or restored pages). So is its disk tier of experts
 (its shards of each row), whose host cache follows process 0's orders and maps; at stop its
 prompt cache's host tier goes to its disk tier, as process 0's does at close, and its expert
 disk tier's stats go to the log.
@@ -36,6 +37,10 @@ def follow(config: EngineConfig, channel) -> None:
             runner.run(*args)
         elif kind != "ping":
             raise ValueError(f"process 0 sent an unknown message {kind!r}")
+        if runner.tiers is not None and (kind != "plan" or args[0].spills or args[0].restores):
+            # its prompt cache tiers' counts, for process 0's /metrics (its disk writes land
+            # between plans: a ping's report has them)
+            channel.send(("tiers", runner.tiers.stats()))
     log.info("process %d: %d verify steps run", config.distributed.process_id,
              runner.verify_steps)
     cache = runner.model.residency.cache

@@ -311,6 +311,7 @@ class Tiers:
     def __init__(self, host_bytes: int, disk: DiskTier | None):
         self.disk = disk
         self.host = HostTier(host_bytes, self._to_disk)
+        self.hits = collections.Counter()  # tier -> entries a restore wrote back from it
 
     def _to_disk(self, digest: bytes, entry: Spilled) -> None:
         if self.disk is not None:
@@ -350,8 +351,13 @@ class Tiers:
             out.append((digest, "disk", entry))
         return out
 
-    def evictions(self) -> dict[str, int]:
-        return {"host": self.host.evictions, "disk": self.disk.evictions if self.disk else 0}
+    def stats(self) -> dict:
+        """Per tier (host; disk where there is one) the entries and bytes it holds now, the
+        entries restores wrote back from it (`hits`) and those it pushed out (`evictions`)."""
+        tiers = {"host": self.host} if self.disk is None else {"host": self.host,
+                                                               "disk": self.disk}
+        return {name: {"pages": len(tier), "bytes": tier.bytes, "hits": self.hits[name],
+                       "evictions": tier.evictions} for name, tier in tiers.items()}
 
     def close(self) -> None:
         """The host tier's entries written to disk (where there is one) and the writes waited

@@ -81,7 +81,8 @@ class EngineStats:
     residency: dict = dataclasses.field(default_factory=dict)  # name -> number (a few labels)
     kv: dict = dataclasses.field(default_factory=dict)  # KV pool: pages in use, preemptions, ...
     # the prompt cache's counters since start: matched_tokens (not prefilled), evictions (pages),
-    # tiers: {device / host / disk: both per tier} (Scheduler.cache_stats)
+    # tiers: {device / host / disk: both per tier}, processes: {process index: its host and
+    # disk tiers' pages, bytes, hits, evictions} (Scheduler.cache_stats)
     cache: dict = dataclasses.field(default_factory=dict)
     # speculative decoding's drafted_tokens, accepted_tokens and acceptance since start ({}: off)
     speculative: dict = dataclasses.field(default_factory=dict)

@@ -22,7 +22,9 @@ saved by every process, each its own copy (parallel.to_host: a process holds its
 pages split by heads) under the plan's number, so no pages cross the channel. So is the prompt
 cache's host and disk tiers (kv/tiers.py): every runner keeps its own (`open_tiers`: on disk in a
 folder of its process index), a spill puts each process's shards of a page under its block hash,
-and a restore writes back as many pages as every process holds (`_restore` agrees the count).
+and a restore writes back as many pages as every process holds (`_restore` agrees the count);
+each peer reports its tiers' counts back over the channel, for process 0's /metrics
+(`tier_stats`).
 
 While the scheduler's thread runs (`owner`), a call from another thread raises: it goes through
 `Scheduler.call`, which runs it on that thread between two iterations.
@@ -230,6 +232,8 @@ class Runner:
             n -= 1
         for digest, _, entry in loaded[n:]:  # kept, not served
             self.tiers.spill(digest, entry)
+        if self.tiers is not None:
+            self.tiers.hits.update(tier for _, tier, _ in loaded[:n])
         if n:
             self._write_pages(restore.pages[:n], [entry.pages for _, _, entry in loaded[:n]])
         for i in range(n if restore.snapshots is not None else 0):
@@ -250,6 +254,16 @@ class Runner:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+
+    def tier_stats(self) -> dict[int, dict]:
+        """{process index: its prompt cache tiers' Tiers.stats()}: this process's now and, on
+        process 0, each peer's last report (sent after each plan that spilled or restored pages
+        and at each ping: tidejax.distributed.peer); a process without tiers is left out."""
+        out = {} if self.peers is None else self.peers.reports()
+        tiers = self.tiers  # (None once closed: another thread may ask meanwhile)
+        if tiers is not None:
+            out[jax.process_index()] = tiers.stats()
+        return dict(sorted(out.items()))
 
     def _set_lane(self, lane: int, params: SamplingParams, seen) -> None:
         """A lane's sampling row, its token counts cleared but for the token ids `seen` (a

@@ -209,33 +209,29 @@ class Scheduler:
 
     def kv_stats(self) -> dict:
         """Pages in use, cached (held by no sequence, evicted when needed) and free (cached ones
-        included), preemptions so far, beside the pool's size; the host and disk tiers' pages
-        and bytes where they are on."""
+        included), preemptions so far, beside the pool's size (the host and disk tiers' are in
+        cache_stats)."""
         return dict(self.model.kv_stats(), preemptions=self.totals["preemptions"],
                     pages_in_use=self.pages.in_use, pages_free=self.pages.free,
                     pages_cached=self.pages.cached, lane_snapshots=self.pages.snapshots,
-                    lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes(),
-                    **self._tier_stats())
-
-    def _tier_stats(self) -> dict:
-        """Pages and bytes the host and disk tiers hold (none: no keys)."""
-        if self.tiers is None:
-            return {}
-        out = {"host_tier_pages": len(self.tiers.host), "host_tier_bytes": self.tiers.host.bytes}
-        if self.tiers.disk is not None:
-            out.update(disk_tier_pages=len(self.tiers.disk), disk_tier_bytes=self.tiers.disk.bytes)
-        return out
+                    lane_snapshot_bytes=self.pages.snapshots * self.model.snapshot_bytes())
 
     def cache_stats(self) -> dict:
         """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted from
-        the device pool's index; `tiers`: both per tier (device, host, disk)."""
+        the device pool's index; `tiers`: both per tier (device, host, disk: the tokens of the
+        tier process 0 restored them from, the evictions of every process's tier); with the host
+        and disk tiers on, `processes`: {process index: its tiers' Tiers.stats()} (a peer's as
+        of its last report: Runner.tier_stats)."""
         out = {"matched_tokens": self.totals["cached_tokens"], "evictions": self.pages.evictions,
                "tiers": {"device": {"matched_tokens": self.totals["cached_device"],
                                     "evictions": self.pages.evictions}}}
         if self.tiers is not None:
-            for tier, evictions in self.tiers.evictions().items():
+            processes = self.runner.tier_stats()
+            for tier in ("host", "disk"):
                 out["tiers"][tier] = {"matched_tokens": self.totals[f"cached_{tier}"],
-                                      "evictions": evictions}
+                                      "evictions": sum(stats[tier]["evictions"] for stats
+                                                       in processes.values() if tier in stats)}
+            out["processes"] = processes
         return out
 
     @property

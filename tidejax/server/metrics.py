@@ -17,6 +17,13 @@ def resident_bytes() -> int | None:
         return None
 
 
+# the prompt cache's host and disk tiers of each process (Tiers.stats)
+_TIER_FIELDS = (("pages", "gauge", "prompt cache pages a tier holds"),
+                ("bytes", "gauge", "bytes of the prompt cache pages a tier holds"),
+                ("hits", "counter", "prompt cache pages restores wrote back from a tier"),
+                ("evictions", "counter", "prompt cache pages a tier pushed out"))
+
+
 class Metrics:
     def __init__(self):
         self.responses = collections.Counter()  # (route, status) -> count
@@ -74,9 +81,16 @@ class Metrics:
                     for tier, counts in stats.cache["tiers"].items()])
             metric("prompt_cache_evictions_total", "counter",
                    "cached KV pages evicted from a tier (device: to host memory where that "
-                   "tier is on; host: to disk where that is; disk: deleted), by tier",
+                   "tier is on; host: to disk where that is; disk: deleted; host and disk: "
+                   "summed over the processes), by tier",
                    [({"tier": tier}, counts["evictions"])
                     for tier, counts in stats.cache["tiers"].items()])
+        for field, kind, help_text in _TIER_FIELDS if stats.cache.get("processes") else ():
+            metric(f"prompt_cache_tier_{field}" + ("_total" if kind == "counter" else ""), kind,
+                   f"{help_text}, by process and tier",
+                   [({"process": process, "tier": tier}, counts[field])
+                    for process, tiers in stats.cache["processes"].items()
+                    for tier, counts in tiers.items()])
         if stats.speculative:
             metric("speculative_drafted_tokens_total", "counter",
                    "drafted tokens the verify steps judged", [({}, stats.speculative[
