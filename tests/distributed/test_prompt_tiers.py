@@ -127,7 +127,7 @@ PAIR = textwrap.dedent("""
     from tidejax import distributed
     from tidejax.config import EngineConfig
     from tidejax.runtime.engine import Engine
-    from tests.support.engine_probes import serve, tiered_turn
+    from tests.support.engine_probes import serve, tier_counts, tiered_turn
 
     profile, phase, saved = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
@@ -149,6 +149,7 @@ PAIR = textwrap.dedent("""
     out = {}
     if phase == "host":
         out["host"] = tiered_turn(engine, turn_two(100))
+        out["hits"] = tier_counts(engine, "host", "hits", 5)
         later = {"kept": turn_two(200), "spoiled": turn_two(300)}  # to host memory, then disk
         later["last"] = ids(302, 80)  # turn_two(300)'s last prompt: on the device at close
         out["host_pages"] = len(engine.scheduler.tiers.host)
@@ -158,6 +159,7 @@ PAIR = textwrap.dedent("""
         out["disk_pages"] = len(engine.scheduler.tiers.disk)
         for name in ("kept", "spoiled", "last"):
             out[name] = tiered_turn(engine, later[name])
+        out["hits"] = tier_counts(engine, "disk", "hits", 16)
     engine.close()  # the peer stops too; both write their device pages and host tiers to disk
     print(json.dumps(out))
 """)
@@ -184,12 +186,14 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
     close: the page was prefilled again, in the device pool then); the last prompt before the
     first stop, whose pages were still in the device pool then (each process wrote its shards
     of them at close, a log line on the peer), matches its 9 pages from disk (72 tokens, 8
-    prefilled). Greedy tokens equal the cache off's every time."""
+    prefilled). Greedy tokens equal the cache off's every time. Each process counts the pages
+    its tiers gave back (process 1's reported to process 0): the agreed ones, on both alike."""
     model = tiny_checkpoint("glm4_moe", "qknorm_groups", seed=3)
     host = _pair(tmp_path, model, "host")
     assert host["host_pages"] >= 10
     assert host["host"] == {"same": True, "cached": 40, "prefilled": 8, "device": 0, "host": 40,
                             "disk": 0}
+    assert host["hits"] == {"0": 5, "1": 5}  # each process's host tier gave its 5 pages' shards
     prompts = json.loads((tmp_path / "prompts.json").read_text())
     folders = sorted((tmp_path / "tiers" / "prompt_cache").glob("*/process*"))
     assert [folder.name for folder in folders] == ["process0", "process1"]
@@ -207,6 +211,8 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
                                "host": 0, "disk": 16}
     assert disk["last"] == {"same": True, "cached": 72, "prefilled": 8, "device": 0, "host": 0,
                             "disk": 72}
+    # pages written back, on each process: 5 + 2 (process 0 loaded 5 there, 3 kept unserved) + 9
+    assert disk["hits"] == {"0": 16, "1": 16}
     assert re.search(r"prompt cache: \d+ pages written to disk under \S*process1",
                      (tmp_path / "host-peer.log").read_text())
     peer_log = (tmp_path / "disk-peer.log").read_text()
@@ -216,7 +222,7 @@ def test_two_processes_each_cache_their_shards_and_agree_on_a_restore(tiny_check
 
 
 V41_PAIR = textwrap.dedent("""
-    import json, sys, time
+    import json, sys
     from pathlib import Path
     import numpy as np
     from tidejax import distributed
@@ -224,22 +230,12 @@ V41_PAIR = textwrap.dedent("""
     from tidejax.runtime.api import EngineStats
     from tidejax.runtime.engine import Engine
     from tidejax.server.metrics import Metrics
-    from tests.support.engine_probes import serve, tiered_turn
+    from tests.support.engine_probes import serve, tier_counts, tiered_turn
 
     profile, phase, saved = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     config = EngineConfig.from_toml(profile).with_overrides({"distributed": {"process_id": 0}})
     engine = Engine(config, distributed.start(config))
     ids = np.load(Path(config.model.path) / "input_ids.npy")[0].tolist()
-
-    def processes(tier, field):  # {process: its tier's count} (cache_stats' per process)
-        return {p: tiers[tier][field] for p, tiers
-                in engine.scheduler.cache_stats()["processes"].items()}
-
-    def reported(tier, field, least):  # once process 1's report (sent after its plan) has it
-        deadline = time.monotonic() + 60
-        while processes(tier, field).get(1, -1) < least and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return processes(tier, field)
 
     # turn 1 (32 tokens: a page, a lane snapshot at its end; 8 generated), then another
     # 32-token prompt that evicts its page with the snapshot; returns turn 2 (45 tokens)
@@ -251,14 +247,14 @@ V41_PAIR = textwrap.dedent("""
     out = {}
     if phase == "host":
         out["turn"] = tiered_turn(engine, converse(ids[:32], 7))
-        out["hits"] = reported("host", "hits", 1)
-        out["pages"] = reported("host", "pages", 1)
+        out["hits"] = tier_counts(engine, "host", "hits", 1)
+        out["pages"] = tier_counts(engine, "host", "pages", 1)
         saved.write_text(json.dumps(converse(ids[16:48], 8)))  # to host memory, then disk
         out["metrics"] = Metrics().render(EngineStats(cache=engine.scheduler.cache_stats()), 0)
     else:
-        out["pages"] = reported("disk", "pages", 1)  # at boot
+        out["pages"] = tier_counts(engine, "disk", "pages", 1)  # at boot
         out["turn"] = tiered_turn(engine, json.loads(saved.read_text()))
-        out["hits"] = reported("disk", "hits", 1)
+        out["hits"] = tier_counts(engine, "disk", "hits", 1)
     engine.close()
     print(json.dumps(out))
 """)

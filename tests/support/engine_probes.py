@@ -1,7 +1,10 @@
-"""Driving an engine from a test: requests through its scheduler to idle, the cost of its
-compiled decode step, and its GQA attention forced onto the paged kernel."""
+"""Driving an engine from a test: requests through its scheduler to idle (a prompt cached and
+not, the prompt cache tiers' counts of each process), the cost of its compiled decode step, and
+its GQA attention forced onto the paged kernel."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -61,6 +64,19 @@ def tiered_turn(engine, prompt: list[int], n: int = 6) -> dict:
             "cached": stats["cached_tokens"], "prefilled": count,
             **{tier: tiers()[tier]["matched_tokens"] - before[tier]["matched_tokens"]
                for tier in ("device", "host", "disk")}}
+
+
+def tier_counts(engine, tier: str, field: str, least: int, process: int = 1) -> dict:
+    """{process index: `field` of its `tier`} (Scheduler.cache_stats' per process), once
+    `process`'s count is at least `least` (a peer reports after running the plan: waited for, up
+    to a minute)."""
+    def counts():
+        return {index: tiers[tier][field]
+                for index, tiers in engine.scheduler.cache_stats()["processes"].items()}
+    deadline = time.monotonic() + 60
+    while counts().get(process, -1) < least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return counts()
 
 
 def decode_cost(engine, position: int) -> tuple[float, float]:
