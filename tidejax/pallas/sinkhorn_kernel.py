@@ -8,8 +8,9 @@ launches and a trip-count check an iteration, 19 iterations a site, 80 sites a V
 The matrices lie first ([BLOCK, HC_P, HC_P]). Laid along the last axis instead, so that a thread
 might hold whole matrices, a launch took 114 us where this one takes 43 us (a 40-layer V4.1
 decode step on an H100, one token: bench/RESULTS.md, 2026-12-06), and a thread a matrix with its
-16 entries in registers took 103 us (2026-12-07). Either way a launch of a few 4 x 4 matrices is
-far from free: why is the next measurement's question.
+16 entries in registers took 103 us (2026-12-07). Timed alone (80 chained sites, one token),
+dividing each entry took 27.5 us a site and multiplying by each sum's reciprocal 13.4 us
+(2026-12-07): the kernel takes reciprocals.
 """
 
 import triton
@@ -36,15 +37,29 @@ def sinkhorn_kernel(logits_ptr, n, hc_eps, out_ptr, HC: tl.constexpr, HC_P: tl.c
     j = tl.arange(0, HC_P)[None, :, None]
     k = tl.arange(0, HC_P)[None, None, :]
     entry = (j < HC) & (k < HC)  # not padding; rows past n compute on zeros, stored nowhere
+    padded: tl.constexpr = HC != HC_P
     offsets = rows * (HC * HC) + j * HC + k
     x = tl.load(logits_ptr + offsets, mask=(rows < n) & entry, other=0.0)
-    x = tl.where(entry, x, -3.0e38)  # finite: no inf - inf where a padded row's max is taken
+    if padded:
+        x = tl.where(entry, x, -3.0e38)  # finite: no inf - inf where a padded row's max is taken
     x = x - tl.reduce(x, 2, _larger, keep_dims=True)
-    e = tl.where(entry, tl.exp(x), 0.0)
+    e = tl.exp(x)
+    if padded:
+        e = tl.where(entry, e, 0.0)
     total = tl.reduce(e, 2, _add, keep_dims=True)  # >= 1 but in padding rows (j >= HC): 0
-    c = tl.where(entry, e / tl.where(total > 0, total, 1.0) + hc_eps, 0.0)
-    c = tl.where(entry, c / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps), 0.0)
-    for _ in tl.static_range(ITERS - 1):  # padding kept at 0 (0 / 0 where hc_eps is 0)
-        c = tl.where(entry, c / (tl.reduce(c, 2, _add, keep_dims=True) + hc_eps), 0.0)
-        c = tl.where(entry, c / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps), 0.0)
+    c = e * (1.0 / tl.where(total > 0, total, 1.0)) + hc_eps
+    if padded:
+        c = tl.where(entry, c, 0.0)
+    # each normalization: one reciprocal a sum, a product an entry (a division an entry took
+    # twice the time); padding kept at 0 (0 / 0 where hc_eps is 0)
+    c = c * (1.0 / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps))
+    for _ in tl.static_range(ITERS - 1):
+        if padded:
+            c = tl.where(entry, c, 0.0)
+        c = c * (1.0 / (tl.reduce(c, 2, _add, keep_dims=True) + hc_eps))
+        if padded:
+            c = tl.where(entry, c, 0.0)
+        c = c * (1.0 / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps))
+    if padded:
+        c = tl.where(entry, c, 0.0)
     tl.store(out_ptr + offsets, c, mask=(rows < n) & entry)
