@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tidejax.pallas.triton_host import run_interpreted
+
 F32 = jnp.float32
 MAX_HC = 8  # the kernel holds [BLOCK, HC_P, HC_P] a program; V4 / V4.1 ship hc_mult 4
 BLOCK = 16  # matrices a program
@@ -55,7 +57,6 @@ def _meta(hc: int, iters: int) -> dict:
 def _interpreted(flat: np.ndarray, hc_eps: float, iters: int) -> np.ndarray:
     """The kernel in Triton's interpreter on the host: flat [n, hc * hc] float32."""
     import torch
-    from triton.runtime.interpreter import InterpretedFunction
 
     from tidejax.pallas.sinkhorn_kernel import sinkhorn_kernel
 
@@ -63,7 +64,7 @@ def _interpreted(flat: np.ndarray, hc_eps: float, iters: int) -> np.ndarray:
     x = torch.from_numpy(np.array(flat, np.float32))  # a writable copy
     out = torch.zeros_like(x)
     grid = (max(1, -(-n // BLOCK)),)
-    InterpretedFunction(sinkhorn_kernel.fn)[grid](x, n, float(hc_eps), out, **_meta(hc, iters))
+    run_interpreted(sinkhorn_kernel, grid, x, n, float(hc_eps), out, **_meta(hc, iters))
     return out.numpy()
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 # library functions that Triton's interpreter cannot call unless the process started in its
 # interpreter mode (TRITON_INTERPRET=1), which would take the GPU path from everything else
 @triton.jit
-def _add(a, b):
+def add(a, b):
     return a + b
 
 
@@ -31,35 +31,43 @@ def _larger(a, b):
 
 
 @triton.jit
+def sinkhorn_block(x, entry, hc_eps, ITERS: tl.constexpr, PADDED: tl.constexpr):
+    """Logits x [BLOCK, HC_P(j), HC_P(k)] in registers, `entry` where they are not padding
+    (PADDED: whether there is any) -> the normalized mix, padding 0: the softmax over k, then
+    ITERS column and row passes. mHC's fused front (mhc_kernel) calls it too."""
+    if PADDED:
+        x = tl.where(entry, x, -3.0e38)  # finite: no inf - inf where a padded row's max is taken
+    x = x - tl.reduce(x, 2, _larger, keep_dims=True)
+    e = tl.exp(x)
+    if PADDED:
+        e = tl.where(entry, e, 0.0)
+    total = tl.reduce(e, 2, add, keep_dims=True)  # >= 1 but in padding rows (j >= HC): 0
+    c = e * (1.0 / tl.where(total > 0, total, 1.0)) + hc_eps
+    # each normalization: one reciprocal a sum, a product an entry (a division an entry took
+    # twice the time); padding kept at 0 (0 / 0 where hc_eps is 0)
+    if PADDED:
+        c = tl.where(entry, c, 0.0)
+    c = c * (1.0 / (tl.reduce(c, 1, add, keep_dims=True) + hc_eps))
+    for _ in tl.static_range(ITERS - 1):
+        if PADDED:
+            c = tl.where(entry, c, 0.0)
+        c = c * (1.0 / (tl.reduce(c, 2, add, keep_dims=True) + hc_eps))
+        if PADDED:
+            c = tl.where(entry, c, 0.0)
+        c = c * (1.0 / (tl.reduce(c, 1, add, keep_dims=True) + hc_eps))
+    if PADDED:
+        c = tl.where(entry, c, 0.0)
+    return c
+
+
+@triton.jit
 def sinkhorn_kernel(logits_ptr, n, hc_eps, out_ptr, HC: tl.constexpr, HC_P: tl.constexpr,
                     ITERS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[:, None, None]  # [BLOCK, 1, 1]
     j = tl.arange(0, HC_P)[None, :, None]
     k = tl.arange(0, HC_P)[None, None, :]
     entry = (j < HC) & (k < HC)  # not padding; rows past n compute on zeros, stored nowhere
-    padded: tl.constexpr = HC != HC_P
     offsets = rows * (HC * HC) + j * HC + k
     x = tl.load(logits_ptr + offsets, mask=(rows < n) & entry, other=0.0)
-    if padded:
-        x = tl.where(entry, x, -3.0e38)  # finite: no inf - inf where a padded row's max is taken
-    x = x - tl.reduce(x, 2, _larger, keep_dims=True)
-    e = tl.exp(x)
-    if padded:
-        e = tl.where(entry, e, 0.0)
-    total = tl.reduce(e, 2, _add, keep_dims=True)  # >= 1 but in padding rows (j >= HC): 0
-    c = e * (1.0 / tl.where(total > 0, total, 1.0)) + hc_eps
-    if padded:
-        c = tl.where(entry, c, 0.0)
-    # each normalization: one reciprocal a sum, a product an entry (a division an entry took
-    # twice the time); padding kept at 0 (0 / 0 where hc_eps is 0)
-    c = c * (1.0 / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps))
-    for _ in tl.static_range(ITERS - 1):
-        if padded:
-            c = tl.where(entry, c, 0.0)
-        c = c * (1.0 / (tl.reduce(c, 2, _add, keep_dims=True) + hc_eps))
-        if padded:
-            c = tl.where(entry, c, 0.0)
-        c = c * (1.0 / (tl.reduce(c, 1, _add, keep_dims=True) + hc_eps))
-    if padded:
-        c = tl.where(entry, c, 0.0)
+    c = sinkhorn_block(x, entry, hc_eps, ITERS, HC != HC_P)
     tl.store(out_ptr + offsets, c, mask=(rows < n) & entry)

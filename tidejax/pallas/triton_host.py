@@ -23,3 +23,20 @@ def to_numpy(t) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(jnp.bfloat16)
     return t.numpy()
+
+
+def run_interpreted(kernel, grid: tuple, *args, **meta) -> None:
+    """Runs the @triton.jit `kernel` over `grid` in Triton's interpreter on host tensors. The
+    @triton.jit functions its module names are interpreted too while it runs: outside
+    TRITON_INTERPRET=1 a jitted function refuses a call from Python, and a kernel calling
+    another's helper (sinkhorn_kernel.sinkhorn_block) would fail."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    scope = kernel.fn.__globals__  # the interpreter adds its own names here: restore ours only
+    jitted = {name: f for name, f in scope.items() if isinstance(f, JITFunction) and f is not kernel}
+    scope.update({name: InterpretedFunction(f.fn) for name, f in jitted.items()})
+    try:
+        InterpretedFunction(kernel.fn)[grid](*args, **meta)
+    finally:
+        scope.update(jitted)
