@@ -34,7 +34,8 @@ def run_interpreted(kernel, grid: tuple, *args, **meta) -> None:
     from triton.runtime.jit import JITFunction
 
     scope = kernel.fn.__globals__  # the interpreter adds its own names here: restore ours only
-    jitted = {name: f for name, f in scope.items() if isinstance(f, JITFunction) and f is not kernel}
+    jitted = {name: f for name, f in scope.items()
+              if isinstance(f, JITFunction) and f is not kernel}
     scope.update({name: InterpretedFunction(f.fn) for name, f in jitted.items()})
     try:
         InterpretedFunction(kernel.fn)[grid](*args, **meta)
