@@ -1,6 +1,6 @@
-"""The kernels' contract: what the routed experts' kernels (the Pallas one and the host's C one),
-their references and the models agree on, in one module that imports nothing of tidejax (no
-kernel, no reference: tests/test_layout.py), so each of them can import it.
+"""The kernels' contract: what the routed experts' kernels (the Pallas one and the host's C one)
+and mHC's, their references and the models agree on, in one module that imports nothing of
+tidejax (no kernel, no reference: tests/test_layout.py), so each of them can import it.
 
 Activation. `swiglu`: silu(g) * u of the gate and up projections, with g <= L and |u| <= L when
 swiglu_limit L > 0 (DeepSeek-V4 / V4.1's clamp). The one definition the Pallas kernel, the jnp
@@ -39,6 +39,11 @@ checkpoint's layout). Each device's shard is then a bank of the layout above (it
 its up rows), which the kernels and references take as they are: with T > 1 they run only on
 shards (tidejax.parallel.over_tensor in tidejax.residency.serve), never on the whole interleaved
 bank.
+
+mHC (DeepSeek-V4 / V4.1's hyper-connections, models/layers/mhc.py): `hc_project`, the float32
+projection of the RMS-normalized flattened streams, and `hc_collapse`, the streams' weighted
+sum, are what the fused front's kernel (pallas.mhc), its reference and the models (the final
+head and collapse) compute.
 """
 
 from __future__ import annotations
@@ -66,6 +71,20 @@ def swiglu(g, u, swiglu_limit: float, alpha: float = 1.0, up_shift: float = 0.0)
         with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as wanted
             return g * (1 / (1 + np.exp(-alpha * g))) * u
     return g * jax.nn.sigmoid(alpha * g if alpha != 1.0 else g) * u
+
+
+def hc_project(streams, fn, eps: float):
+    """streams [..., hc, d] -> fn [outputs, hc * d] @ rms_normalize(flattened streams):
+    [..., outputs] float32 (HIGHEST)."""
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + eps)
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def hc_collapse(streams, pre):
+    """sum_j pre_j * X_j: [..., hc, d], [..., hc] -> [..., d] in the streams' dtype."""
+    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), -2).astype(streams.dtype)
 
 
 def plain(bank, alpha: float = 1.0, up_shift: float = 0.0) -> bool:

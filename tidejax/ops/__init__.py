@@ -15,6 +15,8 @@ set for a family's forward from its ServeOptions), and `impl=` is for tests and 
     paged_gqa_prefill    a prompt chunk's GQA over the paged KV pool: the same Triton kernel
     gqa_attention        either of the two by the chunk's length, split over "tensor" by heads
     sinkhorn             mHC's Sinkhorn normalization (DeepSeek-V4 / V4.1): one Triton kernel
+    mhc_front            an mHC site's mixes (pre, post, comb) and collapsed input: two Triton
+                         kernels
     reads_by_length      whether a paged op, on given shapes, reads each row's pages only up to its
                          length (its kernel) or every page its table holds (its reference)
 
@@ -24,6 +26,7 @@ tidejax.contract.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,7 +34,8 @@ import jax
 from tidejax import parallel
 from tidejax.ops import dispatch
 from tidejax.ops.dispatch import IMPLS, MOE_PREFILL_KERNELS, choose_impl, kernels, log_choice, run
-from tidejax.pallas import attention, index_scores, paged_gqa, sinkhorn as sinkhorn_forms
+from tidejax.pallas import attention, index_scores, mhc as mhc_forms, paged_gqa
+from tidejax.pallas import sinkhorn as sinkhorn_forms
 from tidejax.pallas.bank import bank_dims
 from tidejax.pallas.demand import Demand
 from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmul_reference
@@ -39,9 +43,9 @@ from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_plan import reach
 
 __all__ = ["Demand", "IMPLS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
-           "gqa_attention", "kernels", "mla_attention", "moe_grouped", "paged_gqa_decode",
-           "paged_gqa_prefill", "paged_index_scores", "paged_mla_decode", "paged_mla_prefill",
-           "reads_by_length", "sinkhorn"]
+           "gqa_attention", "kernels", "mhc_front", "mla_attention", "moe_grouped",
+           "paged_gqa_decode", "paged_gqa_prefill", "paged_index_scores", "paged_mla_decode",
+           "paged_mla_prefill", "reads_by_length", "sinkhorn"]
 
 
 def fp8_block_matmul(x, w, scales, block: tuple[int, int]):
@@ -71,6 +75,25 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
     return run("sinkhorn", impl, lambda: sinkhorn_forms.triton_supports(logits),
                sinkhorn_forms.sinkhorn_reference, sinkhorn_forms.sinkhorn_triton, logits,
                hc_eps=float(hc_eps), iters=int(iters))
+
+
+def mhc_front(streams, fn, base, scale, collapse_pre=None, *, eps: float, hc_eps: float,
+              iters: int, impl: str | None = None):
+    """One mHC site's front half (pallas.mhc): streams [..., hc, d] and the site's fn
+    [(2 + hc) * hc, hc * d], base, scale -> (pre [..., hc], post [..., hc], comb
+    [..., hc, hc] float32, x [..., d] in the streams' dtype), x = sum_j w_j X_j with w
+    `collapse_pre` where given (V4.1: the previous site's pre), else this site's pre.
+
+    impl: "auto" (the two Triton kernels through jax-triton on a GPU, where
+    pallas.mhc.triton_supports takes the shapes; the reference elsewhere) | "pallas" (the
+    kernels; Triton's interpreter off the GPU) | "reference" (its Sinkhorn `sinkhorn` on the
+    same impl); None: the policy in force. The kernels against the reference: float32 rounding
+    (the RMS factor applied after the dot, sums in another order)."""
+    reference = functools.partial(mhc_forms.mhc_front_reference,
+                                  sinkhorn=functools.partial(sinkhorn, impl=impl))
+    return run("mhc_front", impl, lambda: mhc_forms.triton_supports(streams, fn), reference,
+               mhc_forms.mhc_front_triton, streams, fn, base, scale, collapse_pre,
+               eps=float(eps), hc_eps=float(hc_eps), iters=int(iters))
 
 
 def _moe_fits(bank) -> bool:

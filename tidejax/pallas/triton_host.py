@@ -1,8 +1,12 @@
 """Arrays in and out of Triton's interpreter, which runs our Triton kernels on the host off the
-GPU (tests) on torch tensors: numpy has no bf16, so bf16 crosses as its bits."""
+GPU (tests) on torch tensors: numpy has no bf16, so bf16 crosses as its bits. `launch` runs a
+kernel there or through jax-triton on the GPU."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,3 +45,28 @@ def run_interpreted(kernel, grid: tuple, *args, **meta) -> None:
         InterpretedFunction(kernel.fn)[grid](*args, **meta)
     finally:
         scope.update(jitted)
+
+
+def _interpreted(*arrays, kernel, grid, scalars, out_shape, meta):
+    """`launch`'s host callback: the arrays as torch tensors, the outputs zeroed."""
+    import torch
+
+    outs = [torch.zeros(s.shape, dtype=torch.bfloat16 if s.dtype == jnp.bfloat16
+                        else getattr(torch, np.dtype(s.dtype).name)) for s in out_shape]
+    run_interpreted(kernel, grid, *map(to_torch, arrays), *scalars, *outs, **meta)
+    return tuple(map(to_numpy, outs))
+
+
+def launch(kernel, grid: tuple, arrays: tuple, scalars: tuple, out_shape: tuple, meta: dict, *,
+           num_warps: int, interpret: bool):
+    """`kernel`(*arrays, *scalars, *outputs, **meta) over `grid` -> the outputs (jax.Arrays of
+    `out_shape`, a tuple of ShapeDtypeStructs): through jax-triton on the GPU, through Triton's
+    interpreter on the host (jax.pure_callback) with `interpret`, where num_warps has no use."""
+    if interpret:
+        return jax.pure_callback(
+            functools.partial(_interpreted, kernel=kernel, grid=grid, scalars=scalars,
+                              out_shape=out_shape, meta=meta), out_shape, *arrays)
+    import jax_triton
+
+    return tuple(jax_triton.triton_call(*arrays, *scalars, kernel=kernel, out_shape=out_shape,
+                                        grid=grid, num_warps=num_warps, **meta))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tidejax import ops
+from tidejax.contract import hc_collapse
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec, declare, serving
@@ -35,7 +36,7 @@ from tidejax.models.layers.compress import pool_groups, top_k_select
 from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
                                                  GroupedLowRank, ring_update, window_keys)
 from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
-from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mixes, mhc_params
+from tidejax.models.layers.mhc import hc_expand, hc_head, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm, norm_specs
 from tidejax.models.layers.rope import rope_cos_sin, rope_frequencies, rope_tail
@@ -298,17 +299,17 @@ class DeepseekV4(nn.Module):
                                       lanes.index_ring_kv, lanes.index_ring_gate)]
         windows = list(lanes.window)
         for i in range(cfg.num_layers):
-            pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_attn_hc", n, d), **mix)
-            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(
-                hc_collapse(streams, pre))
+            _, post, comb, x = ops.mhc_front(
+                streams, *mhc_params(self, f"layers_{i}_attn_hc", n, d), **mix)
+            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_input_layernorm")(x)
             state = tuple(p for p in parts[i] if p is not None)
             y, windows[i], state = Attention(cfg, i, self.dtype, name=f"layers_{i}_self_attn")(
                 x, positions, n_valid, windows[i], state, block_table)
             parts[i] = list(state) + [None] * (6 - len(state))
             streams = hc_expand(y, streams, post, comb)
-            pre, post, comb = hc_mixes(streams, *mhc_params(self, f"layers_{i}_ffn_hc", n, d), **mix)
-            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(
-                hc_collapse(streams, pre))
+            _, post, comb, x = ops.mhc_front(
+                streams, *mhc_params(self, f"layers_{i}_ffn_hc", n, d), **mix)
+            x = RMSNorm(cfg.rms_norm_eps, name=f"layers_{i}_post_attention_layernorm")(x)
             y, experts = MoE(router_spec(cfg, i), i, cfg.moe_intermediate_size, self.serve, self.dtype,
                              act_dtype=F32, name=f"layers_{i}_mlp")(x, token_mask, experts, tokens,
                                                                     replay=replay)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from tidejax import ops
+from tidejax.contract import hc_collapse
 from tidejax.kv import paged
 from tidejax.kv.paged import PagedCache
 from tidejax.models.base import ParamSpec, declare, serving
@@ -41,7 +42,7 @@ from tidejax.models.layers.compress import (candidate_blocks, pool_groups, selec
 from tidejax.models.layers.latent_window import (attend_with_sink, attention_specs,
                                                  GroupedLowRank, ring_update, window_keys)
 from tidejax.models.layers.linear import Linear, embedding_specs, linear_specs, lm_logits
-from tidejax.models.layers.mhc import hc_collapse, hc_expand, hc_mixes, mhc_params
+from tidejax.models.layers.mhc import hc_expand, mhc_params
 from tidejax.models.layers.moe import MoE, RouterSpec
 from tidejax.models.layers.norm import RMSNorm
 from tidejax.models.layers.qat import fake_quant_fp4, fake_quant_fp8
@@ -329,14 +330,18 @@ class DecoderLayer(nn.Module):
 
         if rows is not None:
             streams = Engram(cfg, dt, name="engram")(streams, rows)
-        pre_a, post_a, comb_a = hc_mixes(streams, *mhc_params(self, "hc_attn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(hc_collapse(streams, pre))
+        # each site collapses its streams by the last site's pre (the layer before's ffn site's,
+        # the embedding's [1, 0, ...] at the first layer), not by its own
+        pre_a, post_a, comb_a, x = ops.mhc_front(
+            streams, *mhc_params(self, "hc_attn", n, d), pre, **mix)
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
         y, window, shared, src_cache = Attention(cfg, self.layer, dt, name="attn")(
             x, positions, n_valid, window, shared, src_cache, block_table)
         streams = hc_expand(y, streams, post_a, comb_a)
 
-        pre_f, post_f, comb_f = hc_mixes(streams, *mhc_params(self, "hc_ffn", n, d), **mix)
-        x = RMSNorm(cfg.rms_norm_eps, dt, name="ffn_norm")(hc_collapse(streams, pre_a))
+        pre_f, post_f, comb_f, x = ops.mhc_front(
+            streams, *mhc_params(self, "hc_ffn", n, d), pre_a, **mix)
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="ffn_norm")(x)
         moe_index = self.layer if self.moe_index is None else self.moe_index
         y, experts = MoE(router_spec(cfg), moe_index, cfg.moe_intermediate_size, self.serve, dt,
                          act_dtype=F32, name="ffn")(x, token_mask, experts, replay=replay)

@@ -2,7 +2,9 @@
 streams; each block reads a weighted collapse of them (pre) and writes its output back with
 per-stream gains (post) plus a doubly stochastic mix of the old streams (comb, by Sinkhorn:
 ops.sinkhorn).
-pre / post / comb come from one projection of the RMS-normalized, flattened streams.
+pre / post / comb come from one projection of the RMS-normalized, flattened streams: a site's
+front half (the three and its collapsed input) is ops.mhc_front; the projection and the collapse
+themselves are tidejax.contract's (hc_project, hc_collapse), which the kernel shares.
 
 Einsum letters: j, k streams (hc), d model width.
 """
@@ -13,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tidejax import ops
+from tidejax.contract import hc_project
 from tidejax.models.base import ParamSpec, declare
 from tidejax.models.layers.linear import HIGHEST
 
@@ -35,31 +37,9 @@ def mhc_params(module: nn.Module, prefix: str, hc: int, d: int, head: bool = Fal
     return p[f"{prefix}_fn"], p[f"{prefix}_base"], p[f"{prefix}_scale"]
 
 
-def _project(streams, fn, eps: float):
-    """streams [..., hc, d] -> fn @ rms_normalize(flattened streams): [..., outputs] float32."""
-    flat = streams.reshape(*streams.shape[:-2], -1).astype(F32)
-    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, -1, keepdims=True) + eps)
-    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HIGHEST)
-
-
-def hc_mixes(streams, fn, base, scale, *, eps: float, hc_eps: float, iters: int):
-    """streams [..., hc, d] -> pre [..., hc], post [..., hc], comb [..., hc(j), hc(k)]."""
-    hc = streams.shape[-2]
-    m = _project(streams, fn, eps)
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    return pre, post, ops.sinkhorn(logits, hc_eps=hc_eps, iters=iters)
-
-
 def hc_head(streams, fn, base, scale, *, eps: float, hc_eps: float):
     """The final head's pre weights (DeepSeek-V4): streams [..., hc, d] -> pre [..., hc]."""
-    return jax.nn.sigmoid(_project(streams, fn, eps) * scale[0] + base) + hc_eps
-
-
-def hc_collapse(streams, pre):
-    """sum_j pre_j * X_j: [..., hc, d], [..., hc] -> [..., d]."""
-    return jnp.sum(pre[..., None] * streams.astype(F32), -2).astype(streams.dtype)
+    return jax.nn.sigmoid(hc_project(streams, fn, eps) * scale[0] + base) + hc_eps
 
 
 def hc_expand(y, residual, post, comb):
