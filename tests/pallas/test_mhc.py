@@ -9,7 +9,6 @@ import pytest
 
 from tidejax import ops
 from tidejax.pallas import mhc as forms
-from tidejax.pallas import triton_host
 
 MIX = dict(eps=1e-6, hc_eps=1e-6, iters=20)  # DeepSeek-V4.1-Flash's
 
@@ -50,15 +49,15 @@ def test_the_kernels_ran_and_not_the_reference(rng, monkeypatch):
     reference."""
     launched = []
 
-    def counted(kernel, *args, **meta):
+    def counted(kernel, *args, **kwargs):
         launched.append(kernel.fn.__name__)
-        return run(kernel, *args, **meta)
+        return launch(kernel, *args, **kwargs)
 
     def refused(*args, **kwargs):
         raise AssertionError("a reference ran")
 
-    run = triton_host.run_interpreted
-    monkeypatch.setattr(triton_host, "run_interpreted", counted)
+    launch = forms.launch
+    monkeypatch.setattr(forms, "launch", counted)
     monkeypatch.setattr(forms, "mhc_front_reference", refused)
     jax.block_until_ready(ops.mhc_front(*site(rng, 3, 64, jnp.bfloat16), impl="pallas", **MIX))
     assert launched == ["mhc_project_kernel", "mhc_finish_kernel"]
