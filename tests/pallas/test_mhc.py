@@ -87,7 +87,7 @@ def test_the_kernels_compile_for_hopper(given):
     from tidejax.pallas.mhc_kernel import mhc_finish_kernel, mhc_project_kernel
 
     hc, d = 4, 4096
-    splits, per = forms._splits(1, hc * d)
+    splits, per = forms.split_k(1, hc * d)
     project = dict(K=hc * d, O=24, O_P=32, BT=forms.BT, BK=forms.BK, STEPS=per)
     finish = dict(HC=hc, HC_P=4, D=d, O_P=32, ITERS=20, BLOCK=forms.BLOCK, BD=forms.BD,
                   GIVEN=given)

@@ -56,7 +56,7 @@ def triton_supports(streams, fn) -> bool:
             and importlib.util.find_spec("jax_triton") is not None)
 
 
-def _splits(n: int, k: int) -> tuple[int, int]:
+def split_k(n: int, k: int) -> tuple[int, int]:
     """(splits of K, BK steps a split): about PROGRAMS projection programs in all."""
     steps = -(-k // BK)
     per = -(-steps // max(1, min(steps, PROGRAMS // -(-n // BT))))
@@ -75,7 +75,7 @@ def mhc_front_triton(streams, fn, base, scale, collapse_pre=None, *, eps: float,
 
     x = streams.reshape(n, hc * d)
     o_p = 1 << (outs - 1).bit_length()
-    splits, per = _splits(n, hc * d)
+    splits, per = split_k(n, hc * d)
     part, sq = launch(
         mhc_project_kernel, (-(-n // BT), splits), (x, fn.astype(F32)), (n,),
         (jax.ShapeDtypeStruct((splits, n, o_p), F32), jax.ShapeDtypeStruct((splits, n), F32)),
