@@ -90,7 +90,7 @@ def test_the_kernels_compile_for_hopper(given):
     splits, per = forms.split_k(1, hc * d)
     project = dict(K=hc * d, O=24, O_P=32, BT=forms.BT, BK=forms.BK, STEPS=per)
     finish = dict(HC=hc, HC_P=4, D=d, O_P=32, ITERS=20, BLOCK=forms.BLOCK, BD=forms.BD,
-                  GIVEN=given)
+                  SB=forms.SB, GIVEN=given)
     for kernel, arrays, scalars, meta in (
             (mhc_project_kernel, dict(x_ptr="*bf16", fn_ptr="*fp32"), dict(n="i32"), project),
             (mhc_finish_kernel,

@@ -29,6 +29,7 @@ F32 = jnp.float32
 BT, BK = 16, 128  # the projection's tile: tokens (tl.dot's least rows), columns a step
 PROGRAMS = 256  # projection programs to aim for (about two an H100 SM): the splits of K
 BLOCK, BD = 4, 512  # the finishing kernel's tokens and collapsed columns a program
+SB = 32  # splits' partials the finishing kernel sums a load
 NUM_WARPS = 4
 
 
@@ -90,6 +91,6 @@ def mhc_front_triton(streams, fn, base, scale, collapse_pre=None, *, eps: float,
         (jax.ShapeDtypeStruct((n, hc), F32), jax.ShapeDtypeStruct((n, hc), F32),
          jax.ShapeDtypeStruct((n, hc * hc), F32), jax.ShapeDtypeStruct((n, d), streams.dtype)),
         dict(HC=hc, HC_P=1 << (hc - 1).bit_length(), D=d, O_P=o_p, ITERS=iters, BLOCK=BLOCK,
-             BD=BD, GIVEN=given), num_warps=NUM_WARPS, interpret=interpret)
+             BD=BD, SB=SB, GIVEN=given), num_warps=NUM_WARPS, interpret=interpret)
     return (pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc),
             out.reshape(*lead, d))

@@ -9,7 +9,8 @@ loop or kernel, the collapse), 80 sites a V4.1 step. Here:
   HIGHEST), and sums their squares for the RMS factor in the same pass: partial sums
   [splits, n, O_P] and [splits, n]. Split-K so that a decode step's one token still spreads the
   read of fn (O x K float32, 1.5 MiB at V4.1's shapes) over many programs.
-- mhc_finish_kernel: program (token block, column block) sums its tokens' partials, scales them
+- mhc_finish_kernel: program (token block, column block) sums its tokens' partials (SB splits a
+  load, not one a loop iteration: a decode step has ~100 splits), scales them
   by the RMS factor, takes pre and post (sigmoids) and comb (sinkhorn_block, in registers), and
   collapses its BD columns of the streams by pre (or by a given pre: V4.1 collapses by the last
   site's). Every column block recomputes its tokens' mixes (a few hundred floats a token); the
@@ -53,7 +54,7 @@ def mhc_finish_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, given_ptr, n
                       hc_eps, pre_ptr, post_ptr, comb_ptr, out_ptr, HC: tl.constexpr,
                       HC_P: tl.constexpr, D: tl.constexpr, O_P: tl.constexpr,
                       ITERS: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr,
-                      GIVEN: tl.constexpr):
+                      SB: tl.constexpr, GIVEN: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[:, None, None]  # [BLOCK, 1, 1]
     j = tl.arange(0, HC_P)[None, :, None]
     k = tl.arange(0, HC_P)[None, None, :]
@@ -64,12 +65,17 @@ def mhc_finish_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, given_ptr, n
     m_post = tl.full((BLOCK, HC_P, 1), 0.0, tl.float32)
     m_comb = tl.full((BLOCK, HC_P, HC_P), 0.0, tl.float32)
     squares = tl.full((BLOCK, 1, 1), 0.0, tl.float32)
-    for s in range(splits):
-        part = part_ptr + (s * n + rows) * O_P
-        m_pre += tl.load(part + j, mask=live & stream, other=0.0)
-        m_post += tl.load(part + HC + j, mask=live & stream, other=0.0)
-        m_comb += tl.load(part + 2 * HC + j * HC + k, mask=live & entry, other=0.0)
-        squares += tl.load(sq_ptr + s * n + rows, mask=live, other=0.0)
+    for first in range(0, splits, SB):  # SB splits' partials a load: [BLOCK, SB, ...]
+        s = first + tl.arange(0, SB)[None, :, None, None]
+        at = (rows[:, None] < n) & (s < splits)
+        part = part_ptr + (s * n + rows[:, None]) * O_P
+        m_pre += tl.reduce(tl.load(part + j[:, None], mask=at & stream[:, None], other=0.0),
+                           1, add)
+        m_post += tl.reduce(tl.load(part + HC + j[:, None], mask=at & stream[:, None],
+                                    other=0.0), 1, add)
+        m_comb += tl.reduce(tl.load(part + 2 * HC + j[:, None] * HC + k[:, None],
+                                    mask=at & entry[:, None], other=0.0), 1, add)
+        squares += tl.reduce(tl.load(sq_ptr + s * n + rows[:, None], mask=at, other=0.0), 1, add)
     rms = tl.rsqrt(squares / (HC * D) + eps)
     pre = _sigmoid(m_pre * rms * tl.load(scale_ptr)
                    + tl.load(base_ptr + j, mask=stream, other=0.0)) + hc_eps
