@@ -13,7 +13,9 @@ RESULTS.md, 2026-12-04), each timed alone on the device in its reference form be
   (its Sinkhorn too), as the model ran it before the fused form (the reference with ops.sinkhorn's
   Triton kernel) and as the two fused Triton kernels (pallas.mhc). Each site collapses by the
   last site's pre and feeds its outputs to the next site's streams by one elementwise op, the
-  same for every form (V4.1's data flow, hc_expand's matmul left out).
+  same for every form (V4.1's data flow, hc_expand's matmul left out). Off the GPU the fused
+  form runs in Triton's interpreter, ~10 s a site at one token, and the profiler's trace of
+  its Python calls ran out of 24 GB on the CPU: time it on a GPU.
 - The Engram rows (models/deepseek_v41/engram.gather_rows): the decode step's loop, one row of
   every table an iteration from host memory; and the rows gathered on the host with numpy from
   the same tables' bytes (parallel.host_buffer), copied to the device and dequantized there, as
