@@ -83,7 +83,7 @@ def mhc_finish_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, given_ptr, n
                         + tl.load(base_ptr + HC + j, mask=stream, other=0.0))
     logits = (m_comb * rms * tl.load(scale_ptr + 2)
               + tl.load(base_ptr + 2 * HC + j * HC + k, mask=entry, other=0.0))
-    comb = sinkhorn_block(logits, entry, hc_eps, ITERS)
+    comb = sinkhorn_block(logits, entry, hc_eps, ITERS, HC != HC_P)
     stored = rows < tl.where(tl.program_id(1) == 0, n, 0)  # the first column block's
     tl.store(pre_ptr + rows * HC + j, pre, mask=stored & stream)
     tl.store(post_ptr + rows * HC + j, post, mask=stored & stream)
