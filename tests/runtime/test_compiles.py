@@ -164,3 +164,19 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     assert {width for _, width in chunks} == {1, 2, 4, 8, 13}
     assert loaded.warmup_shapes() == ({(*c, d) for c in chunks for d in decode}
                                       | {(0, None, d) for d in decode})
+
+
+def test_warmup_for_prompt_lengths_covers_a_prompt_served_alone(v41):
+    """Engine.warmup with prompt lengths (python -m tidejax, the benches) compiles every step a
+    prompt of those lengths meets when it is served alone: its chunks beside no decoding lane
+    (the narrowest decode table: V4.1's tables are a power of two of pages off the GPU), then
+    its decode steps. Nothing compiles while it is served."""
+    engine = tidejax.load(v41, engine={"lanes": 1, "max_context": 64, "page_size": 16,
+                                       "prefill_chunk": 16})
+    n = 40  # chunks of 8, 16 and 16 tokens, tables of 1, 2 and 4 pages
+    engine.warmup([n])
+    with counting_compiles() as serving:
+        engine.scheduler.submit(GenerationRequest(list(range(3, 3 + n)), 2, SamplingParams(),
+                                                  ignore_eos=True), lambda event: None)
+        engine.scheduler.run_until_idle()
+    assert serving == []

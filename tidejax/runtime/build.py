@@ -458,12 +458,13 @@ class LoadedModel:
         request can meet up to max_context: each (bucket, width) some prompt's chunk meets beside
         each decode width the lanes can hold, and each decode width alone (every step carries all
         lanes, decoding or not). With `prompt_lengths`, only the steps of prompts of those lengths:
-        their chunks and the decode width at each prompt's end."""
+        their chunks, and the decode widths of no lane decoding (a prompt served alone: its
+        lane holds no decode pages while it prefills) and at each prompt's end."""
         if prompt_lengths:
             chunks = {(self.bucket(len(ids)), self._prefill_width(start + len(ids)))
                       for n in prompt_lengths for start, ids in self.chunks(list(range(n)))}
             decode = {self._decode_width(pages_for(min(n + 1, self.max_context), self.page_size))
-                      for n in prompt_lengths}
+                      for n in prompt_lengths} | {self._decode_width(0)}
         else:
             chunks = self._chunk_shapes()
             decode = {self._decode_width(n) for n in range(1, self.max_pages + 1)}
