@@ -247,3 +247,22 @@ def test_dashboard_bytes_measures_the_heatmaps_polls(capsys):
     assert len(out["after_drain"]) == 2
     assert all(0 < rows <= 6 and size <= out["every_row"] for size, rows in out["after_drain"])
     assert "6 x 32: JSON numbers" in capsys.readouterr().out
+
+
+def test_prompt_cache_serves_turn_2_from_each_tier(tiny_mxfp4, capsys):
+    """bench/prompt_cache.py on a tiny synthetic: the cold prompt matches nothing and prefills
+    every token; turn 2 from the device, from host memory and, after a restart, from disk each
+    matches the shared prefix's 4 pages in that tier alone and prefills only its new tokens."""
+    from bench import prompt_cache
+
+    rows = prompt_cache.main([str(tiny_mxfp4), "--shared", "64", "--new", "10",
+                              "--set", "engine.page_size=16", "--set", "engine.prefill_chunk=32"])
+    cases = {row.case: row for row in rows}
+    assert list(cases) == ["cold", "device", "host", "disk"]
+    assert set(cases["cold"].matched.values()) == {0} and cases["cold"].prefilled == 74
+    for tier in prompt_cache.TIERS:
+        row = cases[tier]
+        assert row.matched == {t: 64 if t == tier else 0 for t in prompt_cache.TIERS}, row
+        assert row.prefilled == 10 and row.ttft_s > 0
+    table = capsys.readouterr().out.split("| model |")[-1].splitlines()[2:]
+    assert [line.split("|")[2].strip() for line in table if line] == list(cases)
