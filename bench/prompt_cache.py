@@ -73,7 +73,7 @@ class Conversation:
     def draw(cls, seed: int, shared: int, new: int, vocab: int) -> "Conversation":
         rng = np.random.default_rng(seed)
 
-        def ids(n: int) -> list[int]:
+        def ids(n: int) -> list[int]:  # past the special ids; no page of one is another's
             return rng.integers(3, vocab, n).tolist()
         return cls(ids(shared), {tier: ids(new) for tier in TIERS}, ids(shared + new))
 
@@ -83,6 +83,8 @@ class Conversation:
 
 @dataclasses.dataclass
 class Case:
+    """One timed request: its TTFT and what served its prompt."""
+
     model: str
     case: str
     prompt: int
