@@ -217,7 +217,8 @@ def test_v41_parts_times_each_part_beside_its_candidate(capsys):
     does."""
     from bench import v41_parts
 
-    assert v41_parts.main(["--tokens", "3", "--rows", "500", "--sites", "2", "--reps", "1"]) == 0
+    assert v41_parts.main(["--tokens", "3", "--rows", "500", "--sites", "2", "--reps", "1",
+                           "--parts", "sinkhorn,engram"]) == 0
     table = capsys.readouterr().out.split("\n\n")[-1].splitlines()[2:]
     rows = [line.split("|")[1:-1] for line in table]
     assert [(r[0].strip(), r[2].strip()) for r in rows] == [
@@ -227,6 +228,19 @@ def test_v41_parts_times_each_part_beside_its_candidate(capsys):
     for row in rows:
         assert float(row[3]) > 0 and float(row[4]) > 0 and int(row[5]) > 0
         assert float(row[6]) < 1e-5
+
+
+def test_v41_parts_times_the_mhc_front_as_the_model_ran_it(capsys):
+    """bench/v41_parts.py's mHC front: the jnp chain with the Sinkhorn kernel beside the
+    reference (the fused form is for the GPU: the bench's docstring says why)."""
+    from bench import v41_parts
+
+    assert v41_parts.main(["--tokens", "1", "--sites", "2", "--reps", "1", "--parts", "mhc",
+                           "--mhc-forms", "reference,chain"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[-1].splitlines()[2:]
+    rows = [line.split("|")[1:-1] for line in table]
+    assert [r[2].strip() for r in rows] == ["jnp reference", "jnp + sinkhorn kernel"]
+    assert all(float(r[4]) > 0 and int(r[5]) > 0 for r in rows) and float(rows[1][6]) < 1e-5
 
 
 def test_v41_parts_refuses_an_unknown_form():
