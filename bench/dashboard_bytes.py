@@ -3,14 +3,21 @@ numbers (the form before it), for a DeepSeek-V3-size map by default: 58 MoE laye
 top-8, a decode of 4 lanes routing to a skewed (Zipf) popularity per layer, drained into a
 History every 64 steps with a half-life of 500 (the [residency] defaults). Printed: the bytes of
 the old form, of every row (the first poll), of a poll when nothing changed, and of a poll after
-each of the next drains, with the rows it carries.
+each of the next drains, with the rows it carries, the cells whose heat byte moved and the
+largest move (in heat steps): a row is sent when one of its bytes changed, so these say why.
+
+`--traffic expected` drains each layer's expected demand instead of a draw from it (steady
+traffic with no sampling noise: the history converges, and the rows stop changing once every
+heat byte holds still); `sampled` (the default) is a decode's draw.
 
     python -m bench.dashboard_bytes [--layers 58] [--experts 256] [--drains 10]
+                                    [--traffic sampled|expected]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 
 import numpy as np
@@ -33,6 +40,18 @@ def drain(history: History, popularity: np.ndarray, rng, top_k: int, tokens: int
     history.add(counts, sums, tokens)
 
 
+def drain_expected(history: History, popularity: np.ndarray, top_k: int, tokens: int) -> None:
+    """`tokens` tokens' expected picks and routing weight by popularity [L, E] as one drain (the
+    routing weights of a token's top_k picks sum to 1)."""
+    history.add(popularity * tokens * top_k, popularity * tokens, tokens)
+
+
+def heats(heatmap: Heatmap) -> np.ndarray:
+    """[L, E] the heat bytes the heatmap's rows hold now (each row's first E bytes)."""
+    return np.stack([np.frombuffer(base64.b64decode(row), np.uint8)[:heatmap.experts]
+                     for row in heatmap.rows]).astype(int)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=58)
@@ -43,14 +62,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--half-life", type=float, default=500.0)
     parser.add_argument("--warm-drains", type=int, default=20, help="drains before measuring")
     parser.add_argument("--drains", type=int, default=10, help="drains measured")
+    parser.add_argument("--traffic", choices=("sampled", "expected"), default="sampled",
+                        help="measured drains: a draw of picks, or the expected demand")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     popularity = rng.zipf(1.3, size=(args.layers, args.experts)).astype(float)
     popularity /= popularity.sum(axis=1, keepdims=True)
     history = History(args.layers, args.experts, args.half_life)
-    step = lambda: drain(history, popularity, rng, args.top_k, args.drain_every * args.lanes)
+    tokens = args.drain_every * args.lanes
     for _ in range(args.warm_drains):
-        step()
+        drain(history, popularity, rng, args.top_k, tokens)
     resident = np.zeros(history.shape, bool)  # the busier half of each layer
     for layer, row in enumerate(history.demand):
         resident[layer, np.argsort(-row)[:args.experts // 2]] = True
@@ -64,16 +85,20 @@ def main(argv=None) -> dict:
     unchanged = len(json.dumps(heatmap.since(version)))
     after_drain = []
     for _ in range(args.drains):
-        version = heatmap.token
-        step()
+        version, before = heatmap.token, heats(heatmap)
+        if args.traffic == "expected":
+            drain_expected(history, popularity, args.top_k, tokens)
+        else:
+            drain(history, popularity, rng, args.top_k, tokens)
         heatmap.update(history.demand, resident)
-        poll = heatmap.since(version)
-        after_drain.append((len(json.dumps(poll)), len(poll["rows"])))
+        poll, moved = heatmap.since(version), np.abs(heats(heatmap) - before)
+        after_drain.append((len(json.dumps(poll)), len(poll["rows"]), int((moved > 0).sum()),
+                            int(moved.max())))
     out = {"shape": list(history.shape), "as_numbers": as_numbers, "every_row": every_row,
            "unchanged": unchanged, "after_drain": after_drain}
     print(f"{args.layers} x {args.experts}: JSON numbers {as_numbers:,} B; every row "
           f"{every_row:,} B ({as_numbers / every_row:.1f}x fewer); nothing changed "
-          f"{unchanged:,} B; after a drain (B, rows): {after_drain}")
+          f"{unchanged:,} B; after a drain (B, rows, cells moved, largest move): {after_drain}")
     return out
 
 

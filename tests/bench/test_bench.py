@@ -252,15 +252,20 @@ def test_v41_parts_refuses_an_unknown_form():
 
 def test_dashboard_bytes_measures_the_heatmaps_polls(capsys):
     """bench.dashboard_bytes on a small map: every row is fewer bytes than the JSON numbers, a
-    poll of an unchanged map carries no row, one after a drain at most every row."""
+    poll of an unchanged map carries no row, one after a drain at most every row, and a row only
+    where a heat byte moved; drains of the expected demand end up sending none."""
     from bench import dashboard_bytes
 
     out = dashboard_bytes.main(["--layers", "6", "--experts", "32", "--warm-drains", "2",
                                 "--drains", "2"])
     assert out["shape"] == [6, 32] and out["unchanged"] < out["every_row"] < out["as_numbers"]
     assert len(out["after_drain"]) == 2
-    assert all(0 < rows <= 6 and size <= out["every_row"] for size, rows in out["after_drain"])
+    assert all(0 < rows <= 6 and rows <= moved and size <= out["every_row"] and largest > 0
+               for size, rows, moved, largest in out["after_drain"])
     assert "6 x 32: JSON numbers" in capsys.readouterr().out
+    steady = dashboard_bytes.main(["--layers", "6", "--experts", "32", "--warm-drains", "2",
+                                   "--drains", "80", "--traffic", "expected"])
+    assert [rows for _, rows, _, _ in steady["after_drain"][-10:]] == [0] * 10
 
 
 def test_prompt_cache_serves_turn_2_from_each_tier(tiny_mxfp4, capsys):
