@@ -275,3 +275,51 @@ def test_the_heatmap_sends_the_rows_changed_since_a_version():
     with pytest.raises(RequestError) as bad:
         heatmap.since("7")
     assert bad.value.field == "since"
+
+
+def decoded(rows: dict, experts: int) -> dict[int, tuple[list[int], list[bool]]]:
+    """A poll's rows as {layer: (heat bytes, residency bits)}."""
+    out = {}
+    for layer, row in rows.items():
+        cells = np.frombuffer(base64.b64decode(row), np.uint8)
+        out[int(layer)] = (cells[:experts].tolist(),
+                           np.unpackbits(cells[experts:])[:experts].astype(bool).tolist())
+    return out
+
+
+def test_a_poll_after_a_drain_sends_the_rows_whose_heat_bytes_moved():
+    """Steady traffic drained into a History: a drain whose demand quantizes to the same heat
+    bytes (what it adds makes up the decay) moves the version on by nothing and sends no row,
+    though the floats changed; one that adds to one layer sends exactly that row; and a client
+    that keeps the rows of every earlier poll and overwrites the sent ones holds what a full
+    poll sends, after drains of random demand too."""
+    rng = np.random.default_rng(1)
+    layers, experts, steps, half_life = 6, 32, 64, 500.0
+    demand = rng.gamma(0.5, 10.0, (layers, experts))
+    history = History(layers, experts, half_life)
+    history.add(demand, demand, steps)
+    resident = demand >= np.median(demand, axis=1, keepdims=True)
+    heatmap = Heatmap()
+    heatmap.update(history.demand, resident)
+    shown = heatmap.since(None)["rows"]
+    refill = demand * (1 - 0.5 ** (steps / half_life))  # what a drain's decay takes away
+
+    def poll_after(counts) -> dict:
+        version, before = heatmap.token, history.demand.copy()
+        history.add(counts, counts, steps)
+        heatmap.update(history.demand, resident)
+        poll = heatmap.since(version)
+        assert (history.demand != before).any()
+        shown.update(poll["rows"])
+        return poll
+
+    same = poll_after(refill)
+    assert same["rows"] == {} and same["version"] == heatmap.token
+    one = refill.copy()  # the map's most stays (a new most rescales every row's heats)
+    one[4, demand[4].argmin()] += demand.max() / 4
+    assert list(poll_after(one)["rows"]) == ["4"]
+    assert history.demand.max() == pytest.approx(demand.max())
+    for _ in range(3):
+        poll_after(rng.gamma(0.5, 1.0, (layers, experts)))
+    full = heatmap.since(None)
+    assert decoded(shown, experts) == decoded(full["rows"], experts)
