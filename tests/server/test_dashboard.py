@@ -24,6 +24,7 @@ import pytest
 from tidejax.config import EngineConfig
 from tidejax.errors import RequestError
 from tidejax.residency.history import History
+from tidejax.runtime.api import EngineInfo, EngineStats
 from tidejax.server.app import Server
 from tidejax.server.dashboard import Heatmap
 from tests.support.browser import Page, chromium_path
@@ -323,3 +324,66 @@ def test_a_poll_after_a_drain_sends_the_rows_whose_heat_bytes_moved():
         poll_after(rng.gamma(0.5, 1.0, (layers, experts)))
     full = heatmap.since(None)
     assert decoded(shown, experts) == decoded(full["rows"], experts)
+
+
+class MapClient:
+    """An engine client for the dashboard alone: fixed counters, and an expert map the test
+    sets (`demand`, `resident`)."""
+
+    info = EngineInfo("map", None, None, None, lanes=2, max_context=256)
+
+    def __init__(self, demand: np.ndarray, resident: np.ndarray):
+        self.demand, self.resident = demand, resident
+
+    def stats(self) -> EngineStats:
+        residency = {"cold_share_window": 0.0, "cold_share_total": 0.0, "swaps_applied": 0,
+                     "resident": int(self.resident.sum()), "experts": self.resident.size,
+                     "miss_policy": "exact"}
+        return EngineStats(residency=residency, kv={"pages_in_use": 0, "kv_pages": 8,
+                                                     "preemptions": 0})
+
+    def expert_map(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.demand.copy(), self.resident.copy()
+
+
+READ_CELLS = """JSON.stringify([...document.getElementById("heatmap").querySelectorAll(".cell")]
+  .map(c => [Number(c.dataset.layer), Number(c.dataset.expert), Number(c.dataset.heat),
+             c.dataset.resident === "true"]))"""
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_pages_heatmap_after_partial_polls_is_a_full_polls(tmp_path):
+    """The page keeps the rows of its earlier polls: after its first poll (every row), drains
+    that change one row at a time and one that changes no heat byte, the cells it draws are
+    what a full poll of the same map decodes to."""
+    rng = np.random.default_rng(2)
+    demand = rng.gamma(0.5, 10.0, (4, 16))
+    client = MapClient(demand, demand >= np.median(demand, axis=1, keepdims=True))
+    server = Server(EngineConfig.from_dict({}))
+    server.client, server.status = client, "ready"
+
+    def full_cells(url) -> list[list]:
+        experts = state_json(url)[0]["experts"]
+        assert len(experts["rows"]) == 4
+        rows = decoded(experts["rows"], 16)
+        return [[layer, e, rows[layer][0][e], rows[layer][1][e]]
+                for layer in range(4) for e in range(16)]
+
+    async def drive(url):
+        async with Page.open(tmp_path) as page:
+            await page.goto(url + "/dashboard")
+            for change in range(4):
+                version = state_json(url)[0]["experts"]["version"]
+                await page.wait_for(
+                    f"document.getElementById('heatmap').dataset.version === '{version}'")
+                assert json.loads(await page.evaluate(READ_CELLS)) == full_cells(url)
+                if change < 3:  # layer 1's and 2's heats, then every float (no heat byte)
+                    client.demand = (client.demand * 0.999 if change == 2 else
+                                     np.where(np.arange(4)[:, None] == change + 1,
+                                              client.demand[:, ::-1], client.demand))
+            assert version.endswith(".3") and page.errors == []
+            return page.requests
+
+    with serve_app(server) as url:
+        states = [u for u in asyncio.run(drive(url)) if "/state.json" in u]
+    assert "since=" not in states[0] and all("?since=" in u for u in states[1:])
