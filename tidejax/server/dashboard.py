@@ -59,8 +59,10 @@ class Heatmap:
     version it has gets only the rows changed since; a version of another Heatmap (the server
     restarted: another epoch) or none gets every row. Decay scales every cell alike and changes
     no heat, and the history changes only at drains: at rest and between drains no row is
-    sent. A V3-size map (58 x 256): ~360 KB a poll as JSON numbers, ~24 KB as every row here,
-    ~100 B unchanged (docs/DESIGN.md, "Routing traces and the dashboard")."""
+    sent; a drain sends the rows whose bytes moved (a decode's sampled demand moves every row,
+    a steady one none once the history has converged). A V3-size map (58 x 256): ~360 KB a poll
+    as JSON numbers, ~24 KB as every row here, ~100 B unchanged (docs/DESIGN.md, "Routing
+    traces and the dashboard")."""
 
     LEVELS = 255
 
