@@ -119,10 +119,11 @@ def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
     assert tokens_of(beside[1]) == tokens_of(alone[0])
 
 
-def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
-    """The trace lives on the device and each step reads rows cursor.. of it: the demand counters
-    equal the picks of exactly the rows a host-side walk of the cursor gives, token by token,
-    chunk padding and idle lanes included in the cursor but not counted."""
+def test_replay_routes_each_token_by_its_window_and_position_on_the_device(model_dir):
+    """The trace lives on the device and a token at position p of a lane with window w routes by
+    row (w + p) mod N of it, whatever step carries it: the demand counters equal the picks of
+    exactly the rows a host-side walk of the steps' positions gives, chunk padding and idle
+    lanes routed but not counted."""
     engine = tidejax.load(model_dir, engine=ENGINE, residency={"drain_every": 1000})
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     k = engine.cfg.num_experts_per_tok
@@ -132,29 +133,28 @@ def test_replay_consumes_the_picks_in_order_on_the_device(model_dir):
     engine.set_routing_replay(picks)
     before = np.asarray(engine.state.experts.counts).copy()
     want = np.zeros((n_moe, n_experts))
-    cursor = 0
+    windows = np.array([5, 40])  # lane 1's past N: taken mod N
 
-    def consume(mask):  # mask [tokens in the step, batch-major]: which tokens are real
-        nonlocal cursor
-        rows = (cursor + np.arange(len(mask))) % len(picks)
-        cursor = int(rows[-1] + 1)
+    def consume(lanes, positions):  # the real tokens' lanes and positions
+        rows = (windows[lanes] + positions) % len(picks)
         for layer in range(n_moe):
-            np.add.at(want[layer], picks[rows[mask], layer].reshape(-1), 1)
+            np.add.at(want[layer], picks[rows, layer].reshape(-1), 1)
 
     pages = engine.scheduler.pages
     long = np.random.RandomState(1).randint(3, 256, 20).tolist()
     for lane, prompt in enumerate([long, PROMPTS[1]]):  # chunks of 4 (padded to 16) and 16, then 9
         held = pages.grow(lane, 32)
         for start, chunk in engine.loaded.chunks(prompt):
-            engine.step(None, PrefillChunk(lane, chunk, start, held))
-            consume(np.arange(16) < len(chunk))
+            engine.step(None, PrefillChunk(lane, chunk, start, held, window=windows[lane]))
+            consume(lane, start + np.arange(len(chunk)))
     previous = None
-    for active in [[True, True]] * 5 + [[True, False]] * 3:
+    for step, active in enumerate([[True, True]] * 5 + [[True, False]] * 3):
         active = np.array(active)
-        positions = np.array([20, 9]) + 1  # any in range: the routing is replayed
+        positions = np.array([20, 9]) + step
         decode = DecodeRows(np.zeros(engine.lanes, np.int32), np.full(engine.lanes, previous is None),
-                            positions, active, [pages.pages_of(0), pages.pages_of(1)])
+                            positions, active, [pages.pages_of(0), pages.pages_of(1)],
+                            windows=windows)
         previous = engine.step(decode, None, previous)
-        consume(active)
+        consume(np.flatnonzero(active), positions[active])
     np.asarray(previous)
     np.testing.assert_array_equal(np.asarray(engine.state.experts.counts) - before, want)

@@ -57,8 +57,7 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
     """method = "mtp" on a checkpoint without an MTP layer (none counted, or one counted whose
     tensors it lacks) names config.json's field; on a family without an MTP draft forward names
     the family; a checkpoint that has one loads with k drafts a lane and the MTP layer's slot in
-    the pool's bytes a token; routing replay is refused while speculating (its rows go to a
-    step's token slots in order, which verify steps change), taken without."""
+    the pool's bytes a token."""
     plain = tiny_checkpoint("deepseek_v3", "qlora_groups")
     with pytest.raises(ConfigError, match=r"spec.toml: 'speculative.method' = 'mtp' but "
                                           r".*config.json has no MTP layer .*"
@@ -83,14 +82,6 @@ def test_mtp_refused_at_start_naming_what_is_missing(tiny_checkpoint, tmp_path):
     layers = plain.cfg.num_layers
     assert speculating.cache_bytes_per_token() * layers == plain.cache_bytes_per_token() * (
         layers + 1)
-    n_moe, n_experts = plain.family.expert_dims(plain.cfg)[:2]
-    picks = np.zeros((4, n_moe, plain.cfg.num_experts_per_tok), np.int32)
-    with pytest.raises(ValueError, match=r"routing replay is refused with speculative decoding "
-                                         r"\('speculative.method' = 'mtp'\): the replay gives "
-                                         r"its rows to a step's token slots in order"):
-        speculating.set_routing_replay(picks)
-    plain.set_routing_replay(picks)
-    assert plain._replay_rows(3).cursor == 0 and plain._replay_rows(3).cursor == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -170,7 +170,6 @@ class LoadedModel:
         self.steps = Steps(self.module, self.max_pages, self.speculator)
         self.executables = self._executables(config, model_dir)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
-        self._replay_cursor = 0  # the row the next token routes by
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
@@ -390,9 +389,8 @@ class LoadedModel:
                 tokens=decode.tokens.astype(np.int32), fresh=decode.fresh.astype(bool),
                 previous=previous, positions=decode.positions.astype(np.int32),
                 active=decode.active.astype(bool), table=self._decode_table(decode.pages))
-        routed = (prefill_in.tokens.size if prefill is not None else 0) + (
-            self.lanes if decode is not None else 0)
-        return StepInputs(prefill_in, decode_in, self.step_tables, self._replay_rows(routed), swaps)
+        return StepInputs(prefill_in, decode_in, self.step_tables,
+                          self._replay_rows(decode, prefill), swaps)
 
     def verify_inputs(self, decode: DecodeRows, prefill: PrefillChunk | None,
                       previous: Latest | None, swaps: SwapBatch) -> VerifyInputs:
@@ -404,7 +402,8 @@ class LoadedModel:
         return VerifyInputs(decode.tokens.astype(np.int32), decode.fresh.astype(bool),
                             decode.positions.astype(np.int32), previous,
                             decode.active.astype(bool), decode.drafted.astype(np.int32),
-                            self._decode_table(decode.pages), self._chunk_inputs(prefill), swaps)
+                            self._decode_table(decode.pages), self._chunk_inputs(prefill), swaps,
+                            self._replay_rows(decode, prefill))
 
     @staticmethod
     def _previous(decode: DecodeRows | None, previous, host_only):
@@ -447,11 +446,10 @@ class LoadedModel:
         fresh, inactive = np.ones(self.lanes, bool), np.zeros(self.lanes, bool)
         if self.speculating:
             return VerifyInputs(idle, fresh, idle, self.host_latest, inactive, idle, table,
-                                prefill, swaps)
+                                prefill, swaps, self._replay_rows(None, None))
         decode = DecodeInputs(tokens=idle, fresh=fresh, previous=self.host_only, positions=idle,
                               active=inactive, table=table)
-        return StepInputs(prefill, decode, self.step_tables, self._replay_rows(size + self.lanes),
-                          swaps)
+        return StepInputs(prefill, decode, self.step_tables, self._replay_rows(None, None), swaps)
 
     def warmup_shapes(self, prompt_lengths: list[int] | None = None) -> set[tuple]:
         """(chunk bucket or 0, prefill table width or None, decode table width) of every step a
@@ -499,7 +497,7 @@ class LoadedModel:
         table = np.arange(n_pages, dtype=np.int32)[None]
         mask = (np.arange(size) < n)[None]
         return ScoreInputs(tokens, np.arange(size, dtype=np.int32)[None], mask, cache, table,
-                           self.step_tables, self._replay_rows(tokens.size), swaps), n
+                           self.step_tables, self._replay_rows(None, None, rows=1), swaps), n
 
     def _decode_width(self, pages: int) -> int:
         """Block-table width of a step's decoding lanes, the longest holding `pages`
@@ -549,16 +547,11 @@ class LoadedModel:
         self._prefill_buckets = _buckets(tokens)
 
     def set_routing_replay(self, picks: np.ndarray | None) -> None:
-        """Route by recorded picks [N, L_moe, k] (expert ids of this model), consumed one row per
-        token in order and cyclically, instead of by the router's own choice; None turns it off.
-        Benchmarks use it to give random-weight models a trained model's routing."""
-        if picks is not None and self.speculator is not None:
-            raise ValueError(
-                "routing replay is refused with speculative decoding ('speculative.method' = "
-                "'mtp'): the replay gives its rows to a step's token slots in order, so a token "
-                "routes by the slot its step gives it, and a verify step's k + 1 slots a lane "
-                "(rejected drafts' too) move every later token to another row: the output "
-                "would not be the one the replay gives without speculation")
+        """Route by recorded picks [N, L_moe, k] (expert ids of this model) instead of by the
+        router's own choice, keyed by the token: the token at position p of a request routes by
+        row (its window + p) mod N (steps.Replay), the MTP layer's by that row's last main MoE
+        layer's picks; None turns it off. Benchmarks use it to give random-weight models a
+        trained model's routing."""
         if picks is not None and not self.family.replays:
             raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
         if picks is not None:
@@ -567,17 +560,22 @@ class LoadedModel:
             if picks.ndim != 3 or picks.shape[1] != n_moe or picks.min() < 0 or picks.max() >= n_experts:
                 raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
                                  f"got shape {picks.shape}")
-            picks = parallel.replicated(picks, self.mesh)  # once: steps index it by a cursor
-        self._replay, self._replay_cursor = picks, 0
+            picks = parallel.replicated(picks, self.mesh)  # once: steps index it by windows
+        self._replay = picks
 
-    def _replay_rows(self, n_tokens: int) -> Replay | None:
-        """The replay of a forward of `n_tokens` tokens (batch-major), which routes by rows
-        cursor, cursor + 1, ... of the picks, cyclically; None without a replay."""
+    def _replay_rows(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
+                     rows: int | None = None) -> Replay | None:
+        """The replay of a step (each lane's window: decode.windows, the prompt chunk's lane
+        prefill.window; 0 where not given) or of a forward of `rows` rows from window 0 (a
+        scoring forward's); None without a replay."""
         if self._replay is None:
             return None
-        cursor = self._replay_cursor
-        self._replay_cursor = (cursor + n_tokens) % len(self._replay)
-        return Replay(self._replay, np.int32(cursor))
+        windows = np.zeros(rows or self.lanes, np.int64)
+        if decode is not None and decode.windows is not None:
+            windows[:] = decode.windows
+        if prefill is not None:
+            windows[prefill.lane] = prefill.window
+        return Replay(self._replay, (windows % len(self._replay)).astype(np.int32))
 
     def cache_bytes_per_token(self) -> int:
         """The pool's bytes a token adds (the MTP layers' slots included where they draft)."""

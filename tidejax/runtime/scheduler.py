@@ -91,6 +91,10 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self.started_at = 0.0  # when its prefill began
         self.admitted_at = 0  # admission order: the newest is preempted first
+        # its first row of a routing replay (LoadedModel.set_routing_replay): its place among
+        # the requests admitted times max_context, so each follows a window of the trace of
+        # its own, token by token, however the steps carry its tokens
+        self.window = 0
         self.prefilled = 0  # prompt tokens written to the cache
         self.cached = 0  # prompt tokens it found in the prompt cache (never prefilled)
         self.hashes: list[bytes] | None = None  # its prompt's full pages' block hashes
@@ -164,6 +168,7 @@ class Scheduler:
         self.snapshots = model.lane_snapshots
         self.pages.spilling = self.tiers is not None  # evicted pages go to the tiers
         self._admissions = itertools.count(1)
+        self._windows = itertools.count(0, model.max_context)  # RequestHandle.window
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
         self.status = "ready"  # "recovering" while `recover` rebuilds the state; "failed" after
@@ -456,6 +461,7 @@ class Scheduler:
                 self._plan.lanes[lane] = handle.request.sampling
                 self._resume(lane, handle)
                 continue
+            handle.window = next(self._windows)
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
             restored = self._restore(handle, lane, len(shared))  # may run the plan so far
@@ -581,7 +587,7 @@ class Scheduler:
             pages = [self.pages.grow(h.id, self._reach(self.positions[lane])) if h else []
                      for lane, h in enumerate(handles)]
             decode = DecodeRows(self.tokens.copy(), fresh, np.where(active, self.positions, 0),
-                                active, pages)
+                                active, pages, self._replay_windows())
             result = self.run_step(decode, chunk, previous.result.step if previous else None,
                                    logprobs=_logprobs_wanted(sampled_for))
             self.positions[active] += 1
@@ -610,7 +616,7 @@ class Scheduler:
                  if active[lane] else [] for lane in range(self.model.lanes)]
         drafted = np.where(active & self.has_drafts, self.k, 0).astype(np.int32)
         decode = DecodeRows(self.tokens.copy(), fresh, np.where(active & fresh, self.positions, 0),
-                            active, pages, drafted)
+                            active, pages, self._replay_windows(), drafted)
         result = self.run_step(decode, chunk, previous.result.step if previous else None,
                                logprobs=_logprobs_wanted(sampled_for))
         if chunk is not None and drafted.any():
@@ -632,7 +638,11 @@ class Scheduler:
             self.pages.publish(handle.id, handle.hashes[:handle.prefilled // self.pages.page_size])
         following = prompt[handle.prefilled] if handle.prefilled < len(prompt) else -1
         return PrefillChunk(self.lane_of.index(handle), ids, start, self.pages.pages_of(handle.id),
-                            prompt[:start], following)
+                            prompt[:start], following, handle.window)
+
+    def _replay_windows(self) -> np.ndarray:
+        """[lanes] each lane's request's RequestHandle.window (0: no request)."""
+        return np.array([h.window if h is not None else 0 for h in self.lane_of], np.int64)
 
     def _snapshot(self, handle: RequestHandle, lane: int) -> None:
         """After the step of a prompt chunk that ends a page (published): the lane's rows and

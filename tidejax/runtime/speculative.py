@@ -121,16 +121,20 @@ class Speculator:
     k: int
 
     def draft(self, mtp_params, hidden, next_tokens, positions, mask, at, cache, table, experts,
-              sampling: LaneSampling, keys):
+              sampling: LaneSampling, keys, replay=None):
         """hidden [b, t, d]: the main model's at positions [b, t]; next_tokens [b, t]: the token
         at each position + 1; mask [b, t]: the positions whose MTP keys are written; at [b]:
         the last kept position's index; sampling: the lanes' with every token up to that
-        position counted -> (drafts [b, k] int32, q [b, k, v], cache, experts)."""
+        position counted; replay: a routing replay of the b rows (steps.Replay; None: the
+        layer's router chooses) -> (drafts [b, k] int32, q [b, k, v], cache, experts)."""
         b = hidden.shape[0]
         rows = jnp.arange(b)
+
+        def routes(at_positions):  # the MTP layer's replayed picks, or no argument
+            return {} if replay is None else {"replay": replay.mtp_ids(at_positions)}
         logits, x, cache, experts = self.mtp.apply(
             {"params": mtp_params}, hidden, next_tokens, positions, mask, cache, table, experts,
-            logits_at=at)
+            logits_at=at, **routes(positions))
         x, position, live = x[rows, at][:, None], positions[rows, at][:, None], mask[:, :1]
         sampling = sampling.generated(next_tokens[rows, at], live[:, 0])
         drafts, qs = [], []
@@ -144,19 +148,21 @@ class Speculator:
                 position = position + 1
                 logits, x, cache, experts = self.mtp.apply(
                     {"params": mtp_params}, x, token[:, None], position, live, cache, table,
-                    experts)
+                    experts, **routes(position))
         return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache, experts
 
     def verify(self, params, mtp_params, tokens, positions, mask, q, cache, table, experts,
-               sampling: LaneSampling, keys):
+               sampling: LaneSampling, keys, replay=None):
         """tokens, positions, mask [b, k + 1]: each row's latest token and its k drafts (drawn
         from q [b, k, v]; a draft masked out is not judged: `accept`'s live); sampling: the
-        lanes' before the latest token is counted; keys [b] -> (Verdict, Sampled [b, k + 1]:
+        lanes' before the latest token is counted; keys [b]; replay as draft's, the main model's
+        picks at each position its Replay.ids -> (Verdict, Sampled [b, k + 1]:
         the verdict's tokens with their log-probabilities where a lane asked for them, next
         drafts [b, k], their q, cache, experts (the main model's and the MTP layer's picks
         counted), sampling with the kept tokens counted)."""
+        routes = {} if replay is None else {"replay": replay.ids(positions)}
         (logits, cache, experts), seen = self.main.apply(
-            {"params": params}, tokens, positions, mask, cache, table, experts,
+            {"params": params}, tokens, positions, mask, cache, table, experts, **routes,
             mutable=["intermediates"])
         hidden = seen["intermediates"]["head_hidden"][0]
         states, p, processed = [], [], []
@@ -176,7 +182,7 @@ class Speculator:
         kept = mask[:, :1] & (jnp.arange(self.k + 1)[None] <= verdict.accepted[:, None])
         drafts, q, cache, experts = self.draft(
             mtp_params, hidden, verdict.tokens, positions, kept, verdict.accepted, cache, table,
-            experts, sampling, keys)
+            experts, sampling, keys, replay)
         return verdict, sampled, drafts, q, cache, experts, sampling
 
 

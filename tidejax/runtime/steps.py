@@ -101,7 +101,8 @@ class VerifyInputs:
     from the host where fresh [lanes], else from the last verify step's `previous` (Latest, on
     the device); active [lanes]; drafted [lanes] int32: how many of the lane's drafts in the
     state are current (k, or 0: it decodes one token); table [lanes, P]; the prompt chunk
-    beside them (or None); swaps as in StepInputs."""
+    beside them (or None); swaps and replay as in StepInputs (the MTP layer's picks from it:
+    Replay.mtp_ids)."""
 
     tokens: jax.Array
     fresh: jax.Array
@@ -112,22 +113,36 @@ class VerifyInputs:
     table: jax.Array
     prefill: PrefillInputs | None
     swaps: SwapBatch
+    replay: Replay | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Replay:
-    """Recorded routing: picks [N, L_moe, k] expert ids (on the device, sent once); the forward's
-    tokens (batch-major) route by rows cursor, cursor + 1, ... of them, cyclically."""
+    """Recorded routing keyed by the token: picks [N, L_moe, k] expert ids (on the device, sent
+    once); windows [rows] each forward row's first trace row (its request's window,
+    RequestHandle.window), so the token at position p of a row routes by row (window + p) mod N
+    whatever step carries it: a verify step's positions n..n + k take the rows plain steps give
+    them, and a rejected draft's row is taken again by the token that replaces it."""
 
     picks: jax.Array
-    cursor: jax.Array
+    windows: jax.Array
 
-    def ids(self, b: int, t: int, offset: int = 0):
-        """The picks of a [b, t] forward whose first token takes row cursor + offset:
+    def ids(self, positions):
+        """The picks of a forward at positions [b, t] (row i of it the window's row i):
         [b, t, L_moe, k]."""
-        rows = (self.cursor + offset + jnp.arange(b * t, dtype=jnp.int32)) % self.picks.shape[0]
-        return self.picks[rows].reshape(b, t, *self.picks.shape[1:])
+        rows = (self.windows[:, None] + positions) % self.picks.shape[0]
+        return self.picks[rows]
+
+    def mtp_ids(self, positions):
+        """The MTP layer's picks at positions [b, t]: the last main MoE layer's of the token at
+        each position (the trace has no row for the MTP layer; the one it drafts from is the
+        main model's hidden state at p) -> [b, t, k]."""
+        return self.ids(positions)[:, :, -1]
+
+    def row(self, lane) -> "Replay":
+        """The replay of one lane (a prompt chunk's): windows [1]."""
+        return Replay(self.picks, jax.lax.dynamic_slice_in_dim(self.windows, lane, 1))
 
 
 @jax.tree_util.register_dataclass
@@ -135,8 +150,8 @@ class Replay:
 class StepInputs:
     """One step's inputs: the prompt chunk and the decoding lanes (either may be None), the
     family's step tables (Family.step_tables: the same arrays every step; None where it has
-    none), the routing replay (None: the routers choose) and residency's swap batch for the
-    step's start. The replay's prefill rows come first, then the decoding lanes'."""
+    none), the routing replay (windows [lanes]; None: the routers choose) and residency's swap
+    batch for the step's start."""
 
     prefill: PrefillInputs | None
     decode: DecodeInputs | None
@@ -172,6 +187,8 @@ class DecodeRows:
     positions: np.ndarray
     active: np.ndarray
     pages: list[list[int]] | None = None
+    # each lane's request's first row of a routing replay (RequestHandle.window; None: 0)
+    windows: np.ndarray | None = None
     # a verify step (speculative decoding) where not None: the drafts each lane has current
     # (k; 0 for a lane resumed since its last step, which then decodes one token)
     drafted: np.ndarray | None = None
@@ -188,6 +205,7 @@ class PrefillChunk:
     pages: list[int] | None = None
     context: list[int] = dataclasses.field(default_factory=list)  # the tokens before start
     following: int = -1  # the prompt's token after the chunk; -1: the chunk ends the prompt
+    window: int = 0  # its request's first row of a routing replay (RequestHandle.window)
 
 
 class DonatingStep:
@@ -312,24 +330,28 @@ class Steps:
         return logits, PagedCache(out.pages, lanes), experts, hidden
 
     def _draft(self, draft: dict, hidden, next_tokens, positions, mask, at, cache, table,
-               experts, sampling: LaneSampling):
+               experts, sampling: LaneSampling, replay: Replay | None):
         """The MTP layer (params `draft`) over rows the step ran (Speculator.draft), its keys
-        written into the pool, its picks through `experts`; each row's random key from its seed
-        and its position `at` -> (drafts [b, k], q [b, k, v], cache, experts)."""
+        written into the pool, its picks through `experts` (replayed: Replay.mtp_ids); each
+        row's random key from its seed and its position `at` -> (drafts [b, k], q [b, k, v],
+        cache, experts)."""
         rows = jnp.arange(hidden.shape[0])
         keys = lane_keys(sampling.params.seed, positions[rows, at])
         drafts, q, out, experts = self.speculator.draft(
             draft, hidden, next_tokens, positions, mask, at, PagedCache(cache.pages), table,
-            experts, sampling, keys)
+            experts, sampling, keys, replay)
         return drafts, q, PagedCache(out.pages, cache.lanes), experts
 
     def _chunk(self, params, draft: dict | None, tables, prefill: PrefillInputs,
-               cache: PagedCache, experts, routes, sampling: LaneSampling):
-        """The prompt chunk: written into the cache, its tokens marked seen in its lane's
-        counts, the token after its last sampled (Sampled [1]: the request's first token where
-        the chunk ends the prompt); with `draft`, the MTP layer's keys of its positions (the
-        token after each: the prompt's next, after the last the one sampled) and drafts from
-        its last -> (first, (drafts [1, k], q [1, k, v]) or None, cache, experts, sampling)."""
+               cache: PagedCache, experts, replay: Replay | None, sampling: LaneSampling):
+        """The prompt chunk: written into the cache (routed by its lane's row of `replay`
+        where one is given), its tokens marked seen in its lane's counts, the token after its
+        last sampled (Sampled [1]: the request's first token where the chunk ends the prompt);
+        with `draft`, the MTP layer's keys of its positions (the token after each: the prompt's
+        next, after the last the one sampled) and drafts from its last -> (first, (drafts
+        [1, k], q [1, k, v]) or None, cache, experts, sampling)."""
+        replay = replay.row(prefill.lane) if replay is not None else None
+        routes = replay.ids(prefill.positions) if replay is not None else None
         logits, cache, experts, hidden = self._prefill(params, tables, prefill, cache, experts,
                                                        routes)
         sampling = sampling.saw_prompt(prefill.lane, prefill.tokens[0], prefill.mask[0])
@@ -342,7 +364,7 @@ class Steps:
         drafts, q, cache, experts = self._draft(
             draft, hidden, following, prefill.positions, prefill.mask,
             jnp.reshape(prefill.last, (1,)), cache, prefill.table, experts,
-            sampling.lane(prefill.lane))
+            sampling.lane(prefill.lane), replay)
         return first, (drafts, q), cache, experts, sampling
 
     @functools.cached_property
@@ -352,16 +374,13 @@ class Steps:
             cache, sampling = state.cache, state.sampling
             experts = apply_batch(state.experts, inputs.swaps)
             lanes = sampling.counts.shape[0]
-            offset = 0  # the replay rows the chunk took
             if prefill is not None:
-                routes = replay.ids(*prefill.tokens.shape) if replay is not None else None
-                offset = prefill.tokens.size
                 first, _, cache, experts, sampling = self._chunk(
-                    params, None, inputs.tables, prefill, cache, experts, routes, sampling)
+                    params, None, inputs.tables, prefill, cache, experts, replay, sampling)
             if decode is not None:
                 tokens = jnp.where(decode.fresh, decode.tokens, decode.previous)  # [lanes]
                 sampling = sampling.generated(tokens, decode.active)
-                routes = replay.ids(tokens.shape[0], 1, offset) if replay is not None else None
+                routes = replay.ids(decode.positions[:, None]) if replay is not None else None
                 logits, cache, experts, _ = self._forward(
                     params, inputs.tables, tokens[:, None], decode.positions[:, None],
                     decode.active[:, None], cache, decode.table, experts, routes)
@@ -388,10 +407,10 @@ class Steps:
             params, draft = params
             cache, sampling, drafts = state.cache, state.sampling, state.drafts
             experts = apply_batch(state.experts, inputs.swaps)
-            chunk = inputs.prefill
+            chunk, replay = inputs.prefill, inputs.replay
             if chunk is not None:  # no step tables: the speculating families have none
                 first, (chunk_drafts, chunk_q), cache, experts, sampling = self._chunk(
-                    params, draft, None, chunk, cache, experts, None, sampling)
+                    params, draft, None, chunk, cache, experts, replay, sampling)
             latest = jnp.where(inputs.fresh, inputs.tokens, inputs.previous.tokens)  # [lanes]
             start = jnp.where(inputs.fresh, inputs.positions, inputs.previous.positions)
             tokens = jnp.concatenate([latest[:, None], drafts.tokens], 1)
@@ -400,7 +419,7 @@ class Steps:
             keys = lane_keys(sampling.params.seed, start)
             verdict, sampled, new, q, out, experts, sampling = spec.verify(
                 params, draft, tokens, positions, mask, drafts.q, PagedCache(cache.pages),
-                inputs.table, experts, sampling, keys)
+                inputs.table, experts, sampling, keys, replay)
             cache = PagedCache(out.pages, cache.lanes)
             drafts = drafts.put(inputs.active, new, q)
             rows = jnp.arange(latest.shape[0])
@@ -424,7 +443,8 @@ class Steps:
     def score(self):
         def score(params, state: DecodeState, inputs: ScoreInputs):
             experts = apply_batch(state.experts, inputs.swaps)
-            routes = inputs.replay.ids(*inputs.tokens.shape) if inputs.replay is not None else None
+            replay = inputs.replay
+            routes = replay.ids(inputs.positions) if replay is not None else None
             if self.speculator is not None:
                 params = params[0]
             logits, _, experts, _ = self._forward(params, inputs.tables, inputs.tokens,

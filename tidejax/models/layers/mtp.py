@@ -78,14 +78,17 @@ class MTPLayer(nn.Module):
 
     @nn.compact
     def __call__(self, embedded, hidden, positions, token_mask, cos, sin, pages: tuple, slots,
-                 block_table, experts):
+                 block_table, experts, replay=None):
         cfg, dt = self.cfg, self.dtype
         x = jnp.concatenate([RMSNorm(cfg.rms_norm_eps, dt, name="enorm")(embedded),
                              RMSNorm(cfg.rms_norm_eps, dt, name="hnorm")(hidden)], axis=-1)
         x = Linear(cfg.hidden_size, dt, name="eh_proj")(x)  # [b, t, 2d] -> [b, t, d]
         last = experts.rowmap.shape[0] - 1  # the MTP layer's row: the state's last (docstring)
+        if replay is not None:  # [b, t, k] as every layer's, so that its row `last` is them
+            replay = jnp.broadcast_to(replay[:, :, None],
+                                      (*replay.shape[:2], last + 1, replay.shape[-1]))
         x, pages, experts, _ = decoder_block(self, last, x, positions, token_mask, cos, sin,
-                                             pages, slots, block_table, experts)
+                                             pages, slots, block_table, experts, replay)
         return RMSNorm(cfg.rms_norm_eps, dt, name="shared_head_norm")(x), pages, experts
 
 
@@ -107,13 +110,14 @@ class MTP(nn.Module):
     @nn.compact
     @serving
     def __call__(self, hidden, tokens, positions, token_mask, cache: PagedCache, block_table,
-                 experts: ExpertState, logits_at=None):
+                 experts: ExpertState, logits_at=None, replay=None):
         """hidden [b, t, d]: the main model's hidden states at `positions` (its head's input,
         Decoder's "head_hidden"); tokens [b, t] int32: the tokens at positions + 1; positions
         [b, t] int32, token_mask [b, t] bool: the main model's; cache: the pool with the MTP
         slots (with_mtp_slots); block_table [b, P]: each row's pages (the main model's);
         experts: an expert state whose last MoE layer is this layer's (the engine's residency
-        state, or mtp_expert_state's); logits_at [b] as the Decoder's ->
+        state, or mtp_expert_state's); logits_at [b] as the Decoder's; replay [b, t, k]: picks to
+        route by (None: its router chooses) ->
         draft logits [b, t or 1, vocab] float32 (at p: the token at p + 2), the MTP hidden
         state [b, t, d] (after shared_head.norm: what transformers chains into depth + 1),
         cache, experts."""
@@ -131,7 +135,7 @@ class MTP(nn.Module):
         x, layer, experts = MTPLayer(cfg, index, self.router, self.attention, self.serve, dt,
                                      self.carries, name=f"layers_{index}")(
             embedded, hidden.astype(embedded.dtype), positions, token_mask, cos, sin, layer,
-            slots, block_table, experts)
+            slots, block_table, experts, replay)
         head = embedding["embed" if cfg.tie_word_embeddings else "lm_head"]
         pages = cache.pages.replace(**{
             name: tuple(layer[j] if i == index else leaf
