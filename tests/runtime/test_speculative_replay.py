@@ -1,0 +1,88 @@
+"""Routing replay with speculative decoding (issue 33): the replay keyed by the token (a request's
+window plus the token's position, steps.Replay), so a verify step's positions route by the rows
+plain steps give them and the greedy output with speculation on is the one with it off under the
+same replayed trace; the MTP layer routes by its position's row of the last main MoE layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tidejax
+from tidejax.runtime.scheduler import GenerationRequest
+from tidejax.runtime.steps import Replay
+from tests.support.engine_probes import run, tokens_of
+from tests.support.tiny_models import repeating_mtp
+
+K = 2  # drafts a lane a step
+# four lanes of up to 32 tokens in a pool of 64 (8 pages): preemption, so a resumed request's
+# tokens keep their rows; warm-up off (the steps compile as the requests meet them)
+ENGINE = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16,
+          "kv_pool_tokens": 64, "warmup": False}
+PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
+           for s, n in ((1, 14), (2, 9), (3, 11), (4, 6))]
+NEW = 16
+ROWS = 61  # the trace's rows: fewer than the windows span, so windows wrap
+
+
+def trace(n_moe: int, n_experts: int, k: int) -> np.ndarray:
+    """[ROWS, n_moe, k] distinct random picks a row and layer, but the last MoE layer's, which
+    are the top k experts in every row: the MTP layer's picks, taken from that row, hit only
+    those."""
+    rng = np.random.RandomState(7)
+    picks = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(ROWS * n_moe)])
+    picks = picks.reshape(ROWS, n_moe, k)
+    picks[:, -1] = np.arange(n_experts - k, n_experts)
+    return picks
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(tiny_checkpoint, tmp_path_factory):
+    """A tiny GLM-4.5 whose MTP layer drafts well (tiny_models.repeating_mtp)."""
+    return repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
+                         tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
+
+
+def greedy(engine, prompts, picks):
+    """Each prompt's NEW greedy tokens under the replay of `picks` (None: the routers' own), all
+    submitted at once, and their stats."""
+    engine.set_routing_replay(picks)
+    events = run(engine, [GenerationRequest(p, NEW, ignore_eos=True) for p in prompts])
+    return [tokens_of(got) for got in events], [got[-1].stats for got in events]
+
+
+def test_replay_keys_rows_by_window_and_position():
+    """Row (window + p) mod N for the token at p, the MTP layer's the last MoE layer's of it."""
+    picks = np.arange(5 * 3 * 2).reshape(5, 3, 2)
+    replay = Replay(picks, np.array([0, 4]))
+    positions = np.array([[0, 1, 2], [3, 4, 5]])
+    rows = np.array([[0, 1, 2], [2, 3, 4]])
+    np.testing.assert_array_equal(replay.ids(positions), picks[rows])
+    np.testing.assert_array_equal(replay.mtp_ids(positions), picks[rows, -1])
+    np.testing.assert_array_equal(replay.row(1).ids(positions[1:]), picks[rows[1:]])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_greedy_output_under_replay_is_speculation_offs(family, v3_mtp, glm_mtp):
+    """One request alone, then four in a pool that preempts: under one replayed trace, the
+    greedy tokens with speculation on are those with it off, token for token (and not the
+    routers' own: the replay routes them); drafts were accepted; the MTP layer routed by the
+    last main MoE layer's row (its counts only on that layer's experts)."""
+    path = {"deepseek_v3": v3_mtp, "glm4_moe": glm_mtp}[family]
+    plain = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000})
+    speculating = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000},
+                               speculative={"method": "mtp", "tokens": K})
+    n_moe, n_experts = plain.family.expert_dims(plain.cfg)[:2]
+    k = plain.cfg.num_experts_per_tok
+    picks = trace(n_moe, n_experts, k)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        want = greedy(plain, prompts, picks)[0]
+        got, stats = greedy(speculating, prompts, picks)
+        print(f"{family}: accepted {[s['accepted_tokens'] for s in stats]} of "
+              f"{[s['drafted_tokens'] for s in stats]} drafts")
+        assert got == want
+        assert sum(s["accepted_tokens"] for s in stats) > 0
+    assert want != greedy(plain, PROMPTS, None)[0]
+    assert speculating.scheduler.totals["preemptions"] > 0
+    mtp_counts = np.asarray(speculating.state.experts.counts)[n_moe]
+    assert mtp_counts[n_experts - k:].sum() > 0 and not mtp_counts[:n_experts - k].any()
