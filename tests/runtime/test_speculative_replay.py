@@ -15,13 +15,12 @@ from tests.support.engine_probes import run, tokens_of
 from tests.support.tiny_models import repeating_mtp
 
 K = 2  # drafts a lane a step
-# four lanes of up to 32 tokens in a pool of 64 (8 pages): preemption, so a resumed request's
-# tokens keep their rows; warm-up off (the steps compile as the requests meet them)
-ENGINE = {"lanes": 4, "max_context": 32, "page_size": 8, "prefill_chunk": 16,
-          "kv_pool_tokens": 64, "warmup": False}
-PROMPTS = [np.random.RandomState(s).randint(3, 256, n).tolist()
-           for s, n in ((1, 14), (2, 9), (3, 11), (4, 6))]
 NEW = 16
+# a pool of 8 pages of 8 tokens for four lanes of up to 32: a request is preempted and resumed,
+# its tokens keeping their rows; no warm-up (each step compiles when first met)
+ENGINE = dict(lanes=4, max_context=32, page_size=8, prefill_chunk=16, kv_pool_tokens=64,
+              warmup=False)
+PROMPTS = [np.random.RandomState(10 + n).randint(3, 256, n).tolist() for n in (13, 7, 10, 5)]
 ROWS = 61  # the trace's rows: fewer than the windows span, so windows wrap
 
 
@@ -37,15 +36,18 @@ def trace(n_moe: int, n_experts: int, k: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def glm_mtp(tiny_checkpoint, tmp_path_factory):
-    """A tiny GLM-4.5 whose MTP layer drafts well (tiny_models.repeating_mtp)."""
-    return repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
-                         tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
+def checkpoints(v3_mtp, tiny_checkpoint, tmp_path_factory) -> dict:
+    """Tiny checkpoints whose MTP layer drafts well (tiny_models.repeating_mtp) by family:
+    DeepSeek-V3 and GLM-4.5 (GLM-5's steps are GLM-4.5's routing through the same Replay; its
+    run takes over 30 s here)."""
+    glm = repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
+                        tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
+    return {"deepseek_v3": v3_mtp, "glm4_moe": glm}
 
 
 def greedy(engine, prompts, picks):
-    """Each prompt's NEW greedy tokens under the replay of `picks` (None: the routers' own), all
-    submitted at once, and their stats."""
+    """Each prompt's NEW greedy tokens under the replay of `picks`, all submitted at once, and
+    their stats."""
     engine.set_routing_replay(picks)
     events = run(engine, [GenerationRequest(p, NEW, ignore_eos=True) for p in prompts])
     return [tokens_of(got) for got in events], [got[-1].stats for got in events]
@@ -63,12 +65,12 @@ def test_replay_keys_rows_by_window_and_position():
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_greedy_output_under_replay_is_speculation_offs(family, v3_mtp, glm_mtp):
+def test_greedy_output_under_replay_is_speculation_offs(family, checkpoints):
     """One request alone, then four in a pool that preempts: under one replayed trace, the
-    greedy tokens with speculation on are those with it off, token for token (and not the
-    routers' own: the replay routes them); drafts were accepted; the MTP layer routed by the
+    greedy tokens with speculation on are those with it off, token for token (and not those
+    of the trace with its experts relabelled: the replay routes them); drafts were accepted; the MTP layer routed by the
     last main MoE layer's row (its counts only on that layer's experts)."""
-    path = {"deepseek_v3": v3_mtp, "glm4_moe": glm_mtp}[family]
+    path = checkpoints[family]
     plain = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000})
     speculating = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000},
                                speculative={"method": "mtp", "tokens": K})
@@ -82,7 +84,8 @@ def test_greedy_output_under_replay_is_speculation_offs(family, v3_mtp, glm_mtp)
               f"{[s['drafted_tokens'] for s in stats]} drafts")
         assert got == want
         assert sum(s["accepted_tokens"] for s in stats) > 0
-    assert want != greedy(plain, PROMPTS, None)[0]
+    other = np.random.RandomState(3).permutation(n_experts)[picks]  # the experts relabelled
+    assert want != greedy(plain, PROMPTS, other)[0]  # the trace routes them
     assert speculating.scheduler.totals["preemptions"] > 0
     mtp_counts = np.asarray(speculating.state.experts.counts)[n_moe]
     assert mtp_counts[n_experts - k:].sum() > 0 and not mtp_counts[:n_experts - k].any()
