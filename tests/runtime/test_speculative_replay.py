@@ -68,8 +68,9 @@ def test_replay_keys_rows_by_window_and_position():
 def test_greedy_output_under_replay_is_speculation_offs(family, checkpoints):
     """One request alone, then four in a pool that preempts: under one replayed trace, the
     greedy tokens with speculation on are those with it off, token for token (and not those
-    of the trace with its experts relabelled: the replay routes them); drafts were accepted; the MTP layer routed by the
-    last main MoE layer's row (its counts only on that layer's experts)."""
+    of the trace with its experts relabelled: the replay routes them); drafts were accepted;
+    the MTP layer routed by the last main MoE layer's row (its counts only on that layer's
+    experts)."""
     path = checkpoints[family]
     plain = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000})
     speculating = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000},
