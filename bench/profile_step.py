@@ -35,7 +35,7 @@ import jax
 
 
 from bench.roofline import parse_set
-from bench.step_overhead import _decode_rows, _first_step, load
+from bench.step_overhead import _decode_rows, _first_step, _step_windows, load
 from tidejax.kv.pages import pages_for
 from tidejax.runtime.steps import PrefillChunk
 
@@ -114,13 +114,16 @@ def profile(engine, lanes: int, prefill: int, steps: int, folder: Path):
         chunk = PrefillChunk(lane, [1] * prefill, 0,
                              list(range(pages_for(prefill, engine.loaded.page_size))))
 
-    def inputs():
+    def inputs(step: int = 0):
+        decode.windows = _step_windows(engine, step)  # the routing moves on step to step
+        if chunk is not None:
+            chunk.window = int(decode.windows[chunk.lane])
         return engine.loaded.step_inputs(decode, chunk, tokens, engine.residency.idle_batch())
 
     def run(n: int):
         nonlocal tokens
-        for _ in range(n):
-            sampled, _ = engine.runner.dispatch(inputs())
+        for step in range(n):
+            sampled, _ = engine.runner.dispatch(inputs(step))
             tokens = sampled.tokens
         jax.block_until_ready(tokens)
 

@@ -137,13 +137,18 @@ def dense_bytes(engine) -> int:
 
 
 def distinct_experts(picks: np.ndarray | None, batch: int, n_experts: int, top_k: int,
-                     n_layers: int) -> float:
-    """Mean distinct experts a step of `batch` tokens wants, summed over MoE layers."""
+                     n_layers: int, window: int) -> float:
+    """Mean distinct experts a step of `batch` lanes wants, summed over MoE layers: lane i's
+    token at position p routes by trace row (i * window + p) mod N, as the engine's replay keyed
+    by the token gives it (each request `window` = max_context rows on from the one before:
+    RequestHandle.window), over p every batch-th row (as many steps as the trace has rows
+    a step)."""
     if picks is None:
         return float(n_layers * min(batch * top_k, n_experts))
-    steps = len(picks) // batch
-    groups = picks[:steps * batch].reshape(steps, batch, n_layers, -1)
-    wanted = np.zeros((steps, n_layers, n_experts), bool)
+    n = len(picks)
+    rows = (np.arange(0, n - batch + 1, batch)[:, None] + window * np.arange(batch)) % n
+    groups = picks[rows]  # [steps, batch, n_layers, k]
+    wanted = np.zeros((len(rows), n_layers, n_experts), bool)
     s, _, l, _ = np.indices(groups.shape)
     wanted[s, l, groups] = True
     return float(wanted.sum(-1).mean(0).sum())
@@ -340,7 +345,7 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     moved = (after["bytes_moved"] - before["bytes_moved"]) / len(records)
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     top_k = engine.family.top_k(engine.cfg)
-    distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe)
+    distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe, engine.loaded.max_context)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        read, h2d, cpu_gbps)
     wanted = after["wanted"] - before["wanted"]

@@ -72,6 +72,13 @@ def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
                       active, pages)
 
 
+def _step_windows(engine, step: int) -> np.ndarray:
+    """[lanes] each lane's replay window (DecodeRows.windows) for bare step `step`: its token at
+    PROMPT_TOKENS routes by trace row step * lanes + lane, so the routing moves on from step to
+    step as a served lane's does, though a bare step repeats one position."""
+    return step * engine.lanes + np.arange(engine.lanes) - PROMPT_TOKENS
+
+
 def _first_step(engine, lanes: int):
     """Every lane sampling as SAMPLING, and a first step's output (waited for)."""
     engine.runner.run(StepPlan(lanes={lane: SAMPLING for lane in range(engine.lanes)}))
@@ -84,7 +91,8 @@ def engine_ms(engine, lanes: int, steps: int) -> float:
     out = _first_step(engine, lanes)
     decode = _decode_rows(engine, lanes, False)
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
+        decode.windows = _step_windows(engine, step)
         out = engine.step(decode, None, previous=out)
     jax.block_until_ready(out)
     engine.residency.flush()
@@ -98,7 +106,8 @@ def bare_ms(engine, lanes: int, steps: int) -> float:
     decode = _decode_rows(engine, lanes, False)
     idle = engine.residency.idle_batch()
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
+        decode.windows = _step_windows(engine, step)
         sampled, _ = engine.runner.dispatch(engine.loaded.step_inputs(decode, None, out, idle))
         out = sampled.tokens
     jax.block_until_ready(out)

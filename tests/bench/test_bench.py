@@ -93,9 +93,11 @@ def test_scaled_trace_keeps_each_demo_expert_in_its_block():
 
 def test_distinct_experts_per_step():
     picks = np.array([[[0, 1]], [[1, 2]], [[3, 4]], [[3, 4]]])  # [N=4, L=1, k=2]
-    assert roofline.distinct_experts(picks, 1, 8, 2, 1) == 2.0
-    assert roofline.distinct_experts(picks, 2, 8, 2, 1) == 2.5  # {0,1,2} then {3,4}
-    assert roofline.distinct_experts(None, 4, 8, 2, 3) == 3 * 8.0  # bound: min(batch*k, E)
+    assert roofline.distinct_experts(picks, 1, 8, 2, 1, 32) == 2.0
+    assert roofline.distinct_experts(picks, 2, 8, 2, 1, 1) == 2.5  # {0,1,2} then {3,4}
+    # lanes a window of 2 rows apart: rows 0 and 2, then 2 and 0
+    assert roofline.distinct_experts(picks, 2, 8, 2, 1, 2) == 4.0
+    assert roofline.distinct_experts(None, 4, 8, 2, 3, 32) == 3 * 8.0  # bound: min(batch*k, E)
 
 
 def test_bench_against_a_live_server(tiny_bf16, tmp_path):
