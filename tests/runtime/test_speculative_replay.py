@@ -70,7 +70,9 @@ def test_greedy_output_under_replay_is_speculation_offs(family, checkpoints):
     greedy tokens with speculation on are those with it off, token for token (and not those
     of the trace with its experts relabelled: the replay routes them); drafts were accepted;
     the MTP layer routed by the last main MoE layer's row (its counts only on that layer's
-    experts)."""
+    experts). Rows that move on with the steps, as the slot-keyed replay's did, change V3's
+    tokens with speculation on but not GLM-4.5's (its tiny model's tokens follow a change of
+    the experts, not one of the rows a token): V3's run is the check that rows follow tokens."""
     path = checkpoints[family]
     plain = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000})
     speculating = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000},
