@@ -38,11 +38,12 @@ def trace(n_moe: int, n_experts: int, k: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def checkpoints(v3_mtp, tiny_checkpoint, tmp_path_factory) -> dict:
     """Tiny checkpoints whose MTP layer drafts well (tiny_models.repeating_mtp) by family:
-    DeepSeek-V3 and GLM-4.5 (GLM-5's steps are GLM-4.5's routing through the same Replay; its
-    run takes over 30 s here)."""
-    glm = repeating_mtp(tiny_checkpoint("glm4_moe", "qknorm_groups", seed=0),
-                        tmp_path_factory.mktemp("glm-mtp") / "mtp", 0.3)
-    return {"deepseek_v3": v3_mtp, "glm4_moe": glm}
+    DeepSeek-V3, GLM-4.5 and GLM-5 (its layer 0 with an indexer, layer 1 reusing its pick)."""
+    def drafting(family, config, seed):
+        return repeating_mtp(tiny_checkpoint(family, config, seed=seed),
+                             tmp_path_factory.mktemp(f"{family}-mtp") / "mtp", 0.3)
+    return {"deepseek_v3": v3_mtp, "glm4_moe": drafting("glm4_moe", "qknorm_groups", 0),
+            "glm_moe_dsa": drafting("glm_moe_dsa", "topk_below", 5)}
 
 
 def greedy(engine, prompts, picks):
@@ -64,15 +65,16 @@ def test_replay_keys_rows_by_window_and_position():
     np.testing.assert_array_equal(replay.row(1).ids(positions[1:]), picks[rows[1:]])
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
 def test_greedy_output_under_replay_is_speculation_offs(family, checkpoints):
     """One request alone, then four in a pool that preempts: under one replayed trace, the
     greedy tokens with speculation on are those with it off, token for token (and not those
     of the trace with its experts relabelled: the replay routes them); drafts were accepted;
     the MTP layer routed by the last main MoE layer's row (its counts only on that layer's
     experts). Rows that move on with the steps, as the slot-keyed replay's did, change V3's
-    tokens with speculation on but not GLM-4.5's (its tiny model's tokens follow a change of
-    the experts, not one of the rows a token): V3's run is the check that rows follow tokens."""
+    tokens with speculation on but not GLM-4.5's or GLM-5's (their tiny models' tokens follow a
+    change of the experts, not one of the rows a token): V3's run is the check that rows follow
+    tokens."""
     path = checkpoints[family]
     plain = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000})
     speculating = tidejax.load(path, engine=ENGINE, residency={"drain_every": 1000},
