@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidejax.errors import ConfigError
-from tidejax.ops.dispatch import IMPLS, MOE_PREFILL, MOE_PREFILL_KERNELS
+from tidejax.ops.dispatch import IMPLS, MHC_FRONT, MHC_FRONTS, MOE_PREFILL, MOE_PREFILL_KERNELS
 
 # ---------------------------------------------------------------------------------------------
 # Engine profiles
@@ -45,6 +45,8 @@ class EngineSection:
     kernel: str = "auto"  # "auto" | "pallas" | "reference"
     # a prompt chunk's routed experts, where kernel picks the kernels: "pallas_dots" | "triton"
     moe_prefill: str = MOE_PREFILL
+    # DeepSeek-V4 / V4.1: an mHC site's mixes and collapse on a GPU: "chain" | "fused"
+    mhc_front: str = MHC_FRONT
     # DeepSeek-V4.1: its runs of like layers compiled once each and scanned (a third less
     # warm-up, a slower decode step today: docs/DESIGN.md, scan_layers); off: unrolled
     scan_layers: bool = False
@@ -152,6 +154,7 @@ _CHOICES = {
     ("model", "dense_format"): ("float", "fp8"),
     ("engine", "kernel"): IMPLS,
     ("engine", "moe_prefill"): MOE_PREFILL_KERNELS,
+    ("engine", "mhc_front"): MHC_FRONTS,
     ("residency", "geometry"): ("per_layer", "arena"),
     ("residency", "miss_policy"): MISS_POLICIES,
     ("speculative", "method"): ("none", "mtp"),

@@ -9,6 +9,7 @@ import pytest
 
 from tidejax import ops
 from tidejax.pallas import mhc as forms
+from tidejax.pallas import sinkhorn as sinkhorn_forms
 
 MIX = dict(eps=1e-6, hc_eps=1e-6, iters=20)  # DeepSeek-V4.1-Flash's
 
@@ -61,6 +62,38 @@ def test_the_kernels_ran_and_not_the_reference(rng, monkeypatch):
     monkeypatch.setattr(forms, "mhc_front_reference", refused)
     jax.block_until_ready(ops.mhc_front(*site(rng, 3, 64, jnp.bfloat16), impl="pallas", **MIX))
     assert launched == ["mhc_project_kernel", "mhc_finish_kernel"]
+
+
+@pytest.mark.parametrize("form", ["chain", "fused"])
+def test_the_form_in_force_picks_the_chain_or_the_kernels(rng, monkeypatch, form):
+    """An op given no impl, under the "pallas" policy: the chain (the reference, its Sinkhorn on
+    the kernel) unless the form in force is "fused" (a profile's engine.mhc_front)."""
+    launched = []
+
+    def counted(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    launch = forms.launch
+    monkeypatch.setattr(forms, "launch", counted)
+    monkeypatch.setattr(sinkhorn_forms, "sinkhorn_triton", counted_sinkhorn(launched))
+    with ops.kernels("pallas"), ops.mhc_front_form(form):
+        jax.block_until_ready(ops.mhc_front(*site(rng, 3, 64, jnp.bfloat16), **MIX))
+    want = (["mhc_project_kernel", "mhc_finish_kernel"] if form == "fused"
+            else ["sinkhorn_kernel"])
+    assert launched == want
+    with pytest.raises(ValueError, match="mhc_front"):
+        ops.mhc_front_form("fast").__enter__()
+
+
+def counted_sinkhorn(launched):
+    """ops.sinkhorn's kernel form, its launch noted."""
+    kernel = sinkhorn_forms.sinkhorn_triton
+
+    def counted(*args, **kwargs):
+        launched.append("sinkhorn_kernel")
+        return kernel(*args, **kwargs)
+    return counted
 
 
 def test_auto_takes_the_kernels_only_where_they_fit(rng):

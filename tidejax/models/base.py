@@ -208,9 +208,10 @@ class Family:
 def serving(forward):
     """Decorates a family's forward (its top module's __call__, under nn.compact): the ops its
     layers call run on the implementation the module's ServeOptions name (`self.serve.kernel`,
-    the profile's engine.kernel; ops.kernels), so no layer holds or passes one."""
+    the profile's engine.kernel; ops.kernels), mHC's front half on the form they name
+    (`self.serve.mhc_front`; ops.mhc_front_form), so no layer holds or passes one."""
     @functools.wraps(forward)
     def served(self, *args, **kwargs):
-        with ops.kernels(self.serve.kernel):
+        with ops.kernels(self.serve.kernel), ops.mhc_front_form(self.serve.mhc_front):
             return forward(self, *args, **kwargs)
     return served

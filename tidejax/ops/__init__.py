@@ -33,7 +33,8 @@ import jax
 
 from tidejax import parallel
 from tidejax.ops import dispatch
-from tidejax.ops.dispatch import IMPLS, MOE_PREFILL_KERNELS, choose_impl, kernels, log_choice, run
+from tidejax.ops.dispatch import (IMPLS, MHC_FRONTS, MOE_PREFILL_KERNELS, choose_impl, kernels,
+                                  log_choice, mhc_front_form, run)
 from tidejax.pallas import attention, index_scores, mhc as mhc_forms, paged_gqa
 from tidejax.pallas import sinkhorn as sinkhorn_forms
 from tidejax.pallas.bank import bank_dims
@@ -42,8 +43,8 @@ from tidejax.pallas.fp8_matmul import fp8_block_matmul_few_rows, fp8_block_matmu
 from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_plan import reach
 
-__all__ = ["Demand", "IMPLS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
-           "gqa_attention", "kernels", "mhc_front", "mla_attention", "moe_grouped",
+__all__ = ["Demand", "IMPLS", "MHC_FRONTS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
+           "gqa_attention", "kernels", "mhc_front", "mhc_front_form", "mla_attention", "moe_grouped",
            "paged_gqa_decode", "paged_gqa_prefill", "paged_index_scores", "paged_mla_decode",
            "paged_mla_prefill", "reads_by_length", "sinkhorn"]
 
@@ -87,11 +88,15 @@ def mhc_front(streams, fn, base, scale, collapse_pre=None, *, eps: float, hc_eps
     impl: "auto" (the two Triton kernels through jax-triton on a GPU, where
     pallas.mhc.triton_supports takes the shapes; the reference elsewhere) | "pallas" (the
     kernels; Triton's interpreter off the GPU) | "reference" (its Sinkhorn `sinkhorn` on the
-    same impl); None: the policy in force. The kernels against the reference: float32 rounding
-    (the RMS factor applied after the dot, sums in another order)."""
+    same impl); None: the reference while the form in force is "chain" (dispatch.MHC_FRONT, a
+    profile's engine.mhc_front), its Sinkhorn on the policy in force; under "fused", the policy
+    in force. The kernels against the reference: float32 rounding (the RMS factor applied after
+    the dot, sums in another order)."""
     reference = functools.partial(mhc_forms.mhc_front_reference,
                                   sinkhorn=functools.partial(sinkhorn, impl=impl))
-    return run("mhc_front", impl, lambda: mhc_forms.triton_supports(streams, fn), reference,
+    chain = impl is None and dispatch.mhc_front_in_force() == "chain"
+    return run("mhc_front", "reference" if chain else impl,
+               lambda: mhc_forms.triton_supports(streams, fn), reference,
                mhc_forms.mhc_front_triton, streams, fn, base, scale, collapse_pre,
                eps=float(eps), hc_eps=float(hc_eps), iters=int(iters))
 

@@ -27,6 +27,14 @@ IMPLS = ("auto", "pallas", "reference")
 # both on a GPU.
 MOE_PREFILL_KERNELS = ("pallas_dots", "triton")
 MOE_PREFILL = "pallas_dots"
+# an mHC site's front half on a GPU (ops.mhc_front where the policy lets it take kernels): "chain"
+# (the jnp mixes and collapse around ops.sinkhorn's kernel) or "fused" (pallas.mhc's two Triton
+# kernels). A profile picks it (engine.mhc_front, the model's ServeOptions); MHC_FRONT is the
+# default, "chain" until bench/v41_parts.py --parts mhc has timed the fused form on a GPU.
+MHC_FRONTS = ("chain", "fused")
+MHC_FRONT = "chain"
+_mhc_front: contextvars.ContextVar[str] = contextvars.ContextVar("tidejax_ops_mhc_front",
+                                                                 default=MHC_FRONT)
 _policy: contextvars.ContextVar[str] = contextvars.ContextVar("tidejax_ops_kernels",
                                                                default="auto")
 _logged: set[tuple[str, str]] = set()
@@ -47,6 +55,23 @@ def kernels(impl: str):
         yield
     finally:
         _policy.reset(token)
+
+
+@contextlib.contextmanager
+def mhc_front_form(form: str):
+    """ops.mhc_front calls inside (those given no `impl`) take `form` on a GPU: "chain" |
+    "fused"."""
+    if form not in MHC_FRONTS:
+        raise ValueError(f"mhc_front: form={form!r}, expected one of {MHC_FRONTS}")
+    token = _mhc_front.set(form)
+    try:
+        yield
+    finally:
+        _mhc_front.reset(token)
+
+
+def mhc_front_in_force() -> str:
+    return _mhc_front.get()
 
 
 def policy() -> str:

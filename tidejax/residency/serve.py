@@ -44,6 +44,7 @@ class ServeOptions:
     miss_policy: str = "exact"
     kernel: str = "auto"  # the ops' implementation in a forward served with these (ops.kernels)
     moe_prefill: str = ops.dispatch.MOE_PREFILL  # a prompt chunk's grouped kernel (moe_grouped)
+    mhc_front: str = ops.dispatch.MHC_FRONT  # an mHC site's front half (ops.mhc_front)
     scan_layers: bool = False  # run a model's runs of like layers as one scanned body (V4.1)
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0  # the activation's variant (tidejax.contract.swiglu): gpt-oss
@@ -62,6 +63,8 @@ class ServeOptions:
         if self.moe_prefill not in ops.MOE_PREFILL_KERNELS:
             raise ValueError(f"moe_prefill={self.moe_prefill!r}, expected one of "
                              f"{ops.MOE_PREFILL_KERNELS}")
+        if self.mhc_front not in ops.MHC_FRONTS:
+            raise ValueError(f"mhc_front={self.mhc_front!r}, expected one of {ops.MHC_FRONTS}")
         if self.exact_budget < 0 or (self.exact_budget and self.miss_policy != "auto"):
             raise ValueError(f"exact_budget={self.exact_budget}: a cap of miss policy 'auto' "
                              "(at least 0)")

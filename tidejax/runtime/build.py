@@ -126,7 +126,8 @@ class LoadedModel:
         alpha, up_shift = self.family.swiglu_form(self.cfg)
         serve = ServeOptions(
             miss_policy=config.residency.miss_policy, kernel=config.engine.kernel,
-            moe_prefill=config.engine.moe_prefill, scan_layers=config.engine.scan_layers,
+            moe_prefill=config.engine.moe_prefill, mhc_front=config.engine.mhc_front,
+            scan_layers=config.engine.scan_layers,
             swiglu_limit=float(self.family.swiglu_limit(self.cfg)), swiglu_alpha=float(alpha),
             swiglu_up_shift=float(up_shift), count=config.residency.count)
 
