@@ -53,7 +53,8 @@ from tidejax.runtime.executables import StepExecutables
 from tidejax.runtime.state import DecodeState
 from tidejax.runtime.speculative import Speculator
 from tidejax.runtime.steps import (DecodeInputs, DecodeRows, Latest, PrefillChunk, PrefillInputs,
-                                   Replay, ScoreInputs, StepInputs, Steps, VerifyInputs)
+                                   Replay, ScoreInputs, StepInputs, Steps, VerifyInputs,
+                                   replay_windows)
 from tidejax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tidejax")
@@ -171,6 +172,8 @@ class LoadedModel:
         self.steps = Steps(self.module, self.max_pages, self.speculator)
         self.executables = self._executables(config, model_dir)
         self._replay: jax.Array | None = None  # [N, L_moe, k] recorded picks on the device
+        # requests admitted since set_routing_replay (next_replay_window): the next one's number
+        self.replay_admitted = 0
         self.step_tables = self.family.step_tables(self.cfg, self._aux)  # every step's, as placed
         # the `previous` tokens of a step that takes every input from the host (committed to the
         # device, as a step's output is: one compilation)
@@ -551,8 +554,13 @@ class LoadedModel:
         """Route by recorded picks [N, L_moe, k] (expert ids of this model) instead of by the
         router's own choice, keyed by the token: the token at position p of a request routes by
         row (its window + p) mod N (steps.Replay), the MTP layer's by that row's last main MoE
-        layer's picks; None turns it off. Benchmarks use it to give random-weight models a
-        trained model's routing."""
+        layer's picks; None turns it off. Windows restart with each call: the a-th request
+        admitted after it gets window a * stride mod N (next_replay_window, steps.replay_windows),
+        the first window 0, so a new trace (or the same one again) starts from its first row; a
+        request admitted before keeps its window. A prompt prefix served from the prompt cache
+        keeps the KV computed under the window of the request that prefilled it (steps.Replay),
+        so greedy output with the prompt cache on can differ from off. Benchmarks use it (with
+        the prompt cache off) to give random-weight models a trained model's routing."""
         if picks is not None and not self.family.replays:
             raise ValueError(f"the {self.family.name} family cannot replay recorded routing")
         if picks is not None:
@@ -562,7 +570,21 @@ class LoadedModel:
                 raise ValueError(f"routing replay must be [N, {n_moe}, k] ids below {n_experts}, "
                                  f"got shape {picks.shape}")
             picks = parallel.replicated(picks, self.mesh)  # once: steps index it by windows
-        self._replay = picks
+        self._replay, self.replay_admitted = picks, 0
+
+    def replay_windows(self, admissions) -> np.ndarray:
+        """The windows of the requests admitted `admissions`-th since set_routing_replay (an int
+        or an array; steps.replay_windows under this model's max_context); 0 without a replay."""
+        if self._replay is None:
+            return np.zeros_like(np.asarray(admissions, np.int64))
+        return replay_windows(admissions, self.max_context, len(self._replay))
+
+    def next_replay_window(self) -> int:
+        """The window (RequestHandle.window) of a request admitted now: the next admission's
+        replay_windows, counted from set_routing_replay; 0 without a replay."""
+        window = int(self.replay_windows(self.replay_admitted))
+        self.replay_admitted += 1
+        return window
 
     def _replay_rows(self, decode: DecodeRows | None, prefill: PrefillChunk | None,
                      rows: int | None = None) -> Replay | None:

@@ -91,9 +91,10 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self.started_at = 0.0  # when its prefill began
         self.admitted_at = 0  # admission order: the newest is preempted first
-        # its first row of a routing replay (LoadedModel.set_routing_replay): its place among
-        # the requests admitted times max_context, so each follows a window of the trace of
-        # its own, token by token, however the steps carry its tokens
+        # its first row of a routing replay (LoadedModel.next_replay_window): its place among
+        # the requests admitted since the replay was set times a stride coprime with the
+        # trace's rows (steps.replay_stride), so each follows a window of the trace of its own,
+        # token by token, however the steps carry its tokens
         self.window = 0
         self.prefilled = 0  # prompt tokens written to the cache
         self.cached = 0  # prompt tokens it found in the prompt cache (never prefilled)
@@ -168,7 +169,6 @@ class Scheduler:
         self.snapshots = model.lane_snapshots
         self.pages.spilling = self.tiers is not None  # evicted pages go to the tiers
         self._admissions = itertools.count(1)
-        self._windows = itertools.count(0, model.max_context)  # RequestHandle.window
         self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
         self.last_stats: dict = {}  # the stats of the request that finished last
         self.status = "ready"  # "recovering" while `recover` rebuilds the state; "failed" after
@@ -461,7 +461,7 @@ class Scheduler:
                 self._plan.lanes[lane] = handle.request.sampling
                 self._resume(lane, handle)
                 continue
-            handle.window = next(self._windows)
+            handle.window = self.model.next_replay_window()
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
             restored = self._restore(handle, lane, len(shared))  # may run the plan so far

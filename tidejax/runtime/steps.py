@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,14 +118,32 @@ class VerifyInputs:
     replay: Replay | None = None
 
 
+def replay_stride(max_context: int, rows: int) -> int:
+    """The trace rows between consecutive requests' windows in a routing replay of N = `rows`
+    rows: the smallest s >= max_context coprime with N, so a request's tokens (max_context at
+    most) end before the next request's window where N allows, and N admissions in a row take N
+    distinct windows (a stride s sharing a factor g with N would give only N / g of them: 4 for
+    max_context 1024 on a trace of 4096 rows, one for any multiple of 4096)."""
+    return next(s for s in itertools.count(max(max_context, 1)) if math.gcd(s, rows) == 1)
+
+
+def replay_windows(admissions, max_context: int, rows: int) -> np.ndarray:
+    """The windows (RequestHandle.window) of the requests admitted `admissions`-th (0: the first
+    since the replay was set; an int or an array of them): a * replay_stride mod N."""
+    return np.asarray(admissions, np.int64) * replay_stride(max_context, rows) % rows
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Replay:
     """Recorded routing keyed by the token: picks [N, L_moe, k] expert ids (on the device, sent
     once); windows [rows] each forward row's first trace row (its request's window,
-    RequestHandle.window), so the token at position p of a row routes by row (window + p) mod N
-    whatever step carries it: a verify step's positions n..n + k take the rows plain steps give
-    them, and a rejected draft's row is taken again by the token that replaces it."""
+    RequestHandle.window: replay_windows), so the token at position p of a row routes by row
+    (window + p) mod N whatever step carries it: a verify step's positions n..n + k take the rows
+    plain steps give them, and a rejected draft's row is taken again by the token that replaces
+    it. A prompt prefix served from the prompt cache is not recomputed: its KV was written under
+    the window of the request that prefilled it, so with the prompt cache on a request's output
+    can differ from its output with the cache off (the benchmarks turn the cache off)."""
 
     picks: jax.Array
     windows: jax.Array
@@ -165,7 +185,8 @@ class StepInputs:
 class ScoreInputs:
     """A scoring forward: tokens, positions, mask [1, T]; cache: a scratch cache for the
     sequence alone (a PagedCache: its pages and one lane's rows); table [1, P] its pages in it;
-    step tables, replay and swap batch as in StepInputs."""
+    step tables and swap batch as in StepInputs; replay: windows [1], window 0 (the sequence's
+    token at position p routes by row p mod N)."""
 
     tokens: jax.Array
     positions: jax.Array
