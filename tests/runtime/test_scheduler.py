@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tidejax
-from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tidejax.runtime.steps import DecodeRows, PrefillChunk, replay_stride, replay_windows
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest
 from tests.support.engine_probes import run, tokens_of
@@ -117,6 +117,17 @@ def test_sampled_tokens_do_not_depend_on_the_neighbour_lane(engine):
     beside = run(engine, [GenerationRequest(PROMPTS[0], 5, **kwargs),
                           GenerationRequest(PROMPTS[1], 12, **kwargs)])
     assert tokens_of(beside[1]) == tokens_of(alone[0])
+
+
+@pytest.mark.parametrize("max_context", [1024, 2048, 4096])
+def test_replay_windows_do_not_repeat_within_n_admissions(max_context):
+    """On a trace of N = 4096 rows (data/traces' size), N admissions in a row take N distinct
+    windows, whatever max_context shares with N, each a stride >= max_context on (mod N)."""
+    stride = replay_stride(max_context, 4096)
+    windows = replay_windows(np.arange(4096), max_context, 4096)
+    assert stride == max_context + 1 and len(np.unique(windows)) == 4096
+    np.testing.assert_array_equal(np.diff(windows) % 4096, stride % 4096)
+    assert replay_windows(4096, max_context, 4096) == windows[0] == 0  # then round again
 
 
 def test_replay_routes_each_token_by_its_window_and_position_on_the_device(model_dir):
