@@ -58,6 +58,7 @@ from tidejax.runtime.sampling import SamplingParams
 from tidejax.residency import cpu
 from tidejax.residency.simulate import step_seconds
 from tidejax.runtime.scheduler import ErrorEvent, GenerationRequest, TokenEvent
+from tidejax.runtime.steps import replay_windows
 
 HELDOUT = traces.HELDOUT
 
@@ -137,16 +138,18 @@ def dense_bytes(engine) -> int:
 
 
 def distinct_experts(picks: np.ndarray | None, batch: int, n_experts: int, top_k: int,
-                     n_layers: int, window: int) -> float:
-    """Mean distinct experts a step of `batch` lanes wants, summed over MoE layers: lane i's
-    token at position p routes by trace row (i * window + p) mod N, as the engine's replay keyed
-    by the token gives it (each request `window` = max_context rows on from the one before:
-    RequestHandle.window), over p every batch-th row (as many steps as the trace has rows
-    a step)."""
+                     n_layers: int, max_context: int, first: int = 0) -> float:
+    """Mean distinct experts a step of `batch` lanes wants, summed over MoE layers: lane i holds
+    the request admitted (first + i)-th since the replay was set (`first`: the engine's
+    LoadedModel.replay_admitted before the batch's requests), whose token at position p routes
+    by trace row (window + p) mod N, its window steps.replay_windows(first + i, max_context, N)
+    as the scheduler gives it (RequestHandle.window), every lane at the same p, over p every
+    batch-th row (as many steps as the trace has rows a step)."""
     if picks is None:
         return float(n_layers * min(batch * top_k, n_experts))
     n = len(picks)
-    rows = (np.arange(0, n - batch + 1, batch)[:, None] + window * np.arange(batch)) % n
+    windows = replay_windows(first + np.arange(batch), max_context, n)
+    rows = (np.arange(0, n - batch + 1, batch)[:, None] + windows) % n
     groups = picks[rows]  # [steps, batch, n_layers, k]
     wanted = np.zeros((len(rows), n_layers, n_experts), bool)
     s, _, l, _ = np.indices(groups.shape)
@@ -337,7 +340,7 @@ def steady_decode(engine, lanes: int, tokens: int, domain: str) -> tuple[list, l
 def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: str,
                    read: float, h2d: float, resident: float, cpu_gbps: float = 0.0,
                    host: float = 1.0) -> Row:
-    before = residency_stats(engine)
+    before, first = residency_stats(engine), engine.loaded.replay_admitted
     records, steady = steady_decode(engine, lanes, tokens, domain)
     after = residency_stats(engine)
     step_s = statistics.median(r.seconds for r in steady)
@@ -345,7 +348,8 @@ def measure_decode(engine, picks, lanes: int, tokens: int, domain: str, policy: 
     moved = (after["bytes_moved"] - before["bytes_moved"]) / len(records)
     n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
     top_k = engine.family.top_k(engine.cfg)
-    distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe, engine.loaded.max_context)
+    distinct = distinct_experts(picks, lanes, n_experts, top_k, n_moe, engine.loaded.max_context,
+                                first)
     limit = step_limit(engine, lanes, PROMPT_TOKENS + tokens / 2, distinct, cold, policy, moved,
                        read, h2d, cpu_gbps)
     wanted = after["wanted"] - before["wanted"]

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 import tidejax
 from bench import profile_step, roofline, step_overhead, traces
 from tidejax.checkpoint import CheckpointReader, mxfp4
+from tidejax.runtime.api import GenerationRequest
 
 DEMO = REPO / "models" / "demo"
 
@@ -95,9 +96,39 @@ def test_distinct_experts_per_step():
     picks = np.array([[[0, 1]], [[1, 2]], [[3, 4]], [[3, 4]]])  # [N=4, L=1, k=2]
     assert roofline.distinct_experts(picks, 1, 8, 2, 1, 32) == 2.0
     assert roofline.distinct_experts(picks, 2, 8, 2, 1, 1) == 2.5  # {0,1,2} then {3,4}
-    # lanes a window of 2 rows apart: rows 0 and 2, then 2 and 0
+    # max_context 2: stride 3 (coprime with N = 4), rows 0 and 3, then 2 and 1
     assert roofline.distinct_experts(picks, 2, 8, 2, 1, 2) == 4.0
+    # lanes the 2nd and 3rd admissions: windows 1 and 2, rows 1 and 2 ({1,2,3,4}), then 3 and 0
+    assert roofline.distinct_experts(picks, 2, 8, 2, 1, 1, first=1) == 4.0
     assert roofline.distinct_experts(None, 4, 8, 2, 3, 32) == 3 * 8.0  # bound: min(batch*k, E)
+
+
+def test_distinct_experts_groups_rows_as_the_scheduler_routes(tiny_bf16):
+    """distinct_experts' lanes take the windows the scheduler gives the requests admitted after
+    `first` others since the replay was set (N = 256 rows, max_context 64: stride 65), and a
+    new set_routing_replay starts the windows at 0 again."""
+    engine = tidejax.load(tiny_bf16, engine={"lanes": 3, "max_context": 64})
+    n_moe, n_experts = engine.family.expert_dims(engine.cfg)[:2]
+    k = engine.cfg.num_experts_per_tok
+    picks = traces.scale(traces.load("en"), n_moe, n_experts, k)[:256]
+    engine.set_routing_replay(picks)
+
+    def admitted(count: int) -> list[int]:
+        handles = [engine.scheduler.submit(GenerationRequest([5 + i, 7, 9], 1, ignore_eos=True),
+                                           lambda event: None) for i in range(count)]
+        engine.scheduler.run_until_idle()
+        return [h.window for h in handles]
+
+    assert admitted(2) == [0, 65]
+    first = engine.loaded.replay_admitted
+    windows = np.array(admitted(3))
+    np.testing.assert_array_equal(windows, [130, 195, 4])  # (2, 3, 4) * 65 mod 256
+    rows = (np.arange(0, 256 - 3 + 1, 3)[:, None] + windows) % 256  # every lane at position p
+    want = np.mean([sum(len(np.unique(picks[r, layer])) for layer in range(n_moe)) for r in rows])
+    got = roofline.distinct_experts(picks, 3, n_experts, k, n_moe, 64, first)
+    assert first == 2 and got == pytest.approx(want)
+    engine.set_routing_replay(picks)
+    assert admitted(1) == [0]
 
 
 def test_bench_against_a_live_server(tiny_bf16, tmp_path):
