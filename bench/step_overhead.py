@@ -73,10 +73,14 @@ def _decode_rows(engine, lanes: int, fresh: bool) -> DecodeRows:
 
 
 def _step_windows(engine, step: int) -> np.ndarray:
-    """[lanes] each lane's replay window (DecodeRows.windows) for bare step `step`: its token at
-    PROMPT_TOKENS routes by trace row step * lanes + lane, so the routing moves on from step to
-    step as a served lane's does, though a bare step repeats one position."""
-    return step * engine.lanes + np.arange(engine.lanes) - PROMPT_TOKENS
+    """[lanes] each lane's replay window (DecodeRows.windows) for bare step `step`, as the
+    scheduler routes a served lane: lane i's window is that of the i-th request admitted since
+    the replay was set (LoadedModel.replay_windows), moved on by `step` since a bare step
+    repeats position PROMPT_TOKENS, so its token routes by row (window + PROMPT_TOKENS + step)
+    mod N, the row of a served lane's token at that position (a served lane's admission also
+    counts the requests before its batch: a shift of every window mod N), so bare and served
+    steps differ in their host work only."""
+    return engine.loaded.replay_windows(np.arange(engine.lanes)) + step
 
 
 def _first_step(engine, lanes: int):
