@@ -62,9 +62,14 @@ def _receive_exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive(sock: socket.socket):
+def _receive_bytes(sock: socket.socket) -> bytes:
+    """One message's pickled bytes (its length first)."""
     (n,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
-    return pickle.loads(_receive_exactly(sock, n))
+    return _receive_exactly(sock, n)
+
+
+def _receive(sock: socket.socket):
+    return pickle.loads(_receive_bytes(sock))
 
 
 class Leader:
@@ -129,12 +134,20 @@ class Leader:
 
     def _listen(self, process: int, sock: socket.socket) -> None:
         """A peer's reports ("tiers", counts) until it closes its end (or its connection
-        fails: the pings notice that)."""
+        fails: the pings notice that). A report it cannot read is logged and skipped (the
+        length before each keeps the stream in step), so the thread ends only with the
+        connection, which close() waits for."""
         while True:
             try:
-                kind, report = _receive(sock)
-            except (OSError, EOFError, pickle.UnpicklingError):
+                data = _receive_bytes(sock)
+            except OSError:  # ConnectionError too: the peer closed its end
                 return
+            try:
+                kind, report = pickle.loads(data)
+            except Exception as e:  # any malformed report: named in the log, skipped
+                log.warning("distributed: process %d sent a report that does not read (%r)",
+                            process, e)
+                continue
             if kind == "tiers":
                 self._reports[process] = report
             else:
@@ -197,8 +210,12 @@ class Follower:
         return _receive(self.sock)
 
     def send(self, report) -> None:
-        """A report to process 0 (Leader.reports keeps the latest)."""
-        _send(self.sock, report)
+        """A report to process 0 (Leader.reports keeps the latest); ConnectionError, as
+        receive's, once process 0 has closed the channel."""
+        try:
+            _send(self.sock, report)
+        except OSError as e:
+            raise ConnectionError(f"process 0 closed the channel ({e})") from None
 
     def close(self) -> None:
         """Leaves jax.distributed, then closes: process 0 waits for this end to close before it

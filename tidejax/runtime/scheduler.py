@@ -224,18 +224,19 @@ class Scheduler:
     def cache_stats(self) -> dict:
         """Counters of the prompt cache: prompt tokens matched (not prefilled), pages evicted from
         the device pool's index; `tiers`: both per tier (device, host, disk: the tokens of the
-        tier process 0 restored them from, the evictions of every process's tier); with the host
-        and disk tiers on, `processes`: {process index: its tiers' Tiers.stats()} (a peer's as
-        of its last report: Runner.tier_stats)."""
+        tier process 0 restored them from, the pages process 0's tier evicted: each process
+        evicts its own shards of the same pages); with the host and disk tiers on, `processes`:
+        {process index: its tiers' Tiers.stats()} (a peer's as of its last report:
+        Runner.tier_stats)."""
         out = {"matched_tokens": self.totals["cached_tokens"], "evictions": self.pages.evictions,
                "tiers": {"device": {"matched_tokens": self.totals["cached_device"],
                                     "evictions": self.pages.evictions}}}
         if self.tiers is not None:
             processes = self.runner.tier_stats()
+            own = processes.get(jax.process_index(), {})
             for tier in ("host", "disk"):
                 out["tiers"][tier] = {"matched_tokens": self.totals[f"cached_{tier}"],
-                                      "evictions": sum(stats[tier]["evictions"] for stats
-                                                       in processes.values() if tier in stats)}
+                                      "evictions": own.get(tier, {}).get("evictions", 0)}
             out["processes"] = processes
         return out
 

@@ -81,8 +81,8 @@ class Metrics:
                     for tier, counts in stats.cache["tiers"].items()])
             metric("prompt_cache_evictions_total", "counter",
                    "cached KV pages evicted from a tier (device: to host memory where that "
-                   "tier is on; host: to disk where that is; disk: deleted; host and disk: "
-                   "summed over the processes), by tier",
+                   "tier is on; host: to disk where that is; disk: deleted; process 0's "
+                   "count: every process evicts its shards of the same pages), by tier",
                    [({"tier": tier}, counts["evictions"])
                     for tier, counts in stats.cache["tiers"].items()])
         for field, kind, help_text in _TIER_FIELDS if stats.cache.get("processes") else ():
