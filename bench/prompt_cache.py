@@ -33,7 +33,10 @@ come again (each conversation's seconds are printed). Engine.warmup is not run: 
 every shape up to max_context.
 Prints progress lines, then a markdown table (also written to $OUT/prompt_cache.md when $OUT
 is set). The issue's target: a cached turn's TTFT at most 0.1x the cold one, and at most 0.5 s
-from the device tier (the `target` column).
+from the device tier (the `target` column). `evicted` counts the device pool's pages the
+request pushed out (each copied to the host tier, within its time, where that tier is on): the
+cold and host cases run on a full pool, so their TTFT includes those copies, the device case's
+none (the pool has turn 1 and room).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from tidejax.config import EngineSection
 CASES = ("cold", "device", "host", "disk")
 TIERS = ("device", "host", "disk")
 HEADER = ("| model | case | prompt tokens | cached tokens | from device | from host | from disk "
-          "| prefilled | TTFT s | x cold | target |")
+          "| prefilled | evicted | TTFT s | x cold | target |")
 
 
 @dataclasses.dataclass
@@ -91,6 +94,7 @@ class Case:
     ttft_s: float
     matched: dict[str, int]  # prompt tokens matched per tier
     prefilled: int
+    evicted: int  # device pool pages pushed out during the request (spilled, with a host tier)
 
     def cells(self, cold: float | None) -> list[str]:
         ratio = self.ttft_s / cold if cold else None
@@ -98,25 +102,25 @@ class Case:
             "yes" if ratio <= 0.1 and (self.case != "device" or self.ttft_s <= 0.5) else "no")
         return [self.model, self.case, str(self.prompt), str(sum(self.matched.values()))] + [
             str(self.matched.get(tier, 0)) for tier in TIERS] + [
-            str(self.prefilled), f"{self.ttft_s:.3f}",
+            str(self.prefilled), str(self.evicted), f"{self.ttft_s:.3f}",
             f"{ratio:.3f}" if ratio is not None else "", target]
 
 
 def timed(engine, model: str, case: str, ids: list[int]) -> Case:
     """Turn 2's TTFT, with what the scheduler counted over the request: prompt tokens matched
-    per tier and prefilled."""
+    per tier, prefilled, and the device pool's pages evicted."""
     scheduler = engine.scheduler
 
-    def counts() -> tuple[dict, int]:
-        tiers = scheduler.cache_stats()["tiers"]
-        return ({tier: v["matched_tokens"] for tier, v in tiers.items()},
-                scheduler.totals["prefilled_tokens"])
-    matched, prefilled = counts()
+    def counts() -> tuple[dict, int, int]:
+        stats = scheduler.cache_stats()
+        return ({tier: v["matched_tokens"] for tier, v in stats["tiers"].items()},
+                scheduler.totals["prefilled_tokens"], stats["evictions"])
+    matched, prefilled, evicted = counts()
     seconds = time_to_first_token(engine, ids)
-    matched_after, prefilled_after = counts()
+    matched_after, prefilled_after, evicted_after = counts()
     return Case(model, case, len(ids), seconds,
                 {tier: n - matched.get(tier, 0) for tier, n in matched_after.items()},
-                prefilled_after - prefilled)
+                prefilled_after - prefilled, evicted_after - evicted)
 
 
 def drop_page_cache(folder: Path) -> None:

@@ -304,7 +304,8 @@ def test_dashboard_bytes_measures_the_heatmaps_polls(capsys):
 def test_prompt_cache_serves_turn_2_from_each_tier(tiny_mxfp4, capsys):
     """bench/prompt_cache.py on a tiny synthetic: the cold prompt matches nothing and prefills
     every token; turn 2 from the device, from host memory and, after a restart, from disk each
-    matches the shared prefix's 4 pages in that tier alone and prefills only its new tokens."""
+    matches the shared prefix's 4 pages in that tier alone and prefills only its new tokens; the
+    evictions each request made are counted."""
     from bench import prompt_cache
 
     rows = prompt_cache.main([str(tiny_mxfp4), "--shared", "64", "--new", "10",
@@ -316,5 +317,7 @@ def test_prompt_cache_serves_turn_2_from_each_tier(tiny_mxfp4, capsys):
         row = cases[tier]
         assert row.matched == {t: 64 if t == tier else 0 for t in prompt_cache.TIERS}, row
         assert row.prefilled == 10 and row.ttft_s > 0
+    # the cold prompt evicts turn 1's pages (spilled to host); turn 2 from the device evicts none
+    assert cases["cold"].evicted > 0 and cases["device"].evicted == 0
     table = capsys.readouterr().out.split("| model |")[-1].splitlines()[2:]
     assert [line.split("|")[2].strip() for line in table if line] == list(cases)

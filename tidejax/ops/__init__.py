@@ -72,7 +72,8 @@ def sinkhorn(logits, *, hc_eps: float, iters: int, impl: str | None = None):
     impl: "auto" (the Triton kernel through jax-triton on a GPU, where jax-triton is installed and
     hc <= pallas.sinkhorn.MAX_HC; the reference elsewhere) | "pallas" (the kernel; Triton's
     interpreter off the GPU) | "reference"; None: the policy in force. The kernel against the
-    reference: ~1e-7 (float32 both, the same order of operations)."""
+    reference: ~1e-7 (float32 both; the kernel multiplies by each sum's reciprocal where the
+    reference divides)."""
     return run("sinkhorn", impl, lambda: sinkhorn_forms.triton_supports(logits),
                sinkhorn_forms.sinkhorn_reference, sinkhorn_forms.sinkhorn_triton, logits,
                hc_eps=float(hc_eps), iters=int(iters))

@@ -4,7 +4,8 @@ per-stream gains (post) plus a doubly stochastic mix of the old streams (comb, b
 ops.sinkhorn).
 pre / post / comb come from one projection of the RMS-normalized, flattened streams: a site's
 front half (the three and its collapsed input) is ops.mhc_front; the projection and the collapse
-themselves are tidejax.contract's (hc_project, hc_collapse), which the kernel shares.
+themselves are tidejax.contract's (hc_project, hc_collapse), which the models and ops.mhc_front's
+reference call (its fused kernels compute the same in Triton).
 
 Einsum letters: j, k streams (hc), d model width.
 """
