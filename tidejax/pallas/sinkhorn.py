@@ -8,21 +8,18 @@ stochastic mix. tidejax.ops.sinkhorn picks between:
   jax-triton on the GPU. Pallas's Triton lowering is deprecated since jax 0.11, and Pallas
   Mosaic GPU lays arrays out for warpgroup matrix work, not [hc, hc] blocks a token; a Triton
   kernel keeps a token's 16 values in registers. Off the GPU (interpret=True, tests) the same
-  kernel runs in Triton's interpreter on the host (through jax.pure_callback and torch tensors,
-  the interpreter's array type).
+  kernel runs in Triton's interpreter on the host (triton_host.launch).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from tidejax.pallas.triton_host import run_interpreted
+from tidejax.pallas.triton_host import launch
 
 F32 = jnp.float32
 MAX_HC = 8  # the kernel holds [BLOCK, HC_P, HC_P] a program; V4 / V4.1 ship hc_mult 4
@@ -54,20 +51,6 @@ def _meta(hc: int, iters: int) -> dict:
     return dict(HC=hc, HC_P=1 << (hc - 1).bit_length(), ITERS=iters, BLOCK=BLOCK)
 
 
-def _interpreted(flat: np.ndarray, hc_eps: float, iters: int) -> np.ndarray:
-    """The kernel in Triton's interpreter on the host: flat [n, hc * hc] float32."""
-    import torch
-
-    from tidejax.pallas.sinkhorn_kernel import sinkhorn_kernel
-
-    n, hc = flat.shape[0], math.isqrt(flat.shape[1])
-    x = torch.from_numpy(np.array(flat, np.float32))  # a writable copy
-    out = torch.zeros_like(x)
-    grid = (max(1, -(-n // BLOCK)),)
-    run_interpreted(sinkhorn_kernel, grid, x, n, float(hc_eps), out, **_meta(hc, iters))
-    return out.numpy()
-
-
 def sinkhorn_triton(logits, *, hc_eps: float, iters: int, interpret: bool = False):
     """sinkhorn_reference's result by the Triton kernel: logits [..., hc, hc] float32."""
     *lead, hc, _ = logits.shape
@@ -75,15 +58,9 @@ def sinkhorn_triton(logits, *, hc_eps: float, iters: int, interpret: bool = Fals
     flat = logits.reshape(n, hc * hc)
     if n == 0:
         return logits
-    if interpret:
-        out = jax.pure_callback(functools.partial(_interpreted, hc_eps=hc_eps, iters=iters),
-                                jax.ShapeDtypeStruct(flat.shape, F32), flat)
-        return out.reshape(logits.shape)
-    import jax_triton
-
     from tidejax.pallas.sinkhorn_kernel import sinkhorn_kernel
 
-    out = jax_triton.triton_call(flat, n, float(hc_eps), kernel=sinkhorn_kernel,
-                                 out_shape=jax.ShapeDtypeStruct(flat.shape, F32),
-                                 grid=(-(-n // BLOCK),), num_warps=1, **_meta(hc, iters))
+    (out,) = launch(sinkhorn_kernel, (-(-n // BLOCK),), (flat,), (n, float(hc_eps)),
+                    (jax.ShapeDtypeStruct(flat.shape, F32),), _meta(hc, iters), num_warps=1,
+                    interpret=interpret)
     return out.reshape(logits.shape)
