@@ -425,8 +425,8 @@ class LoadedModel:
         if not 0 < len(prefill.tokens) <= self.prefill_chunk:
             raise ValueError(f"a prompt chunk holds 1..{self.prefill_chunk} tokens, "
                              f"got {len(prefill.tokens)}")
-        return self._prefill_inputs(prefill,
-                                    self._prefill_width(prefill.start + len(prefill.tokens)))
+        return self._prefill_inputs(prefill, *self._chunk_shape(prefill.start,
+                                                                 len(prefill.tokens)))
 
     def _decode_table(self, pages: list[list[int]]) -> np.ndarray:
         """The decoding lanes' block tables, as wide as the longest needs (_decode_width)."""
@@ -461,10 +461,13 @@ class LoadedModel:
         each decode width the lanes can hold, and each decode width alone (every step carries all
         lanes, decoding or not). With `prompt_lengths`, only the steps of prompts of those lengths:
         their chunks, and the decode widths of no lane decoding (a prompt served alone: its
-        lane holds no decode pages while it prefills) and at each prompt's end."""
+        lane holds no decode pages while it prefills) and at each prompt's end. A prompt's chunks
+        are those from each page boundary inside it too: a turn that the prompt cache matches
+        up to there prefills from it (chunks' `begin`), in chunks of other lengths."""
         if prompt_lengths:
-            chunks = {(self.bucket(len(ids)), self._prefill_width(start + len(ids)))
-                      for n in prompt_lengths for start, ids in self.chunks(list(range(n)))}
+            chunks = {self._chunk_shape(start, len(ids)) for n in prompt_lengths
+                      for begin in range(0, n, self.page_size)
+                      for start, ids in self.chunks(list(range(n)), begin)}
             decode = {self._decode_width(pages_for(min(n + 1, self.max_context), self.page_size))
                       for n in prompt_lengths} | {self._decode_width(0)}
         else:
@@ -478,9 +481,9 @@ class LoadedModel:
         tokens (chunks): a first chunk of r = 1..prefill_chunk tokens ends at r, and the whole
         chunks after it end anywhere past prefill_chunk."""
         last, size = self.max_context - 1, self.prefill_chunk
-        shapes = {(self.bucket(r), self._prefill_width(r)) for r in range(1, min(size, last) + 1)}
+        shapes = {self._chunk_shape(0, r) for r in range(1, min(size, last) + 1)}
         ends = range(pages_for(size + 1, self.page_size), pages_for(last, self.page_size) + 1)
-        return shapes | {(size, self._prefill_width(pages * self.page_size))
+        return shapes | {self._chunk_shape(pages * self.page_size - size, size)
                          for pages in (ends if last > size else ())}
 
     def sequence_sizes(self) -> list[int]:
@@ -521,12 +524,17 @@ class LoadedModel:
             table[row, :len(held)] = held[:width]
         return table
 
-    def _prefill_inputs(self, prefill: PrefillChunk, width: int):
+    def _chunk_shape(self, start: int, n: int) -> tuple[int, int]:
+        """(bucket, prefill table width) of a chunk of n tokens at `start`: the one place serving
+        (_chunk_inputs) and the warm-up (warmup_shapes) take a chunk's shape from. Where the
+        table's width follows the chunk's end, the bucket does too, so that a chunk after a cached
+        prefix (any start) takes a shape a prompt's own chunks take: the bucket of its end while
+        that is within one chunk, else a whole chunk (_chunk_shapes)."""
+        size = self.bucket(n if self.full_prefill else min(start + n, self.prefill_chunk))
+        return size, self._prefill_width(start + n)
+
+    def _prefill_inputs(self, prefill: PrefillChunk, size: int, width: int):
         n = len(prefill.tokens)
-        # where the table's width follows the chunk's end, the bucket does too, so that a chunk
-        # after a cached prefix (any start) takes a shape a prompt's own chunks take: the
-        # bucket of its end while that is within one chunk, else a whole chunk (_chunk_shapes)
-        size = self.bucket(n if self.full_prefill else min(prefill.start + n, self.prefill_chunk))
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :n] = prefill.tokens
         mask = (np.arange(size) < n)[None]
