@@ -1,9 +1,11 @@
 """Nothing compiles after warm-up: requests of every prompt length class up to max_context
 (crossing chunk and page boundaries, 1 token, max_context - 1), prompt chunks beside decoding
-lanes, preemption and resume through a small KV pool, prompts prefilled past a cached prefix, on a tiny DeepSeek-V3 (written by
-transformers) and a synthetic DeepSeek-V4.1 (tools/make_synthetic.py: two layers, Engram and a
-compressed KV source with its indexer), compiles counted by jax's own events. Two layers each:
-the compiles are the test's time."""
+lanes, preemption and resume through a small KV pool, prompts prefilled past a cached prefix
+(matched on the device, restored from host memory and from disk; after a warm-up for given
+prompt lengths too), on a tiny DeepSeek-V3 (written by transformers) and a synthetic
+DeepSeek-V4.1 (tools/make_synthetic.py: two layers, Engram and a compressed KV source with its
+indexer), compiles counted by jax's own events. Two layers each: the compiles are the test's
+time."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tidejax.kv.pages import pages_for
 from tidejax.runtime.sampling import SamplingParams
 from tidejax.runtime.scheduler import DoneEvent, GenerationRequest, TokenEvent
 from tidejax.runtime.steps import DecodeRows, PrefillChunk
+from tests.support.engine_probes import serve as serve_one
 from tests.support.tiny_models import DEEPSEEK_V3_CONFIGS, write_deepseek_v3
 
 COMPILE = "/jax/core/compile/backend_compile_duration"  # one event an XLA compilation
@@ -180,3 +183,68 @@ def test_warmup_for_prompt_lengths_covers_a_prompt_served_alone(v41):
                                                   ignore_eos=True), lambda event: None)
         engine.scheduler.run_until_idle()
     assert serving == []
+
+
+
+def second_turns(engine) -> list[tuple]:
+    """Conversations on a pool of 4 pages of 16 tokens: turns 1 of 37 tokens, turns 2 of 48
+    (turn 1, its 8 tokens, 3 new) that match turn 1's first 2 pages and prefill the 16 past
+    them. A's turn 2 matches on the device; B's is restored from host memory (C's turn 1 and
+    two more evicted B's pages); C's from disk (the host tier's budget 0, so one more turn 1
+    pushes every page spilled there). Per turn 2 (and first, the turns 1 together): the
+    functions XLA compiled, the tokens cached and those matched per tier."""
+    def matched():
+        return {tier: counts["matched_tokens"]
+                for tier, counts in engine.scheduler.cache_stats()["tiers"].items()}
+
+    def turn_1(seed: int) -> list[int]:
+        prompt = [3 + (11 * seed + 7 * j) % 200 for j in range(37)]
+        return prompt + serve_one(engine, prompt, 8)[0] + [7, 8, 9]
+
+    def turn_2(name: str, second: list[int]) -> tuple:
+        before = matched()
+        with counting_compiles() as names:
+            cached = serve_one(engine, second, 4)[1]["cached_tokens"]
+        return name, names, cached, {tier: n - before[tier] for tier, n in matched().items()}
+
+    with counting_compiles() as names:
+        a = turn_1(0)
+    out = [("turns 1", names, 0, {})]
+    out.append(turn_2("device", a))
+    with counting_compiles() as names:
+        b, c = turn_1(1), turn_1(2)
+        for seed in (3, 4):
+            turn_1(seed)
+    out[0][1].extend(names)
+    out.append(turn_2("host", b))
+    engine.scheduler.tiers.host.budget = 0
+    with counting_compiles() as names:
+        turn_1(5)
+    out[0][1].extend(names)
+    engine.scheduler.tiers.disk.flush()  # its files are written on a thread of their own
+    out.append(turn_2("disk", c))
+    return out
+
+
+@pytest.mark.parametrize("lengths", [None, [37, 48]], ids=["full", "lengths"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v41"])
+def test_a_cached_second_turn_compiles_nothing_after_warmup(family, lengths, v41,
+                                                            tiny_checkpoint, tmp_path):
+    """A turn 2 that the prompt cache matches up to a page boundary, on the device, restored
+    from host memory and from disk (second_turns), compiles nothing after the full warm-up
+    or one for the lengths of the turns served (37 and 48 tokens): that one's chunks include
+    those from each page boundary inside a prompt (chunks of 48, buckets 16, 32 and 48: a
+    48-token prompt is one chunk of 48 from token 0, a chunk of 16 past 2 cached pages; for
+    DeepSeek-V4.1 the chunk past its cut takes the bucket of its end, as served), and the page
+    writes and V4.1's lane snapshot writes of a restore are the sequence copies' sizes."""
+    model = v41 if family == "deepseek_v41" else tiny_checkpoint(
+        "deepseek_v3", "qlora_groups", seed=3, num_hidden_layers=2)
+    engine = tidejax.load(model, engine={"lanes": 1, "max_context": 64, "page_size": 16,
+                                         "prefill_chunk": 48, "kv_pool_tokens": 64},
+                          cache={"disk_dir": str(tmp_path)})
+    engine.warmup(lengths)
+    got = second_turns(engine)
+    assert [(name, cached, tiers[name] > 0) for name, _, cached, tiers in got[1:]] == [
+        ("device", 32, True), ("host", 32, True), ("disk", 32, True)], got
+    assert [(name, names) for name, names, *_ in got] == [
+        ("turns 1", []), ("device", []), ("host", []), ("disk", [])]
