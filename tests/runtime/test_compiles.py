@@ -143,13 +143,14 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
     """V4.1 at max_context 200, pages of 16, chunks of 48 (buckets 16, 32, 48): warmup_shapes is
     the set of (chunk bucket, prefill width, decode width) the step inputs of every chunk of every
     prompt length take beside every decode width (the inputs' shapes, nothing compiled), a
-    prompt's chunks past a cached prefix of any whole pages among them. Off the
-    GPU every table is a power of two of pages; with the Pallas decode kernels (the GPU's choice)
-    the decode tables are max_context wide, one decode width."""
+    prompt's chunks past a cached prefix of any whole pages among them (those of one prompt
+    length are warmup_shapes([n])'s chunks). Off the GPU every table is a power of two of
+    pages; with the Pallas decode kernels (the GPU's choice) the decode tables are max_context
+    wide, one decode width."""
     engine = tidejax.load(v41, engine={"lanes": 2, "max_context": 200, "page_size": 16,
                                        "prefill_chunk": 48, "kernel": kernel})
     loaded, idle = engine.loaded, engine.residency.idle_batch()
-    chunks = set()
+    of_length = {}  # prompt length -> its chunks' (bucket, width), past any cached prefix
     for n in range(1, loaded.max_context):
         pages = list(range(pages_for(n + 1, loaded.page_size)))
         for begin in range(0, n, loaded.page_size):
@@ -157,7 +158,10 @@ def test_warmup_shapes_are_those_of_every_prompt(v41, kernel):
                 chunk = loaded.step_inputs(None, PrefillChunk(0, ids, start, pages,
                                                               list(range(start))),
                                            None, idle).prefill
-                chunks.add((chunk.tokens.shape[1], chunk.table.shape[1]))
+                of_length.setdefault(n, set()).add((chunk.tokens.shape[1], chunk.table.shape[1]))
+    chunks = set().union(*of_length.values())
+    for n in (5, 40, 100, 199):  # and those of one prompt length, the warm-up for it
+        assert {shape[:2] for shape in loaded.warmup_shapes([n]) if shape[0]} == of_length[n]
     lanes = np.arange(loaded.lanes)
     decode = {loaded.step_inputs(DecodeRows(lanes, lanes >= 0, lanes, lanes == 0,
                                             [list(range(k))] * loaded.lanes), None, None,

@@ -461,12 +461,13 @@ class LoadedModel:
         each decode width the lanes can hold, and each decode width alone (every step carries all
         lanes, decoding or not). With `prompt_lengths`, only the steps of prompts of those lengths:
         their chunks, and the decode widths of no lane decoding (a prompt served alone: its
-        lane holds no decode pages while it prefills) and at each prompt's end. A prompt's chunks
-        are those from each page boundary inside it too: a turn that the prompt cache matches
-        up to there prefills from it (chunks' `begin`), in chunks of other lengths."""
+        lane holds no decode pages while it prefills) and at each prompt's end. With the prompt
+        cache on, a prompt's chunks are those from each page boundary inside it too: a turn (or
+        a later choice, n > 1) that it matches up to there prefills from it (chunks' `begin`),
+        in chunks of other lengths."""
         if prompt_lengths:
             chunks = {self._chunk_shape(start, len(ids)) for n in prompt_lengths
-                      for begin in range(0, n, self.page_size)
+                      for begin in range(0, n if self.prefix_caching else 1, self.page_size)
                       for start, ids in self.chunks(list(range(n)), begin)}
             decode = {self._decode_width(pages_for(min(n + 1, self.max_context), self.page_size))
                       for n in prompt_lengths} | {self._decode_width(0)}
