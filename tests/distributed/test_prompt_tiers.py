@@ -295,3 +295,46 @@ def test_v41_lane_snapshots_restore_from_both_processes_tiers(tmp_path):
     assert disk["turn"] == {"same": True, "cached": 32, "prefilled": 13, "device": 0, "host": 0,
                             "disk": 32}
     assert disk["hits"] == {"0": 1, "1": 1}
+
+
+WARM_PAIR = textwrap.dedent("""
+    import json, sys
+    from tidejax import distributed
+    from tidejax.config import EngineConfig
+    from tidejax.runtime.engine import Engine
+    from tests.runtime.test_compiles import counting_compiles
+    from tests.support.engine_probes import serve
+
+    config = EngineConfig.from_toml(sys.argv[1]).with_overrides({"distributed": {"process_id": 0}})
+    engine = Engine(config, distributed.start(config))
+    engine.warmup([37, 48])
+
+    def turn_1(seed):  # 37 tokens, 8 generated; returns turn 2 (48 tokens: 2 full pages first)
+        prompt = [3 + (11 * seed + 7 * j) % 200 for j in range(37)]
+        return prompt + serve(engine, prompt, 8)[0] + [7, 8, 9]
+
+    second = turn_1(1)
+    for seed in (2, 3, 4):  # their pages evict turn 1's to host memory
+        turn_1(seed)
+    with counting_compiles() as names:
+        cached = serve(engine, second, 4)[1]["cached_tokens"]
+    host = engine.scheduler.cache_stats()["tiers"]["host"]["matched_tokens"]
+    engine.close()
+    print(json.dumps({"compiled": names, "cached": cached, "host": host}))
+""")
+
+
+def test_a_restore_across_processes_compiles_nothing_after_warmup(tiny_checkpoint, tmp_path):
+    """Two processes (GLM-4.5's two KV heads one on each), warmed up for the lengths of the
+    turns served: a turn 2 restored from host memory compiles nothing. Its agreement on the
+    run both processes hold (parallel.agree_min, a jitted min over the mesh) compiled there
+    until the warm-up's restore ran it too."""
+    model = tiny_checkpoint("glm4_moe", "qknorm_groups", seed=3)
+    profile = write_profile(
+        tmp_path / "warm.toml", model,
+        engine={"lanes": 1, "max_context": 64, "page_size": 16, "prefill_chunk": 48,
+                "kv_pool_tokens": 64},  # 4 pages of 16 tokens: one sequence at max_context
+        cache={"disk_dir": str(tmp_path / "tiers")},
+        distributed={"num_processes": 2, "coordinator": free_coordinator(), "timeout_s": 120,
+                     "tensor_parallel": 2})
+    assert run_pair(profile, WARM_PAIR) == {"compiled": [], "cached": 32, "host": 32}

@@ -219,11 +219,13 @@ class Runner:
         (parallel.agree_min) on the run every one of them holds, cut back to its last entry with
         a lane snapshot where snapshots are asked for, and on which of its entries have one
         (each kept under its number); entries loaded past the run go back to host memory."""
-        if restore.copy is not None:  # the warm-up's: a kept copy's pages as they are
+        held = np.zeros((2, self.model.max_pages), np.int32)  # [held, has a snapshot]
+        if restore.copy is not None:  # the warm-up's: a kept copy's pages as they are, after
+            # an agreement on nothing (across processes its jitted min compiles here)
+            parallel.agree_min(held, self.model.mesh)
             self._write_pages(restore.pages, [self.copies[restore.copy].cache.pages])
             return
         loaded = self.tiers.load(list(restore.digests)) if self.tiers is not None else []
-        held = np.zeros((2, self.model.max_pages), np.int32)  # [held, has a snapshot]
         held[0, :len(loaded)] = 1
         held[1, :len(loaded)] = [entry.snapshot is not None for _, _, entry in loaded]
         every, snapshots = parallel.agree_min(held, self.model.mesh)
