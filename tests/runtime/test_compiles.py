@@ -189,7 +189,6 @@ def test_warmup_for_prompt_lengths_covers_a_prompt_served_alone(v41):
     assert serving == []
 
 
-
 def second_turns(engine) -> list[tuple]:
     """Conversations on a pool of 4 pages of 16 tokens: turns 1 of 37 tokens, turns 2 of 48
     (turn 1, its 8 tokens, 3 new) that match turn 1's first 2 pages and prefill the 16 past
