@@ -110,9 +110,14 @@ class PageTable:
             if page is None:
                 break
             pages.append(page)
-        while snapshots and pages and pages[-1] not in self._snapshots:
-            pages.pop()
-        return pages
+        return self.resumable(pages) if snapshots else pages
+
+    def resumable(self, pages: list[int]) -> list[int]:
+        """`pages` (match's) up to the last one that has a snapshot (none: [])."""
+        end = len(pages)
+        while end and pages[end - 1] not in self._snapshots:
+            end -= 1
+        return pages[:end]
 
     def snapshot_of(self, page: int) -> int:
         """The number of the snapshot an indexed page carries (match with `snapshots`)."""
