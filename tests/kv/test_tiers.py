@@ -328,3 +328,48 @@ def test_the_disk_tier_keeps_a_process_s_shards_of_a_page(tmp_path):
     whole = DiskTier(tmp_path, 1 << 20, Spilled({"k": jax.ShapeDtypeStruct((1, 8, 4),
                                                                            jnp.bfloat16)}))
     assert whole.read(digest) is None and digest not in whole
+
+
+
+def split_between_the_device_and_host_memory():
+    """DeepSeek-V4.1 (the golden tiny_a) on a pool of four 16-token pages, host memory alone:
+    a 33-token prompt prefills one chunk of 32, so its first page has no lane snapshot and its
+    second one has; another prompt evicts the second page (the last released, the first out)
+    to host memory with its snapshot while the first stays on the device. The engine and a
+    40-token prompt that extends turn 1."""
+    ids = np.load(V41 / "input_ids.npy")[0].tolist()
+    engine = tidejax.load(V41, engine={"lanes": 1, "max_context": 64, "prefill_chunk": 32,
+                                       "page_size": 16, "kv_pool_tokens": 64},
+                          cache={"disk_gib": 0})
+    scheduler = engine.scheduler
+    serve(engine, ids[:33], 2)
+    first, second = block_hashes(ids[:32], 16)
+    serve(engine, np.random.RandomState(7).randint(3, 250, 33).tolist(), 2)  # evicts page 2
+    assert scheduler.pages.match([first]) and not scheduler.pages.match([first], True)
+    assert second in scheduler.tiers.host and scheduler.tiers.host.has_snapshot(second)
+    return engine, ids[:40]
+
+
+def test_a_v41_match_split_between_the_device_and_host_memory_takes_both_pages():
+    """The split pages (split_between_the_device_and_host_memory): the prompt matches both,
+    the first on the device, the second restored with its snapshot (the last page boundary
+    with a snapshot on any tier), and prefills only its 8 new tokens, with the cache off's
+    tokens."""
+    engine, prompt = split_between_the_device_and_host_memory()
+    (got, stats), count = prefilled(engine, lambda: serve(engine, prompt, 6))
+    assert stats["cached_tokens"] == 32 and count == 8
+    assert (matched(engine, "device"), matched(engine, "host")) == (16, 16)
+    assert got == uncached(engine, prompt, 6)
+
+
+def test_a_v41_split_match_whose_restore_comes_back_empty_falls_back():
+    """The split pages, with the host entry lost between the match and the restore (the
+    runner loads nothing): the match falls back to the last device page with a snapshot (none
+    here), the request takes a page of its own for the shared first one and prefills every
+    token, with the cache off's tokens."""
+    engine, prompt = split_between_the_device_and_host_memory()
+    engine.scheduler.tiers.load = lambda digests: []
+    (got, stats), count = prefilled(engine, lambda: serve(engine, prompt, 6))
+    assert stats["cached_tokens"] == 0 and count == 40
+    assert (matched(engine, "device"), matched(engine, "host")) == (0, 0)
+    assert got == uncached(engine, prompt, 6)

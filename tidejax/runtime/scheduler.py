@@ -466,6 +466,8 @@ class Scheduler:
             self.pages.share(handle.id, shared)
             self.pages.grow(handle.id, self._tokens_held(handle))
             restored = self._restore(handle, lane, len(shared))  # may run the plan so far
+            if self.snapshots and not restored:
+                shared = self._fall_back(handle, shared)
             # its sampling row in the plan that marks the cached prompt tokens seen (`seen`)
             self._plan.lanes[lane] = handle.request.sampling
             handle.prefilled = handle.cached = (len(shared) + restored) * self.pages.page_size
@@ -484,17 +486,44 @@ class Scheduler:
             self.totals["cached_device"] += len(shared) * self.pages.page_size
 
     def _match(self, handle: RequestHandle) -> list[int]:
-        """The cached pages a new request's prompt starts with: full pages before its last
-        token, which a step must run for the first sampled token's logits."""
+        """The cached pages on the device a new request's prompt starts with. With lane
+        snapshots a match ends at the last page boundary with a snapshot on any tier: past the
+        whole device run where the host and disk tiers go on from it to a page with one
+        (`_restore` restores those), else at the device run's last page with one."""
         if not self.caching:
             return []
-        prompt = handle.request.prompt_ids
         if handle.hashes is None:
-            handle.hashes = block_hashes(prompt, self.pages.page_size)
+            handle.hashes = block_hashes(handle.request.prompt_ids, self.pages.page_size)
         if handle.saved is not None:  # it resumes from its own copy
             return []
-        return self.pages.match(handle.hashes[:(len(prompt) - 1) // self.pages.page_size],
-                                self.snapshots)
+        pages = self.pages.match(self._matchable(handle))
+        if self.snapshots and not self._tier_run(handle, len(pages)):
+            return self.pages.resumable(pages)
+        return pages
+
+    def _matchable(self, handle: RequestHandle) -> list[bytes]:
+        """The block hashes of a prompt's full pages before its last token, which a step must
+        run for the first sampled token's logits."""
+        return handle.hashes[:(len(handle.request.prompt_ids) - 1) // self.pages.page_size]
+
+    def _tier_run(self, handle: RequestHandle, start: int) -> list[bytes]:
+        """The block hashes of the run of a prompt's pages past its first `start` that process
+        0's host and disk tiers hold (Tiers.run: with lane snapshots, up to its last with one)."""
+        if self.tiers is None or not self.caching:
+            return []
+        return self.tiers.run(self._matchable(handle)[start:], self.snapshots)
+
+    def _fall_back(self, handle: RequestHandle, shared: list[int]) -> list[int]:
+        """A match whose device pages end without a lane snapshot, where the restore past them
+        came back empty (an entry lost since `_match`, or not held by every process), ends at
+        its last device page with one instead: the request gives back the pages past it
+        (shared read-only) for pages of its own (`_fits` counted those)."""
+        cut = self.pages.resumable(shared)
+        if len(cut) < len(shared):
+            self.pages.release(handle.id)
+            self.pages.share(handle.id, cut)
+            self.pages.grow(handle.id, self._tokens_held(handle))
+        return cut
 
     def _restore(self, handle: RequestHandle, lane: int, start: int) -> int:
         """Matches a new request's prompt on past its `start` device pages in the host and disk
@@ -503,11 +532,7 @@ class Scheduler:
         (Runner._restore); those are indexed on the device again, with lane snapshots each with
         its own (a later prompt may match a shorter run of them), the last one's written into
         the lane. How many."""
-        if self.tiers is None or not self.caching:
-            return 0
-        size = self.pages.page_size
-        limit = (len(handle.request.prompt_ids) - 1) // size  # as _match: its last token runs
-        digests = self.tiers.run(handle.hashes[start:limit], self.snapshots)
+        digests = self._tier_run(handle, start)
         if not digests:
             return 0
         pages = self.pages.pages_of(handle.id)[start:start + len(digests)]
@@ -526,7 +551,7 @@ class Scheduler:
             elif not attached:
                 self._plan.forget.append(copy)
         for tier in result.restored:
-            self.totals[f"cached_{tier}"] += size
+            self.totals[f"cached_{tier}"] += self.pages.page_size
         return n
 
     def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
@@ -536,7 +561,10 @@ class Scheduler:
         prefilling = handle.prefilled < len(handle.request.prompt_ids)
         if prefilling and self._prefilling is not None:
             return False
-        need = self.pages.takes(self._tokens_held(handle), shared)
+        # with lane snapshots as if the match ended at its last device page with one, where a
+        # restore that comes back empty falls back to (`_fall_back`)
+        floor = self.pages.resumable(shared) if self.snapshots else shared
+        need = self.pages.takes(self._tokens_held(handle), floor)
         return need + self._pages_wanted() <= self.pages.free
 
     def _tokens_held(self, handle: RequestHandle) -> int:
