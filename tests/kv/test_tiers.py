@@ -330,7 +330,6 @@ def test_the_disk_tier_keeps_a_process_s_shards_of_a_page(tmp_path):
     assert whole.read(digest) is None and digest not in whole
 
 
-
 def split_between_the_device_and_host_memory():
     """DeepSeek-V4.1 (the golden tiny_a) on a pool of four 16-token pages, host memory alone:
     a 33-token prompt prefills one chunk of 32, so its first page has no lane snapshot and its

@@ -15,8 +15,10 @@ first when a sequence needs a page and none is unused (`grow`); `free` counts bo
 
 Where a sequence's lane keeps state beside the pool (DeepSeek-V4 and V4.1), an indexed page may
 carry a snapshot of that state at its end (`attach`: a number the runners keep the copy under);
-a match then ends at the last page of the run that has one, and a snapshot leaves with its
-page's index entry (evicted, or the index dropped): `take_dropped` gives the numbers to forget.
+a match on the device alone then ends at the last page of the run that has one (`resumable`;
+the scheduler's match may end past it where the host and disk tiers go on to one), and a
+snapshot leaves with its page's index entry (evicted, or the index dropped): `take_dropped`
+gives the numbers to forget.
 
 With `spilling` on (kv/tiers.py: the host and disk tiers), an evicted page's block hash, page
 and snapshot number go to `take_spilled` instead, so its contents are read out before the page

@@ -151,9 +151,12 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
-    def has_snapshot(self, digest: bytes) -> bool:
+    def has_snapshot(self, digest: bytes) -> bool | None:
+        """Whether its entry holds a lane snapshot; None where there is none (one look under
+        the lock: the writer thread may evict between two)."""
         with self._lock:
-            return self._index[digest][1]
+            held = self._index.get(digest)
+            return None if held is None else held[1]
 
     def entry_bytes(self, snapshot: bool) -> int:
         """The bytes of one entry's file, its header included, with or without a lane snapshot."""
@@ -327,10 +330,11 @@ class Tiers:
         for digest in digests:
             if digest in self.host:
                 held.append((digest, self.host.has_snapshot(digest)))
-            elif self.disk is not None and digest in self.disk:
-                held.append((digest, self.disk.has_snapshot(digest)))
-            else:
+                continue
+            snapshot = None if self.disk is None else self.disk.has_snapshot(digest)
+            if snapshot is None:
                 break
+            held.append((digest, snapshot))
         while snapshots and held and not held[-1][1]:
             held.pop()
         return [digest for digest, _ in held]

@@ -44,9 +44,9 @@ from tidejax.pallas.moe import moe_grouped_reference
 from tidejax.pallas.moe_plan import reach
 
 __all__ = ["Demand", "IMPLS", "MHC_FRONTS", "MOE_PREFILL_KERNELS", "fp8_block_matmul",
-           "gqa_attention", "kernels", "mhc_front", "mhc_front_form", "mla_attention", "moe_grouped",
-           "paged_gqa_decode", "paged_gqa_prefill", "paged_index_scores", "paged_mla_decode",
-           "paged_mla_prefill", "reads_by_length", "sinkhorn"]
+           "gqa_attention", "kernels", "mhc_front", "mhc_front_form", "mla_attention",
+           "moe_grouped", "paged_gqa_decode", "paged_gqa_prefill", "paged_index_scores",
+           "paged_mla_decode", "paged_mla_prefill", "reads_by_length", "sinkhorn"]
 
 
 def fp8_block_matmul(x, w, scales, block: tuple[int, int]):

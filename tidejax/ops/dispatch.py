@@ -59,8 +59,9 @@ def kernels(impl: str):
 
 @contextlib.contextmanager
 def mhc_front_form(form: str):
-    """ops.mhc_front calls inside (those given no `impl`) take `form` on a GPU: "chain" |
-    "fused"."""
+    """ops.mhc_front calls inside (those given no `impl`) take `form`: "chain" (the reference
+    mixes around ops.sinkhorn, on any backend) | "fused" (the kernels where the policy in force
+    takes them)."""
     if form not in MHC_FRONTS:
         raise ValueError(f"mhc_front: form={form!r}, expected one of {MHC_FRONTS}")
     token = _mhc_front.set(form)

@@ -36,7 +36,7 @@ import numpy as np
 from tidejax.config import ResidencySection
 from tidejax.contract import plain
 from tidejax.errors import ConfigError
-from tidejax.ops.dispatch import MOE_PREFILL
+from tidejax.ops.dispatch import MHC_FRONT, MOE_PREFILL
 from tidejax.residency import seedmap
 from tidejax.residency.cpu import CpuExperts
 from tidejax import parallel
@@ -57,7 +57,8 @@ log = logging.getLogger("tidejax.residency")
 class Residency:
     def __init__(self, pool_rows: dict | None, n_layers: int, top_k: int,
                  section: ResidencySection, *, kernel: str = "auto",
-                 moe_prefill: str = MOE_PREFILL, scan_layers: bool = False,
+                 moe_prefill: str = MOE_PREFILL, mhc_front: str = MHC_FRONT,
+                 scan_layers: bool = False,
                  swiglu_limit: float = 0.0,
                  swiglu_form: tuple[float, float] = (1.0, 0.0), max_tokens: int = 1,
                  window: int = 64, disk_rows=None, mtp_layers: int = 0):
@@ -138,7 +139,7 @@ class Residency:
         self._trace_rows = 0  # the Picks buffer's rows (start_trace)
         self._state = self._boot(pool_rows)
         self.options = ServeOptions(miss_policy=policy, kernel=kernel, moe_prefill=moe_prefill,
-                                    scan_layers=scan_layers,
+                                    mhc_front=mhc_front, scan_layers=scan_layers,
                                     swiglu_limit=swiglu_limit,
                                     swiglu_alpha=swiglu_form[0], swiglu_up_shift=swiglu_form[1],
                                     count=section.count, all_resident=self.all_resident,

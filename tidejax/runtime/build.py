@@ -144,7 +144,7 @@ class LoadedModel:
         self.residency = Residency(
             None if on_disk else pool, self.family.expert_dims(self.cfg)[0] + drafting,
             self.family.top_k(self.cfg), config.residency, mtp_layers=drafting,
-            kernel=config.engine.kernel, moe_prefill=serve.moe_prefill,
+            kernel=config.engine.kernel, moe_prefill=serve.moe_prefill, mhc_front=serve.mhc_front,
             scan_layers=serve.scan_layers,
             swiglu_limit=serve.swiglu_limit,
             swiglu_form=(serve.swiglu_alpha, serve.swiglu_up_shift), max_tokens=self.max_context,

@@ -497,9 +497,12 @@ class Scheduler:
         if handle.saved is not None:  # it resumes from its own copy
             return []
         pages = self.pages.match(self._matchable(handle))
-        if self.snapshots and not self._tier_run(handle, len(pages)):
-            return self.pages.resumable(pages)
-        return pages
+        if not self.snapshots:
+            return pages
+        resumable = self.pages.resumable(pages)
+        if len(resumable) == len(pages) or self._tier_run(handle, len(pages)):
+            return pages
+        return resumable
 
     def _matchable(self, handle: RequestHandle) -> list[bytes]:
         """The block hashes of a prompt's full pages before its last token, which a step must
@@ -557,7 +560,8 @@ class Scheduler:
     def _fits(self, handle: RequestHandle, shared: list[int]) -> bool:
         """Whether the queue's head can take a lane now: one prompt prefills at a time, and the
         pool must hold, beside what the decoding lanes need next, the positions it will write
-        (past the cached pages it `shared`)."""
+        (past the cached pages it `shared`, with lane snapshots past the last of them with one:
+        where a restore comes back empty the match falls back there)."""
         prefilling = handle.prefilled < len(handle.request.prompt_ids)
         if prefilling and self._prefilling is not None:
             return False
