@@ -123,7 +123,11 @@ def replay_stride(max_context: int, rows: int) -> int:
     rows: the smallest s >= max_context coprime with N, so a request's tokens (max_context at
     most) end before the next request's window where N allows, and N admissions in a row take N
     distinct windows (a stride s sharing a factor g with N would give only N / g of them: 4 for
-    max_context 1024 on a trace of 4096 rows, one for any multiple of 4096)."""
+    max_context 1024 on a trace of 4096 rows, one for any multiple of 4096). Only consecutive
+    windows are s apart: wrapping around N, a later one may fall a few rows from an earlier one
+    (1025 on 4096 rows: 0, 1025, 2050, 3075, 4, ...), so lanes admitted N // s apart route by
+    nearly the same rows a few positions apart; at max_context >= N every window is one row on
+    from the last."""
     return next(s for s in itertools.count(max(max_context, 1)) if math.gcd(s, rows) == 1)
 
 
