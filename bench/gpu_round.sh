@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call's worth of issue 27's GPU measurement, in the foreground (a machine goes back
+# 30 s after a call ends: nothing may run across two calls), each part within 9.5 minutes:
+#
+#   run(command="bash bench/gpu_round.sh A", carry=[".whl"], timeout_s=590)
+#
+# .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet):
+#   python -m pip download --no-deps -d .whl jax-triton
+# Every part writes the 40-layer V4.1 synthetic first where this machine has none (~30 s), and
+# leaves its tables under $OUT (copy each figure into RESULTS.md with the command, date, card
+# and jax version).
+#   A  the Triton kernels' tests on the GPU; mHC and Sinkhorn parts alone; the decode step's
+#      profile (1 and 4 lanes) under engine.mhc_front chain and fused
+#   B  the 40-layer roofline: decode at 1 and 4 lanes, TTFT of an 8K prompt, the warm-up's time
+#   C  a 2,048-token prefill chunk's profile (MoE by pallas_dots and by triton); prompt
+#      caching's turn 2
+set -euo pipefail
+part=${1:?A, B or C}
+OUT=${OUT:-/tmp/gpu_round}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+py=python3
+if [ -d .whl ]; then
+    $py -m pip install -q --no-index --find-links .whl jax-triton
+fi
+model=/root/v40
+base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefill_chunk=2048
+      --set engine.compile_cache=/root/xla)
+if [ ! -d $model ]; then
+    $py -m tools.make_synthetic $model --shape ds41-flash --layers 40 --n-experts 32 \
+        --engram-gib 1 --vocab 129280 --workers 14
+fi
+step() {  # a named command, its output kept whole under $OUT and its tail shown
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1 || echo "!! $name exited $?"
+    tail -n 25 "$OUT/$name.log"
+    echo "== $name: $((SECONDS - t0)) s"
+}
+case $part in
+A)
+    step kernel_tests $py -m pytest -q -p no:xdist tests/pallas/test_mhc.py \
+        tests/pallas/test_sinkhorn.py
+    step v41_parts $py -m bench.v41_parts --parts mhc,sinkhorn --tokens 1,4,2048
+    for front in chain fused; do
+        step "decode_profile_$front" $py -m bench.profile_step $model --lanes 1,4 \
+            --resident 1.0 --depth 5 "${base[@]}" --set engine.mhc_front=$front
+    done
+    ;;
+B)
+    step roofline $py -m bench.roofline $model --trace en --resident 1.0 --policies exact \
+        --lanes 1,4 --tokens 64 --ttft 8192 "${base[@]}"
+    ;;
+C)
+    for moe in pallas_dots triton; do
+        step "chunk_profile_$moe" $py -m bench.profile_step $model --lanes 1 --prefill 2048 \
+            --resident 1.0 --depth 5 "${base[@]}" --set engine.moe_prefill=$moe
+    done
+    step prompt_cache $py -m bench.prompt_cache $model "${base[@]}"
+    ;;
+*)
+    echo "part $part: expected A, B or C" >&2
+    exit 2
+    ;;
+esac
