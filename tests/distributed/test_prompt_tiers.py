@@ -1,6 +1,6 @@
 """The prompt cache's host and disk tiers (kv/tiers.py) under tensor parallelism, GLM-4.5's GQA
 pages split by KV head. In one process over two CPU devices: a conversation's pages evicted from
-the device pool go to host memory whole (gathered from the shards); its second turn matches them
+the device pool go to pinned host memory, split as the pool is; its second turn matches them
 there, written back with the pool's sharding, and prefills only its new tokens; the engine closed
 (host memory to disk), a new one over the folder matches them from disk. Over two processes on
 loopback: every process keeps its own shards of each page, in host memory and in a folder of its
@@ -80,9 +80,11 @@ SCRIPT = textwrap.dedent("""
     out["specs"] = [spec, k_spec(engine)]
     # each entry holds a page's rows of both KV heads; the pool's pages now hold them
     out["entry_shape"] = list(entries[0].pages.k[0].shape)
+    out["entry_memory"] = entries[0].pages.k[0].sharding.memory_kind  # one process: pinned
     pool = np.asarray(engine.state.cache.pages.k[0])
-    out["rows_restored"] = all(np.array_equal(pool[page], entry.pages.k[0][0]) for page, entry
-                               in zip(engine.scheduler.pages.match(digests), entries))
+    out["rows_restored"] = all(np.array_equal(pool[page], np.asarray(entry.pages.k[0])[0])
+                               for page, entry in zip(engine.scheduler.pages.match(digests),
+                                                      entries))
     out["host_uncached"] = uncached(engine, second)
     later = turn_two(engine, 200)  # its pages in host memory, then
     engine.close()  # on disk
@@ -114,6 +116,7 @@ def test_host_and_disk_tiers_on_a_split_mesh_serve_a_second_turn(tiny_checkpoint
     assert got["host_cached"] == got["host_matched"] == 40 and got["host_prefilled"] == 8
     assert got["specs"][0] == got["specs"][1] and "tensor" in got["specs"][0]
     assert got["entry_shape"] == [1, 8, 2, 24] and got["rows_restored"]  # [1, page, kv heads, d]
+    assert got["entry_memory"] == "pinned_host"
     assert got["other_disk_pages"] == 0 and got["disk_pages"] >= 5
     assert got["disk_cached"] == got["disk_matched"] == 40 and got["disk_prefilled"] == 8
     assert got["host"] == got["host_uncached"] and len(got["host"]) == 6

@@ -1,9 +1,9 @@
 """The prompt cache's host and disk tiers (kv/tiers.py): a KV pool too small to keep a
-conversation's pages on the device spills them to host memory, a next turn matches them there
-and prefills only its new tokens; a new engine over the same folder matches them on disk; a
-corrupt disk entry is skipped, never served. Greedy tokens equal those of full forwards (no
-cache at all) and of the same engine with the cache off. A disk entry of one process's shards of
-a page goes to file and back as such."""
+conversation's pages on the device spills them to host memory (pinned: jax's CPU backend has
+it), a next turn matches them there and prefills only its new tokens; a new engine over the same
+folder matches them on disk; a corrupt disk entry is skipped, never served. Greedy tokens equal
+those of full forwards (no cache at all) and of the same engine with the cache off. A disk entry
+of one process's shards of a page goes to file and back as such."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def test_a_second_turn_matches_from_host_memory(engine):
     assert scheduler.cache_stats()["tiers"]["device"]["evictions"] > device_evictions
     held = scheduler.cache_stats()["processes"][0]["host"]["pages"]
     assert held == len(scheduler.tiers.host) >= 5
+    # the evicted pages wait in pinned host memory (jax's CPU backend has it, as a GPU does),
+    # counted in the host tier's bytes
+    host_tier = scheduler.tiers.host
+    leaves = jax.tree.leaves([host_tier._entries[digest].pages
+                              for digest in block_hashes(second, 8)[:5]])
+    assert leaves and all(isinstance(leaf, jax.Array) and leaf.sharding.memory_kind
+                          == "pinned_host" for leaf in leaves)
+    assert host_tier.bytes == sum(entry.nbytes for entry in host_tier._entries.values()) > 0
     host, device = matched(engine, "host"), matched(engine, "device")
     (got, stats), count = prefilled(engine, lambda: serve(engine, second, 6))
     assert stats["cached_tokens"] == 40 and count == len(second) - 40 == 8

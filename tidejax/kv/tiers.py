@@ -2,13 +2,16 @@
 
 A page the device pool evicts from its prefix index leaves as a `Spilled` entry: its rows of the
 pool and, for a family whose lanes keep state beside the pool (DeepSeek-V4.1, V4), the lane
-snapshot taken at its end. The host tier keeps entries in host memory (numpy) under their block
-hash, least recently used first out, within `cache.host_gib`; what it pushes out goes to the disk
-tier, which writes each entry to a file of its own on a background thread (a temporary file
-renamed into place: a reader never sees half a file), with a BLAKE2b digest of its bytes checked
-on every read (a file that fails it is removed and skipped, one log line), least recently used
-out within `cache.disk_gib`, and finds its files again at start (the file's name is the hash).
-A match takes an entry out of the host tier (it goes back into the device pool); a disk file
+snapshot taken at its end. The host tier keeps entries in host memory under their block hash,
+least recently used first out, within `cache.host_gib`: their pages pinned (jax arrays in
+pinned_host memory, copied there from the device and back with no pageable copy between) where
+one process holds the mesh and its backend has pinned_host (runtime/runner.py pinned_pages), else
+numpy, as the lane snapshots are. What it pushes out goes to the disk tier, which writes each
+entry to a file of its own on a background thread (a temporary file renamed into place: a reader
+never sees half a file), with a BLAKE2b digest of its bytes checked on every read (a file that
+fails it is removed and skipped, one log line), least recently used out within
+`cache.disk_gib`, and finds its files again at start (the file's name is the hash). A match
+takes an entry out of the host tier (it goes back into the device pool); a disk file
 stays. Raw bytes, not orbax-checkpoint: faster on a page (docs/DESIGN.md has the figures).
 
 On a mesh over several processes every process keeps tiers of its own (runtime/runner.py): an
@@ -45,8 +48,9 @@ _SUFFIX = ".page"
 @dataclasses.dataclass
 class Spilled:
     """An evicted page: its pool rows (the pool's tree, leaves [1, page_size, ...]) and the lane
-    snapshot at its end (a steps.SavedSequence) or None; the leaves numpy, or this process's
-    parallel.LocalShards of a leaf split over processes."""
+    snapshot at its end (a steps.SavedSequence) or None; the leaves numpy, jax arrays in pinned
+    host memory (the pages of a pinned spill) or this process's parallel.LocalShards of a leaf
+    split over processes."""
 
     pages: object
     snapshot: object | None = None

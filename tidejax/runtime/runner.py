@@ -103,7 +103,12 @@ class Runner:
         with model.scope():
             self.state = model.initial_state()  # the one DecodeState, donated into every step
             self.tiers = open_tiers(model, self.state)  # the prompt cache's host and disk tiers
-        self.copies: dict[int, SavedSequence] = {}  # saved sequences by their plan's number
+            # the shardings of a page in pinned host memory where the host tier keeps its pages
+            # there (one process; a backend without pinned_host: numpy), else None
+            self.pinned = pinned_pages(model, self.state) if self.tiers is not None else None
+        # saved sequences by their plan's number (a spill's read in pinned memory: a list of
+        # pages, _read_pages)
+        self.copies: dict[int, SavedSequence | list] = {}
         self.owner: threading.Thread | None = None  # the scheduler's thread while it runs
         self._steps = 0  # mixed steps run
         self.verify_steps = 0  # of them, verify steps (speculative decoding)
@@ -131,8 +136,10 @@ class Runner:
         if self.follows and self.model.residency.cache is not None:
             self.model.residency.cache.obey(plan.host_orders)
         result = StepResult()
+        spilled = {spill.copy for spill in plan.spills} if self.pinned is not None else set()
         for read in plan.reads:
-            result.saved[read.copy] = self.copies[read.copy] = self._read(read)
+            result.saved[read.copy] = self.copies[read.copy] = (
+                self._read_pages(read.pages) if read.copy in spilled else self._read(read))
         for spill in plan.spills:
             self._spill(spill)
         for copy in plan.forget:
@@ -201,14 +208,22 @@ class Runner:
             np.int32(write.lane), parallel.from_host(saved))
         self.state = self.state.replace(cache=cache, sampling=sampling)
 
+    def _read_pages(self, pages: tuple[int, ...]) -> list:
+        """A spill's read where the host tier is pinned: each of the pool's `pages` on its way to
+        pinned host memory (a copy from the device each, started and not waited for)."""
+        rows = self.model.steps.read_pages(self.state.cache.pages, np.asarray(pages, np.int32))
+        return jax.device_put(rows, [self.pinned] * len(rows))
+
     def _spill(self, spill: PageSpill) -> None:
         """Each page of a read into the host tier under its block hash (this process's shards of
-        it), with the lane snapshot kept with it; at close, the disk writes it pushed waited for."""
+        it; in pinned host memory where `self.pinned`: _read_pages), with the lane snapshot kept
+        with it; at close, the disk writes it pushed waited for."""
         if self.tiers is None:  # this process's tiers did not open (its log says why)
             return
-        pages = self.copies[spill.copy].cache.pages
+        read = self.copies[spill.copy]
         for i, (digest, snapshot) in enumerate(zip(spill.digests, spill.snapshots, strict=True)):
-            rows = jax.tree.map(lambda leaf: parallel.host_rows(leaf, i, i + 1), pages)
+            rows = read[i] if self.pinned is not None else jax.tree.map(
+                lambda leaf: parallel.host_rows(leaf, i, i + 1), read.cache.pages)
             self.tiers.spill(digest, Spilled(rows, self.copies.get(snapshot)))
         if spill.closing and self.tiers.disk is not None:
             self.tiers.disk.flush()
@@ -223,7 +238,10 @@ class Runner:
         if restore.copy is not None:  # the warm-up's: a kept copy's pages as they are, after
             # an agreement on nothing (across processes its jitted min compiles here)
             parallel.agree_min(held, self.model.mesh)
-            self._write_pages(restore.pages, [self.copies[restore.copy].cache.pages])
+            if self.pinned is not None:  # the spill's read and the pinned write: page 0 as is
+                self._write_pages(restore.pages, self._read_pages(restore.pages))
+            else:
+                self._write_pages(restore.pages, [self.copies[restore.copy].cache.pages])
             return
         loaded = self.tiers.load(list(restore.digests)) if self.tiers is not None else []
         held[0, :len(loaded)] = 1
@@ -245,8 +263,14 @@ class Runner:
         result.restored += [tier for _, tier, _ in loaded[:n]]
 
     def _write_pages(self, pages: tuple[int, ...], rows: list) -> None:
-        pool = self.model.steps.write_pages(self.state.cache.pages, np.asarray(pages, np.int32),
-                                            rows)
+        """`rows` (Spilled.pages' trees) into the pool at `pages`; where the host tier is pinned,
+        every page from pinned host memory (a disk entry's numpy leaves put there first)."""
+        steps, at = self.model.steps, np.asarray(pages, np.int32)
+        if self.pinned is None:
+            pool = steps.write_pages(self.state.cache.pages, at, rows)
+        else:
+            pool = steps.write_pinned(self.state.cache.pages, at,
+                                      jax.device_put(rows, [self.pinned] * len(rows)))
         self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
 
     def close_tiers(self) -> None:
@@ -418,6 +442,17 @@ class Runner:
         """The state is touched only by its owner: the scheduler thread while it runs."""
         if self.owner is not None and threading.current_thread() is not self.owner:
             raise RuntimeError("the scheduler thread owns the device: go through Scheduler.call")
+
+
+def pinned_pages(model: LoadedModel, state):
+    """The pool's shardings (its tree) in pinned host memory, where the host tier keeps pages
+    there: in one process, on a backend with pinned_host (the GPU, jax's CPU backend). Else
+    None: numpy, as across processes, where each process keeps its shards of a page
+    (parallel.LocalShards: a leaf split over processes has no sharding of this process's own)."""
+    kind = parallel.host_memory_kind(model.mesh)
+    if kind is None or parallel.process_count(model.mesh) > 1:
+        return None
+    return jax.tree.map(lambda leaf: leaf.sharding.with_memory_kind(kind), state.cache.pages)
 
 
 def open_tiers(model: LoadedModel, state) -> Tiers | None:

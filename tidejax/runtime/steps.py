@@ -24,7 +24,8 @@
     The cache is a kv.paged.PagedCache: the pool, written through block tables, and each lane's
     fixed rows; a prompt chunk reads and writes back its lane's slice of the rows.
     write_pages(pool, pages, rows) -> pool: prompt-cache pages back into the pool alone
-        (kv/tiers.py), compiled per power of two of pages as well.
+        (kv/tiers.py), compiled per power of two of pages as well; write_pinned the same from
+        pages in pinned host memory, which read_pages(pool, pages) -> [page, ...] reads out.
     set_lane(sampling, lane, row, seen): one lane's sampling parameters, its token counts
         cleared, at admission (but for `seen`: a cached prefix's prompt tokens).
 
@@ -533,16 +534,48 @@ class Steps:
 
     @functools.cached_property
     def _write_pages(self):
-        def write(pool, pages, rows):
-            return jax.tree.map(lambda leaf, r: leaf.at[pages].set(r.astype(leaf.dtype),
-                                                                   mode="drop"), pool, rows)
-        return jax.jit(write, donate_argnames=("pool",))
+        return jax.jit(_put_pages, donate_argnames=("pool",))
+
+    def read_pages(self, pool, pages) -> list:
+        """Pool rows at `pages` [n] on the device, a tree like the pool's of [1, page_size, ...]
+        leaves a page (the prompt cache's spill: Runner._read_pages); compiled per power of two
+        of pages."""
+        return self._read_pages(pool, _padded(pages, self.max_pages))[:len(pages)]
+
+    @functools.cached_property
+    def _read_pages(self):
+        def read_pages(pool, pages):
+            rows = jax.tree.map(lambda leaf: leaf.at[pages].get(mode="fill", fill_value=0), pool)
+            return [jax.tree.map(lambda leaf: leaf[i:i + 1], rows) for i in range(len(pages))]
+        return jax.jit(read_pages)
+
+    def write_pinned(self, pool, pages, rows: list):
+        """write_pages of `rows` in pinned host memory, a tree of [1, page_size, ...] leaves a
+        page: each copied to the device inside the write, never stacked on the host."""
+        at = _padded(pages, self.max_pages)
+        padding = [rows[-1]] * (len(at) - len(rows))  # at page ids past the pool: dropped
+        return self._write_pinned(pool, at, list(rows) + padding)
+
+    @functools.cached_property
+    def _write_pinned(self):
+        def write_pinned(pool, pages, rows):
+            stacked = jax.tree.map(lambda *leaves: jnp.concatenate(
+                [parallel.to_device(leaf) for leaf in leaves]), *rows)
+            return _put_pages(pool, pages, stacked)
+        return jax.jit(write_pinned, donate_argnames=("pool",))
 
     @functools.cached_property
     def set_lane(self):
         def set_lane(sampling: LaneSampling, lane, row: LaneParams, seen):
             return sampling.set_lane(lane, row, seen)
         return jax.jit(set_lane, donate_argnames=("sampling",))
+
+
+def _put_pages(pool, pages, rows):
+    """Inside a jit: `rows` (the pool's tree, leaves [len(pages), ...]) into the pool at
+    `pages`; those past the pool dropped."""
+    return jax.tree.map(lambda leaf, r: leaf.at[pages].set(r.astype(leaf.dtype), mode="drop"),
+                        pool, rows)
 
 
 PAST_THE_POOL = np.iinfo(np.int32).max  # a page id no pool has: reads give zeros, writes drop
