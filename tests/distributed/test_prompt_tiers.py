@@ -106,7 +106,7 @@ SCRIPT = textwrap.dedent("""
 def test_host_and_disk_tiers_on_a_split_mesh_serve_a_second_turn(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("glm4_moe", "qknorm_groups", seed=3)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2"}
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(tmp_path / "tiers")],
                          capture_output=True, text=True, cwd=REPO, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
