@@ -14,8 +14,9 @@
 #   B  the 40-layer roofline: decode at 1 and 4 lanes, TTFT of an 8K prompt, the warm-up's time
 #   C  a 2,048-token prefill chunk's profile (MoE by pallas_dots and by triton); prompt
 #      caching's turn 2
+#   D  a cold start and a warm one (the compile cache and the step executables read back)
 set -euo pipefail
-part=${1:?A, B or C}
+part=${1:?A, B, C or D}
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -59,8 +60,12 @@ C)
     done
     step prompt_cache $py -m bench.prompt_cache $model "${base[@]}"
     ;;
+D)
+    step start $py -m bench.start $model --cache /root/xla_start --set model.dtype=bfloat16 \
+        --set model.dense_format=fp8 --set engine.prefill_chunk=2048
+    ;;
 *)
-    echo "part $part: expected A, B or C" >&2
+    echo "part $part: expected A, B, C or D" >&2
     exit 2
     ;;
 esac
