@@ -293,6 +293,13 @@ def from_host(tree):
     return jax.tree.map(one, tree, is_leaf=lambda leaf: isinstance(leaf, LocalShards))
 
 
+def to_pinned(trees: list, shardings) -> list:
+    """Each tree of `trees` (a page of the KV pool: device arrays, or numpy read from disk) copied
+    into pinned host memory by `shardings`, one tree of them for all (runtime/runner.py
+    pinned_pages); the copies are started, not waited for."""
+    return jax.device_put(trees, [shardings] * len(trees))
+
+
 def host_rows(leaf, start: int, stop: int):
     """Rows start:stop of a `to_host` leaf's first axis, copied (numpy, or this process's
     LocalShards of them: the prompt cache keeps a page of a read sequence), where every shard

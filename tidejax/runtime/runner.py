@@ -212,7 +212,7 @@ class Runner:
         """A spill's read where the host tier is pinned: each of the pool's `pages` on its way to
         pinned host memory (a copy from the device each, started and not waited for)."""
         rows = self.model.steps.read_pages(self.state.cache.pages, np.asarray(pages, np.int32))
-        return jax.device_put(rows, [self.pinned] * len(rows))
+        return parallel.to_pinned(rows, self.pinned)
 
     def _spill(self, spill: PageSpill) -> None:
         """Each page of a read into the host tier under its block hash (this process's shards of
@@ -270,7 +270,7 @@ class Runner:
             pool = steps.write_pages(self.state.cache.pages, at, rows)
         else:
             pool = steps.write_pinned(self.state.cache.pages, at,
-                                      jax.device_put(rows, [self.pinned] * len(rows)))
+                                      parallel.to_pinned(rows, self.pinned))
         self.state = self.state.replace(cache=dataclasses.replace(self.state.cache, pages=pool))
 
     def close_tiers(self) -> None:
