@@ -41,7 +41,7 @@ step() {  # a named command, its output kept whole under $OUT and its tail shown
 }
 case $part in
 A)
-    step kernel_tests $py -m pytest -q -p no:xdist tests/pallas/test_mhc.py \
+    step kernel_tests $py -m pytest -q tests/pallas/test_mhc.py \
         tests/pallas/test_sinkhorn.py
     step v41_parts $py -m bench.v41_parts --parts mhc,sinkhorn --tokens 1,4,2048
     for front in chain fused; do

@@ -380,3 +380,25 @@ def test_a_v41_split_match_whose_restore_comes_back_empty_falls_back():
     assert stats["cached_tokens"] == 0 and count == 40
     assert (matched(engine, "device"), matched(engine, "host")) == (0, 0)
     assert got == uncached(engine, prompt, 6)
+
+
+def test_pinned_pages_go_out_and_back_a_group_at_a_time(model_dir):
+    """Steps.read_pages and write_pinned take PINNED_GROUP (8) pages a call: 11 pages (a group of
+    8, then 3 padded to 4) read into pinned host memory and written back in reverse order land
+    where they were sent, and the pool's other pages stay as they were."""
+    from tidejax.runtime.runner import pinned_pages
+
+    engine = tidejax.load(model_dir, engine=ENGINE)
+    serve(engine, ids(0, 80), 2)  # 10 pages of rows, page to page unlike
+    runner = engine.runner
+    steps, pool = runner.model.steps, runner.state.cache.pages
+    before = [np.array(leaf) for leaf in jax.tree.leaves(pool)]  # copies: the write donates
+    pages = list(range(11))
+    rows = parallel.to_pinned(steps.read_pages(pool, pages), pinned_pages(runner.model,
+                                                                           runner.state))
+    assert len(rows) == 11 and all(leaf.sharding.memory_kind == "pinned_host"
+                                   for leaf in jax.tree.leaves(rows))
+    after = jax.tree.leaves(steps.write_pinned(pool, pages[::-1], rows))
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(np.asarray(new)[:11], old[:11][::-1])
+        np.testing.assert_array_equal(np.asarray(new)[11:], old[11:])

@@ -538,9 +538,13 @@ class Steps:
 
     def read_pages(self, pool, pages) -> list:
         """Pool rows at `pages` [n] on the device, a tree like the pool's of [1, page_size, ...]
-        leaves a page (the prompt cache's spill: Runner._read_pages); compiled per power of two
-        of pages."""
-        return self._read_pages(pool, _padded(pages, self.max_pages))[:len(pages)]
+        leaves a page (the prompt cache's spill: Runner._read_pages); PINNED_GROUP pages a call,
+        compiled per power of two up to it."""
+        out, group = [], min(PINNED_GROUP, self.max_pages)
+        for first in range(0, len(pages), group):
+            part = pages[first:first + group]
+            out += self._read_pages(pool, _padded(part, group))[:len(part)]
+        return out
 
     @functools.cached_property
     def _read_pages(self):
@@ -551,10 +555,15 @@ class Steps:
 
     def write_pinned(self, pool, pages, rows: list):
         """write_pages of `rows` in pinned host memory, a tree of [1, page_size, ...] leaves a
-        page: each copied to the device inside the write, never stacked on the host."""
-        at = _padded(pages, self.max_pages)
-        padding = [rows[-1]] * (len(at) - len(rows))  # at page ids past the pool: dropped
-        return self._write_pinned(pool, at, list(rows) + padding)
+        page: each copied to the device inside the write, never stacked on the host;
+        PINNED_GROUP pages a call, as read_pages."""
+        group = min(PINNED_GROUP, self.max_pages)
+        for first in range(0, len(pages), group):
+            at = _padded(pages[first:first + group], group)
+            part = list(rows[first:first + group])
+            part += [part[-1]] * (len(at) - len(part))  # at page ids past the pool: dropped
+            pool = self._write_pinned(pool, at, part)
+        return pool
 
     @functools.cached_property
     def _write_pinned(self):
@@ -578,6 +587,10 @@ def _put_pages(pool, pages, rows):
                         pool, rows)
 
 
+# pages a pinned read or write (the prompt cache's host tier) takes a call: its jit has a tree of
+# the pool's leaves a page, so all of a long sequence's pages (hundreds, at ~100 leaves at 40
+# layers) would make one program of tens of thousands of arguments, compiled at warm-up
+PINNED_GROUP = 8
 PAST_THE_POOL = np.iinfo(np.int32).max  # a page id no pool has: reads give zeros, writes drop
 
 
