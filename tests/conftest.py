@@ -27,6 +27,22 @@ os.environ["XLA_FLAGS"] = " ".join(
      "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_experimental_ynn_fusion_type="]).strip()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin enables it on stderr
+def pytest_configure(config):
+    """A crashed worker's stacks reach the run's summary (tests/support/crash_report.py)."""
+    from tests.support import crash_report
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        crash_report.enable_in_worker(worker)
+    else:
+        crash_report.prepare()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.support import crash_report
+    crash_report.summarize(terminalreporter.write_line)
+
+
 @pytest.fixture
 def rng():
     """A generator from $TIDEJAX_TEST_SEED, or from the clock; the seed is printed (pytest shows
