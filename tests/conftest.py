@@ -1,7 +1,9 @@
 """Fixtures every test file may use: the seeded generator, and the tiny checkpoints several test
 modules read, each written once a session (once a worker under `pytest -n 2`)."""
 
+import gc
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +43,24 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter):
     from tests.support import crash_report
     crash_report.summarize(terminalreporter.write_line)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """After each test file: every XLA:CPU executable its engines and jitted functions kept is
+    released. Each one holds three memory mappings of LLVM's JIT code, and a process may hold
+    vm.max_map_count of them (65,530 by default): past that, LLVM cannot allocate ("LLVM
+    compilation error: Cannot allocate memory") and the process dies of a segmentation fault
+    (reproduced at a limit of 4,000). A worker of `pytest -n 2` kept module-level jits' programs
+    of every file it ran (jax's caches): up to 55,282 mappings by the run's end here, 2026-12-07,
+    and two CI runs died so at 91% and 97%. After a file (its module fixtures gone):
+    tests/runtime/test_speculative_engine.py 10,733 -> 1,287 mappings, and the five files
+    measured took as long (194-197 s against 196 s)."""
+    yield
+    if "jax" in sys.modules:
+        import jax
+        gc.collect()  # the engines of the file's fixtures, whose cycles hold their programs
+        jax.clear_caches()
 
 
 @pytest.fixture
