@@ -52,10 +52,10 @@ def release_compiled_programs():
     vm.max_map_count of them (65,530 by default): past that, LLVM cannot allocate ("LLVM
     compilation error: Cannot allocate memory") and the process dies of a segmentation fault
     (reproduced at a limit of 4,000). A worker of `pytest -n 2` kept module-level jits' programs
-    of every file it ran (jax's caches): up to 55,282 mappings by the run's end here, 2026-12-07,
-    and two CI runs died so at 91% and 97%. After a file (its module fixtures gone):
-    tests/runtime/test_speculative_engine.py 10,733 -> 1,287 mappings, and the five files
-    measured took as long (194-197 s against 196 s)."""
+    of every file it ran (jax's caches): up to 55,282 mappings by the run's end here, 2026-12-07
+    (likely why two CI runs' workers died at 91% and 97%). With this release: at most 29,464 in
+    a full run, which took 29:07 against 30:21; test_speculative_engine.py's 10,733 mappings
+    went down to 1,287 after it."""
     yield
     if "jax" in sys.modules:
         import jax
