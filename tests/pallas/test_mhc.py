@@ -28,8 +28,9 @@ def site(rng, t: int, d: int, dtype, hc: int = 4):
     (37, 256, jnp.float32, False), (1, 4096, jnp.bfloat16, True)])
 def test_the_kernels_compute_the_reference(rng, t, d, dtype, given):
     """Token counts under, at and over the kernels' blocks, V4.1's width at one token, collapsed
-    by the site's pre (V4) and by a given one (V4.1). The mixes within float32 rounding; x
-    exact in float32, within one bf16 step in bf16 (Triton's interpreter truncates to bf16
+    by the site's pre (V4) and by a given one (V4.1). The mixes within float32 rounding; x, their sum over the
+    streams, within that rounding in float32 (1e-6 failed once: 1.07e-6 apart on 0.053,
+    seed 653541628) and within one bf16 step in bf16 (Triton's interpreter truncates to bf16
     where XLA rounds)."""
     streams, fn, base, scale = site(rng, t, d, dtype)
     pre_in = jnp.asarray(rng.uniform(0, 1, (t, 4)), jnp.float32) if given else None
@@ -40,9 +41,9 @@ def test_the_kernels_compute_the_reference(rng, t, d, dtype, given):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6,
                                    err_msg=name)
     assert got[3].dtype == dtype
-    step = 2.0**-7 if dtype == jnp.bfloat16 else 1e-6
+    step = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(got[3], np.float32), np.asarray(want[3], np.float32),
-                               rtol=step, atol=1e-6, err_msg="x")
+                               rtol=step, atol=1e-5, err_msg="x")
 
 
 def test_the_kernels_ran_and_not_the_reference(rng, monkeypatch):
