@@ -4,7 +4,8 @@
 #
 #   run(command="bash bench/gpu_round.sh A", carry=[".whl"], timeout_s=590)
 #
-# .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet):
+# .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet),
+# installed without its requirements (the image has them; pip's resolver, offline, refuses):
 #   python -m pip download --no-deps -d .whl jax-triton
 # Every part writes the 40-layer V4.1 synthetic first where this machine has none (~30 s), and
 # leaves its tables under $OUT (copy each figure into RESULTS.md with the command, date, card
@@ -22,8 +23,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 py=python3
 if [ -d .whl ]; then
-    $py -m pip install -q --no-index --find-links .whl jax-triton
+    $py -m pip install -q --no-index --no-deps .whl/jax_triton-*.whl
 fi
+$py -c "import jax_triton" || { echo "jax-triton does not import: the kernels would not run" >&2; exit 1; }
 model=/root/v40
 base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefill_chunk=2048
       --set engine.compile_cache=/root/xla)
@@ -41,9 +43,11 @@ step() {  # a named command, its output kept whole under $OUT and its tail shown
 }
 case $part in
 A)
-    step kernel_tests $py -m pytest -q tests/pallas/test_mhc.py \
-        tests/pallas/test_sinkhorn.py
-    step v41_parts $py -m bench.v41_parts --parts mhc,sinkhorn --tokens 1,4,2048
+    step kernel_tests $py -m pytest -v -rA -p no:xdist -p no:cacheprovider -o addopts="" \
+        tests/pallas/test_mhc.py tests/pallas/test_sinkhorn.py
+    # the unrolled and elementwise Sinkhorn forms take minutes each to compile over 80 sites
+    step v41_parts $py -m bench.v41_parts --parts mhc,sinkhorn --tokens 1,4,2048 \
+        --forms reference,triton
     for front in chain fused; do
         step "decode_profile_$front" $py -m bench.profile_step $model --lanes 1,4 \
             --resident 1.0 --depth 5 "${base[@]}" --set engine.mhc_front=$front

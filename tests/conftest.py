@@ -2,6 +2,7 @@
 modules read, each written once a session (once a worker under `pytest -n 2`)."""
 
 import gc
+import importlib.util
 import os
 import sys
 import time
@@ -23,10 +24,14 @@ import pytest
 # died of a segmentation fault on 2026-12-07 that two full runs here did not repeat, and this is
 # the known crash of its kind in our jaxlib. Without them tests/models/test_deepseek_v41.py and
 # tests/runtime/test_compiles.py took 209 s against 213 s.
-# Set before anything starts XLA; the servers and tools the tests start inherit it.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-     "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_experimental_ynn_fusion_type="]).strip()
+# Set before anything starts XLA; the servers and tools the tests start inherit it. Only where
+# no CUDA plugin is installed: on the GPU image (jaxlib 0.11.2) an unknown CPU flag is fatal
+# (XLA exits 1 at its flags' parse, its message lost in pytest's capture: the GPU's kernel tests
+# printed nothing twice), and the kernels' tests there want the GPU compiled as served.
+if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+         "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_experimental_ynn_fusion_type="]).strip()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin enables it on stderr
