@@ -25,9 +25,9 @@ import pytest
 # the known crash of its kind in our jaxlib. Without them tests/models/test_deepseek_v41.py and
 # tests/runtime/test_compiles.py took 209 s against 213 s.
 # Set before anything starts XLA; the servers and tools the tests start inherit it. Only where
-# no CUDA plugin is installed: on the GPU image (jaxlib 0.11.2) an unknown CPU flag is fatal
-# (XLA exits 1 at its flags' parse, its message lost in pytest's capture: the GPU's kernel tests
-# printed nothing twice), and the kernels' tests there want the GPU compiled as served.
+# no CUDA plugin is installed: on the GPU image (jaxlib 0.11.2) the kernels' tests exited 1
+# printing nothing, twice, the likely cause a CPU flag that jaxlib no longer knows (XLA exits at
+# its flags' parse, the message lost in pytest's capture); and the GPU compiles as served.
 if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
