@@ -33,7 +33,7 @@ has them), the routed experts fused per layer as for the V3 family (MXFP4 or `--
              of 1536, 8 a token, dense MLP 12288 in layers 0-2, routed_scaling 2.5, q/k norm
   glm-tiny   hidden 64, 4 heads of 16 over 2 KV heads, 16 experts of 32, 4 a token (tests)
 `--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
-shape's own (1 for glm45-air, 3 for glm45). The MTP layer is left out (num_nextn_predict_layers 0).
+shape's own (1 for glm45-air, 3 for glm45). The MTP layer is left out unless --mtp-layers.
 
 Shapes of the Qwen3-MoE family (model_type qwen3_moe: GQA attention with q/k norm, softmax-routed
 MoE, no shared expert), written as the published BF16 checkpoints are, the routed experts fused
@@ -89,7 +89,7 @@ k_norm, weights_proj}`), the routed experts fused per layer as for the V3 family
              rope theta 1e6 (transformers' GlmMoeDsaConfig defaults; positions by --max-positions)
   glm5-tiny  hidden 64, 4 heads, indexer 4 heads of 16 (top-16), 16 experts of 32 (tests)
 `--layers` (default 4) and `--n-experts` cut a shape down; `--dense-layers` defaults to the
-shape's own (3 for glm5, 1 for glm5-tiny); the MTP layer is left out (num_nextn_predict_layers 0).
+shape's own (3 for glm5, 1 for glm5-tiny); the MTP layer is left out unless --mtp-layers.
 
 Shapes of the DeepSeek-V4.1 family (model_type deepseek_v41: mHC streams, latent single-KV
 attention with CSA2 compressed branches and indexers, Engram, sqrtsoftplus MoE), written as the
@@ -164,7 +164,7 @@ import numpy as np
 
 from tidejax.models.deepseek_v41.engram import compressed_token_map, layer_primes
 from tidejax.models.layers.moe import RouterSpec, noaux_router, route
-from tidejax.models.registry import FAMILY_MODULES
+from tidejax.models.registry import FAMILY_MODULES, family_for
 from tools.corpus import REPO
 from tools.synthetic_layout import (BF16, E4M3, E8M0, F32, I8, U8, Declared, checkpoint_tensors,
                                     e4m3_codes)
@@ -780,6 +780,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--router-skew", action="store_true",
                         help=f"bias each MoE layer's router so that {100 * HOT_FRACTION:.0f}%% of its "
                              f"experts take about {100 * HOT_SHARE:.0f}%% of the picks")
+    parser.add_argument("--mtp-layers", type=int, default=0,
+                        help="MTP (NextN) layers after the last decoder layer, per-expert BF16 "
+                             "experts as published (families that draft: V3, GLM-4.5, GLM-5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes filling and writing the shards")
@@ -814,6 +817,10 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[tuple[str, list]], Router
     else:
         cfg = shape_config(shape, layers, args.dense_layers, vocab, args.max_positions, special,
                            args.n_experts)
+    if args.mtp_layers:
+        if family_for(cfg, "synthetic config.json").build_mtp is None:
+            raise SystemExit(f"error: --mtp-layers: --shape {shape}'s family drafts nothing")
+        cfg["num_nextn_predict_layers"] = args.mtp_layers
     skew = router_skew(cfg, args.seed) if args.router_skew else None
     if skew:
         cfg["tidejax_synthetic"]["router_skew"] = {

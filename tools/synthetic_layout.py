@@ -96,7 +96,8 @@ class Declared:
     table: Table
     params: dict
     experts: dict
-    host: dict
+    host: dict  # rows read from host memory in the step (V4.1's Engram tables)
+    mtp: dict  # the MTP layers (config.json's num_nextn_predict_layers), per-expert BF16 experts
 
     @staticmethod
     def of(raw_cfg: dict) -> Declared:
@@ -104,8 +105,10 @@ class Declared:
         cfg = family.config_from_hf(raw_cfg, "synthetic config.json")
         weights = family_weights(raw_cfg)
         host = weights.host_specs(cfg) if hasattr(weights, "host_specs") else {}
+        mtp = (family.mtp_specs(cfg, jnp.bfloat16)
+               if getattr(cfg, "num_mtp_layers", 0) and family.mtp_specs is not None else {})
         return Declared(cfg, weights.checkpoint_table(cfg), weights.param_specs(cfg, jnp.bfloat16),
-                        weights.expert_specs(cfg, jnp.bfloat16), host)
+                        weights.expert_specs(cfg, jnp.bfloat16), host, mtp)
 
     def name(self, path: tuple, layout: Layout) -> str:
         """The one checkpoint name params `path` are written under."""
@@ -158,7 +161,7 @@ def checkpoint_tensors(raw_cfg: dict, experts: str, router_bias: Callable | None
     layout = LAYOUTS.get(raw_cfg["model_type"], Layout())
     block = fp8.config_block(raw_cfg)
     tensors = []
-    for tree, rows in ((declared.params, False), (declared.host, True)):
+    for tree, rows in ((declared.params, False), (declared.host, True), (declared.mtp, False)):
         for path, spec in flatten(tree):
             name = declared.name(path, layout)
             fan_in = 1 if rows or spec.stddev == 1.0 else spec.shape[-1]

@@ -81,6 +81,9 @@ class ExpertPool:
         with self._lock:
             if self._views is None:
                 self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
+        if "gate_up" in arrays and "gate_up_blocks" in self._views:
+            # a float row (an MTP layer's, mtp_expert_row) into a pool held as stored in MXFP4
+            arrays = RowFormat("mxfp4", self.format.dtype).convert(arrays)
         for k, v in arrays.items():
             for index, view in self._views[k]:  # each local shard of the placed pool, or numpy
                 start, stop, _ = index[0].indices(self.rows)
