@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's worth of issue 27's GPU measurement, in the foreground (a machine goes back
+# One device call's worth of a GPU measurement (issue 27's parts A-D first), in the foreground (a machine goes back
 # 30 s after a call ends: nothing may run across two calls), each part within 9.5 minutes:
 #
 #   run(command="bash bench/gpu_round.sh A", carry=[".whl"], timeout_s=590)
@@ -7,7 +7,8 @@
 # .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet),
 # installed without its requirements (the image has them; pip's resolver, offline, refuses):
 #   python -m pip download --no-deps -d .whl jax-triton
-# Every part writes the 40-layer V4.1 synthetic first where this machine has none (~30 s), and
+# Parts A-E write the 40-layer V4.1 synthetic first where this machine has none (~30 s), F the
+# 40-layer V3-family one with an MTP layer (removing the V4.1 one: the disk holds one); each
 # leaves its tables under $OUT (copy each figure into RESULTS.md with the command, date, card
 # and jax version).
 #   A  the Triton kernels' tests on the GPU; mHC and Sinkhorn parts alone; the decode step's
@@ -16,8 +17,12 @@
 #   C  a 2,048-token prefill chunk's profile (MoE by pallas_dots and by triton); prompt
 #      caching's turn 2
 #   D  a cold start and a warm one (the compile cache and the step executables read back)
+#   E  issue 34: a quarter of the experts on the GPU, all or half of them in host memory (the
+#      rest read from disk by demand), the router's own picks; the disk's direct-read rate
+#   F  issue 33: a verify step of k + 1 positions against a one-token step, k = 1..4 (40-layer
+#      V3-family synthetic with an MTP layer); the demo model's decode with speculation on
 set -euo pipefail
-part=${1:?A, B, C or D}
+part=${1:?A, B, C, D, E or F}
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -29,7 +34,12 @@ $py -c "import jax_triton" || { echo "jax-triton does not import: the kernels wo
 model=/root/v40
 base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefill_chunk=2048
       --set engine.compile_cache=/root/xla)
-if [ ! -d $model ]; then
+if [ "$part" = F ]; then
+    rm -rf $model
+    model=/root/v3mtp
+    [ -d $model ] || $py -m tools.make_synthetic $model --shape v41-flash --layers 40 \
+        --dense-layers 1 --n-experts 16 --mtp-layers 1 --workers 14
+elif [ ! -d $model ]; then
     $py -m tools.make_synthetic $model --shape ds41-flash --layers 40 --n-experts 32 \
         --engram-gib 1 --vocab 129280 --workers 14
 fi
@@ -68,8 +78,19 @@ D)
     step start $py -m bench.start $model --cache /root/xla_start --set model.dtype=bfloat16 \
         --set model.dense_format=fp8 --set engine.prefill_chunk=2048
     ;;
+E)
+    # warm-up off: each configuration compiles only the shapes it runs (four engines)
+    step disk_tier $py -m bench.roofline $model --trace '' --resident 0.25 --host 1.0,0.5 \
+        --policies exact,substitute --lanes 1,4 --tokens 64 --ttft 0 "${base[@]}" \
+        --set engine.warmup=false
+    ;;
+F)
+    step verify_step $py -m bench.verify_step $model --ks 1,2,3,4 --lanes 1,4 --tokens 48 \
+        --set model.dtype=bfloat16 --set engine.compile_cache=/root/xla
+    step speculation $py -m bench.speculation --ks 1,2,3
+    ;;
 *)
-    echo "part $part: expected A, B, C or D" >&2
+    echo "part $part: expected A, B, C, D, E or F" >&2
     exit 2
     ;;
 esac

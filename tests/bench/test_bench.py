@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 import tidejax
-from bench import profile_step, roofline, step_overhead, traces
+from bench import profile_step, roofline, step_overhead, traces, verify_step
 from tidejax.checkpoint import CheckpointReader, mxfp4
 from tidejax.runtime.api import GenerationRequest
 
@@ -205,6 +205,25 @@ def test_roofline_runs_on_a_synthetic_checkpoint(tiny_bf16, tmp_path):
     tok_s, limit, ratio = float(cells[3]), float(cells[4]), float(cells[5])
     assert tok_s > 0 and limit > 0 and abs(ratio - tok_s / limit) < 0.01
     assert float(cells[10]) > 0  # TTFT
+
+
+def test_verify_step_times_k_plus_one_positions_against_one(tmp_path, capsys):
+    """bench/verify_step.py on a tiny synthetic with an MTP layer (make_synthetic --mtp-layers):
+    speculation off, then the MTP layer drafting 2 tokens a step, which it did (drafted > 0,
+    at most 3 tokens a step a lane)."""
+    model = make_synthetic(tmp_path / "mtp", "--mtp-layers", "1")
+    assert verify_step.main([str(model), "--ks", "2", "--lanes", "1", "--tokens", "12",
+                             "--set", "engine.max_context=128"]) == 0
+    table = capsys.readouterr().out.split("| k |")[-1].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table if line]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("0", "1", "1"), ("2", "1", "3")]
+    off, on = rows
+    assert off[4] == "1.00x" and off[5] == "1.00" and off[6] == "0 / 0"
+    accepted, drafted = map(int, on[6].split(" / "))
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert 1.0 <= float(on[5]) <= 3.0
+    ratio = float(on[3]) / float(off[3])
+    assert abs(float(on[4].rstrip("x")) - ratio) < 0.01 + 0.01 * ratio
 
 
 def test_step_overhead_on_a_tiny_synthetic_checkpoint(tiny_mxfp4, capsys):
