@@ -7,9 +7,9 @@
 # .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet),
 # installed without its requirements (the image has them; pip's resolver, offline, refuses):
 #   python -m pip download --no-deps -d .whl jax-triton
-# Parts A-E write the 40-layer V4.1 synthetic first where this machine has none (~30 s), F the
-# 40-layer V3-family one with an MTP layer (removing the V4.1 one: the disk holds one); each
-# leaves its tables under $OUT (copy each figure into RESULTS.md with the command, date, card
+# Parts A-E write the 40-layer V4.1 synthetic first where this machine has none (~30 s), F-H
+# their own checkpoint (removing the others: the disk holds one); each leaves its tables under
+# $OUT (copy each figure into RESULTS.md with the command, date, card
 # and jax version).
 #   A  the Triton kernels' tests on the GPU; mHC and Sinkhorn parts alone; the decode step's
 #      profile (1 and 4 lanes) under engine.mhc_front chain and fused
@@ -21,8 +21,12 @@
 #      rest read from disk by demand), the router's own picks; the disk's direct-read rate
 #   F  issue 33: a verify step of k + 1 positions against a one-token step, k = 1..4 (40-layer
 #      V3-family synthetic with an MTP layer); the demo model's decode with speculation on
+#   G  issue 30: GLM-4.5-Air's shape, 46 layers of 64 experts: decode at 1 and 4 lanes all
+#      resident and at 65% (router's own picks), TTFT of a 4K prompt, against the read roofline
+#   H  issue 30: GLM-5's shape (DSA), 12 layers of 64 experts: decode and TTFT of an 8K prompt
+#      (past index_topk 2,048: the sparse selection) against the read roofline
 set -euo pipefail
-part=${1:?A, B, C, D, E or F}
+part=${1:?A, B, C, D, E, F, G or H}
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -31,18 +35,21 @@ if [ -d .whl ]; then
     $py -m pip install -q --no-index --no-deps .whl/jax_triton-*.whl
 fi
 $py -c "import jax_triton" || { echo "jax-triton does not import: the kernels would not run" >&2; exit 1; }
-model=/root/v40
 base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefill_chunk=2048
       --set engine.compile_cache=/root/xla)
-if [ "$part" = F ]; then
-    rm -rf $model
-    model=/root/v3mtp
-    [ -d $model ] || $py -m tools.make_synthetic $model --shape v41-flash --layers 40 \
-        --dense-layers 1 --n-experts 16 --mtp-layers 1 --workers 14
-elif [ ! -d $model ]; then
-    $py -m tools.make_synthetic $model --shape ds41-flash --layers 40 --n-experts 32 \
-        --engram-gib 1 --vocab 129280 --workers 14
-fi
+own() {  # part $part's checkpoint at $1, the others removed (make_synthetic's arguments after)
+    model=$1; shift
+    for other in /root/v40 /root/v3mtp /root/glm45air /root/glm5; do
+        [ "$other" = "$model" ] || rm -rf "$other"
+    done
+    [ -d "$model" ] || $py -m tools.make_synthetic "$model" "$@" --workers 14
+}
+case $part in
+F) own /root/v3mtp --shape v41-flash --layers 40 --dense-layers 1 --n-experts 16 --mtp-layers 1 ;;
+G) own /root/glm45air --shape glm45-air --layers 46 --n-experts 64 ;;
+H) own /root/glm5 --shape glm5 --layers 12 --n-experts 64 ;;
+*) own /root/v40 --shape ds41-flash --layers 40 --n-experts 32 --engram-gib 1 --vocab 129280 ;;
+esac
 step() {  # a named command, its output kept whole under $OUT and its tail shown
     local name=$1; shift
     echo "== $name: $*"
@@ -89,8 +96,18 @@ F)
         --set model.dtype=bfloat16 --set engine.compile_cache=/root/xla
     step speculation $py -m bench.speculation --ks 1,2,3
     ;;
+G)
+    step glm45air $py -m bench.roofline $model --trace '' --resident 1.0,0.65 --policies exact \
+        --lanes 1,4 --tokens 64 --ttft 4096 --set model.dtype=bfloat16 \
+        --set engine.prefill_chunk=2048 --set engine.compile_cache=/root/xla
+    ;;
+H)
+    step glm5 $py -m bench.roofline $model --trace '' --resident 1.0 --policies exact \
+        --lanes 1,4 --tokens 64 --ttft 8192 --set model.dtype=bfloat16 \
+        --set engine.prefill_chunk=2048 --set engine.compile_cache=/root/xla
+    ;;
 *)
-    echo "part $part: expected A, B, C, D, E or F" >&2
+    echo "part $part: expected A to H" >&2
     exit 2
     ;;
 esac
