@@ -165,3 +165,33 @@ def test_mtp_experts_read_from_the_disk_tier(v3_mtp, tmp_path):
     mapped = MtpExpertRows(engine.loaded._aux, cfg, np.float32)
     assert mapped.files() == [v3_mtp / "model.safetensors"] and not mapped.read_direct()
     engine.close()
+
+
+def test_mtp_experts_join_mxfp4_rows_on_the_disk_tier(tmp_path):
+    """A checkpoint whose main experts are stored MXFP4 and whose MTP layer's are per-expert BF16
+    (as published; make_synthetic --mtp-layers), its rows held as stored with half of them on
+    disk: the MTP rows are quantized to the main rows' MXFP4 layout to join them (refused at
+    load before), MTP-layer rows are read from disk, and the greedy output is the one without
+    speculation with every expert in host memory."""
+    from tools import make_synthetic
+
+    model = tmp_path / "mtp"
+    assert make_synthetic.main([str(model), "--tiny", "--mtp-layers", "1", "--workers", "1"]) == 0
+    plain = tidejax.load(str(model), engine=ENGINE)
+    want = greedy(plain)
+    plain.close()
+    engine = tidejax.load(str(model), engine=ENGINE, speculative={"method": "mtp", "tokens": K},
+                          residency={"budget_experts": 8, "host_budget_experts": 12,
+                                     "miss_policy": "exact", "state_dir": str(tmp_path / "s")})
+    try:
+        rows, cfg = engine.residency.disk_rows, engine.loaded.cfg
+        n_main = len(cfg.moe_layers) * cfg.n_routed_experts
+        assert rows.n_first == n_main and set(rows.then.layout) == set(rows.first.layout)
+        assert "gate_up_blocks" in rows.then.layout
+        got, stats = greedy_with_stats(engine)
+        assert got == want
+        assert all(s["drafted_tokens"] > 0 for s in stats)
+        reads = engine.residency.cache.reads_by_row
+        assert reads[n_main:].sum() > 0
+    finally:
+        engine.close()

@@ -40,6 +40,14 @@ class RowFormat:
         self.held_as, self.dtype = held_as, np.dtype(dtype)
         self._quantize = jax.jit(mxfp4.quantize)  # on the device: numpy takes seconds an expert
 
+    def joining(self, names) -> RowFormat:
+        """The format a row takes to join rows of the leaves `names`: MXFP4 where this format
+        keeps rows as stored and those are MXFP4 (a drafting MTP layer's float experts, stored
+        per expert, beside the main model's MXFP4 ones), else this one."""
+        if self.held_as == "checkpoint" and "gate_up_blocks" in names:
+            return RowFormat("mxfp4", self.dtype)
+        return self
+
     def convert(self, arrays: dict) -> dict:
         packed = "gate_up_blocks" in arrays
         biases = {k: np.asarray(arrays[k], np.float32) for k in BIAS_KEYS & set(arrays)}
@@ -81,9 +89,7 @@ class ExpertPool:
         with self._lock:
             if self._views is None:
                 self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
-        if "gate_up" in arrays and "gate_up_blocks" in self._views:
-            # a float row (an MTP layer's, mtp_expert_row) into a pool held as stored in MXFP4
-            arrays = RowFormat("mxfp4", self.format.dtype).convert(arrays)
+        arrays = self.format.joining(self._views).convert(arrays)  # an MTP row: as the pool's
         for k, v in arrays.items():
             for index, view in self._views[k]:  # each local shard of the placed pool, or numpy
                 start, stop, _ = index[0].indices(self.rows)

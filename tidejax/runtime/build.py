@@ -675,7 +675,7 @@ def load_weights(family, cfg, model_dir: Path, raw: dict, serve: ServeOptions, d
     if not (mtp_layers and aux):  # without the MTP layer's tensors: refused after the load
         return params, aux, main
     mtp = CheckpointRows(MtpExpertRows(aux, cfg, dtype, fp8.config_block(raw)),
-                         RowFormat(held_as, dtype))
+                         RowFormat(held_as, dtype).joining(main.layout))
     return params, aux, joined(main, open_rows(mtp, residency.state_dir, label="-mtp",
                                              mesh=mesh))
 
