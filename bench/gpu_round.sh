@@ -4,6 +4,12 @@
 #
 #   run(command="bash bench/gpu_round.sh A", carry=[".whl"], timeout_s=590)
 #
+# Parts I and J also carry llama.cpp's trimmed source (I builds it, J needs only I's build, on
+# the same warm machine):
+#   python -m pip download --no-deps --no-binary :all: -d /tmp/sdist llama-cpp-python
+#   bash tools/build_llamacpp.sh trim /tmp/sdist/llama_cpp_python-*.tar.gz .wt/llamacpp
+#   run(command="bash bench/gpu_round.sh I", carry=[".whl", ".wt/llamacpp"], timeout_s=590)
+#
 # .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet),
 # installed without its requirements (the image has them; pip's resolver, offline, refuses):
 #   python -m pip download --no-deps -d .whl jax-triton
@@ -25,8 +31,12 @@
 #      resident and at 65% (router's own picks), TTFT of a 4K prompt, against the read roofline
 #   H  issue 30: GLM-5's shape (DSA), 12 layers of 64 experts: decode and TTFT of an 8K prompt
 #      (past index_topk 2,048: the sparse selection) against the read roofline
+#   I  issues 28 and 29: llama.cpp built, the 40-layer V3-family synthetic and its GGUF written,
+#      llama.cpp's decode and prefill at 100% and 65% of the experts on the GPU
+#   J  (after I, the machine still warm) tidejax on the same weights, then its 64% decode by
+#      policy (exact, cpu, auto, substitute) against the roofline: the vs_llamacpp table
 set -euo pipefail
-part=${1:?A, B, C, D, E, F, G or H}
+part=${1:?A to J}
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -39,15 +49,18 @@ base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefi
       --set engine.compile_cache=/root/xla)
 own() {  # part $part's checkpoint at $1, the others removed (make_synthetic's arguments after)
     model=$1; shift
-    for other in /root/v40 /root/v3mtp /root/glm45air /root/glm5; do
+    for other in /root/v40 /root/v3mtp /root/glm45air /root/glm5 /root/v3; do
         [ "$other" = "$model" ] || rm -rf "$other"
     done
+    [ "$model" = /root/v3 ] || rm -f /root/v3.gguf  # its GGUF beside it
     [ -d "$model" ] || $py -m tools.make_synthetic "$model" "$@" --workers 14
 }
 case $part in
 F) own /root/v3mtp --shape v41-flash --layers 40 --dense-layers 1 --n-experts 16 --mtp-layers 1 ;;
 G) own /root/glm45air --shape glm45-air --layers 46 --n-experts 64 ;;
 H) own /root/glm5 --shape glm5 --layers 12 --n-experts 64 ;;
+I|J) own /root/v3 --shape v41-flash --layers 40 --dense-layers 1 --n-experts 16 \
+        --max-positions 131072 ;;
 *) own /root/v40 --shape ds41-flash --layers 40 --n-experts 32 --engram-gib 1 --vocab 129280 ;;
 esac
 step() {  # a named command, its output kept whole under $OUT and its tail shown
@@ -106,8 +119,22 @@ H)
         --lanes 1,4 --tokens 64 --ttft 8192 --set model.dtype=bfloat16 \
         --set engine.prefill_chunk=2048 --set engine.compile_cache=/root/xla
     ;;
+I)
+    step build_llamacpp bash tools/build_llamacpp.sh build .wt/llamacpp /root/lcpp cuda
+    [ -f /root/v3.gguf ] || PYTHONPATH=$PWD:$PWD/.wt/llamacpp/gguf-py \
+        step gguf $py -m tools.make_gguf $model /root/v3.gguf
+    step vs_llamacpp_theirs $py -m bench.vs_llamacpp --llama /root/lcpp --gguf /root/v3.gguf \
+        --model $model --engines llama.cpp --resident 1.0,0.65
+    ;;
+J)
+    step vs_llamacpp_ours $py -m bench.vs_llamacpp --model $model --engines tidejax \
+        --resident 1.0,0.65 --set model.dtype=bfloat16
+    step policies $py -m bench.roofline $model --trace '' --resident 0.641 \
+        --policies exact,cpu,auto,substitute --lanes 1,4 --tokens 64 --ttft 0 \
+        --set model.dtype=bfloat16 --set engine.max_context=4096
+    ;;
 *)
-    echo "part $part: expected A to H" >&2
+    echo "part $part: expected A to J" >&2
     exit 2
     ;;
 esac
