@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call's worth of a GPU measurement (issue 27's parts A-D first), in the foreground (a machine goes back
-# 30 s after a call ends: nothing may run across two calls), each part within 9.5 minutes:
+# One device call's worth of a GPU measurement (issue 27's parts A-D first), in the foreground
+# (a machine goes back 30 s after a call ends: nothing may run across two calls, but a call made
+# at once finds it warm, its files kept), each part within 9.5 minutes:
 #
 #   run(command="bash bench/gpu_round.sh A", carry=[".whl"], timeout_s=590)
 #
@@ -44,7 +45,10 @@ py=python3
 if [ -d .whl ]; then
     $py -m pip install -q --no-index --no-deps .whl/jax_triton-*.whl
 fi
-$py -c "import jax_triton" || { echo "jax-triton does not import: the kernels would not run" >&2; exit 1; }
+if ! $py -c "import jax_triton"; then
+    echo "jax-triton does not import: the kernels would not run" >&2
+    exit 1
+fi
 base=(--set model.dtype=bfloat16 --set model.dense_format=fp8 --set engine.prefill_chunk=2048
       --set engine.compile_cache=/root/xla)
 own() {  # part $part's checkpoint at $1, the others removed (make_synthetic's arguments after)
