@@ -326,11 +326,13 @@ HEADER = ("| resident | policy | lanes | decode tok/s | limit tok/s | ratio | de
           "host GB/step | cold share | copies | TTFT s | in host | host cold share |")
 
 
-def steady_decode(engine, lanes: int, tokens: int, domain: str) -> tuple[list, list]:
-    """Decodes `tokens` on each of `lanes` prompts of PROMPT_TOKENS; returns (every step's record,
-    the steady ones: every lane decoding, past the first two such steps)."""
+def steady_decode(engine, lanes: int, tokens: int, domain: str,
+                  on_step=None) -> tuple[list, list]:
+    """Decodes `tokens` on each of `lanes` prompts of PROMPT_TOKENS (`on_step(record)` after each
+    step, as drive's); returns (every step's record, the steady ones: every lane decoding, past
+    the first two such steps)."""
     prompts = [prompt_ids(engine, domain, PROMPT_TOKENS, offset=997 * i) for i in range(lanes)]
-    records = drive(engine, prompts, tokens)
+    records = drive(engine, prompts, tokens, on_step=on_step)
     steady = [r for r in records if not r.prefill and r.active == lanes][2:]  # past compile/admit
     if not steady:
         raise RuntimeError(f"no full decode steps at {lanes} lanes ({len(records)} steps)")

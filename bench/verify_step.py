@@ -11,7 +11,8 @@ resident, the prompt cache off; roofline.load_config) decodes --tokens tokens on
 LANES prompts of held-out text (roofline.steady_decode: the steps with every lane decoding,
 past the first two); the step's time is the median of those. Prints a markdown table: per k
 and lanes the step's ms, its ratio to the one-token step's at the same lanes, the tokens a
-step yielded a lane (its accepted drafts + 1), the accepted and drafted tokens, and the bound
+steady step yielded a lane (its accepted drafts + 1), the run's accepted and drafted tokens,
+and the bound
 (k + 1) / ratio: the speedup were every draft accepted. Writes it to $OUT/verify_step.md where
 $OUT is set. The engines compile lazily (engine.warmup false unless --set says otherwise): the
 steps before the steady ones compile.
@@ -43,12 +44,16 @@ def measure(model: str, k: int, args, overrides: dict, workdir: Path) -> list[tu
         out = []
         for lanes in args.lanes:
             before = dict(engine.scheduler.totals)
-            _, steady = steady_decode(engine, lanes, args.tokens, args.domain)
+            made, last = {}, before.get("generated_tokens", 0)  # id(record) -> its tokens
+
+            def count(record):
+                nonlocal last
+                now = engine.scheduler.totals["generated_tokens"]
+                made[id(record)], last = now - last, now
+            _, steady = steady_decode(engine, lanes, args.tokens, args.domain, on_step=count)
             totals = engine.scheduler.totals
-            decode_steps = totals["steps"] - before.get("steps", 0) - lanes  # one prefill each
-            tokens = totals["generated_tokens"] - before.get("generated_tokens", 0) - lanes
             out.append((lanes, statistics.median(r.seconds for r in steady),
-                        tokens / decode_steps / lanes,
+                        sum(made[id(r)] for r in steady) / len(steady) / lanes,
                         *(totals[n] - before.get(n, 0) for n in ("accepted_tokens",
                                                                  "drafted_tokens"))))
         return out
