@@ -12,9 +12,8 @@ LANES prompts of held-out text (roofline.steady_decode: the steps with every lan
 past the first two); the step's time is the median of those. Prints a markdown table: per k
 and lanes the step's ms, its ratio to the one-token step's at the same lanes, the tokens a
 steady step yielded a lane (its accepted drafts + 1), the run's accepted and drafted tokens,
-and the bound
-(k + 1) / ratio: the speedup were every draft accepted. Writes it to $OUT/verify_step.md where
-$OUT is set. The engines compile lazily (engine.warmup false unless --set says otherwise): the
+and the bound (k + 1) / ratio: the speedup were every draft accepted. Writes it to
+$OUT/verify_step.md where $OUT is set. The engines compile lazily (engine.warmup false unless --set says otherwise): the
 steps before the steady ones compile.
 """
 
