@@ -14,10 +14,9 @@
 # .whl holds jax-triton's wheel (the GPU image has triton, not jax-triton, and no internet),
 # installed without its requirements (the image has them; pip's resolver, offline, refuses):
 #   python -m pip download --no-deps -d .whl jax-triton
-# Parts A-E write the 40-layer V4.1 synthetic first where this machine has none (~30 s), F-H
+# Parts A-E write the 40-layer V4.1 synthetic first where this machine has none (~30 s), F-J
 # their own checkpoint (removing the others: the disk holds one); each leaves its tables under
-# $OUT (copy each figure into RESULTS.md with the command, date, card
-# and jax version).
+# $OUT (copy each figure into RESULTS.md with the command, date, card and jax version).
 #   A  the Triton kernels' tests on the GPU; mHC and Sinkhorn parts alone; the decode step's
 #      profile (1 and 4 lanes) under engine.mhc_front chain and fused
 #   B  the 40-layer roofline: decode at 1 and 4 lanes, TTFT of an 8K prompt, the warm-up's time

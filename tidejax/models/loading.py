@@ -89,7 +89,8 @@ class ExpertPool:
         with self._lock:
             if self._views is None:
                 self._allocate({k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()})
-        arrays = self.format.joining(self._views).convert(arrays)  # an MTP row: as the pool's
+        if arrays.keys() != self._views.keys():  # an MTP layer's float row: as the pool's
+            arrays = self.format.joining(self._views).convert(arrays)
         for k, v in arrays.items():
             for index, view in self._views[k]:  # each local shard of the placed pool, or numpy
                 start, stop, _ = index[0].indices(self.rows)
